@@ -1,0 +1,95 @@
+"""The experiment: the unit of record.
+
+An experiment is a name, a complete ds_config, a resource request, and after running a status,
+the metrics DeepSpeed wrote, the exit code, the wall time and the paths of its logs. It lives in
+its own directory under the results dir (``ds_config.json``, ``cmd.txt``, ``stdout.log``,
+``stderr.log``, ``metrics.json``, ``exp.json``).
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """Outcome of an experiment. Only ``OK`` carries a metric; the others are never scored."""
+
+    OK = "ok"
+    OOM = "oom"  # the allocator ran out of device memory (or the per-rank budget on CPU)
+    FAILED = "failed"  # non-zero exit or no metrics, for a reason other than memory
+    TIMEOUT = "timeout"  # killed after the per-experiment timeout or a hang
+    INTERRUPTED = "interrupted"  # the tuner stopped while it ran; re-run on resume
+    PRUNED = "pruned"  # never launched: the memory model says it cannot fit
+
+    @property
+    def finished(self) -> bool:
+        """True when the outcome is final for this config (resume does not re-run it)."""
+        return self in (Status.OK, Status.OOM, Status.FAILED, Status.TIMEOUT)
+
+
+@dataclass
+class Experiment:
+    """One configuration to run.
+
+    Attributes:
+        name: canonical, unique name (also the directory name), e.g. ``z1_mbs8_gas1``.
+        ds_config: the complete DeepSpeed config to launch (without zerotune's own paths).
+        num_nodes: nodes requested.
+        num_slots: device slots (ranks) per node requested.
+        space: the tuning space it belongs to (``z1``, ``profile``...), for the summary.
+        status/metric/metrics/exit_code/wall_s/error: filled in after it ran.
+    """
+
+    name: str
+    ds_config: dict[str, Any]
+    num_nodes: int = 1
+    num_slots: int = 1
+    space: str = ""
+    status: Status | None = None
+    metric: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+    wall_s: float | None = None
+    error: str = ""
+    memory_bytes: int | None = None  # memory model's estimate per device, bytes
+    peak_memory_bytes: int | None = None  # measured peak per rank where the backend can see it
+
+    @property
+    def stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def mbs(self) -> int:
+        return int(self.ds_config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def gas(self) -> int:
+        return int(self.ds_config.get("gradient_accumulation_steps", 1))
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value if self.status else None
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Experiment":
+        d = dict(d)
+        d["status"] = Status(d["status"]) if d.get("status") else None
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that a reader (or a crash) never sees a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
