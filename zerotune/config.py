@@ -1,0 +1,208 @@
+"""The user's DeepSpeed config and its ``autotuning`` section: parsing and validation.
+
+The ``autotuning`` section uses DeepSpeed's own key names (``deepspeed/autotuning/constants.py``)
+so a config written for ``deepspeed --autotuning tune`` works unchanged. Every error names the
+file and the key or value at fault (``ConfigError``, exit status 2 at the CLI).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from zerotune.errors import ConfigError
+
+CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
+"""Script arguments that carry the ds_config path, as the ``deepspeed`` launcher's users pass it."""
+
+METRICS = ("throughput", "latency", "flops")
+HIGHER_IS_BETTER = {"throughput": True, "flops": True, "latency": False}
+METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "flops": "FLOPS_per_gpu"}
+"""Where each metric lives in the ``metrics.json`` DeepSpeed's engine writes (``_autotuning_exit``)."""
+
+
+class AutotuningConfig(BaseModel):
+    """The ``autotuning`` section, with DeepSpeed's key names and defaults.
+
+    Differences from DeepSpeed, on purpose: ``overwrite`` defaults to False so that a rerun resumes
+    from the results on disk (``--overwrite`` starts fresh), and unknown keys are errors rather
+    than silently ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    fast: bool = True
+    metric: Literal["throughput", "latency", "flops"] = "throughput"
+    start_profile_step: int = Field(3, ge=1)
+    end_profile_step: int = Field(5, ge=1)
+    metric_path: str | None = None
+    model_info_path: str | None = None
+    model_info: dict[str, Any] | None = None
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = False
+    max_train_batch_size: int | None = Field(None, ge=1)
+    min_train_batch_size: int = Field(1, ge=1)
+    min_train_micro_batch_size_per_gpu: int = Field(1, ge=1)
+    max_train_micro_batch_size_per_gpu: int = Field(1024, ge=1)
+    num_tuning_micro_batch_sizes: int = Field(3, ge=1)
+    mp_size: int = Field(1, ge=1)
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    tuner_num_trials: int = Field(50, ge=1)
+    tuner_early_stopping: int = Field(5, ge=1)
+    arg_mappings: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _check_ranges(self) -> "AutotuningConfig":
+        if self.end_profile_step < self.start_profile_step:
+            raise ValueError(f"end_profile_step ({self.end_profile_step}) must be >= start_profile_step "
+                             f"({self.start_profile_step})")
+        if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
+            raise ValueError(f"max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu}) must be "
+                             f">= min_train_micro_batch_size_per_gpu ({self.min_train_micro_batch_size_per_gpu})")
+        return self
+
+
+def parse_autotuning(section: Any, source: str = "ds_config") -> AutotuningConfig:
+    """Validate an ``autotuning`` section.
+
+    Raises:
+        ConfigError: naming ``source``, each unknown key or bad value, and what was expected.
+    """
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: 'autotuning' must be an object, got {type(section).__name__}")
+    try:
+        return AutotuningConfig(**section)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(sorted(AutotuningConfig.model_fields))
+                problems.append(f"unknown key 'autotuning.{key}' (known keys: {known})")
+            elif key:
+                problems.append(f"'autotuning.{key}' = {err.get('input')!r}: {err['msg']}")
+            else:
+                problems.append(f"'autotuning': {err['msg']}")
+        raise ConfigError(f"{source}: " + "; ".join(problems)) from None
+
+
+def load_ds_config(path: str | Path) -> dict[str, Any]:
+    """Read a ds_config JSON file.
+
+    Raises:
+        ConfigError: missing file, invalid JSON (with line and column), or not a JSON object.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read DeepSpeed config: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def find_config_arg(script_args: list[str]) -> tuple[int, str]:
+    """Locate the ds_config path in the training script's arguments.
+
+    Accepts ``--deepspeed_config PATH``, ``--deepspeed PATH`` and the ``--flag=PATH`` forms, as the
+    ``deepspeed`` launcher's users write them (``--deepspeed`` alone is DeepSpeed's boolean switch).
+
+    Returns:
+        (index of the argument holding the path, the path).
+
+    Raises:
+        ConfigError: when no argument carries a ``.json`` path.
+    """
+    for i, arg in enumerate(script_args):
+        for flag in CONFIG_FLAGS:
+            if arg == flag and i + 1 < len(script_args) and not script_args[i + 1].startswith("-"):
+                return i + 1, script_args[i + 1]
+            if arg.startswith(flag + "="):
+                return i, arg.split("=", 1)[1]
+    raise ConfigError("the training script's arguments carry no DeepSpeed config: pass "
+                      "'--deepspeed_config ds_config.json' (or '--deepspeed ds_config.json') after the script")
+
+
+def replace_config_arg(script_args: list[str], new_path: str) -> list[str]:
+    """Return a copy of ``script_args`` with the ds_config path replaced by ``new_path``."""
+    index, _ = find_config_arg(script_args)
+    args = list(script_args)
+    args[index] = (args[index].split("=", 1)[0] + "=" + new_path) if "=" in args[index] and args[index].startswith("--") \
+        else new_path
+    return args
+
+
+def stage_candidates(ds_config: dict[str, Any], source: str = "ds_config") -> list[int]:
+    """ZeRO stages to explore: ``zero_optimization.stage`` as an int, a list or ``"all"``.
+
+    Absent means all stages 0-3. Returned sorted ascending, without duplicates.
+
+    Raises:
+        ConfigError: a stage outside 0-3 or a value of another type.
+    """
+    zero = ds_config.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{source}: 'zero_optimization' must be an object")
+    value = zero.get("stage", "all")
+    values = [0, 1, 2, 3] if value == "all" else value if isinstance(value, list) else [value]
+    stages = set()
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 3:
+            raise ConfigError(f"{source}: 'zero_optimization.stage' = {value!r}: expected 0, 1, 2, 3, "
+                              f"a list of them, or \"all\"")
+        stages.add(v)
+    if not stages:
+        raise ConfigError(f"{source}: 'zero_optimization.stage' is an empty list")
+    return sorted(stages)
+
+
+def precision(ds_config: dict[str, Any]) -> str:
+    """``"fp16"``, ``"bf16"`` or ``"fp32"``, from the ``fp16``/``bf16`` sections (``bfloat16`` alias)."""
+    for key, name in (("fp16", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16")):
+        section = ds_config.get(key)
+        if isinstance(section, dict) and section.get("enabled", False):
+            return name
+    return "fp32"
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
+    """Parse a memory size: ``3GiB``, ``2.5GB``, ``512MiB``, ``3000000000`` -> bytes (int).
+
+    Raises:
+        ConfigError: naming ``what`` and the value when it is not a positive size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"{what} = {text!r}: expected a size such as 3GiB, 2.5GB, 512MiB or a byte count")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"{what} = {text!r}: must be positive")
+    return value
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for people: ``2.00 GiB``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,447 @@
+"""Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``)
+and who holds them (``SlotPool``).
+
+A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
+launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). The flow is::
+
+    parse_hostfile("hostfile")           -> {"worker-0": 8, "worker-1": 4}     (ordered)
+    select_resources("hostfile", include="worker-0:4,5@worker-1")
+                                         -> [Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))]
+    pool = SlotPool(nodes)
+    r = pool.try_reserve(num_nodes=1, slots_per_node=2)
+                                         -> Reservation((Node("worker-0", (4, 5)),))
+    r.include_arg()                      -> "worker-0:4,5"   (what the experiment passes as --include)
+    pool.release(r)
+
+The resource semantics mirror the launcher (``deepspeed/launcher/runner.py``: ``_parse_hostfile``,
+``parse_resource_filter``, ``parse_inclusion_exclusion``, ``apply_num_nodes_and_gpus``), so a
+selection zerotune accepts is one the launcher accepts and means the same slots. Differences, all
+stricter: bad input raises ``ConfigError`` (the launcher exits or raises ``ValueError``); a
+missing hostfile is an error (the launcher silently falls back to local devices); ``slots=0``,
+``slots=8x``, ``--num_gpus`` above a host's slot count and ``--num_nodes`` above the host count are
+errors (the launcher accepts them and fails later or uses less than asked).
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotune.errors import ConfigError
+
+__all__ = [
+    "Node",
+    "Reservation",
+    "SlotPool",
+    "parse_hostfile",
+    "select_resources",
+]
+
+LOCALHOST = "localhost"
+
+# DeepSpeed's pattern is ``^(\S+)\s+slots=(\d+)`` matched as a prefix, so the launcher accepts extra
+# tokens after the count (``worker-0 slots=8 max_slots=8`` from an MPI hostfile). We accept the same
+# lines, but the count must end at whitespace or the end of the line (``slots=8x`` is an error), and
+# a sign is captured so ``slots=-1`` gets a "must be positive" message instead of "malformed".
+_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=([+-]?\d+)(?:\s|$)")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One host and the device slots zerotune may use on it.
+
+    Attributes:
+        host: host name as in the hostfile (``localhost`` without one).
+        slots: real device ids on that host, ascending and unique, e.g. ``(4, 5)`` after
+            ``--include host:4,5``. Nodes of one cluster may have different slot counts.
+    """
+
+    host: str
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("Node.host must be a non-empty host name")
+        if any(s < 0 for s in self.slots) or list(self.slots) != sorted(set(self.slots)):
+            raise ValueError(f"Node.slots must be ascending unique device ids >= 0, got {self.slots}")
+
+    @property
+    def num_slots(self) -> int:
+        """Number of device slots on this node."""
+        return len(self.slots)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Device slots held by one experiment, from ``SlotPool.try_reserve``.
+
+    Attributes:
+        nodes: the reserved nodes, in pool order, each with only its reserved slots.
+    """
+
+    nodes: tuple[Node, ...]
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks (slots) across all reserved nodes."""
+        return sum(len(n.slots) for n in self.nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of reserved nodes."""
+        return len(self.nodes)
+
+    def include_arg(self) -> str:
+        """The ``deepspeed`` launcher's ``--include`` value for exactly these slots.
+
+        ``localhost:0,1`` for one local node, ``worker-0:0,1@worker-1:2,3`` for two hosts.
+
+        .. note:: The launcher only uses ssh/pdsh when more than one host is active (or
+           ``--force_multi`` is given): a reservation of a single remote host needs
+           ``--force_multi`` with the hostfile, or it runs on the local machine.
+        """
+        return "@".join(f"{n.host}:{','.join(str(s) for s in n.slots)}" for n in self.nodes)
+
+
+def parse_hostfile(path: str | Path) -> dict[str, int]:
+    """Read a DeepSpeed hostfile into ``{host: slot count}``, in file order.
+
+    The format is one host per line, ``worker-0 slots=8``; ``#`` starts a comment (whole line or
+    trailing) and blank lines are skipped. Slots of a host with ``slots=N`` are device ids
+    ``0..N-1``.
+
+    Args:
+        path: the hostfile.
+
+    Returns:
+        Ordered ``{host: slots}``, e.g. ``{"worker-0": 8, "worker-1": 4}``.
+
+    Raises:
+        ConfigError: the file is missing or unreadable (names the path); a line is malformed, has
+            ``slots`` below 1 or repeats a host (names the file, the line number and the line
+            text); the file lists no host.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"hostfile {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"hostfile {path} cannot be read: {e}") from None
+
+    hosts: dict[str, int] = {}
+    first_line: dict[str, int] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"hostfile {path} line {lineno} ({raw.strip()!r})"
+        match = _HOSTFILE_LINE.match(line)
+        if match is None:
+            raise ConfigError(f"{where}: expected 'HOSTNAME slots=N', e.g. 'worker-0 slots=8'")
+        host, count = match.group(1), int(match.group(2))
+        if count < 1:
+            raise ConfigError(f"{where}: slots must be a positive integer, got {count}")
+        if host in hosts:
+            raise ConfigError(
+                f"{where}: host {host!r} is listed twice (first on line {first_line[host]}); "
+                "list each host once"
+            )
+        hosts[host] = count
+        first_line[host] = lineno
+    if not hosts:
+        raise ConfigError(f"hostfile {path} lists no hosts; expected lines like 'worker-0 slots=8'")
+    return hosts
+
+
+def _parse_filter(flag: str, value: str) -> dict[str, list[int]]:
+    """Parse ``NAME[:SLOT[,SLOT...]][@NAME...]`` like the launcher's ``parse_node_config_list``.
+
+    Returns ``{host: sorted unique slots}`` in the order hosts first appear; an empty list means
+    the whole host. A host named twice has its slot lists merged (as in DeepSpeed, a bare mention
+    merged with a slot list leaves just the slots).
+    """
+    specs: dict[str, list[int]] = {}
+    for spec in value.split("@"):
+        host, sep, slot_text = spec.partition(":")
+        if not host or ":" in slot_text:
+            raise ConfigError(
+                f"{flag} {value!r}: bad node spec {spec!r}; expected NAME or NAME:SLOT[,SLOT...], "
+                "with specs joined by '@', e.g. 'worker-0:0,1@worker-1'"
+            )
+        slots: list[int] = []
+        if sep:
+            for item in slot_text.split(","):
+                try:
+                    slots.append(int(item))
+                except ValueError:
+                    raise ConfigError(
+                        f"{flag} {value!r}: slot {item!r} on host {host!r} is not a device id "
+                        "(expected integers like 'worker-0:0,1')"
+                    ) from None
+        specs.setdefault(host, []).extend(slots)
+    return {h: sorted(set(s)) for h, s in specs.items()}
+
+
+def _apply_filter(available: dict[str, list[int]], include: str, exclude: str) -> dict[str, list[int]]:
+    """The launcher's ``parse_resource_filter``: keep or drop hosts and slots; host order kept."""
+    flag, value = ("--include", include) if include else ("--exclude", exclude)
+    requested = _parse_filter(flag, value)
+    for host, slots in requested.items():
+        if host not in available:
+            known = ", ".join(available)
+            raise ConfigError(f"{flag} {value!r}: host {host!r} is not among the hosts ({known})")
+        missing = [s for s in slots if s not in available[host]]
+        if missing:
+            have = ",".join(str(s) for s in available[host])
+            raise ConfigError(
+                f"{flag} {value!r}: host {host!r} has no slot {missing[0]} (its slots: {have})"
+            )
+    if include:
+        kept = {h: (requested[h] or available[h]) for h in available if h in requested}
+    else:
+        kept = {}
+        for host, slots in available.items():
+            dropped = requested.get(host)
+            if dropped is None:
+                kept[host] = slots
+            elif dropped:  # a bare host name drops the whole host
+                kept[host] = [s for s in slots if s not in dropped]
+    kept = {h: s for h, s in kept.items() if s}
+    if not kept:
+        raise ConfigError(f"{flag} {value!r} leaves no device slots to run on")
+    return kept
+
+
+def _local_slots() -> list[int]:
+    """Device ids on this machine when the caller did not say: CUDA devices, as the launcher sees them.
+
+    Like the launcher, a ``CUDA_VISIBLE_DEVICES`` list of integers names the usable device ids
+    (the launcher turns it into ``--include localhost:<ids>`` and sets the variable itself for
+    each rank, so ids must be the real ones, not ``0..count-1``).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if visible:
+        try:
+            return sorted(set(int(v) for v in visible.split(",")))
+        except ValueError:
+            raise ConfigError(
+                f"CUDA_VISIBLE_DEVICES={visible!r} is not a list of device ids; give the devices "
+                "with --include localhost:0,1 instead"
+            ) from None
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        count = 0
+    if count < 1:
+        raise ConfigError(
+            "no CUDA device found and no hostfile given: pass --num_gpus N "
+            "(on CPU, the number of ranks to run)"
+        )
+    return list(range(count))
+
+
+def select_resources(
+    hostfile: str | Path | None = None,
+    include: str = "",
+    exclude: str = "",
+    num_nodes: int = -1,
+    num_gpus: int = -1,
+    local_slots: int | None = None,
+) -> list[Node]:
+    """Resolve the launcher-style resource arguments into the nodes and device slots to tune on.
+
+    Applied in the launcher's order: hostfile (or localhost) -> ``--include``/``--exclude`` ->
+    ``--num_nodes`` (first N hosts) -> ``--num_gpus`` (first N slots of each host).
+
+    Args:
+        hostfile: DeepSpeed hostfile; ``None`` for a single ``localhost`` node.
+        include: ``NAME[:SLOT[,SLOT...]][@NAME...]``, e.g. ``worker-0:0,1@worker-1``: only these
+            hosts/slots. A bare host name means all its slots.
+        exclude: same syntax: everything but these. A host left with no slot is dropped.
+        num_nodes: keep the first N hosts; -1 for all.
+        num_gpus: keep the first N slots of each host; -1 for all.
+        local_slots: without a hostfile, the number of local slots (ids ``0..N-1``): the CUDA
+            device count, or on CPU the number of ranks asked for. ``None`` detects CUDA devices,
+            honouring ``CUDA_VISIBLE_DEVICES`` ids like the launcher.
+
+    Returns:
+        Nodes in hostfile order, each with its real device ids, e.g.
+        ``--include worker-0:4,5`` -> ``[Node("worker-0", (4, 5))]``.
+
+    Raises:
+        ConfigError: bad hostfile (see ``parse_hostfile``); both include and exclude given;
+            ``--num_nodes``/``--num_gpus`` given with include/exclude (the launcher refuses this
+            too) or not positive; an unknown host or slot in include/exclude; nothing left to run
+            on; ``--num_nodes`` above the host count (above 1 without a hostfile); ``--num_gpus``
+            above a host's slot count; no hostfile, no ``local_slots`` and no CUDA device.
+    """
+    if include and exclude:
+        raise ConfigError(
+            f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; give one"
+        )
+    for flag, value in (("--num_nodes", num_nodes), ("--num_gpus", num_gpus)):
+        if value != -1 and value < 1:
+            raise ConfigError(f"{flag} must be a positive integer (or -1 for all), got {value}")
+        if value != -1 and (include or exclude):
+            which = f"--include {include!r}" if include else f"--exclude {exclude!r}"
+            raise ConfigError(
+                f"{flag} cannot be combined with {which}, as in the deepspeed launcher; "
+                "name the slots in the include/exclude string instead"
+            )
+
+    if hostfile is not None:
+        available = {h: list(range(n)) for h, n in parse_hostfile(hostfile).items()}
+        source = f"hostfile {hostfile}"
+    else:
+        if local_slots is None:
+            slots = _local_slots()
+        elif local_slots < 1:
+            raise ConfigError(f"the number of local device slots must be positive, got {local_slots}")
+        else:
+            slots = list(range(local_slots))
+        available = {LOCALHOST: slots}
+        source = "no hostfile (localhost only)"
+
+    if include or exclude:
+        available = _apply_filter(available, include, exclude)
+
+    if num_nodes != -1:
+        if num_nodes > len(available):
+            need = "" if hostfile is not None else "; give a --hostfile for more than one node"
+            raise ConfigError(
+                f"--num_nodes {num_nodes} but {source} has {len(available)} node(s){need}"
+            )
+        available = dict(list(available.items())[:num_nodes])
+
+    if num_gpus != -1:
+        for host, slots in available.items():
+            if num_gpus > len(slots):
+                raise ConfigError(
+                    f"--num_gpus {num_gpus} but host {host!r} has {len(slots)} slot(s) ({source})"
+                )
+        available = {h: s[:num_gpus] for h, s in available.items()}
+
+    return [Node(h, tuple(s)) for h, s in available.items()]
+
+
+class SlotPool:
+    """Thread-safe record of which device slots are free and which experiment holds the others.
+
+    The scheduler asks for ``num_nodes`` x ``slots_per_node`` per experiment (DeepSpeed launches
+    the same number of ranks on every node of one run). Placement is deterministic first fit:
+    nodes in order, the lowest free slot ids on each.
+
+    Args:
+        nodes: the nodes from ``select_resources``; hosts must be unique.
+    """
+
+    def __init__(self, nodes: list[Node]) -> None:
+        hosts = [n.host for n in nodes]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"SlotPool nodes must have unique hosts, got {hosts}")
+        self._nodes = tuple(nodes)
+        self._free: dict[str, set[int]] = {n.host: set(n.slots) for n in nodes}
+        self._held: dict[int, Reservation] = {}  # id(reservation) -> reservation (kept alive)
+        self._lock = threading.Lock()
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        """All nodes of the pool with all their slots, free or not."""
+        return self._nodes
+
+    @property
+    def total_slots(self) -> int:
+        """Number of device slots in the pool, free or held."""
+        return sum(len(n.slots) for n in self._nodes)
+
+    @property
+    def free_slots(self) -> int:
+        """Number of device slots not held by any reservation right now."""
+        with self._lock:
+            return sum(len(s) for s in self._free.values())
+
+    def try_reserve(self, num_nodes: int, slots_per_node: int) -> Reservation | None:
+        """Reserve ``slots_per_node`` free slots on each of ``num_nodes`` distinct nodes, or nothing.
+
+        All or nothing, under the pool's lock: the first ``num_nodes`` nodes (in order) with
+        enough free slots each give their lowest free slot ids.
+
+        Returns:
+            The reservation, to be given back with ``release``; ``None`` when the slots are not
+            free now. A request for which ``can_ever_fit`` is False always returns ``None``.
+
+        Raises:
+            ValueError: ``num_nodes`` or ``slots_per_node`` below 1.
+        """
+        _check_request(num_nodes, slots_per_node)
+        with self._lock:
+            picked = _first_fit(self._nodes, self._free, num_nodes, slots_per_node)
+            if picked is None:
+                return None
+            for node in picked:
+                self._free[node.host].difference_update(node.slots)
+            reservation = Reservation(tuple(picked))
+            self._held[id(reservation)] = reservation
+            return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back the slots of a reservation made by this pool.
+
+        Raises:
+            ValueError: the reservation was already released or is not from this pool.
+        """
+        with self._lock:
+            if self._held.get(id(reservation)) is not reservation:
+                raise ValueError(
+                    f"reservation {reservation.include_arg()} is not held in this pool "
+                    "(released twice, or made by another pool)"
+                )
+            del self._held[id(reservation)]
+            for node in reservation.nodes:
+                self._free[node.host].update(node.slots)
+
+    def capacity(self, num_nodes: int, slots_per_node: int) -> int:
+        """How many such requests run at once on an empty pool, placed first fit as ``try_reserve`` does.
+
+        E.g. 2 nodes of 8 slots: ``capacity(1, 4) == 4``, ``capacity(2, 4) == 2``,
+        ``capacity(1, 3) == 4`` (2 per node), ``capacity(1, 9) == 0``.
+        """
+        _check_request(num_nodes, slots_per_node)
+        free = {n.host: set(n.slots) for n in self._nodes}
+        count = 0
+        while (picked := _first_fit(self._nodes, free, num_nodes, slots_per_node)) is not None:
+            for node in picked:
+                free[node.host].difference_update(node.slots)
+            count += 1
+        return count
+
+    def can_ever_fit(self, num_nodes: int, slots_per_node: int) -> bool:
+        """True when the request fits the empty pool (``num_nodes`` nodes with enough slots each)."""
+        _check_request(num_nodes, slots_per_node)
+        return sum(1 for n in self._nodes if len(n.slots) >= slots_per_node) >= num_nodes
+
+
+def _check_request(num_nodes: int, slots_per_node: int) -> None:
+    if num_nodes < 1 or slots_per_node < 1:
+        raise ValueError(
+            f"a slot request needs num_nodes >= 1 and slots_per_node >= 1, "
+            f"got {num_nodes} x {slots_per_node}"
+        )
+
+
+def _first_fit(
+    nodes: tuple[Node, ...], free: dict[str, set[int]], num_nodes: int, slots_per_node: int
+) -> list[Node] | None:
+    """The first ``num_nodes`` nodes with ``slots_per_node`` free slots, lowest ids; None if short."""
+    picked: list[Node] = []
+    for node in nodes:
+        if len(free[node.host]) >= slots_per_node:
+            picked.append(Node(node.host, tuple(sorted(free[node.host])[:slots_per_node])))
+            if len(picked) == num_nodes:
+                return picked
+    return None
