@@ -1,0 +1,5 @@
+import sys
+
+from zerotune.cli import main
+
+sys.exit(main())

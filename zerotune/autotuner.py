@@ -1,0 +1,270 @@
+"""The ``Autotuner``: ties config, resources, profile, memory model, search, scheduler and results.
+
+Its shape mirrors DeepSpeed's own ``Autotuner`` so a DeepSpeed user recognises it: build it
+from the launcher's arguments and resources, then ``tune()``, ``print_tuning_results()``,
+``write_optimal_config()`` and ``run_after_tuning()``.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console
+
+from zerotune import results as results_mod
+from zerotune.backends.base import LaunchSpec
+from zerotune.backends.local import LocalBackend, free_port, launch_command, launch_env, paste_command
+from zerotune.config import (HIGHER_IS_BETTER, AutotuningConfig, find_config_arg, format_bytes, load_ds_config,
+                             parse_autotuning, stage_candidates)
+from zerotune.errors import ConfigError, TuningFailed
+from zerotune.experiment import Experiment, Status
+from zerotune.memory import MemoryModel
+from zerotune.profile import ModelInfo, profile_config, read_model_info
+from zerotune.resources import Node, SlotPool
+from zerotune.scheduler import ResultsLock, Scheduler
+from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages
+
+PLATEAU_THRESHOLD = 0.01
+
+
+@dataclass
+class TuneOptions:
+    """zerotune's own options (beyond the ds_config's ``autotuning`` section)."""
+
+    device_memory_bytes: int | None = None
+    results_dir: str | None = None
+    timeout_s: float | None = None
+    hang_timeout_s: float | None = None
+    overwrite: bool | None = None
+    hostfile: str | None = None
+    cpu: bool | None = None  # None: CPU when CUDA is not available
+
+
+class Autotuner:
+    """Find the fastest DeepSpeed config for a training script on the given resources.
+
+    Args:
+        script: the training script.
+        script_args: its arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
+        nodes: the device slots to use (``resources.select_resources``).
+        options: see :class:`TuneOptions`.
+
+    Raises:
+        ConfigError: bad config, bad ``autotuning`` section, no device memory budget on CPU.
+    """
+
+    def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
+                 options: TuneOptions | None = None, console: Console | None = None):
+        self.options = options or TuneOptions()
+        self.console = console or Console(stderr=True)
+        self.script = script
+        self.script_args = list(script_args)
+        _, self.config_path = find_config_arg(self.script_args)
+        self.user_config = load_ds_config(self.config_path)
+        self.at: AutotuningConfig = parse_autotuning(self.user_config.get("autotuning"), source=self.config_path)
+        self.stages = stage_candidates(self.user_config, source=self.config_path)
+        self.nodes = list(nodes)
+        self.world_size = sum(len(n.slots) for n in self.nodes)
+        if self.world_size % self.at.mp_size:
+            raise ConfigError(f"{self.config_path}: 'autotuning.mp_size' = {self.at.mp_size} does not divide the "
+                              f"{self.world_size} selected slots")
+        self.dp_world_size = self.world_size // self.at.mp_size
+        self.gas = _positive_int(self.user_config.get("gradient_accumulation_steps", 1),
+                                 "gradient_accumulation_steps", self.config_path)
+        self.cpu = self.options.cpu if self.options.cpu is not None else not _cuda_available()
+        self.device_memory = self.options.device_memory_bytes or (None if self.cpu else _cuda_memory())
+        if self.device_memory is None:
+            raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
+        self.objective = Objective(self.at.metric, HIGHER_IS_BETTER[self.at.metric])
+        self.results_dir = Path(self.options.results_dir or self.at.results_dir)
+        self.exps_dir = self.results_dir / "exps" if self.options.results_dir else Path(self.at.exps_dir)
+        self.overwrite = self.options.overwrite if self.options.overwrite is not None else self.at.overwrite
+        self.spec = LaunchSpec(script=script, script_args=tuple(self.script_args), cpu=self.cpu,
+                               device_memory_bytes=self.device_memory, timeout_s=self.options.timeout_s,
+                               hang_timeout_s=self.options.hang_timeout_s, hostfile=self.options.hostfile,
+                               start_profile_step=self.at.start_profile_step, end_profile_step=self.at.end_profile_step,
+                               metric=self.at.metric)
+        self.pool = SlotPool(self.nodes)
+        self.scheduler = Scheduler(LocalBackend(self.spec), self.pool, self.exps_dir, on_update=self._progress)
+        self.model_info: ModelInfo | None = None
+        self.memory: MemoryModel | None = None
+        self.stage_results: list[StageResult] = []
+        self.best: Experiment | None = None
+        self.elapsed_s = 0.0
+        self._started = 0.0
+
+    # -- the tuning job ---------------------------------------------------------------------------
+    def tune(self) -> Experiment:
+        """Profile, search and write the results.
+
+        Returns:
+            The best experiment.
+
+        Raises:
+            TuningFailed: the profile run or every experiment failed (the summary says so).
+        """
+        self._started = time.monotonic()
+        with ResultsLock(self.results_dir):
+            if self.overwrite:
+                import shutil
+                for path in (self.exps_dir, self.results_dir / "summary.txt"):
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            try:
+                self._profile()
+                self._explore()
+            finally:
+                self.elapsed_s = time.monotonic() - self._started
+                self.best = self.write_optimal_config()
+        if self.best is None:
+            raise TuningFailed(f"no experiment succeeded; see {self.results_dir / 'summary.txt'} and the logs "
+                               f"under {self.exps_dir}")
+        return self.best
+
+    def _base_config(self, stage: int, mbs: int) -> dict[str, Any]:
+        cfg = copy.deepcopy(self.user_config)
+        cfg.pop("autotuning", None)
+        zero = cfg.setdefault("zero_optimization", {})
+        zero["stage"] = stage
+        cfg["train_micro_batch_size_per_gpu"] = mbs
+        cfg["gradient_accumulation_steps"] = self.gas
+        cfg["train_batch_size"] = mbs * self.gas * self.dp_world_size
+        return cfg
+
+    def _experiment(self, name: str, config: dict, space: str) -> Experiment:
+        exp = Experiment(name=name, ds_config=config, num_nodes=len(self.nodes),
+                         num_slots=min(len(n.slots) for n in self.nodes), space=space)
+        if self.memory is not None:
+            exp.memory_bytes = self.memory.bytes_per_device(config)
+        return exp
+
+    def _profile(self) -> None:
+        cfg = profile_config(self.user_config, self.at.min_train_micro_batch_size_per_gpu, self.gas, self.dp_world_size)
+        (exp,) = self.scheduler.run([self._experiment("profile", cfg, "profile")])
+        if exp.status != Status.OK:
+            raise TuningFailed(f"the profile run failed ({exp.status.value}: {exp.error}); "
+                               f"see {self.exps_dir / 'profile'}")
+        info = read_model_info(self.exps_dir / "profile" / "model_info.json", exp.peak_memory_bytes)
+        self.model_info = info
+        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.dp_world_size, self.at.mp_size)
+        if self.cpu and info.peak_memory_bytes:
+            memory = memory.calibrated(cfg, info.peak_memory_bytes, mbs=self.at.min_train_micro_batch_size_per_gpu)
+        self.memory = memory
+        self.console.print(f"[bold]profile[/]: {info.num_params:,} parameters, activations "
+                           f"{format_bytes(info.activation_mem_per_gpu)} per sample, per-rank overhead "
+                           f"{format_bytes(memory.overhead_bytes)}, budget {format_bytes(self.device_memory)} per rank")
+
+    def _max_mbs_bound(self) -> int:
+        hi = self.at.max_train_micro_batch_size_per_gpu
+        if self.at.max_train_batch_size:
+            hi = min(hi, self.at.max_train_batch_size // (self.gas * self.dp_world_size))
+        return hi
+
+    def _explore(self) -> None:
+        lo, hi = self.at.min_train_micro_batch_size_per_gpu, self._max_mbs_bound()
+        if hi < lo:
+            raise ConfigError(f"{self.config_path}: max_train_batch_size {self.at.max_train_batch_size} leaves no mbs >= "
+                              f"{lo} with gas {self.gas} and DP world size {self.dp_world_size}")
+        plans = []
+        for stage in self.stages:
+            est = self.memory.max_mbs(self._base_config(stage, lo), self.device_memory, cap=hi)
+            plans.append(StagePlan(stage, est))
+            self.console.print(f"memory model: ZeRO stage {stage}: "
+                               + (f"largest mbs estimated to fit {est}" if est >= lo else
+                                  f"does not fit ({format_bytes(self.memory.bytes_per_device(self._base_config(stage, lo)))}"
+                                  f" per rank at mbs={lo}): pruned"))
+
+        def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
+            exps = [self._experiment(f"z{stage}_mbs{m}_gas{self.gas}", self._base_config(stage, m), f"z{stage}")
+                    for m in mbs_values]
+            return [Point(e.mbs, e.status, e.metric) for e in self.scheduler.run(exps)]
+
+        self.stage_results = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.objective,
+                                            threshold=PLATEAU_THRESHOLD,
+                                            num_fine=self.at.num_tuning_micro_batch_sizes)
+        for r in self.stage_results:
+            self.console.print(f"ZeRO stage {r.stage}: {r.decision} ({r.reason})"
+                               + (f", stopped: {r.trace.stop}" if r.trace.stop else ""))
+
+    # -- results ----------------------------------------------------------------------------------
+    def _notes(self) -> list[str]:
+        notes = [f"ZeRO stage {r.stage}: {r.decision} - {r.reason}" + (f"; mbs search stopped: {r.trace.stop}"
+                                                                          if r.trace.stop else "")
+                 for r in self.stage_results]
+        if self.memory is not None:
+            notes.append(f"memory model: {self.memory.num_params:,} params, {format_bytes(self.memory.activation_bytes_per_sample)}"
+                         f" activations/sample, overhead {format_bytes(self.memory.overhead_bytes)}, budget "
+                         f"{format_bytes(self.device_memory)} per rank, DP world size {self.dp_world_size}")
+        return notes
+
+    def optimal_command(self, config_path: str) -> str:
+        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots."""
+        reservation = self.pool.try_reserve(len(self.nodes), min(len(n.slots) for n in self.nodes))
+        try:
+            cmd = launch_command(self.spec, reservation, config_path, master_port=29500)
+            return paste_command(launch_env(self.spec, reservation), cmd)
+        finally:
+            self.pool.release(reservation)
+
+    def write_optimal_config(self) -> Experiment | None:
+        """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
+        experiments = [e for e in self.scheduler.history]
+        return results_mod.write_results(self.results_dir, experiments, self.objective, self.elapsed_s,
+                                         self.scheduler.launched, self.optimal_command, self._notes())
+
+    def print_tuning_results(self) -> None:
+        """Print the summary table (the same as ``summary.txt``)."""
+        self.console.print(results_mod.render_table(self.scheduler.history, self.objective, self.elapsed_s,
+                                                    self.scheduler.launched, self._notes()))
+        if self.best is not None:
+            self.console.print(f"optimal config: {self.results_dir / 'ds_config_optimal.json'}\n"
+                               f"command:        {(self.results_dir / 'cmd_optimal.txt').read_text().strip()}")
+
+    def run_after_tuning(self) -> int:
+        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); its exit code."""
+        if self.best is None:
+            raise TuningFailed("no optimal configuration to run")
+        config_path = str((self.results_dir / "ds_config_optimal.json").resolve())
+        reservation = self.pool.try_reserve(len(self.nodes), min(len(n.slots) for n in self.nodes))
+        try:
+            cmd = launch_command(self.spec, reservation, config_path, master_port=free_port())
+            env = {**os.environ, **launch_env(self.spec, reservation)}
+        finally:
+            self.pool.release(reservation)
+        self.console.print(f"[bold]running[/]: {paste_command(launch_env(self.spec, reservation), cmd)}")
+        return subprocess.call(cmd, env=env)
+
+    def _progress(self, exp: Experiment, event: str) -> None:
+        elapsed = time.monotonic() - self._started
+        if event == "start":
+            est = f", estimate {format_bytes(exp.memory_bytes)}/rank" if exp.memory_bytes else ""
+            self.console.print(f"[{elapsed:6.1f}s] start {exp.name}{est}")
+            return
+        tag = "cached" if event == "cached" else "done"
+        value = f"{exp.metric:.4g}" if exp.metric is not None else "-"
+        peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
+        self.console.print(f"[{elapsed:6.1f}s] {tag} {exp.name}: {exp.status.value} {self.objective.name}={value}"
+                           f" ({exp.wall_s or 0:.1f} s{peak}){' ' + exp.error if exp.error else ''}")
+
+
+def _positive_int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
+    return value
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _cuda_memory() -> int | None:
+    import torch
+    return int(torch.cuda.get_device_properties(0).total_memory)

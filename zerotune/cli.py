@@ -1,0 +1,96 @@
+"""The command line, launcher-style like ``deepspeed``: options first, then the script and its args.
+
+    zerotune tune [--hostfile F] [--include ...] [--num_gpus N] [--device-memory 3GiB] SCRIPT [ARGS...]
+    zerotune run  ...same...   # tune, then train with the winning config
+
+Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
+or value), 130 interrupted (results on disk are kept; rerun to resume).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from zerotune.autotuner import Autotuner, TuneOptions
+from zerotune.config import parse_bytes
+from zerotune.errors import ConfigError, TuningFailed
+from zerotune.resources import select_resources
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerotune", description="Find the fastest DeepSpeed configuration for a "
+                                     "training script, with real experiments.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("tune", "tune and write the optimal config"),
+                            ("run", "tune, then launch training with the optimal config")):
+        p = sub.add_parser(name, help=help_text)
+        g = p.add_argument_group("launcher options (as the deepspeed launcher)")
+        g.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('worker-0 slots=8' per line)")
+        g.add_argument("--include", default="", help="e.g. 'worker-0:0,1@worker-1'")
+        g.add_argument("--exclude", default="", help="e.g. 'worker-1:0'")
+        g.add_argument("--num_nodes", type=int, default=-1)
+        g.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1,
+                       help="devices per node; on CPU the number of ranks")
+        g.add_argument("--master_port", type=int, default=None,
+                       help="accepted for compatibility; each experiment gets a free port")
+        z = p.add_argument_group("zerotune options")
+        z.add_argument("--results-dir", default=None, help="results dir (default: autotuning.results_dir)")
+        z.add_argument("--device-memory", default=None,
+                       help="per-rank memory budget, e.g. 3GiB (required on CPU; read from the device on CUDA)")
+        z.add_argument("--timeout", type=float, default=None, help="seconds per experiment before it is killed")
+        z.add_argument("--hang-timeout", type=float, default=None,
+                       help="kill an experiment whose output has not changed for this many seconds")
+        z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
+        z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
+        p.add_argument("user_script", help="the training script")
+        p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
+        cpu = args.cpu
+        local_slots = None
+        if args.hostfile is None:
+            from zerotune.autotuner import _cuda_available
+            if cpu or not _cuda_available():
+                cpu = True
+                if args.num_gpus < 1 and not args.include:
+                    raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
+                local_slots = args.num_gpus if args.num_gpus > 0 else None
+                if local_slots is None:  # --include localhost:0,1 on CPU: enough slots to cover the ids
+                    ids = [int(x) for part in args.include.split("@") if ":" in part
+                           for x in part.split(":", 1)[1].split(",")]
+                    local_slots = max(ids) + 1 if ids else 1
+        nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
+                                 args.num_gpus if args.hostfile or not cpu else -1, local_slots)
+        options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
+                              hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
+                              cpu=cpu)
+        tuner = Autotuner(args.user_script, args.user_args, nodes, options, console=console)
+        try:
+            tuner.tune()
+        finally:
+            if tuner.scheduler.history:
+                tuner.print_tuning_results()
+        if args.command == "run":
+            return tuner.run_after_tuning()
+        return 0
+    except ConfigError as e:
+        console.print(f"[red]zerotune: error:[/] {e}", highlight=False)
+        return 2
+    except TuningFailed as e:
+        console.print(f"[red]zerotune: tuning failed:[/] {e}", highlight=False)
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]zerotune: interrupted; finished results are kept, rerun to resume[/]")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The answer: the optimal config, the command to run it, and the summary of every tuning space.
+
+Files in the results dir, readable without zerotune: ``ds_config_optimal.json`` (concrete values,
+no ``autotuning`` section, loadable by DeepSpeed), ``cmd_optimal.txt`` (the ``deepspeed``
+command with the config path) and ``summary.txt`` (the table printed at the end).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from zerotune.experiment import Experiment, Status, write_json_atomic
+from zerotune.search import Objective
+
+UNITS = {"throughput": "samples/s", "latency": "s/step", "flops": "FLOP/s per GPU"}
+
+
+def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:
+    """The successful experiment with the best metric; None when none succeeded.
+
+    Failed, OOM and timed-out experiments are never candidates (they carry no metric).
+    """
+    best = None
+    for exp in experiments:
+        if exp.status == Status.OK and exp.metric is not None and exp.space != "profile":
+            if best is None or objective.better(exp.metric, best.metric):
+                best = exp
+    return best
+
+
+def optimal_config(exp: Experiment) -> dict:
+    """The experiment's config as a user runs it: no ``autotuning`` section."""
+    cfg = copy.deepcopy(exp.ds_config)
+    cfg.pop("autotuning", None)
+    return cfg
+
+
+@dataclass
+class SpaceSummary:
+    """One row of the summary: a tuning space (``z1``, ``z1_knobs``...)."""
+
+    space: str
+    experiments: int
+    ok: int
+    failed: dict[str, int]
+    best: Experiment | None
+
+
+def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
+    """Group experiments by tuning space, in first-seen order."""
+    rows: dict[str, SpaceSummary] = {}
+    for exp in experiments:
+        row = rows.setdefault(exp.space, SpaceSummary(exp.space, 0, 0, {}, None))
+        row.experiments += 1
+        if exp.status == Status.OK:
+            row.ok += 1
+            if row.best is None or objective.better(exp.metric, row.best.metric):
+                row.best = exp
+        elif exp.status is not None:
+            row.failed[exp.status.value] = row.failed.get(exp.status.value, 0) + 1
+    return list(rows.values())
+
+
+def render_table(experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
+                 launched: int, notes: Sequence[str] = ()) -> Table:
+    """The summary as a rich table (also written as text to ``summary.txt``)."""
+    unit = UNITS[objective.name]
+    overall = best_experiment(experiments, objective)
+    table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
+                        f"tuning time {elapsed_s:.1f} s", title_justify="left")
+    for col in ("tuning space", "experiments", "ok", "not ok", f"best {objective.name} ({unit})", "best experiment"):
+        table.add_column(col)
+    for row in summarize(experiments, objective):
+        failed = ", ".join(f"{n} {s}" for s, n in sorted(row.failed.items())) or "-"
+        best = "-" if row.best is None else f"{row.best.metric:.4g}"
+        name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
+        table.add_row(row.space, str(row.experiments), str(row.ok), failed, best, name)
+    if notes:
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
+    return table
+
+
+def table_text(table: Table) -> str:
+    console = Console(width=140, record=True, file=open("/dev/null", "w"), color_system=None)
+    console.print(table)
+    return console.export_text()
+
+
+def write_results(results_dir: Path, experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
+                  launched: int, command_for: callable, notes: Sequence[str] = ()) -> Experiment | None:
+    """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
+
+    Args:
+        command_for: ``command_for(config_path) -> str``, the paste-able launcher command.
+
+    Returns:
+        The best experiment, or None (then no optimal files are written, and stale ones are removed).
+    """
+    results_dir = Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    table = render_table(experiments, objective, elapsed_s, launched, notes)
+    best = best_experiment(experiments, objective)
+    text = table_text(table)
+    config_path = results_dir / "ds_config_optimal.json"
+    cmd_path = results_dir / "cmd_optimal.txt"
+    if best is None:
+        text += "\nNo experiment succeeded: there is no optimal configuration.\n"
+        config_path.unlink(missing_ok=True)
+        cmd_path.unlink(missing_ok=True)
+    else:
+        text += (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
+                 f"{objective.name} {best.metric:.4g} {UNITS[objective.name]}\n")
+        write_json_atomic(config_path, optimal_config(best))
+        cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
+    (results_dir / "summary.txt").write_text(text)
+    return best

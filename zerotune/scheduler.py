@@ -1,0 +1,174 @@
+"""The experiment scheduler: where and when experiments run, and that every result is kept.
+
+A FIFO queue: the head waits until its slots can be reserved (atomically, from the
+``SlotPool``); one thread per running experiment; several run at once when slots allow. Results
+live on disk (``exp.json`` per experiment, written atomically): an experiment whose finished
+result is on disk for the same config content is not run again (resume); an interrupted one is.
+The scheduler never decides what to try next: the search hands it batches.
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from zerotune.backends.base import Backend
+from zerotune.errors import ConfigError
+from zerotune.experiment import Experiment, Status, write_json_atomic
+from zerotune.resources import SlotPool
+
+
+def config_digest(ds_config: dict) -> str:
+    """A short content hash of a config (canonical JSON), the key resume matches on."""
+    text = json.dumps(ds_config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+class ResultsLock:
+    """An exclusive lock on a results dir, so two tuners never share one (``fcntl.flock``).
+
+    Raises:
+        ConfigError: another process holds the lock (its pid is named).
+    """
+
+    def __init__(self, results_dir: Path):
+        self.path = Path(results_dir) / ".zerotune.lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "ResultsLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"results dir {self.path.parent} is in use by another zerotune (pid {holder}); "
+                              f"wait for it or choose another --results-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class Scheduler:
+    """Runs batches of experiments on a slot pool through a backend.
+
+    Args:
+        backend: runs one experiment (thread-safe).
+        pool: the device slots.
+        exps_dir: one sub-directory per experiment, named after it.
+        on_update: called (from any thread) with each experiment when it starts and ends, for
+            progress display.
+    """
+
+    def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
+                 on_update: Callable[[Experiment, str], None] | None = None):
+        self.backend = backend
+        self.pool = pool
+        self.exps_dir = Path(exps_dir)
+        self.on_update = on_update or (lambda exp, event: None)
+        self.history: list[Experiment] = []
+        self.launched = 0
+        self._cond = threading.Condition()
+
+    def load(self, exp: Experiment) -> Experiment | None:
+        """The finished result on disk for ``exp``'s name and config content, if any."""
+        path = self.exps_dir / exp.name / "exp.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if data.get("config_digest") != config_digest(exp.ds_config):
+            return None
+        done = Experiment.from_json(data)
+        return done if done.status is not None and done.status.finished else None
+
+    def run(self, experiments: Iterable[Experiment]) -> list[Experiment]:
+        """Run a batch and return it in the same order, each with its outcome.
+
+        Experiments already finished on disk are returned from disk without running. On
+        KeyboardInterrupt the running ones are killed, recorded as interrupted, and the
+        interrupt is re-raised.
+        """
+        batch = list(experiments)
+        queue: collections.deque[Experiment] = collections.deque()
+        results: dict[int, Experiment] = {}
+        for i, exp in enumerate(batch):
+            done = self.load(exp)
+            if done is not None:
+                done.space = exp.space or done.space
+                results[i] = done
+                self.history.append(done)
+                self.on_update(done, "cached")
+            else:
+                if not self.pool.can_ever_fit(exp.num_nodes, exp.num_slots):
+                    raise ConfigError(f"experiment {exp.name} needs {exp.num_nodes} node(s) x {exp.num_slots} "
+                                      f"slot(s); the selected resources have {self.pool.total_slots} slot(s)")
+                queue.append(exp)
+        index = {id(e): i for i, e in enumerate(batch)}
+        threads: list[threading.Thread] = []
+        running = 0
+        try:
+            while queue or running:
+                with self._cond:
+                    reservation = self.pool.try_reserve(queue[0].num_nodes, queue[0].num_slots) if queue else None
+                    if reservation is None:
+                        self._cond.wait(timeout=0.5)
+                        running = sum(t.is_alive() for t in threads)
+                        continue
+                    exp = queue.popleft()
+                    running += 1
+                t = threading.Thread(target=self._run_one, args=(exp, reservation, results, index[id(exp)]),
+                                     name=f"exp-{exp.name}", daemon=True)
+                threads.append(t)
+                t.start()
+        except KeyboardInterrupt:
+            self.backend.cancel_all()
+            for t in threads:
+                t.join()
+            raise
+        for t in threads:
+            t.join()
+        return [results[i] for i in range(len(batch))]
+
+    def _run_one(self, exp: Experiment, reservation, results: dict, i: int) -> None:
+        exp_dir = self.exps_dir / exp.name
+        if exp_dir.exists():
+            shutil.rmtree(exp_dir)  # a stale or interrupted attempt of this config
+        exp_dir.mkdir(parents=True)
+        exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
+        self._record(exp, exp_dir)
+        self.launched += 1
+        self.on_update(exp, "start")
+        try:
+            self.backend.run(exp, reservation, exp_dir)
+        except Exception as e:  # a backend bug must not kill the tuner or lose other results
+            exp.status, exp.error = Status.FAILED, f"backend error: {e!r}"
+        finally:
+            self._record(exp, exp_dir)
+            with self._cond:
+                self.pool.release(reservation)
+                results[i] = exp
+                self.history.append(exp)
+                self._cond.notify_all()
+            self.on_update(exp, "end")
+
+    def _record(self, exp: Experiment, exp_dir: Path) -> None:
+        data = exp.to_json()
+        data["config_digest"] = config_digest(exp.ds_config)
+        data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        write_json_atomic(exp_dir / "exp.json", data)

@@ -1,0 +1,46 @@
+"""Tuners: which candidate of a tuning space to try next (grid, random, model-based).
+
+A tuner only proposes (``ask``) and learns (``tell``); the scheduler runs the experiments.
+Names follow DeepSpeed's ``autotuning.tuner_type``: "gridsearch", "random", "model_based".
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from zerotune.errors import ConfigError
+from zerotune.space import Candidate
+from zerotune.tuners.base import BaseTuner
+from zerotune.tuners.grid import GridSearchTuner
+from zerotune.tuners.random import RandomTuner
+
+TUNER_TYPES = ("gridsearch", "random", "model_based")
+
+__all__ = ["BaseTuner", "GridSearchTuner", "ModelBasedTuner", "RandomTuner", "TUNER_TYPES", "make_tuner"]
+
+
+def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) -> BaseTuner:
+    """Build the tuner DeepSpeed's ``autotuning.tuner_type`` names.
+
+    Args:
+        tuner_type: "gridsearch", "random" or "model_based".
+        candidates: the space, from :func:`zerotune.space.generate`.
+        **kwargs: ``metric``, ``num_trials``, ``early_stopping``, ``seed`` (see
+            :class:`BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
+    """
+    if tuner_type == "gridsearch":
+        return GridSearchTuner(candidates, **kwargs)
+    if tuner_type == "random":
+        return RandomTuner(candidates, **kwargs)
+    if tuner_type == "model_based":
+        from zerotune.tuners.model_based import ModelBasedTuner  # imports optuna
+
+        return ModelBasedTuner(candidates, **kwargs)
+    raise ConfigError(f"autotuning.tuner_type = {tuner_type!r}: expected one of {', '.join(TUNER_TYPES)}")
+
+
+def __getattr__(name: str) -> Any:  # lazy: importing optuna costs ~1 s
+    if name == "ModelBasedTuner":
+        from zerotune.tuners.model_based import ModelBasedTuner
+
+        return ModelBasedTuner
+    raise AttributeError(name)

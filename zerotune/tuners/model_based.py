@@ -1,0 +1,168 @@
+"""Model-based search: Optuna's TPE sampler over the knobs of a space, through ask/tell."""
+from __future__ import annotations
+
+import json
+import warnings
+from typing import Any, Iterable
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.trial import Trial, TrialState, create_trial
+
+from zerotune.experiment import Status
+from zerotune.space import Candidate, canonical_json
+from zerotune.tuners.base import BaseTuner
+
+_ABSENT = "<absent>"  # categorical choice for a knob a candidate does not set
+_INFEASIBLE = "zerotune_infeasible"  # Optuna constraint key: > 0 means infeasible
+
+
+class ModelBasedTuner(BaseTuner):
+    """Tree-structured Parzen Estimator (``optuna.samplers.TPESampler``) over the space's knobs.
+
+    Each knob (a dotted key that varies in the space) is one Optuna parameter: numeric knobs are
+    ordinal (``IntDistribution`` over the index of the sorted values, so TPE learns that 5e8 lies
+    between 5e7 and 1e9), the others categorical (values as canonical JSON text). Optuna is driven
+    through ``study.ask`` / ``study.tell``; nothing is run here.
+
+    How outcomes are told to Optuna:
+        - OK: the metric, with constraint ``zerotune_infeasible = 0`` (feasible);
+        - OOM / FAILED / TIMEOUT / PRUNED: constraint ``zerotune_infeasible = 1`` and trial state
+          PRUNED, with no value: TPE ranks infeasible points after every feasible one (never as a
+          metric of 0) and keeps them in its model, so it learns to avoid the region;
+        - INTERRUPTED: trial state FAIL (ignored by TPE); the candidate may be proposed again.
+
+    Mapping a sample to a candidate: when TPE samples a point that was already proposed, that is
+    not in the space or that does not fit, the tuner takes the nearest untried fitting candidate
+    (distance: sum over knobs of |index difference| / (number of values - 1) for ordinal knobs,
+    0 or 1 for categorical ones; ties go to the earlier candidate in the space's order), marks
+    TPE's sampled trial FAIL (ignored by TPE) and enqueues the chosen candidate's parameters as
+    the trial that is told the real outcome. So every ``ask`` yields new experiments while the
+    space has any left, and deterministically for a given seed and sequence of outcomes.
+
+    Args:
+        candidates, metric, num_trials, early_stopping, seed: see :class:`BaseTuner`.
+        n_startup_trials: random proposals before TPE models the outcomes. Default
+            ``max(5, min(10, fitting candidates // 25))``.
+        multivariate: model the knobs jointly (interactions between knobs) rather than each
+            on its own.
+    """
+
+    def __init__(
+        self,
+        candidates: Iterable[Candidate],
+        *,
+        n_startup_trials: int | None = None,
+        multivariate: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(candidates, **kwargs)
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        fitting = sum(c.fits for c in self.candidates)
+        if n_startup_trials is None:
+            n_startup_trials = max(5, min(10, fitting // 25))
+        self.n_startup_trials = n_startup_trials
+        self._dims = _dimensions(self.candidates)
+        self._distributions: dict[str, BaseDistribution] = {k: d for k, d, _ in self._dims}
+        self._params = {c.name: self._encode(c) for c in self.candidates}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(
+                seed=self.seed,
+                n_startup_trials=n_startup_trials,
+                multivariate=multivariate,
+                constant_liar=True,  # spread a batch: outstanding trials count as bad
+            )
+        self._study = optuna.create_study(
+            direction="maximize" if self.maximize else "minimize", sampler=sampler)
+        self._trials: dict[str, Trial] = {}
+
+    # ---- encoding -----------------------------------------------------------------------
+
+    def _encode(self, candidate: Candidate) -> dict[str, Any]:
+        params = {}
+        for key, _, index in self._dims:
+            params[key] = index[_value_text(candidate.knobs, key)]
+        return params
+
+    def _distance(self, params: dict[str, Any], candidate: Candidate) -> float:
+        mine = self._params[candidate.name]
+        d = 0.0
+        for key, dist, _ in self._dims:
+            if isinstance(dist, IntDistribution):
+                d += abs(params[key] - mine[key]) / max(1, dist.high)
+            else:
+                d += params[key] != mine[key]
+        return d
+
+    # ---- BaseTuner hooks ----------------------------------------------------------------
+
+    def _propose(self, k: int) -> list[Candidate]:
+        out: list[Candidate] = []
+        chosen: set[str] = set()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            for _ in range(k):
+                untried = [c for c in self._untried() if c.name not in chosen]
+                if not untried:
+                    break
+                trial = self._study.ask(self._distributions)
+                target = min(untried, key=lambda c: self._distance(trial.params, c))  # first on ties
+                if self._params[target.name] != trial.params:
+                    self._study.tell(trial, state=TrialState.FAIL)
+                    self._study.enqueue_trial(self._params[target.name])
+                    trial = self._study.ask(self._distributions)
+                self._trials[target.name] = trial
+                chosen.add(target.name)
+                out.append(target)
+        return out
+
+    def _observe(self, candidate: Candidate, status: Status, metric: float | None) -> None:
+        feasible = status is Status.OK
+        trial = self._trials.pop(candidate.name, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            if trial is None:  # a result from an earlier run (resume)
+                self._study.add_trial(create_trial(
+                    params=self._params[candidate.name],
+                    distributions=self._distributions,
+                    value=metric if feasible else None,
+                    state=TrialState.COMPLETE if feasible else TrialState.PRUNED,
+                    constraints={_INFEASIBLE: 0.0 if feasible else 1.0},
+                ))
+                return
+            trial.set_constraint(_INFEASIBLE, 0.0 if feasible else 1.0)
+            if feasible:
+                self._study.tell(trial, metric)
+            else:
+                self._study.tell(trial, state=TrialState.PRUNED)
+
+    def _withdraw(self, candidate: Candidate) -> None:
+        trial = self._trials.pop(candidate.name, None)
+        if trial is not None:
+            self._study.tell(trial, state=TrialState.FAIL)
+
+
+def _value_text(knobs: dict[str, Any], key: str) -> str:
+    return canonical_json({"v": knobs[key]})[5:-1] if key in knobs else _ABSENT
+
+
+def _dimensions(candidates: list[Candidate]) -> list[tuple[str, BaseDistribution, dict[str, Any]]]:
+    """(knob, distribution, value text -> parameter value) for each knob, sorted by knob."""
+    keys = sorted({k for c in candidates for k in c.knobs})
+    dims = []
+    for key in keys:
+        texts: list[str] = []
+        for c in candidates:
+            t = _value_text(c.knobs, key)
+            if t not in texts:
+                texts.append(t)
+        values = [json.loads(t) if t != _ABSENT else None for t in texts]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if numeric and _ABSENT not in texts:
+            order = sorted(range(len(texts)), key=lambda i: values[i])
+            index = {texts[i]: rank for rank, i in enumerate(order)}
+            dims.append((key, IntDistribution(0, max(0, len(texts) - 1)), index))
+        else:
+            dims.append((key, CategoricalDistribution(texts), {t: t for t in texts}))
+    return dims
