@@ -61,7 +61,7 @@ class Autotuner:
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
                  options: TuneOptions | None = None, console: Console | None = None):
         self.options = options or TuneOptions()
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self.script = script
         self.script_args = list(script_args)
         _, self.config_path = find_config_arg(self.script_args)

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         cpu = args.cpu
@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             return tuner.run_after_tuning()
         return 0
     except ConfigError as e:
-        console.print(f"[red]zerotune: error:[/] {e}", highlight=False)
+        print(f"zerotune: error: {e}", file=sys.stderr)
         return 2
     except TuningFailed as e:
-        console.print(f"[red]zerotune: tuning failed:[/] {e}", highlight=False)
+        print(f"zerotune: tuning failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         console.print("[yellow]zerotune: interrupted; finished results are kept, rerun to resume[/]")

@@ -59,7 +59,7 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
         row.experiments += 1
         if exp.status == Status.OK:
             row.ok += 1
-            if row.best is None or objective.better(exp.metric, row.best.metric):
+            if exp.metric is not None and (row.best is None or objective.better(exp.metric, row.best.metric)):
                 row.best = exp
         elif exp.status is not None:
             row.failed[exp.status.value] = row.failed.get(exp.status.value, 0) + 1

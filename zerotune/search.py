@@ -98,7 +98,9 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
         threshold: plateau threshold: a step that improves the best metric by less than this
             fraction ends the upward search.
         num_fine: experiments allowed in the fine pass around the best mbs.
-        known: points already measured for this stage (reused, not re-run).
+        known: points already measured for this stage (reused, not re-run). When one of them
+            ran, the smallest mbs is not run (memory grows with mbs) and the ladder starts at
+            the largest known runnable mbs.
 
     Returns:
         The trace, in evaluation order (``known`` points first).
@@ -111,13 +113,17 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.points.extend(evaluate(todo))
         return [trace.get(m) for m in values]
 
-    (first,) = run([lo])
-    if not first.ok:
-        trace.stop = "infeasible"
-        return trace
+    known_ok = [p.mbs for p in trace.ok_points]
+    if known_ok:  # e.g. a probe: memory grows with mbs, so lo runs too; climb from the largest known
+        prev = max(known_ok)
+    else:
+        (first,) = run([lo])
+        if not first.ok:
+            trace.stop = "infeasible"
+            return trace
+        prev = lo
     best = trace.best(objective)
     estimate = max(lo, min(estimate, hi))
-    prev = lo
     while True:
         if prev >= hi:
             trace.stop = "cap"

@@ -1,0 +1,111 @@
+"""End to end with real DeepSpeed on 2 CPU ranks (DS_ACCELERATOR=cpu), a tiny model, few steps."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerotune.backends.base import LaunchSpec
+from zerotune.backends.local import LocalBackend
+from zerotune.experiment import Experiment, Status
+from zerotune.resources import SlotPool, select_resources
+from zerotune.scheduler import Scheduler
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores
+
+
+def write_config(path: Path, **autotuning) -> Path:
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 50_000_000},
+           "autotuning": {"start_profile_step": 2, "end_profile_step": 3, "max_train_micro_batch_size_per_gpu": 8,
+                          "num_tuning_micro_batch_sizes": 1, **autotuning}}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def zerotune(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=900)
+
+
+def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
+    cfg = write_config(tmp_path / "ds.json")
+    results = tmp_path / "results"
+    proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", "--results-dir", str(results), SCRIPT,
+                    *TINY, "--steps", "6", "--deepspeed_config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert "autotuning" not in optimal
+    records = [json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")]
+    ok = [r for r in records if r["status"] == "ok" and r["space"] != "profile"]
+    assert ok, records
+    best = max(ok, key=lambda r: r["metric"])
+    assert optimal == best["ds_config"]
+    assert optimal["train_batch_size"] == optimal["train_micro_batch_size_per_gpu"] * 2
+    assert all(r["metric"] is None for r in records if r["status"] != "ok")  # failures never scored
+    summary = (results / "summary.txt").read_text()
+    assert f"Optimal: {best['name']}" in summary and "z0" in summary
+
+    # DeepSpeed itself accepts the optimal config: run the paste-able command for a few steps.
+    cmd = (results / "cmd_optimal.txt").read_text().strip().replace("--steps 6", "--steps 2")
+    run = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1 loss" in run.stdout
+
+    # A rerun resumes: every experiment comes from disk, none is launched, same answer.
+    again = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", "--results-dir", str(results), SCRIPT,
+                     *TINY, "--steps", "6", "--deepspeed_config", str(cfg), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(0 launched now)" in (results / "summary.txt").read_text()
+    assert json.loads((results / "ds_config_optimal.json").read_text()) == optimal
+
+
+def test_over_budget_experiment_is_classified_oom(tmp_path):
+    cfg = write_config(tmp_path / "ds.json")
+    spec = LaunchSpec(script=SCRIPT, script_args=tuple(TINY + ["--steps", "6", "--deepspeed_config", str(cfg)]),
+                      cpu=True, device_memory_bytes=2 * 2**30, start_profile_step=2, end_profile_step=3,
+                      timeout_s=300)
+    pool = SlotPool(select_resources(local_slots=2))
+    scheduler = Scheduler(LocalBackend(spec), pool, tmp_path / "exps")
+    # ZeRO-3 defaults allocate one reduce_bucket_size (5e8) fp32 buffer: 2,000,000,000 bytes > 2 GiB - overhead.
+    over = Experiment("z3_default_buckets", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2,
+                                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                             "zero_optimization": {"stage": 3}}, num_slots=2)
+    (done,) = scheduler.run([over])
+    assert done.status == Status.OOM, (done.error, (tmp_path / "exps" / over.name / "stderr.log").read_text()[-2000:])
+    assert done.metric is None and "allocate" in done.error
+    assert pool.free_slots == 2
+    record = json.loads((tmp_path / "exps" / over.name / "exp.json").read_text())
+    assert record["status"] == "oom"
+    assert (tmp_path / "exps" / over.name / "cmd.txt").read_text().startswith("DS_ACCELERATOR=cpu LOCAL_SIZE=2 ")
+
+
+def test_every_experiment_failing_exits_nonzero_without_an_optimal_config(tmp_path):
+    cfg = write_config(tmp_path / "ds.json", max_train_micro_batch_size_per_gpu=1)
+    results = tmp_path / "results"
+    # --steps 2 ends training before end_profile_step: the profile runs, no experiment writes metrics.
+    proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", "--results-dir", str(results), SCRIPT,
+                    *TINY, "--steps", "2", "--deepspeed_config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert not (results / "ds_config_optimal.json").exists()
+    assert "No experiment succeeded" in (results / "summary.txt").read_text()
+
+
+def test_bad_autotuning_key_is_exit_2_naming_it(tmp_path):
+    cfg = write_config(tmp_path / "ds.json", fastt=True)
+    proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", SCRIPT, "--deepspeed_config", str(cfg),
+                    cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "unknown key 'autotuning.fastt'" in proc.stderr

@@ -1,0 +1,77 @@
+"""The memory model pinned to exact byte counts (formulas in zerotune/memory.py)."""
+import pytest
+
+from zerotune.memory import MemoryModel
+
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+FP16 = {"fp16": {"enabled": True}}
+
+
+def cfg(stage, **zero):
+    return {**ADAMW, "zero_optimization": {"stage": stage, **zero}}
+
+
+MODEL = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4)
+
+
+def test_stage0_fp32_adam_no_master_copy():
+    b = MODEL.breakdown(cfg(0), mbs=2)
+    # params 4*Psi, grads 4*Psi, Adam states 8*Psi (no fp32 master copy in fp32 stage 0),
+    # all-reduce flatten buffer 4*min(Psi, 5e8), activations 1000*2.
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers, b.activations) == \
+        (4_000_000, 4_000_000, 8_000_000, 4_000_000, 2_000)
+    assert b.total == 20_002_000
+
+
+def test_stage1_fp16_partitions_optimizer_states_only():
+    b = MODEL.breakdown({**cfg(1), **FP16}, mbs=1)
+    # K = 12 (master + 2 Adam states) over N=4; full fp16 grads + fp32 grad partition; one 5e8 bucket.
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 3_000_000, 3_000_000,
+                                                                         1_000_000_000)
+    assert b.total == 1_008_001_000
+
+
+def test_stage2_overlap_comm_doubles_the_bucket():
+    b = MODEL.breakdown({**cfg(2, overlap_comm=True, reduce_bucket_size=5e7), **FP16}, mbs=1)
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 1_500_000, 3_000_000, 200_000_000)
+    assert b.total == 206_501_000
+
+
+def test_stage3_fp16_and_offload():
+    assert MODEL.bytes_per_device({**cfg(3), **FP16}, mbs=1) == 2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 1_000
+    offload = cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    b = MODEL.breakdown({**offload, **FP16}, mbs=1)
+    assert (b.parameters, b.gradients, b.optimizer_states) == (2_000_000, 500_000, 0)
+
+
+def test_zero3_default_bucket_is_two_gigabytes_in_fp32():
+    assert MODEL.breakdown(cfg(3)).buffers == 2_000_000_000
+
+
+def test_mp_size_applied_once():
+    # DeepSpeed's num_params is the total over MP ranks: 2e6 params with mp_size 2 is 1e6 per device.
+    mp = MemoryModel(num_params=2_000_000, activation_bytes_per_sample=1_000, dp_world_size=4, mp_size=2)
+    for stage in range(4):
+        assert mp.bytes_per_device(cfg(stage), 3) == MODEL.bytes_per_device(cfg(stage), 3)
+
+
+def test_max_mbs_and_fits():
+    budget = 20_010_000  # stage 0 fixed part is 20,000,000 bytes; 1,000 bytes per sample
+    assert MODEL.max_mbs(cfg(0), budget) == 10
+    assert MODEL.fits(cfg(0), budget, mbs=10) and not MODEL.fits(cfg(0), budget, mbs=11)
+    assert MODEL.max_mbs(cfg(0), budget, cap=4) == 4
+    assert MODEL.max_mbs(cfg(1), budget) == 0  # the 2 GB bucket alone is over budget
+
+
+def test_calibration_sets_overhead_from_a_measured_peak():
+    measured = MODEL.bytes_per_device(cfg(3), 1) + 400_000_000
+    cal = MODEL.calibrated(cfg(3), measured, mbs=1)
+    assert cal.overhead_bytes == 400_000_000
+    assert cal.bytes_per_device(cfg(3), 1) == measured
+    assert MODEL.calibrated(cfg(3), 0).overhead_bytes == 0
+
+
+@pytest.mark.parametrize("opt,expected", [("SGD", 4 + 4), ("Adagrad", 4 + 4), ("Lamb", 8 + 4)])
+def test_optimizer_state_bytes(opt, expected):
+    c = {"optimizer": {"type": opt}, "zero_optimization": {"stage": 1}}
+    assert MODEL.breakdown(c).optimizer_states == expected * 1_000_000 // 4
