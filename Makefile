@@ -1,0 +1,34 @@
+# zerotune: `make demo` tunes the bundled example on 2 CPU ranks; `make test` runs the tests.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+# torch first, pinned (its CPU build is on this machine): deepspeed asks for an unpinned torch,
+# which would otherwise pull gigabytes of CUDA wheels.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# 2 CPU ranks with a 3 GiB budget each: ZeRO 1-3 with DeepSpeed's default buckets need a
+# 2,000,000,000-byte buffer per rank, so memory bounds their micro batch size.
+demo: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/zerotune tune --num_gpus 2 --device-memory 3GiB \
+	    --results-dir demo_results --timeout 300 \
+	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not e2e"
+
+clean:
+	rm -rf $(VENV) demo_results autotuning_results autotuning_exps
