@@ -117,6 +117,7 @@ def experiments_to_target(tuner_type: str, space: list[Candidate], seed: int, ta
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--seed-start", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="experiments asked at a time")
     ap.add_argument("--n-startup-trials", type=int, default=None)
     args = ap.parse_args()
@@ -138,18 +139,20 @@ def main() -> None:
         mb_kwargs["n_startup_trials"] = args.n_startup_trials
     rows = []
     start = time.time()
-    for seed in range(args.seeds):
+    for seed in range(args.seed_start, args.seed_start + args.seeds):
         g = experiments_to_target("gridsearch", space, seed, target, args.batch)
         r = experiments_to_target("random", space, seed, target, args.batch)
         m = experiments_to_target("model_based", space, seed, target, args.batch, **mb_kwargs)
         rows.append((seed, g, r, m))
     print(f"{'seed':>4} {'grid':>5} {'random':>6} {'model_based':>11}")
-    for seed, g, r, m in rows:
+    for seed, g, r, m in rows if len(rows) <= 40 else []:
         print(f"{seed:>4} {g:>5} {r:>6} {m:>11}")
     avg = [statistics.mean(col) for col in list(zip(*rows))[1:]]
     print(f"{'avg':>4} {avg[0]:>5.1f} {avg[1]:>6.1f} {avg[2]:>11.1f}")
-    print(f"\nmodel_based / grid = {avg[2] / avg[0]:.2f} (target <= 0.33); "
-          f"median model_based {statistics.median(r[3] for r in rows)}; {time.time() - start:.0f} s")
+    sem = statistics.stdev(r[3] for r in rows) / len(rows) ** 0.5 if len(rows) > 1 else 0.0
+    print(f"\nmodel_based / grid = {avg[2] / avg[0]:.2f} (target <= 0.33); model_based mean "
+          f"{avg[2]:.1f} +- {sem:.1f} (standard error), median {statistics.median(r[3] for r in rows)}; "
+          f"{time.time() - start:.0f} s")
 
 
 if __name__ == "__main__":

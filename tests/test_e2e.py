@@ -109,3 +109,21 @@ def test_bad_autotuning_key_is_exit_2_naming_it(tmp_path):
                     cwd=tmp_path)
     assert proc.returncode == 2
     assert "unknown key 'autotuning.fastt'" in proc.stderr
+
+
+def test_knob_phase_runs_with_fast_false(tmp_path):
+    cfg = write_config(tmp_path / "ds.json", fast=False, tuner_type="gridsearch", tuner_num_trials=2,
+                       max_train_micro_batch_size_per_gpu=2)
+    data = json.loads(cfg.read_text())
+    data["zero_optimization"] = {"stage": 1, "reduce_bucket_size": [20_000_000, 50_000_000]}  # a user space
+    cfg.write_text(json.dumps(data))
+    results = tmp_path / "results"
+    proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", "--results-dir", str(results), SCRIPT,
+                    *TINY, "--steps", "6", "--deepspeed_config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")]
+    knobs = [r for r in records if r["space"] == "z1_knobs"]
+    assert len(knobs) == 2  # tuner_num_trials
+    assert {r["ds_config"]["zero_optimization"]["reduce_bucket_size"] for r in knobs} <= {20_000_000, 50_000_000}
+    summary = (results / "summary.txt").read_text()
+    assert "z1_knobs" in summary and "│ 2 " in summary.split("z1_knobs")[1].splitlines()[0]

@@ -28,6 +28,8 @@ from zerotune.profile import ModelInfo, profile_config, read_model_info
 from zerotune.resources import Node, SlotPool
 from zerotune.scheduler import ResultsLock, Scheduler
 from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages
+from zerotune.space import _list_valued, default_space, generate
+from zerotune.tuners import make_tuner
 
 PLATEAU_THRESHOLD = 0.01
 
@@ -117,6 +119,8 @@ class Autotuner:
             try:
                 self._profile()
                 self._explore()
+                if not self.at.fast:
+                    self._tune_knobs()
             finally:
                 self.elapsed_s = time.monotonic() - self._started
                 self.best = self.write_optimal_config()
@@ -126,7 +130,9 @@ class Autotuner:
         return self.best
 
     def _base_config(self, stage: int, mbs: int) -> dict[str, Any]:
-        cfg = copy.deepcopy(self.user_config)
+        """The user's config at ``stage`` and ``mbs``; a key holding a list of candidates (a tuning
+        space) takes its first candidate until the knob phase tunes it."""
+        cfg = first_candidates(self.user_config)
         cfg.pop("autotuning", None)
         zero = cfg.setdefault("zero_optimization", {})
         zero["stage"] = stage
@@ -190,6 +196,43 @@ class Autotuner:
             self.console.print(f"ZeRO stage {r.stage}: {r.decision} ({r.reason})"
                                + (f", stopped: {r.trace.stop}" if r.trace.stop else ""))
 
+    def _knob_stages(self) -> list[tuple[int, Point]]:
+        """Stages whose knobs are tuned: the best stage, and another within 5% of it."""
+        tops = [(r.stage, r.trace.best(self.objective)) for r in self.stage_results if r.decision == "explored"]
+        tops = [(s, p) for s, p in tops if p is not None]
+        if not tops:
+            return []
+        tops.sort(key=lambda sp: sp[1].metric, reverse=self.objective.higher_is_better)
+        best = tops[0][1].metric
+        return [tops[0]] + [(s, p) for s, p in tops[1:2] if abs(self.objective.gain(p.metric, best)) <= 0.05]
+
+    def _tune_knobs(self) -> None:
+        """The knob phase (``fast: false``): per chosen stage, at its best mbs, walk the stage's tuning
+        space (zerotune's defaults with the user's own settings and lists over them) with the
+        configured tuner, in batches as large as the slots can run at once."""
+        user = {k: v for k, v in self.user_config.items()
+                if k not in ("autotuning", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                             "train_batch_size")}
+        user_zero = {k: v for k, v in (user.get("zero_optimization") or {}).items() if k != "stage"}
+        batch_size = self.pool.capacity(len(self.nodes), min(len(n.slots) for n in self.nodes))
+        for stage, point in self._knob_stages():
+            space = default_space(stage)
+            space["zero_optimization"].update(user_zero)
+            space.update({k: v for k, v in user.items() if k != "zero_optimization"})
+            candidates = generate(self._base_config(stage, point.mbs), space, stage=stage,
+                                  dp_world_size=self.dp_world_size,
+                                  fits=lambda c: self.memory.fits(c, self.device_memory))
+            fitting = sum(c.fits for c in candidates)
+            self.console.print(f"knob phase ZeRO stage {stage} at mbs={point.mbs}: {len(candidates)} configs, "
+                               f"{fitting} fit the memory model; tuner {self.at.tuner_type}, "
+                               f"at most {self.at.tuner_num_trials} trials")
+            tuner = make_tuner(self.at.tuner_type, candidates, metric=self.at.metric,
+                               num_trials=self.at.tuner_num_trials, early_stopping=self.at.tuner_early_stopping)
+            while batch := tuner.ask(batch_size):
+                exps = [self._experiment(c.name, c.ds_config, f"z{stage}_knobs") for c in batch]
+                for c, exp in zip(batch, self.scheduler.run(exps)):
+                    tuner.tell(c.name, exp.status, exp.metric)
+
     # -- results ----------------------------------------------------------------------------------
     def _notes(self) -> list[str]:
         notes = [f"ZeRO stage {r.stage}: {r.decision} - {r.reason}" + (f"; mbs search stopped: {r.trace.stop}"
@@ -249,6 +292,18 @@ class Autotuner:
         peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
         self.console.print(f"[{elapsed:6.1f}s] {tag} {exp.name}: {exp.status.value} {self.objective.name}={value}"
                            f" ({exp.wall_s or 0:.1f} s{peak}){' ' + exp.error if exp.error else ''}")
+
+
+def first_candidates(config: Any, path: str = "") -> Any:
+    """A copy of ``config`` where each list of candidates (a tuning-space key) is its first candidate.
+
+    Lists that are DeepSpeed settings themselves (``optimizer.params.betas``...) are kept.
+    """
+    if isinstance(config, dict):
+        return {k: first_candidates(v, f"{path}.{k}" if path else k) for k, v in config.items()}
+    if isinstance(config, list) and config and not _list_valued(path):
+        return copy.deepcopy(config[0])
+    return copy.deepcopy(config)
 
 
 def _positive_int(value: Any, key: str, source: str) -> int:

@@ -42,8 +42,9 @@ class ModelBasedTuner(BaseTuner):
 
     Args:
         candidates, metric, num_trials, early_stopping, seed: see :class:`BaseTuner`.
-        n_startup_trials: random proposals before TPE models the outcomes. Default
-            ``max(5, min(10, fitting candidates // 25))``.
+        n_startup_trials: random proposals before TPE models the outcomes (default 6: on
+            ``benchmarks/tuner_quality.py``'s 288-config space, 5 to 8 are within noise of each
+            other and 10, Optuna's default, needs about 1.5 more experiments).
         multivariate: model the knobs jointly (interactions between knobs) rather than each
             on its own.
     """
@@ -52,15 +53,12 @@ class ModelBasedTuner(BaseTuner):
         self,
         candidates: Iterable[Candidate],
         *,
-        n_startup_trials: int | None = None,
+        n_startup_trials: int = 6,
         multivariate: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(candidates, **kwargs)
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        fitting = sum(c.fits for c in self.candidates)
-        if n_startup_trials is None:
-            n_startup_trials = max(5, min(10, fitting // 25))
         self.n_startup_trials = n_startup_trials
         self._dims = _dimensions(self.candidates)
         self._distributions: dict[str, BaseDistribution] = {k: d for k, d, _ in self._dims}
