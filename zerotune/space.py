@@ -72,12 +72,11 @@ TBS = "train_batch_size"
 # a list of candidates. Dotted paths; a trailing ".*" covers a whole section.
 LIST_VALUED_KEYS: tuple[str, ...] = (
     "optimizer.params.betas",
-    "scheduler.params.*",  # e.g. cycle/warmup schedules taking lists in custom schedulers
+    "scheduler.params.*",  # passed to the scheduler's constructor as is (client schedulers take lists)
     "zero_optimization.leaf_module.classes",
     "zero_optimization.leaf_module.names",
     "zero_optimization.leaf_module.name_suffixes",
     "comms_logger.prof_ops",
-    "flops_profiler.*",
     "data_efficiency.*",
     "curriculum_learning.*",
     "compression_training.*",
@@ -146,7 +145,8 @@ _SIZE_KEYS: dict[str, int] = {
 
 # Canonical-name acronyms, in the order they appear in a name. Collision-free by construction:
 # unique and prefix-free (no acronym starts another), none starts with "z" (the stage) or "h" (the
-# hash); tests check this. Each has a kind: only a value of that kind is written losslessly.
+# hash) or ends with a digit (values follow); tests check this. Each has a kind: only a value of
+# that kind is written losslessly.
 # DeepSpeed's own table (autotuning/utils.py) maps several keys to the same acronym.
 ACRONYMS: dict[str, tuple[str, str]] = {
     "zero_optimization.overlap_comm": ("oc", "bool"),
@@ -169,8 +169,8 @@ ACRONYMS: dict[str, tuple[str, str]] = {
     "zero_optimization.offload_optimizer.pin_memory": ("pino", "bool"),
     "zero_optimization.offload_param.device": ("op", "str"),
     "zero_optimization.offload_param.pin_memory": ("pinp", "bool"),
-    "fp16.enabled": ("fp16", "bool"),
-    "bf16.enabled": ("bf16", "bool"),
+    "fp16.enabled": ("fp", "bool"),
+    "bf16.enabled": ("bf", "bool"),
     "activation_checkpointing.partition_activations": ("pact", "bool"),
     "activation_checkpointing.cpu_checkpointing": ("cpuck", "bool"),
     MBS: ("mbs", "int"),

@@ -136,6 +136,7 @@ class LocalBackend(Backend):
             if limit:
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
+        script_name = Path(spec.script).name
         start = time.monotonic()
         timed_out = hung = False
         peak = 0
@@ -151,7 +152,8 @@ class LocalBackend(Backend):
                     now = time.monotonic()
                     for child in _descendants(proc.pid):
                         known.setdefault(child.pid, child)
-                        peak = max(peak, _vm_data_bytes(child.pid))
+                        if _is_rank(child, script_name):  # not the launcher, nor a JIT compiler
+                            peak = max(peak, _vm_data_bytes(child.pid))
                     size = _size(exp_dir / "stdout.log") + _size(exp_dir / "stderr.log")
                     if size != last_size:
                         last_size, last_change = size, now
@@ -197,6 +199,14 @@ def _metric_value(metrics: dict, metric: str) -> float:
     FLOP/s per GPU."""
     value = float(metrics[METRIC_KEYS[metric]])
     return value / 1e6 if metric == "latency" else value
+
+
+def _is_rank(proc: psutil.Process, script_name: str) -> bool:
+    """A rank process runs the training script itself (``python -u train.py --local_rank=0 ...``)."""
+    try:
+        return any(Path(arg).name == script_name for arg in proc.cmdline()[1:4])
+    except psutil.Error:
+        return False
 
 
 def _descendants(pid: int) -> list[psutil.Process]:

@@ -1,0 +1,379 @@
+"""Tests of zerotune.space: generation, order, dedupe, pruning, variables, validation, names."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerotune.errors import ConfigError
+from zerotune.space import (
+    ACRONYMS,
+    canonical_json,
+    canonical_name,
+    config_hash,
+    default_space,
+    generate,
+    prune,
+    validate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+Z = "zero_optimization"
+ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999]}}}
+
+
+def names(candidates):
+    return [c.name for c in candidates]
+
+
+# ---- default spaces and the 288-combination stage-3 space --------------------------------------
+
+
+def test_default_space_sizes_per_stage():
+    sizes = {}
+    for stage in range(4):
+        for offload in (False, True):
+            sizes[stage, offload] = len(generate(ADAM, default_space(stage, offload), stage=stage,
+                                                 dp_world_size=1))
+    assert sizes == {(0, False): 1, (0, True): 1, (1, False): 9, (1, True): 18,
+                     (2, False): 72, (2, True): 144, (3, False): 288, (3, True): 1152}
+
+
+Z3_NAMES_SHA256 = "7c52edc04a80fcabc25a35cc6069686ab36281b8327ae2b288666ef293b0d641"
+
+
+def test_stage3_space_288_combinations_count_order_names():
+    cands = generate({"train_micro_batch_size_per_gpu": 4}, default_space(3), stage=3, dp_world_size=1)
+    got = names(cands)
+    assert len(got) == 288 == len(set(got))
+    # dimensions sorted by key path: overlap_comm, reduce_bucket_size, reduce_scatter,
+    # stage3_max_live_parameters, stage3_max_reuse_distance, stage3_param_persistence_threshold,
+    # stage3_prefetch_bucket_size (fastest); candidates in list order.
+    assert got[:4] == [
+        "z3_oc1_rs1_rbs5e7_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4",
+        "z3_oc1_rs1_rbs5e7_pfbs5e8_ppt1e5_mlp1e8_mrd1e8_mbs4",
+        "z3_oc1_rs1_rbs5e7_pfbs1e9_ppt1e5_mlp1e8_mrd1e8_mbs4",
+        "z3_oc1_rs1_rbs5e7_pfbs5e7_ppt1e6_mlp1e8_mrd1e8_mbs4",
+    ]
+    assert got[24] == "z3_oc1_rs0_rbs5e7_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4"
+    assert got[48] == "z3_oc1_rs1_rbs5e8_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4"
+    assert got[-1] == "z3_oc0_rs0_rbs1e9_pfbs1e9_ppt1e6_mlp1e9_mrd1e9_mbs4"
+    assert hashlib.sha256("\n".join(got).encode()).hexdigest() == Z3_NAMES_SHA256
+    first = cands[0]
+    assert first.ds_config == {
+        "train_micro_batch_size_per_gpu": 4,
+        Z: {"stage": 3, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 50000000,
+            "stage3_prefetch_bucket_size": 50000000, "stage3_param_persistence_threshold": 100000,
+            "stage3_max_live_parameters": 100000000, "stage3_max_reuse_distance": 100000000},
+    }
+    assert sorted(first.knobs) == sorted(f"{Z}.{k}" for k in first.ds_config[Z] if k != "stage")
+    assert all(c.fits for c in cands)
+
+
+def test_order_independent_of_dict_insertion_order():
+    space = default_space(3)
+    reversed_space = {Z: dict(reversed(list(space[Z].items())))}
+    base = {"train_micro_batch_size_per_gpu": 4}
+    assert names(generate(base, reversed_space, stage=3, dp_world_size=1)) == \
+        names(generate(base, space, stage=3, dp_world_size=1))
+
+
+def test_order_independent_of_pythonhashseed():
+    code = ("import hashlib; from zerotune.space import generate, default_space; "
+            "n=[c.name for c in generate({'train_micro_batch_size_per_gpu': 4}, default_space(3), "
+            "stage=3, dp_world_size=1)]; print(hashlib.sha256('\\n'.join(n).encode()).hexdigest())")
+    for seed in ("1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(ROOT))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == Z3_NAMES_SHA256
+
+
+# ---- merge, dedupe, pruning -------------------------------------------------------------
+
+
+def test_dedupe_5e8_equals_500000000():
+    cands = generate({}, {Z: {"reduce_bucket_size": [5e8, 500000000, 5e7]}}, stage=1, dp_world_size=1)
+    assert names(cands) == ["z1_rbs5e8", "z1_rbs5e7"]
+    assert cands[0].ds_config == {Z: {"stage": 1, "reduce_bucket_size": 500000000}}
+    assert canonical_json({"a": 5e8}) == canonical_json({"a": 500000000}) == '{"a":500000000}'
+
+
+def test_pruning_removes_stage3_keys_from_stage1_and_collapses_variants():
+    base = {**ADAM, "train_micro_batch_size_per_gpu": 2,
+            Z: {"stage": 3, "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9,
+                "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"},
+                "reduce_bucket_size": 5e8}}
+    space = {Z: {"stage3_prefetch_bucket_size": [5e7, 5e8], "reduce_bucket_size": [5e7, 5e8]}}
+    cands = generate(base, space, stage=1, dp_world_size=1)
+    assert len(cands) == 2  # the 2 prefetch variants collapse after pruning
+    for c in cands:
+        zero = c.ds_config[Z]
+        assert set(zero) == {"stage", "reduce_bucket_size", "offload_optimizer"}
+        assert zero["offload_optimizer"] == {"device": "cpu"}  # the user's offload is kept
+        assert c.ds_config["optimizer"] == ADAM["optimizer"]
+    assert list(cands[0].knobs) == [f"{Z}.reduce_bucket_size"]
+
+
+def test_pruning_stage0_keeps_only_stage_and_stage3_drops_stage12_keys():
+    cfg = {Z: {"stage": 0, "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu"}}}
+    assert prune(cfg) == {Z: {"stage": 0}}
+    cfg = {Z: {"stage": 3, "allgather_bucket_size": 5e8, "allgather_partitions": True,
+               "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu"}}}
+    assert prune(cfg) == {Z: {"stage": 3, "reduce_bucket_size": 5e8,
+                              "offload_optimizer": {"device": "cpu"}}}
+    # DeepSpeed's own stage-3 space (144 combinations) holds only 24 distinct stage-3 configs.
+    ds_z3 = {Z: {"stage": 3, "overlap_comm": [True, False], "reduce_scatter": [False, True],
+                 "reduce_bucket_size": [5e7, 5e8, 1e9], "allgather_partitions": [True, False],
+                 "allgather_bucket_size": [5e7, 5e8, 1e9], "contiguous_gradients": [False, True]}}
+    assert len(generate({}, ds_z3, stage=3, dp_world_size=1)) == 24
+
+
+def test_space_overrides_only_named_keys_deep_merge():
+    base = {**ADAM, Z: {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    cands = generate(base, {Z: {"offload_optimizer": [{"device": "none"}, {"device": "cpu"}]}},
+                     stage=2, dp_world_size=1)
+    assert [c.ds_config[Z]["offload_optimizer"] for c in cands] == [
+        {"device": "none", "pin_memory": True}, {"device": "cpu", "pin_memory": True}]
+    assert [c.knobs for c in cands] == [{f"{Z}.offload_optimizer.device": "none"},
+                                        {f"{Z}.offload_optimizer.device": "cpu"}]
+
+
+def test_list_valued_settings_not_expanded_list_of_lists_is():
+    base = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    one = generate(base, {"optimizer": {"params": {"betas": [0.9, 0.999]}}}, stage=0, dp_world_size=1)
+    assert len(one) == 1 and one[0].ds_config["optimizer"]["params"]["betas"] == [0.9, 0.999]
+    two = generate(base, {"optimizer": {"params": {"betas": [[0.9, 0.999], [0.9, 0.95]]}}},
+                   stage=0, dp_world_size=1)
+    assert [c.ds_config["optimizer"]["params"]["betas"] for c in two] == [[0.9, 0.999], [0.9, 0.95]]
+    assert [c.knobs for c in two] == [{"optimizer.params.betas": [0.9, 0.999]},
+                                      {"optimizer.params.betas": [0.9, 0.95]}]
+    # an unknown key: path=value and a hash
+    assert two[0].name.startswith("z0_optimizer.params.betas=0.9-0.999_h")
+
+
+def test_autotuning_removed_and_train_batch_size_dropped_when_mbs_varies():
+    base = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+            "autotuning": {"enabled": True, "metric": "throughput"}}
+    cands = generate(base, {"train_micro_batch_size_per_gpu": [2, 4]}, stage=0, dp_world_size=4)
+    assert [c.ds_config for c in cands] == [
+        {"train_micro_batch_size_per_gpu": 2, Z: {"stage": 0}},
+        {"train_micro_batch_size_per_gpu": 4, Z: {"stage": 0}}]
+    assert names(cands) == ["z0_mbs2", "z0_mbs4"]
+    # a fixed global batch named by the space is kept: DeepSpeed derives gas
+    fixed = generate({}, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": [2, 4, 8]},
+                     stage=0, dp_world_size=4)
+    assert [c.ds_config["train_batch_size"] for c in fixed] == [32, 32, 32]
+    with pytest.raises(ConfigError, match="train_batch_size = 32: not divisible by "
+                                          "train_micro_batch_size_per_gpu × dp_world_size = 16 × 4"):
+        generate({}, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": [2, 16]},
+                 stage=0, dp_world_size=4)
+
+
+def test_fits_false_kept_and_marked():
+    cands = generate({}, {"train_micro_batch_size_per_gpu": [1, 2, 4, 8]}, stage=0, dp_world_size=1,
+                     fits=lambda cfg: cfg["train_micro_batch_size_per_gpu"] <= 2)
+    assert [(c.name, c.fits) for c in cands] == [
+        ("z0_mbs1", True), ("z0_mbs2", True), ("z0_mbs4", False), ("z0_mbs8", False)]
+
+
+def test_invalid_combination_is_an_error_not_a_drop():
+    with pytest.raises(ConfigError, match=r"tuning space gives an invalid config "
+                                          r"\(zero_optimization.reduce_bucket_size=0\): "
+                                          r"zero_optimization.reduce_bucket_size = 0: expected a "
+                                          r"positive integer"):
+        generate({}, {Z: {"reduce_bucket_size": [5e8, 0]}}, stage=2, dp_world_size=1)
+    with pytest.raises(ConfigError, match="empty list"):
+        generate({}, {Z: {"reduce_bucket_size": []}}, stage=2, dp_world_size=1)
+    with pytest.raises(ConfigError, match="tuning space zero_optimization.stage = 2, but generating stage 3"):
+        generate({}, default_space(2), stage=3, dp_world_size=1)
+
+
+def test_offload_space_needs_an_offloadable_optimizer():
+    with pytest.raises(ConfigError, match=r"optimizer.type = 'SGD': zero_optimization.offload_optimizer "
+                                          r"needs an optimizer DeepSpeed can run on the CPU"):
+        generate({"optimizer": {"type": "SGD"}}, default_space(2, offload=True), stage=2,
+                 dp_world_size=1)
+
+
+# ---- variables --------------------------------------------------------------------------------
+
+
+def test_variables_whole_value_keeps_type_and_inside_string():
+    base = {Z: {"reduce_bucket_size": "$RBS", "offload_optimizer": {"device": "$DEV"}},
+            "wandb": {"enabled": False, "project": "run_${DEV}_$$5"}, **ADAM}
+    cands = generate(base, {}, stage=2, dp_world_size=1,
+                     variables={"$RBS": [5e7, 500000000], "DEV": ["none", "cpu"]})
+    assert len(cands) == 4
+    # dimensions sorted: $DEV before $RBS; $DEV varies slowest
+    got = [(c.ds_config[Z]["offload_optimizer"]["device"], c.ds_config[Z]["reduce_bucket_size"],
+            c.ds_config["wandb"]["project"]) for c in cands]
+    assert got == [("none", 50000000, "run_none_$5"), ("none", 500000000, "run_none_$5"),
+                   ("cpu", 50000000, "run_cpu_$5"), ("cpu", 500000000, "run_cpu_$5")]
+    assert all(type(c.ds_config[Z]["reduce_bucket_size"]) is int for c in cands)
+
+
+def test_unresolved_and_unused_variables_are_named():
+    with pytest.raises(ConfigError, match=r"unresolved variable \$MBS at train_micro_batch_size_per_gpu"):
+        generate({"train_micro_batch_size_per_gpu": "$MBS"}, {}, stage=0, dp_world_size=1)
+    with pytest.raises(ConfigError, match=r"variable \$GAS is not used"):
+        generate({"train_micro_batch_size_per_gpu": "$MBS"}, {}, stage=0, dp_world_size=1,
+                 variables={"MBS": [1], "GAS": [1, 2]})
+    with pytest.raises(ConfigError, match=r"variable \$MBS = 4: expected a non-empty list"):
+        generate({"train_micro_batch_size_per_gpu": "$MBS"}, {}, stage=0, dp_world_size=1,
+                 variables={"MBS": 4})
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg, dp, message", [
+    ({Z: {"stage": 4}}, 1, "zero_optimization.stage = 4: expected 0, 1, 2 or 3"),
+    ({Z: True}, 1, 'zero_optimization = True: expected an object such as {"stage": 2}'),
+    ({"train_micro_batch_size_per_gpu": 0}, 1,
+     "train_micro_batch_size_per_gpu = 0: expected a positive integer"),
+    ({"train_micro_batch_size_per_gpu": 2.5}, 1,
+     "train_micro_batch_size_per_gpu = 2.5: expected a positive integer"),
+    ({"gradient_accumulation_steps": -1}, 1,
+     "gradient_accumulation_steps = -1: expected a positive integer or \"auto\""),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4,
+     "train_batch_size = 30: expected train_micro_batch_size_per_gpu × gradient_accumulation_steps × "
+     "dp_world_size = 4 × 2 × 4 = 32"),
+    ({Z: {"stage": 2, "reduce_bucket_size": 0}}, 1,
+     "zero_optimization.reduce_bucket_size = 0: expected a positive integer (elements)"),
+    ({Z: {"stage": 1, "allgather_bucket_size": 1.5e3 + 0.5}}, 1,
+     "zero_optimization.allgather_bucket_size = 1500.5: expected a positive integer (elements)"),
+    ({Z: {"stage": 3, "stage3_prefetch_bucket_size": -1}}, 1,
+     "zero_optimization.stage3_prefetch_bucket_size = -1: expected a non-negative integer (elements)"),
+    ({Z: {"stage": 1, "stage3_max_live_parameters": 1e9}}, 1,
+     "zero_optimization.stage3_max_live_parameters applies only to ZeRO stage 3, but stage is 1"),
+    ({Z: {"stage": 2, "offload_param": {"device": "cpu"}}}, 1,
+     "zero_optimization.offload_param applies only to ZeRO stage 3, but stage is 2"),
+    ({Z: {"stage": 3, "allgather_bucket_size": 5e8}}, 1,
+     "zero_optimization.allgather_bucket_size applies only to ZeRO stages 1 and 2, but stage is 3"),
+    ({Z: {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, 1,
+     "zero_optimization.offload_optimizer applies only to ZeRO stages 1-3, but stage is 0"),
+    ({Z: {"stage": 2, "offload_optimizer": {"device": "gpu"}}}, 1,
+     "zero_optimization.offload_optimizer.device = 'gpu': expected one of none, cpu, nvme"),
+    ({Z: {"stage": 3, "offload_param": {"device": "nvme"}}}, 1,
+     "zero_optimization.offload_param.device = 'nvme' needs zero_optimization.offload_param.nvme_path"),
+    ({"optimizer": {"type": "Lamb"}, Z: {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, 1,
+     "optimizer.type = 'Lamb': zero_optimization.offload_optimizer needs an optimizer DeepSpeed can "
+     "run on the CPU (adam, adamw, adagrad, lion), or set \"zero_force_ds_cpu_optimizer\": false"),
+    ({Z: {"stage": 3, "compute_grad_norm": False}}, 1,
+     "zero_optimization.compute_grad_norm = false: supported only with ZeRO stage 1 or 2, but stage is 3"),
+    ({}, 0, "dp_world_size = 0: expected a positive integer"),
+])
+def test_validate_messages(cfg, dp, message):
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, dp)
+    assert str(e.value) == message
+
+
+def test_validate_accepts_good_configs():
+    validate({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+              "gradient_accumulation_steps": 2, **ADAM,
+              Z: {"stage": 2, "reduce_bucket_size": 5e8, "offload_optimizer": {"device": "cpu"}}}, 4)
+    validate({"train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+              "train_micro_batch_size_per_gpu": 4}, 8)
+    validate({"optimizer": {"type": "SGD"}, "zero_force_ds_cpu_optimizer": False,
+              Z: {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, 1)
+    # a client optimizer (no optimizer section): DeepSpeed checks it at run time
+    validate({Z: {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                  "offload_param": {"device": "cpu"}}}, 2)
+
+
+# ---- names ------------------------------------------------------------------------------------
+
+
+def test_canonical_name_readable_and_key_order_independent():
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+           Z: {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8}}
+    assert canonical_name(cfg) == "z2_oc1_rbs5e8_mbs8_gas2"
+    shuffled = {Z: {"reduce_bucket_size": 500000000, "overlap_comm": True, "stage": 2},
+                "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 8}
+    assert canonical_name(shuffled) == "z2_oc1_rbs5e8_mbs8_gas2"
+    # a setting the name omits: the content hash is appended
+    with_fp16 = {**cfg, "fp16": {"enabled": True}}
+    knobs = [f"{Z}.overlap_comm", f"{Z}.reduce_bucket_size"]
+    assert canonical_name(with_fp16, knobs) == f"z2_oc1_rbs5e8_mbs8_gas2_h{config_hash(with_fp16)[:8]}"
+    assert canonical_name(with_fp16) == "z2_oc1_rbs5e8_fp1_mbs8_gas2"
+    assert config_hash(with_fp16) == hashlib.sha256(canonical_json(with_fp16).encode()).hexdigest()
+
+
+def test_number_formatting():
+    def name(v):
+        return canonical_name({Z: {"stage": 1, "reduce_bucket_size": v}})
+    assert [name(v) for v in (5e7, 1e6, 1024, 4096, 1500, 123456789, 20000)] == [
+        "z1_rbs5e7", "z1_rbs1e6", "z1_rbs1024", "z1_rbs4096", "z1_rbs1500", "z1_rbs123456789", "z1_rbs2e4"]
+
+
+def test_acronym_table_collision_free():
+    acronyms = [a for a, _ in ACRONYMS.values()]
+    assert len(set(acronyms)) == len(acronyms)
+    for a, b in itertools.permutations(acronyms, 2):
+        assert not b.startswith(a), (a, b)
+    assert not any(a[0] in "zh" or a[-1].isdigit() for a in acronyms)
+
+
+def test_names_never_collide_property():
+    """Over a space of values that format alike (True/1, "1"/1, 5e8/"5e8", 0.1/"0.1"...) and of
+    differing fixed settings, distinct configs get distinct names, equal configs equal names."""
+    pool = {
+        f"{Z}.overlap_comm": [True, False, 1, 0, "1", None],
+        f"{Z}.reduce_bucket_size": [5e8, 500000000, "5e8", 5e8 + 0.5, 1, True],
+        f"{Z}.offload_optimizer.device": ["cpu", "none", "CPU", "c_pu", 0],
+        "optimizer.params.lr": [0.1, "0.1", 1e-4],
+        "train_micro_batch_size_per_gpu": [8, 8.0, "8"],
+    }
+    by_name: dict[str, str] = {}
+    keys = list(pool)
+    for values in itertools.product(*(pool[k] + ["<absent>"] for k in keys)):
+        cfg: dict = {Z: {"stage": 2}}
+        for key, value in zip(keys, values):
+            if value == "<absent>":
+                continue
+            d = cfg
+            *parents, leaf = key.split(".")
+            for p in parents:
+                d = d.setdefault(p, {})
+            d[leaf] = value
+        for knobs in (None, keys[:2]):
+            name = canonical_name(cfg, knobs)
+            text = canonical_json(cfg)
+            assert by_name.setdefault(f"{knobs is None}:{name}", text) == text, name
+    assert len(by_name) > 5000
+
+
+def test_generated_names_unique_when_values_format_alike():
+    cands = generate({}, {"wandb": {"project": ["a-b", "a_b", "a b"]}, "steps_per_print": [10, "10"]},
+                     stage=2, dp_world_size=1)
+    assert len(cands) == 6 == len(set(names(cands)))
+    assert cands[0].name.startswith("z2_steps_per_print=10_wandb.project=a-b_h")
+
+
+# ---- DeepSpeed drift guard ---------------------------------------------------------------------
+
+
+def test_known_zero_keys_exist_in_deepspeed():
+    zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
+    from zerotune import space
+
+    fields = set()
+    for name, f in zero_config.DeepSpeedZeroConfig.model_fields.items():
+        fields.add(name)
+        if f.alias:
+            fields.add(f.alias)
+    ours = set(space.STAGE3_ONLY_KEYS) | set(space.STAGE12_ONLY_KEYS) | set(space._SIZE_KEYS)
+    ours |= {k.split(".")[1] for k in ACRONYMS if k.startswith(Z + ".")}
+    ours |= {k for s in range(4) for k in default_space(s, offload=True)[Z]}
+    assert sorted(ours - fields) == []
+    offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    assert [d.value for d in offload.OffloadDeviceEnum] == list(space.OFFLOAD_DEVICES)
+    ds_config = pytest.importorskip("deepspeed.runtime.config")
+    assert set(space.OFFLOADABLE_OPTIMIZERS) <= set(ds_config.DEEPSPEED_OPTIMIZERS)
