@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# 2 CPU ranks with a 3 GiB budget each: ZeRO 1-3 with DeepSpeed's default buckets need a
+# 2 CPU ranks with a 2.5 GiB budget each: ZeRO 1-3 with DeepSpeed's default buckets need a
 # 2,000,000,000-byte buffer per rank, so memory bounds their micro batch size.
 demo: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/zerotune tune --num_gpus 2 --device-memory 3GiB \
+	OMP_NUM_THREADS=1 $(VENV)/bin/zerotune tune --num_gpus 2 --device-memory 2.5GiB \
 	    --results-dir demo_results --timeout 300 \
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
