@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -23,12 +22,13 @@ from zerotune.backends.base import Backend
 from zerotune.errors import ConfigError
 from zerotune.experiment import Experiment, Status, write_json_atomic
 from zerotune.resources import SlotPool
+from zerotune.space import config_hash
 
 
 def config_digest(ds_config: dict) -> str:
-    """A short content hash of a config (canonical JSON), the key resume matches on."""
-    text = json.dumps(ds_config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    """A short content hash of a config (``space.config_hash``: canonical JSON, 5e8 == 500000000),
+    the key resume matches on."""
+    return config_hash(ds_config)[:12]
 
 
 class ResultsLock:
