@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from rich.console import Console
 
 from zerotune import results as results_mod
-from zerotune.backends.base import LaunchSpec
+from zerotune.backends.base import Backend, LaunchSpec
 from zerotune.backends.local import LocalBackend, free_port, launch_command, launch_env, paste_command
 from zerotune.config import (HIGHER_IS_BETTER, AutotuningConfig, find_config_arg, format_bytes, load_ds_config,
                              parse_autotuning, stage_candidates)
@@ -28,7 +28,7 @@ from zerotune.profile import ModelInfo, profile_config, read_model_info
 from zerotune.resources import Node, SlotPool
 from zerotune.scheduler import ResultsLock, Scheduler
 from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages
-from zerotune.space import _list_valued, default_space, generate
+from zerotune.space import default_space, is_list_valued, generate
 from zerotune.tuners import make_tuner
 
 PLATEAU_THRESHOLD = 0.01
@@ -55,13 +55,16 @@ class Autotuner:
         script_args: its arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
         nodes: the device slots to use (``resources.select_resources``).
         options: see :class:`TuneOptions`.
+        backend: runs the experiments (default: :class:`LocalBackend` with this tuner's launch spec);
+            any :class:`Backend`, e.g. Ray, or a simulated cluster in the benchmarks.
 
     Raises:
         ConfigError: bad config, bad ``autotuning`` section, no device memory budget on CPU.
     """
 
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
-                 options: TuneOptions | None = None, console: Console | None = None):
+                 options: TuneOptions | None = None, console: Console | None = None,
+                 backend: Backend | None = None):
         self.options = options or TuneOptions()
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.script = script
@@ -72,6 +75,8 @@ class Autotuner:
         self.stages = stage_candidates(self.user_config, source=self.config_path)
         self.nodes = list(nodes)
         self.world_size = sum(len(n.slots) for n in self.nodes)
+        # every experiment uses every selected node with the same slot count on each (the smallest)
+        self.num_nodes, self.slots_per_node = len(self.nodes), min(len(n.slots) for n in self.nodes)
         if self.world_size % self.at.mp_size:
             raise ConfigError(f"{self.config_path}: 'autotuning.mp_size' = {self.at.mp_size} does not divide the "
                               f"{self.world_size} selected slots")
@@ -92,7 +97,8 @@ class Autotuner:
                                start_profile_step=self.at.start_profile_step, end_profile_step=self.at.end_profile_step,
                                metric=self.at.metric)
         self.pool = SlotPool(self.nodes)
-        self.scheduler = Scheduler(LocalBackend(self.spec), self.pool, self.exps_dir, on_update=self._progress)
+        self.backend = backend or LocalBackend(self.spec)
+        self.scheduler = Scheduler(self.backend, self.pool, self.exps_dir, on_update=self._progress)
         self.model_info: ModelInfo | None = None
         self.memory: MemoryModel | None = None
         self.stage_results: list[StageResult] = []
@@ -142,8 +148,8 @@ class Autotuner:
         return cfg
 
     def _experiment(self, name: str, config: dict, space: str) -> Experiment:
-        exp = Experiment(name=name, ds_config=config, num_nodes=len(self.nodes),
-                         num_slots=min(len(n.slots) for n in self.nodes), space=space)
+        exp = Experiment(name=name, ds_config=config, num_nodes=self.num_nodes,
+                         num_slots=self.slots_per_node, space=space)
         if self.memory is not None:
             exp.memory_bytes = self.memory.bytes_per_device(config)
         return exp
@@ -214,7 +220,7 @@ class Autotuner:
                 if k not in ("autotuning", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                              "train_batch_size")}
         user_zero = {k: v for k, v in (user.get("zero_optimization") or {}).items() if k != "stage"}
-        batch_size = self.pool.capacity(len(self.nodes), min(len(n.slots) for n in self.nodes))
+        batch_size = self.pool.capacity(self.num_nodes, self.slots_per_node)
         for stage, point in self._knob_stages():
             space = default_space(stage)
             space["zero_optimization"].update(user_zero)
@@ -244,14 +250,18 @@ class Autotuner:
                          f"{format_bytes(self.device_memory)} per rank, DP world size {self.dp_world_size}")
         return notes
 
-    def optimal_command(self, config_path: str) -> str:
-        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots."""
-        reservation = self.pool.try_reserve(len(self.nodes), min(len(n.slots) for n in self.nodes))
+    def _full_launch(self, config_path: str, master_port: int) -> tuple[dict[str, str], list[str]]:
+        """The launcher's environment additions and command to train with ``config_path`` on all
+        selected slots."""
+        reservation = self.pool.try_reserve(self.num_nodes, self.slots_per_node)
         try:
-            cmd = launch_command(self.spec, reservation, config_path, master_port=29500)
-            return paste_command(launch_env(self.spec, reservation), cmd)
+            return launch_env(self.spec, reservation), launch_command(self.spec, reservation, config_path, master_port)
         finally:
             self.pool.release(reservation)
+
+    def optimal_command(self, config_path: str) -> str:
+        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots."""
+        return paste_command(*self._full_launch(config_path, master_port=29500))
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
@@ -272,13 +282,9 @@ class Autotuner:
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")
         config_path = str((self.results_dir / "ds_config_optimal.json").resolve())
-        reservation = self.pool.try_reserve(len(self.nodes), min(len(n.slots) for n in self.nodes))
-        try:
-            cmd = launch_command(self.spec, reservation, config_path, master_port=free_port())
-            env = {**os.environ, **launch_env(self.spec, reservation)}
-        finally:
-            self.pool.release(reservation)
-        self.console.print(f"[bold]running[/]: {paste_command(launch_env(self.spec, reservation), cmd)}")
+        env, cmd = self._full_launch(config_path, master_port=free_port())
+        self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
+        env = {**os.environ, **env}
         return subprocess.call(cmd, env=env)
 
     def _progress(self, exp: Experiment, event: str) -> None:
@@ -301,7 +307,7 @@ def first_candidates(config: Any, path: str = "") -> Any:
     """
     if isinstance(config, dict):
         return {k: first_candidates(v, f"{path}.{k}" if path else k) for k, v in config.items()}
-    if isinstance(config, list) and config and not _list_valued(path):
+    if isinstance(config, list) and config and not is_list_valued(path):
         return copy.deepcopy(config[0])
     return copy.deepcopy(config)
 

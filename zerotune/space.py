@@ -596,7 +596,9 @@ def _substitute(value: Any, env: dict[str, Any]) -> Any:
 # Generation
 
 
-def _list_valued(path: str) -> bool:
+def is_list_valued(path: str) -> bool:
+    """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
+    ``optimizer.params.betas``), so a flat list there is the setting, not a list of candidates."""
     for rule in LIST_VALUED_KEYS:
         if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
             return True
@@ -612,7 +614,7 @@ def _dimensions(space: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ..
             _dimensions(v, path + (str(k),), out)
     elif isinstance(space, list):
         dotted = ".".join(path)
-        if _list_valued(dotted) and not (space and all(isinstance(v, list) for v in space)):
+        if is_list_valued(dotted) and not (space and all(isinstance(v, list) for v in space)):
             return  # the setting itself, e.g. betas: [0.9, 0.999]
         if not space:
             raise ConfigError(f"tuning space key {dotted}: empty list, expected at least one candidate")
