@@ -25,10 +25,11 @@ from zerotune.errors import ConfigError, TuningFailed
 from zerotune.experiment import Experiment, Status
 from zerotune.memory import MemoryModel
 from zerotune.profile import ModelInfo, profile_config, read_model_info
+from zerotune.plan import Plan, PlannedExperiment
 from zerotune.resources import Node, SlotPool
 from zerotune.scheduler import ResultsLock, Scheduler
-from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages
-from zerotune.space import default_space, is_list_valued, generate
+from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages, mbs_ladder
+from zerotune.space import Candidate, config_hash, default_space, generate, is_list_valued, prune
 from zerotune.tuners import make_tuner
 
 PLATEAU_THRESHOLD = 0.01
@@ -147,6 +148,9 @@ class Autotuner:
         cfg["train_batch_size"] = mbs * self.gas * self.dp_world_size
         return cfg
 
+    def _mbs_name(self, stage: int, mbs: int) -> str:
+        return f"z{stage}_mbs{mbs}_gas{self.gas}"
+
     def _experiment(self, name: str, config: dict, space: str) -> Experiment:
         exp = Experiment(name=name, ds_config=config, num_nodes=self.num_nodes,
                          num_slots=self.slots_per_node, space=space)
@@ -154,18 +158,26 @@ class Autotuner:
             exp.memory_bytes = self.memory.bytes_per_device(config)
         return exp
 
+    def _profile_config(self) -> dict[str, Any]:
+        return profile_config(self.user_config, self.at.min_train_micro_batch_size_per_gpu, self.gas, self.dp_world_size)
+
+    def _memory_model(self, info: ModelInfo) -> MemoryModel:
+        """The memory model for the profiled model; on CPU calibrated to the profile run's peak."""
+        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.dp_world_size, self.at.mp_size)
+        if self.cpu and info.peak_memory_bytes:
+            memory = memory.calibrated(self._profile_config(), info.peak_memory_bytes,
+                                       mbs=self.at.min_train_micro_batch_size_per_gpu)
+        return memory
+
     def _profile(self) -> None:
-        cfg = profile_config(self.user_config, self.at.min_train_micro_batch_size_per_gpu, self.gas, self.dp_world_size)
+        cfg = self._profile_config()
         (exp,) = self.scheduler.run([self._experiment("profile", cfg, "profile")])
         if exp.status != Status.OK:
             raise TuningFailed(f"the profile run failed ({exp.status.value}: {exp.error}); "
                                f"see {self.exps_dir / 'profile'}")
         info = read_model_info(self.exps_dir / "profile" / "model_info.json", exp.peak_memory_bytes)
         self.model_info = info
-        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.dp_world_size, self.at.mp_size)
-        if self.cpu and info.peak_memory_bytes:
-            memory = memory.calibrated(cfg, info.peak_memory_bytes, mbs=self.at.min_train_micro_batch_size_per_gpu)
-        self.memory = memory
+        self.memory = memory = self._memory_model(info)
         self.console.print(f"[bold]profile[/]: {info.num_params:,} parameters, activations "
                            f"{format_bytes(info.activation_mem_per_gpu)} per sample, per-rank overhead "
                            f"{format_bytes(memory.overhead_bytes)}, budget {format_bytes(self.device_memory)} per rank")
@@ -191,7 +203,7 @@ class Autotuner:
                                   f" per rank at mbs={lo}): pruned"))
 
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
-            exps = [self._experiment(f"z{stage}_mbs{m}_gas{self.gas}", self._base_config(stage, m), f"z{stage}")
+            exps = [self._experiment(self._mbs_name(stage, m), self._base_config(stage, m), f"z{stage}")
                     for m in mbs_values]
             return [Point(e.mbs, e.status, e.metric) for e in self.scheduler.run(exps)]
 
@@ -212,32 +224,104 @@ class Autotuner:
         best = tops[0][1].metric
         return [tops[0]] + [(s, p) for s, p in tops[1:2] if abs(self.objective.gain(p.metric, best)) <= 0.05]
 
-    def _tune_knobs(self) -> None:
-        """The knob phase (``fast: false``): per chosen stage, at its best mbs, walk the stage's tuning
-        space (zerotune's defaults with the user's own settings and lists over them) with the
-        configured tuner, in batches as large as the slots can run at once."""
+    def _knob_space(self, stage: int, mbs: int, memory: MemoryModel | None) -> list[Candidate]:
+        """The knob phase's candidates for ``stage`` at ``mbs``: zerotune's default space for the
+        stage with the user's own settings, and the user's lists of candidates, over it."""
         user = {k: v for k, v in self.user_config.items()
                 if k not in ("autotuning", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                              "train_batch_size")}
         user_zero = {k: v for k, v in (user.get("zero_optimization") or {}).items() if k != "stage"}
+        space = default_space(stage)
+        space["zero_optimization"].update(user_zero)
+        space.update({k: v for k, v in user.items() if k != "zero_optimization"})
+        fits = None if memory is None else (lambda c: memory.fits(c, self.device_memory))
+        return generate(self._base_config(stage, mbs), space, stage=stage, dp_world_size=self.dp_world_size, fits=fits)
+
+    def _measured_in_mbs_phase(self, stage: int, mbs: int, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """The knob-space candidates that are the mbs phase's config at ``stage`` and ``mbs`` (the
+        same settings once the keys the stage ignores are pruned)."""
+        measured = config_hash(prune(self._base_config(stage, mbs)))
+        return [c for c in candidates if config_hash(c.ds_config) == measured]
+
+    def _tune_knobs(self) -> None:
+        """The knob phase (``fast: false``): per chosen stage, at its best mbs, walk the stage's tuning
+        space (zerotune's defaults with the user's own settings and lists over them) with the
+        configured tuner, in batches as large as the slots can run at once."""
         batch_size = self.pool.capacity(self.num_nodes, self.slots_per_node)
         for stage, point in self._knob_stages():
-            space = default_space(stage)
-            space["zero_optimization"].update(user_zero)
-            space.update({k: v for k, v in user.items() if k != "zero_optimization"})
-            candidates = generate(self._base_config(stage, point.mbs), space, stage=stage,
-                                  dp_world_size=self.dp_world_size,
-                                  fits=lambda c: self.memory.fits(c, self.device_memory))
+            candidates = self._knob_space(stage, point.mbs, self.memory)
             fitting = sum(c.fits for c in candidates)
             self.console.print(f"knob phase ZeRO stage {stage} at mbs={point.mbs}: {len(candidates)} configs, "
                                f"{fitting} fit the memory model; tuner {self.at.tuner_type}, "
                                f"at most {self.at.tuner_num_trials} trials")
             tuner = make_tuner(self.at.tuner_type, candidates, metric=self.at.metric,
                                num_trials=self.at.tuner_num_trials, early_stopping=self.at.tuner_early_stopping)
+            for c in self._measured_in_mbs_phase(stage, point.mbs, candidates):
+                tuner.tell(c.name, Status.OK, point.metric)  # the same config already ran: not again
             while batch := tuner.ask(batch_size):
                 exps = [self._experiment(c.name, c.ds_config, f"z{stage}_knobs") for c in batch]
                 for c, exp in zip(batch, self.scheduler.run(exps)):
                     tuner.tell(c.name, exp.status, exp.metric)
+
+    # -- the dry run ------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """Every experiment this job may generate, with the memory model's bytes per device and
+        whether they fit, without launching anything (``zerotune tune --dry-run``; see
+        :mod:`zerotune.plan` for what is listed and where the model size comes from).
+
+        Raises:
+            ConfigError: a bad tuning space or bounds (as ``tune`` would).
+        """
+        memory, source = self._known_memory_model()
+        lo, hi = self.at.min_train_micro_batch_size_per_gpu, self._max_mbs_bound()
+        rows: list[PlannedExperiment] = []
+
+        def row(name: str, phase: str, cfg: dict, knobs: dict | None = None, fits: bool | None = None):
+            mem = None if memory is None else memory.bytes_per_device(cfg)
+            if fits is None and mem is not None:
+                fits = mem <= self.device_memory
+            rows.append(PlannedExperiment(name, phase, cfg["zero_optimization"]["stage"],
+                                          cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
+                                          knobs or {}, mem, fits, cfg))
+
+        if source != "profile run on disk":
+            row("profile", "profile", self._profile_config())
+        estimates = {}
+        for stage in self.stages:
+            est = hi if memory is None else memory.max_mbs(self._base_config(stage, lo), self.device_memory, cap=hi)
+            estimates[stage] = est
+            for m in mbs_ladder(lo, hi, est) or [lo]:
+                row(self._mbs_name(stage, m), "mbs", self._base_config(stage, m))
+        if not self.at.fast:
+            for stage in self.stages:
+                if estimates[stage] >= lo:
+                    mbs = min(estimates[stage], hi)
+                    candidates = self._knob_space(stage, mbs, memory)
+                    measured = {c.name for c in self._measured_in_mbs_phase(stage, mbs, candidates)}
+                    for c in (c for c in candidates if c.name not in measured):
+                        row(c.name, "knobs", c.ds_config, c.knobs, c.fits if memory is not None else None)
+        return Plan(rows, source, self.device_memory, self.dp_world_size)
+
+    def _known_memory_model(self) -> tuple[MemoryModel | None, str | None]:
+        """The memory model without a new profile run: from a finished profile run of the same
+        config in the results dir, else from ``autotuning.model_info.num_params``; else None."""
+        done = self.scheduler.load(self._experiment("profile", self._profile_config(), "profile"))
+        if done is not None and done.status == Status.OK:
+            try:
+                info = read_model_info(self.exps_dir / "profile" / "model_info.json", done.peak_memory_bytes)
+                return self._memory_model(info), "profile run on disk"
+            except (OSError, KeyError, ValueError):
+                pass
+        given = self.at.model_info or {}
+        if "num_params" in given:
+            key = "autotuning.model_info"
+            num_params = _positive_int(given["num_params"], f"{key}.num_params", self.config_path)
+            activations = given.get("activation_mem_per_gpu", 0)
+            if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+                raise ConfigError(f"{self.config_path}: '{key}.activation_mem_per_gpu' = {activations!r}: expected "
+                                  f"bytes per sample, a non-negative integer")
+            return MemoryModel(num_params, activations, self.dp_world_size, self.at.mp_size), key
+        return None, None
 
     # -- results ----------------------------------------------------------------------------------
     def _notes(self) -> list[str]:

@@ -2,6 +2,7 @@
 
     zerotune tune [--hostfile F] [--include ...] [--num_gpus N] [--device-memory 3GiB] SCRIPT [ARGS...]
     zerotune run  ...same...   # tune, then train with the winning config
+    zerotune tune --dry-run [--json] ...   # list the experiments it may generate, launch nothing
 
 Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
 or value), 130 interrupted (results on disk are kept; rerun to resume).
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kill an experiment whose output has not changed for this many seconds")
         z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
         z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
+        z.add_argument("--dry-run", action="store_true",
+                       help="print every experiment the job may generate (name, stage, mbs, gas, knobs, memory per "
+                            "device, fits) and exit without launching anything")
+        z.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     return parser
@@ -72,7 +77,18 @@ def main(argv: list[str] | None = None) -> int:
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu)
+        if args.json and not args.dry_run:
+            raise ConfigError("--json goes with --dry-run")
         tuner = Autotuner(args.user_script, args.user_args, nodes, options, console=console)
+        if args.dry_run:
+            plan = tuner.plan()
+            if args.json:
+                print(plan.json_text())
+            else:
+                out = Console(width=None if sys.stdout.isatty() else 200)
+                out.print(plan.header(), soft_wrap=True)
+                out.print(plan.table())
+            return 0
         try:
             tuner.tune()
         finally:

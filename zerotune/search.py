@@ -128,10 +128,7 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
         if prev >= hi:
             trace.stop = "cap"
             break
-        nxt = prev * 2
-        if prev < estimate < nxt:
-            nxt = estimate
-        nxt = min(nxt, hi)
+        nxt = next_mbs(prev, estimate, hi)
         (p,) = run([nxt])
         if not p.ok:
             trace.stop = _bisect(run, trace, prev, nxt, objective, threshold)
@@ -146,6 +143,33 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
 
     _fine_pass(run, trace, objective, num_fine)
     return trace
+
+
+def next_mbs(prev: int, estimate: int, hi: int) -> int:
+    """The ladder's next mbs after a runnable ``prev``: double it, but land on the memory
+    estimate when doubling would jump over it, and never exceed ``hi``."""
+    nxt = prev * 2
+    if prev < estimate < nxt:
+        nxt = estimate
+    return min(nxt, hi)
+
+
+def mbs_ladder(lo: int, hi: int, estimate: int) -> list[int]:
+    """The mbs values :func:`search_mbs` climbs when every one runs and improves: ``lo``, then
+    :func:`next_mbs` up to the memory estimate, and the first value above it (the search tries
+    one step past a cautious estimate). What ``--dry-run`` lists; ``[]`` when ``estimate < lo``
+    (the stage is pruned).
+
+    >>> mbs_ladder(1, 1024, 5)
+    [1, 2, 4, 5, 10]
+    """
+    if estimate < lo:
+        return []
+    estimate = min(estimate, hi)
+    ladder = [lo]
+    while ladder[-1] < hi and ladder[-1] <= estimate:
+        ladder.append(next_mbs(ladder[-1], estimate, hi))
+    return ladder
 
 
 def _bisect(run, trace: MbsTrace, ok: int, fail: int, objective: Objective, threshold: float) -> str:

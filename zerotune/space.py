@@ -59,6 +59,7 @@ __all__ = [
     "config_hash",
     "default_space",
     "generate",
+    "is_list_valued",
     "prune",
     "validate",
 ]

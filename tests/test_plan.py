@@ -1,0 +1,145 @@
+"""The dry run (``zerotune tune --dry-run``): which experiments, what memory, nothing launched."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerotune.autotuner import Autotuner, TuneOptions
+from zerotune.experiment import Experiment, Status
+from zerotune.memory import MemoryModel
+from zerotune.profile import profile_config
+from zerotune.resources import select_resources
+from zerotune.scheduler import Scheduler
+from zerotune.search import mbs_ladder
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+GiB = 2**30
+PARAMS = 5_289_472
+ACTIVATIONS = 43_589_632  # bytes per sample
+
+
+def write_config(path: Path, *, fast=True, model_info=True, **zero) -> Path:
+    autotuning = {"fast": fast, "max_train_micro_batch_size_per_gpu": 8}
+    if model_info:
+        autotuning["model_info"] = {"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 20_000_000, **zero},
+           "autotuning": autotuning}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def tuner(tmp_path: Path, config: Path, budget: int = int(2.5 * GiB)) -> Autotuner:
+    nodes = select_resources(None, "", "", -1, -1, 2)
+    return Autotuner(SCRIPT, ["--deepspeed_config", str(config)], nodes,
+                     TuneOptions(device_memory_bytes=budget, results_dir=str(tmp_path / "results"), cpu=True))
+
+
+def test_mbs_ladder_lands_on_the_estimate_and_goes_one_step_above():
+    assert mbs_ladder(1, 1024, 5) == [1, 2, 4, 5, 10]
+    assert mbs_ladder(1, 8, 5) == [1, 2, 4, 5, 8]
+    assert mbs_ladder(1, 8, 8) == [1, 2, 4, 8]
+    assert mbs_ladder(1, 8, 100) == [1, 2, 4, 8]
+    assert mbs_ladder(2, 64, 50) == [2, 4, 8, 16, 32, 50, 64]
+    assert mbs_ladder(2, 8, 1) == []
+
+
+def test_plan_from_autotuning_model_info_lists_profile_and_mbs_ladders(tmp_path):
+    plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
+    assert plan.model_info_source == "autotuning.model_info"
+    assert [e.name for e in plan.experiments] == [
+        "profile", "z0_mbs1_gas1", "z0_mbs2_gas1", "z0_mbs4_gas1", "z0_mbs8_gas1",
+        "z1_mbs1_gas1", "z1_mbs2_gas1", "z1_mbs4_gas1", "z1_mbs8_gas1"]
+    z1 = plan.experiments[5]
+    assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 1, 1, {})
+    # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + activations
+    assert z1.memory_bytes == 4 * PARAMS + (4 * PARAMS + 2 * PARAMS) + 6 * PARAMS + 80_000_000 + ACTIVATIONS
+    assert z1.memory_bytes == 208_221_184
+    assert z1.fits is True
+    assert z1.ds_config["train_batch_size"] == 2
+    assert not (tmp_path / "results").exists()  # a dry run writes nothing
+
+
+def test_plan_marks_configs_over_budget_and_the_step_above_the_estimate(tmp_path):
+    # 300 MiB per device: ZeRO-0 (4Ψ+4Ψ+8Ψ+4Ψ buffer = 105.8 MB) fits to mbs 4, ZeRO-1 (fixed 164.6 MB) to mbs 3
+    plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
+    rows = {e.name: e for e in plan.experiments}
+    assert [n for n in rows if n.startswith("z1")] == ["z1_mbs1_gas1", "z1_mbs2_gas1", "z1_mbs3_gas1", "z1_mbs6_gas1"]
+    assert [rows[n].fits for n in ("z1_mbs3_gas1", "z1_mbs6_gas1")] == [True, False]
+    assert [n for n in rows if n.startswith("z0")] == ["z0_mbs1_gas1", "z0_mbs2_gas1", "z0_mbs4_gas1", "z0_mbs8_gas1"]
+    assert rows["z0_mbs4_gas1"].memory_bytes == 20 * PARAMS + 4 * ACTIVATIONS
+    assert rows["z0_mbs8_gas1"].fits is False
+    assert "7 fit 300.00 MiB per device" in plan.header()
+
+
+def test_plan_with_fast_false_lists_the_knob_space_at_the_estimated_mbs(tmp_path):
+    config = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
+    plan = tuner(tmp_path, config).plan()
+    knobs = [e for e in plan.experiments if e.phase == "knobs"]
+    # ZeRO-0 has no knob space; ZeRO-1: the user's 2 reduce bucket sizes x 3 default allgather bucket sizes
+    assert len(knobs) == 6 and {e.stage for e in knobs} == {1} and {e.mbs for e in knobs} == {8}
+    assert knobs[0].knobs == {"zero_optimization.reduce_bucket_size": 20_000_000,
+                              "zero_optimization.allgather_bucket_size": 50_000_000}
+    assert knobs[1].memory_bytes - knobs[0].memory_bytes == 4 * 30_000_000  # the larger reduce bucket
+    assert len({e.name for e in plan.experiments}) == len(plan.experiments)
+
+
+def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
+    plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
+    assert plan.model_info_source is None
+    assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
+    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8]
+    assert "unknown until the profile run" in plan.header()
+
+
+def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
+    config = write_config(tmp_path / "ds.json", model_info=False)
+    t = tuner(tmp_path, config)
+    profile = Experiment("profile", profile_config(t.user_config, 1, 1, 2), num_nodes=1, num_slots=2,
+                         status=Status.OK, metric=1.0, peak_memory_bytes=400 * 2**20)
+    exp_dir = t.exps_dir / "profile"
+    exp_dir.mkdir(parents=True)
+    Scheduler._record(None, profile, exp_dir)
+    (exp_dir / "model_info.json").write_text(json.dumps({"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}))
+    plan = t.plan()
+    assert plan.model_info_source == "profile run on disk"
+    assert plan.experiments[0].name == "z0_mbs1_gas1"  # the profile is not listed again
+    # calibrated on the profile's peak: the fixed per-rank overhead is what the estimate missed there
+    bare = MemoryModel(PARAMS, ACTIVATIONS, dp_world_size=2)
+    overhead = 400 * 2**20 - bare.bytes_per_device(t._profile_config())
+    assert overhead > 0
+    z0 = plan.experiments[0]
+    assert z0.memory_bytes == bare.bytes_per_device(z0.ds_config) + overhead
+
+
+def test_cli_dry_run_json_launches_nothing(tmp_path):
+    config = write_config(tmp_path / "ds.json")
+    out = subprocess.run([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "2.5GiB",
+                          "--results-dir", str(tmp_path / "results"), "--dry-run", "--json", SCRIPT,
+                          "--deepspeed_config", str(config)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["device_memory_bytes"] == int(2.5 * GiB) and data["dp_world_size"] == 2
+    assert [e["name"] for e in data["experiments"]][:2] == ["profile", "z0_mbs1_gas1"]
+    assert data["experiments"][5]["memory_bytes"] == 208_221_184
+    assert not (tmp_path / "results").exists()
+
+
+def test_cli_json_without_dry_run_is_a_usage_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "2.5GiB",
+                          "--json", SCRIPT, "--deepspeed_config", str(write_config(tmp_path / "ds.json"))],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--json goes with --dry-run" in out.stderr
+
+
+def test_bad_model_info_is_an_error_naming_the_key(tmp_path):
+    path = tmp_path / "ds.json"
+    cfg = json.loads(write_config(path).read_text())
+    cfg["autotuning"]["model_info"]["activation_mem_per_gpu"] = "40MB"
+    path.write_text(json.dumps(cfg))
+    from zerotune.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"autotuning.model_info.activation_mem_per_gpu' = '40MB'"):
+        tuner(tmp_path, path).plan()

@@ -1,0 +1,99 @@
+"""The dry run: the experiments a tuning job would generate, with the memory model's verdict on
+each, printed as a table or JSON, without launching anything.
+
+What the search actually runs depends on what it measures (a stage is probed or skipped, the mbs
+ladder stops at a plateau), so the plan lists every experiment it *may* generate: the profile
+run, each ZeRO stage's mbs ladder up to the memory estimate and one step above it
+(:func:`zerotune.search.mbs_ladder`), and with ``"fast": false`` each stage's knob space at its
+estimated largest mbs. Memory figures need the model's size: they come from an earlier profile
+run in the same results dir, else from ``autotuning.model_info`` (``num_params``, optionally
+``activation_mem_per_gpu``), else they are unknown until the profile run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from rich.table import Table
+
+from zerotune.config import format_bytes
+
+
+@dataclass(frozen=True)
+class PlannedExperiment:
+    """One experiment the tuning job may launch.
+
+    Attributes:
+        name: the experiment's name (its directory under the experiments dir).
+        phase: ``profile``, ``mbs`` (the micro-batch search) or ``knobs`` (the knob phase).
+        stage, mbs, gas: ZeRO stage, micro batch size per GPU, gradient accumulation steps.
+        knobs: dotted key -> value of the settings that differ between the configs of its
+            knob space (empty in the other phases).
+        memory_bytes: the memory model's bytes per device, None when the model size is unknown.
+        fits: whether ``memory_bytes`` is within the per-device budget (None: unknown).
+        ds_config: the config it would run.
+    """
+
+    name: str
+    phase: str
+    stage: int
+    mbs: int
+    gas: int
+    knobs: dict[str, Any] = field(default_factory=dict)
+    memory_bytes: int | None = None
+    fits: bool | None = None
+    ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The dry run's answer.
+
+    Attributes:
+        experiments: in the order the phases would run them.
+        model_info_source: where the memory model's parameters come from (``profile run on
+            disk``, ``autotuning.model_info``) or None when unknown.
+        device_memory_bytes: the per-device budget the fits are judged against.
+        dp_world_size: data-parallel world size of every experiment.
+    """
+
+    experiments: Sequence[PlannedExperiment]
+    model_info_source: str | None
+    device_memory_bytes: int
+    dp_world_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_info_source": self.model_info_source, "device_memory_bytes": self.device_memory_bytes,
+                "dp_world_size": self.dp_world_size, "experiments": [asdict(e) for e in self.experiments]}
+
+    def json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False)
+
+    def header(self) -> str:
+        """One line: how many experiments, how many fit, where the model size comes from."""
+        if self.model_info_source is None:
+            verdict = ("memory per device unknown until the profile run (or give autotuning.model_info.num_params "
+                       "and activation_mem_per_gpu)")
+        else:
+            verdict = (f"{sum(e.fits is True for e in self.experiments)} fit "
+                       f"{format_bytes(self.device_memory_bytes)} per device (model size from {self.model_info_source})")
+        return (f"zerotune dry run: {len(self.experiments)} experiments may be generated, {verdict}; "
+                f"DP world size {self.dp_world_size}")
+
+    def table(self) -> Table:
+        """One row per experiment: name, phase, stage, mbs, gas, knobs, bytes per device, fits."""
+        table = Table()
+        for col in ("experiment", "phase", "stage", "mbs", "gas", "knobs that differ", "memory/device", "fits"):
+            table.add_column(col, justify="right" if col in ("stage", "mbs", "gas", "memory/device") else "left",
+                             no_wrap=col != "knobs that differ")
+        for e in self.experiments:
+            knobs = " ".join(f"{k.removeprefix('zero_optimization.')}={_value(v)}" for k, v in e.knobs.items()) or "-"
+            memory = "?" if e.memory_bytes is None else format_bytes(e.memory_bytes)
+            fits = "?" if e.fits is None else ("yes" if e.fits else "no")
+            table.add_row(e.name, e.phase, str(e.stage), str(e.mbs), str(e.gas), knobs, memory, fits)
+        return table
+
+
+def _value(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"), sort_keys=True) if isinstance(v, (dict, list)) else str(v)
