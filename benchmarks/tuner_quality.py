@@ -6,7 +6,8 @@ within 2% of the optimum? Over the 288-config ZeRO-3 space :func:`zerotune.space
 
 - grid search: the space's deterministic order (the same count for every seed);
 - random search: ``random.Random(seed)`` order;
-- model-based: Optuna TPE (``zerotune.tuners.ModelBasedTuner``), asked one experiment at a time
+- model-based: Optuna's Gaussian process (``--sampler tpe``: TPE) through
+  ``zerotune.tuners.ModelBasedTuner``, asked one experiment at a time
   (``--batch`` to ask several at a time).
 
 The synthetic function (``synthetic_step``) is a stylised ZeRO-3 step of a ~2B-parameter model
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--seed-start", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1, help="experiments asked at a time")
     ap.add_argument("--n-startup-trials", type=int, default=None)
+    ap.add_argument("--sampler", choices=("gp", "tpe"), default="gp", help="the model-based tuner's surrogate")
     args = ap.parse_args()
 
     space = generate({"train_micro_batch_size_per_gpu": 4}, default_space(3), stage=3, dp_world_size=1)
@@ -132,9 +134,9 @@ def main() -> None:
     print(f"SYNTHETIC throughput function (not a measurement), {len(space)} configs, "
           f"{len(space) - len(feasible)} OOM")
     print(f"optimum {optimum:.2f} samples/s at {best_name}; {len(near)} configs within 2%")
-    print(f"batch {args.batch}, {args.seeds} seeds\n")
+    print(f"batch {args.batch}, {args.seeds} seeds, model-based sampler {args.sampler}\n")
 
-    mb_kwargs = {}
+    mb_kwargs = {"sampler": args.sampler}
     if args.n_startup_trials is not None:
         mb_kwargs["n_startup_trials"] = args.n_startup_trials
     rows = []
