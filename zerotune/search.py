@@ -12,7 +12,9 @@ learns from the outcomes (``Status`` and metric). Two pieces:
   either its larger memory headroom lets it reach an mbs whose optimistic metric (the best
   stage's curve extrapolated with its last observed gain per doubling) beats the best by the
   threshold, or a single probe at the best mbs measures it faster. Once a stage has measured
-  slower than the best at the same mbs, later stages (more communication) are not probed again.
+  slower than the best at the same mbs by more than the threshold, later stages (more
+  communication) are not probed again; a tie within the threshold is noise and the next stage is
+  probed too.
 """
 from __future__ import annotations
 
@@ -271,7 +273,10 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                     result.reason = (f"probe at mbs={probe_mbs}: {probe.status.value} "
                                      f"{'' if probe.metric is None else f'{probe.metric:.4g} '}"
                                      f"not better than best {best[1].metric:.4g}")
-                    slower_seen = True
+                    # within the plateau threshold it is a tie (noise), not evidence that the higher
+                    # stages are slower: the next stage is still probed
+                    slower_seen = slower_seen or not (probe.ok and abs(objective.gain(probe.metric, best[1].metric))
+                                                      < threshold)
                     continue
                 result.reason = f"probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best[1].metric:.4g})"
         else:
@@ -302,7 +307,8 @@ def _optimistic_metric(results: Sequence[StageResult], best: tuple[int, Point], 
 
     Step time never shrinks as mbs grows and a higher stage is assumed no faster at equal mbs,
     so beyond the best stage's largest runnable mbs ``m`` the metric can grow at most by the
-    last gain per doubling ``g`` observed there: ``T(m) * (1 + g) ** log2(mbs / m)``. For a
+    last gain per doubling ``g`` observed there: ``T(m) * (1 + g) ** log2(mbs / m)``, with ``g``
+    measured from the largest runnable mbs at most ``m / 1.5`` (else the next runnable below ``m``). For a
     metric where lower is better (latency) a larger mbs never helps: None.
     """
     if not objective.higher_is_better:
@@ -314,7 +320,10 @@ def _optimistic_metric(results: Sequence[StageResult], best: tuple[int, Point], 
         return None
     if len(ok) < 2:
         return top.metric * mbs / top.mbs  # no curve yet: linear scaling is the only safe bound
-    prev = ok[-2]
+    # the gain from a point at least 1.5x below: neighbours near the memory boundary (bisection
+    # points a few mbs apart) differ by noise more than by the curve
+    apart = [p for p in ok if p.mbs * 3 <= top.mbs * 2]
+    prev = apart[-1] if apart else ok[-2]
     doublings = math.log2(top.mbs / prev.mbs)
     g = max(0.0, (top.metric / prev.metric) ** (1 / doublings) - 1) if prev.metric > 0 else 0.0
     return top.metric * (1 + g) ** math.log2(mbs / top.mbs)
