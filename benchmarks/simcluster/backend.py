@@ -1,0 +1,115 @@
+"""SIMULATED experiments behind zerotune's ``Backend`` interface: no process is launched.
+
+``SimulatedBackend.run`` does what ``LocalBackend.run`` does around a real launch, with the
+launch replaced by :meth:`Simulator.run`: it writes the experiment's ``ds_config.json`` (with the
+``autotuning`` section a real run gets), a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and
+``stderr.log`` (a CUDA OOM traceback line when the config does not fit), and the file DeepSpeed's
+engine would write: ``model_info.json`` for the profile run (``num_params``,
+``trainable_num_params``, ``activation_mem_per_gpu``, as ``engine.forward`` writes it) or
+``metrics.json`` (``latency`` in microseconds, ``throughput`` in samples/s, ``FLOPS_per_gpu``, as
+``engine._autotuning_exit`` writes it). The outcome is then classified by zerotune's own
+:func:`zerotune.backends.base.classify` from those files, exactly as for a real run, and
+``wall_s`` is the SIMULATED duration (nothing sleeps). The scheduler writes ``exp.json``.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.simcluster.model import Outcome, Simulator
+from zerotune.backends.base import Backend, classify
+from zerotune.config import METRIC_KEYS
+from zerotune.experiment import Experiment, Status, write_json_atomic
+from zerotune.resources import Reservation
+
+OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {alloc:.2f} GiB. GPU 0 has a total "
+            "capacity of {cap:.2f} GiB (SIMULATED)")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One SIMULATED launch: what ran, how long, on how many GPUs."""
+
+    name: str
+    ds_config: dict
+    status: str
+    duration_s: float
+    num_gpus: int
+    profile: bool
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.duration_s * self.num_gpus / 3600
+
+
+def oom_stderr(outcome: Outcome, memory_bytes: int) -> str:
+    """The stderr of a SIMULATED CUDA OOM (the allocator's own message, as a real run prints it)."""
+    over = max(outcome.memory.total - memory_bytes, 1)
+    where = "during engine initialization" if outcome.oom_phase == "init" else "in the first training step"
+    return (f"[SIMULATED] rank 0: out of device memory {where}\n"
+            "Traceback (most recent call last):\n"
+            + OOM_LINE.format(alloc=over / 2**30, cap=memory_bytes / 2**30) + "\n")
+
+
+class SimulatedBackend(Backend):
+    """Runs zerotune's experiments on a :class:`Simulator` (SIMULATED cluster, no process).
+
+    Args:
+        sim: the workload and cluster.
+        metric: the metric zerotune tunes (``throughput``, ``latency``, ``flops``).
+        start_profile_step, end_profile_step: written into each config's ``autotuning`` section,
+            as the local backend does.
+
+    Every launch is appended to :attr:`ledger` (thread-safe).
+    """
+
+    def __init__(self, sim: Simulator, metric: str = "throughput", start_profile_step: int = 3,
+                 end_profile_step: int = 5):
+        self.sim = sim
+        self.metric = metric
+        self.start_profile_step = start_profile_step
+        self.end_profile_step = end_profile_step
+        self.ledger: list[LedgerEntry] = []
+        self._lock = threading.Lock()
+
+    def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
+        exp_dir = Path(exp_dir)
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        profile = exp.space == "profile"
+        metrics_path, model_info_path = exp_dir / "metrics.json", exp_dir / "model_info.json"
+        config = json.loads(json.dumps(exp.ds_config))
+        at = config.setdefault("autotuning", {})
+        at.update(enabled=True, metric_path=str(metrics_path.resolve()), model_info_path=str(model_info_path.resolve()),
+                  start_profile_step=self.start_profile_step, end_profile_step=self.end_profile_step,
+                  metric=self.metric)
+        write_json_atomic(exp_dir / "ds_config.json", config)
+        (exp_dir / "cmd.txt").write_text(f"# SIMULATED: no process launched; {reservation.world_size} GPUs "
+                                         f"({reservation.include_arg()[:80]}...)\n")
+
+        outcome = self.sim.run(exp.ds_config, profile=profile)
+        memory_bytes = self.sim.cluster.device.memory_bytes
+        stderr = "" if outcome.ok else oom_stderr(outcome, memory_bytes)
+        (exp_dir / "stderr.log").write_text(stderr)
+        (exp_dir / "stdout.log").write_text(f"[SIMULATED] {outcome.status} after {outcome.duration_s:.1f} s\n")
+        if outcome.ok and profile:
+            write_json_atomic(model_info_path, self.sim.model_info())
+        elif outcome.ok:
+            write_json_atomic(metrics_path, self.sim.metrics(outcome.step))
+
+        data = model_info_path if profile else metrics_path
+        metrics = json.loads(data.read_text()) if data.exists() else None
+        key = "num_params" if profile else METRIC_KEYS[self.metric]
+        exit_code = 0 if outcome.ok else 1
+        exp.status, exp.error = classify(exit_code, metrics, key, stderr, timed_out=False)
+        exp.exit_code = exit_code
+        exp.wall_s = round(outcome.duration_s, 3)
+        exp.metrics = metrics or {}
+        if exp.status == Status.OK and not profile:
+            value = float(exp.metrics[key])
+            exp.metric = value / 1e6 if self.metric == "latency" else value
+        with self._lock:
+            self.ledger.append(LedgerEntry(exp.name, exp.ds_config, outcome.status, outcome.duration_s,
+                                           reservation.world_size, profile))
+        return exp

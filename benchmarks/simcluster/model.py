@@ -1,0 +1,556 @@
+"""SIMULATED: an analytic model of one DeepSpeed training step of a transformer on a GPU cluster.
+
+Nothing here is a measurement. It is a documented, deterministic stand-in for a real cluster so
+that search quality can be compared at scales (hundreds of GPUs, 70B parameters) that are not
+available; every number it produces is labelled SIMULATED by the benchmark that prints it.
+
+What is modelled, per data-parallel (DP) rank, in bytes and seconds (Ψ = parameters, N = DP world
+size = all GPUs, b = 2 bytes for fp16/bf16 parameters and gradients, s = sequence length,
+h = hidden size, L = layers, V = vocabulary):
+
+Memory (:meth:`Simulator.memory`), the terms of the ZeRO paper (Rajbhandari et al. 2020, sec. 5.1:
+``2Ψ + 2Ψ + KΨ`` with K = 12 for mixed-precision Adam, partitioned over N by stage) and the same
+terms as ``zerotune/memory.py``, plus what a real allocator adds:
+
+==========  =========================  ================================  =============  =====================
+ZeRO stage  fp16 parameters            gradients                         optimizer (K)  DeepSpeed buffers
+==========  =========================  ================================  =============  =====================
+0           2Ψ                         2Ψ                                12Ψ            2·min(Ψ, 5e8) all-reduce
+1           2Ψ                         2Ψ + 4Ψ/N (fp32 partition)        12Ψ/N          2·rbs (×2 overlap_comm)
+2           2Ψ                         2Ψ/N + 4Ψ/N                       12Ψ/N          2·rbs (×2 overlap_comm)
+3           2Ψ/N + 2·min(Ψ, live)      2Ψ/N + 4Ψ/N                       12Ψ/N          2·rbs
+==========  =========================  ================================  =============  =====================
+
+(rbs = ``reduce_bucket_size``, live = ``stage3_max_live_parameters``; ``offload_optimizer`` removes
+the optimizer states and the fp32 gradient partition, ``offload_param`` the stage-3 partition.)
+Activations per sample follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s·(11h + 3h + 4·ffn)``
+bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
+checkpointing a layer keeps only its fp16 input (``2·s·h``) and one layer is recomputed at a time
+in the backward pass (its full activations are live then, and are NOT seen by DeepSpeed's profile,
+which measures the forward pass only). On top: the CUDA context and NCCL buffers
+(:attr:`Cluster.context_bytes`) and allocator fragmentation (:data:`FRAGMENTATION` of activations
+and buffers). A config whose total exceeds the device memory fails as an OOM.
+
+Step time (:meth:`Simulator.step`), for ``gas`` micro-steps of ``mbs`` samples:
+
+- compute: FLOPs per sample ``6·s·Ψ_layers + 12·L·s²·h + 6·s·V·h`` (×4/3 on the layers with
+  activation checkpointing) over the device's peak times an efficiency that grows with the
+  tokens per micro-step ``t = mbs·s`` and with h: ``mfu_max · h/(h+640) · t/(t+1024)``, plus a
+  fixed launch overhead per layer and micro-step (and ZeRO-3's per-module hooks);
+- communication volume per step from the ZeRO paper (sec. 7): stage 0 all-reduces the fp16
+  gradients (2Ψ elements moved per rank, ring), stages 1 and 2 reduce-scatter them (Ψ) and
+  all-gather the updated parameters (Ψ): 2Ψ, like all-reduce; stage 3 all-gathers the parameters
+  in the forward and again in the backward pass and reduce-scatters the gradients: 3Ψ. A ring
+  collective over N ranks moving M bytes takes ``(N-1)/N · M / B`` per reduce-scatter or
+  all-gather (twice that for all-reduce), with B = the per-GPU NVLink bandwidth on one node and
+  ``min(NVLink, the node's NIC bandwidth)`` across nodes, plus a latency per collective call
+  (``α_intra·log2(8) + 2·α_inter·log2(nodes)``, tree-like) times the number of buckets;
+- when it happens: stages 0 and 1 reduce once per step (at the gradient-accumulation boundary),
+  stage 2 reduce-scatters every micro-step, stage 3 gathers and reduce-scatters every micro-step;
+- overlap: with ``overlap_comm`` the gradient reduction hides behind the backward pass (90% of it
+  usable) except the last bucket (``rbs/Ψ`` of the volume); stage-3 parameter gathers are
+  prefetched behind the forward and backward compute except the first prefetch bucket; stage 0
+  and non-overlapped reductions are exposed;
+- optimizer step: memory-bound Adam over the rank's partition (32 bytes per parameter of HBM
+  traffic), or CPU-Adam plus PCIe traffic with ``offload_optimizer``;
+- memory pressure: above 92% of device memory the caching allocator flushes and retries
+  (DeepSpeed warns "pytorch allocator cache flushes since last step ... detrimental to
+  performance"): compute slows by up to 25% at 100%;
+- seeded noise: each (scenario, config) has a fixed multiplicative log-normal factor (σ = 1%) on
+  the step time, the same whichever tuner runs the config.
+
+DeepSpeed's own metrics (``engine._autotuning_exit``): ``latency`` = microseconds per global step
+(``gas`` micro-steps), ``throughput`` = ``train_batch_size / latency`` in samples/s,
+``FLOPS_per_gpu``.
+
+Duration of a simulated experiment (:meth:`Simulator.run`): start-up (launcher, NCCL rendezvous,
+model construction: ``30 + 2·log2(GPUs) + 2·Ψ/1e9`` s) plus ``end_profile_step + 1`` measured
+steps and two steps of warm-up; an OOM at initialisation costs the start-up, one in the first
+step the start-up and one step; the profile run costs the start-up and one forward pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+GiB = 2**30
+
+FRAGMENTATION = 0.08
+"""Allocator fragmentation: extra bytes as a fraction of activations and communication buffers."""
+PRESSURE_START = 0.92
+"""Fraction of device memory above which the allocator starts flushing its cache."""
+PRESSURE_MAX_SLOWDOWN = 0.25
+"""Compute slowdown at 100% of device memory (quadratic from :data:`PRESSURE_START`)."""
+NOISE_SIGMA = 0.01
+"""Log-normal sigma of the per-config multiplicative noise on the step time."""
+OVERLAP_EFFICIENCY = 0.9
+"""Fraction of a compute window that can hide communication."""
+ADAM_HBM_BYTES_PER_PARAM = 32
+"""HBM traffic of one fused Adam update per parameter (fp32 grad, master, m, v read and written)."""
+
+# DeepSpeed defaults (deepspeed/runtime/zero/config.py, engine.py).
+DEFAULT_BUCKET = 500_000_000
+DEFAULT_PREFETCH_BUCKET = 50_000_000
+DEFAULT_MAX_LIVE = 1_000_000_000
+STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU model (SIMULATED figures, close to public data sheets).
+
+    Attributes:
+        name: e.g. ``A100-80GB``.
+        peak_flops: dense fp16/bf16 tensor-core peak, FLOP/s.
+        memory_bytes: device memory, bytes.
+        hbm_bytes_per_s: memory bandwidth, bytes/s.
+        nvlink_bytes_per_s: achievable per-GPU collective (bus) bandwidth inside a node, bytes/s.
+        mfu_max: model-FLOPs utilisation reached by large GEMMs.
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    mfu_max: float
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The network between nodes.
+
+    Attributes:
+        name: e.g. ``IB 8x200G``.
+        bytes_per_s: achievable bandwidth of all of a node's NICs together, bytes/s.
+        latency_s: per-hop latency of a collective step, seconds.
+    """
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_nodes`` nodes of ``gpus_per_node`` identical devices.
+
+    Attributes:
+        context_bytes: per-GPU memory taken before any tensor (CUDA context, NCCL buffers).
+        intra_latency_s: per-hop latency inside a node.
+        pcie_bytes_per_s: host-device bandwidth per GPU (offload).
+        cpu_adam_params_per_s: DeepSpeedCPUAdam throughput per GPU's share of the host cores.
+    """
+
+    device: Device
+    num_nodes: int
+    interconnect: Interconnect
+    gpus_per_node: int = 8
+    context_bytes: int = int(1.25 * GiB)
+    intra_latency_s: float = 8e-6
+    pcie_bytes_per_s: float = 24e9
+    cpu_adam_params_per_s: float = 2.5e8
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def bus_bytes_per_s(self) -> float:
+        """Ring bandwidth B: NVLink on one node; the slower of NVLink and the node's NICs across nodes."""
+        if self.num_nodes == 1:
+            return self.device.nvlink_bytes_per_s
+        return min(self.device.nvlink_bytes_per_s, self.interconnect.bytes_per_s)
+
+    @property
+    def collective_latency_s(self) -> float:
+        """Latency of one collective call: tree-like over GPUs in a node and over nodes."""
+        lat = self.intra_latency_s * math.log2(self.gpus_per_node)
+        if self.num_nodes > 1:
+            lat += 2 * self.interconnect.latency_s * math.log2(self.num_nodes)
+        return lat
+
+
+@dataclass(frozen=True)
+class Transformer:
+    """A decoder-only transformer (GPT-3 / Llama shapes).
+
+    Attributes:
+        kv_fraction: key/value projection width over h (grouped-query attention: 8 KV heads of 64
+            query heads = 0.125).
+        gated_mlp: SwiGLU MLP (three ffn matrices instead of two).
+        tied_embeddings: input and output embeddings share one matrix.
+        activation_checkpointing: the training script checkpoints every layer (a property of the
+            workload, not a tuned knob).
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    vocab: int
+    seq_len: int = 2048
+    kv_fraction: float = 1.0
+    gated_mlp: bool = False
+    tied_embeddings: bool = True
+    activation_checkpointing: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        h = self.hidden
+        attn = 2 * h * h + 2 * h * int(h * self.kv_fraction)
+        mlp = (3 if self.gated_mlp else 2) * h * self.ffn_hidden
+        return attn + mlp
+
+    @property
+    def num_params(self) -> int:
+        """Ψ: layers plus embeddings (one matrix when tied, two otherwise)."""
+        emb = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params + emb
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward + backward FLOPs of one sample (×4/3 on the layers with checkpointing)."""
+        s, h, L = self.seq_len, self.hidden, self.num_layers
+        layers = 6 * s * L * self.layer_params + 12 * L * s * s * h
+        if self.activation_checkpointing:
+            layers *= 4 / 3
+        return layers + 6 * s * self.vocab * h
+
+    @property
+    def layer_activation_bytes(self) -> int:
+        """Activations one layer saves for backward, one sample (Korthikanti et al., flash attention)."""
+        s, h = self.seq_len, self.hidden
+        ffn_terms = 6 if self.gated_mlp else 4
+        return s * (11 * h + 3 * h + ffn_terms * self.ffn_hidden)
+
+    @property
+    def logits_bytes(self) -> int:
+        return 6 * self.seq_len * self.vocab
+
+    @property
+    def forward_activation_bytes(self) -> int:
+        """What DeepSpeed's profile run measures at mbs=1: memory allocated across the forward."""
+        if self.activation_checkpointing:
+            return self.num_layers * 2 * self.seq_len * self.hidden + self.logits_bytes
+        return self.num_layers * self.layer_activation_bytes + self.logits_bytes
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """Peak activation bytes per sample in a training step (the recomputed layer included)."""
+        extra = self.layer_activation_bytes if self.activation_checkpointing else 0
+        return self.forward_activation_bytes + extra
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The settings of a ds_config the simulator reads, with DeepSpeed's defaults filled in."""
+
+    stage: int
+    mbs: int
+    gas: int
+    overlap_comm: bool
+    contiguous_gradients: bool
+    reduce_scatter: bool
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    offload_optimizer: bool
+    offload_param: bool
+
+    @classmethod
+    def from_config(cls, ds_config: dict[str, Any]) -> "ZeroSettings":
+        zero = ds_config.get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+
+        def offloaded(key: str) -> bool:
+            sec = zero.get(key)
+            return isinstance(sec, dict) and str(sec.get("device", "none")).lower() in ("cpu", "nvme")
+
+        overlap = zero.get("overlap_comm")
+        return cls(
+            stage=stage,
+            mbs=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
+            gas=int(ds_config.get("gradient_accumulation_steps", 1)),
+            overlap_comm=(stage == 3) if overlap is None else bool(overlap),
+            contiguous_gradients=bool(zero.get("contiguous_gradients", True)),
+            reduce_scatter=bool(zero.get("reduce_scatter", True)),
+            reduce_bucket_size=int(float(zero.get("reduce_bucket_size", DEFAULT_BUCKET))),
+            allgather_bucket_size=int(float(zero.get("allgather_bucket_size", DEFAULT_BUCKET))),
+            prefetch_bucket_size=int(float(zero.get("stage3_prefetch_bucket_size", DEFAULT_PREFETCH_BUCKET))),
+            max_live_parameters=int(float(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE))),
+            offload_optimizer=stage >= 1 and offloaded("offload_optimizer"),
+            offload_param=stage == 3 and offloaded("offload_param"),
+        )
+
+    def key(self) -> str:
+        """What identifies the config for the simulator (and seeds its noise)."""
+        return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    buffers: int
+    activations: int
+    context: int
+    fragmentation: int
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.buffers + self.activations + self.context + self.fragmentation
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Seconds of one global step (``gas`` micro-steps): ``latency_s`` = gas × (compute + exposed
+    micro-step communication) + exposed boundary communication + optimizer, times ``noise``."""
+
+    compute_s: float  # per micro-step, memory pressure included
+    exposed_comm_micro_s: float  # per micro-step
+    exposed_comm_boundary_s: float  # once per step
+    optimizer_s: float  # once per step
+    pressure: float  # compute slowdown factor (>= 1)
+    noise: float  # multiplicative factor on the step time (1.0 when noise-free)
+    samples: int  # per step, all GPUs
+    flops_per_sample: float
+    num_gpus: int
+    latency_s: float
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second (all GPUs)."""
+        return self.samples / self.latency_s
+
+    @property
+    def flops_per_gpu(self) -> float:
+        return self.flops_per_sample * self.samples / self.num_gpus / self.latency_s
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A simulated experiment: ``status`` is ``ok``, ``oom`` (``oom_phase`` ``init`` or ``step``)."""
+
+    status: str
+    duration_s: float
+    memory: MemoryBreakdown
+    step: StepBreakdown | None
+    oom_phase: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def model_state_bytes(z: ZeroSettings, psi: int, n: int) -> tuple[float, float, float]:
+    """(fp16 parameters, gradients, optimizer states) bytes per GPU for Ψ = ``psi`` over N = ``n``.
+
+    The ZeRO paper's ``2Ψ + 2Ψ + 12Ψ`` partitioned by stage, with DeepSpeed's fp32 gradient
+    partition (``4Ψ/N``, stages 1-3) and stage 3's gathered live parameters
+    (``2·min(Ψ, stage3_max_live_parameters)``); offload removes what it moves to the host.
+    """
+    if z.stage == 0:
+        return 2 * psi, 2 * psi, 12 * psi
+    if z.stage < 3:
+        params = 2 * psi
+    else:
+        params = (0 if z.offload_param else 2 * psi / n) + 2 * min(psi, z.max_live_parameters)
+    grads = (2 * psi if z.stage == 1 else 2 * psi / n) + (0 if z.offload_optimizer else 4 * psi / n)
+    optim = 0 if z.offload_optimizer else 12 * psi / n
+    return params, grads, optim
+
+
+class Simulator:
+    """SIMULATED experiments of one workload (model × cluster) with a seeded noise term.
+
+    Args:
+        model: the transformer the training script trains.
+        cluster: where it runs; every experiment uses all of its GPUs (DP world size = GPUs).
+        seed: seeds the per-config noise.
+        end_profile_step: DeepSpeed's ``autotuning.end_profile_step`` (steps measured before exit).
+    """
+
+    def __init__(self, model: Transformer, cluster: Cluster, seed: int = 0, end_profile_step: int = 5):
+        self.model = model
+        self.cluster = cluster
+        self.seed = seed
+        self.end_profile_step = end_profile_step
+
+    # -- memory ---------------------------------------------------------------------------------
+    def memory(self, ds_config: dict[str, Any]) -> MemoryBreakdown:
+        """Bytes per GPU of ``ds_config`` (see the module docstring)."""
+        z = ZeroSettings.from_config(ds_config)
+        psi, n = self.model.num_params, self.cluster.num_gpus
+        params, grads, optim = model_state_bytes(z, psi, n)
+        if z.stage == 0:
+            buffers = 2 * min(psi, STAGE0_ALLREDUCE_ELEMENTS)
+        elif not z.contiguous_gradients:
+            buffers = 0
+        elif z.stage == 3:
+            buffers = 2 * z.reduce_bucket_size
+        else:
+            buffers = 2 * z.reduce_bucket_size * (2 if z.overlap_comm else 1)
+        activations = self.model.peak_activation_bytes * z.mbs
+        frag = FRAGMENTATION * (activations + buffers)
+        return MemoryBreakdown(int(params), int(grads), int(optim), int(buffers), int(activations),
+                               int(self.cluster.context_bytes), int(frag))
+
+    def communication_bytes(self, ds_config: dict[str, Any]) -> float:
+        """Bytes each rank sends per global step (ring collectives; the ZeRO paper's volumes).
+
+        Stage 0: one all-reduce of the fp16 gradients, ``2·(N-1)/N·2Ψ``. Stages 1, 2: a
+        reduce-scatter and a parameter all-gather, ``(N-1)/N·2Ψ`` each: the same 2Ψ elements
+        (stage 2 reduce-scatters every micro-step). Stage 3: two parameter all-gathers and a
+        reduce-scatter every micro-step, ``3·(N-1)/N·2Ψ`` per micro-step. ``reduce_scatter: false``
+        all-reduces the gradients instead (twice the volume).
+        """
+        z = ZeroSettings.from_config(ds_config)
+        psi, n = self.model.num_params, self.cluster.num_gpus
+        one = (n - 1) / n * 2 * psi
+        reduce = one * (1 if z.reduce_scatter else 2)
+        if z.stage == 0:
+            return 2 * one
+        if z.stage == 1:
+            return reduce + one
+        if z.stage == 2:
+            return z.gas * reduce + one
+        return z.gas * (2 * one + reduce)
+
+    def fits(self, ds_config: dict[str, Any]) -> bool:
+        return self.memory(ds_config).total <= self.cluster.device.memory_bytes
+
+    # -- time -----------------------------------------------------------------------------------
+    def compute_s(self, mbs: int) -> float:
+        """Seconds of forward + backward compute of one micro-step, no memory pressure."""
+        m, d = self.model, self.cluster.device
+        tokens = mbs * m.seq_len
+        eff = d.mfu_max * m.hidden / (m.hidden + 640) * tokens / (tokens + 1024)
+        return mbs * m.flops_per_sample / (d.peak_flops * eff) + m.num_layers * 0.25e-3
+
+    def _collective_s(self, nbytes: float, calls: int, all_reduce: bool = False) -> float:
+        """One ring reduce-scatter or all-gather (all-reduce: twice the volume) of ``nbytes``."""
+        c = self.cluster
+        n = c.num_gpus
+        if n == 1:
+            return 0.0
+        volume = (2 if all_reduce else 1) * (n - 1) / n * nbytes
+        return volume / c.bus_bytes_per_s + calls * c.collective_latency_s * (2 if all_reduce else 1)
+
+    @staticmethod
+    def _exposed(comm_s: float, window_s: float, unhidden_fraction: float) -> float:
+        """Communication left visible when it overlaps a compute window."""
+        return max(comm_s - OVERLAP_EFFICIENCY * window_s, comm_s * min(1.0, unhidden_fraction))
+
+    def step(self, ds_config: dict[str, Any], noise: bool = True) -> StepBreakdown:
+        """Seconds of one global step of ``ds_config`` (see the module docstring)."""
+        z = ZeroSettings.from_config(ds_config)
+        m, c = self.model, self.cluster
+        psi, n, L = m.num_params, c.num_gpus, m.num_layers
+        mem = self.memory(ds_config)
+        frac = mem.total / c.device.memory_bytes
+        pressure = 1 + PRESSURE_MAX_SLOWDOWN * (max(0.0, min(frac, 1.0) - PRESSURE_START) / (1 - PRESSURE_START)) ** 2
+        compute = self.compute_s(z.mbs) * pressure
+        if z.stage == 3:
+            compute += L * 0.2e-3  # ZeRO-3 per-module pre/post hooks (host side)
+        bwd_share = 3 / 4 if m.activation_checkpointing else 2 / 3
+        fwd_window, bwd_window = compute * (1 - bwd_share), compute * bwd_share
+
+        grad_bytes = 2 * psi
+        rs_calls = math.ceil(psi / z.reduce_bucket_size)
+        reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter)
+        last_bucket = z.reduce_bucket_size / psi
+        micro = boundary = 0.0
+        if z.stage == 0:
+            boundary = self._collective_s(grad_bytes, math.ceil(psi / STAGE0_ALLREDUCE_ELEMENTS), all_reduce=True)
+        elif z.stage in (1, 2):
+            exposed = self._exposed(reduce, bwd_window, last_bucket) if z.overlap_comm else reduce
+            if z.stage == 1:
+                boundary += exposed
+            else:
+                micro += exposed
+            boundary += self._collective_s(2 * psi, math.ceil(psi / z.allgather_bucket_size))
+        else:
+            fetch_calls = max(math.ceil(psi / z.prefetch_bucket_size), 4 * L)
+            gather = self._collective_s(2 * psi, fetch_calls)
+            first = max(z.prefetch_bucket_size, m.layer_params) / psi
+            micro += self._exposed(gather, fwd_window, first)
+            if z.overlap_comm:
+                micro += self._exposed(gather + reduce, bwd_window, max(first, last_bucket))
+            else:
+                micro += self._exposed(gather, bwd_window, first) + reduce
+            if z.offload_param:
+                micro += 2 * 2 * psi / n / c.pcie_bytes_per_s
+
+        local = psi if z.stage == 0 else psi / n
+        if z.offload_optimizer:
+            optimizer = local / c.cpu_adam_params_per_s + 6 * local / c.pcie_bytes_per_s
+        else:
+            optimizer = local * ADAM_HBM_BYTES_PER_PARAM / c.device.hbm_bytes_per_s
+
+        latency = z.gas * (compute + micro) + boundary + optimizer
+        factor = self.noise(z) if noise else 1.0
+        return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,
+                             optimizer_s=optimizer, pressure=pressure, noise=factor,
+                             samples=z.mbs * z.gas * n, flops_per_sample=m.flops_per_sample, num_gpus=n,
+                             latency_s=latency * factor)
+
+    def noise(self, z: ZeroSettings) -> float:
+        """The config's fixed multiplicative noise factor: log-normal, seeded by scenario and config."""
+        digest = hashlib.sha256(f"{self.seed}|{z.key()}".encode()).digest()
+        u = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
+        return math.exp(NOISE_SIGMA * NormalDist().inv_cdf(u))
+
+    def throughput(self, ds_config: dict[str, Any]) -> float | None:
+        """Noise-free samples/s of ``ds_config``, or None when it does not fit (the ground truth)."""
+        if not self.fits(ds_config):
+            return None
+        return self.step(ds_config, noise=False).throughput
+
+    # -- experiments ----------------------------------------------------------------------------
+    def startup_s(self) -> float:
+        """Launcher, rendezvous and model construction before the first step."""
+        return 30 + 2 * math.log2(self.cluster.num_gpus) + 2 * self.model.num_params / 1e9
+
+    def run(self, ds_config: dict[str, Any], profile: bool = False) -> Outcome:
+        """One SIMULATED experiment of ``ds_config``: its outcome and how long it ran.
+
+        Args:
+            profile: DeepSpeed's model-info profile run (exits in the first forward pass).
+        """
+        mem = self.memory(ds_config)
+        budget = self.cluster.device.memory_bytes
+        if mem.total - mem.activations - mem.fragmentation > budget:
+            return Outcome("oom", self.startup_s(), mem, None, oom_phase="init")
+        step = self.step(ds_config)
+        if profile:
+            fwd = self.model.forward_activation_bytes * ZeroSettings.from_config(ds_config).mbs
+            ok = mem.total - mem.activations - mem.fragmentation + fwd <= budget
+            return Outcome("ok" if ok else "oom", self.startup_s() + step.compute_s / 3, mem, step,
+                           oom_phase="" if ok else "step")
+        if mem.total > budget:
+            return Outcome("oom", self.startup_s() + step.latency_s, mem, step, oom_phase="step")
+        return Outcome("ok", self.startup_s() + (self.end_profile_step + 3) * step.latency_s, mem, step)
+
+    def metrics(self, step: StepBreakdown) -> dict[str, float]:
+        """``metrics.json`` as DeepSpeed's engine writes it (``_autotuning_exit``): latency in
+        microseconds per global step, throughput in samples/s, FLOPS_per_gpu."""
+        return {"latency": step.latency_s * 1e6, "throughput": step.throughput, "FLOPS_per_gpu": step.flops_per_gpu}
+
+    def model_info(self) -> dict[str, int]:
+        """``model_info.json`` as DeepSpeed's engine writes it in the profile run."""
+        psi = self.model.num_params
+        return {"num_params": psi, "trainable_num_params": psi,
+                "activation_mem_per_gpu": self.model.forward_activation_bytes, "rank": 0}

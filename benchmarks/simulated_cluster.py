@@ -1,0 +1,292 @@
+"""Search quality at scale on a SIMULATED cluster: zerotune vs DeepSpeed's autotuner.
+
+Nothing here runs on a GPU or measures hardware. Each scenario (a model from 125M to 70B
+parameters on 8 to 1024 simulated GPUs of 40 or 80 GB, on one of several interconnects) is an
+analytic model of a DeepSpeed training step (``benchmarks/simcluster/model.py``: compute from
+FLOPs and an mbs-dependent efficiency, ZeRO communication volumes, overlap, buckets, memory with
+allocator overhead, OOM, seeded noise, a simulated duration per experiment).
+
+Both tuners run unchanged against it, with the same simulated device memory, profile, metric
+(throughput), micro-batch bounds (1..1024), ZeRO stages (all) and DeepSpeed's default
+``fast: true`` (no knob phase):
+
+- zerotune: ``zerotune.autotuner.Autotuner(..., backend=SimulatedBackend(sim))`` with
+  ``TuneOptions(device_memory_bytes=<device memory>, cpu=False)`` on N hosts × 8 slots from a
+  hostfile (``benchmarks/simcluster/backend.py``);
+- DeepSpeed: ``deepspeed.autotuning.autotuner.Autotuner(args, active_resources).tune()`` with its
+  experiment launch replaced by the simulator and ``get_accelerator().total_memory()`` returning
+  the device memory (``benchmarks/simcluster/deepspeed_harness.py``).
+
+Per scenario: the exhaustive optimum over the space both tuners search (ZeRO stage 0-3 × mbs
+1..1024 at gradient_accumulation_steps 1, every other setting at DeepSpeed's default; configs a
+tuner ran outside it, such as DeepSpeed's gas > 1, are included when they are better), then per
+tuner the noise-free throughput of the config it chose as a fraction of the optimum, the
+experiments it launched (the profile run included) and the SIMULATED GPU-hours they took
+(duration × GPUs).
+
+Run: ``.venv/bin/python benchmarks/simulated_cluster.py`` (under a minute; ``--only 1 5`` runs some); raw results go to
+``benchmarks/results/simulated_cluster.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed runs in-process for its autotuner only: no device
+
+from rich.console import Console  # noqa: E402
+
+from benchmarks.simcluster.backend import LedgerEntry, SimulatedBackend  # noqa: E402
+from benchmarks.simcluster.deepspeed_harness import run_deepspeed_autotuner  # noqa: E402
+from benchmarks.simcluster.model import GiB, Simulator, ZeroSettings  # noqa: E402
+from benchmarks.simcluster.scenarios import SCENARIOS, Scenario  # noqa: E402
+from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
+from zerotune.errors import TuningFailed  # noqa: E402
+from zerotune.resources import select_resources  # noqa: E402
+
+MAX_MBS = 1024
+LOSS_TOLERANCE = 0.005  # zerotune "loses" a scenario when DeepSpeed's pick is this much better
+
+USER_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "fp16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+    "zero_optimization": {"stage": "all"},
+    "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 3,
+                   "end_profile_step": 5, "min_train_micro_batch_size_per_gpu": 1,
+                   "max_train_micro_batch_size_per_gpu": MAX_MBS},
+}
+
+
+def space_config(stage: int, mbs: int, gas: int = 1) -> dict[str, Any]:
+    cfg = {k: v for k, v in USER_CONFIG.items() if k != "autotuning"}
+    return {**cfg, "zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": mbs,
+            "gradient_accumulation_steps": gas}
+
+
+def exhaustive_optimum(sim: Simulator) -> tuple[dict[str, Any], float, int]:
+    """(config, noise-free samples/s, configs that fit) of the best config in the space."""
+    best, best_value, fitting = None, 0.0, 0
+    for stage in range(4):
+        for mbs in range(1, MAX_MBS + 1):
+            value = sim.throughput(space_config(stage, mbs))
+            if value is None:
+                break  # memory grows with mbs
+            fitting += 1
+            if value > best_value:
+                best, best_value = space_config(stage, mbs), value
+    return best, best_value, fitting
+
+
+def describe(cfg: dict[str, Any] | None) -> str:
+    if cfg is None:
+        return "-"
+    z = ZeroSettings.from_config(cfg)
+    return f"z{z.stage}/mbs{z.mbs}" + (f"/gas{z.gas}" if z.gas != 1 else "")
+
+
+def run_zerotune(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, Any]:
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("".join(f"{h} slots={sim.cluster.gpus_per_node}\n" for h in hosts))
+    config_path = workdir / "zt_config.json"
+    config_path.write_text(json.dumps(USER_CONFIG))
+    nodes = select_resources(hostfile)
+    backend = SimulatedBackend(sim, metric="throughput", start_profile_step=3, end_profile_step=5)
+    options = TuneOptions(device_memory_bytes=sim.cluster.device.memory_bytes, results_dir=str(workdir / "zt_results"),
+                          overwrite=True, cpu=False, hostfile=str(hostfile))
+    tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(config_path)], nodes, options,
+                      console=Console(file=io.StringIO()), backend=backend)
+    chosen, error = None, ""
+    try:
+        chosen = tuner.tune().ds_config
+    except TuningFailed as e:
+        error = str(e)
+    decisions = {r.stage: f"{r.decision} ({r.reason})" for r in tuner.stage_results}
+    return {"chosen": chosen, "reported": tuner.best.metric if tuner.best else None, "ledger": backend.ledger,
+            "decisions": decisions, "error": error}
+
+
+def run_deepspeed(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, Any]:
+    chosen, reported, ledger, error = None, None, [], ""
+    try:
+        chosen, reported, ledger = run_deepspeed_autotuner(sim, USER_CONFIG, workdir, hosts, sim.cluster.gpus_per_node)
+    except Exception as e:  # DeepSpeed's own code failing is a result too
+        error = f"{type(e).__name__}: {e}"
+    return {"chosen": chosen, "reported": reported, "ledger": ledger, "decisions": {}, "error": error}
+
+
+def summarize_tuner(sim: Simulator, run: dict[str, Any], optimum: float) -> dict[str, Any]:
+    ledger: list[LedgerEntry] = run["ledger"]
+    true = sim.throughput(run["chosen"]) if run["chosen"] else None
+    return {
+        "chosen": describe(run["chosen"]),
+        "chosen_config": {k: v for k, v in run["chosen"].items() if k != "autotuning"} if run["chosen"] else None,
+        "reported_throughput": run["reported"],
+        "true_throughput": true,
+        "fraction": (true or 0.0) / optimum,
+        "experiments": len(ledger),
+        "oom": sum(e.status == "oom" for e in ledger),
+        "gpu_hours": sum(e.gpu_hours for e in ledger),
+        "simulated_hours": sum(e.duration_s for e in ledger) / 3600,
+        "decisions": run["decisions"],
+        "error": run["error"],
+        "launches": [{"name": e.name, "config": describe(e.ds_config), "status": e.status,
+                      "duration_s": round(e.duration_s, 1)} for e in ledger],
+    }
+
+
+def run_scenario(sc: Scenario, tmp_root: str) -> dict[str, Any]:
+    sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5)
+    hosts = [f"sim-node-{i}" for i in range(sc.cluster.num_nodes)]
+    best_cfg, best_value, fitting = exhaustive_optimum(sim)
+    with tempfile.TemporaryDirectory(dir=tmp_root) as zt_dir, tempfile.TemporaryDirectory(dir=tmp_root) as ds_dir:
+        zt = run_zerotune(sim, Path(zt_dir), hosts)
+        ds = run_deepspeed(sim, Path(ds_dir), hosts)
+    # configs a tuner ran outside the space (DeepSpeed's gas > 1) count when they are better
+    beyond = None
+    for e in zt["ledger"] + ds["ledger"]:
+        value = None if e.profile or e.status != "ok" else sim.throughput(e.ds_config)
+        if value is not None and value > best_value:
+            best_cfg, best_value, beyond = e.ds_config, value, e.name
+    c = sc.cluster
+    return {
+        "scenario": sc.name, "model": sc.model.name, "num_params": sc.model.num_params,
+        "gpus": c.num_gpus, "nodes": c.num_nodes, "device": c.device.name,
+        "device_memory_gib": c.device.memory_bytes / GiB, "interconnect": c.interconnect.name, "seed": sc.seed,
+        "optimum": {"config": describe(best_cfg), "stage": ZeroSettings.from_config(best_cfg).stage,
+                    "mbs": ZeroSettings.from_config(best_cfg).mbs, "throughput": best_value,
+                    "space_configs_that_fit": fitting,
+                    "outside_space": beyond},
+        "zerotune": summarize_tuner(sim, zt, best_value),
+        "deepspeed": summarize_tuner(sim, ds, best_value),
+    }
+
+
+def why_below(sim_row: dict[str, Any]) -> str:
+    """A one-line reason for zerotune's pick falling short of the optimum, from its own records."""
+    z, opt = sim_row["zerotune"], sim_row["optimum"]
+    if z["error"]:
+        return f"zerotune failed: {z['error']}"
+    zs, os_ = ZeroSettings.from_config(z["chosen_config"]), opt["stage"]
+    if zs.stage != os_:
+        decision = z["decisions"].get(os_, "not considered")
+        if not decision.startswith("explored"):
+            return f"the optimum's stage z{os_} was {decision}"
+        return (f"z{os_} was explored too, but z{zs.stage}/mbs{zs.mbs} measured best on noisy measurements "
+                f"({z['reported_throughput']:.4g} samples/s measured, {z['true_throughput']:.4g} true)")
+    return (f"right stage; picked mbs {zs.mbs} (optimum {opt['mbs']}) on noisy measurements: it measured "
+            f"{z['reported_throughput']:.4g} samples/s, true {z['true_throughput']:.4g}")
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'#':>2} {'scenario (SIMULATED)':<44} {'optimum':<14} {'samples/s':>9} | "
+            f"{'zerotune':<13} {'frac':>5} {'exps':>4} {'GPU-h':>7} | {'DeepSpeed':<14} {'frac':>5} {'exps':>4} {'GPU-h':>7}")
+    print(head)
+    print("-" * len(head))
+    for i, r in enumerate(rows, 1):
+        z, d = r["zerotune"], r["deepspeed"]
+        print(f"{i:>2} {r['scenario']:<44} {r['optimum']['config']:<14} {r['optimum']['throughput']:>9.1f} | "
+              f"{z['chosen']:<13} {z['fraction']:>5.3f} {z['experiments']:>4} {z['gpu_hours']:>7.1f} | "
+              f"{d['chosen']:<14} {d['fraction']:>5.3f} {d['experiments']:>4} {d['gpu_hours']:>7.1f}"
+              + (f"  [DS error: {d['error'][:60]}]" if d["error"] else ""))
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    zf = [r["zerotune"]["fraction"] for r in rows]
+    df = [r["deepspeed"]["fraction"] for r in rows]
+    ze = [r["zerotune"]["experiments"] for r in rows]
+    de = [r["deepspeed"]["experiments"] for r in rows]
+    zh = [r["zerotune"]["gpu_hours"] for r in rows]
+    dh = [r["deepspeed"]["gpu_hours"] for r in rows]
+    zt = [r["zerotune"]["simulated_hours"] for r in rows]
+    dt = [r["deepspeed"]["simulated_hours"] for r in rows]
+    losses = [r for r in rows if r["deepspeed"]["fraction"] - r["zerotune"]["fraction"] > LOSS_TOLERANCE]
+    costlier = [r for r in rows if r["zerotune"]["gpu_hours"] > r["deepspeed"]["gpu_hours"]]
+    return {
+        "scenarios": len(rows),
+        "zerotune_fraction_median": statistics.median(zf), "zerotune_fraction_worst": min(zf),
+        "deepspeed_fraction_median": statistics.median(df), "deepspeed_fraction_worst": min(df),
+        "zerotune_within_1pct": sum(f >= 0.99 for f in zf), "deepspeed_within_1pct": sum(f >= 0.99 for f in df),
+        "experiments_total": {"zerotune": sum(ze), "deepspeed": sum(de), "ratio": ratio(sum(ze), sum(de))},
+        "experiments_ratio_median": statistics.median(ratio(a, b) for a, b in zip(ze, de)),
+        "gpu_hours_total": {"zerotune": sum(zh), "deepspeed": sum(dh), "ratio": ratio(sum(zh), sum(dh))},
+        "gpu_hours_ratio_median": statistics.median(ratio(a, b) for a, b in zip(zh, dh)),
+        "simulated_tuning_hours_total": {"zerotune": sum(zt), "deepspeed": sum(dt), "ratio": ratio(sum(zt), sum(dt))},
+        "zerotune_loses": [r["scenario"] for r in losses],
+        "zerotune_costlier": [r["scenario"] for r in costlier],
+    }
+
+
+def print_summary(s: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    print(f"\nSUMMARY over {s['scenarios']} SIMULATED scenarios (fraction = noise-free throughput of the chosen "
+          f"config / exhaustive optimum)")
+    print(f"  zerotune:  median {s['zerotune_fraction_median']:.3f}, worst {s['zerotune_fraction_worst']:.3f}, "
+          f"within 1% of the optimum in {s['zerotune_within_1pct']}/{s['scenarios']}")
+    print(f"  DeepSpeed: median {s['deepspeed_fraction_median']:.3f}, worst {s['deepspeed_fraction_worst']:.3f}, "
+          f"within 1% of the optimum in {s['deepspeed_within_1pct']}/{s['scenarios']}")
+    e, h = s["experiments_total"], s["gpu_hours_total"]
+    print(f"  experiments: zerotune {e['zerotune']}, DeepSpeed {e['deepspeed']}: ratio {e['ratio']:.2f} "
+          f"(median per scenario {s['experiments_ratio_median']:.2f})")
+    print(f"  SIMULATED GPU-hours: zerotune {h['zerotune']:.0f}, DeepSpeed {h['deepspeed']:.0f}: ratio "
+          f"{h['ratio']:.2f} (median per scenario {s['gpu_hours_ratio_median']:.2f})")
+    losses = [r for r in rows if r["scenario"] in s["zerotune_loses"]]
+    t = s["simulated_tuning_hours_total"]
+    print(f"  SIMULATED tuning time (experiments run one after another): zerotune {t['zerotune']:.1f} h, DeepSpeed "
+          f"{t['deepspeed']:.1f} h: ratio {t['ratio']:.2f}")
+    print(f"  zerotune below DeepSpeed by more than {LOSS_TOLERANCE:.1%}: {len(losses)} scenario(s)")
+    for r in losses:
+        z, d = r["zerotune"], r["deepspeed"]
+        print(f"    {r['scenario']}: zerotune {z['chosen']} {z['fraction']:.3f} vs DeepSpeed {d['chosen']} "
+              f"{d['fraction']:.3f}, optimum {r['optimum']['config']}")
+        print(f"      why: {why_below(r)}")
+    costlier = [r for r in rows if r["scenario"] in s["zerotune_costlier"]]
+    print(f"  zerotune spent more SIMULATED GPU-hours than DeepSpeed: {len(costlier)} scenario(s)")
+    for r in costlier:
+        z, d = r["zerotune"], r["deepspeed"]
+        explored = sum(v.startswith("explored") for v in z["decisions"].values())
+        print(f"    {r['scenario']}: {z['experiments']} vs {d['experiments']} experiments, {z['gpu_hours']:.1f} vs "
+              f"{d['gpu_hours']:.1f} GPU-h; zerotune explored {explored} stage(s) fully")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", type=int, nargs="*", help="scenario numbers (1-based) to run")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "simulated_cluster.json"))
+    args = ap.parse_args()
+    scenarios = [SCENARIOS[i - 1] for i in args.only] if args.only else SCENARIOS
+    tmp_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    start = time.time()
+    rows = []
+    for sc in scenarios:
+        rows.append(run_scenario(sc, tmp_root))
+        print(f"  [{time.time() - start:6.1f}s] {sc.name}", file=sys.stderr)
+    print("SIMULATED cluster benchmark: an analytic model of DeepSpeed training steps, NOT measurements.\n")
+    print_table(rows)
+    s = summary(rows)
+    print_summary(s, rows)
+    elapsed = time.time() - start
+    print(f"\n{len(rows)} scenarios in {elapsed:.0f} s (wall time of this run; the GPU-hours above are SIMULATED)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"label": "SIMULATED", "summary": s, "scenarios": rows, "elapsed_s": elapsed},
+                              indent=1, default=str) + "\n")
+    print(f"raw results: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The SIMULATED cluster of benchmarks/simcluster pinned to exact values (no process, no e2e)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
+from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes  # noqa: E402
+from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE  # noqa: E402
+from zerotune.experiment import Experiment, Status  # noqa: E402
+from zerotune.resources import Node, Reservation  # noqa: E402
+
+ONE_NODE = Cluster(A100_40, num_nodes=1, interconnect=NONE)
+
+
+def zero(stage, **kw):
+    return ZeroSettings.from_config({"zero_optimization": {"stage": stage, **kw}})
+
+
+def test_model_states_match_the_zero_paper_example():
+    # Rajbhandari et al. 2020, figure 1: Psi = 7.5B, N = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB,
+    # plus DeepSpeed's fp32 gradient partition 4*Psi/N = 468,750,000 bytes (stages 1-3).
+    psi, n, fp32_grad = 7_500_000_000, 64, 468_750_000
+    assert model_state_bytes(zero(0), psi, n) == (15e9, 15e9, 90e9)
+    assert sum(model_state_bytes(zero(1), psi, n)) - fp32_grad == 31_406_250_000
+    assert sum(model_state_bytes(zero(2), psi, n)) - fp32_grad == 16_640_625_000
+    assert sum(model_state_bytes(zero(3, stage3_max_live_parameters=0), psi, n)) - fp32_grad == 1_875_000_000
+    # offload_optimizer moves the optimizer states and the fp32 gradient partition to the host
+    assert model_state_bytes(zero(2, offload_optimizer={"device": "cpu"}), psi, n) == (15e9, 234_375_000, 0)
+
+
+def test_zero3_memory_on_eight_gpus():
+    sim = Simulator(GPT_1_3B, ONE_NODE)
+    assert GPT_1_3B.num_params == 1_310_885_888  # 24 * 12 * 2048^2 + 50257 * 2048
+    m = sim.memory({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}})
+    assert m.parameters == 2_327_721_472  # 2*Psi/8 + 2 * 1e9 live parameters
+    assert m.gradients == 983_164_416  # (2 + 4) * Psi / 8
+    assert m.optimizer_states == 1_966_328_832  # 12 * Psi / 8
+    assert m.buffers == 1_000_000_000  # one fp16 reduce bucket of 5e8
+    assert m.activations == 7_274_913_792  # 2 * (24 * 2048 * 61440 + 6 * 2048 * 50257)
+    assert m.fragmentation == 661_993_103  # 8% of activations and buffers
+    assert m.total == 15_556_298_895
+
+
+def test_communication_volume_per_stage():
+    sim = Simulator(GPT_1_3B, ONE_NODE)
+    one = 7 / 8 * 2 * GPT_1_3B.num_params  # one ring reduce-scatter or all-gather of fp16 values
+    volumes = [sim.communication_bytes({"zero_optimization": {"stage": s}}) for s in range(4)]
+    assert volumes == [2 * one, 2 * one, 2 * one, 3 * one] == [4_588_100_608, 4_588_100_608, 4_588_100_608,
+                                                                6_882_150_912]
+    # stage 2 reduce-scatters every micro-step; stages 0 and 1 only at the boundary
+    assert sim.communication_bytes({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 2}}) == 5 * one
+    assert sim.communication_bytes({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}}) == 2 * one
+
+
+def test_stage0_step_time_terms():
+    sim = Simulator(GPT_1_3B, ONE_NODE)
+    step = sim.step({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}, noise=False)
+    # all-reduce: 4,588,100,608 bytes / 230 GB/s + 3 buckets * 2 * 24 us; Adam: 32 B/param over 1.55 TB/s
+    assert step.exposed_comm_boundary_s == pytest.approx(4_588_100_608 / 230e9 + 3 * 2 * 24e-6, rel=1e-12)
+    assert step.optimizer_s == pytest.approx(1_310_885_888 * 32 / 1.55e12, rel=1e-12)
+    assert step.exposed_comm_micro_s == 0.0 and step.pressure == 1.0
+    assert GPT_125M.flops_per_sample == 1_981_818_077_184  # 6sL*12h^2 + 12Ls^2h + 6sVh
+
+
+def test_noise_is_seeded_per_resolved_config():
+    sim = Simulator(GPT_125M, ONE_NODE, seed=7)
+    a = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    b = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3, "overlap_comm": True}}
+    assert sim.step(a).latency_s == sim.step(b).latency_s  # overlap_comm defaults to True in stage 3
+    assert sim.step(a).noise != Simulator(GPT_125M, ONE_NODE, seed=8).step(a).noise
+
+
+def test_backend_writes_deepspeed_files_and_classifies(tmp_path):
+    cluster = Cluster(A100_40, num_nodes=2, interconnect=IB_8x200G)
+    backend = SimulatedBackend(Simulator(GPT_2_7B, cluster, seed=1))
+    res = Reservation((Node("a", tuple(range(8))), Node("b", tuple(range(8)))))
+    ok = backend.run(Experiment("z3_mbs5", {"train_micro_batch_size_per_gpu": 5, "zero_optimization": {"stage": 3}},
+                                num_nodes=2, num_slots=8), res, tmp_path / "ok")
+    metrics = json.loads((tmp_path / "ok" / "metrics.json").read_text())
+    assert ok.status == Status.OK and ok.metric == metrics["throughput"] > 0
+    assert metrics["latency"] == pytest.approx(5 * 16 / metrics["throughput"] * 1e6)  # microseconds per step
+    oom = backend.run(Experiment("z3_mbs8", {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3}},
+                                 num_nodes=2, num_slots=8), res, tmp_path / "oom")
+    assert oom.status == Status.OOM and "CUDA out of memory" in oom.error and oom.metric is None
+    assert not (tmp_path / "oom" / "metrics.json").exists()
+    prof = backend.run(Experiment("profile", {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
+                                  num_nodes=2, num_slots=8, space="profile"), res, tmp_path / "profile")
+    info = json.loads((tmp_path / "profile" / "model_info.json").read_text())
+    assert prof.status == Status.OK and info["num_params"] == GPT_2_7B.num_params == 2_645_240_320
+    assert [(e.name, e.status, e.num_gpus) for e in backend.ledger] == [
+        ("z3_mbs5", "ok", 16), ("z3_mbs8", "oom", 16), ("profile", "ok", 16)]
+
+
+def test_deepspeed_autotuner_runs_on_the_simulator(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    from benchmarks.simcluster.deepspeed_harness import run_deepspeed_autotuner
+    from benchmarks.simulated_cluster import USER_CONFIG
+
+    cluster = Cluster(A100_40, num_nodes=2, interconnect=IB_8x200G)
+    sim = Simulator(GPT_2_7B, cluster, seed=1016)
+    chosen, reported, ledger = run_deepspeed_autotuner(sim, USER_CONFIG, tmp_path, ["a", "b"], 8)
+    # DeepSpeed's own search trace (its fp16 estimate 20*Psi rules stage 0 out on 40 GB)
+    assert [(e.name, e.status) for e in ledger] == [
+        ("profile_model_info", "ok"), ("z1_gas1_tmbspg1", "ok"), ("z1_gas1_tmbspg6", "oom"),
+        ("z1_gas1_tmbspg5", "oom"), ("z1_gas1_tmbspg4", "ok"), ("z1_gas2_tmbspg2", "ok"), ("z1_gas1_tmbspg3", "ok"),
+        ("z2_gas1_tmbspg4", "ok"), ("z2_gas1_tmbspg7", "oom"), ("z2_gas1_tmbspg6", "oom"), ("z2_gas1_tmbspg5", "ok"),
+        ("z3_gas1_tmbspg4", "ok"), ("z3_gas1_tmbspg8", "oom"), ("z3_gas1_tmbspg7", "oom"), ("z3_gas1_tmbspg6", "oom"),
+        ("z3_gas1_tmbspg5", "ok")]
+    assert (chosen["zero_optimization"], chosen["train_micro_batch_size_per_gpu"]) == ({"stage": 3}, 5)
+    assert reported == sim.step(chosen).throughput
+    assert "total_memory" not in vars(get_accelerator())  # the memory patch is undone
