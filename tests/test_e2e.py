@@ -1,6 +1,7 @@
 """End to end with real DeepSpeed on 2 CPU ranks (DS_ACCELERATOR=cpu), a tiny model, few steps."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,10 @@ def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
     assert all(r["metric"] is None for r in records if r["status"] != "ok")  # failures never scored
     summary = (results / "summary.txt").read_text()
     assert f"Optimal: {best['name']}" in summary and "z0" in summary
+    # DeepSpeed's CPU comm leaves a 69 MB /dev/shm file per rank; none is left for any experiment's port
+    ports = [re.search(r"--master_port (\d+)", p.read_text()).group(1) for p in (results / "exps").glob("*/cmd.txt")]
+    assert len(ports) == len(records)
+    assert [f for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*") if f.name.split("_")[-2] in ports] == []
 
     # DeepSpeed itself accepts the optimal config: run the paste-able command for a few steps.
     cmd = (results / "cmd_optimal.txt").read_text().strip().replace("--steps 6", "--steps 2")

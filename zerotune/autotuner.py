@@ -19,12 +19,14 @@ from rich.console import Console
 from zerotune import results as results_mod
 from zerotune.backends.base import Backend, LaunchSpec
 from zerotune.backends.local import LocalBackend, free_port, launch_command, launch_env, paste_command
+from zerotune.backends.ray import RayBackend
 from zerotune.config import (HIGHER_IS_BETTER, AutotuningConfig, find_config_arg, format_bytes, load_ds_config,
                              parse_autotuning, stage_candidates)
 from zerotune.errors import ConfigError, TuningFailed
 from zerotune.experiment import Experiment, Status
 from zerotune.memory import MemoryModel
 from zerotune.profile import ModelInfo, profile_config, read_model_info
+from zerotune.progress import Progress
 from zerotune.plan import Plan, PlannedExperiment
 from zerotune.resources import Node, SlotPool
 from zerotune.scheduler import ResultsLock, Scheduler
@@ -46,6 +48,8 @@ class TuneOptions:
     overwrite: bool | None = None
     hostfile: str | None = None
     cpu: bool | None = None  # None: CPU when CUDA is not available
+    backend: str = "local"  # 'local' (deepspeed launcher subprocess) or 'ray' (a Ray cluster)
+    ray_address: str | None = None  # backend 'ray': cluster address; None: $RAY_ADDRESS or a local instance
 
 
 class Autotuner:
@@ -98,8 +102,12 @@ class Autotuner:
                                start_profile_step=self.at.start_profile_step, end_profile_step=self.at.end_profile_step,
                                metric=self.at.metric)
         self.pool = SlotPool(self.nodes)
-        self.backend = backend or LocalBackend(self.spec)
-        self.scheduler = Scheduler(self.backend, self.pool, self.exps_dir, on_update=self._progress)
+        if backend is None and self.options.backend not in ("local", "ray"):
+            raise ConfigError(f"unknown backend {self.options.backend!r}: expected 'local' or 'ray'")
+        self.backend = backend or (RayBackend(self.spec, self.options.ray_address) if self.options.backend == "ray"
+                                   else LocalBackend(self.spec))
+        self.progress = Progress(self.console, self.objective)
+        self.scheduler = Scheduler(self.backend, self.pool, self.exps_dir, on_update=self.progress.update)
         self.model_info: ModelInfo | None = None
         self.memory: MemoryModel | None = None
         self.stage_results: list[StageResult] = []
@@ -124,11 +132,13 @@ class Autotuner:
                 for path in (self.exps_dir, self.results_dir / "summary.txt"):
                     shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             try:
+                self.progress.start(self._started)
                 self._profile()
                 self._explore()
                 if not self.at.fast:
                     self._tune_knobs()
             finally:
+                self.progress.stop()
                 self.elapsed_s = time.monotonic() - self._started
                 self.best = self.write_optimal_config()
         if self.best is None:
@@ -370,18 +380,6 @@ class Autotuner:
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
         env = {**os.environ, **env}
         return subprocess.call(cmd, env=env)
-
-    def _progress(self, exp: Experiment, event: str) -> None:
-        elapsed = time.monotonic() - self._started
-        if event == "start":
-            est = f", estimate {format_bytes(exp.memory_bytes)}/rank" if exp.memory_bytes else ""
-            self.console.print(f"[{elapsed:6.1f}s] start {exp.name}{est}")
-            return
-        tag = "cached" if event == "cached" else "done"
-        value = f"{exp.metric:.4g}" if exp.metric is not None else "-"
-        peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
-        self.console.print(f"[{elapsed:6.1f}s] {tag} {exp.name}: {exp.status.value} {self.objective.name}={value}"
-                           f" ({exp.wall_s or 0:.1f} s{peak}){' ' + exp.error if exp.error else ''}")
 
 
 def first_candidates(config: Any, path: str = "") -> Any:

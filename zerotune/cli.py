@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="kill an experiment whose output has not changed for this many seconds")
         z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
         z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
+        z.add_argument("--backend", choices=("local", "ray"), default="local",
+                       help="where experiments run: 'local' (the deepspeed launcher here) or 'ray' (a Ray cluster, "
+                            "one placement group per experiment; pip install 'zerotune[ray]')")
+        z.add_argument("--address", default=None,
+                       help="with --backend ray: the Ray cluster address, e.g. 10.0.0.1:6379 or auto "
+                            "(default: $RAY_ADDRESS, else a new Ray instance on this machine)")
         z.add_argument("--dry-run", action="store_true",
                        help="print every experiment the job may generate (name, stage, mbs, gas, knobs, memory per "
                             "device, fits) and exit without launching anything")
@@ -76,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                                  args.num_gpus if args.hostfile or not cpu else -1, local_slots)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
-                              cpu=cpu)
+                              cpu=cpu, backend=args.backend, ray_address=args.address)
+        if args.address is not None and args.backend != "ray":
+            raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:
             raise ConfigError("--json goes with --dry-run")
         tuner = Autotuner(args.user_script, args.user_args, nodes, options, console=console)

@@ -71,8 +71,11 @@ class Scheduler:
         backend: runs one experiment (thread-safe).
         pool: the device slots.
         exps_dir: one sub-directory per experiment, named after it.
-        on_update: called (from any thread) with each experiment when it starts and ends, for
-            progress display.
+        on_update: called (from any thread) as ``on_update(exp, event)`` for progress display
+            (``zerotune.progress.Progress.update``), with ``event`` one of: ``"cached"`` (its
+            finished result came from disk), ``"queued"`` (waiting for slots), ``"start"``
+            (launched), ``"end"`` (finished, ``exp.status`` set). Every queued experiment is
+            started and ended, except after an interrupt.
     """
 
     def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
@@ -119,19 +122,24 @@ class Scheduler:
                     raise ConfigError(f"experiment {exp.name} needs {exp.num_nodes} node(s) x {exp.num_slots} "
                                       f"slot(s); the selected resources have {self.pool.total_slots} slot(s)")
                 queue.append(exp)
+        for exp in queue:
+            self.on_update(exp, "queued")
         index = {id(e): i for i, e in enumerate(batch)}
         threads: list[threading.Thread] = []
-        running = 0
+        cached = len(results)
         try:
-            while queue or running:
+            while True:
                 with self._cond:
+                    # results[i] is set (under this lock) as an experiment ends; counting them, not
+                    # live threads, means no extra wait for a thread still inside on_update("end").
+                    running = len(threads) - (len(results) - cached)
+                    if not queue and not running:
+                        break
                     reservation = self.pool.try_reserve(queue[0].num_nodes, queue[0].num_slots) if queue else None
                     if reservation is None:
                         self._cond.wait(timeout=0.5)
-                        running = sum(t.is_alive() for t in threads)
                         continue
                     exp = queue.popleft()
-                    running += 1
                 t = threading.Thread(target=self._run_one, args=(exp, reservation, results, index[id(exp)]),
                                      name=f"exp-{exp.name}", daemon=True)
                 threads.append(t)
@@ -147,19 +155,23 @@ class Scheduler:
 
     def _run_one(self, exp: Experiment, reservation, results: dict, i: int) -> None:
         exp_dir = self.exps_dir / exp.name
-        if exp_dir.exists():
-            shutil.rmtree(exp_dir)  # a stale or interrupted attempt of this config
-        exp_dir.mkdir(parents=True)
-        exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
-        self._record(exp, exp_dir)
-        self.launched += 1
-        self.on_update(exp, "start")
         try:
+            if exp_dir.exists():
+                shutil.rmtree(exp_dir)  # a stale or interrupted attempt of this config
+            exp_dir.mkdir(parents=True)
+            exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
+            self._record(exp, exp_dir)
+            with self._cond:
+                self.launched += 1
+            self.on_update(exp, "start")
             self.backend.run(exp, reservation, exp_dir)
-        except Exception as e:  # a backend bug must not kill the tuner or lose other results
+        except Exception as e:  # a backend (or disk) error must not kill the tuner or lose other results
             exp.status, exp.error = Status.FAILED, f"backend error: {e!r}"
         finally:
-            self._record(exp, exp_dir)
+            try:
+                self._record(exp, exp_dir)
+            except OSError:
+                pass  # the result is still returned; only its record on disk is missing
             with self._cond:
                 self.pool.release(reservation)
                 results[i] = exp

@@ -6,6 +6,14 @@ Each experiment gets its own directory with the config it ran (``ds_config.json`
 new session so the whole tree (launcher and ranks) is killed as one process group on timeout,
 hang or Ctrl-C, and any straggler is killed after it exits. Multi-node reservations go through
 the launcher's own hostfile mechanism (``--hostfile``, ``--force_multi``), never a blanket pkill.
+
+Every process of one run carries a token in its environment (``ZEROTUNE_RUN_TOKEN``, inherited
+by the launcher's ranks and anything they start), so a process that left the process group and
+its parent (``setsid`` and a double fork) is still found and killed when the run ends. While a
+run is alive, ``<exps_dir>/.zerotune-running/<name>.json`` names its token and the tuner's pid:
+if the tuner itself is killed (SIGKILL, OOM killer), its experiments outlive it; the next run on
+the same exps dir kills the processes of every record whose tuner is gone before it launches,
+and removes their shared-memory buffers (``remove_shm_buffers``).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
@@ -28,6 +37,9 @@ from zerotune.backends.base import Backend, LaunchSpec, classify
 from zerotune.config import METRIC_KEYS, replace_config_arg
 from zerotune.experiment import Experiment, Status, write_json_atomic
 from zerotune.resources import Reservation
+
+RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
+RUNNING_DIR = ".zerotune-running"  # under the exps dir: one record per experiment being run
 
 _port_lock = threading.Lock()
 _ports_in_use: set[int] = set()
@@ -115,6 +127,8 @@ class LocalBackend(Backend):
         exp_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = exp_dir / "metrics.json"
         model_info_path = exp_dir / "model_info.json"
+        running_dir = exp_dir.parent / RUNNING_DIR
+        reap_orphans(running_dir)  # first: an orphan of a killed tuner could still write into exp_dir
         for stale in (metrics_path, model_info_path):
             stale.unlink(missing_ok=True)
         config = json.loads(json.dumps(exp.ds_config))
@@ -137,12 +151,20 @@ class LocalBackend(Backend):
                 resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
         script_name = Path(spec.script).name
+        token = f"{os.getpid()}-{uuid.uuid4().hex}"
+        record = _write_running_record(running_dir, exp.name, token, port)
         start = time.monotonic()
         timed_out = hung = False
         peak = 0
         with open(exp_dir / "stdout.log", "wb") as out, open(exp_dir / "stderr.log", "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **env}, start_new_session=True, preexec_fn=limit_memory)
+            try:
+                proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                        env={**os.environ, **env, RUN_TOKEN_ENV: token}, start_new_session=True,
+                                        preexec_fn=limit_memory)
+            except BaseException:
+                record.unlink(missing_ok=True)
+                _release_port(port)
+                raise
             with self._lock:
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
@@ -163,9 +185,14 @@ class LocalBackend(Backend):
                         timed_out = hung = True
                     if timed_out or self._cancelled.is_set():
                         break
-                    time.sleep(self.poll_s)
+                    try:  # returns as soon as the launcher exits (a plain sleep adds poll_s / 2 on average)
+                        proc.wait(timeout=self.poll_s)
+                    except subprocess.TimeoutExpired:
+                        pass
             finally:
-                _kill_tree(proc, known)
+                _kill_tree(proc, known, token)
+                remove_shm_buffers(port)
+                record.unlink(missing_ok=True)
                 with self._lock:
                     self._running.pop(proc.pid, None)
                 _release_port(port)
@@ -216,8 +243,9 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None:
-    """Stop the launcher's process group (TERM, then KILL) and any descendant seen on the way."""
+def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: str) -> None:
+    """Stop the launcher's process group (TERM, then KILL), any descendant seen on the way, and any
+    other process carrying the run's token (one that left the group and its parent)."""
     for child in _descendants(proc.pid):
         known.setdefault(child.pid, child)
     if proc.poll() is None:
@@ -236,6 +264,97 @@ def _kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process]) -> None
                 p.wait(timeout=5)
         except psutil.Error:
             pass
+    _kill_token(token)
+
+
+def _with_token(token: str) -> list[psutil.Process]:
+    """Live processes of this user whose environment carries ``token`` (zombies excluded)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(RUN_TOKEN_ENV) == token and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:  # gone, a zombie, or another user's
+            pass
+    return found
+
+
+def _kill_token(token: str) -> int:
+    """SIGKILL every process carrying ``token`` and wait for them; the number killed."""
+    procs = _with_token(token)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=5)
+    return len(procs)
+
+
+def _write_running_record(running_dir: Path, name: str, token: str, master_port: int) -> Path:
+    """Record that this tuner process runs experiment ``name`` with ``token`` (see the module doc)."""
+    running_dir.mkdir(parents=True, exist_ok=True)
+    path = running_dir / f"{name}.json"
+    write_json_atomic(path, {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
+                             "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time()})
+    return path
+
+
+def reap_orphans(running_dir: Path) -> list[str]:
+    """Kill the processes of experiments whose tuner died while they ran (their records are left in
+    ``running_dir``); records of a live tuner, or written on another host (a shared filesystem),
+    are left alone. Returns the names reaped.
+
+    Processes are found by the token in their environment, never by name, so nothing else is
+    touched.
+    """
+    reaped = []
+    try:
+        records = sorted(Path(running_dir).glob("*.json"))
+    except OSError:
+        return reaped
+    for path in records:
+        data = _read_json(path)
+        if (data is None or data.get("host") != socket.gethostname()
+                or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
+            continue
+        if data.get("token"):
+            _kill_token(str(data["token"]))
+        if isinstance(data.get("master_port"), int):
+            remove_shm_buffers(data["master_port"])
+        path.unlink(missing_ok=True)
+        reaped.append(str(data.get("name", path.stem)))
+    return reaped
+
+
+def _alive(pid, create_time) -> bool:
+    """True when the process ``pid`` that started at ``create_time`` still runs (not a reused pid)."""
+    try:
+        p = psutil.Process(int(pid))
+        return abs(p.create_time() - float(create_time)) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, TypeError, ValueError):
+        return False
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def remove_shm_buffers(master_port: int) -> list[Path]:
+    """Remove the shared-memory files DeepSpeed's CPU communication left for a run on ``master_port``.
+
+    On CPU each rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<master addr>_<port>_<rank>``
+    (``deepspeed/ops/csrc/cpu/comm/shm.cpp``, 69 MB each in DeepSpeed 0.19) and never unlinks it, so
+    without this every experiment would leak about 140 MB of RAM-backed files. Called after the
+    run's processes are gone; only this run's port is matched. Returns the files removed.
+    """
+    removed = []
+    for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{master_port}_*"):
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def _signal_group(pgid: int, sig: int) -> None:

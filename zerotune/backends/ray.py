@@ -1,0 +1,374 @@
+"""The Ray backend: each experiment in its own Ray placement group, the ``deepspeed`` launcher inside it.
+
+How one experiment runs (``RayBackend.run``):
+
+1. A placement group with one bundle per node of the reservation, ``{"GPU": slots, "CPU": 1}``:
+   ``STRICT_PACK`` for one node, ``STRICT_SPREAD`` (each bundle on its own node) for several.
+   The experiment waits until Ray places it, at most the experiment timeout.
+2. For several nodes, a short probe task in each other bundle reports its node's IP and the GPU
+   ids Ray granted that bundle.
+3. An actor in bundle 0 (holding that bundle's GPUs and CPU) runs :class:`LocalBackend` on its
+   node: the same launcher command, environment, per-rank memory limit, timeouts, log files and
+   outcome classification as the local backend. Its reservation is what Ray granted, not
+   zerotune's slot names: ``localhost`` with the actor's GPU ids for one node; for several nodes
+   the nodes' IPs and GPU ids, written to ``exp_dir/hostfile`` and given to the launcher with
+   ``--hostfile --force_multi``, so the launcher's own multi-node runner (pdsh by default, which
+   needs passwordless ssh between the nodes as any multi-node DeepSpeed run does) starts the
+   other nodes' ranks, and the launcher's own SIGTERM handler stops them: zerotune never pkills.
+4. The actor is killed and the placement group removed, whatever happened. Should Ray kill the
+   actor mid-run (its out-of-memory killer, a crash), a reaper process stops the launcher's
+   process group on the actor's node (see :class:`NodeLauncher` for what this leaves undone).
+
+.. note:: The experiment directory must be on a filesystem shared by this machine and the Ray
+   nodes (an NFS results dir, or one machine as here), and the script, its data and zerotune
+   itself must be at the same paths on every node: the launcher writes ``metrics.json``, the logs
+   and the profile's ``model_info.json`` where the tuner reads them. A node that cannot see the
+   experiment directory fails the experiment with a message saying so (checked with a marker file
+   written just before dispatch), rather than running blind.
+
+.. note:: Bundles ask for Ray's ``GPU`` resource. On a machine without GPUs give the cluster
+   logical GPUs (``ray start --head --num-gpus 2``) and run the ranks on CPU as the local backend
+   does (``DS_ACCELERATOR=cpu``); the GPU ids then only count ranks.
+
+Ray is an optional dependency (``pip install 'zerotune[ray]'``), imported only when a
+``RayBackend`` is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from zerotune.backends.base import Backend, LaunchSpec
+from zerotune.backends.local import LocalBackend
+from zerotune.errors import ConfigError
+from zerotune.experiment import Experiment, Status
+from zerotune.resources import LOCALHOST, Node, Reservation
+
+__all__ = ["RayBackend", "import_ray"]
+
+DISPATCH_MARKER = ".zerotune_dispatch"  # written in exp_dir by the driver, checked by the node
+POLL_S = 0.5
+
+
+def import_ray():
+    """Import Ray, or explain how to install it.
+
+    Raises:
+        ConfigError: Ray is not installed (``pip install 'zerotune[ray]'``).
+    """
+    try:
+        import ray
+    except ImportError as e:
+        raise ConfigError(f"--backend ray needs Ray, which is not installed ({e}); "
+                          "install it with: pip install 'zerotune[ray]'") from None
+    return ray
+
+
+class RayBackend(Backend):
+    """Runs each experiment in a Ray placement group on a Ray cluster (see the module docstring).
+
+    Args:
+        spec: how to launch the training script (as for :class:`LocalBackend`).
+        address: the Ray cluster, e.g. ``"10.0.0.1:6379"`` or ``"auto"``; ``None`` connects to
+            ``$RAY_ADDRESS`` when set, otherwise starts a Ray instance on this machine. When this
+            process is already connected to Ray (``ray.init`` was called), that connection is used
+            and ``address`` is ignored.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+
+    def __init__(self, spec: LaunchSpec, address: str | None = None):
+        self.spec = spec
+        self.address = address
+        self._ray = import_ray()
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._running: dict[str, Any] = {}  # experiment name -> its launcher actor
+        self._remote_cache: tuple | None = None
+
+    def connect(self) -> None:
+        """Connect this process to the Ray cluster, once (``run`` calls it; building the backend does
+        not, so a dry run never touches Ray).
+
+        Raises:
+            ConfigError: the cluster cannot be reached at ``address``.
+        """
+        with self._lock:
+            if self._ray.is_initialized():
+                return
+            try:
+                self._ray.init(address=self.address, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                where = f"at {self.address}" if self.address else "(no --address: $RAY_ADDRESS or a new local instance)"
+                raise ConfigError(f"cannot connect to the Ray cluster {where}: {e}") from None
+
+    def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
+        """Run ``exp`` in a placement group shaped like ``reservation``, files under ``exp_dir``.
+
+        ``reservation`` gives the shape (nodes x GPUs per node); Ray decides which nodes and GPU
+        ids. Outcomes are as for :class:`LocalBackend`, plus: TIMEOUT when Ray cannot place the
+        group within the experiment timeout; FAILED, without waiting, when the cluster cannot be
+        reached or has no node big enough for a bundle; FAILED when the node cannot see
+        ``exp_dir``, or when Ray loses the actor (killed, or its node died); INTERRUPTED after
+        :meth:`cancel_all`.
+
+        Returns:
+            ``exp``, updated in place.
+        """
+        ray = self._ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        exp_dir = Path(exp_dir).resolve()
+        exp_dir.mkdir(parents=True, exist_ok=True)
+        bundles = [{"GPU": float(n.num_slots), "CPU": 1.0} for n in reservation.nodes]
+        strategy = "STRICT_PACK" if len(bundles) == 1 else "STRICT_SPREAD"
+        shape = f"{len(bundles)} x {{GPU: {reservation.nodes[0].num_slots}, CPU: 1}} {strategy}"
+        start = time.monotonic()
+        try:
+            self.connect()
+        except ConfigError as e:
+            return _finish(exp, Status.FAILED, str(e), start)
+        unfit = _unfit_reason(ray.nodes(), reservation, strategy)
+        if unfit:
+            return _finish(exp, Status.FAILED, f"Ray cannot place {shape}: {unfit}", start)
+
+        pg = placement_group(bundles, strategy=strategy, name=f"zerotune-{exp.name}-{uuid.uuid4().hex[:6]}")
+        actor = None
+        try:
+            outcome = self._wait_placed(pg)
+            if outcome is not None:
+                status, why = outcome
+                return _finish(exp, status, f"Ray placement group {shape} {why}", start)
+
+            def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
+                return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+            probe, launcher = self._remotes()
+            others = ray.get([probe.options(num_cpus=0, num_gpus=float(n.num_slots), scheduling_strategy=in_bundle(i))
+                              .remote() for i, n in enumerate(reservation.nodes) if i > 0])
+            token = uuid.uuid4().hex
+            (exp_dir / DISPATCH_MARKER).write_text(token)
+            actor = launcher.options(num_cpus=1, num_gpus=float(reservation.nodes[0].num_slots),
+                                     scheduling_strategy=in_bundle(0)).remote(self.spec)
+            with self._lock:
+                self._running[exp.name] = actor
+            if self._cancelled.is_set():
+                return _finish(exp, Status.INTERRUPTED, "the tuner was interrupted", start)
+            done = ray.get(actor.run.remote(exp, str(exp_dir), token, os.getcwd(), others))
+            for f in dataclasses.fields(Experiment):
+                setattr(exp, f.name, getattr(done, f.name))
+            return exp
+        except ray.exceptions.RayError as e:
+            status = Status.INTERRUPTED if self._cancelled.is_set() else Status.FAILED
+            return _finish(exp, status, f"Ray error: {type(e).__name__}: {str(e)[:300]}", start)
+        finally:
+            with self._lock:
+                self._running.pop(exp.name, None)
+            (exp_dir / DISPATCH_MARKER).unlink(missing_ok=True)
+            if actor is not None:
+                ray.kill(actor)
+            remove_placement_group(pg)
+
+    def _remotes(self):
+        """The probe task and the launcher actor class as Ray remotes (made once)."""
+        with self._lock:
+            if self._remote_cache is None:
+                self._remote_cache = (self._ray.remote(_granted_slots),
+                                      self._ray.remote(max_concurrency=2)(NodeLauncher))
+            return self._remote_cache
+
+    def _wait_placed(self, pg) -> tuple[Status, str] | None:
+        """Wait until Ray places ``pg``: None when placed, else (status, why) after the experiment
+        timeout or :meth:`cancel_all`."""
+        ready = pg.ready()
+        start = time.monotonic()
+        while True:
+            done, _ = self._ray.wait([ready], timeout=POLL_S)
+            if done:
+                return None
+            if self._cancelled.is_set():
+                return Status.INTERRUPTED, "not placed before the tuner was interrupted"
+            waited = time.monotonic() - start
+            if self.spec.timeout_s is not None and waited > self.spec.timeout_s:
+                return Status.TIMEOUT, (f"not placed after {self.spec.timeout_s:g} s: the cluster's GPUs are "
+                                        f"held by other work (available now: {self._ray.available_resources()})")
+
+    def cancel_all(self) -> None:
+        """Stop every running experiment: each node's launcher is killed by its :class:`LocalBackend`
+        (process group TERM, then KILL), and they are recorded as interrupted."""
+        self._cancelled.set()
+        with self._lock:
+            actors = list(self._running.values())
+        for actor in actors:
+            actor.cancel.remote()
+
+
+class NodeLauncher:
+    """The Ray actor on the first node of an experiment: a :class:`LocalBackend` for one run.
+
+    Threaded (``max_concurrency=2``) so that :meth:`cancel` is served while :meth:`run` runs.
+
+    .. note:: The launcher runs in its own session (so it is killed as one process group), which
+       also means it would outlive this actor if Ray killed the actor (Ray's out-of-memory killer,
+       ``ray.kill``, a crash). A reaper process started with the actor is told each launcher's
+       process group while it runs; when the actor's end closes the reaper's stdin, the reaper
+       sends those groups TERM (``deepspeed.launcher.launch`` stops its ranks), then KILL after
+       10 s. This covers this node only: Ray kills the actor's direct children with it, the
+       launcher's runner among them, so for a multi-node run the runner's own pdsh kill of the
+       other nodes' ranks does not happen and those ranks are left to fail on the broken
+       rendezvous. A normal end, a timeout or :meth:`cancel` go through the runner's handler.
+    """
+
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.backend = LocalBackend(spec)
+        self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True, text=True)
+        self._reaper.wait()  # the forked reaper lives on, reading the pipe
+
+    def run(self, exp: Experiment, exp_dir: str, token: str, cwd: str,
+            others: list[tuple[str, list[int]]]) -> Experiment:
+        """Run ``exp`` with the launcher on this node, on the GPUs Ray granted.
+
+        Args:
+            exp: the experiment.
+            exp_dir: its directory (absolute; on a shared filesystem).
+            token: the content of the dispatch marker the driver wrote in ``exp_dir``.
+            cwd: the driver's working directory; relative paths in the script's arguments mean
+                the same here.
+            others: ``(node IP, GPU ids)`` of the other bundles, in order (multi-node only).
+
+        Returns:
+            ``exp`` with its outcome.
+        """
+        path = Path(exp_dir)
+        try:
+            seen = (path / DISPATCH_MARKER).read_text()
+        except OSError:
+            seen = None
+        if seen != token:
+            exp.status = Status.FAILED
+            exp.error = (f"node {socket.gethostname()} cannot see the experiment directory {exp_dir}: "
+                         "the Ray backend needs the results dir on a filesystem shared with the nodes")
+            return exp
+        if os.path.isdir(cwd):
+            os.chdir(cwd)
+        mine = _granted_slots()
+        if others:
+            nodes = [Node(ip, tuple(ids)) for ip, ids in [mine, *others]]
+            hostfile = path / "hostfile"
+            hostfile.write_text("".join(f"{n.host} slots={max(n.slots) + 1}\n" for n in nodes))
+            spec = dataclasses.replace(self.spec, hostfile=str(hostfile))
+        else:
+            nodes = [Node(LOCALHOST, tuple(mine[1]))]
+            spec = dataclasses.replace(self.spec, hostfile=None)
+        self.backend.spec = spec
+        running = threading.Event()
+        watch = threading.Thread(target=self._report_launchers, args=(running,), daemon=True)
+        running.set()
+        watch.start()
+        try:
+            return self.backend.run(exp, Reservation(tuple(nodes)), path)
+        finally:
+            running.clear()
+            watch.join()
+
+    def _report_launchers(self, running: threading.Event) -> None:
+        """While ``running``: tell the reaper ``+PGID`` for each launcher this actor starts (a direct
+        child leading its own session), then ``-PGID`` once the run has stopped it."""
+        me, told = psutil.Process(), set()
+        while running.is_set():
+            for child in me.children():
+                try:
+                    if child.pid not in told and os.getpgid(child.pid) == child.pid:
+                        self._tell(f"+{child.pid}")
+                        told.add(child.pid)
+                except (OSError, psutil.Error):
+                    pass
+            time.sleep(POLL_S / 2)
+        for pid in told:
+            self._tell(f"-{pid}")
+
+    def _tell(self, line: str) -> None:
+        try:
+            self._reaper.stdin.write(line + "\n")
+            self._reaper.stdin.flush()
+        except OSError:
+            pass
+
+    def cancel(self) -> None:
+        """Stop the running experiment (its outcome becomes INTERRUPTED)."""
+        self.backend.cancel_all()
+
+
+# The reaper (``python -c``): forks away from the actor (whose direct children Ray kills with it),
+# reads ``+PGID``/``-PGID`` lines, and at end of input (the actor exited or was killed) stops the
+# process groups still listed: TERM, then KILL after 10 s.
+_REAPER = """
+import os, signal, sys, time
+if os.fork():  # leave the actor's children: Ray kills those with the actor
+    os._exit(0)
+groups = set()
+for line in sys.stdin:
+    line = line.strip()
+    if line[1:].isdigit():
+        (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+
+def signal_all(sig):
+    alive = set()
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+            alive.add(g)
+        except OSError:
+            pass
+    return alive
+
+signal_all(signal.SIGTERM)
+deadline = time.monotonic() + 10
+while signal_all(0) and time.monotonic() < deadline:
+    time.sleep(0.2)
+signal_all(signal.SIGKILL)
+"""
+
+
+def _granted_slots() -> tuple[str, list[int]]:
+    """In a Ray task or actor: this node's IP and the GPU ids Ray granted, ascending."""
+    import ray
+
+    return ray.util.get_node_ip_address(), sorted(int(i) for i in ray.get_gpu_ids())
+
+
+def _unfit_reason(nodes: list[dict], reservation: Reservation, strategy: str) -> str:
+    """Why the cluster's live nodes can never hold the bundles (total, not free, resources); '' if
+    they can. An autoscaling cluster must have its nodes up before tuning."""
+    gpus = reservation.nodes[0].num_slots
+    alive = [n for n in nodes if n.get("Alive")]
+    big = [n for n in alive if n["Resources"].get("GPU", 0) >= gpus and n["Resources"].get("CPU", 0) >= 1]
+    need = reservation.num_nodes if strategy == "STRICT_SPREAD" else 1
+    if len(big) >= need:
+        return ""
+    have = ", ".join(f"{n['NodeManagerAddress']}: GPU={n['Resources'].get('GPU', 0):g} "
+                     f"CPU={n['Resources'].get('CPU', 0):g}" for n in alive) or "no live node"
+    return (f"it needs {need} node(s) with {gpus} GPU(s) and 1 CPU each, the cluster has {len(big)} ({have}); "
+            "on CPU give Ray logical GPUs, e.g. ray start --head --num-gpus N")
+
+
+def _finish(exp: Experiment, status: Status, error: str, start: float) -> Experiment:
+    exp.status, exp.error = status, error
+    exp.metric, exp.metrics = None, {}
+    exp.wall_s = round(time.monotonic() - start, 3)
+    return exp
