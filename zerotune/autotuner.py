@@ -18,7 +18,8 @@ from rich.console import Console
 
 from zerotune import results as results_mod
 from zerotune.backends.base import Backend, LaunchSpec
-from zerotune.backends.local import LocalBackend, free_port, launch_command, launch_env, paste_command
+from zerotune.backends.local import (RUNNING_DIR, LocalBackend, free_port, launch_command, launch_env, paste_command,
+                                     reap_orphans)
 from zerotune.backends.ray import RayBackend
 from zerotune.config import (HIGHER_IS_BETTER, AutotuningConfig, find_config_arg, format_bytes, load_ds_config,
                              parse_autotuning, stage_candidates)
@@ -127,6 +128,9 @@ class Autotuner:
         """
         self._started = time.monotonic()
         with ResultsLock(self.results_dir):
+            # experiments a killed earlier tuner left running on this dir: stopped before anything
+            # is deleted or cached results are trusted (a fully cached rerun launches nothing)
+            reap_orphans(self.exps_dir / RUNNING_DIR)
             if self.overwrite:
                 import shutil
                 for path in (self.exps_dir, self.results_dir / "summary.txt"):
