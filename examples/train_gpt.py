@@ -9,7 +9,9 @@ Run it with the ``deepspeed`` launcher, e.g.::
         --deepspeed_config examples/ds_config.json
 """
 import argparse
+import json
 import math
+import time
 
 import deepspeed
 import torch
@@ -70,8 +72,14 @@ def main():
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--report-throughput", metavar="PATH", default=None,
+                        help="rank 0 writes the samples/s of the steps after --warmup-steps to PATH (JSON)")
+    parser.add_argument("--warmup-steps", type=int, default=3,
+                        help="optimizer steps left out of --report-throughput's timing")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
+    if args.report_throughput is not None and not 0 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps ({args.warmup_steps}) must be >= 0 and less than --steps ({args.steps})")
 
     deepspeed.init_distributed()
     torch.manual_seed(0)
@@ -79,14 +87,31 @@ def main():
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
     data = batches(engine.train_micro_batch_size_per_gpu(), args.seq_len, args.vocab, seed=engine.global_rank,
                    device=engine.device)
+    report = args.report_throughput is not None and engine.global_rank == 0
+    timed_from = time.perf_counter()  # end of the warm-up steps (the start, without warm-up)
     for step in range(args.steps):
         for _ in range(engine.gradient_accumulation_steps()):
             tokens, targets = next(data)
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
+        if report and step == args.warmup_steps - 1:
+            loss.item()  # the step's work is done
+            timed_from = time.perf_counter()
         if engine.global_rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss.item():.4f} ppl {math.exp(min(loss.item(), 20)):.1f}", flush=True)
+    if report:
+        loss.item()
+        seconds = time.perf_counter() - timed_from
+        steps = args.steps - args.warmup_steps
+        samples = steps * engine.train_batch_size()
+        with open(args.report_throughput, "w") as f:
+            json.dump({"samples_per_s": samples / seconds, "seconds": seconds, "timed_steps": steps,
+                       "warmup_steps": args.warmup_steps, "train_batch_size": engine.train_batch_size(),
+                       "micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+                       "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                       "world_size": engine.world_size}, f, indent=2)
+            f.write("\n")
 
 
 if __name__ == "__main__":
