@@ -12,7 +12,8 @@ runs interleaved), because a tuner's own metric can flatter it.
 
 Output: one table (also written to ``benchmarks/results/compare_deepspeed.txt``) with the ratios
 zerotune / DeepSpeed, and the raw figures as JSON (``benchmarks/results/compare_deepspeed.json``),
-including the machine's load average before and after each phase.
+including the machine's load average before and after each phase and sampled during it (the cores
+may be shared: the figures are only as quiet as the machine was).
 
 Memory budget. On CPU DeepSpeed's autotuner takes ``get_accelerator().total_memory()`` as each
 rank's device memory, which on the CPU accelerator is ``psutil.virtual_memory().total``: the
@@ -35,8 +36,8 @@ what DeepSpeed tunes or measures):
   exited and reaped its ranks by then, so the harness puts a no-op ``pdsh`` first on the tuner's
   ``PATH`` (it only logs its arguments to ``pdsh_calls.log``) and cleans up itself: the tuner runs in
   its own session and its process group is killed when it ends or times out.
-- No hostfile: DeepSpeed then launches locally without ssh (a hostfile, even one naming only
-  localhost, makes it check ssh and launch through pdsh).
+- No hostfile: DeepSpeed then launches locally without ssh (with a hostfile, even one naming only
+  localhost, its launcher first checks passwordless ssh to the first host).
 - No per-experiment timeout exists in DeepSpeed's autotuner: ``--tuner-timeout`` bounds each
   tuner's whole run (the same for both; zerotune also gets ``--exp-timeout`` per experiment). A
   tuner that runs past it is killed; the harness then reports the best experiment it had finished
@@ -47,7 +48,8 @@ what DeepSpeed tunes or measures):
   any timed phase (a short plain training run), so neither tuner pays for a build and no other
   user's build or stale lock in the shared cache stalls an experiment.
 
-Run (about an hour on 2 busy CPU cores with the defaults)::
+Run (about 35 minutes on 2 shared CPU cores with the defaults, after a one-time JIT build of a few
+minutes)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare_deepspeed.py --fast both
 """
@@ -438,8 +440,9 @@ def render(result: dict) -> Table:
                   "", fmt(r["reported_metric"], 2), fmt(r["remeasured_median"], 2), "", "", "", end_section=True)
     t.caption = ("experiments include each tuner's profile run; tuner metric = DeepSpeed engine's autotuning "
                  "throughput (train_batch_size / mean fwd+bwd+step time) of the chosen experiment; re-measured = "
-                 "wall-clock samples/s of a plain training run of the chosen config. 2 shared CPU cores: "
-                 "timings are noisy, see the load averages.")
+                 "wall-clock samples/s of a plain training run of the chosen config. Ratios: wall time and "
+                 "experiments below 1 and throughput above 1 favour zerotune. Shared cores: timings are noisy, "
+                 "see the load averages.")
     t.caption_justify = "left"
     return t
 
