@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,ray]'
+	$(PY) -m pip install -q -e '.[test,ray,bench]'
 	# DeepSpeed's CPU ops (shm comm, fused Adam) are JIT-built on first use: build them once here, so
 	# no experiment spends its time budget compiling (or is killed mid-build, leaving a stale lock)
 	DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.ops.op_builder.cpu import FusedAdamBuilder, ShareMemCommBuilder; \
