@@ -27,8 +27,8 @@ from zerotune.errors import ConfigError, TuningFailed
 from zerotune.experiment import Experiment, Status
 from zerotune.memory import MemoryModel
 from zerotune.profile import ModelInfo, profile_config, read_model_info
-from zerotune.progress import Progress
 from zerotune.plan import Plan, PlannedExperiment
+from zerotune.progress import Progress
 from zerotune.resources import Node, SlotPool
 from zerotune.scheduler import ResultsLock, Scheduler
 from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages, mbs_ladder
@@ -202,6 +202,11 @@ class Autotuner:
             hi = min(hi, self.at.max_train_batch_size // (self.gas * self.dp_world_size))
         return hi
 
+    def _max_mbs_estimate(self, memory: MemoryModel, stage: int, lo: int, hi: int) -> int:
+        """The memory model's largest mbs for ``stage`` within the budget (at most ``hi``; below
+        ``lo`` when the stage does not fit)."""
+        return memory.max_mbs(self._base_config(stage, lo), self.device_memory, cap=hi)
+
     def _explore(self) -> None:
         lo, hi = self.at.min_train_micro_batch_size_per_gpu, self._max_mbs_bound()
         if hi < lo:
@@ -209,7 +214,7 @@ class Autotuner:
                               f"{lo} with gas {self.gas} and DP world size {self.dp_world_size}")
         plans = []
         for stage in self.stages:
-            est = self.memory.max_mbs(self._base_config(stage, lo), self.device_memory, cap=hi)
+            est = self._max_mbs_estimate(self.memory, stage, lo, hi)
             plans.append(StagePlan(stage, est))
             self.console.print(f"memory model: ZeRO stage {stage}: "
                                + (f"largest mbs estimated to fit {est}" if est >= lo else
@@ -290,10 +295,9 @@ class Autotuner:
         lo, hi = self.at.min_train_micro_batch_size_per_gpu, self._max_mbs_bound()
         rows: list[PlannedExperiment] = []
 
-        def row(name: str, phase: str, cfg: dict, knobs: dict | None = None, fits: bool | None = None):
+        def row(name: str, phase: str, cfg: dict, knobs: dict | None = None):
             mem = None if memory is None else memory.bytes_per_device(cfg)
-            if fits is None and mem is not None:
-                fits = mem <= self.device_memory
+            fits = None if mem is None else mem <= self.device_memory  # MemoryModel.fits, from the same bytes
             rows.append(PlannedExperiment(name, phase, cfg["zero_optimization"]["stage"],
                                           cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
                                           knobs or {}, mem, fits, cfg))
@@ -302,7 +306,7 @@ class Autotuner:
             row("profile", "profile", self._profile_config())
         estimates = {}
         for stage in self.stages:
-            est = hi if memory is None else memory.max_mbs(self._base_config(stage, lo), self.device_memory, cap=hi)
+            est = hi if memory is None else self._max_mbs_estimate(memory, stage, lo, hi)
             estimates[stage] = est
             for m in mbs_ladder(lo, hi, est) or [lo]:
                 row(self._mbs_name(stage, m), "mbs", self._base_config(stage, m))
@@ -313,7 +317,7 @@ class Autotuner:
                     candidates = self._knob_space(stage, mbs, memory)
                     measured = {c.name for c in self._measured_in_mbs_phase(stage, mbs, candidates)}
                     for c in (c for c in candidates if c.name not in measured):
-                        row(c.name, "knobs", c.ds_config, c.knobs, c.fits if memory is not None else None)
+                        row(c.name, "knobs", c.ds_config, c.knobs)
         return Plan(rows, source, self.device_memory, self.dp_world_size)
 
     def _known_memory_model(self) -> tuple[MemoryModel | None, str | None]:
