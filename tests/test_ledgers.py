@@ -1,0 +1,230 @@
+"""The whole tuner on the SIMULATED cluster (benchmarks/simcluster), pinned to its exact ledger.
+
+Each case runs ``Autotuner`` end to end on a :class:`SimulatedBackend` (no process, milliseconds)
+and pins every launch in order, its outcome, each ZeRO stage's decision and stop reason, and the
+answer. Launches are pinned by what they ran (ZeRO stage, mbs, gas, status, and the knob
+settings of the knob phase), not by name, so that a renaming leaves the pins valid.
+"""
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
+from benchmarks.simcluster.model import Simulator  # noqa: E402
+from benchmarks.simcluster.scenarios import SCENARIOS  # noqa: E402
+from benchmarks.simulated_cluster import USER_CONFIG  # noqa: E402
+from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
+from zerotune.resources import select_resources  # noqa: E402
+
+
+def tune_simulated(tmp_path: Path, index: int, fast: bool, stages):
+    """Tune scenario ``index`` of the SIMULATED cluster; (ledger rows, stage decisions, answer)."""
+    sc = SCENARIOS[index]
+    sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"sim-node-{i} slots={sc.cluster.gpus_per_node}\n" for i in range(sc.cluster.num_nodes)))
+    cfg = json.loads(json.dumps(USER_CONFIG))
+    cfg["zero_optimization"]["stage"] = list(stages) if isinstance(stages, tuple) else stages
+    cfg["autotuning"]["fast"] = fast
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    backend = SimulatedBackend(sim)
+    tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(tmp_path / "ds.json")],
+                      select_resources(hostfile),
+                      TuneOptions(device_memory_bytes=sc.cluster.device.memory_bytes, results_dir=str(tmp_path / "r"),
+                                  cpu=False, hostfile=str(hostfile)),
+                      console=Console(file=io.StringIO()), backend=backend)
+    best = tuner.tune()
+
+    def row(entry):
+        c = entry.ds_config
+        zero = {k: v for k, v in c["zero_optimization"].items() if k != "stage"}
+        head = (c["zero_optimization"]["stage"], c["train_micro_batch_size_per_gpu"],
+                c.get("gradient_accumulation_steps"), entry.status)
+        if entry.profile:
+            return ("profile",) + head
+        return head + ((zero,) if zero else ())
+
+    decisions = [(r.stage, getattr(r.decision, "value", r.decision), getattr(r.trace.stop, "value", r.trace.stop) or "")
+                 for r in tuner.stage_results]
+    answer = (best.stage, best.mbs, best.gas, best.ds_config["zero_optimization"])
+    return [row(e) for e in backend.ledger], decisions, answer
+
+
+PINS = {
+    (0, True, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (0, 1, 1, 'ok'),
+            (0, 2, 1, 'ok'),
+            (0, 4, 1, 'ok'),
+            (0, 8, 1, 'ok'),
+            (0, 16, 1, 'ok'),
+            (0, 32, 1, 'oom'),
+            (0, 24, 1, 'ok'),
+            (0, 28, 1, 'ok'),
+            (0, 26, 1, 'ok'),
+            (0, 20, 1, 'ok'),
+            (0, 25, 1, 'ok'),
+            (1, 24, 1, 'ok'),
+        ],
+        'decisions': [(0, 'explored', 'plateau'), (1, 'probed', ''), (2, 'skipped', ''), (3, 'skipped', '')],
+        'answer': (0, 24, 1, {'stage': 0}),
+    },
+    (11, True, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (0, 1, 1, 'ok'),
+            (0, 2, 1, 'ok'),
+            (0, 4, 1, 'ok'),
+            (0, 5, 1, 'oom'),
+            (0, 3, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 8, 1, 'ok'),
+            (1, 6, 1, 'ok'),
+            (1, 3, 1, 'ok'),
+            (1, 7, 1, 'ok'),
+            (2, 7, 1, 'ok'),
+            (3, 7, 1, 'ok'),
+            (3, 10, 1, 'oom'),
+            (3, 8, 1, 'ok'),
+        ],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'plateau'), (2, 'probed', ''), (3, 'explored', 'plateau')],
+        'answer': (3, 7, 1, {'stage': 3}),
+    },
+    (16, True, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 5, 1, 'oom'),
+            (1, 3, 1, 'ok'),
+            (2, 1, 1, 'ok'),
+            (2, 2, 1, 'ok'),
+            (2, 4, 1, 'ok'),
+            (2, 5, 1, 'ok'),
+            (2, 3, 1, 'ok'),
+            (3, 1, 1, 'ok'),
+            (3, 2, 1, 'ok'),
+            (3, 4, 1, 'ok'),
+            (3, 6, 1, 'oom'),
+            (3, 5, 1, 'ok'),
+        ],
+        'decisions': [(0, 'pruned', ''), (1, 'explored', 'boundary'), (2, 'explored', 'plateau'), (3, 'explored', 'boundary')],
+        'answer': (3, 5, 1, {'stage': 3}),
+    },
+    (21, True, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 8, 1, 'ok'),
+            (1, 16, 1, 'ok'),
+            (1, 32, 1, 'ok'),
+            (1, 24, 1, 'ok'),
+            (1, 12, 1, 'ok'),
+            (1, 28, 1, 'ok'),
+            (2, 28, 1, 'ok'),
+            (2, 55, 1, 'oom'),
+            (2, 41, 1, 'ok'),
+            (2, 34, 1, 'ok'),
+            (2, 37, 1, 'ok'),
+            (2, 31, 1, 'ok'),
+            (3, 34, 1, 'ok'),
+            (3, 64, 1, 'oom'),
+            (3, 49, 1, 'oom'),
+            (3, 41, 1, 'ok'),
+            (3, 37, 1, 'ok'),
+            (3, 35, 1, 'ok'),
+        ],
+        'decisions': [(0, 'pruned', ''), (1, 'explored', 'plateau'), (2, 'explored', 'plateau'), (3, 'explored', 'plateau')],
+        'answer': (3, 34, 1, {'stage': 3}),
+    },
+    (33, True, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (3, 1, 1, 'ok'),
+            (3, 2, 1, 'ok'),
+            (3, 4, 1, 'ok'),
+            (3, 8, 1, 'ok'),
+            (3, 16, 1, 'ok'),
+            (3, 25, 1, 'oom'),
+            (3, 20, 1, 'oom'),
+            (3, 18, 1, 'ok'),
+            (3, 17, 1, 'ok'),
+            (3, 12, 1, 'ok'),
+            (3, 14, 1, 'ok'),
+        ],
+        'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau')],
+        'answer': (3, 16, 1, {'stage': 3}),
+    },
+    (11, False, (1, 2)): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 8, 1, 'ok'),
+            (1, 6, 1, 'ok'),
+            (1, 3, 1, 'ok'),
+            (1, 7, 1, 'ok'),
+            (2, 7, 1, 'ok'),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 50000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 500000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 500000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 500000000}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 1000000000}),
+        ],
+        'decisions': [(1, 'explored', 'plateau'), (2, 'probed', '')],
+        'answer': (1, 7, 1, {'stage': 1, 'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000}),
+    },
+    (16, False, 'all'): {
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 5, 1, 'oom'),
+            (1, 3, 1, 'ok'),
+            (2, 1, 1, 'ok'),
+            (2, 2, 1, 'ok'),
+            (2, 4, 1, 'ok'),
+            (2, 5, 1, 'ok'),
+            (2, 3, 1, 'ok'),
+            (3, 1, 1, 'ok'),
+            (3, 2, 1, 'ok'),
+            (3, 4, 1, 'ok'),
+            (3, 6, 1, 'oom'),
+            (3, 5, 1, 'ok'),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
+        ],
+        'decisions': [(0, 'pruned', ''), (1, 'explored', 'boundary'), (2, 'explored', 'plateau'), (3, 'explored', 'boundary')],
+        'answer': (3, 5, 1, {'stage': 3}),
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(PINS), ids=lambda c: f"scenario{c[0]}-fast{c[1]}-stages{c[2]}")
+def test_simulated_ledger_is_pinned(tmp_path, case):
+    ledger, decisions, answer = tune_simulated(tmp_path, *case)
+    pin = PINS[case]
+    assert ledger == pin["ledger"]
+    assert decisions == pin["decisions"]
+    assert answer == pin["answer"]
