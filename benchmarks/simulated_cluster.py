@@ -51,8 +51,8 @@ from benchmarks.simcluster.deepspeed_harness import run_deepspeed_autotuner  # n
 from benchmarks.simcluster.model import GiB, Simulator, ZeroSettings  # noqa: E402
 from benchmarks.simcluster.scenarios import SCENARIOS, Scenario  # noqa: E402
 from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
-from zerotune.errors import TuningFailed  # noqa: E402
-from zerotune.resources import select_resources  # noqa: E402
+from zerotune.core.errors import TuningFailed  # noqa: E402
+from zerotune.run.resources import select_resources  # noqa: E402
 
 MAX_MBS = 1024
 LOSS_TOLERANCE = 0.005  # zerotune "loses" a scenario when DeepSpeed's pick is this much better

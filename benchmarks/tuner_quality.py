@@ -1,13 +1,13 @@
 """Tuner quality on a SYNTHETIC throughput function (no DeepSpeed run, no real measurement).
 
 How many experiments does each tuner need before it has run a config whose true throughput is
-within 2% of the optimum? Over the 288-config ZeRO-3 space :func:`zerotune.space.default_space`
+within 2% of the optimum? Over the 288-config ZeRO-3 space :func:`zerotune.strategy.space.default_space`
 (3) builds, for 20 seeds:
 
 - grid search: the space's deterministic order (the same count for every seed);
 - random search: ``random.Random(seed)`` order;
 - model-based: Optuna's Gaussian process (``--sampler tpe``: TPE) through
-  ``zerotune.tuners.ModelBasedTuner``, asked one experiment at a time
+  ``zerotune.strategy.tuners.ModelBasedTuner``, asked one experiment at a time
   (``--batch`` to ask several at a time).
 
 The synthetic function (``synthetic_step``) is a stylised ZeRO-3 step of a ~2B-parameter model
@@ -45,9 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from zerotune.experiment import Status  # noqa: E402
-from zerotune.space import Candidate, default_space, generate  # noqa: E402
-from zerotune.tuners import make_tuner  # noqa: E402
+from zerotune.core.experiment import Status  # noqa: E402
+from zerotune.strategy.space import Candidate, default_space, generate  # noqa: E402
+from zerotune.strategy.tuners import make_tuner  # noqa: E402
 
 GiB = 2**30
 SAMPLES_PER_STEP = 64

@@ -3,11 +3,12 @@ import json
 
 import pytest
 
-from zerotune.backends.base import classify
-from zerotune.config import (find_config_arg, parse_autotuning, parse_bytes, replace_config_arg, stage_candidates,
+from zerotune.run.backends.base import classify
+from zerotune.deepspeed.config import (find_config_arg, parse_autotuning, replace_config_arg, stage_candidates,
                              load_ds_config)
-from zerotune.errors import ConfigError
-from zerotune.experiment import Status
+from zerotune.core.errors import ConfigError
+from zerotune.core.units import parse_bytes
+from zerotune.core.experiment import Status
 
 
 def test_autotuning_defaults_follow_deepspeed_except_overwrite():

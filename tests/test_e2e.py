@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.backends.base import LaunchSpec
-from zerotune.backends.local import LocalBackend
-from zerotune.experiment import Experiment, Status
-from zerotune.resources import SlotPool, select_resources
-from zerotune.scheduler import Scheduler
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.scheduler import Scheduler
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from benchmarks.simcluster.model import Simulator  # noqa: E402
 from benchmarks.simcluster.scenarios import SCENARIOS  # noqa: E402
 from benchmarks.simulated_cluster import USER_CONFIG  # noqa: E402
 from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
-from zerotune.resources import select_resources  # noqa: E402
+from zerotune.run.resources import select_resources  # noqa: E402
 
 
 def tune_simulated(tmp_path: Path, index: int, fast: bool, stages):

@@ -1,7 +1,7 @@
 """The memory model pinned to exact byte counts (formulas in zerotune/memory.py)."""
 import pytest
 
-from zerotune.memory import MemoryModel
+from zerotune.model.memory import MemoryModel
 
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
 FP16 = {"fp16": {"enabled": True}}

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 from zerotune.autotuner import Autotuner, TuneOptions
-from zerotune.experiment import Experiment, Status
-from zerotune.memory import MemoryModel
-from zerotune.profile import profile_config
-from zerotune.resources import select_resources
-from zerotune.scheduler import Scheduler
-from zerotune.search import mbs_ladder
+from zerotune.core.experiment import Experiment, Status
+from zerotune.model.memory import MemoryModel
+from zerotune.model.profile import profile_config
+from zerotune.run.resources import select_resources
+from zerotune.run.scheduler import Scheduler
+from zerotune.strategy.search import mbs_ladder
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
@@ -140,6 +140,6 @@ def test_bad_model_info_is_an_error_naming_the_key(tmp_path):
     cfg = json.loads(write_config(path).read_text())
     cfg["autotuning"]["model_info"]["activation_mem_per_gpu"] = "40MB"
     path.write_text(json.dumps(cfg))
-    from zerotune.errors import ConfigError
+    from zerotune.core.errors import ConfigError
     with pytest.raises(ConfigError, match=r"autotuning.model_info.activation_mem_per_gpu' = '40MB'"):
         tuner(tmp_path, path).plan()

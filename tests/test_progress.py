@@ -1,4 +1,4 @@
-"""Tests for zerotune.progress: the plain log lines, the counts, the live status line on a terminal."""
+"""Tests for zerotune.report.progress: the plain log lines, the counts, the live status line on a terminal."""
 from __future__ import annotations
 
 import re
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from zerotune.backends.base import Backend
-from zerotune.experiment import Experiment, Status
-from zerotune.progress import Progress
-from zerotune.resources import SlotPool, select_resources
-from zerotune.scheduler import Scheduler
-from zerotune.search import Objective
+from zerotune.run.backends.base import Backend
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.report.progress import Progress
+from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.scheduler import Scheduler
+from zerotune.core.objective import Objective
 
 
 class Clock:
@@ -28,11 +28,12 @@ class Clock:
 def exp(name: str, status: Status | None = None, metric: float | None = None, wall_s: float | None = None,
         error: str = "", space: str = "z1", memory_bytes: int | None = None,
         peak: int | None = None) -> Experiment:
-    return Experiment(name, {"train_micro_batch_size_per_gpu": 1}, space=space, status=status, metric=metric,
+    kind = ExperimentKind.PROFILE if space == "profile" else ExperimentKind.MBS
+    return Experiment(name, {"train_micro_batch_size_per_gpu": 1}, space=space, kind=kind, status=status, metric=metric,
                       wall_s=wall_s, error=error, memory_bytes=memory_bytes, peak_memory_bytes=peak)
 
 
-def plain(objective=Objective("throughput", True)):
+def plain(objective=Objective.named("throughput")):
     out = StringIO()
     console = Console(file=out, force_terminal=False, width=200)
     clock = Clock()
@@ -77,7 +78,7 @@ def test_plain_lines_are_the_log_format_and_counts_follow_events():
 
 
 def test_best_follows_the_objective_direction():
-    progress, clock, out = plain(Objective("latency", higher_is_better=False))
+    progress, clock, out = plain(Objective.named("latency"))
     for name, metric in (("a", 0.5), ("b", 0.25), ("c", 0.75)):
         progress.update(exp(name, Status.OK, metric, 1.0), "cached")
     progress.update(exp("d", Status.FAILED, None, 1.0, error="exit code 1: boom"), "cached")

@@ -18,12 +18,12 @@ import psutil
 import pytest
 
 from zerotune import cli
-from zerotune.backends.base import LaunchSpec
-from zerotune.backends.ray import RayBackend
-from zerotune.errors import ConfigError
-from zerotune.experiment import Experiment, Status
-from zerotune.resources import Node, Reservation, SlotPool, select_resources
-from zerotune.scheduler import Scheduler
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.ray import RayBackend
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run.resources import Node, Reservation, SlotPool, select_resources
+from zerotune.run.scheduler import Scheduler
 
 from test_e2e import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 
@@ -87,7 +87,7 @@ def test_multi_node_launch_names_the_granted_nodes_in_a_hostfile(tmp_path, monke
     """What the actor of a 2-node experiment launches, outside Ray: the nodes and GPU ids Ray
     granted (faked here: loopback addresses) go into ``exp_dir/hostfile`` and ``--include`` for the
     launcher's own multi-node runner. With no ssh to those hosts the launcher fails, as it would."""
-    import zerotune.backends.ray as ray_backend
+    import zerotune.run.backends.ray as ray_backend
 
     monkeypatch.setattr(ray_backend, "_granted_slots", lambda: ("127.0.0.2", [0, 1]))
     exp_dir = tmp_path / "exp"
@@ -107,7 +107,7 @@ def test_multi_node_launch_names_the_granted_nodes_in_a_hostfile(tmp_path, monke
 
 
 def test_a_node_that_cannot_see_the_experiment_dir_fails_it(tmp_path):
-    from zerotune.backends.ray import NodeLauncher
+    from zerotune.run.backends.ray import NodeLauncher
 
     launcher = NodeLauncher(tiny_spec(write_config(tmp_path / "ds.json")))
     exp = Experiment("elsewhere", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)

@@ -1,4 +1,4 @@
-"""Tests for zerotune.resources: hostfiles, include/exclude, num_nodes/num_gpus, the slot pool."""
+"""Tests for zerotune.run.resources: hostfiles, include/exclude, num_nodes/num_gpus, the slot pool."""
 from __future__ import annotations
 
 import random
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.errors import ConfigError
-from zerotune.resources import Node, Reservation, SlotPool, parse_hostfile, select_resources
+from zerotune.core.errors import ConfigError
+from zerotune.run.resources import Node, Reservation, SlotPool, parse_hostfile, select_resources
 
 
 def write(tmp_path: Path, text: str) -> Path:

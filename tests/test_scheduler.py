@@ -1,4 +1,4 @@
-"""Tests for zerotune.scheduler with real processes: parallel slots, timeouts and hangs with no
+"""Tests for zerotune.run.scheduler with real processes: parallel slots, timeouts and hangs with no
 process left, the results-dir lock, resume after the tuner is SIGKILLed.
 
 The scheduler tests run the real ``deepspeed`` launcher (DS_ACCELERATOR=cpu) through
@@ -20,12 +20,12 @@ import psutil
 import pytest
 
 from test_e2e import SCRIPT, TINY, write_config
-from zerotune.backends.base import LaunchSpec
-from zerotune.backends.local import RUNNING_DIR, LocalBackend
-from zerotune.errors import ConfigError
-from zerotune.experiment import Experiment, Status
-from zerotune.resources import SlotPool, select_resources
-from zerotune.scheduler import ResultsLock, Scheduler
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import RUNNING_DIR, LocalBackend
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.scheduler import ResultsLock, Scheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,11 +234,11 @@ def test_timeout_kills_a_busy_experiment(stand_in, tmp_path):
 TUNER = r'''
 import sys
 from pathlib import Path
-from zerotune.backends.base import LaunchSpec
-from zerotune.backends.local import LocalBackend
-from zerotune.experiment import Experiment
-from zerotune.resources import SlotPool, select_resources
-from zerotune.scheduler import Scheduler
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.core.experiment import Experiment
+from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.scheduler import Scheduler
 
 script, user_config, exps = sys.argv[1:4]
 spec = LaunchSpec(script=script, script_args=("--deepspeed_config", user_config), cpu=True)
@@ -295,7 +295,7 @@ def test_lock_refuses_a_second_tuner_naming_the_holders_pid(tmp_path):
 
 def test_lock_of_a_killed_tuner_is_free(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from zerotune.scheduler import ResultsLock\n"
+                               "from zerotune.run.scheduler import ResultsLock\n"
                                "with ResultsLock(sys.argv[1]):\n"
                                "    print('locked', flush=True)\n"
                                "    time.sleep(600)\n", str(tmp_path / "results")],

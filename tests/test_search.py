@@ -1,9 +1,10 @@
 """The search pinned to exact traces on known throughput curves."""
-from zerotune.experiment import Status
-from zerotune.search import Objective, Point, StagePlan, explore_stages, search_mbs
+from zerotune.core.experiment import Status
+from zerotune.core.objective import Objective
+from zerotune.strategy.search import Point, StagePlan, explore_stages, search_mbs
 
-THROUGHPUT = Objective("throughput", True)
-LATENCY = Objective("latency", False)
+THROUGHPUT = Objective.named("throughput")
+LATENCY = Objective.named("latency")
 
 
 def curve(fn, max_ok=None):

@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes  # noqa: E402
 from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE  # noqa: E402
-from zerotune.experiment import Experiment, Status  # noqa: E402
-from zerotune.resources import Node, Reservation  # noqa: E402
+from zerotune.core.experiment import Experiment, ExperimentKind, Status  # noqa: E402
+from zerotune.run.resources import Node, Reservation  # noqa: E402
 
 ONE_NODE = Cluster(A100_40, num_nodes=1, interconnect=NONE)
 
@@ -88,7 +88,8 @@ def test_backend_writes_deepspeed_files_and_classifies(tmp_path):
     assert oom.status == Status.OOM and "CUDA out of memory" in oom.error and oom.metric is None
     assert not (tmp_path / "oom" / "metrics.json").exists()
     prof = backend.run(Experiment("profile", {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
-                                  num_nodes=2, num_slots=8, space="profile"), res, tmp_path / "profile")
+                                  num_nodes=2, num_slots=8, space="profile", kind=ExperimentKind.PROFILE), res,
+                      tmp_path / "profile")
     info = json.loads((tmp_path / "profile" / "model_info.json").read_text())
     assert prof.status == Status.OK and info["num_params"] == GPT_2_7B.num_params == 2_645_240_320
     assert [(e.name, e.status, e.num_gpus) for e in backend.ledger] == [

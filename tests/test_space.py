@@ -1,4 +1,4 @@
-"""Tests of zerotune.space: generation, order, dedupe, pruning, variables, validation, names."""
+"""Tests of zerotune.strategy.space: generation, order, dedupe, pruning, variables, validation, names."""
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.errors import ConfigError
-from zerotune.space import (
+from zerotune.core.errors import ConfigError
+from zerotune.strategy.space import (
     ACRONYMS,
     canonical_json,
     canonical_name,
@@ -84,7 +84,7 @@ def test_order_independent_of_dict_insertion_order():
 
 
 def test_order_independent_of_pythonhashseed():
-    code = ("import hashlib; from zerotune.space import generate, default_space; "
+    code = ("import hashlib; from zerotune.strategy.space import generate, default_space; "
             "n=[c.name for c in generate({'train_micro_batch_size_per_gpu': 4}, default_space(3), "
             "stage=3, dp_world_size=1)]; print(hashlib.sha256('\\n'.join(n).encode()).hexdigest())")
     for seed in ("1", "12345"):
@@ -362,7 +362,7 @@ def test_generated_names_unique_when_values_format_alike():
 
 def test_known_zero_keys_exist_in_deepspeed():
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
-    from zerotune import space
+    from zerotune.strategy import space
 
     fields = set()
     for name, f in zero_config.DeepSpeedZeroConfig.model_fields.items():

@@ -1,12 +1,12 @@
-"""Tests of zerotune.tuners: order, reproducibility, budgets, early stopping, failures, model-based."""
+"""Tests of zerotune.strategy.tuners: order, reproducibility, budgets, early stopping, failures, model-based."""
 from __future__ import annotations
 
 import pytest
 
-from zerotune.errors import ConfigError
-from zerotune.experiment import Status
-from zerotune.space import default_space, generate
-from zerotune.tuners import GridSearchTuner, RandomTuner, make_tuner
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Status
+from zerotune.strategy.space import default_space, generate
+from zerotune.strategy.tuners import GridSearchTuner, RandomTuner, make_tuner
 
 Z = "zero_optimization."
 
@@ -91,7 +91,7 @@ def test_num_trials_counts_proposals():
 
 
 def test_failures_are_not_scored_and_not_reproposed():
-    tuner = GridSearchTuner(mbs_space(), metric="latency")  # minimised: a 0 would win
+    tuner = GridSearchTuner(mbs_space(), objective="latency")  # minimised: a 0 would win
     batch = tuner.ask(4)
     tuner.tell(batch[0].name, Status.OOM, 0.0)
     tuner.tell(batch[1].name, Status.FAILED)
@@ -145,7 +145,7 @@ def test_bad_arguments():
                                           "gridsearch, random, model_based"):
         make_tuner("bayes", mbs_space())
     with pytest.raises(ConfigError, match="metric = 'speed'"):
-        GridSearchTuner(mbs_space(), metric="speed")
+        GridSearchTuner(mbs_space(), objective="speed")
     with pytest.raises(ConfigError, match="early_stopping = 0"):
         GridSearchTuner(mbs_space(), early_stopping=0)
 

@@ -16,24 +16,26 @@ from typing import Any, Sequence
 
 from rich.console import Console
 
-from zerotune import results as results_mod
-from zerotune.backends.base import Backend, LaunchSpec
-from zerotune.backends.local import (RUNNING_DIR, LocalBackend, free_port, launch_command, launch_env, paste_command,
+from zerotune.report import results as results_mod
+from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.run.backends.local import (RUNNING_DIR, LocalBackend, free_port, launch_command, launch_env, paste_command,
                                      reap_orphans)
-from zerotune.backends.ray import RayBackend
-from zerotune.config import (HIGHER_IS_BETTER, AutotuningConfig, find_config_arg, format_bytes, load_ds_config,
+from zerotune.run.backends.ray import RayBackend
+from zerotune.core.objective import Objective
+from zerotune.core.units import format_bytes
+from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config,
                              parse_autotuning, stage_candidates)
-from zerotune.errors import ConfigError, TuningFailed
-from zerotune.experiment import Experiment, Status
-from zerotune.memory import MemoryModel
-from zerotune.profile import ModelInfo, profile_config, read_model_info
-from zerotune.plan import Plan, PlannedExperiment
-from zerotune.progress import Progress
-from zerotune.resources import Node, SlotPool
-from zerotune.scheduler import ResultsLock, Scheduler
-from zerotune.search import Objective, Point, StagePlan, StageResult, explore_stages, mbs_ladder
-from zerotune.space import Candidate, config_hash, default_space, generate, is_list_valued, prune
-from zerotune.tuners import make_tuner
+from zerotune.core.errors import ConfigError, TuningFailed
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.model.memory import MemoryModel
+from zerotune.model.profile import ModelInfo, profile_config, read_model_info
+from zerotune.report.plan import Plan, PlannedExperiment
+from zerotune.report.progress import Progress
+from zerotune.run.resources import Node, SlotPool
+from zerotune.run.scheduler import ResultsLock, Scheduler
+from zerotune.strategy.search import Point, StagePlan, StageResult, explore_stages, mbs_ladder
+from zerotune.strategy.space import Candidate, config_hash, default_space, generate, is_list_valued, prune
+from zerotune.strategy.tuners import make_tuner
 
 PLATEAU_THRESHOLD = 0.01
 
@@ -93,7 +95,7 @@ class Autotuner:
         self.device_memory = self.options.device_memory_bytes or (None if self.cpu else _cuda_memory())
         if self.device_memory is None:
             raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
-        self.objective = Objective(self.at.metric, HIGHER_IS_BETTER[self.at.metric])
+        self.objective = Objective.named(self.at.metric)
         self.results_dir = Path(self.options.results_dir or self.at.results_dir)
         self.exps_dir = self.results_dir / "exps" if self.options.results_dir else Path(self.at.exps_dir)
         self.overwrite = self.options.overwrite if self.options.overwrite is not None else self.at.overwrite
@@ -101,7 +103,7 @@ class Autotuner:
                                device_memory_bytes=self.device_memory, timeout_s=self.options.timeout_s,
                                hang_timeout_s=self.options.hang_timeout_s, hostfile=self.options.hostfile,
                                start_profile_step=self.at.start_profile_step, end_profile_step=self.at.end_profile_step,
-                               metric=self.at.metric)
+                               objective=self.objective)
         self.pool = SlotPool(self.nodes)
         if backend is None and self.options.backend not in ("local", "ray"):
             raise ConfigError(f"unknown backend {self.options.backend!r}: expected 'local' or 'ray'")
@@ -165,9 +167,9 @@ class Autotuner:
     def _mbs_name(self, stage: int, mbs: int) -> str:
         return f"z{stage}_mbs{mbs}_gas{self.gas}"
 
-    def _experiment(self, name: str, config: dict, space: str) -> Experiment:
+    def _experiment(self, name: str, config: dict, space: str, kind=None) -> Experiment:
         exp = Experiment(name=name, ds_config=config, num_nodes=self.num_nodes,
-                         num_slots=self.slots_per_node, space=space)
+                         num_slots=self.slots_per_node, space=space, kind=kind or ExperimentKind.MBS)
         if self.memory is not None:
             exp.memory_bytes = self.memory.bytes_per_device(config)
         return exp
@@ -185,7 +187,7 @@ class Autotuner:
 
     def _profile(self) -> None:
         cfg = self._profile_config()
-        (exp,) = self.scheduler.run([self._experiment("profile", cfg, "profile")])
+        (exp,) = self.scheduler.run([self._experiment("profile", cfg, "profile", ExperimentKind.PROFILE)])
         if exp.status != Status.OK:
             raise TuningFailed(f"the profile run failed ({exp.status.value}: {exp.error}); "
                                f"see {self.exps_dir / 'profile'}")
@@ -273,7 +275,7 @@ class Autotuner:
             self.console.print(f"knob phase ZeRO stage {stage} at mbs={point.mbs}: {len(candidates)} configs, "
                                f"{fitting} fit the memory model; tuner {self.at.tuner_type}, "
                                f"at most {self.at.tuner_num_trials} trials")
-            tuner = make_tuner(self.at.tuner_type, candidates, metric=self.at.metric,
+            tuner = make_tuner(self.at.tuner_type, candidates, objective=self.objective,
                                num_trials=self.at.tuner_num_trials, early_stopping=self.at.tuner_early_stopping)
             for c in self._measured_in_mbs_phase(stage, point.mbs, candidates):
                 tuner.tell(c.name, Status.OK, point.metric)  # the same config already ran: not again
@@ -286,7 +288,7 @@ class Autotuner:
     def plan(self) -> Plan:
         """Every experiment this job may generate, with the memory model's bytes per device and
         whether they fit, without launching anything (``zerotune tune --dry-run``; see
-        :mod:`zerotune.plan` for what is listed and where the model size comes from).
+        :mod:`zerotune.report.plan` for what is listed and where the model size comes from).
 
         Raises:
             ConfigError: a bad tuning space or bounds (as ``tune`` would).
@@ -323,7 +325,7 @@ class Autotuner:
     def _known_memory_model(self) -> tuple[MemoryModel | None, str | None]:
         """The memory model without a new profile run: from a finished profile run of the same
         config in the results dir, else from ``autotuning.model_info.num_params``; else None."""
-        done = self.scheduler.load(self._experiment("profile", self._profile_config(), "profile"))
+        done = self.scheduler.load(self._experiment("profile", self._profile_config(), "profile", ExperimentKind.PROFILE))
         if done is not None and done.status == Status.OK:
             try:
                 info = read_model_info(self.exps_dir / "profile" / "model_info.json", done.peak_memory_bytes)

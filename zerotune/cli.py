@@ -15,9 +15,9 @@ import sys
 from rich.console import Console
 
 from zerotune.autotuner import Autotuner, TuneOptions
-from zerotune.config import parse_bytes
-from zerotune.errors import ConfigError, TuningFailed
-from zerotune.resources import select_resources
+from zerotune.core.units import parse_bytes
+from zerotune.core.errors import ConfigError, TuningFailed
+from zerotune.run.resources import select_resources
 
 
 def build_parser() -> argparse.ArgumentParser:

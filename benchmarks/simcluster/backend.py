@@ -8,7 +8,7 @@ engine would write: ``model_info.json`` for the profile run (``num_params``,
 ``trainable_num_params``, ``activation_mem_per_gpu``, as ``engine.forward`` writes it) or
 ``metrics.json`` (``latency`` in microseconds, ``throughput`` in samples/s, ``FLOPS_per_gpu``, as
 ``engine._autotuning_exit`` writes it). The outcome is then classified by zerotune's own
-:func:`zerotune.backends.base.classify` from those files, exactly as for a real run, and
+:func:`zerotune.run.backends.base.classify` from those files, exactly as for a real run, and
 ``wall_s`` is the SIMULATED duration (nothing sleeps). The scheduler writes ``exp.json``.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.simcluster.model import Outcome, Simulator
-from zerotune.backends.base import Backend, classify
-from zerotune.config import METRIC_KEYS
-from zerotune.experiment import Experiment, Status, write_json_atomic
-from zerotune.resources import Reservation
+from zerotune.run.backends.base import Backend, classify
+from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.objective import Objective
+from zerotune.run.resources import Reservation
 
 OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {alloc:.2f} GiB. GPU 0 has a total "
             "capacity of {cap:.2f} GiB (SIMULATED)")
@@ -68,7 +68,7 @@ class SimulatedBackend(Backend):
     def __init__(self, sim: Simulator, metric: str = "throughput", start_profile_step: int = 3,
                  end_profile_step: int = 5):
         self.sim = sim
-        self.metric = metric
+        self.objective = Objective.named(metric)
         self.start_profile_step = start_profile_step
         self.end_profile_step = end_profile_step
         self.ledger: list[LedgerEntry] = []
@@ -77,13 +77,13 @@ class SimulatedBackend(Backend):
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
         exp_dir = Path(exp_dir)
         exp_dir.mkdir(parents=True, exist_ok=True)
-        profile = exp.space == "profile"
+        profile = exp.kind is ExperimentKind.PROFILE
         metrics_path, model_info_path = exp_dir / "metrics.json", exp_dir / "model_info.json"
         config = json.loads(json.dumps(exp.ds_config))
         at = config.setdefault("autotuning", {})
         at.update(enabled=True, metric_path=str(metrics_path.resolve()), model_info_path=str(model_info_path.resolve()),
                   start_profile_step=self.start_profile_step, end_profile_step=self.end_profile_step,
-                  metric=self.metric)
+                  metric=self.objective.name)
         write_json_atomic(exp_dir / "ds_config.json", config)
         (exp_dir / "cmd.txt").write_text(f"# SIMULATED: no process launched; {reservation.world_size} GPUs "
                                          f"({reservation.include_arg()[:80]}...)\n")
@@ -100,15 +100,14 @@ class SimulatedBackend(Backend):
 
         data = model_info_path if profile else metrics_path
         metrics = json.loads(data.read_text()) if data.exists() else None
-        key = "num_params" if profile else METRIC_KEYS[self.metric]
+        key = "num_params" if profile else self.objective.metric_key
         exit_code = 0 if outcome.ok else 1
         exp.status, exp.error = classify(exit_code, metrics, key, stderr, timed_out=False)
         exp.exit_code = exit_code
         exp.wall_s = round(outcome.duration_s, 3)
         exp.metrics = metrics or {}
         if exp.status == Status.OK and not profile:
-            value = float(exp.metrics[key])
-            exp.metric = value / 1e6 if self.metric == "latency" else value
+            exp.metric = self.objective.read(exp.metrics)
         with self._lock:
             self.ledger.append(LedgerEntry(exp.name, exp.ds_config, outcome.status, outcome.duration_s,
                                            reservation.world_size, profile))

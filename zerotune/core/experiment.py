@@ -31,16 +31,26 @@ class Status(str, enum.Enum):
         return self in (Status.OK, Status.OOM, Status.FAILED, Status.TIMEOUT)
 
 
+class ExperimentKind(str, enum.Enum):
+    """Why an experiment runs: which phase of the strategy asked for it."""
+
+    PROFILE = "profile"  # the one launch that measures the model (DeepSpeed's model_info.json)
+    MBS = "mbs"  # the micro-batch search of a ZeRO stage (and the stage probes)
+    KNOBS = "knobs"  # the knob phase (``"fast": false``): a stage's tuning space at its best mbs
+
+
 @dataclass
 class Experiment:
     """One configuration to run.
 
     Attributes:
-        name: canonical, unique name (also the directory name), e.g. ``z1_mbs8_gas1``.
+        name: canonical, unique name (also the directory name), e.g. ``z1_gas1_tmbspg8``.
         ds_config: the complete DeepSpeed config to launch (without zerotune's own paths).
         num_nodes: nodes requested.
         num_slots: device slots (ranks) per node requested.
-        space: the tuning space it belongs to (``z1``, ``profile``...), for the summary.
+        kind: the phase that asked for it (:class:`ExperimentKind`).
+        space: the tuning space it belongs to (``z1``, ``z1_knobs``, ``profile``), for the summary.
+        knobs: dotted key -> value of the settings that vary in its tuning space (knob phase).
         status/metric/metrics/exit_code/wall_s/error: filled in after it ran.
     """
 
@@ -48,7 +58,9 @@ class Experiment:
     ds_config: dict[str, Any]
     num_nodes: int = 1
     num_slots: int = 1
+    kind: ExperimentKind = ExperimentKind.MBS
     space: str = ""
+    knobs: dict[str, Any] = field(default_factory=dict)
     status: Status | None = None
     metric: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -73,12 +85,14 @@ class Experiment:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["status"] = self.status.value if self.status else None
+        d["kind"] = self.kind.value
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Experiment":
         d = dict(d)
         d["status"] = Status(d["status"]) if d.get("status") else None
+        d["kind"] = ExperimentKind(d.get("kind", ExperimentKind.MBS.value))
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from zerotune.backends.base import Backend
-from zerotune.errors import ConfigError
-from zerotune.experiment import Experiment, Status, write_json_atomic
-from zerotune.resources import SlotPool
-from zerotune.space import config_hash
+from zerotune.run.backends.base import Backend
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status, write_json_atomic
+from zerotune.run.resources import SlotPool
+from zerotune.strategy.space import config_hash
 
 
 def config_digest(ds_config: dict) -> str:
@@ -72,7 +72,7 @@ class Scheduler:
         pool: the device slots.
         exps_dir: one sub-directory per experiment, named after it.
         on_update: called (from any thread) as ``on_update(exp, event)`` for progress display
-            (``zerotune.progress.Progress.update``), with ``event`` one of: ``"cached"`` (its
+            (``zerotune.report.progress.Progress.update``), with ``event`` one of: ``"cached"`` (its
             finished result came from disk), ``"queued"`` (waiting for slots), ``"start"``
             (launched), ``"end"`` (finished, ``exp.status`` set). Every queued experiment is
             started and ended, except after an interrupt.

@@ -48,11 +48,11 @@ from typing import Any
 
 import psutil
 
-from zerotune.backends.base import Backend, LaunchSpec
-from zerotune.backends.local import LocalBackend
-from zerotune.errors import ConfigError
-from zerotune.experiment import Experiment, Status
-from zerotune.resources import LOCALHOST, Node, Reservation
+from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run.resources import LOCALHOST, Node, Reservation
 
 __all__ = ["RayBackend", "import_ray"]
 

@@ -4,7 +4,7 @@ each, printed as a table or JSON, without launching anything.
 What the search actually runs depends on what it measures (a stage is probed or skipped, the mbs
 ladder stops at a plateau), so the plan lists every experiment it *may* generate: the profile
 run, each ZeRO stage's mbs ladder up to the memory estimate and one step above it
-(:func:`zerotune.search.mbs_ladder`), and with ``"fast": false`` each stage's knob space at its
+(:func:`zerotune.strategy.search.mbs_ladder`), and with ``"fast": false`` each stage's knob space at its
 estimated largest mbs. Memory figures need the model's size: they come from an earlier profile
 run in the same results dir, else from ``autotuning.model_info`` (``num_params``, optionally
 ``activation_mem_per_gpu``), else they are unknown until the profile run.
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
-from zerotune.config import format_bytes
+from zerotune.core.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import psutil
 
-from zerotune.backends.base import Backend, LaunchSpec, classify
-from zerotune.config import METRIC_KEYS, replace_config_arg
-from zerotune.experiment import Experiment, Status, write_json_atomic
-from zerotune.resources import Reservation
+from zerotune.run.backends.base import Backend, LaunchSpec, classify
+from zerotune.deepspeed.config import replace_config_arg
+from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.run.resources import Reservation
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
 RUNNING_DIR = ".zerotune-running"  # under the exps dir: one record per experiment being run
@@ -135,7 +135,7 @@ class LocalBackend(Backend):
         at = config.setdefault("autotuning", {})
         at.update(enabled=True, metric_path=str(metrics_path.resolve()),
                   model_info_path=str(model_info_path.resolve()), start_profile_step=spec.start_profile_step,
-                  end_profile_step=spec.end_profile_step, metric=spec.metric)
+                  end_profile_step=spec.end_profile_step, metric=spec.objective.name)
         config_path = exp_dir / "ds_config.json"
         write_json_atomic(config_path, config)
 
@@ -201,9 +201,9 @@ class LocalBackend(Backend):
         exp.peak_memory_bytes = peak or None
 
         # The profile run's result is model_info.json (the engine exits in the first forward).
-        profile = exp.space == "profile"
+        profile = exp.kind is ExperimentKind.PROFILE
         metrics = _read_json(model_info_path if profile else metrics_path)
-        metric_key = "num_params" if profile else METRIC_KEYS[spec.metric]
+        metric_key = "num_params" if profile else spec.objective.metric_key
         log_text = _tail(exp_dir / "stderr.log") + "\n" + _tail(exp_dir / "stdout.log")
         if self._cancelled.is_set() and metrics is None:
             exp.status, exp.error = Status.INTERRUPTED, "the tuner was interrupted"
@@ -214,18 +214,11 @@ class LocalBackend(Backend):
             elif timed_out:
                 exp.error = f"killed after the {spec.timeout_s:g} s timeout"
         exp.metrics = metrics or {}
-        exp.metric = _metric_value(exp.metrics, spec.metric) if exp.status == Status.OK and not profile else None
+        exp.metric = spec.objective.read(exp.metrics) if exp.status == Status.OK and not profile else None
         return exp
 
     def cancel_all(self) -> None:
         self._cancelled.set()
-
-
-def _metric_value(metrics: dict, metric: str) -> float:
-    """The metric in zerotune's units: samples/s, seconds per step (DeepSpeed writes microseconds),
-    FLOP/s per GPU."""
-    value = float(metrics[METRIC_KEYS[metric]])
-    return value / 1e6 if metric == "latency" else value
 
 
 def _is_rank(proc: psutil.Process, script_name: str) -> bool:

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerotune.errors import ConfigError
+from zerotune.core.errors import ConfigError
 
 __all__ = [
     "Node",

@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerotune.config import precision
+from zerotune.deepspeed.config import precision
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py, engine.py).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000

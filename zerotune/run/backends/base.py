@@ -10,8 +10,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotune.experiment import Experiment, Status
-from zerotune.resources import Reservation
+from zerotune.core.experiment import Experiment, Status
+from zerotune.core.objective import OBJECTIVES, Objective
+from zerotune.run.resources import Reservation
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class LaunchSpec:
         timeout_s: wall-clock limit per experiment (None: no limit).
         hang_timeout_s: kill an experiment whose logs have not grown for this long (None: off).
         hostfile: passed to the launcher for multi-node reservations.
-        start_profile_step, end_profile_step, metric: the ``autotuning`` settings written into
-            each experiment's config so DeepSpeed's engine measures and exits.
+        start_profile_step, end_profile_step: the ``autotuning`` settings written into each
+            experiment's config so DeepSpeed's engine measures and exits.
+        objective: the metric DeepSpeed is asked to write, and how to read it.
     """
 
     script: str
@@ -41,7 +43,7 @@ class LaunchSpec:
     hostfile: str | None = None
     start_profile_step: int = 3
     end_profile_step: int = 5
-    metric: str = "throughput"
+    objective: Objective = OBJECTIVES["throughput"]
     extra_env: dict[str, str] = field(default_factory=dict)
 
 

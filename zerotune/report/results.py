@@ -14,10 +14,8 @@ from typing import Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.experiment import Experiment, Status, write_json_atomic
-from zerotune.search import Objective
-
-UNITS = {"throughput": "samples/s", "latency": "s/step", "flops": "FLOP/s per GPU"}
+from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.objective import Objective
 
 
 def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:
@@ -25,12 +23,8 @@ def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> 
 
     Failed, OOM and timed-out experiments are never candidates (they carry no metric).
     """
-    best = None
-    for exp in experiments:
-        if exp.status == Status.OK and exp.metric is not None and exp.space != "profile":
-            if best is None or objective.better(exp.metric, best.metric):
-                best = exp
-    return best
+    return objective.best((e for e in experiments if e.status == Status.OK and e.kind is not ExperimentKind.PROFILE),
+                          lambda e: e.metric)
 
 
 def optimal_config(exp: Experiment) -> dict:
@@ -69,7 +63,7 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
 def render_table(experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
                  launched: int, notes: Sequence[str] = ()) -> Table:
     """The summary as a rich table (also written as text to ``summary.txt``)."""
-    unit = UNITS[objective.name]
+    unit = objective.unit
     overall = best_experiment(experiments, objective)
     table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
                         f"tuning time {elapsed_s:.1f} s", title_justify="left")
@@ -115,7 +109,7 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         cmd_path.unlink(missing_ok=True)
     else:
         text += (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
-                 f"{objective.name} {best.metric:.4g} {UNITS[objective.name]}\n")
+                 f"{objective.name} {best.metric:.4g} {objective.unit}\n")
         write_json_atomic(config_path, optimal_config(best))
         cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
     (results_dir / "summary.txt").write_text(text)

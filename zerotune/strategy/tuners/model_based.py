@@ -10,10 +10,10 @@ import optuna
 from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.trial import Trial, TrialState, create_trial
 
-from zerotune.errors import ConfigError
-from zerotune.experiment import Status
-from zerotune.space import Candidate, canonical_json
-from zerotune.tuners.base import BaseTuner
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Status
+from zerotune.strategy.space import Candidate, canonical_json
+from zerotune.strategy.tuners.base import BaseTuner
 
 _ABSENT = "<absent>"  # categorical choice for a knob a candidate does not set
 _INFEASIBLE = "zerotune_infeasible"  # Optuna constraint key: > 0 means infeasible

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from zerotune.errors import ConfigError
-from zerotune.space import Candidate
-from zerotune.tuners.base import BaseTuner
-from zerotune.tuners.grid import GridSearchTuner
-from zerotune.tuners.random import RandomTuner
+from zerotune.core.errors import ConfigError
+from zerotune.strategy.space import Candidate
+from zerotune.strategy.tuners.base import BaseTuner
+from zerotune.strategy.tuners.grid import GridSearchTuner
+from zerotune.strategy.tuners.random import RandomTuner
 
 TUNER_TYPES = ("gridsearch", "random", "model_based")
 
@@ -23,8 +23,8 @@ def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) 
 
     Args:
         tuner_type: "gridsearch", "random" or "model_based".
-        candidates: the space, from :func:`zerotune.space.generate`.
-        **kwargs: ``metric``, ``num_trials``, ``early_stopping``, ``seed`` (see
+        candidates: the space, from :func:`zerotune.strategy.space.generate`.
+        **kwargs: ``objective``, ``num_trials``, ``early_stopping``, ``seed`` (see
             :class:`BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
     """
     if tuner_type == "gridsearch":
@@ -32,7 +32,7 @@ def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) 
     if tuner_type == "random":
         return RandomTuner(candidates, **kwargs)
     if tuner_type == "model_based":
-        from zerotune.tuners.model_based import ModelBasedTuner  # imports optuna
+        from zerotune.strategy.tuners.model_based import ModelBasedTuner  # imports optuna
 
         return ModelBasedTuner(candidates, **kwargs)
     raise ConfigError(f"autotuning.tuner_type = {tuner_type!r}: expected one of {', '.join(TUNER_TYPES)}")
@@ -40,7 +40,7 @@ def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) 
 
 def __getattr__(name: str) -> Any:  # lazy: importing optuna costs ~1 s
     if name == "ModelBasedTuner":
-        from zerotune.tuners.model_based import ModelBasedTuner
+        from zerotune.strategy.tuners.model_based import ModelBasedTuner
 
         return ModelBasedTuner
     raise AttributeError(name)

@@ -10,11 +10,11 @@ import abc
 import math
 from typing import Iterable
 
-from zerotune.errors import ConfigError
-from zerotune.experiment import Status
-from zerotune.space import Candidate
+from zerotune.core.errors import ConfigError
+from zerotune.core.objective import Objective
+from zerotune.core.experiment import Status
+from zerotune.strategy.space import Candidate
 
-METRICS = {"throughput": True, "flops": True, "latency": False}  # metric -> higher is better
 
 
 class BaseTuner(abc.ABC):
@@ -24,10 +24,10 @@ class BaseTuner(abc.ABC):
     the bookkeeping below is shared.
 
     Args:
-        candidates: the space, from :func:`zerotune.space.generate`. Candidates with
+        candidates: the space, from :func:`zerotune.strategy.space.generate`. Candidates with
             ``fits=False`` are never proposed.
-        metric: "throughput" (samples/s) or "flops" are maximised, "latency" (s per step)
-            minimised.
+        objective: the metric (an :class:`Objective` or its name): "throughput" (samples/s) and
+            "flops" are maximised, "latency" (s per step) minimised.
         num_trials: at most this many proposals in all (None: no limit).
         early_stopping: stop after this many consecutive reported experiments that did not
             improve the best (None: never). See :meth:`ask` for the exact rule.
@@ -44,13 +44,13 @@ class BaseTuner(abc.ABC):
         self,
         candidates: Iterable[Candidate],
         *,
-        metric: str = "throughput",
+        objective: Objective | str = "throughput",
         num_trials: int | None = None,
         early_stopping: int | None = None,
         seed: int = 0,
     ) -> None:
-        if metric not in METRICS:
-            raise ConfigError(f"metric = {metric!r}: expected one of {', '.join(METRICS)}")
+        if isinstance(objective, str):
+            objective = Objective.named(objective)
         for key, value in (("num_trials", num_trials), ("early_stopping", early_stopping)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{key} = {value!r}: expected a positive integer or None")
@@ -58,8 +58,8 @@ class BaseTuner(abc.ABC):
         self._by_name = {c.name: c for c in self.candidates}
         if len(self._by_name) != len(self.candidates):
             raise ValueError("candidates must have unique names")
-        self.metric = metric
-        self.maximize = METRICS[metric]
+        self.objective = objective
+        self.maximize = objective.higher_is_better
         self.num_trials = num_trials
         self.early_stopping = early_stopping
         self.seed = seed
@@ -112,7 +112,7 @@ class BaseTuner(abc.ABC):
         Args:
             name: the candidate's name. A candidate of the space that was never proposed is
                 accepted too (a result from an earlier run, on resume): it counts as proposed.
-            status: the experiment's :class:`~zerotune.experiment.Status`.
+            status: the experiment's :class:`~zerotune.core.experiment.Status`.
             metric: the measured metric for ``Status.OK`` (required, finite); ignored otherwise.
         """
         status = Status(status)
@@ -142,8 +142,7 @@ class BaseTuner(abc.ABC):
             self._proposals += 1
         self._outstanding.pop(name, None)
         self.history.append((name, status, metric))
-        improved = metric is not None and (
-            self._best is None or (metric > self._best[1] if self.maximize else metric < self._best[1]))
+        improved = metric is not None and (self._best is None or self.objective.better(metric, self._best[1]))
         if improved:
             self._best = (candidate, metric)
             self._since_best = 0

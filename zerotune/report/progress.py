@@ -20,10 +20,9 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from zerotune.config import format_bytes
-from zerotune.experiment import Experiment, Status
-from zerotune.results import UNITS
-from zerotune.search import Objective
+from zerotune.core.units import format_bytes
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.objective import Objective
 
 EVENTS = ("queued", "start", "end", "cached")
 
@@ -106,7 +105,7 @@ class Progress:
                 self.done += 1
                 if exp.status == Status.OK:
                     self.ok += 1
-                if (exp.status == Status.OK and exp.metric is not None and exp.space != "profile"
+                if (exp.status == Status.OK and exp.metric is not None and exp.kind is not ExperimentKind.PROFILE
                         and (self.best is None or self.objective.better(exp.metric, self.best.metric))):
                     self.best = exp
             line = None if event == "queued" else self.line(exp, event)
@@ -135,7 +134,7 @@ class Progress:
         ``done 3 (2 ok) · running 1 · queued 2 · best z1_mbs4_gas1 throughput=612.4 samples/s · 41.0 s``."""
         with self._lock:
             best = (f"best {self.best.name} {self.objective.name}={self.best.metric:.4g} "
-                    f"{UNITS.get(self.objective.name, '')}".rstrip() if self.best is not None else "best -")
+                    f"{self.objective.unit}" if self.best is not None else "best -")
             return (f"done {self.done} ({self.ok} ok) · running {self.running} · queued {self.queued} · {best} · "
                     f"{self.elapsed_s:.1f} s")
 

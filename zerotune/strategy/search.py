@@ -22,24 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from zerotune.experiment import Status
-
-
-@dataclass(frozen=True)
-class Objective:
-    """The metric and its direction (throughput and flops: higher is better; latency: lower)."""
-
-    name: str = "throughput"
-    higher_is_better: bool = True
-
-    def gain(self, new: float, old: float) -> float:
-        """Relative improvement of ``new`` over ``old`` (positive = better), e.g. 0.01 = 1%."""
-        if old == 0:
-            return math.inf if self.better(new, old) else 0.0
-        return (new - old) / abs(old) if self.higher_is_better else (old - new) / abs(old)
-
-    def better(self, new: float, old: float | None) -> bool:
-        return old is None or (new > old if self.higher_is_better else new < old)
+from zerotune.core.experiment import Status
+from zerotune.core.objective import Objective
 
 
 @dataclass(frozen=True)

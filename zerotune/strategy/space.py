@@ -28,7 +28,7 @@ a variable given to :func:`generate` as ``variables={"NAME": [candidates...]}``;
 one more dimension. A string that is exactly one placeholder takes the candidate itself (an int
 stays an int, a dict stays a dict); a placeholder inside a longer string is replaced by the
 candidate's text (``"offload_$DEV"``). ``$$`` is a literal ``$``. A placeholder without a variable,
-and a variable without a placeholder, are errors (:class:`~zerotune.errors.ConfigError`).
+and a variable without a placeholder, are errors (:class:`~zerotune.core.errors.ConfigError`).
 
 Order
 -----
@@ -47,7 +47,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from zerotune.errors import ConfigError
+from zerotune.core.errors import ConfigError
 
 __all__ = [
     "ACRONYMS",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from zerotune.space import Candidate
-from zerotune.tuners.base import BaseTuner
+from zerotune.strategy.space import Candidate
+from zerotune.strategy.tuners.base import BaseTuner
 
 
 class RandomTuner(BaseTuner):
