@@ -1,8 +1,8 @@
-"""Tests of zerotune.strategy.space: generation, order, dedupe, pruning, variables, validation, names."""
+"""Tests of zerotune.strategy.space (generation, order, dedupe, pruning, variables) and of the
+checks it runs, zerotune.deepspeed.validate; names and hashes are in test_canonical.py."""
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import subprocess
 import sys
@@ -11,20 +11,15 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.errors import ConfigError
-from zerotune.strategy.space import (
-    ACRONYMS,
-    canonical_json,
-    canonical_name,
-    config_hash,
-    default_space,
-    generate,
-    prune,
-    validate,
-)
+from zerotune.deepspeed import keys
+from zerotune.deepspeed.canonical import ACRONYMS, canonical_json, config_hash
+from zerotune.deepspeed.validate import prune, validate
+from zerotune.strategy.space import default_space, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 Z = "zero_optimization"
 ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999]}}}
+MBS8 = {"train_micro_batch_size_per_gpu": 8}
 
 
 def names(candidates):
@@ -44,7 +39,7 @@ def test_default_space_sizes_per_stage():
                      (2, False): 72, (2, True): 144, (3, False): 288, (3, True): 1152}
 
 
-Z3_NAMES_SHA256 = "7c52edc04a80fcabc25a35cc6069686ab36281b8327ae2b288666ef293b0d641"
+Z3_NAMES_SHA256 = "6071510b26e37b21e8ecd7cf197d9e6317af92a2ae51fe9de700a2c218a01948"
 
 
 def test_stage3_space_288_combinations_count_order_names():
@@ -53,16 +48,18 @@ def test_stage3_space_288_combinations_count_order_names():
     assert len(got) == 288 == len(set(got))
     # dimensions sorted by key path: overlap_comm, reduce_bucket_size, reduce_scatter,
     # stage3_max_live_parameters, stage3_max_reuse_distance, stage3_param_persistence_threshold,
-    # stage3_prefetch_bucket_size (fastest); candidates in list order.
+    # stage3_prefetch_bucket_size (fastest); candidates in list order. Names leave out the values
+    # at DeepSpeed's stage-3 defaults: overlap_comm and reduce_scatter on, reduce_bucket_size 5e8,
+    # prefetch 5e7, persistence 1e5, max live parameters and reuse distance 1e9.
     assert got[:4] == [
-        "z3_oc1_rs1_rbs5e7_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4",
-        "z3_oc1_rs1_rbs5e7_pfbs5e8_ppt1e5_mlp1e8_mrd1e8_mbs4",
-        "z3_oc1_rs1_rbs5e7_pfbs1e9_ppt1e5_mlp1e8_mrd1e8_mbs4",
-        "z3_oc1_rs1_rbs5e7_pfbs5e7_ppt1e6_mlp1e8_mrd1e8_mbs4",
+        "z3_gas1_tmbspg4_rbs5e7_mlp1e8_mrd1e8",
+        "z3_gas1_tmbspg4_rbs5e7_pfbs5e8_mlp1e8_mrd1e8",
+        "z3_gas1_tmbspg4_rbs5e7_pfbs1e9_mlp1e8_mrd1e8",
+        "z3_gas1_tmbspg4_rbs5e7_ppt1e6_mlp1e8_mrd1e8",
     ]
-    assert got[24] == "z3_oc1_rs0_rbs5e7_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4"
-    assert got[48] == "z3_oc1_rs1_rbs5e8_pfbs5e7_ppt1e5_mlp1e8_mrd1e8_mbs4"
-    assert got[-1] == "z3_oc0_rs0_rbs1e9_pfbs1e9_ppt1e6_mlp1e9_mrd1e9_mbs4"
+    assert got[24] == "z3_gas1_tmbspg4_rs0_rbs5e7_mlp1e8_mrd1e8"
+    assert got[48] == "z3_gas1_tmbspg4_mlp1e8_mrd1e8"
+    assert got[-1] == "z3_gas1_tmbspg4_oc0_rs0_rbs1e9_pfbs1e9_ppt1e6"
     assert hashlib.sha256("\n".join(got).encode()).hexdigest() == Z3_NAMES_SHA256
     first = cands[0]
     assert first.ds_config == {
@@ -98,10 +95,24 @@ def test_order_independent_of_pythonhashseed():
 
 
 def test_dedupe_5e8_equals_500000000():
-    cands = generate({}, {Z: {"reduce_bucket_size": [5e8, 500000000, 5e7]}}, stage=1, dp_world_size=1)
-    assert names(cands) == ["z1_rbs5e8", "z1_rbs5e7"]
-    assert cands[0].ds_config == {Z: {"stage": 1, "reduce_bucket_size": 500000000}}
+    cands = generate(MBS8, {Z: {"reduce_bucket_size": [5e8, 500000000, 5e7]}}, stage=1, dp_world_size=1)
+    assert names(cands) == ["z1_gas1_tmbspg8", "z1_gas1_tmbspg8_rbs5e7"]
+    # the config to run keeps the default it spells (normalised to an int)
+    assert cands[0].ds_config == {**MBS8, Z: {"stage": 1, "reduce_bucket_size": 500000000}}
     assert canonical_json({"a": 5e8}) == canonical_json({"a": 500000000}) == '{"a":500000000}'
+
+
+def test_dedupe_explicit_default_equals_omitted():
+    # reduce_bucket_size 5e8 is DeepSpeed's default: spelled out or left out, one config
+    space = {Z: [{"reduce_bucket_size": 5e8}, {}, {"reduce_bucket_size": 5e7}, {"overlap_comm": False}]}
+    cands = generate(MBS8, space, stage=2, dp_world_size=1)
+    assert names(cands) == ["z2_gas1_tmbspg8", "z2_gas1_tmbspg8_rbs5e7"]
+    assert [c.ds_config[Z] for c in cands] == [{"reduce_bucket_size": 500000000, "stage": 2},
+                                              {"reduce_bucket_size": 50000000, "stage": 2}]
+    assert config_hash(cands[0].ds_config) == config_hash({**MBS8, Z: {"stage": 2}})
+    # overlap_comm False is the default at stage 2 only; at stage 3 the default is True
+    z3 = generate(MBS8, {Z: [{}, {"overlap_comm": True}, {"overlap_comm": False}]}, stage=3, dp_world_size=1)
+    assert names(z3) == ["z3_gas1_tmbspg8", "z3_gas1_tmbspg8_oc0"]
 
 
 def test_pruning_removes_stage3_keys_from_stage1_and_collapses_variants():
@@ -153,8 +164,17 @@ def test_list_valued_settings_not_expanded_list_of_lists_is():
     assert [c.ds_config["optimizer"]["params"]["betas"] for c in two] == [[0.9, 0.999], [0.9, 0.95]]
     assert [c.knobs for c in two] == [{"optimizer.params.betas": [0.9, 0.999]},
                                       {"optimizer.params.betas": [0.9, 0.95]}]
-    # an unknown key: path=value and a hash
-    assert two[0].name.startswith("z0_optimizer.params.betas=0.9-0.999_h")
+    # a varying key without an acronym is not written into the name; the name carries the hash
+    # (and a missing micro batch size is "tmbspg-")
+    assert names(two) == [f"z0_gas1_tmbspg-_h{config_hash(c.ds_config)[:8]}" for c in two]
+
+
+def test_generated_names_unique_when_values_format_alike():
+    cands = generate({}, {"wandb": {"project": ["a-b", "a_b", "a b"]}, "steps_per_print": [10, "10"]},
+                     stage=2, dp_world_size=1)
+    assert len(cands) == 6 == len(set(names(cands)))
+    # keys without an acronym: names differ by their hash only
+    assert names(cands) == [f"z2_gas1_tmbspg-_h{config_hash(c.ds_config)[:8]}" for c in cands]
 
 
 def test_autotuning_removed_and_train_batch_size_dropped_when_mbs_varies():
@@ -164,11 +184,13 @@ def test_autotuning_removed_and_train_batch_size_dropped_when_mbs_varies():
     assert [c.ds_config for c in cands] == [
         {"train_micro_batch_size_per_gpu": 2, Z: {"stage": 0}},
         {"train_micro_batch_size_per_gpu": 4, Z: {"stage": 0}}]
-    assert names(cands) == ["z0_mbs2", "z0_mbs4"]
-    # a fixed global batch named by the space is kept: DeepSpeed derives gas
+    assert names(cands) == ["z0_gas1_tmbspg2", "z0_gas1_tmbspg4"]
+    # a fixed global batch named by the space is kept: DeepSpeed derives gas ("gas-", tbs named)
     fixed = generate({}, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": [2, 4, 8]},
                      stage=0, dp_world_size=4)
     assert [c.ds_config["train_batch_size"] for c in fixed] == [32, 32, 32]
+    assert names(fixed) == [f"z0_gas-_tmbspg{m}_tbs32_h{config_hash(c.ds_config)[:8]}"
+                            for m, c in zip((2, 4, 8), fixed)]
     with pytest.raises(ConfigError, match="train_batch_size = 32: not divisible by "
                                           "train_micro_batch_size_per_gpu × dp_world_size = 16 × 4"):
         generate({}, {"train_batch_size": 32, "train_micro_batch_size_per_gpu": [2, 16]},
@@ -179,7 +201,8 @@ def test_fits_false_kept_and_marked():
     cands = generate({}, {"train_micro_batch_size_per_gpu": [1, 2, 4, 8]}, stage=0, dp_world_size=1,
                      fits=lambda cfg: cfg["train_micro_batch_size_per_gpu"] <= 2)
     assert [(c.name, c.fits) for c in cands] == [
-        ("z0_mbs1", True), ("z0_mbs2", True), ("z0_mbs4", False), ("z0_mbs8", False)]
+        ("z0_gas1_tmbspg1", True), ("z0_gas1_tmbspg2", True), ("z0_gas1_tmbspg4", False),
+        ("z0_gas1_tmbspg8", False)]
 
 
 def test_invalid_combination_is_an_error_not_a_drop():
@@ -288,92 +311,22 @@ def test_validate_accepts_good_configs():
                   "offload_param": {"device": "cpu"}}}, 2)
 
 
-# ---- names ------------------------------------------------------------------------------------
-
-
-def test_canonical_name_readable_and_key_order_independent():
-    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-           Z: {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e8}}
-    assert canonical_name(cfg) == "z2_oc1_rbs5e8_mbs8_gas2"
-    shuffled = {Z: {"reduce_bucket_size": 500000000, "overlap_comm": True, "stage": 2},
-                "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 8}
-    assert canonical_name(shuffled) == "z2_oc1_rbs5e8_mbs8_gas2"
-    # a setting the name omits: the content hash is appended
-    with_fp16 = {**cfg, "fp16": {"enabled": True}}
-    knobs = [f"{Z}.overlap_comm", f"{Z}.reduce_bucket_size"]
-    assert canonical_name(with_fp16, knobs) == f"z2_oc1_rbs5e8_mbs8_gas2_h{config_hash(with_fp16)[:8]}"
-    assert canonical_name(with_fp16) == "z2_oc1_rbs5e8_fp1_mbs8_gas2"
-    assert config_hash(with_fp16) == hashlib.sha256(canonical_json(with_fp16).encode()).hexdigest()
-
-
-def test_number_formatting():
-    def name(v):
-        return canonical_name({Z: {"stage": 1, "reduce_bucket_size": v}})
-    assert [name(v) for v in (5e7, 1e6, 1024, 4096, 1500, 123456789, 20000)] == [
-        "z1_rbs5e7", "z1_rbs1e6", "z1_rbs1024", "z1_rbs4096", "z1_rbs1500", "z1_rbs123456789", "z1_rbs2e4"]
-
-
-def test_acronym_table_collision_free():
-    acronyms = [a for a, _ in ACRONYMS.values()]
-    assert len(set(acronyms)) == len(acronyms)
-    for a, b in itertools.permutations(acronyms, 2):
-        assert not b.startswith(a), (a, b)
-    assert not any(a[0] in "zh" or a[-1].isdigit() for a in acronyms)
-
-
-def test_names_never_collide_property():
-    """Over a space of values that format alike (True/1, "1"/1, 5e8/"5e8", 0.1/"0.1"...) and of
-    differing fixed settings, distinct configs get distinct names, equal configs equal names."""
-    pool = {
-        f"{Z}.overlap_comm": [True, False, 1, 0, "1", None],
-        f"{Z}.reduce_bucket_size": [5e8, 500000000, "5e8", 5e8 + 0.5, 1, True],
-        f"{Z}.offload_optimizer.device": ["cpu", "none", "CPU", "c_pu", 0],
-        "optimizer.params.lr": [0.1, "0.1", 1e-4],
-        "train_micro_batch_size_per_gpu": [8, 8.0, "8"],
-    }
-    by_name: dict[str, str] = {}
-    keys = list(pool)
-    for values in itertools.product(*(pool[k] + ["<absent>"] for k in keys)):
-        cfg: dict = {Z: {"stage": 2}}
-        for key, value in zip(keys, values):
-            if value == "<absent>":
-                continue
-            d = cfg
-            *parents, leaf = key.split(".")
-            for p in parents:
-                d = d.setdefault(p, {})
-            d[leaf] = value
-        for knobs in (None, keys[:2]):
-            name = canonical_name(cfg, knobs)
-            text = canonical_json(cfg)
-            assert by_name.setdefault(f"{knobs is None}:{name}", text) == text, name
-    assert len(by_name) > 5000
-
-
-def test_generated_names_unique_when_values_format_alike():
-    cands = generate({}, {"wandb": {"project": ["a-b", "a_b", "a b"]}, "steps_per_print": [10, "10"]},
-                     stage=2, dp_world_size=1)
-    assert len(cands) == 6 == len(set(names(cands)))
-    assert cands[0].name.startswith("z2_steps_per_print=10_wandb.project=a-b_h")
-
-
 # ---- DeepSpeed drift guard ---------------------------------------------------------------------
 
 
 def test_known_zero_keys_exist_in_deepspeed():
     zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
-    from zerotune.strategy import space
-
     fields = set()
     for name, f in zero_config.DeepSpeedZeroConfig.model_fields.items():
         fields.add(name)
         if f.alias:
             fields.add(f.alias)
-    ours = set(space.STAGE3_ONLY_KEYS) | set(space.STAGE12_ONLY_KEYS) | set(space._SIZE_KEYS)
+    ours = set(keys.STAGE3_ONLY_KEYS) | set(keys.STAGE12_ONLY_KEYS) | set(keys.SIZE_KEYS)
     ours |= {k.split(".")[1] for k in ACRONYMS if k.startswith(Z + ".")}
+    ours |= {k for stage_defaults in keys.ZERO_DEFAULTS.values() for k in stage_defaults}
     ours |= {k for s in range(4) for k in default_space(s, offload=True)[Z]}
     assert sorted(ours - fields) == []
     offload = pytest.importorskip("deepspeed.runtime.zero.offload_config")
-    assert [d.value for d in offload.OffloadDeviceEnum] == list(space.OFFLOAD_DEVICES)
+    assert [d.value for d in offload.OffloadDeviceEnum] == list(keys.OFFLOAD_DEVICES)
     ds_config = pytest.importorskip("deepspeed.runtime.config")
-    assert set(space.OFFLOADABLE_OPTIMIZERS) <= set(ds_config.DEEPSPEED_OPTIMIZERS)
+    assert set(keys.OFFLOADABLE_OPTIMIZERS) <= set(ds_config.DEEPSPEED_OPTIMIZERS)

@@ -12,7 +12,8 @@ Z = "zero_optimization."
 
 
 def mbs_space(fits_max: int | None = None):
-    """Eight candidates z0_mbs1 .. z0_mbs128 (powers of two); above fits_max they do not fit."""
+    """Eight candidates z0_gas1_tmbspg1 .. z0_gas1_tmbspg128 (powers of two); above fits_max they
+    do not fit."""
     fits = None if fits_max is None else (lambda cfg: cfg["train_micro_batch_size_per_gpu"] <= fits_max)
     return generate({}, {"train_micro_batch_size_per_gpu": [1, 2, 4, 8, 16, 32, 64, 128]},
                     stage=0, dp_world_size=1, fits=fits)
@@ -48,8 +49,8 @@ def mbs(c):
 def test_grid_order_is_generate_order_and_skips_unfit():
     space = mbs_space(fits_max=16)
     tuner = GridSearchTuner(space)
-    assert [c.name for c in tuner.ask(3)] == ["z0_mbs1", "z0_mbs2", "z0_mbs4"]
-    assert [c.name for c in tuner.ask(10)] == ["z0_mbs8", "z0_mbs16"]  # never the unfit ones
+    assert [c.name for c in tuner.ask(3)] == ["z0_gas1_tmbspg1", "z0_gas1_tmbspg2", "z0_gas1_tmbspg4"]
+    assert [c.name for c in tuner.ask(10)] == ["z0_gas1_tmbspg8", "z0_gas1_tmbspg16"]  # never the unfit ones
     assert tuner.ask(1) == [] and tuner.finished
 
 
@@ -58,10 +59,10 @@ def test_grid_order_z2_exact():
     # dimensions sorted by key: allgather_bucket_size (slowest), contiguous_gradients,
     # overlap_comm, reduce_bucket_size, reduce_scatter (fastest)
     assert [c.name for c in tuner.ask(4)] == [
-        "z2_oc1_rs1_cg1_rbs5e7_agbs5e7_mbs4",
-        "z2_oc1_rs0_cg1_rbs5e7_agbs5e7_mbs4",
-        "z2_oc1_rs1_cg1_rbs5e8_agbs5e7_mbs4",
-        "z2_oc1_rs0_cg1_rbs5e8_agbs5e7_mbs4",
+        "z2_gas1_tmbspg4_oc1_rbs5e7_agbs5e7",
+        "z2_gas1_tmbspg4_oc1_rs0_rbs5e7_agbs5e7",
+        "z2_gas1_tmbspg4_oc1_agbs5e7",
+        "z2_gas1_tmbspg4_oc1_rs0_agbs5e7",
     ]
 
 
@@ -98,11 +99,11 @@ def test_failures_are_not_scored_and_not_reproposed():
     tuner.tell(batch[2].name, Status.OK, 0.5)
     tuner.tell(batch[3].name, Status.TIMEOUT, None)
     best, value = tuner.best
-    assert (best.name, value) == ("z0_mbs4", 0.5)
-    assert tuner.history == [("z0_mbs1", Status.OOM, None), ("z0_mbs2", Status.FAILED, None),
-                             ("z0_mbs4", Status.OK, 0.5), ("z0_mbs8", Status.TIMEOUT, None)]
+    assert (best.name, value) == ("z0_gas1_tmbspg4", 0.5)
+    assert tuner.history == [("z0_gas1_tmbspg1", Status.OOM, None), ("z0_gas1_tmbspg2", Status.FAILED, None),
+                             ("z0_gas1_tmbspg4", Status.OK, 0.5), ("z0_gas1_tmbspg8", Status.TIMEOUT, None)]
     rest = [c.name for c in tuner.ask(10)]
-    assert rest == ["z0_mbs16", "z0_mbs32", "z0_mbs64", "z0_mbs128"]
+    assert rest == ["z0_gas1_tmbspg16", "z0_gas1_tmbspg32", "z0_gas1_tmbspg64", "z0_gas1_tmbspg128"]
 
 
 def test_no_success_means_no_best():
@@ -117,10 +118,10 @@ def test_interrupted_is_proposed_again():
     a, b = tuner.ask(2)
     tuner.tell(a.name, Status.INTERRUPTED)
     assert not tuner.finished
-    assert [c.name for c in tuner.ask(5)] == ["z0_mbs1"]
+    assert [c.name for c in tuner.ask(5)] == ["z0_gas1_tmbspg1"]
     tuner.tell(b.name, "ok", 3.0)
     tuner.tell(a.name, "ok", 2.0)
-    assert tuner.finished and tuner.best[0].name == "z0_mbs2"
+    assert tuner.finished and tuner.best[0].name == "z0_gas1_tmbspg2"
 
 
 def test_tell_errors_and_resume():
@@ -134,9 +135,9 @@ def test_tell_errors_and_resume():
     with pytest.raises(ValueError, match="already told"):
         tuner.tell(c.name, Status.OK, 1.0)
     # a result from an earlier run (resume): counts as proposed, never proposed again
-    tuner.tell("z0_mbs4", Status.OK, 5.0)
-    assert tuner.best[0].name == "z0_mbs4"
-    assert [x.name for x in tuner.ask(5)] == ["z0_mbs2"]
+    tuner.tell("z0_gas1_tmbspg4", Status.OK, 5.0)
+    assert tuner.best[0].name == "z0_gas1_tmbspg4"
+    assert [x.name for x in tuner.ask(5)] == ["z0_gas1_tmbspg2"]
     assert tuner.finished
 
 
@@ -160,15 +161,15 @@ def test_early_stopping_sequential_exact_trace():
     tuner = GridSearchTuner(mbs_space(), early_stopping=2)
     order = drain(tuner, lambda c: CURVE[mbs(c)])
     # best at mbs 8; 16 and 32 do not improve -> stop after 2 reports without improvement
-    assert order == ["z0_mbs1", "z0_mbs2", "z0_mbs4", "z0_mbs8", "z0_mbs16", "z0_mbs32"]
-    assert tuner.best[0].name == "z0_mbs8"
+    assert order == [f"z0_gas1_tmbspg{m}" for m in (1, 2, 4, 8, 16, 32)]
+    assert tuner.best[0].name == "z0_gas1_tmbspg8"
 
 
 def test_early_stopping_not_before_first_success():
     tuner = GridSearchTuner(mbs_space(), early_stopping=2)
     order = drain(tuner, lambda c: None if mbs(c) <= 4 else CURVE[mbs(c)])
     # 3 OOMs do not stop it (no best yet); then 8 is best, 16 and 32 do not improve
-    assert order == ["z0_mbs1", "z0_mbs2", "z0_mbs4", "z0_mbs8", "z0_mbs16", "z0_mbs32"]
+    assert order == [f"z0_gas1_tmbspg{m}" for m in (1, 2, 4, 8, 16, 32)]
 
 
 def test_early_stopping_with_batches_and_out_of_order_reports():
@@ -177,20 +178,19 @@ def test_early_stopping_with_batches_and_out_of_order_reports():
     tuner.tell(b.name, Status.OK, 19.0)  # first success: since_best = 0
     # 1 outstanding, patience 3 -> at most 3 - 0 - 1 = 2 more
     c, d = tuner.ask(4)
-    assert [c.name, d.name] == ["z0_mbs4", "z0_mbs8"]
+    assert [c.name, d.name] == ["z0_gas1_tmbspg4", "z0_gas1_tmbspg8"]
     tuner.tell(a.name, Status.OK, 10.0)  # no improvement: since_best = 1
     assert tuner.ask(4) == [] and not tuner.finished  # 3 - 1 - 2 outstanding = 0
     tuner.tell(d.name, Status.OK, 33.0)  # improvement (out of order): since_best = 0
     e, f = tuner.ask(4)  # 3 - 0 - 1 outstanding = 2
-    assert [e.name, f.name] == ["z0_mbs16", "z0_mbs32"]
+    assert [e.name, f.name] == ["z0_gas1_tmbspg16", "z0_gas1_tmbspg32"]
     tuner.tell(c.name, Status.OK, 30.0)  # 1
     tuner.tell(f.name, Status.OOM)  # 2: a failure does not improve
     assert not tuner.finished and tuner.ask(4) == []  # 3 - 2 - 1 outstanding = 0
     tuner.tell(e.name, Status.OK, 32.0)  # 3 -> stop for good
     assert tuner.finished and tuner.ask(4) == []
-    assert tuner.best[0].name == "z0_mbs8"
-    assert [h[0] for h in tuner.history] == ["z0_mbs2", "z0_mbs1", "z0_mbs8", "z0_mbs4", "z0_mbs32",
-                                             "z0_mbs16"]
+    assert tuner.best[0].name == "z0_gas1_tmbspg8"
+    assert [h[0] for h in tuner.history] == [f"z0_gas1_tmbspg{m}" for m in (2, 1, 8, 4, 32, 16)]
 
 
 # ---- model-based ----------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def z2_throughput(c):
 def test_model_based_converges_on_synthetic_function():
     space = z2_space()
     optimum = max(space, key=lambda c: z2_throughput(c) or 0.0)
-    assert optimum.name == "z2_oc1_rs1_cg1_rbs5e8_agbs5e8_mbs4"
+    assert optimum.name == "z2_gas1_tmbspg4_oc1"
     found_at = []
     for seed in range(3):
         tuner = make_tuner("model_based", space, seed=seed)
@@ -272,7 +272,7 @@ def test_model_based_never_proposes_unfit():
     space = generate({}, {"train_micro_batch_size_per_gpu": [1, 2, 4, 8, 16, 32, 64, 128]},
                      stage=0, dp_world_size=1, fits=lambda cfg: cfg["train_micro_batch_size_per_gpu"] != 8)
     order = drain(make_tuner("model_based", space, seed=0), lambda c: float(mbs(c)), n=3)
-    assert sorted(order) == sorted(c.name for c in space if c.name != "z0_mbs8")
+    assert sorted(order) == sorted(c.name for c in space if c.name != "z0_gas1_tmbspg8")
 
 
 def test_model_based_tpe_sampler_and_unknown_sampler():

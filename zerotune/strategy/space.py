@@ -10,16 +10,18 @@ candidates::
 placeholders) and a space into :class:`Candidate` configs: the Cartesian product of every list in
 the space (and of every variable), deep-merged over the base config, pruned of the settings the
 ZeRO stage ignores, deduplicated, validated and given a canonical name. This module is pure logic:
-it never launches anything.
+it never launches anything. What it knows of DeepSpeed's keys is in :mod:`zerotune.deepspeed.keys`,
+checks in :mod:`zerotune.deepspeed.validate`, identity and names in
+:mod:`zerotune.deepspeed.canonical`.
 
 Which lists are candidates
 --------------------------
 Every list in the space is a list of candidates, except at the keys DeepSpeed itself expects a
-list (:data:`LIST_VALUED_KEYS`, e.g. ``optimizer.params.betas``): there a flat list is the
-setting itself (``"betas": [0.9, 0.999]`` is kept as is) and only a list of lists is a list of
-candidates (``"betas": [[0.9, 0.999], [0.9, 0.95]]`` tunes betas). Lists in the *base* config are
-always settings, never candidates. A candidate is taken as a whole value: lists inside it are not
-expanded again (a dict candidate is deep-merged like any other value).
+list (:data:`~zerotune.deepspeed.keys.LIST_VALUED_KEYS`, e.g. ``optimizer.params.betas``): there
+a flat list is the setting itself (``"betas": [0.9, 0.999]`` is kept as is) and only a list of
+lists is a list of candidates (``"betas": [[0.9, 0.999], [0.9, 0.95]]`` tunes betas). Lists in
+the *base* config are always settings, never candidates. A candidate is taken as a whole value:
+lists inside it are not expanded again (a dict candidate is deep-merged like any other value).
 
 Variables
 ---------
@@ -39,151 +41,29 @@ else (not on dict insertion order, not on ``PYTHONHASHSEED``); duplicates keep t
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable
 
 from zerotune.core.errors import ConfigError
-
-__all__ = [
-    "ACRONYMS",
-    "Candidate",
-    "LIST_VALUED_KEYS",
-    "OFFLOADABLE_OPTIMIZERS",
-    "canonical_json",
-    "canonical_name",
-    "config_hash",
-    "default_space",
-    "generate",
-    "is_list_valued",
-    "prune",
-    "validate",
-]
-
-ZERO = "zero_optimization"
-MBS = "train_micro_batch_size_per_gpu"
-GAS = "gradient_accumulation_steps"
-TBS = "train_batch_size"
-
-# Keys whose DeepSpeed value is itself a list: a flat list there is the setting, a list of lists is
-# a list of candidates. Dotted paths; a trailing ".*" covers a whole section.
-LIST_VALUED_KEYS: tuple[str, ...] = (
-    "optimizer.params.betas",
-    "scheduler.params.*",  # passed to the scheduler's constructor as is (client schedulers take lists)
-    "zero_optimization.leaf_module.classes",
-    "zero_optimization.leaf_module.names",
-    "zero_optimization.leaf_module.name_suffixes",
-    "comms_logger.prof_ops",
-    "data_efficiency.*",
-    "curriculum_learning.*",
-    "compression_training.*",
-    "sparse_attention.*",
-    "keep_in_fp32_modules",
+from zerotune.deepspeed.canonical import (
+    ACRONYMS,
+    canonical_json,
+    canonical_name,
+    config_hash,
+    leaves,
+    normalize,
 )
+from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
+from zerotune.deepspeed.validate import prune, validate
 
-# Optimizer types (``optimizer.type``, case-insensitive) for which DeepSpeed builds a CPU optimizer
-# when ``offload_optimizer.device`` is cpu or nvme (deepspeed/runtime/engine.py,
-# _configure_basic_optimizer: adam/adamw -> DeepSpeedCPUAdam, adagrad -> DeepSpeedCPUAdagrad,
-# lion -> DeepSpeedCPULion).
-OFFLOADABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "adagrad", "lion")
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
-# zero_optimization keys read only by ZeRO stage 3 (DeepSpeedZeroOptimizer_Stage3 / Init), by
-# their DeepSpeed alias and by field name. deepspeed/runtime/zero/config.py.
-STAGE3_ONLY_KEYS: frozenset[str] = frozenset({
-    "offload_param",
-    "sub_group_size",
-    "prefetch_bucket_size",
-    "param_persistence_threshold",
-    "model_persistence_threshold",
-    "max_live_parameters",
-    "max_reuse_distance",
-    "gather_16bit_weights_on_model_save",
-    "module_granularity_threshold",
-    "use_all_reduce_for_fetch_params",
-    "allgather_sequential",
-    "zero_hpz_partition_size",
-    "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights",
-    "zero_quantized_gradients",
-    "memory_efficient_linear",
-    "pipeline_loading_checkpoint",
-    "override_module_apply",
-    "leaf_module",
-    "save_muon_momentum_buffer_in_memory",
-    "cpu_offload_param",
-})  # plus every key starting with "stage3_"
-
-# zero_optimization keys read only by the stage 1/2 optimizer (DeepSpeedZeroOptimizer).
-# ``allgather_partitions`` is read by no code at all in DeepSpeed 0.19; it is kept for stages 1/2
-# because DeepSpeed documents it there, and never tuned by default.
-STAGE12_ONLY_KEYS: frozenset[str] = frozenset({
-    "allgather_bucket_size",
-    "allgather_partitions",
-    "round_robin_gradients",
-    "use_multi_rank_bucket_allreduce",
-    "parameter_alignment",
-    "legacy_stage1",
-})
-
-# Integer sizes (elements): key -> smallest allowed value. DeepSpeed requires reduce_bucket_size > 0;
-# a zero allgather bucket cannot gather anything, so it is refused too.
-_SIZE_KEYS: dict[str, int] = {
-    "reduce_bucket_size": 1,
-    "allgather_bucket_size": 1,
-    "stage3_prefetch_bucket_size": 0,
-    "stage3_param_persistence_threshold": 0,
-    "stage3_model_persistence_threshold": 0,
-    "stage3_max_live_parameters": 0,
-    "stage3_max_reuse_distance": 0,
-    "sub_group_size": 0,
-}
-
-# Canonical-name acronyms, in the order they appear in a name. Collision-free by construction:
-# unique and prefix-free (no acronym starts another), none starts with "z" (the stage) or "h" (the
-# hash) or ends with a digit (values follow); tests check this. Each has a kind: only a value of
-# that kind is written losslessly.
-# DeepSpeed's own table (autotuning/utils.py) maps several keys to the same acronym.
-ACRONYMS: dict[str, tuple[str, str]] = {
-    "zero_optimization.overlap_comm": ("oc", "bool"),
-    "zero_optimization.reduce_scatter": ("rs", "bool"),
-    "zero_optimization.contiguous_gradients": ("cg", "bool"),
-    "zero_optimization.allgather_partitions": ("agp", "bool"),
-    "zero_optimization.reduce_bucket_size": ("rbs", "int"),
-    "zero_optimization.allgather_bucket_size": ("agbs", "int"),
-    "zero_optimization.round_robin_gradients": ("rrg", "bool"),
-    "zero_optimization.use_multi_rank_bucket_allreduce": ("mrar", "bool"),
-    "zero_optimization.stage3_prefetch_bucket_size": ("pfbs", "int"),
-    "zero_optimization.stage3_param_persistence_threshold": ("ppt", "int"),
-    "zero_optimization.stage3_model_persistence_threshold": ("mpt", "int"),
-    "zero_optimization.stage3_max_live_parameters": ("mlp", "int"),
-    "zero_optimization.stage3_max_reuse_distance": ("mrd", "int"),
-    "zero_optimization.sub_group_size": ("sgs", "int"),
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": ("arfp", "bool"),
-    "zero_optimization.stage3_allgather_sequential": ("agseq", "bool"),
-    "zero_optimization.offload_optimizer.device": ("oo", "str"),
-    "zero_optimization.offload_optimizer.pin_memory": ("pino", "bool"),
-    "zero_optimization.offload_param.device": ("op", "str"),
-    "zero_optimization.offload_param.pin_memory": ("pinp", "bool"),
-    "fp16.enabled": ("fp", "bool"),
-    "bf16.enabled": ("bf", "bool"),
-    "activation_checkpointing.partition_activations": ("pact", "bool"),
-    "activation_checkpointing.cpu_checkpointing": ("cpuck", "bool"),
-    MBS: ("mbs", "int"),
-    GAS: ("gas", "int"),
-    TBS: ("tbs", "int"),
-}
-_ALWAYS_NAMED = (MBS, GAS)  # in every name where the config sets them
-_NAME_HASH_CHARS = 8
+# zerotune/autotuner.py imports config_hash, is_list_valued and prune from here too.
+__all__ = ["Candidate", "default_space", "generate"]
 
 _PLACEHOLDER = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 _WHOLE_PLACEHOLDER = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-_LOSSLESS_STR = re.compile(r"[a-z][a-z0-9]*")
 
 
 @dataclass(frozen=True)
@@ -191,7 +71,8 @@ class Candidate:
     """One configuration of a tuning space.
 
     Attributes:
-        name: canonical name (:func:`canonical_name`), unique among configs.
+        name: canonical name (:func:`~zerotune.deepspeed.canonical.canonical_name`), unique among
+            the configs of the space.
         ds_config: the complete DeepSpeed config to run. Shared, do not mutate (copy it).
         knobs: dotted key -> value for the settings that differ between the configs of the space
             this candidate came from (a setting absent from this config is left out).
@@ -203,145 +84,6 @@ class Candidate:
     ds_config: dict[str, Any] = field(compare=False, repr=False)
     knobs: dict[str, Any] = field(compare=False)
     fits: bool = True
-
-
-# --------------------------------------------------------------------------------------------
-# Canonical form, hash and names
-
-
-def _normalize(value: Any) -> Any:
-    """Numbers in canonical form: a float with an integral value becomes an int (5e8 == 500000000)."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value) and value == int(value):
-            return int(value)
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _normalize(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_normalize(v) for v in value]
-    return value
-
-
-def canonical_json(ds_config: dict[str, Any]) -> str:
-    """The config as JSON with sorted keys, no whitespace and normalised numbers.
-
-    Two configs DeepSpeed reads the same way (``5e8`` and ``500000000``, any key order) give the
-    same text; it is what dedupe, :func:`config_hash` and names are based on.
-    """
-    return json.dumps(_normalize(ds_config), sort_keys=True, separators=(",", ":"))
-
-
-def config_hash(ds_config: dict[str, Any]) -> str:
-    """SHA-256 (hex, 64 characters) of :func:`canonical_json`; names carry its first 8 characters."""
-    return hashlib.sha256(canonical_json(ds_config).encode()).hexdigest()
-
-
-def _leaves(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted path, value) for each leaf; lists and empty dicts are leaves."""
-    for k, v in d.items():
-        path = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, path + ".")
-        else:
-            yield path, v
-
-
-def _get(d: dict[str, Any], path: str, default: Any = None) -> Any:
-    cur: Any = d
-    for k in path.split("."):
-        if not isinstance(cur, dict) or k not in cur:
-            return default
-        cur = cur[k]
-    return cur
-
-
-def _format_int(n: int) -> str:
-    """Compact, exact: powers of two as is, ``m`` × 10^k (k >= 3) as ``mek`` (5e8, 1e6)."""
-    if n > 0 and n & (n - 1) == 0:
-        return str(n)
-    if n != 0:
-        m, k = abs(n), 0
-        while m % 10 == 0:
-            m //= 10
-            k += 1
-        if k >= 3:
-            return f"{'-' if n < 0 else ''}{m}e{k}"
-    return str(n)
-
-
-def _format_float(x: float) -> str:
-    s = repr(x)  # shortest text that round-trips
-    return s.replace("e-0", "e-").replace("e+0", "e").replace("e+", "e")
-
-
-def _format_value(value: Any, kind: str | None) -> tuple[str, bool]:
-    """(text, lossless): lossless when the text identifies the value among values of ``kind``."""
-    value = _normalize(value)
-    if isinstance(value, bool):
-        return ("1" if value else "0"), kind == "bool"
-    if isinstance(value, int):
-        return _format_int(value), kind == "int"
-    if isinstance(value, float):
-        return _format_float(value), False
-    if isinstance(value, str):
-        if kind == "str" and _LOSSLESS_STR.fullmatch(value):
-            return value, True
-        return re.sub(r"[^A-Za-z0-9.+-]+", "-", value) or "-", False
-    if value is None:
-        return "null", False
-    if isinstance(value, list):
-        return "-".join(_format_value(v, None)[0] for v in value) or "-", False
-    return "-", False
-
-
-def canonical_name(ds_config: dict[str, Any], knobs: Iterable[str] | None = None) -> str:
-    """A readable name that no other config shares, e.g. ``z2_oc1_rbs5e8_mbs8_gas2``.
-
-    The name is the stage (``z2``), then ``acronym + value`` for each named setting in the fixed
-    order of :data:`ACRONYMS` (unknown keys after them by full dotted path, ``path=value``):
-    numbers compact (``5e8``, ``1e6``, powers of two as is), booleans ``1``/``0``.
-
-    Args:
-        ds_config: the config to name.
-        knobs: dotted keys to name (those that vary in a space). None names every key of
-            :data:`ACRONYMS` present. The micro batch size and gradient accumulation steps are
-            always named when the config sets them.
-
-    Returns:
-        The name. When the readable part does not determine the whole config (a setting not
-        named, an unknown key, a value whose text is not exact) ``_h`` and the first 8 hex digits
-        of :func:`config_hash` are appended, so two different configs never share a name.
-    """
-    leaves = dict(_leaves(ds_config))
-    if knobs is None:
-        named = {k for k in ACRONYMS if k in leaves}
-    else:
-        named = {k for k in knobs if k in leaves}
-    named |= {k for k in _ALWAYS_NAMED if k in leaves}
-    named.discard(f"{ZERO}.stage")
-
-    stage = _get(ds_config, f"{ZERO}.stage")
-    lossless = isinstance(stage, int) and not isinstance(stage, bool) and 0 <= stage <= 3
-    parts = [f"z{stage}" if lossless else "z-"]
-    order = list(ACRONYMS)
-    for key in sorted(named, key=lambda k: (order.index(k), "") if k in ACRONYMS else (len(order), k)):
-        if key in ACRONYMS:
-            acronym, kind = ACRONYMS[key]
-            text, exact = _format_value(leaves[key], kind)
-            parts.append(f"{acronym}{text}")
-        else:
-            text, exact = _format_value(leaves[key], None)
-            parts.append(f"{key}={text}")
-            exact = False
-        lossless = lossless and exact
-    omitted = set(leaves) - named - {f"{ZERO}.stage"}
-    if omitted or not lossless:
-        parts.append("h" + config_hash(ds_config)[:_NAME_HASH_CHARS])
-    return "_".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,156 +141,6 @@ def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Pruning and validation
-
-
-def _is_stage3_only(key: str) -> bool:
-    return key.startswith("stage3_") or key in STAGE3_ONLY_KEYS
-
-
-def prune(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """Remove the zero_optimization settings its stage does not read (returns a new dict).
-
-    Stage 0 keeps only ``stage``; stages 1 and 2 lose the stage-3-only keys (``stage3_*``,
-    ``offload_param``, ``sub_group_size``... :data:`STAGE3_ONLY_KEYS`); stage 3 loses the
-    stage-1/2-only keys (:data:`STAGE12_ONLY_KEYS`). ``offload_optimizer`` stays for stages 1-3.
-    Keys zerotune does not know are kept.
-    """
-    cfg = copy.deepcopy(ds_config)
-    zero = cfg.get(ZERO)
-    if not isinstance(zero, dict):
-        return cfg
-    stage = zero.get("stage", 0)
-    if stage == 0:
-        cfg[ZERO] = {"stage": 0} if "stage" in zero else {}
-    elif stage in (1, 2):
-        cfg[ZERO] = {k: v for k, v in zero.items() if not _is_stage3_only(k)}
-    elif stage == 3:
-        cfg[ZERO] = {k: v for k, v in zero.items() if k not in STAGE12_ONLY_KEYS}
-    return cfg
-
-
-def _positive_int(value: Any) -> bool:
-    return _is_int(value) and value > 0
-
-
-def _is_int(value: Any) -> bool:
-    """An int, or a float with an integral value (5e8); not a bool."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int):
-        return True
-    return isinstance(value, float) and math.isfinite(value) and value == int(value)
-
-
-def validate(ds_config: dict[str, Any], dp_world_size: int) -> None:
-    """Check a config before anything runs; raise :class:`ConfigError` naming key, value, expectation.
-
-    Checks:
-        - ``zero_optimization`` is a dict and its ``stage`` is 0, 1, 2 or 3;
-        - ``train_micro_batch_size_per_gpu`` is a positive int; ``gradient_accumulation_steps``
-          and ``train_batch_size`` are positive ints or ``"auto"`` (filled in by the HF Trainer);
-        - ``train_batch_size == mbs × gas × dp_world_size`` when all three are given (when one
-          of mbs/gas is missing DeepSpeed derives it, so the product of the others must divide);
-        - bucket sizes are positive integers, stage-3 sizes and thresholds non-negative integers;
-        - stage-specific keys only where the stage reads them (stage 0: none; ``stage3_*``,
-          ``offload_param``... only stage 3; ``allgather_bucket_size``... only stages 1/2);
-        - offload devices are none/cpu/nvme, nvme needs ``nvme_path``; optimizer offload needs
-          an optimizer DeepSpeed can run on the CPU (:data:`OFFLOADABLE_OPTIMIZERS`) unless the
-          optimizer is the client's (no ``optimizer`` section: DeepSpeed then requires
-          DeepSpeedCPUAdam/CPULion, which zerotune cannot see) or
-          ``zero_force_ds_cpu_optimizer`` is false.
-
-    Args:
-        ds_config: the config to check (not modified).
-        dp_world_size: data-parallel world size (ranks / model-parallel size).
-    """
-    if not _positive_int(dp_world_size):
-        raise ConfigError(f"dp_world_size = {dp_world_size!r}: expected a positive integer")
-    if not isinstance(ds_config, dict):
-        raise ConfigError(f"ds_config: expected a JSON object, got {type(ds_config).__name__}")
-
-    zero = ds_config.get(ZERO, {})
-    if not isinstance(zero, dict):
-        raise ConfigError(f"{ZERO} = {zero!r}: expected an object such as {{\"stage\": 2}}")
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{ZERO}.stage = {stage!r}: expected 0, 1, 2 or 3")
-
-    mbs, gas, tbs = ds_config.get(MBS), ds_config.get(GAS), ds_config.get(TBS)
-    if mbs is not None and not _positive_int(mbs):
-        raise ConfigError(f"{MBS} = {mbs!r}: expected a positive integer")
-    for key, value in ((GAS, gas), (TBS, tbs)):
-        if value is not None and value != "auto" and not _positive_int(value):
-            raise ConfigError(f"{key} = {value!r}: expected a positive integer or \"auto\"")
-    _check_batch(mbs, gas, tbs, dp_world_size)
-
-    for key, value in zero.items():
-        if stage == 0 and key != "stage":
-            raise ConfigError(f"{ZERO}.{key} applies only to ZeRO stages 1-3, but stage is 0")
-        if stage != 3 and _is_stage3_only(key):
-            raise ConfigError(f"{ZERO}.{key} applies only to ZeRO stage 3, but stage is {stage}")
-        if stage == 3 and key in STAGE12_ONLY_KEYS:
-            raise ConfigError(f"{ZERO}.{key} applies only to ZeRO stages 1 and 2, but stage is 3")
-        if key in _SIZE_KEYS:
-            low = _SIZE_KEYS[key]
-            if not (_is_int(value) and value >= low):
-                what = "a positive integer" if low else "a non-negative integer"
-                raise ConfigError(f"{ZERO}.{key} = {value!r}: expected {what} (elements)")
-    if zero.get("compute_grad_norm") is False and stage not in (1, 2):
-        raise ConfigError(f"{ZERO}.compute_grad_norm = false: supported only with ZeRO stage 1 or 2, "
-                          f"but stage is {stage}")
-
-    offloads = []
-    for section in ("offload_optimizer", "offload_param"):
-        off = zero.get(section)
-        if off is None:
-            continue
-        if not isinstance(off, dict):
-            raise ConfigError(f"{ZERO}.{section} = {off!r}: expected an object such as "
-                              '{"device": "cpu"}')
-        device = off.get("device", "none")
-        if device not in OFFLOAD_DEVICES:
-            raise ConfigError(f"{ZERO}.{section}.device = {device!r}: expected one of "
-                              f"{', '.join(OFFLOAD_DEVICES)}")
-        if device == "nvme" and not off.get("nvme_path"):
-            raise ConfigError(f"{ZERO}.{section}.device = 'nvme' needs {ZERO}.{section}.nvme_path")
-        if device != "none":
-            offloads.append(section)
-    if "offload_optimizer" in offloads:
-        _check_offload_optimizer(ds_config)
-
-
-def _check_batch(mbs: Any, gas: Any, tbs: Any, dp: int) -> None:
-    if tbs is None or tbs == "auto":
-        return
-    known = {MBS: mbs, GAS: gas}
-    known = {k: v for k, v in known.items() if v is not None and v != "auto"}
-    if len(known) == 2:
-        if tbs != mbs * gas * dp:
-            raise ConfigError(f"{TBS} = {tbs!r}: expected {MBS} × {GAS} × dp_world_size = "
-                              f"{mbs} × {gas} × {dp} = {mbs * gas * dp}")
-    elif len(known) == 1:
-        (key, value), = known.items()
-        if tbs % (value * dp) != 0:
-            other = GAS if key == MBS else MBS
-            raise ConfigError(f"{TBS} = {tbs!r}: not divisible by {key} × dp_world_size = {value} × "
-                              f"{dp}, so DeepSpeed cannot derive {other}")
-
-
-def _check_offload_optimizer(ds_config: dict[str, Any]) -> None:
-    optimizer = ds_config.get("optimizer")
-    if optimizer is None or ds_config.get("zero_force_ds_cpu_optimizer") is False:
-        return
-    kind = optimizer.get("type") if isinstance(optimizer, dict) else None
-    if not isinstance(kind, str) or kind.lower() not in OFFLOADABLE_OPTIMIZERS:
-        raise ConfigError(
-            f"optimizer.type = {kind!r}: {ZERO}.offload_optimizer needs an optimizer DeepSpeed can "
-            f"run on the CPU ({', '.join(OFFLOADABLE_OPTIMIZERS)}), or set "
-            f"\"zero_force_ds_cpu_optimizer\": false")
-
-
-# --------------------------------------------------------------------------------------------
 # Variables
 
 
@@ -568,7 +160,7 @@ def _variable_names(value: Any, path: str, out: dict[str, str]) -> None:
 
 
 def _text(value: Any) -> str:
-    value = _normalize(value)
+    value = normalize(value)
     if isinstance(value, str):
         return value
     return json.dumps(value)
@@ -595,17 +187,6 @@ def _substitute(value: Any, env: dict[str, Any]) -> Any:
 
 # --------------------------------------------------------------------------------------------
 # Generation
-
-
-def is_list_valued(path: str) -> bool:
-    """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
-    ``optimizer.params.betas``), so a flat list there is the setting, not a list of candidates."""
-    for rule in LIST_VALUED_KEYS:
-        if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
-            return True
-        if path == rule:
-            return True
-    return False
 
 
 def _dimensions(space: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], list]]) -> None:
@@ -665,11 +246,16 @@ def generate(
     Each combination of the space's candidates (and of the variables) is deep-merged over the
     base config (the space overrides only the keys it names; the user's other settings, offload
     included, are kept), its ``zero_optimization.stage`` is set to ``stage``, the ``autotuning``
-    section is removed, settings the stage does not read are pruned (:func:`prune`), and the
-    result is deduplicated by :func:`canonical_json` (so pruned variants collapse; the first
-    occurrence keeps its place). When the space sets the micro batch size or the gradient
-    accumulation steps but not ``train_batch_size``, ``train_batch_size`` is removed and DeepSpeed
-    derives it (mbs × gas × DP world size); a fixed global batch is kept when the space names it.
+    section is removed, settings the stage does not read are pruned
+    (:func:`~zerotune.deepspeed.validate.prune`), and the result is deduplicated by
+    :func:`~zerotune.deepspeed.canonical.config_hash`, which ignores DeepSpeed's defaults (so
+    pruned variants and a default spelled out collapse; the first occurrence keeps its place, with
+    its values as built: defaults are not stripped from the configs to run). When the space sets
+    the micro batch size or the gradient accumulation steps but not ``train_batch_size``,
+    ``train_batch_size`` is removed and DeepSpeed derives it (mbs × gas × DP world size); a fixed
+    global batch is kept when the space names it.
+    Each candidate is named by :func:`~zerotune.deepspeed.canonical.canonical_name`, with the
+    space's varying keys that have no acronym as ``extra_keys``.
 
     Args:
         base_config: the user's ds_config (a template when it holds ``$VAR`` placeholders).
@@ -684,8 +270,9 @@ def generate(
         Candidates in the documented deterministic order.
 
     Raises:
-        ConfigError: bad space or variables, or a combination that fails :func:`validate`
-            (a bad space is an error, never a silent drop).
+        ConfigError: bad space or variables, or a combination that fails
+            :func:`~zerotune.deepspeed.validate.validate` (a bad space is an error, never a
+            silent drop).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"stage = {stage!r}: expected 0, 1, 2 or 3")
@@ -719,22 +306,24 @@ def generate(
         cfg.setdefault(ZERO, {})["stage"] = stage
         if sets_batch and not sets_tbs:
             cfg.pop(TBS, None)
-        cfg = _normalize(prune(cfg))
-        key = canonical_json(cfg)
+        cfg = normalize(prune(cfg))
+        key = config_hash(cfg)
         if key not in seen:
             seen.add(key)
             configs.append(cfg)
 
-    varying = _varying_keys(configs)
+    varying = _varying_paths(configs)
+    named = {tuple(k.split(".")) for k in ACRONYMS}
+    extra_keys = [".".join(p) for p in varying if p not in named]
     candidates = []
     names: dict[str, dict[str, Any]] = {}
     for cfg in configs:
-        knobs = {k: v for k, v in _leaves(cfg) if k in varying}
+        knobs = {".".join(p): v for p, v in leaves(cfg) if p in varying}
         try:
             validate(cfg, dp_world_size)
         except ConfigError as e:
             raise ConfigError(f"tuning space gives an invalid config ({_describe(knobs)}): {e}") from None
-        name = canonical_name(cfg, varying)
+        name = canonical_name(cfg, extra_keys)
         if name in names:  # only two configs whose 32-bit hash prefixes collide
             raise RuntimeError(f"canonical name collision: {name}")
         names[name] = cfg
@@ -768,9 +357,9 @@ def _check_variables(base: dict[str, Any], space: dict[str, Any], variables: dic
     return env
 
 
-def _varying_keys(configs: list[dict[str, Any]]) -> list[str]:
-    """Dotted leaf keys whose value (or presence) differs between configs, sorted."""
-    per_config = [dict(_leaves(c)) for c in configs]
+def _varying_paths(configs: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """Leaf key paths whose value (or presence) differs between configs, sorted."""
+    per_config = [dict(leaves(c)) for c in configs]
     keys = sorted(set().union(*per_config)) if per_config else []
     out = []
     for k in keys:

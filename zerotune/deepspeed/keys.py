@@ -1,0 +1,140 @@
+"""DeepSpeed's config keys as zerotune needs to know them: names, which stage reads which key,
+which keys hold lists, integer sizes and their bounds, and DeepSpeed's defaults.
+
+Facts only, each with its source in DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` unless
+said otherwise); the modules that check (:mod:`zerotune.deepspeed.validate`), name
+(:mod:`zerotune.deepspeed.canonical`) and generate (:mod:`zerotune.strategy.space`) configs read
+them from here.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+ZERO = "zero_optimization"
+MBS = "train_micro_batch_size_per_gpu"
+GAS = "gradient_accumulation_steps"
+TBS = "train_batch_size"
+
+# Keys whose DeepSpeed value is itself a list: a flat list there is the setting, a list of lists is
+# a list of candidates. Dotted paths; a trailing ".*" covers a whole section.
+LIST_VALUED_KEYS: tuple[str, ...] = (
+    "optimizer.params.betas",
+    "scheduler.params.*",  # passed to the scheduler's constructor as is (client schedulers take lists)
+    "zero_optimization.leaf_module.classes",
+    "zero_optimization.leaf_module.names",
+    "zero_optimization.leaf_module.name_suffixes",
+    "comms_logger.prof_ops",
+    "data_efficiency.*",
+    "curriculum_learning.*",
+    "compression_training.*",
+    "sparse_attention.*",
+    "keep_in_fp32_modules",
+)
+
+# Optimizer types (``optimizer.type``, case-insensitive) for which DeepSpeed builds a CPU optimizer
+# when ``offload_optimizer.device`` is cpu or nvme (deepspeed/runtime/engine.py,
+# _configure_basic_optimizer: adam/adamw -> DeepSpeedCPUAdam, adagrad -> DeepSpeedCPUAdagrad,
+# lion -> DeepSpeedCPULion).
+OFFLOADABLE_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw", "adagrad", "lion")
+
+# deepspeed/runtime/zero/offload_config.py, OffloadDeviceEnum.
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+# zero_optimization keys read only by ZeRO stage 3 (DeepSpeedZeroOptimizer_Stage3 / Init), by
+# their DeepSpeed alias and by field name.
+STAGE3_ONLY_KEYS: frozenset[str] = frozenset({
+    "offload_param",
+    "sub_group_size",
+    "prefetch_bucket_size",
+    "param_persistence_threshold",
+    "model_persistence_threshold",
+    "max_live_parameters",
+    "max_reuse_distance",
+    "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold",
+    "use_all_reduce_for_fetch_params",
+    "allgather_sequential",
+    "zero_hpz_partition_size",
+    "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights",
+    "zero_quantized_gradients",
+    "memory_efficient_linear",
+    "pipeline_loading_checkpoint",
+    "override_module_apply",
+    "leaf_module",
+    "save_muon_momentum_buffer_in_memory",
+    "cpu_offload_param",
+})  # plus every key starting with "stage3_" (is_stage3_only)
+
+# zero_optimization keys read only by the stage 1/2 optimizer (DeepSpeedZeroOptimizer).
+# ``allgather_partitions`` is read by no code at all in DeepSpeed 0.19; it is kept for stages 1/2
+# because DeepSpeed documents it there, and never tuned by default.
+STAGE12_ONLY_KEYS: frozenset[str] = frozenset({
+    "allgather_bucket_size",
+    "allgather_partitions",
+    "round_robin_gradients",
+    "use_multi_rank_bucket_allreduce",
+    "parameter_alignment",
+    "legacy_stage1",
+})
+
+# Integer sizes (elements) in zero_optimization: key -> smallest allowed value. DeepSpeed requires
+# reduce_bucket_size > 0; a zero allgather bucket cannot gather anything, so it is refused too.
+SIZE_KEYS: dict[str, int] = {
+    "reduce_bucket_size": 1,
+    "allgather_bucket_size": 1,
+    "stage3_prefetch_bucket_size": 0,
+    "stage3_param_persistence_threshold": 0,
+    "stage3_model_persistence_threshold": 0,
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "sub_group_size": 0,
+}
+
+# DeepSpeed 0.19's defaults for the zero_optimization knobs zerotune names (the zero_optimization
+# keys of zerotune.deepspeed.canonical.ACRONYMS), by the key zerotune writes (the stage3_ alias where
+# DeepSpeed has one): the field defaults of DeepSpeedZeroConfig in deepspeed/runtime/zero/config.py
+# (``pp_int(5e8)`` is the int 500000000, ``pp_int(sys.maxsize)`` is sys.maxsize). The defaults are
+# the same at every stage except ``overlap_comm``, whose field default is None and which the
+# validator ``overlap_comm_valid`` sets to ``stage == 3``. Offload sections are left out on purpose:
+# a section ``{"device": "none"}`` is not the same as no section (engine.py tests
+# ``zero_offload_optimizer() is not None``).
+_ZERO_DEFAULTS_ANY_STAGE: dict[str, Any] = {
+    "contiguous_gradients": True,
+    "reduce_scatter": True,
+    "reduce_bucket_size": 500_000_000,
+    "use_multi_rank_bucket_allreduce": True,
+    "allgather_partitions": True,
+    "allgather_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_model_persistence_threshold": sys.maxsize,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_use_all_reduce_for_fetch_params": False,
+    "stage3_allgather_sequential": False,
+    "round_robin_gradients": False,
+}
+
+ZERO_DEFAULTS: dict[int, dict[str, Any]] = {
+    stage: {**_ZERO_DEFAULTS_ANY_STAGE, "overlap_comm": stage == 3} for stage in (0, 1, 2, 3)
+}
+"""ZeRO stage -> zero_optimization key -> DeepSpeed's default value (ints and bools, no floats)."""
+
+
+def is_stage3_only(key: str) -> bool:
+    """Whether the zero_optimization key ``key`` is read only by ZeRO stage 3."""
+    return key.startswith("stage3_") or key in STAGE3_ONLY_KEYS
+
+
+def is_list_valued(path: str) -> bool:
+    """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
+    ``optimizer.params.betas``), so a flat list there is the setting, not a list of candidates."""
+    for rule in LIST_VALUED_KEYS:
+        if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
+            return True
+        if path == rule:
+            return True
+    return False
