@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 
 from zerotune.autotuner import Autotuner, TuneOptions
-from zerotune.core.experiment import Experiment, Status
+from zerotune.core.experiment import Status
+from zerotune.deepspeed.expdir import write_record
 from zerotune.model.memory import MemoryModel
-from zerotune.model.profile import profile_config
 from zerotune.run.resources import select_resources
-from zerotune.run.scheduler import Scheduler
-from zerotune.strategy.search import mbs_ladder
+from zerotune.strategy.configs import ConfigBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_gpt.py")
@@ -38,49 +37,52 @@ def tuner(tmp_path: Path, config: Path, budget: int = int(2.5 * GiB)) -> Autotun
                      TuneOptions(device_memory_bytes=budget, results_dir=str(tmp_path / "results"), cpu=True))
 
 
-def test_mbs_ladder_lands_on_the_estimate_and_goes_one_step_above():
-    assert mbs_ladder(1, 1024, 5) == [1, 2, 4, 5, 10]
-    assert mbs_ladder(1, 8, 5) == [1, 2, 4, 5, 8]
-    assert mbs_ladder(1, 8, 8) == [1, 2, 4, 8]
-    assert mbs_ladder(1, 8, 100) == [1, 2, 4, 8]
-    assert mbs_ladder(2, 64, 50) == [2, 4, 8, 16, 32, 50, 64]
-    assert mbs_ladder(2, 8, 1) == []
+PROFILE = "profile_z3_gas1_tmbspg1_rbs1e7_pfbs1e7_mlp1e7"
 
 
-def test_plan_from_autotuning_model_info_lists_profile_and_mbs_ladders(tmp_path):
+def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
     assert plan.model_info_source == "autotuning.model_info"
+    # everything fits 2.5 GiB: ZeRO-0 climbs to the cap (8) and bisects below it; ZeRO-1 has no more
+    # headroom, so one probe at mbs 8 (a tie under the oracle's assumed metric) and no search
     assert [e.name for e in plan.experiments] == [
-        "profile", "z0_mbs1_gas1", "z0_mbs2_gas1", "z0_mbs4_gas1", "z0_mbs8_gas1",
-        "z1_mbs1_gas1", "z1_mbs2_gas1", "z1_mbs4_gas1", "z1_mbs8_gas1"]
-    z1 = plan.experiments[5]
-    assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 1, 1, {})
+        PROFILE, "z0_gas1_tmbspg1", "z0_gas1_tmbspg2", "z0_gas1_tmbspg4", "z0_gas1_tmbspg8", "z0_gas1_tmbspg6",
+        "z0_gas1_tmbspg7", "z1_gas1_tmbspg8_rbs2e7"]
+    z1 = plan.experiments[-1]
+    assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 8, 1, {})
     # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + activations
-    assert z1.memory_bytes == 4 * PARAMS + (4 * PARAMS + 2 * PARAMS) + 6 * PARAMS + 80_000_000 + ACTIVATIONS
-    assert z1.memory_bytes == 208_221_184
+    assert z1.memory_bytes == 4 * PARAMS + (4 * PARAMS + 2 * PARAMS) + 6 * PARAMS + 80_000_000 + 8 * ACTIVATIONS
+    assert z1.memory_bytes == 513_348_608
     assert z1.fits is True
-    assert z1.ds_config["train_batch_size"] == 2
+    assert z1.ds_config["train_batch_size"] == 16
     assert not (tmp_path / "results").exists()  # a dry run writes nothing
 
 
-def test_plan_marks_configs_over_budget_and_the_step_above_the_estimate(tmp_path):
+def test_plan_follows_the_search_to_the_memory_boundary(tmp_path):
     # 300 MiB per device: ZeRO-0 (4Ψ+4Ψ+8Ψ+4Ψ buffer = 105.8 MB) fits to mbs 4, ZeRO-1 (fixed 164.6 MB) to mbs 3
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
     rows = {e.name: e for e in plan.experiments}
-    assert [n for n in rows if n.startswith("z1")] == ["z1_mbs1_gas1", "z1_mbs2_gas1", "z1_mbs3_gas1", "z1_mbs6_gas1"]
-    assert [rows[n].fits for n in ("z1_mbs3_gas1", "z1_mbs6_gas1")] == [True, False]
-    assert [n for n in rows if n.startswith("z0")] == ["z0_mbs1_gas1", "z0_mbs2_gas1", "z0_mbs4_gas1", "z0_mbs8_gas1"]
-    assert rows["z0_mbs4_gas1"].memory_bytes == 20 * PARAMS + 4 * ACTIVATIONS
-    assert rows["z0_mbs8_gas1"].fits is False
-    assert "7 fit 300.00 MiB per device" in plan.header()
+    # the ladder lands on the estimate 4, tries one step above it (8: OOM), bisects down to 4 (6, 5: OOM),
+    # then the fine pass tries 3; ZeRO-1 is probed at its own largest mbs, 3
+    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8, 6, 5, 3]
+    assert [rows[f"z0_gas1_tmbspg{m}"].fits for m in (4, 8, 6, 5)] == [True, False, False, False]
+    assert rows["z0_gas1_tmbspg4"].memory_bytes == 20 * PARAMS + 4 * ACTIVATIONS
+    assert [n for n in rows if n.startswith("z1")] == ["z1_gas1_tmbspg3_rbs2e7"]
+    assert "5 fit 300.00 MiB per device" in plan.header()
 
 
-def test_plan_with_fast_false_lists_the_knob_space_at_the_estimated_mbs(tmp_path):
-    config = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
-    plan = tuner(tmp_path, config).plan()
+def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path):
+    path = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
+    cfg = json.loads(path.read_text())
+    cfg["zero_optimization"]["stage"] = 1
+    path.write_text(json.dumps(cfg))
+    plan = tuner(tmp_path, path).plan()
     knobs = [e for e in plan.experiments if e.phase == "knobs"]
-    # ZeRO-0 has no knob space; ZeRO-1: the user's 2 reduce bucket sizes x 3 default allgather bucket sizes
-    assert len(knobs) == 6 and {e.stage for e in knobs} == {1} and {e.mbs for e in knobs} == {8}
+    # the user's 2 reduce bucket sizes x 3 default allgather bucket sizes at the best mbs (8); the one that
+    # is the mbs phase's own config (rbs 2e7, agbs 5e8 = DeepSpeed's default) is not listed again
+    assert [e.name for e in knobs] == ["z1_gas1_tmbspg8_rbs2e7_agbs5e7", "z1_gas1_tmbspg8_rbs5e7_agbs5e7",
+                                       "z1_gas1_tmbspg8_rbs5e7", "z1_gas1_tmbspg8_rbs2e7_agbs1e9",
+                                       "z1_gas1_tmbspg8_rbs5e7_agbs1e9"]
     assert knobs[0].knobs == {"zero_optimization.reduce_bucket_size": 20_000_000,
                               "zero_optimization.allgather_bucket_size": 50_000_000}
     assert knobs[1].memory_bytes - knobs[0].memory_bytes == 4 * 30_000_000  # the larger reduce bucket
@@ -91,25 +93,26 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
-    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8]
+    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8, 6, 7]
     assert "unknown until the profile run" in plan.header()
 
 
 def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
     config = write_config(tmp_path / "ds.json", model_info=False)
     t = tuner(tmp_path, config)
-    profile = Experiment("profile", profile_config(t.user_config, 1, 1, 2), num_nodes=1, num_slots=2,
-                         status=Status.OK, metric=1.0, peak_memory_bytes=400 * 2**20)
-    exp_dir = t.exps_dir / "profile"
+    profile = ConfigBuilder(t.job).profile()
+    assert profile.name == PROFILE
+    profile.status, profile.peak_memory_bytes = Status.OK, 400 * 2**20
+    profile.metrics = {"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}
+    exp_dir = t.job.exps_dir / profile.name
     exp_dir.mkdir(parents=True)
-    Scheduler._record(None, profile, exp_dir)
-    (exp_dir / "model_info.json").write_text(json.dumps({"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}))
+    write_record(profile, exp_dir)
     plan = t.plan()
     assert plan.model_info_source == "profile run on disk"
-    assert plan.experiments[0].name == "z0_mbs1_gas1"  # the profile is not listed again
+    assert plan.experiments[0].name == "z0_gas1_tmbspg1"  # the profile is not listed again
     # calibrated on the profile's peak: the fixed per-rank overhead is what the estimate missed there
     bare = MemoryModel(PARAMS, ACTIVATIONS, dp_world_size=2)
-    overhead = 400 * 2**20 - bare.bytes_per_device(t._profile_config())
+    overhead = 400 * 2**20 - bare.bytes_per_device(profile.ds_config)
     assert overhead > 0
     z0 = plan.experiments[0]
     assert z0.memory_bytes == bare.bytes_per_device(z0.ds_config) + overhead
@@ -123,8 +126,8 @@ def test_cli_dry_run_json_launches_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["device_memory_bytes"] == int(2.5 * GiB) and data["dp_world_size"] == 2
-    assert [e["name"] for e in data["experiments"]][:2] == ["profile", "z0_mbs1_gas1"]
-    assert data["experiments"][5]["memory_bytes"] == 208_221_184
+    assert [e["name"] for e in data["experiments"]][:2] == [PROFILE, "z0_gas1_tmbspg1"]
+    assert data["experiments"][1]["memory_bytes"] == 20 * PARAMS + ACTIVATIONS == 149_379_072
     assert not (tmp_path / "results").exists()
 
 

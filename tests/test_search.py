@@ -1,7 +1,8 @@
 """The search pinned to exact traces on known throughput curves."""
 from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
-from zerotune.strategy.search import Point, StagePlan, explore_stages, search_mbs
+from zerotune.strategy.mbs import Point, StopReason, search_mbs
+from zerotune.strategy.stages import StageDecision, StagePlan, explore_stages
 
 THROUGHPUT = Objective.named("throughput")
 LATENCY = Objective.named("latency")
@@ -22,7 +23,7 @@ def test_plateau_then_fine_pass():
     trace = search_mbs(evaluate, lo=1, hi=1024, estimate=1000, objective=THROUGHPUT, threshold=0.01, num_fine=2)
     # 64 -> 128 gains 0.77% < 1%: plateau. Fine pass bisects below the best (128): 96, then 112.
     assert calls == [1, 2, 4, 8, 16, 32, 64, 128, 96, 112]
-    assert trace.stop == "plateau"
+    assert trace.stop is StopReason.PLATEAU
     assert trace.best(THROUGHPUT).mbs == 128
 
 
@@ -31,7 +32,7 @@ def test_failure_boundary_above_a_cautious_estimate():
     trace = search_mbs(evaluate, lo=1, hi=1024, estimate=24, objective=THROUGHPUT, num_fine=3)
     # The ladder lands on the estimate (24), goes above it (48 fails), then bisects to 40.
     assert calls == [1, 2, 4, 8, 16, 24, 48, 36, 42, 39, 40, 41]
-    assert trace.stop == "boundary"
+    assert trace.stop is StopReason.BOUNDARY
     assert trace.best(THROUGHPUT).mbs == 40
     assert [p.status for p in trace.points if p.mbs in (48, 42, 41)] == [Status.OOM] * 3
 
@@ -39,7 +40,7 @@ def test_failure_boundary_above_a_cautious_estimate():
 def test_infeasible_smallest_mbs_stops_at_once():
     evaluate, calls = curve(lambda m: 1.0, max_ok=0)
     trace = search_mbs(evaluate, lo=1, hi=64, estimate=8, objective=THROUGHPUT)
-    assert calls == [1] and trace.stop == "infeasible" and trace.best(THROUGHPUT) is None
+    assert calls == [1] and trace.stop is StopReason.INFEASIBLE and trace.best(THROUGHPUT) is None
 
 
 def test_cap_and_known_points_are_not_rerun():
@@ -48,7 +49,7 @@ def test_cap_and_known_points_are_not_rerun():
     trace = search_mbs(evaluate, lo=1, hi=6, estimate=6, objective=THROUGHPUT, num_fine=1, known=known)
     # 4 ran already: the ladder climbs from it (lo is not run), reaches the cap 6, bisects 4..6.
     assert calls == [6, 5]
-    assert trace.stop == "cap"
+    assert trace.stop is StopReason.CAP
 
 
 def test_latency_prefers_the_smallest_mbs():
@@ -73,7 +74,7 @@ def test_higher_stage_probed_once_when_slower_and_later_stages_skipped():
     evaluate, calls = stages({0: (sat(1.0), 1000), 1: (sat(0.9), 1000), 2: (sat(0.8), 1000), 3: (sat(0.7), 1000)})
     plans = [StagePlan(0, 100), StagePlan(1, 100), StagePlan(2, 200), StagePlan(3, 0)]
     results = explore_stages(evaluate, plans, lo=1, hi=1024, objective=THROUGHPUT, num_fine=0)
-    assert [(r.stage, r.decision) for r in results] == [(0, "explored"), (1, "probed"), (2, "skipped"), (3, "pruned")]
+    assert [(r.stage, r.decision) for r in results] == [(0, StageDecision.EXPLORED), (1, StageDecision.PROBED), (2, StageDecision.SKIPPED), (3, StageDecision.PRUNED)]
     # stage 0: the ladder lands on the estimate 100 (64 -> 100 gains 0.6%: plateau); stage 1 is
     # probed once at stage 0's best mbs and is slower; stage 2 is not run at all.
     assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (0, 16), (0, 32), (0, 64), (0, 100), (1, 100)]
@@ -84,7 +85,7 @@ def test_higher_stage_explored_when_memory_headroom_could_beat():
     evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.9), 64)})
     plans = [StagePlan(0, 8), StagePlan(1, 64)]
     results = explore_stages(evaluate, plans, lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
-    assert [r.decision for r in results] == ["explored", "explored"]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
     assert results[1].reason.startswith("could beat: optimistic throughput 64")
     assert [m for s, m in calls if s == 1] == [1, 2, 4, 8, 16, 32, 64]  # no probe: the bound decided
     assert results[1].trace.best(THROUGHPUT).mbs == 64
@@ -94,7 +95,7 @@ def test_higher_stage_that_measures_faster_is_explored_from_its_probe():
     evaluate, calls = stages({0: (lambda m: 100 * m / (m + 1), 1000), 1: (lambda m: 120 * m / (m + 1), 1000)})
     results = explore_stages(evaluate, [StagePlan(0, 4), StagePlan(1, 4)], lo=1, hi=4, objective=THROUGHPUT,
                              num_fine=0)
-    assert [r.decision for r in results] == ["explored", "explored"]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
     assert calls == [(0, 1), (0, 2), (0, 4), (1, 4)]  # the probe at 4 is stage 1's search start (the cap)
     assert results[1].trace.best(THROUGHPUT) == Point(4, Status.OK, 96.0)
 
@@ -103,5 +104,5 @@ def test_failed_first_stage_lets_the_next_one_run():
     evaluate, calls = stages({0: (lambda m: 1.0, 0), 1: (lambda m: 2.0 * m, 2)})
     results = explore_stages(evaluate, [StagePlan(0, 4), StagePlan(1, 4)], lo=1, hi=4, objective=THROUGHPUT,
                              num_fine=0)
-    assert results[0].trace.stop == "infeasible" and results[1].decision == "explored"
+    assert results[0].trace.stop is StopReason.INFEASIBLE and results[1].decision == StageDecision.EXPLORED
     assert results[1].trace.best(THROUGHPUT).mbs == 2

@@ -18,6 +18,7 @@ from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.run.resources import select_resources
+from zerotune.strategy.job import cuda_available
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu = args.cpu
         local_slots = None
         if args.hostfile is None:
-            from zerotune.autotuner import _cuda_available
-            if cpu or not _cuda_available():
+            if cpu or not cuda_available():
                 cpu = True
                 if args.num_gpus < 1 and not args.include:
                     raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")

@@ -1,13 +1,11 @@
-"""The dry run: the experiments a tuning job would generate, with the memory model's verdict on
-each, printed as a table or JSON, without launching anything.
+"""The dry run's answer: the experiments the strategy would try, with the memory model's verdict
+on each, printed as a table or JSON.
 
-What the search actually runs depends on what it measures (a stage is probed or skipped, the mbs
-ladder stops at a plateau), so the plan lists every experiment it *may* generate: the profile
-run, each ZeRO stage's mbs ladder up to the memory estimate and one step above it
-(:func:`zerotune.strategy.search.mbs_ladder`), and with ``"fast": false`` each stage's knob space at its
-estimated largest mbs. Memory figures need the model's size: they come from an earlier profile
-run in the same results dir, else from ``autotuning.model_info`` (``num_params``, optionally
-``activation_mem_per_gpu``), else they are unknown until the profile run.
+The experiments come from running the real strategy against the memory-model oracle
+(:mod:`zerotune.strategy.oracle`: what the strategy would try if the memory model were right,
+with an assumed metric since nothing is measured). Memory figures need the model's size: from an
+earlier profile run in the same results dir, else from ``autotuning.model_info``
+(``num_params``, optionally ``activation_mem_per_gpu``), else they are unknown.
 """
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
+from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.units import format_bytes
 
 
@@ -26,7 +25,8 @@ class PlannedExperiment:
 
     Attributes:
         name: the experiment's name (its directory under the experiments dir).
-        phase: ``profile``, ``mbs`` (the micro-batch search) or ``knobs`` (the knob phase).
+        phase: the :class:`~zerotune.core.experiment.ExperimentKind` value: ``profile``, ``mbs``
+            (the micro-batch search) or ``knobs`` (the knob phase).
         stage, mbs, gas: ZeRO stage, micro batch size per GPU, gradient accumulation steps.
         knobs: dotted key -> value of the settings that differ between the configs of its
             knob space (empty in the other phases).
@@ -62,6 +62,17 @@ class Plan:
     model_info_source: str | None
     device_memory_bytes: int
     dp_world_size: int
+
+    @classmethod
+    def from_experiments(cls, experiments: Sequence[Experiment], model_info_source: str | None,
+                         device_memory_bytes: int, dp_world_size: int, skip_profile: bool = False) -> "Plan":
+        """The plan of the experiments a strategy asked for, in order (the profile left out when
+        ``skip_profile``: its result is already on disk)."""
+        rows = [PlannedExperiment(e.name, e.kind.value, e.stage, e.mbs, e.gas, dict(e.knobs), e.memory_bytes,
+                                  None if e.memory_bytes is None else e.memory_bytes <= device_memory_bytes,
+                                  e.ds_config)
+                for e in experiments if not (skip_profile and e.kind is ExperimentKind.PROFILE)]
+        return cls(rows, model_info_source, device_memory_bytes, dp_world_size)
 
     def to_json(self) -> dict[str, Any]:
         return {"model_info_source": self.model_info_source, "device_memory_bytes": self.device_memory_bytes,

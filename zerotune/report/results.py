@@ -9,13 +9,17 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
 from zerotune.core.objective import Objective
+from zerotune.core.units import format_bytes
+
+if TYPE_CHECKING:
+    from zerotune.strategy.tuning import StrategyResult
 
 
 def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:
@@ -25,6 +29,19 @@ def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> 
     """
     return objective.best((e for e in experiments if e.status == Status.OK and e.kind is not ExperimentKind.PROFILE),
                           lambda e: e.metric)
+
+
+def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
+    """The summary's caption: each ZeRO stage's decision and why, and the memory model's inputs."""
+    notes = [f"ZeRO stage {r.stage}: {r.decision.value} - {r.reason}"
+             + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
+             for r in result.stages if r.decision is not None]
+    memory = result.memory
+    if memory is not None:
+        notes.append(f"memory model: {memory.num_params:,} params, {format_bytes(memory.activation_bytes_per_sample)}"
+                     f" activations/sample, overhead {format_bytes(memory.overhead_bytes)}, budget "
+                     f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
+    return notes
 
 
 def optimal_config(exp: Experiment) -> dict:

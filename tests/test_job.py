@@ -1,0 +1,76 @@
+"""The tuning job: every input resolved once, every bad one an error naming it."""
+import json
+
+import pytest
+
+from zerotune.core.errors import ConfigError
+from zerotune.run.resources import Node
+from zerotune.strategy.job import Job, TuneOptions
+
+GiB = 2**30
+
+
+def build(tmp_path, config=None, nodes=(Node("localhost", (0, 1)),), **options):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, **(config or {})}))
+    opts = TuneOptions(device_memory_bytes=3 * GiB, cpu=True, results_dir=str(tmp_path / "results"))
+    for k, v in options.items():
+        setattr(opts, k, v)
+    return Job.build("train.py", ["--deepspeed_config", str(path)], list(nodes), opts)
+
+
+def test_resolves_sizes_bounds_and_paths(tmp_path):
+    job = build(tmp_path, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": [3, 1]},
+                           "autotuning": {"metric": "latency", "max_train_batch_size": 40}})
+    assert (job.world_size, job.dp_world_size, job.gas, job.stages) == (2, 2, 2, (1, 3))
+    assert (job.min_mbs, job.max_mbs) == (1, 10)  # 40 // (gas 2 * DP 2)
+    assert (job.objective.name, job.objective.unit, job.objective.scale) == ("latency", "s/step", 1e-6)
+    assert job.exps_dir == tmp_path / "results" / "exps"
+    assert job.launch_spec().objective is job.objective and job.launch_spec().device_memory_bytes == 3 * GiB
+    with pytest.raises(AttributeError):
+        job.gas = 4  # frozen
+
+
+def test_every_experiment_uses_the_smallest_slot_count_on_each_node(tmp_path):
+    job = build(tmp_path, {"autotuning": {"mp_size": 2}},
+                nodes=(Node("a", (0, 1, 2, 3)), Node("b", (0, 1))))
+    assert (job.num_nodes, job.slots_per_node, job.world_size, job.dp_world_size) == (2, 2, 4, 2)
+
+
+def test_min_train_batch_size_raises_the_smallest_mbs(tmp_path):
+    job = build(tmp_path, {"autotuning": {"min_train_batch_size": 7}})
+    assert job.min_mbs == 4  # ceil(7 / (gas 1 * DP 2))
+
+
+def test_bounds_that_leave_no_mbs_are_an_error_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"leave no micro batch size: mbs 1\.\.0 with gas 1 and DP world size 2"):
+        build(tmp_path, {"autotuning": {"max_train_batch_size": 1}})
+
+
+def test_arg_mappings_is_refused_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match=r"'autotuning.arg_mappings' is not supported yet"):
+        build(tmp_path, {"autotuning": {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"}}})
+
+
+def test_keys_zerotune_sets_itself_are_logged(tmp_path):
+    job = build(tmp_path, {"autotuning": {"enabled": False, "metric_path": "/tmp/m.json"}})
+    assert job.notes == ("autotuning.enabled = False is not used: zerotune sets it for each experiment",
+                         "autotuning.metric_path = '/tmp/m.json' is not used: zerotune sets it for each experiment")
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"timeout_s": -5.0}, r"--timeout -5: expected a positive number of seconds"),
+    ({"backend": "slurm"}, r"unknown backend 'slurm'"),
+    ({"device_memory_bytes": None}, r"--device-memory is required"),
+])
+def test_bad_options_are_errors(tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message):
+        build(tmp_path, **options)
+
+
+def test_model_info_from_the_config(tmp_path):
+    job = build(tmp_path, {"autotuning": {"model_info": {"num_params": 1000, "activation_mem_per_gpu": 64}}})
+    assert job.model_info.to_metrics() == {"num_params": 1000, "trainable_num_params": 1000,
+                                           "activation_mem_per_gpu": 64}
+    with pytest.raises(ConfigError, match=r"'autotuning.model_info.num_params' = 0: expected a positive integer"):
+        build(tmp_path, {"autotuning": {"model_info": {"num_params": 0}}})

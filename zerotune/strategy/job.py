@@ -1,0 +1,232 @@
+"""The tuning job: every input resolved once, before anything runs.
+
+A :class:`Job` is built by :meth:`Job.build` from what the ``deepspeed`` launcher's user gives
+(the script, its arguments carrying the ds_config, the selected device slots) and zerotune's own
+options (:class:`TuneOptions`), by the CLI and the Python API alike. It is frozen: the strategy,
+the config builder, the scheduler's launch spec and the results all read the same resolved
+values (DP world size, per-device memory budget, objective, mbs bounds, paths), and every bad
+input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.objective import Objective
+from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config, parse_autotuning,
+                                       stage_candidates)
+from zerotune.model.profile import ModelInfo
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.resources import Node
+
+BACKENDS = ("local", "ray")
+
+# autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
+_SET_PER_EXPERIMENT = ("enabled", "metric_path", "model_info_path")
+
+
+@dataclass
+class TuneOptions:
+    """zerotune's own options (beyond the ds_config's ``autotuning`` section).
+
+    Attributes:
+        device_memory_bytes: per-device budget, bytes (required on CPU; None on CUDA: the
+            device's memory).
+        results_dir: overrides ``autotuning.results_dir``; experiments then go to ``<dir>/exps``.
+        timeout_s, hang_timeout_s: per-experiment wall-clock limit and no-output limit, seconds.
+        overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
+        hostfile: the launcher's hostfile, for multi-node experiments.
+        cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
+        backend: ``local`` (the deepspeed launcher as a subprocess) or ``ray`` (a Ray cluster).
+        ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
+    """
+
+    device_memory_bytes: int | None = None
+    results_dir: str | None = None
+    timeout_s: float | None = None
+    hang_timeout_s: float | None = None
+    overwrite: bool | None = None
+    hostfile: str | None = None
+    cpu: bool | None = None
+    backend: str = "local"
+    ray_address: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A tuning job with every input resolved (build it with :meth:`build`).
+
+    Attributes:
+        script, script_args: the training script and its arguments (with the ds_config flag).
+        config_path: the user's ds_config file.
+        user_config: its content (with the ``autotuning`` section; never modified).
+        autotuning: the validated ``autotuning`` section.
+        nodes: the selected device slots; every experiment runs on ``num_nodes`` nodes with
+            ``slots_per_node`` slots each (the smallest count among them).
+        world_size: ranks per experiment (``num_nodes * slots_per_node``).
+        mp_size, dp_world_size: model-parallel size and data-parallel world size
+            (``world_size / mp_size``).
+        gas: the user's gradient accumulation steps.
+        stages: the ZeRO stages to explore, ascending.
+        cpu: DeepSpeed runs on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
+        device_memory_bytes: the per-device memory budget, bytes.
+        objective: the tuned metric.
+        min_mbs, max_mbs: the micro batch sizes allowed (``min/max_train_micro_batch_size_per_gpu``
+            narrowed by ``min/max_train_batch_size`` at this gas and DP world size).
+        model_info: the model's size from ``autotuning.model_info`` (for ``--dry-run`` without a
+            profile run), or None.
+        results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
+        timeout_s, hang_timeout_s, hostfile, backend, ray_address: see :class:`TuneOptions`.
+        notes: what zerotune accepted but does not act on, for the log (never silent).
+    """
+
+    script: str
+    script_args: tuple[str, ...]
+    config_path: str
+    user_config: dict[str, Any] = field(repr=False)
+    autotuning: AutotuningConfig = field(repr=False)
+    nodes: tuple[Node, ...]
+    num_nodes: int
+    slots_per_node: int
+    world_size: int
+    mp_size: int
+    dp_world_size: int
+    gas: int
+    stages: tuple[int, ...]
+    cpu: bool
+    device_memory_bytes: int
+    objective: Objective
+    min_mbs: int
+    max_mbs: int
+    model_info: ModelInfo | None
+    results_dir: Path
+    exps_dir: Path
+    overwrite: bool
+    timeout_s: float | None = None
+    hang_timeout_s: float | None = None
+    hostfile: str | None = None
+    backend: str = "local"
+    ray_address: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
+              options: TuneOptions | None = None) -> "Job":
+        """Resolve every input of a tuning job.
+
+        Raises:
+            ConfigError: an unreadable or invalid ds_config or ``autotuning`` section, no slots,
+                ``mp_size`` not dividing the ranks, no device memory budget on CPU, bounds that
+                leave no micro batch size, a bad ``autotuning.model_info``, an unknown backend,
+                a negative timeout.
+        """
+        options = options or TuneOptions()
+        script_args = tuple(script_args)
+        _, config_path = find_config_arg(list(script_args))
+        user = load_ds_config(config_path)
+        at = parse_autotuning(user.get("autotuning"), source=config_path)
+        if at.arg_mappings:
+            raise ConfigError(f"{config_path}: 'autotuning.arg_mappings' is not supported yet: zerotune cannot "
+                              "pass each experiment's values as script arguments (Hugging Face Trainer scripts); "
+                              "remove it and give the micro batch size in the ds_config")
+        notes = tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
+                      for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {}))
+        if not nodes:
+            raise ConfigError("no device slots selected")
+        num_nodes, slots_per_node = len(nodes), min(len(n.slots) for n in nodes)
+        world_size = num_nodes * slots_per_node
+        if world_size % at.mp_size:
+            raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {at.mp_size} does not divide the "
+                              f"{world_size} ranks of each experiment")
+        dp = world_size // at.mp_size
+        gas = _positive_int(user.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", config_path)
+        cpu = options.cpu if options.cpu is not None else not cuda_available()
+        memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
+        if memory is None:
+            raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
+        min_mbs, max_mbs = _mbs_bounds(at, gas, dp, config_path)
+        if options.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
+        for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
+            if value is not None and not value > 0:
+                raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
+        results_dir = Path(options.results_dir or at.results_dir)
+        return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
+                   autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
+                   world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, gas=gas,
+                   stages=tuple(stage_candidates(user, source=config_path)), cpu=cpu, device_memory_bytes=memory,
+                   objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs,
+                   model_info=_given_model_info(at, config_path), results_dir=results_dir,
+                   exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
+                   overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
+                   timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
+                   backend=options.backend, ray_address=options.ray_address, notes=notes)
+
+    def launch_spec(self) -> LaunchSpec:
+        """How every experiment launches the script (the backends' input)."""
+        return LaunchSpec(script=self.script, script_args=self.script_args, cpu=self.cpu,
+                          device_memory_bytes=self.device_memory_bytes, timeout_s=self.timeout_s,
+                          hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile,
+                          start_profile_step=self.autotuning.start_profile_step,
+                          end_profile_step=self.autotuning.end_profile_step, objective=self.objective)
+
+    def describe(self) -> str:
+        """One line for the log: ranks, DP world size, budget, stages, mbs bounds, objective."""
+        from zerotune.core.units import format_bytes
+        return (f"job: {self.num_nodes} node(s) x {self.slots_per_node} rank(s), DP world size {self.dp_world_size}, "
+                f"{format_bytes(self.device_memory_bytes)} per device, ZeRO stages {list(self.stages)}, "
+                f"mbs {self.min_mbs}..{self.max_mbs}, gas {self.gas}, objective {self.objective.name} "
+                f"({self.objective.unit})")
+
+
+def _mbs_bounds(at: AutotuningConfig, gas: int, dp: int, source: str) -> tuple[int, int]:
+    """(smallest, largest) mbs: the per-GPU bounds narrowed by the train batch bounds
+    (train_batch_size = mbs * gas * DP world size)."""
+    per_step = gas * dp
+    lo = max(at.min_train_micro_batch_size_per_gpu, -(-at.min_train_batch_size // per_step))
+    hi = at.max_train_micro_batch_size_per_gpu
+    if at.max_train_batch_size:
+        hi = min(hi, at.max_train_batch_size // per_step)
+    if hi < lo:
+        raise ConfigError(f"{source}: the autotuning bounds leave no micro batch size: mbs {lo}..{hi} with gas {gas} "
+                          f"and DP world size {dp} (min/max_train_micro_batch_size_per_gpu = "
+                          f"{at.min_train_micro_batch_size_per_gpu}/{at.max_train_micro_batch_size_per_gpu}, "
+                          f"min/max_train_batch_size = {at.min_train_batch_size}/{at.max_train_batch_size})")
+    return lo, hi
+
+
+def _given_model_info(at: AutotuningConfig, source: str) -> ModelInfo | None:
+    """``autotuning.model_info`` (``num_params``, optional ``activation_mem_per_gpu``) as a ModelInfo."""
+    given = at.model_info or {}
+    if "num_params" not in given:
+        return None
+    key = "autotuning.model_info"
+    num_params = _positive_int(given["num_params"], f"{key}.num_params", source)
+    activations = given.get("activation_mem_per_gpu", 0)
+    if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+        raise ConfigError(f"{source}: '{key}.activation_mem_per_gpu' = {activations!r}: expected bytes per sample, "
+                          f"a non-negative integer")
+    trainable = _positive_int(given.get("trainable_num_params", num_params), f"{key}.trainable_num_params", source)
+    return ModelInfo(num_params, trainable, activations)
+
+
+def _positive_int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
+    return value
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device (the one place zerotune decides CUDA or CPU)."""
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def _cuda_memory() -> int:
+    import torch
+    return int(torch.cuda.get_device_properties(0).total_memory)

@@ -1,0 +1,201 @@
+"""The tuning strategy, whole: profile -> ZeRO stages -> micro batch sizes -> knobs.
+
+:class:`Strategy` decides every experiment of a tuning job and talks to the world through one
+callable, ``evaluate(batch of experiments) -> the same experiments with their outcomes``. ``tune``
+passes the scheduler (real launches); ``--dry-run`` passes the memory-model oracle
+(:mod:`zerotune.strategy.oracle`), so the dry run lists what this same code would try if the
+memory model were right. The run is a pure function of the outcomes it is told:
+
+1. **Profile**: one experiment (:meth:`ConfigBuilder.profile`); its ``model_info`` gives the memory
+   model (:class:`~zerotune.model.memory.MemoryModel`), calibrated on CPU to the run's peak.
+2. **Stages and mbs** (:func:`~zerotune.strategy.stages.explore_stages`): per stage, the memory
+   model's largest fitting mbs, then the progressive stage rule and the mbs search.
+3. **Knobs** (``"fast": false``): for the best stage, and another within :data:`KNOB_STAGE_MARGIN`
+   of it, at its best mbs, the stage's tuning space walked by the configured tuner in batches as
+   large as the slots can run at once.
+
+An experiment whose name (its canonical content) was already evaluated is never evaluated again:
+its outcome is reused, e.g. the knob-space candidate that is the mbs phase's own config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from zerotune.core.errors import TuningFailed
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.units import format_bytes
+from zerotune.model.memory import MemoryModel
+from zerotune.model.profile import ModelInfo
+from zerotune.strategy.configs import ConfigBuilder
+from zerotune.strategy.job import Job
+from zerotune.strategy.mbs import Point
+from zerotune.strategy.stages import StageDecision, StagePlan, StageResult, explore_stages
+from zerotune.strategy.tuners import make_tuner
+
+PLATEAU_THRESHOLD = 0.01
+"""A step that improves the best metric by less than this fraction is a plateau (1%)."""
+
+KNOB_STAGE_MARGIN = 0.05
+"""A second stage's knobs are tuned too when its best metric is within this fraction of the best."""
+
+Evaluate = Callable[[Sequence[Experiment]], Sequence[Experiment]]
+"""Runs a batch of experiments (possibly at once) and returns them, in order, with their outcomes."""
+
+
+@dataclass
+class KnobPhase:
+    """One stage's knob phase: where it ran and how large its space was."""
+
+    stage: int
+    mbs: int
+    configs: int
+    fitting: int
+
+
+@dataclass
+class StrategyResult:
+    """What the strategy learnt.
+
+    Attributes:
+        model_info: the profile's measurements (None: unknown, e.g. a dry run without a profile).
+        memory: the memory model built from it (None when the model size is unknown).
+        stages: one :class:`StageResult` per candidate stage, ascending.
+        knob_phases: the knob phases run (``"fast": false``).
+        experiments: every distinct experiment evaluated, in the order asked, with its outcome.
+    """
+
+    model_info: ModelInfo | None = None
+    memory: MemoryModel | None = None
+    stages: list[StageResult] = field(default_factory=list)
+    knob_phases: list[KnobPhase] = field(default_factory=list)
+    experiments: list[Experiment] = field(default_factory=list)
+
+
+class Strategy:
+    """Runs the tuning strategy of ``job`` against ``evaluate`` (see the module docstring).
+
+    Args:
+        job: the resolved job.
+        evaluate: runs batches of experiments.
+        parallel: experiments the slots can run at once (the knob phase's batch size).
+        log: receives one line per decision (the memory model's verdicts, stage decisions).
+    """
+
+    def __init__(self, job: Job, evaluate: Evaluate, parallel: int = 1, log: Callable[[str], None] | None = None):
+        self.job = job
+        self.builder = ConfigBuilder(job)
+        self._evaluate = evaluate
+        self.parallel = max(1, parallel)
+        self.log = log or (lambda line: None)
+        self.result = StrategyResult()
+        self._done: dict[str, Experiment] = {}
+
+    def run(self) -> StrategyResult:
+        """Profile, explore the stages and mbs, then (``"fast": false``) tune the knobs.
+
+        Raises:
+            TuningFailed: the profile run failed (nothing can be estimated without it).
+            ConfigError: a config the user's settings give is invalid.
+        """
+        self.profile()
+        self.explore()
+        if not self.job.autotuning.fast:
+            self.tune_knobs()
+        return self.result
+
+    def evaluate(self, experiments: Sequence[Experiment]) -> list[Experiment]:
+        """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes."""
+        memory = self.result.memory
+        todo: dict[str, Experiment] = {}
+        for exp in experiments:
+            if exp.name not in self._done and exp.name not in todo:
+                if memory is not None:
+                    exp.memory_bytes = memory.bytes_per_device(exp.ds_config)
+                todo[exp.name] = exp
+        for exp in self._evaluate(list(todo.values())) if todo else []:
+            self._done[exp.name] = exp
+            self.result.experiments.append(exp)
+        return [self._done[e.name] for e in experiments]
+
+    # -- 1. profile ---------------------------------------------------------------------------------
+    def profile(self) -> None:
+        (exp,) = self.evaluate([self.builder.profile()])
+        if exp.status != Status.OK:
+            raise TuningFailed(f"the profile run failed ({exp.status.value if exp.status else '?'}: {exp.error}); "
+                               f"see {self.job.exps_dir / exp.name}")
+        if not exp.metrics:
+            self.log("profile: model size unknown, so the memory model prunes nothing")
+            return
+        info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes)
+        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size)
+        if self.job.cpu and info.peak_memory_bytes:  # CUDA reports no peak here: uncalibrated
+            memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
+        self.result.memory = memory
+        self.log(f"profile: {info.num_params:,} parameters, activations {format_bytes(info.activation_mem_per_gpu)} "
+                 f"per sample, per-rank overhead {format_bytes(memory.overhead_bytes)}, budget "
+                 f"{format_bytes(self.job.device_memory_bytes)} per rank")
+
+    # -- 2. stages and micro batch sizes ------------------------------------------------------------
+    def max_mbs_estimate(self, stage: int) -> int:
+        """The memory model's largest mbs for ``stage`` within the budget (at most the job's largest
+        mbs; below the smallest when the stage does not fit; the largest when the model is unknown)."""
+        lo, hi = self.job.min_mbs, self.job.max_mbs
+        if self.result.memory is None:
+            return hi
+        return self.result.memory.max_mbs(self.builder.config(stage, lo), self.job.device_memory_bytes, cap=hi)
+
+    def explore(self) -> None:
+        lo, hi = self.job.min_mbs, self.job.max_mbs
+        plans = []
+        for stage in self.job.stages:
+            est = self.max_mbs_estimate(stage)
+            plans.append(StagePlan(stage, est))
+            if self.result.memory is not None:
+                fixed = self.result.memory.bytes_per_device(self.builder.config(stage, lo))
+                self.log(f"memory model: ZeRO stage {stage}: " + (f"largest mbs estimated to fit {est}" if est >= lo else
+                         f"does not fit ({format_bytes(fixed)} per rank at mbs={lo}): pruned"))
+
+        def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
+            done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
+            return [Point(m, e.status, e.metric) for m, e in zip(mbs_values, done)]
+
+        self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
+                                            threshold=PLATEAU_THRESHOLD,
+                                            num_fine=self.job.autotuning.num_tuning_micro_batch_sizes)
+        for r in self.result.stages:
+            self.log(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
+                     + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
+
+    # -- 3. knobs -----------------------------------------------------------------------------------
+    def knob_stages(self) -> list[tuple[int, Point]]:
+        """Stages whose knobs are tuned, with their best point: the best explored stage, and the
+        next best when within :data:`KNOB_STAGE_MARGIN` of it."""
+        objective = self.job.objective
+        tops = [(r.stage, r.trace.best(objective)) for r in self.result.stages if r.decision is StageDecision.EXPLORED]
+        tops = [(s, p) for s, p in tops if p is not None]
+        if not tops:
+            return []
+        tops.sort(key=lambda sp: sp[1].metric, reverse=objective.higher_is_better)
+        best = tops[0][1].metric
+        return [tops[0]] + [(s, p) for s, p in tops[1:2] if abs(objective.gain(p.metric, best)) <= KNOB_STAGE_MARGIN]
+
+    def tune_knobs(self) -> None:
+        at, memory = self.job.autotuning, self.result.memory
+        fits = None if memory is None else (lambda c: memory.fits(c, self.job.device_memory_bytes))
+        for stage, point in self.knob_stages():
+            candidates = self.builder.knob_space(stage, point.mbs, fits)
+            fitting = sum(c.fits for c in candidates)
+            self.result.knob_phases.append(KnobPhase(stage, point.mbs, len(candidates), fitting))
+            self.log(f"knob phase ZeRO stage {stage} at mbs={point.mbs}: {len(candidates)} configs, {fitting} fit the "
+                     f"memory model; tuner {at.tuner_type}, at most {at.tuner_num_trials} trials")
+            tuner = make_tuner(at.tuner_type, candidates, objective=self.job.objective, num_trials=at.tuner_num_trials,
+                               early_stopping=at.tuner_early_stopping)
+            for c in candidates:  # configs that already ran (the mbs phase's own config): told, not run again
+                if c.name in self._done:
+                    done = self._done[c.name]
+                    tuner.tell(c.name, done.status, done.metric)
+            while batch := tuner.ask(self.parallel):
+                exps = [self.builder.experiment(c.ds_config, ExperimentKind.KNOBS, knobs=c.knobs) for c in batch]
+                for c, exp in zip(batch, self.evaluate(exps)):
+                    tuner.tell(c.name, exp.status, exp.metric)
