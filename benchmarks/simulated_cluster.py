@@ -112,7 +112,7 @@ def run_zerotune(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, A
         chosen = tuner.tune().ds_config
     except TuningFailed as e:
         error = str(e)
-    decisions = {r.stage: f"{r.decision} ({r.reason})" for r in tuner.stage_results}
+    decisions = {r.stage: f"{r.decision.value} ({r.reason})" for r in tuner.stage_results}
     return {"chosen": chosen, "reported": tuner.best.metric if tuner.best else None, "ledger": backend.ledger,
             "decisions": decisions, "error": error}
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import time
-from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console

@@ -23,7 +23,6 @@ class Status(str, enum.Enum):
     FAILED = "failed"  # non-zero exit or no metrics, for a reason other than memory
     TIMEOUT = "timeout"  # killed after the per-experiment timeout or a hang
     INTERRUPTED = "interrupted"  # the tuner stopped while it ran; re-run on resume
-    PRUNED = "pruned"  # never launched: the memory model says it cannot fit
 
     @property
     def finished(self) -> bool:

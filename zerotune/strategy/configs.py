@@ -19,7 +19,7 @@ from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.job import Job
-from zerotune.strategy.space import Candidate, default_space, generate
+from zerotune.strategy.space import Candidate, default_space, generate, merge
 
 PROFILE_BUCKET_SIZE = 10_000_000
 """Elements per reduce/prefetch bucket and live parameters in the profile run (40 MB in fp32): small,
@@ -49,7 +49,7 @@ class ConfigBuilder:
     def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None) -> dict[str, Any]:
         """The user's config at ``stage`` and ``mbs`` with ``settings`` deep-merged over it, pruned
         and validated."""
-        cfg = _merge(self._base, settings or {})
+        cfg = merge(self._base, settings or {})
         if not isinstance(cfg.get(ZERO, {}), dict):
             cfg[ZERO] = {}
         cfg.setdefault(ZERO, {})["stage"] = stage
@@ -129,11 +129,3 @@ def _candidate_keys(config: Any, path: str = "") -> list[str]:
     if isinstance(config, list) and not is_list_valued(path) and path != f"{ZERO}.stage":
         return [path]
     return []
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Deep merge: ``over`` replaces only the keys it names; dicts merge recursively."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out

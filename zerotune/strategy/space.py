@@ -59,8 +59,7 @@ from zerotune.deepspeed.canonical import (
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 
-# zerotune/autotuner.py imports config_hash, is_list_valued and prune from here too.
-__all__ = ["Candidate", "default_space", "generate"]
+__all__ = ["Candidate", "default_space", "generate", "merge"]
 
 _PLACEHOLDER = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 _WHOLE_PLACEHOLDER = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
@@ -209,12 +208,12 @@ def _set(d: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
     d[path[-1]] = value
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """Deep merge: ``over`` replaces only the keys it names; dicts merge recursively."""
     out = copy.deepcopy(base)
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+            out[k] = merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
     return out
@@ -300,7 +299,7 @@ def generate(
                 values[path[0][1:]] = value
             else:
                 _set(choice, path, value)
-        cfg = _substitute(_merge(base, choice), values)
+        cfg = _substitute(merge(base, choice), values)
         if not isinstance(cfg.get(ZERO, {}), dict):
             raise ConfigError(f"{ZERO} = {cfg[ZERO]!r}: expected an object such as {{\"stage\": 2}}")
         cfg.setdefault(ZERO, {})["stage"] = stage

@@ -34,7 +34,7 @@ class BaseTuner(abc.ABC):
         seed: seed of any randomness, so a run can be repeated.
 
     .. note::
-        A non-OK outcome (OOM, FAILED, TIMEOUT, PRUNED) is infeasible: it has no metric, is never
+        A non-OK outcome (OOM, FAILED, TIMEOUT) is infeasible: it has no metric, is never
         scored (not as 0, not at all) and its candidate is never proposed again.
         ``INTERRUPTED`` withdraws the proposal: the candidate may be proposed again and the
         proposal does not count towards ``num_trials`` or early stopping.

@@ -37,7 +37,7 @@ class ModelBasedTuner(BaseTuner):
 
     How outcomes are told to Optuna:
         - OK: the metric, with constraint ``zerotune_infeasible = 0`` (feasible);
-        - OOM / FAILED / TIMEOUT / PRUNED: constraint ``zerotune_infeasible = 1`` and trial state
+        - OOM / FAILED / TIMEOUT: constraint ``zerotune_infeasible = 1`` and trial state
           PRUNED, with no value (never a metric of 0): TPE ranks infeasible points after every
           feasible one and learns to avoid the region; the GP models the metric of feasible
           points only. Either way the candidate is tried and never proposed again, and the
