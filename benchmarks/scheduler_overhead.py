@@ -42,8 +42,9 @@ from zerotune.run.backends import local as local_mod  # noqa: E402
 from zerotune.run.backends.base import Backend, LaunchSpec  # noqa: E402
 from zerotune.run.backends.local import LocalBackend  # noqa: E402
 from zerotune.core.experiment import Experiment, Status  # noqa: E402
-from zerotune.run.resources import SlotPool, select_resources  # noqa: E402
+from zerotune.run.resources import select_resources  # noqa: E402
 from zerotune.run.scheduler import Scheduler  # noqa: E402
+from zerotune.run.slots import SlotPool  # noqa: E402
 
 # Writes the metrics.json DeepSpeed's engine would write (``autotuning.metric_path``) and exits.
 STAND_IN = '''\

@@ -1,4 +1,5 @@
-"""Tests for zerotune.run.resources: hostfiles, include/exclude, num_nodes/num_gpus, the slot pool."""
+"""Tests for zerotune.run.resources (hostfiles, include/exclude, num_nodes/num_gpus) and zerotune.run.slots
+(the slot pool)."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.errors import ConfigError
-from zerotune.run.resources import Node, Reservation, SlotPool, parse_hostfile, select_resources
+from zerotune.run.resources import parse_hostfile, select_resources
+from zerotune.run.slots import Node, Reservation, SlotPool
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -21,11 +21,13 @@ import pytest
 
 from test_e2e import SCRIPT, TINY, write_config
 from zerotune.run.backends.base import LaunchSpec
-from zerotune.run.backends.local import RUNNING_DIR, LocalBackend
+from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.processes import RUNNING_DIR
+from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import ResultsLock, Scheduler
+from zerotune.run.slots import SlotPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -237,8 +239,9 @@ from pathlib import Path
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.experiment import Experiment
-from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
+from zerotune.run.slots import SlotPool
 
 script, user_config, exps = sys.argv[1:4]
 spec = LaunchSpec(script=script, script_args=("--deepspeed_config", user_config), cpu=True)
@@ -339,17 +342,25 @@ def test_resume_after_sigkill_reruns_only_the_interrupted_experiment(tmp_path):
             "--results-dir", str(results), "--timeout", "300", SCRIPT, *TINY, "--steps", "6",
             "--deepspeed_config", str(cfg)]
 
-    def status(name):
+    def record(name):
         try:
-            return read(exps / name / "exp.json")["status"]
+            return read(exps / name / "exp.json")
         except (OSError, ValueError):
-            return None
+            return {}
+
+    def status(name):
+        return record(name).get("status")
+
+    def profile_name():  # the profile run, found by its kind (its name carries its config)
+        return next((p.parent.name for p in exps.glob("*/exp.json") if record(p.parent.name).get("kind") == "profile"),
+                    None)
 
     def later_experiment_running():
-        if status("profile") != "ok":
+        profile = profile_name()
+        if profile is None or status(profile) != "ok":
             return None
         started = [p.parent.name for p in exps.glob("*/exp.json")
-                   if p.parent.name != "profile" and status(p.parent.name) == "interrupted"]
+                   if p.parent.name != profile and status(p.parent.name) == "interrupted"]
         # Wait until it trains (past deepspeed.initialize): the kill then leaves real orphans behind,
         # and the next run does not kill them while they hold torch's JIT-extension build lock (a
         # rank killed there leaves ~/.cache/torch_extensions/.../lock behind, and every later
@@ -365,7 +376,8 @@ def test_resume_after_sigkill_reruns_only_the_interrupted_experiment(tmp_path):
         tuner.wait()
     finished = {p.parent.name: p.read_text() for p in exps.glob("*/exp.json")
                 if read(p)["status"] in ("ok", "oom", "failed", "timeout")}
-    assert "profile" in finished and interrupted not in finished
+    profile = profile_name()
+    assert profile in finished and interrupted not in finished
     assert status(interrupted) == "interrupted"
     orphans = [p.pid for p in processes_of(str(exps))]
 
@@ -382,10 +394,10 @@ def test_resume_after_sigkill_reruns_only_the_interrupted_experiment(tmp_path):
     records = [read(p) for p in exps.glob("*/exp.json")]
     launched_now = len(records) - len(finished)
     assert f"({launched_now} launched now)" in (results / "summary.txt").read_text()
-    assert "cached profile: ok" in again.stderr and f"start {interrupted}" in again.stderr
-    assert "start profile" not in again.stderr
+    assert f"cached {profile}: ok" in again.stderr and f"start {interrupted}" in again.stderr
+    assert f"start {profile}" not in again.stderr
 
     # the answer is the best of all finished experiments, old and new
-    ok = [r for r in records if r["status"] == "ok" and r["space"] != "profile"]
+    ok = [r for r in records if r["status"] == "ok" and r["kind"] != "profile"]
     best = max(ok, key=lambda r: r["metric"])
     assert read(results / "ds_config_optimal.json") == best["ds_config"]

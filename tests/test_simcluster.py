@@ -11,7 +11,7 @@ from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes  # noqa: E402
 from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE  # noqa: E402
 from zerotune.core.experiment import Experiment, ExperimentKind, Status  # noqa: E402
-from zerotune.run.resources import Node, Reservation  # noqa: E402
+from zerotune.run.slots import Node, Reservation  # noqa: E402
 
 ONE_NODE = Cluster(A100_40, num_nodes=1, interconnect=NONE)
 

@@ -1,28 +1,29 @@
 """SIMULATED experiments behind zerotune's ``Backend`` interface: no process is launched.
 
 ``SimulatedBackend.run`` does what ``LocalBackend.run`` does around a real launch, with the
-launch replaced by :meth:`Simulator.run`: it writes the experiment's ``ds_config.json`` (with the
-``autotuning`` section a real run gets), a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and
-``stderr.log`` (a CUDA OOM traceback line when the config does not fit), and the file DeepSpeed's
-engine would write: ``model_info.json`` for the profile run (``num_params``,
-``trainable_num_params``, ``activation_mem_per_gpu``, as ``engine.forward`` writes it) or
-``metrics.json`` (``latency`` in microseconds, ``throughput`` in samples/s, ``FLOPS_per_gpu``, as
-``engine._autotuning_exit`` writes it). The outcome is then classified by zerotune's own
-:func:`zerotune.run.backends.base.classify` from those files, exactly as for a real run, and
-``wall_s`` is the SIMULATED duration (nothing sleeps). The scheduler writes ``exp.json``.
+launch replaced by :meth:`Simulator.run`: :func:`zerotune.deepspeed.expdir.prepare` writes the
+experiment's ``ds_config.json`` (with the ``autotuning`` section a real run gets); this backend
+writes a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and ``stderr.log`` (a CUDA OOM traceback line
+when the config does not fit), and the file DeepSpeed's engine would write: ``model_info.json``
+for the profile run (``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``, as
+``engine.forward`` writes it) or ``metrics.json`` (``latency`` in microseconds, ``throughput`` in
+samples/s, ``FLOPS_per_gpu``, as ``engine._autotuning_exit`` writes it). The outcome is then read
+and classified from those files by zerotune's own :func:`zerotune.deepspeed.expdir.finish`,
+exactly as for a real run, and ``wall_s`` is the SIMULATED duration (nothing sleeps). The
+scheduler writes ``exp.json``.
 """
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.simcluster.model import Outcome, Simulator
-from zerotune.run.backends.base import Backend, classify
-from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
 from zerotune.core.objective import Objective
-from zerotune.run.resources import Reservation
+from zerotune.deepspeed import expdir
+from zerotune.run.backends.base import Backend
+from zerotune.run.slots import Reservation
 
 OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {alloc:.2f} GiB. GPU 0 has a total "
             "capacity of {cap:.2f} GiB (SIMULATED)")
@@ -76,38 +77,22 @@ class SimulatedBackend(Backend):
 
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
         exp_dir = Path(exp_dir)
-        exp_dir.mkdir(parents=True, exist_ok=True)
         profile = exp.kind is ExperimentKind.PROFILE
-        metrics_path, model_info_path = exp_dir / "metrics.json", exp_dir / "model_info.json"
-        config = json.loads(json.dumps(exp.ds_config))
-        at = config.setdefault("autotuning", {})
-        at.update(enabled=True, metric_path=str(metrics_path.resolve()), model_info_path=str(model_info_path.resolve()),
-                  start_profile_step=self.start_profile_step, end_profile_step=self.end_profile_step,
-                  metric=self.objective.name)
-        write_json_atomic(exp_dir / "ds_config.json", config)
-        (exp_dir / "cmd.txt").write_text(f"# SIMULATED: no process launched; {reservation.world_size} GPUs "
-                                         f"({reservation.include_arg()[:80]}...)\n")
+        expdir.prepare(exp, exp_dir, self.objective, self.start_profile_step, self.end_profile_step)
+        (exp_dir / expdir.CMD_FILE).write_text(f"# SIMULATED: no process launched; {reservation.world_size} GPUs "
+                                               f"({reservation.include_arg()[:80]}...)\n")
 
         outcome = self.sim.run(exp.ds_config, profile=profile)
         memory_bytes = self.sim.cluster.device.memory_bytes
         stderr = "" if outcome.ok else oom_stderr(outcome, memory_bytes)
-        (exp_dir / "stderr.log").write_text(stderr)
-        (exp_dir / "stdout.log").write_text(f"[SIMULATED] {outcome.status} after {outcome.duration_s:.1f} s\n")
-        if outcome.ok and profile:
-            write_json_atomic(model_info_path, self.sim.model_info())
-        elif outcome.ok:
-            write_json_atomic(metrics_path, self.sim.metrics(outcome.step))
+        (exp_dir / expdir.STDERR_LOG).write_text(stderr)
+        (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {outcome.duration_s:.1f} s\n")
+        if outcome.ok:  # what DeepSpeed's engine would write: model_info.json or metrics.json
+            result = self.sim.model_info() if profile else self.sim.metrics(outcome.step)
+            write_json_atomic(expdir.result_path(exp, exp_dir), result)
 
-        data = model_info_path if profile else metrics_path
-        metrics = json.loads(data.read_text()) if data.exists() else None
-        key = "num_params" if profile else self.objective.metric_key
-        exit_code = 0 if outcome.ok else 1
-        exp.status, exp.error = classify(exit_code, metrics, key, stderr, timed_out=False)
-        exp.exit_code = exit_code
+        expdir.finish(exp, exp_dir, self.objective, exit_code=0 if outcome.ok else 1)
         exp.wall_s = round(outcome.duration_s, 3)
-        exp.metrics = metrics or {}
-        if exp.status == Status.OK and not profile:
-            exp.metric = self.objective.read(exp.metrics)
         with self._lock:
             self.ledger.append(LedgerEntry(exp.name, exp.ds_config, outcome.status, outcome.duration_s,
                                            reservation.world_size, profile))

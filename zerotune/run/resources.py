@@ -1,5 +1,6 @@
-"""Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``)
-and who holds them (``SlotPool``).
+"""Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``).
+Who holds them (``SlotPool``, ``Reservation``) is :mod:`zerotune.run.slots`; those names are
+importable from here too.
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
 launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). The flow is::
@@ -25,13 +26,13 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.core.errors import ConfigError
+from zerotune.run.slots import LOCALHOST, Node, Reservation, SlotPool
 
 __all__ = [
+    "LOCALHOST",
     "Node",
     "Reservation",
     "SlotPool",
@@ -39,70 +40,11 @@ __all__ = [
     "select_resources",
 ]
 
-LOCALHOST = "localhost"
-
 # DeepSpeed's pattern is ``^(\S+)\s+slots=(\d+)`` matched as a prefix, so the launcher accepts extra
 # tokens after the count (``worker-0 slots=8 max_slots=8`` from an MPI hostfile). We accept the same
 # lines, but the count must end at whitespace or the end of the line (``slots=8x`` is an error), and
 # a sign is captured so ``slots=-1`` gets a "must be positive" message instead of "malformed".
 _HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=([+-]?\d+)(?:\s|$)")
-
-
-@dataclass(frozen=True)
-class Node:
-    """One host and the device slots zerotune may use on it.
-
-    Attributes:
-        host: host name as in the hostfile (``localhost`` without one).
-        slots: real device ids on that host, ascending and unique, e.g. ``(4, 5)`` after
-            ``--include host:4,5``. Nodes of one cluster may have different slot counts.
-    """
-
-    host: str
-    slots: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("Node.host must be a non-empty host name")
-        if any(s < 0 for s in self.slots) or list(self.slots) != sorted(set(self.slots)):
-            raise ValueError(f"Node.slots must be ascending unique device ids >= 0, got {self.slots}")
-
-    @property
-    def num_slots(self) -> int:
-        """Number of device slots on this node."""
-        return len(self.slots)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Device slots held by one experiment, from ``SlotPool.try_reserve``.
-
-    Attributes:
-        nodes: the reserved nodes, in pool order, each with only its reserved slots.
-    """
-
-    nodes: tuple[Node, ...]
-
-    @property
-    def world_size(self) -> int:
-        """Total ranks (slots) across all reserved nodes."""
-        return sum(len(n.slots) for n in self.nodes)
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of reserved nodes."""
-        return len(self.nodes)
-
-    def include_arg(self) -> str:
-        """The ``deepspeed`` launcher's ``--include`` value for exactly these slots.
-
-        ``localhost:0,1`` for one local node, ``worker-0:0,1@worker-1:2,3`` for two hosts.
-
-        .. note:: The launcher only uses ssh/pdsh when more than one host is active (or
-           ``--force_multi`` is given): a reservation of a single remote host needs
-           ``--force_multi`` with the hostfile, or it runs on the local machine.
-        """
-        return "@".join(f"{n.host}:{','.join(str(s) for s in n.slots)}" for n in self.nodes)
 
 
 def parse_hostfile(path: str | Path) -> dict[str, int]:
@@ -327,121 +269,3 @@ def select_resources(
         available = {h: s[:num_gpus] for h, s in available.items()}
 
     return [Node(h, tuple(s)) for h, s in available.items()]
-
-
-class SlotPool:
-    """Thread-safe record of which device slots are free and which experiment holds the others.
-
-    The scheduler asks for ``num_nodes`` x ``slots_per_node`` per experiment (DeepSpeed launches
-    the same number of ranks on every node of one run). Placement is deterministic first fit:
-    nodes in order, the lowest free slot ids on each.
-
-    Args:
-        nodes: the nodes from ``select_resources``; hosts must be unique.
-    """
-
-    def __init__(self, nodes: list[Node]) -> None:
-        hosts = [n.host for n in nodes]
-        if len(set(hosts)) != len(hosts):
-            raise ValueError(f"SlotPool nodes must have unique hosts, got {hosts}")
-        self._nodes = tuple(nodes)
-        self._free: dict[str, set[int]] = {n.host: set(n.slots) for n in nodes}
-        self._held: dict[int, Reservation] = {}  # id(reservation) -> reservation (kept alive)
-        self._lock = threading.Lock()
-
-    @property
-    def nodes(self) -> tuple[Node, ...]:
-        """All nodes of the pool with all their slots, free or not."""
-        return self._nodes
-
-    @property
-    def total_slots(self) -> int:
-        """Number of device slots in the pool, free or held."""
-        return sum(len(n.slots) for n in self._nodes)
-
-    @property
-    def free_slots(self) -> int:
-        """Number of device slots not held by any reservation right now."""
-        with self._lock:
-            return sum(len(s) for s in self._free.values())
-
-    def try_reserve(self, num_nodes: int, slots_per_node: int) -> Reservation | None:
-        """Reserve ``slots_per_node`` free slots on each of ``num_nodes`` distinct nodes, or nothing.
-
-        All or nothing, under the pool's lock: the first ``num_nodes`` nodes (in order) with
-        enough free slots each give their lowest free slot ids.
-
-        Returns:
-            The reservation, to be given back with ``release``; ``None`` when the slots are not
-            free now. A request for which ``can_ever_fit`` is False always returns ``None``.
-
-        Raises:
-            ValueError: ``num_nodes`` or ``slots_per_node`` below 1.
-        """
-        _check_request(num_nodes, slots_per_node)
-        with self._lock:
-            picked = _first_fit(self._nodes, self._free, num_nodes, slots_per_node)
-            if picked is None:
-                return None
-            for node in picked:
-                self._free[node.host].difference_update(node.slots)
-            reservation = Reservation(tuple(picked))
-            self._held[id(reservation)] = reservation
-            return reservation
-
-    def release(self, reservation: Reservation) -> None:
-        """Give back the slots of a reservation made by this pool.
-
-        Raises:
-            ValueError: the reservation was already released or is not from this pool.
-        """
-        with self._lock:
-            if self._held.get(id(reservation)) is not reservation:
-                raise ValueError(
-                    f"reservation {reservation.include_arg()} is not held in this pool "
-                    "(released twice, or made by another pool)"
-                )
-            del self._held[id(reservation)]
-            for node in reservation.nodes:
-                self._free[node.host].update(node.slots)
-
-    def capacity(self, num_nodes: int, slots_per_node: int) -> int:
-        """How many such requests run at once on an empty pool, placed first fit as ``try_reserve`` does.
-
-        E.g. 2 nodes of 8 slots: ``capacity(1, 4) == 4``, ``capacity(2, 4) == 2``,
-        ``capacity(1, 3) == 4`` (2 per node), ``capacity(1, 9) == 0``.
-        """
-        _check_request(num_nodes, slots_per_node)
-        free = {n.host: set(n.slots) for n in self._nodes}
-        count = 0
-        while (picked := _first_fit(self._nodes, free, num_nodes, slots_per_node)) is not None:
-            for node in picked:
-                free[node.host].difference_update(node.slots)
-            count += 1
-        return count
-
-    def can_ever_fit(self, num_nodes: int, slots_per_node: int) -> bool:
-        """True when the request fits the empty pool (``num_nodes`` nodes with enough slots each)."""
-        _check_request(num_nodes, slots_per_node)
-        return sum(1 for n in self._nodes if len(n.slots) >= slots_per_node) >= num_nodes
-
-
-def _check_request(num_nodes: int, slots_per_node: int) -> None:
-    if num_nodes < 1 or slots_per_node < 1:
-        raise ValueError(
-            f"a slot request needs num_nodes >= 1 and slots_per_node >= 1, "
-            f"got {num_nodes} x {slots_per_node}"
-        )
-
-
-def _first_fit(
-    nodes: tuple[Node, ...], free: dict[str, set[int]], num_nodes: int, slots_per_node: int
-) -> list[Node] | None:
-    """The first ``num_nodes`` nodes with ``slots_per_node`` free slots, lowest ids; None if short."""
-    picked: list[Node] = []
-    for node in nodes:
-        if len(free[node.host]) >= slots_per_node:
-            picked.append(Node(node.host, tuple(sorted(free[node.host])[:slots_per_node])))
-            if len(picked) == num_nodes:
-                return picked
-    return None

@@ -52,7 +52,7 @@ from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.run.resources import LOCALHOST, Node, Reservation
+from zerotune.run.slots import LOCALHOST, Node, Reservation
 
 __all__ = ["RayBackend", "import_ray"]
 

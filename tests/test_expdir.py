@@ -1,0 +1,128 @@
+"""Tests for zerotune.deepspeed.expdir: the experiment directory's files, read and written exactly."""
+import json
+from pathlib import Path
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.objective import OBJECTIVES
+from zerotune.deepspeed import expdir
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+ALLOCATOR_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 2000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def exp(kind: ExperimentKind = ExperimentKind.MBS) -> Experiment:
+    return Experiment("z1_mbs2_gas1", json.loads(json.dumps(CONFIG)), num_slots=2, kind=kind)
+
+
+def write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_prepare_writes_the_autotuning_section_with_paths_in_the_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    e = exp()
+    write(tmp_path / "exps" / "a" / "metrics.json", '{"throughput": 99.0}')  # from an earlier attempt
+    write(tmp_path / "exps" / "a" / "model_info.json", '{"num_params": 1}')
+    path = expdir.prepare(e, Path("exps/a"), OBJECTIVES["latency"], start_profile_step=2, end_profile_step=4)
+
+    d = tmp_path / "exps" / "a"
+    assert path == d / "ds_config.json"
+    assert json.loads(path.read_text()) == {
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+        "autotuning": {"enabled": True, "metric_path": str(d / "metrics.json"),
+                       "model_info_path": str(d / "model_info.json"), "start_profile_step": 2,
+                       "end_profile_step": 4, "metric": "latency"}}
+    assert sorted(p.name for p in d.iterdir()) == ["ds_config.json"]  # stale results removed
+    assert e.ds_config == CONFIG  # the experiment's own config is untouched
+
+
+def test_finish_converts_latency_microseconds_to_seconds(tmp_path):
+    write(tmp_path / "metrics.json", '{"latency": 250000, "throughput": 8.0, "FLOPS_per_gpu": 1e9}')
+    write(tmp_path / "stderr.log", "UserWarning: an error-free error message\n")
+    done = expdir.finish(exp(), tmp_path, OBJECTIVES["latency"], exit_code=0)
+    assert (done.status, done.error, done.exit_code) == (Status.OK, "", 0)
+    assert done.metric == 0.25
+    assert done.metrics == {"latency": 250000, "throughput": 8.0, "FLOPS_per_gpu": 1e9}
+
+
+def test_finish_of_the_profile_run_reads_model_info_and_scores_nothing(tmp_path):
+    info = {"num_params": 124_439_808, "trainable_num_params": 124_439_808, "activation_mem_per_gpu": 50_331_648}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "metrics.json", '{"throughput": 5.0}')  # not the profile run's result
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (done.status, done.error, done.metric, done.metrics) == (Status.OK, "", None, info)
+
+
+def test_finish_says_a_garbage_metrics_file_is_invalid(tmp_path):
+    write(tmp_path / "metrics.json", '{"throughput": 12.')
+    done = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (done.status, done.metric, done.metrics) == (Status.FAILED, None, {})
+    assert done.error == "metrics.json is invalid: not JSON (Expecting ',' delimiter: line 1 column 18 (char 17))"
+    write(tmp_path / "metrics.json", "[1, 2]")
+    assert expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0).error == \
+        "metrics.json is invalid: a JSON list, not an object"
+
+
+def test_finish_names_the_missing_result_file(tmp_path):
+    done = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (done.status, done.error) == (
+        Status.FAILED, "exited 0 without writing metrics.json (does the script run more than end_profile_step steps?)")
+    profile = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert profile.error == ("exited 0 without writing model_info.json "
+                             "(does the script run a forward step through the DeepSpeed engine?)")
+
+
+def test_finish_classifies_the_allocator_message_as_oom(tmp_path):
+    write(tmp_path / "stdout.log", "[rank0] step 1\n")
+    write(tmp_path / "stderr.log", f"Traceback (most recent call last):\n  ...\n{ALLOCATOR_OOM}\n")
+    done = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=1)
+    assert (done.status, done.error, done.exit_code, done.metric) == (Status.OOM, ALLOCATOR_OOM, 1, None)
+
+
+def test_finish_without_a_result_is_a_failure_with_the_last_error_line_or_a_timeout(tmp_path):
+    write(tmp_path / "stderr.log", "Traceback (most recent call last):\nValueError: bad shape\n"
+                                   "[launch.py:325:sigkill_handler] Killing subprocess 4242\n")
+    failed = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=1)
+    assert (failed.status, failed.error) == (Status.FAILED, "exit code 1: ValueError: bad shape")
+    timeout = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=-15, timed_out=True)
+    assert (timeout.status, timeout.error) == (Status.TIMEOUT, "killed after the timeout")
+    stopped = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=-15, interrupted=True)
+    assert (stopped.status, stopped.error) == (Status.INTERRUPTED, "the tuner was interrupted")
+
+
+def test_a_non_finite_or_boolean_metric_is_not_a_result(tmp_path):
+    for text in ('{"throughput": Infinity}', '{"throughput": true}', '{"throughput": 0}'):
+        write(tmp_path / "metrics.json", text)
+        done = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+        assert (done.status, done.error, done.metric) == (Status.FAILED, "metrics.json has no positive 'throughput'",
+                                                          None)
+
+
+def test_output_bytes_counts_both_logs(tmp_path):
+    assert expdir.output_bytes(tmp_path) == 0
+    write(tmp_path / "stdout.log", "12345")
+    write(tmp_path / "stderr.log", "678")
+    assert expdir.output_bytes(tmp_path) == 8
+
+
+def test_record_round_trips_and_is_matched_on_the_config_digest(tmp_path):
+    e = exp()
+    e.status, e.metric, e.metrics, e.exit_code, e.wall_s = Status.OK, 0.25, {"latency": 250000}, 0, 12.5
+    expdir.write_record(e, tmp_path)
+    data = json.loads((tmp_path / "exp.json").read_text())
+    assert data["config_digest"] == expdir.config_digest(CONFIG) and len(data["config_digest"]) == 12
+
+    assert expdir.load_record(tmp_path, CONFIG) == e
+    # the same content spelled differently is the same config; another config is not
+    assert expdir.load_record(tmp_path, {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2}) == e
+    assert expdir.load_record(tmp_path, {**CONFIG, "train_micro_batch_size_per_gpu": 4}) is None
+    assert expdir.load_record(tmp_path / "nowhere", CONFIG) is None
+
+
+def test_an_interrupted_record_is_not_loaded(tmp_path):
+    e = exp()
+    e.status = Status.INTERRUPTED
+    expdir.write_record(e, tmp_path)
+    assert expdir.load_record(tmp_path, CONFIG) is None

@@ -1,0 +1,278 @@
+"""The experiment directory: DeepSpeed's autotuning protocol and zerotune's record, in one place.
+
+Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, and who writes each:
+
+=====================  =====================================================================
+``ds_config.json``     zerotune, :func:`prepare`: the experiment's config plus the
+                       ``autotuning`` section that makes DeepSpeed's engine measure and exit
+                       (``enabled``, ``metric_path`` and ``model_info_path`` pointing into this
+                       directory, ``start_profile_step``, ``end_profile_step``, ``metric``).
+``cmd.txt``            the backend: the launch command a person can paste (the SIMULATED
+                       backend writes a line saying that nothing was launched).
+``stdout.log``,        the launcher and its ranks (the backend redirects their output here);
+``stderr.log``         :func:`finish` reads their tails to classify a failure.
+``metrics.json``       DeepSpeed's engine on rank 0 at ``end_profile_step``
+                       (``engine._autotuning_exit``): ``latency`` (microseconds per step),
+                       ``throughput`` (samples/s), ``FLOPS_per_gpu``. The result of every run
+                       but the profile run.
+``model_info.json``    DeepSpeed's engine, profile run only (``ExperimentKind.PROFILE``), in the
+                       first forward: ``num_params``, ``trainable_num_params``,
+                       ``activation_mem_per_gpu``. The result of the profile run.
+``exp.json``           the scheduler, :func:`write_record`: the :class:`Experiment` with its
+                       config digest, written as INTERRUPTED before the launch and again with
+                       the outcome; :func:`load_record` reads it back for resume.
+``hostfile``,          the Ray backend, multi-node only: the nodes Ray granted; the marker
+``.zerotune_dispatch`` that proves a node sees this directory.
+=====================  =====================================================================
+
+A backend calls :func:`prepare` before it launches and :func:`finish` after the run's processes
+are gone; in between it only starts, supervises and stops processes. The outcome is decided from
+facts (:func:`classify`), never from the word "error" in the logs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.objective import Objective
+from zerotune.deepspeed.canonical import config_hash
+
+__all__ = [
+    "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
+    "STDOUT_LOG", "classify", "config_digest", "finish", "load_record", "output_bytes", "prepare", "read_json",
+    "result_path", "write_record",
+]
+
+CONFIG_FILE = "ds_config.json"
+CMD_FILE = "cmd.txt"
+STDOUT_LOG = "stdout.log"
+STDERR_LOG = "stderr.log"
+METRICS_FILE = "metrics.json"
+MODEL_INFO_FILE = "model_info.json"
+RECORD_FILE = "exp.json"
+
+PROFILE_KEY = "num_params"  # the key of model_info.json that says the profile run succeeded
+LOG_TAIL_BYTES = 200_000  # of each log, read to classify a failure
+
+# What to check when a run exited 0 without its result file.
+_MISSING_HINT = {
+    METRICS_FILE: "does the script run more than end_profile_step steps?",
+    MODEL_INFO_FILE: "does the script run a forward step through the DeepSpeed engine?",
+}
+
+
+def result_path(exp: Experiment, exp_dir: Path) -> Path:
+    """The file DeepSpeed's engine writes as ``exp``'s result: ``model_info.json`` for the profile
+    run (the engine exits in its first forward), ``metrics.json`` for every other run."""
+    return Path(exp_dir) / (MODEL_INFO_FILE if exp.kind is ExperimentKind.PROFILE else METRICS_FILE)
+
+
+def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_step: int,
+            end_profile_step: int) -> Path:
+    """Make ``exp_dir`` ready for a launch of ``exp``; called by a backend just before it launches.
+
+    Creates the directory, removes result files of an earlier attempt (so a stale file is never
+    read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
+    ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``.
+
+    Args:
+        exp: the experiment; its ``ds_config`` is not modified.
+        exp_dir: its directory.
+        objective: the metric DeepSpeed is asked to write (``autotuning.metric``).
+        start_profile_step, end_profile_step: the steps DeepSpeed's engine measures between; it
+            exits after ``end_profile_step``.
+
+    Returns:
+        The path of the config written (absolute), for the launcher's ds_config argument.
+    """
+    exp_dir = Path(exp_dir).resolve()
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path, model_info_path = exp_dir / METRICS_FILE, exp_dir / MODEL_INFO_FILE
+    for stale in (metrics_path, model_info_path):
+        stale.unlink(missing_ok=True)
+    config = json.loads(json.dumps(exp.ds_config))
+    config.setdefault("autotuning", {}).update(
+        enabled=True, metric_path=str(metrics_path), model_info_path=str(model_info_path),
+        start_profile_step=start_profile_step, end_profile_step=end_profile_step, metric=objective.name)
+    config_path = exp_dir / CONFIG_FILE
+    write_json_atomic(config_path, config)
+    return config_path
+
+
+def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int | None, timed_out: bool = False,
+           interrupted: bool = False) -> Experiment:
+    """Fill in ``exp``'s outcome from its directory; called by a backend once the run's processes
+    are gone.
+
+    Reads the result file (:func:`result_path`) and the tails of ``stderr.log`` and
+    ``stdout.log``, and sets ``status`` and ``error`` (:func:`classify`), ``exit_code``,
+    ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
+    info) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
+
+    Args:
+        exp: the experiment, updated in place.
+        exp_dir: its directory.
+        objective: the metric tuned.
+        exit_code: the launcher's exit status (None if it never started).
+        timed_out: the backend killed the run for its timeout or a hang. The backend may replace
+            ``error`` with a more precise reason afterwards.
+        interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
+            (re-run on resume) rather than classified.
+
+    Returns:
+        ``exp``.
+    """
+    path = result_path(exp, exp_dir)
+    data, invalid = _read_object(path)
+    profile = exp.kind is ExperimentKind.PROFILE
+    exp.exit_code = exit_code
+    if interrupted and data is None:
+        exp.status, exp.error = Status.INTERRUPTED, "the tuner was interrupted"
+    else:
+        exp.status, exp.error = classify(exit_code, data, PROFILE_KEY if profile else objective.metric_key,
+                                         _logs(Path(exp_dir)), timed_out, result_file=path.name, invalid=invalid)
+    exp.metrics = data or {}
+    exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile else None
+    return exp
+
+
+def output_bytes(exp_dir: Path) -> int:
+    """How much the run has printed so far (``stdout.log`` plus ``stderr.log``), bytes; a backend
+    watches it grow to tell a hung run from a busy one."""
+    return sum(_size(Path(exp_dir) / name) for name in (STDOUT_LOG, STDERR_LOG))
+
+
+# The allocators' own out-of-memory messages (torch CPU and CUDA allocators, glibc/dlopen under
+# a memory limit, Python). Matching these, not the word "error", decides that a run was an OOM.
+OOM_PATTERNS = re.compile(
+    r"DefaultCPUAllocator: can't allocate memory|CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
+    r"OutOfMemoryError|HIP out of memory|XPU out of memory|std::bad_alloc|\bMemoryError\b|"
+    r"Cannot allocate memory|failed to map segment from shared object|out of memory")
+
+
+def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_text: str, timed_out: bool,
+             result_file: str = METRICS_FILE, invalid: str = "") -> tuple[Status, str]:
+    """Decide an experiment's outcome from facts, never from the word "error" in stderr.
+
+    Order: a positive finite ``metric_key`` in the result file is OK (whatever stderr says); a
+    timeout is TIMEOUT; an allocator OOM message (:data:`OOM_PATTERNS`) is OOM; anything else is
+    FAILED, with the reason a person needs: for exit code 0 what is wrong with the result file,
+    otherwise the exit code and the last error line of the logs.
+
+    Args:
+        exit_code: the launcher's exit status.
+        metrics: the result file's content; None when it is missing or invalid.
+        metric_key: the key whose value says the run succeeded.
+        log_text: the logs' tails.
+        timed_out: the run was killed for its timeout.
+        result_file: the result file's name, for messages.
+        invalid: why the result file, though present, could not be read ('' if it could, or is
+            missing).
+
+    Returns:
+        (status, a one-line reason; empty for OK).
+    """
+    if metrics is not None and _positive(metrics.get(metric_key)):
+        return Status.OK, ""
+    if timed_out:
+        return Status.TIMEOUT, "killed after the timeout"
+    m = OOM_PATTERNS.search(log_text)
+    if m:
+        line = next((ln for ln in log_text.splitlines() if m.group(0) in ln), m.group(0))
+        return Status.OOM, line.strip()[-300:]
+    if exit_code == 0:
+        if invalid:
+            return Status.FAILED, f"{result_file} is invalid: {invalid}"
+        if metrics is not None:
+            return Status.FAILED, f"{result_file} has no positive '{metric_key}'"
+        return Status.FAILED, f"exited 0 without writing {result_file} ({_MISSING_HINT.get(result_file, '')})"
+    return Status.FAILED, f"exit code {exit_code}: {_last_error_line(log_text)}"
+
+
+def config_digest(ds_config: dict) -> str:
+    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), the
+    key resume matches on."""
+    return config_hash(ds_config)[:12]
+
+
+def write_record(exp: Experiment, exp_dir: Path) -> None:
+    """Write ``exp.json``: ``exp`` as JSON with its ``config_digest`` and the time, atomically."""
+    data = exp.to_json()
+    data["config_digest"] = config_digest(exp.ds_config)
+    data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    write_json_atomic(Path(exp_dir) / RECORD_FILE, data)
+
+
+def load_record(exp_dir: Path, ds_config: dict) -> Experiment | None:
+    """The finished experiment recorded in ``exp_dir`` for this config content, if any.
+
+    Returns:
+        The recorded experiment when ``exp.json`` exists, its config digest is ``ds_config``'s and
+        its status is finished (:attr:`Status.finished`); None otherwise (an interrupted run, a
+        different config under the same name, no record), so the experiment is run again.
+    """
+    data = read_json(Path(exp_dir) / RECORD_FILE)
+    if data is None or data.get("config_digest") != config_digest(ds_config):
+        return None
+    done = Experiment.from_json(data)
+    return done if done.status is not None and done.status.finished else None
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file's content; None when the file is missing, unreadable or not an object."""
+    return _read_object(Path(path))[0]
+
+
+def _read_object(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """(content, ''); (None, '') when the file is missing; (None, why) when it is not a JSON object."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"cannot be read ({e})"
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        return None, f"not JSON ({e})"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__}, not an object"
+    return data, ""
+
+
+def _positive(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
+def _last_error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.search(r"(Error|Exception|error:)", ln) and "launch.py" not in ln:
+            return ln[-300:]
+    return lines[-1][-300:] if lines else "no output"
+
+
+def _logs(exp_dir: Path) -> str:
+    return _tail(exp_dir / STDERR_LOG) + "\n" + _tail(exp_dir / STDOUT_LOG)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, _size(path) - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

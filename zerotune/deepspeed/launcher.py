@@ -1,0 +1,90 @@
+"""The ``deepspeed`` launcher's command line: which executable, which environment, which arguments.
+
+Everything here is text: building the command a backend starts (and writes to ``cmd.txt``) and
+the line a person can paste. Starting, supervising and stopping the process is the backends' job
+(:mod:`zerotune.run.backends.local`, :mod:`zerotune.run.processes`).
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zerotune.deepspeed.config import replace_config_arg
+
+if TYPE_CHECKING:
+    from zerotune.run.backends.base import LaunchSpec
+    from zerotune.run.slots import Reservation
+
+__all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "paste_command", "release_port"]
+
+_port_lock = threading.Lock()
+_ports_in_use: set[int] = set()
+
+
+def free_port() -> int:
+    """A TCP port free on this machine and not handed to another running experiment (the
+    launcher's ``--master_port``); give it back with :func:`release_port` when the run ends.
+
+    Raises:
+        RuntimeError: no such port was found in 100 tries.
+    """
+    with _port_lock:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _ports_in_use:
+                _ports_in_use.add(port)
+                return port
+    raise RuntimeError("no free TCP port for the launcher's master_port")
+
+
+def release_port(port: int) -> None:
+    """Let :func:`free_port` hand ``port`` out again."""
+    with _port_lock:
+        _ports_in_use.discard(port)
+
+
+def deepspeed_launcher() -> list[str]:
+    """The ``deepspeed`` launcher of this Python environment."""
+    exe = Path(sys.executable).with_name("deepspeed")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("deepspeed")
+    return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def launch_env(spec: LaunchSpec, reservation: Reservation) -> dict[str, str]:
+    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``)."""
+    env = dict(spec.extra_env)
+    if spec.cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+        # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.
+        env["LOCAL_SIZE"] = str(max(max(n.slots) for n in reservation.nodes) + 1)
+    return env
+
+
+def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int) -> list[str]:
+    """The ``deepspeed`` launcher command for a config on a reservation.
+
+    Multi-node reservations (a hostfile and a host other than ``localhost``) go through the
+    launcher's own runner (``--hostfile --force_multi``); the script's ds_config argument is
+    replaced by ``config_path``.
+    """
+    cmd = deepspeed_launcher()
+    multi = spec.hostfile and any(n.host != "localhost" for n in reservation.nodes)
+    if multi:
+        cmd += ["--hostfile", spec.hostfile, "--force_multi"]
+    cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
+    return cmd + replace_config_arg(list(spec.script_args), config_path)
+
+
+def paste_command(env: dict[str, str], cmd: list[str]) -> str:
+    """A shell line a person can paste."""
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    return (prefix + " " if prefix else "") + shlex.join(cmd)
