@@ -276,8 +276,7 @@ def chosen(results_dir: Path, exps: list[dict]) -> tuple[dict | None, float | No
             if e["ds_config"] == cfg and e["metric"] is not None:
                 return cfg, e["metric"], e["name"], True
         return cfg, None, None, True
-    scored = [e for e in exps if e["ok"] and e["metric"] is not None and e["name"] not in ("profile",
-                                                                                          "profile_model_info")]
+    scored = [e for e in exps if e["ok"] and e["metric"] is not None and not e["name"].startswith("profile")]
     if not scored:
         return None, None, None, False
     best = max(scored, key=lambda e: e["metric"])

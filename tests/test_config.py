@@ -1,5 +1,4 @@
 """Config parsing: DeepSpeed's autotuning keys, stage candidates, config path in script args."""
-import json
 
 import pytest
 

@@ -22,6 +22,7 @@ from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, p
 from zerotune.report import results
 from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
+from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans
 from zerotune.run.resources import Node, Reservation, SlotPool
@@ -52,13 +53,17 @@ class Autotuner:
                  options: TuneOptions | None = None, console: Console | None = None, backend: Backend | None = None):
         self.job = job = Job.build(script, script_args, nodes, options)
         self.console = console or Console(stderr=True, soft_wrap=True)
-        self.backend = backend or _default_backend(job)
+        self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
         self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update)
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
+
+    @property
+    def _notes(self) -> list[str]:
+        return results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size)
 
     @property
     def stage_results(self):
@@ -76,8 +81,7 @@ class Autotuner:
         Raises:
             TuningFailed: the profile run or every experiment failed (the summary says so).
         """
-        started = time.monotonic()
-        job = self.job
+        started, job = time.monotonic(), self.job
         with ResultsLock(job.results_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
@@ -88,7 +92,7 @@ class Autotuner:
             for note in (job.describe(), *job.notes):
                 self.console.print(note, markup=False, highlight=False)
             strategy = self._strategy(self.scheduler.run)
-            self.result = strategy.result
+            self.result = strategy.result  # filled in as it runs: a failure still reports what was learnt
             try:
                 self.progress.start(started)
                 strategy.run()
@@ -110,18 +114,15 @@ class Autotuner:
         return Plan.from_experiments(result.experiments, oracle.model_info_source, self.job.device_memory_bytes,
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
 
-    def _notes(self) -> list[str]:
-        return results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size)
-
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
         return results.write_results(self.job.results_dir, list(self.scheduler.history), self.job.objective,
-                                     self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes())
+                                     self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
         self.console.print(results.render_table(self.scheduler.history, self.job.objective, self.elapsed_s,
-                                                self.scheduler.launched, self._notes()))
+                                                self.scheduler.launched, self._notes))
         if self.best is not None:
             self.console.print(f"optimal config: {self.job.results_dir / 'ds_config_optimal.json'}\n"
                                f"command:        {(self.job.results_dir / 'cmd_optimal.txt').read_text().strip()}")
@@ -144,11 +145,3 @@ class Autotuner:
         env, cmd = self._training_launch(config_path, master_port=free_port())
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
         return subprocess.call(cmd, env={**os.environ, **env})
-
-
-def _default_backend(job: Job) -> Backend:
-    if job.backend == "ray":
-        from zerotune.run.backends.ray import RayBackend
-        return RayBackend(job.launch_spec(), job.ray_address)
-    from zerotune.run.backends.local import LocalBackend
-    return LocalBackend(job.launch_spec())

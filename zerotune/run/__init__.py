@@ -1,1 +1,1 @@
-"""."""
+"""Where and how experiments run: device slots, the scheduler, process cleanup, backends."""

@@ -164,7 +164,3 @@ class Scheduler:
                 self.history.append(exp)
                 self._cond.notify_all()
             self.on_update(exp, "end")
-
-    def _record(self, exp: Experiment, exp_dir: Path) -> None:
-        # kept for tests/test_plan.py (``Scheduler._record(None, exp, exp_dir)``) until it calls write_record
-        write_record(exp, exp_dir)

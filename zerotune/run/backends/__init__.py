@@ -1,1 +1,13 @@
-"""Backends run one experiment on reserved slots: ``local`` (the deepspeed launcher as a subprocess)."""
+"""Backends: where an experiment's processes run (``local``: the deepspeed launcher here; ``ray``)."""
+from __future__ import annotations
+
+from zerotune.run.backends.base import Backend, LaunchSpec
+
+
+def make_backend(kind: str, spec: LaunchSpec, ray_address: str | None = None) -> Backend:
+    """The backend ``kind`` names (``local`` or ``ray``; Ray is imported only when asked for)."""
+    if kind == "ray":
+        from zerotune.run.backends.ray import RayBackend
+        return RayBackend(spec, ray_address)
+    from zerotune.run.backends.local import LocalBackend
+    return LocalBackend(spec)
