@@ -75,9 +75,11 @@ def test_higher_stage_probed_once_when_slower_and_later_stages_skipped():
     plans = [StagePlan(0, 100), StagePlan(1, 100), StagePlan(2, 200), StagePlan(3, 0)]
     results = explore_stages(evaluate, plans, lo=1, hi=1024, objective=THROUGHPUT, num_fine=0)
     assert [(r.stage, r.decision) for r in results] == [(0, StageDecision.EXPLORED), (1, StageDecision.PROBED), (2, StageDecision.SKIPPED), (3, StageDecision.PRUNED)]
-    # stage 0: the ladder lands on the estimate 100 (64 -> 100 gains 0.6%: plateau); stage 1 is
-    # probed once at stage 0's best mbs and is slower; stage 2 is not run at all.
-    assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (0, 16), (0, 32), (0, 64), (0, 100), (1, 100)]
+    # stage 0: the ladder lands on the estimate 100 (a positioning step, not a plateau test), goes one
+    # step above it (200 gains 0.5%: plateau); stage 1 can reach 100 only: probed once there, slower than
+    # stage 0 at the same mbs; stage 2 is not run at all.
+    assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (0, 16), (0, 32), (0, 64), (0, 100), (0, 200), (1, 100)]
+    assert results[1].reason == "probe at mbs=100: ok 89.11 not better than ZeRO stage 0's 99.01 at mbs=100"
 
 
 def test_higher_stage_explored_when_memory_headroom_could_beat():
@@ -106,3 +108,31 @@ def test_failed_first_stage_lets_the_next_one_run():
                              num_fine=0)
     assert results[0].trace.stop is StopReason.INFEASIBLE and results[1].decision == StageDecision.EXPLORED
     assert results[1].trace.best(THROUGHPUT).mbs == 2
+
+
+def test_the_step_onto_the_memory_estimate_is_not_a_plateau_test():
+    # 16 -> 17 (the estimate) gains 0.4%, but 34 runs 8% faster than 17: the climb goes on past the estimate
+    metric = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0, 16: 160.0, 17: 160.6, 34: 173.5}
+    evaluate, calls = curve(lambda m: metric.get(m, 150.0), max_ok=40)
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=17, objective=THROUGHPUT, num_fine=0)
+    assert calls == [1, 2, 4, 8, 16, 17, 34, 64, 49, 41, 37]  # 37 runs slower than 34: plateau
+    assert trace.best(THROUGHPUT).mbs == 34
+
+
+def test_an_oom_probe_is_no_evidence_of_slowness():
+    flat = lambda m: 100 * m / (m + 1)  # noqa: E731
+    # stage 1 OOMs at stage 0's best mbs (8) although its estimate said 8 fits; probed again at 4, a tie
+    evaluate, calls = stages({0: (flat, 8), 1: (flat, 6), 2: (flat, 8)})
+    plans = [StagePlan(0, 8), StagePlan(1, 8), StagePlan(2, 8)]
+    results = explore_stages(evaluate, plans, lo=1, hi=8, objective=THROUGHPUT, num_fine=0)
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.PROBED]
+    assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (1, 8), (1, 4), (2, 8)]  # stage 2 still probed
+
+
+def test_search_over_allowed_values_only():
+    # a fixed global batch of 64 on DP 2: mbs must divide 32 (gas = 32 / mbs)
+    evaluate, calls = curve(lambda m: 10.0 * m, max_ok=12)
+    trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=2,
+                       allowed=[1, 2, 4, 8, 16, 32])
+    assert calls == [1, 2, 4, 8, 16]  # 16 fails; nothing allowed between 8 and 16
+    assert trace.stop is StopReason.BOUNDARY and trace.best(THROUGHPUT).mbs == 8

@@ -4,8 +4,12 @@
 callable and learns from the outcomes (``Status`` and metric). In order: the smallest mbs; a
 doubling ladder that lands on the memory model's estimate and may go above it; a binary search
 between the last runnable and the first failing mbs; plateau detection (stop when the metric
-improves by less than ``threshold``); and a fine pass that bisects around the best mbs. Why it
-stopped is a :class:`StopReason`.
+improves by less than ``threshold``; the short step onto the memory estimate is not tested, it only
+positions the ladder); and a fine pass that bisects around the best mbs. Why it stopped is a
+:class:`StopReason`. The search moves over a sorted set of allowed mbs values: every integer in
+``lo..hi``, or fewer when the global batch is fixed (the divisors that keep
+``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling" and "bisecting" pick
+from that set.
 """
 from __future__ import annotations
 
@@ -65,79 +69,106 @@ Evaluate = Callable[[Sequence[int]], Sequence[Point]]
 
 
 def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective: Objective,
-               threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = ()) -> MbsTrace:
+               threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = (),
+               allowed: Sequence[int] | None = None) -> MbsTrace:
     """Search the micro batch size of one stage.
 
     Args:
         evaluate: runs a batch of mbs values and returns one :class:`Point` each.
         lo, hi: smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``,
-            and the ``max_train_batch_size`` bound).
+            and the train batch bounds).
         estimate: the memory model's largest fitting mbs; the ladder lands on it exactly and
             may continue above it (doubling) when it runs.
         objective: the metric's direction.
         threshold: plateau threshold: a step that improves the best metric by less than this
-            fraction ends the upward search.
+            fraction ends the upward search (except the step onto the estimate).
         num_fine: experiments allowed in the fine pass around the best mbs.
         known: points already measured for this stage (reused, not re-run). When one of them
             ran, the smallest mbs is not run (memory grows with mbs) and the ladder starts at
-            the largest known runnable mbs.
+            the largest known runnable mbs; a known failure caps the ladder.
+        allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only
+            those within ``lo..hi`` are used.
 
     Returns:
         The trace, in evaluation order (``known`` points first).
     """
+    values = allowed_values(lo, hi, allowed)
     trace = MbsTrace(points=list(known))
+    if not values:
+        trace.stop = StopReason.INFEASIBLE
+        return trace
 
-    def run(values: Sequence[int]) -> list[Point]:
-        todo = [m for m in values if trace.get(m) is None]
+    def run(batch: Sequence[int]) -> list[Point]:
+        todo = [m for m in batch if trace.get(m) is None]
         if todo:
             trace.points.extend(evaluate(todo))
-        return [trace.get(m) for m in values]
+        return [trace.get(m) for m in batch]
 
     known_ok = [p.mbs for p in trace.ok_points]
     if known_ok:  # e.g. a probe: memory grows with mbs, so lo runs too; climb from the largest known
         prev = max(known_ok)
     else:
-        (first,) = run([lo])
+        (first,) = run([values[0]])
         if not first.ok:
             trace.stop = StopReason.INFEASIBLE
             return trace
-        prev = lo
+        prev = values[0]
     best = trace.best(objective)
-    estimate = max(lo, min(estimate, hi))
     while True:
-        if prev >= hi:
+        step = next_mbs(prev, estimate, values)
+        if step is None:
             trace.stop = StopReason.CAP
             break
-        nxt = next_mbs(prev, estimate, hi)
+        nxt, landing = step
         (p,) = run([nxt])
         if not p.ok:
-            trace.stop = _bisect(run, trace, prev, nxt, objective, threshold)
+            trace.stop = _bisect(run, trace, values, prev, nxt, objective, threshold)
             break
         improved = objective.gain(p.metric, best.metric)
         if objective.better(p.metric, best.metric):
             best = p
-        if improved < threshold:
+        if improved < threshold and not landing:
             trace.stop = StopReason.PLATEAU
             break
         prev = nxt
 
-    _fine_pass(run, trace, objective, num_fine)
+    _fine_pass(run, trace, values, objective, num_fine)
     return trace
 
 
-def next_mbs(prev: int, estimate: int, hi: int) -> int:
-    """The ladder's next mbs after a runnable ``prev``: double it, but land on the memory
-    estimate when doubling would jump over it, and never exceed ``hi``."""
-    nxt = prev * 2
-    if prev < estimate < nxt:
-        nxt = estimate
-    return min(nxt, hi)
+def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:
+    """The sorted mbs values a search may try: ``allowed`` (or every integer) within ``lo..hi``."""
+    if allowed is None:
+        return list(range(lo, hi + 1))
+    return sorted({m for m in allowed if lo <= m <= hi})
 
 
-def _bisect(run, trace: MbsTrace, ok: int, fail: int, objective: Objective, threshold: float) -> StopReason:
+def next_mbs(prev: int, estimate: int, values: Sequence[int]) -> tuple[int, bool] | None:
+    """The ladder's next mbs after a runnable ``prev``, and whether it is the step onto the memory
+    estimate: the smallest allowed value at least double ``prev`` (the largest allowed when none
+    is), but the largest allowed value within the estimate when doubling would jump over it.
+    None when ``prev`` is the largest allowed value (the cap)."""
+    above = [m for m in values if m > prev]
+    if not above:
+        return None
+    nxt = next((m for m in above if m >= 2 * prev), above[-1])
+    within = [m for m in above if m <= estimate]
+    if within and within[-1] < nxt:
+        return within[-1], True
+    return nxt, False
+
+
+def _middle(values: Sequence[int], low: int, high: int) -> int | None:
+    """The allowed value halfway strictly between ``low`` and ``high`` (``(low + high) // 2`` when
+    every integer is allowed); None when there is none."""
+    inside = [m for m in values if low < m < high]
+    return inside[(len(inside) - 1) // 2] if inside else None
+
+
+def _bisect(run, trace: MbsTrace, values: Sequence[int], ok: int, fail: int, objective: Objective,
+            threshold: float) -> StopReason:
     """Binary search for the largest runnable mbs in (ok, fail); stops early on a plateau."""
-    while fail - ok > 1:
-        mid = (ok + fail) // 2
+    while (mid := _middle(values, ok, fail)) is not None:
         best = trace.best(objective)
         (p,) = run([mid])
         if p.ok:
@@ -149,7 +180,7 @@ def _bisect(run, trace: MbsTrace, ok: int, fail: int, objective: Objective, thre
     return StopReason.BOUNDARY
 
 
-def _fine_pass(run, trace: MbsTrace, objective: Objective, budget: int) -> None:
+def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int) -> None:
     """Bisect the gaps next to the best mbs (below and above), up to ``budget`` experiments."""
     while budget > 0:
         best = trace.best(objective)
@@ -157,10 +188,10 @@ def _fine_pass(run, trace: MbsTrace, objective: Objective, budget: int) -> None:
         above = [p.mbs for p in trace.points if p.mbs > best.mbs]
         candidates = []
         if above:
-            candidates.append((best.mbs + min(above)) // 2)
+            candidates.append(_middle(values, best.mbs, min(above)))
         if below:
-            candidates.append((best.mbs + max(below)) // 2)
-        candidates = [m for m in candidates if trace.get(m) is None][:budget]
+            candidates.append(_middle(values, max(below), best.mbs))
+        candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
         if not candidates:
             return
         budget -= len(candidates)

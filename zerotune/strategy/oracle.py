@@ -55,7 +55,7 @@ class MemoryOracle:
         exp.status, exp.metrics = Status.OK, {}
         if self.job.model_info is not None:
             self.model_info_source = GIVEN_MODEL_INFO
-            exp.metrics = self.job.model_info.to_metrics()
+            exp.metrics = self.job.model_info.to_metrics(exp.mbs)
         return exp
 
     def _judge(self, exp: Experiment) -> Experiment:

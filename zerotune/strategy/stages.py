@@ -4,9 +4,11 @@ One loop over the candidate ZeRO stages, lowest first. A higher stage is explore
 memory model says it fits and it could beat the best metric so far: either its larger memory
 headroom lets it reach an mbs whose optimistic metric (the best stage's curve extrapolated with
 its last observed gain per doubling) beats the best by the threshold, or a single probe at the
-best mbs measures it faster. Once a stage has measured slower than the best at the same mbs by
-more than the threshold, later stages (more communication) are not probed again; a tie within
-the threshold is noise and the next stage is probed too. Each stage's outcome is a
+best mbs measures it faster. Once a stage has measured slower than the best stage at the same mbs
+by more than the threshold, later stages (more communication) are not probed again; a tie within
+the threshold is noise and the next stage is probed too. An OOM probe is no evidence of slowness:
+it caps the stage below that mbs, and the stage is probed again at the best stage's largest
+runnable mbs below it, compared at equal mbs. Each stage's outcome is a
 :class:`StageDecision` with a human reason beside it. Nothing here launches anything.
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerotune.core.objective import Objective
-from zerotune.strategy.mbs import MbsTrace, Point, search_mbs
+from zerotune.core.experiment import Status
+from zerotune.strategy.mbs import MbsTrace, Point, allowed_values, search_mbs
 
 
 class StageDecision(str, enum.Enum):
@@ -54,17 +57,19 @@ StageEvaluate = Callable[[int, Sequence[int]], Sequence[Point]]
 
 
 def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: int, hi: int,
-                   objective: Objective, threshold: float = 0.01, num_fine: int = 3) -> list[StageResult]:
+                   objective: Objective, threshold: float = 0.01, num_fine: int = 3,
+                   allowed: Sequence[int] | None = None) -> list[StageResult]:
     """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
 
     Args:
         evaluate: ``evaluate(stage, [mbs, ...]) -> [Point, ...]``.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
-        lo, hi, objective, threshold, num_fine: as in :func:`search_mbs`.
+        lo, hi, objective, threshold, num_fine, allowed: as in :func:`search_mbs`.
 
     Returns:
         One :class:`StageResult` per plan, in order.
     """
+    values = allowed_values(lo, hi, allowed)
     results: list[StageResult] = []
     best: tuple[int, Point] | None = None  # (stage, point)
     slower_seen = False
@@ -72,7 +77,8 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
         stage = plan.stage
         result = StageResult(stage, None, "", estimate=plan.max_mbs_estimate)
         results.append(result)
-        if plan.max_mbs_estimate < lo:
+        cap = hi
+        if not values or plan.max_mbs_estimate < values[0]:
             result.decision, result.reason = StageDecision.PRUNED, f"memory model: mbs={lo} does not fit"
             continue
         if best is not None:
@@ -87,26 +93,38 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                                  "headroom gives no better optimistic metric")
                 continue
             else:
-                probe_mbs = min(best[1].mbs, max(plan.max_mbs_estimate, lo))
+                best_trace = next(r.trace for r in results if r.stage == best[0])
+                probe_mbs = max([m for m in values if m <= min(best[1].mbs, plan.max_mbs_estimate)], default=values[0])
                 (probe,) = evaluate(stage, [probe_mbs])
                 result.trace.points.append(probe)
+                if probe.status is Status.OOM:  # no evidence of slowness: probe below it, at equal mbs
+                    cap = probe_mbs - 1
+                    below = [p.mbs for p in best_trace.ok_points if p.mbs < probe_mbs]
+                    if below:
+                        probe_mbs = max(below)
+                        (probe,) = evaluate(stage, [probe_mbs])
+                        result.trace.points.append(probe)
                 if not (probe.ok and objective.better(probe.metric, best[1].metric)):
                     result.decision = StageDecision.PROBED
+                    same = best_trace.get(probe_mbs) if probe.ok else None
+                    reference = same or best[1]
                     result.reason = (f"probe at mbs={probe_mbs}: {probe.status.value} "
                                      f"{'' if probe.metric is None else f'{probe.metric:.4g} '}"
-                                     f"not better than best {best[1].metric:.4g}")
-                    # within the plateau threshold it is a tie (noise), not evidence that the higher
-                    # stages are slower: the next stage is still probed
-                    slower_seen = slower_seen or not (probe.ok and abs(objective.gain(probe.metric, best[1].metric))
-                                                      < threshold)
+                                     f"not better than ZeRO stage {best[0]}'s {reference.metric:.4g} at "
+                                     f"mbs={reference.mbs}")
+                    # evidence that higher stages are slower: measured slower than the best stage at the
+                    # same mbs by more than the plateau threshold (a tie is noise; an OOM or a failure
+                    # says nothing about speed)
+                    slower_seen = slower_seen or (same is not None
+                                                  and objective.gain(probe.metric, same.metric) <= -threshold)
                     continue
                 result.reason = f"probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best[1].metric:.4g})"
         else:
             result.reason = "first feasible stage"
         result.decision = StageDecision.EXPLORED
-        result.trace = search_mbs(lambda ms, s=stage: evaluate(s, ms), lo=lo, hi=hi, estimate=plan.max_mbs_estimate,
-                                  objective=objective, threshold=threshold, num_fine=num_fine,
-                                  known=result.trace.points)
+        result.trace = search_mbs(lambda ms, s=stage: evaluate(s, ms), lo=lo, hi=min(hi, cap),
+                                  estimate=min(plan.max_mbs_estimate, cap), objective=objective, threshold=threshold,
+                                  num_fine=num_fine, known=result.trace.points, allowed=allowed)
         top = result.trace.best(objective)
         if top is not None and (best is None or objective.better(top.metric, best[1].metric)):
             best = (stage, top)

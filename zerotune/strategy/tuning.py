@@ -127,7 +127,7 @@ class Strategy:
         if not exp.metrics:
             self.log("profile: model size unknown, so the memory model prunes nothing")
             return
-        info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes)
+        info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs)
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size)
         if self.job.cpu and info.peak_memory_bytes:  # CUDA reports no peak here: uncalibrated
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
