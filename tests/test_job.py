@@ -22,13 +22,13 @@ def build(tmp_path, config=None, nodes=(Node("localhost", (0, 1)),), **options):
 def test_resolves_sizes_bounds_and_paths(tmp_path):
     job = build(tmp_path, {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": [3, 1]},
                            "autotuning": {"metric": "latency", "max_train_batch_size": 40}})
-    assert (job.world_size, job.dp_world_size, job.gas, job.stages) == (2, 2, 2, (1, 3))
+    assert (job.world_size, job.dp_world_size, job.batch.gas, job.stages) == (2, 2, 2, (1, 3))
     assert (job.min_mbs, job.max_mbs) == (1, 10)  # 40 // (gas 2 * DP 2)
     assert (job.objective.name, job.objective.unit, job.objective.scale) == ("latency", "s/step", 1e-6)
     assert job.exps_dir == tmp_path / "results" / "exps"
     assert job.launch_spec().objective is job.objective and job.launch_spec().device_memory_bytes == 3 * GiB
     with pytest.raises(AttributeError):
-        job.gas = 4  # frozen
+        job.min_mbs = 4  # frozen
 
 
 def test_every_experiment_uses_the_smallest_slot_count_on_each_node(tmp_path):
@@ -43,7 +43,8 @@ def test_min_train_batch_size_raises_the_smallest_mbs(tmp_path):
 
 
 def test_bounds_that_leave_no_mbs_are_an_error_before_anything_runs(tmp_path):
-    with pytest.raises(ConfigError, match=r"leave no micro batch size: mbs 1\.\.0 with gas 1 and DP world size 2"):
+    with pytest.raises(ConfigError, match=r"leave no micro batch size: mbs 1\.\.0 .*batch: gas 1, "
+                                          r"train_batch_size = mbs x 1 x DP 2"):
         build(tmp_path, {"autotuning": {"max_train_batch_size": 1}})
 
 
@@ -74,3 +75,33 @@ def test_model_info_from_the_config(tmp_path):
                                            "activation_mem_per_gpu": 64}
     with pytest.raises(ConfigError, match=r"'autotuning.model_info.num_params' = 0: expected a positive integer"):
         build(tmp_path, {"autotuning": {"model_info": {"num_params": 0}}})
+
+
+def test_a_numeric_train_batch_size_is_held_fixed(tmp_path):
+    job = build(tmp_path, {"train_batch_size": 16, "gradient_accumulation_steps": 8})
+    # DP 2: mbs divides 8, gas = 8 / mbs
+    assert (job.min_mbs, job.max_mbs, job.allowed_mbs) == (1, 8, (1, 2, 4, 8))
+    assert [job.batch.gas_for(m) for m in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert job.batch.gas_ladder(2) == []  # nothing to search: gas follows mbs
+    assert job.batch.describe() == "batch: train_batch_size fixed at 16 (mbs x gas x DP 2); gas follows mbs"
+    with pytest.raises(ConfigError, match=r"'train_batch_size' = 15: not divisible by the DP world size 2"):
+        build(tmp_path, {"train_batch_size": 15})
+
+
+def test_lists_of_mbs_and_gas_are_honoured(tmp_path):
+    job = build(tmp_path, {"train_micro_batch_size_per_gpu": [8, 2, 32], "gradient_accumulation_steps": [1, 4, 2],
+                           "autotuning": {"max_train_micro_batch_size_per_gpu": 16}})
+    assert job.allowed_mbs == (2, 8) and (job.min_mbs, job.max_mbs) == (2, 8)
+    assert job.batch.gas == 1 and job.batch.gas_ladder(8) == [4, 2]  # the config's order after the first
+
+
+def test_gas_doubles_only_within_max_train_batch_size(tmp_path):
+    job = build(tmp_path, {"autotuning": {"max_train_batch_size": 40}})
+    assert job.max_mbs == 20 and job.batch.gas_ladder(4) == [2, 4]  # 4 x 4 x 2 = 32 <= 40 < 4 x 8 x 2
+    assert build(tmp_path).batch.gas_ladder(4) == []  # no bound given: the global batch stays the user's
+
+
+def test_bad_batch_values_are_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"'gradient_accumulation_steps' = \[1, 0\]: expected a positive integer "
+                                          r"or a list of them"):
+        build(tmp_path, {"gradient_accumulation_steps": [1, 0]})

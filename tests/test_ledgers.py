@@ -23,8 +23,9 @@ from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
 from zerotune.run.resources import select_resources  # noqa: E402
 
 
-def tune_simulated(tmp_path: Path, index: int, fast: bool, stages):
-    """Tune scenario ``index`` of the SIMULATED cluster; (ledger rows, stage decisions, answer)."""
+def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: dict | None = None):
+    """Tune scenario ``index`` of the SIMULATED cluster, with ``overrides`` over the user config;
+    (ledger rows, stage decisions, answer)."""
     sc = SCENARIOS[index]
     sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5)
     hostfile = tmp_path / "hostfile"
@@ -32,6 +33,8 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages):
     cfg = json.loads(json.dumps(USER_CONFIG))
     cfg["zero_optimization"]["stage"] = list(stages) if isinstance(stages, tuple) else stages
     cfg["autotuning"]["fast"] = fast
+    for key, value in (overrides or {}).items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) else value
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     backend = SimulatedBackend(sim)
     tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(tmp_path / "ds.json")],
@@ -237,6 +240,79 @@ PINS = {
 def test_simulated_ledger_is_pinned(tmp_path, case):
     ledger, decisions, answer = tune_simulated(tmp_path, *case)
     pin = PINS[case]
+    assert ledger == pin["ledger"]
+    assert decisions == pin["decisions"]
+    assert answer == pin["answer"]
+
+
+# Batch semantics (issue 10): the same SIMULATED scenario under each rule of zerotune.strategy.batch
+BATCH_PINS = {
+    'fixed train_batch_size': {
+        'scenario': 11, 'overrides': {'train_batch_size': 64},
+        'ledger': [
+            ('profile', 3, 1, 8, 'ok'),
+            (0, 1, 8, 'ok'),
+            (0, 2, 4, 'ok'),
+            (0, 4, 2, 'ok'),
+            (0, 8, 1, 'oom'),
+            (1, 1, 8, 'ok'),
+            (1, 2, 4, 'ok'),
+            (1, 4, 2, 'ok'),
+            (1, 8, 1, 'ok'),
+            (2, 4, 2, 'ok'),
+        ],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'plateau'), (2, 'probed', ''), (3, 'skipped', '')],
+        'answer': (1, 4, 2, {'stage': 1}),
+    },
+    'gas doubling': {
+        'scenario': 11, 'overrides': {'autotuning': {'max_train_batch_size': 512}},
+        'ledger': [
+            ('profile', 3, 1, 1, 'ok'),
+            (0, 1, 1, 'ok'),
+            (0, 2, 1, 'ok'),
+            (0, 4, 1, 'ok'),
+            (0, 5, 1, 'oom'),
+            (0, 3, 1, 'ok'),
+            (1, 1, 1, 'ok'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 8, 1, 'ok'),
+            (1, 6, 1, 'ok'),
+            (1, 3, 1, 'ok'),
+            (1, 7, 1, 'ok'),
+            (2, 7, 1, 'ok'),
+            (3, 7, 1, 'ok'),
+            (3, 10, 1, 'oom'),
+            (3, 8, 1, 'ok'),
+            (3, 7, 2, 'ok'),
+        ],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'plateau'), (2, 'probed', ''), (3, 'explored', 'plateau')],
+        'answer': (3, 7, 1, {'stage': 3}),
+    },
+    'mbs and gas lists': {
+        'scenario': 11, 'overrides': {'train_micro_batch_size_per_gpu': [2, 4, 6], 'gradient_accumulation_steps': [1, 2]},
+        'ledger': [
+            ('profile', 3, 2, 1, 'ok'),
+            (0, 2, 1, 'ok'),
+            (0, 4, 1, 'ok'),
+            (0, 6, 1, 'oom'),
+            (1, 2, 1, 'ok'),
+            (1, 4, 1, 'ok'),
+            (1, 6, 1, 'ok'),
+            (2, 6, 1, 'ok'),
+            (3, 6, 1, 'ok'),
+            (3, 6, 2, 'ok'),
+        ],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
+        'answer': (3, 6, 2, {'stage': 3}),
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(BATCH_PINS))
+def test_simulated_ledger_under_batch_semantics_is_pinned(tmp_path, name):
+    pin = BATCH_PINS[name]
+    ledger, decisions, answer = tune_simulated(tmp_path, pin["scenario"], True, "all", pin["overrides"])
     assert ledger == pin["ledger"]
     assert decisions == pin["decisions"]
     assert answer == pin["answer"]

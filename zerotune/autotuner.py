@@ -63,7 +63,8 @@ class Autotuner:
 
     @property
     def _notes(self) -> list[str]:
-        return results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size)
+        return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
+                self.job.batch.describe()]
 
     @property
     def stage_results(self):

@@ -35,6 +35,7 @@ class ExperimentKind(str, enum.Enum):
 
     PROFILE = "profile"  # the one launch that measures the model (DeepSpeed's model_info.json)
     MBS = "mbs"  # the micro-batch search of a ZeRO stage (and the stage probes)
+    GAS = "gas"  # gradient accumulation steps tried at the best mbs (where the batch semantics allow)
     KNOBS = "knobs"  # the knob phase (``"fast": false``): a stage's tuning space at its best mbs
 
 

@@ -46,16 +46,17 @@ class ConfigBuilder:
         # not written into names, so configs that set them carry a hash in their name
         self._extra_keys = tuple(k for k in _candidate_keys(job.user_config) if k not in ACRONYMS)
 
-    def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The user's config at ``stage`` and ``mbs`` with ``settings`` deep-merged over it, pruned
-        and validated."""
+    def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None,
+               gas: int | None = None) -> dict[str, Any]:
+        """The user's config at ``stage``, ``mbs`` and ``gas`` (default: the batch semantics' gas at
+        that mbs) with ``settings`` deep-merged over it, pruned and validated."""
         cfg = merge(self._base, settings or {})
         if not isinstance(cfg.get(ZERO, {}), dict):
             cfg[ZERO] = {}
         cfg.setdefault(ZERO, {})["stage"] = stage
         cfg[MBS] = mbs
-        cfg[GAS] = self.job.gas
-        cfg[TBS] = mbs * self.job.gas * self.job.dp_world_size
+        cfg[GAS] = gas = gas or self.job.batch.gas_for(mbs)
+        cfg[TBS] = mbs * gas * self.job.dp_world_size
         cfg = prune(cfg)
         validate(cfg, self.job.dp_world_size)
         return cfg
@@ -67,13 +68,13 @@ class ConfigBuilder:
     def experiment(self, ds_config: dict[str, Any], kind: ExperimentKind,
                    knobs: dict[str, Any] | None = None) -> Experiment:
         """An experiment on every selected node for ``ds_config``, named from its content; its
-        tuning space (for the summary) is ``z<stage>``, ``z<stage>_knobs`` or ``profile``."""
+        tuning space (for the summary) is ``z<stage>``, ``z<stage>_gas``, ``z<stage>_knobs`` or ``profile``."""
         stage = ds_config[ZERO]["stage"]
         name, space = self.name(ds_config), f"z{stage}"
         if kind is ExperimentKind.PROFILE:
             name, space = f"profile_{name}", "profile"
-        elif kind is ExperimentKind.KNOBS:
-            space = f"z{stage}_knobs"
+        elif kind is not ExperimentKind.MBS:
+            space = f"z{stage}_{kind.value}"
         return Experiment(name=name, ds_config=ds_config, num_nodes=self.job.num_nodes,
                           num_slots=self.job.slots_per_node, kind=kind, space=space, knobs=dict(knobs or {}))
 
@@ -87,12 +88,14 @@ class ConfigBuilder:
         exp.ds_config["autotuning"] = {"model_info": {"profile": True}}
         return exp
 
-    def mbs_experiment(self, stage: int, mbs: int) -> Experiment:
-        """The mbs phase's experiment: the user's config at ``stage`` and ``mbs``."""
-        return self.experiment(self.config(stage, mbs), ExperimentKind.MBS)
+    def mbs_experiment(self, stage: int, mbs: int, gas: int | None = None) -> Experiment:
+        """The mbs phase's experiment (the gas phase's with ``gas``): the user's config at ``stage``
+        and ``mbs``."""
+        return self.experiment(self.config(stage, mbs, gas=gas), ExperimentKind.GAS if gas else ExperimentKind.MBS)
 
-    def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None) -> list[Candidate]:
-        """The knob phase's candidates for ``stage`` at ``mbs``: zerotune's default space for the
+    def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None,
+                   gas: int | None = None) -> list[Candidate]:
+        """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
         stage (:func:`zerotune.strategy.space.default_space`) with the user's own settings, and the
         user's lists of candidates, over it; named as :meth:`name` names them.
 
@@ -104,7 +107,7 @@ class ConfigBuilder:
         space = default_space(stage)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
-        candidates = generate(self.config(stage, mbs), space, stage=stage, dp_world_size=self.job.dp_world_size,
+        candidates = generate(self.config(stage, mbs, gas=gas), space, stage=stage, dp_world_size=self.job.dp_world_size,
                               fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 
@@ -126,6 +129,6 @@ def _candidate_keys(config: Any, path: str = "") -> list[str]:
     if isinstance(config, dict):
         return [k for key, v in config.items() if (path or key != "autotuning")
                 for k in _candidate_keys(v, f"{path}.{key}" if path else key)]
-    if isinstance(config, list) and not is_list_valued(path) and path != f"{ZERO}.stage":
+    if isinstance(config, list) and not is_list_valued(path) and path not in (f"{ZERO}.stage", MBS, GAS):
         return [path]
     return []

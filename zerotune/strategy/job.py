@@ -20,6 +20,7 @@ from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_d
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
+from zerotune.strategy.batch import BatchSemantics
 
 BACKENDS = ("local", "ray")
 
@@ -68,13 +69,15 @@ class Job:
         world_size: ranks per experiment (``num_nodes * slots_per_node``).
         mp_size, dp_world_size: model-parallel size and data-parallel world size
             (``world_size / mp_size``).
-        gas: the user's gradient accumulation steps.
+        batch: how mbs, gas and train_batch_size relate (:class:`BatchSemantics`).
         stages: the ZeRO stages to explore, ascending.
         cpu: DeepSpeed runs on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
         device_memory_bytes: the per-device memory budget, bytes.
         objective: the tuned metric.
         min_mbs, max_mbs: the micro batch sizes allowed (``min/max_train_micro_batch_size_per_gpu``
-            narrowed by ``min/max_train_batch_size`` at this gas and DP world size).
+            narrowed by ``min/max_train_batch_size`` at this gas and DP world size, or by a fixed
+            ``train_batch_size``).
+        allowed_mbs: the mbs values within those bounds the search may try (None: all of them).
         model_info: the model's size from ``autotuning.model_info`` (for ``--dry-run`` without a
             profile run), or None.
         results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
@@ -93,13 +96,14 @@ class Job:
     world_size: int
     mp_size: int
     dp_world_size: int
-    gas: int
+    batch: BatchSemantics
     stages: tuple[int, ...]
     cpu: bool
     device_memory_bytes: int
     objective: Objective
     min_mbs: int
     max_mbs: int
+    allowed_mbs: tuple[int, ...] | None
     model_info: ModelInfo | None
     results_dir: Path
     exps_dir: Path
@@ -141,12 +145,12 @@ class Job:
             raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {at.mp_size} does not divide the "
                               f"{world_size} ranks of each experiment")
         dp = world_size // at.mp_size
-        gas = _positive_int(user.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", config_path)
+        batch = BatchSemantics.from_config(user, dp, at.max_train_batch_size, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
         memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
         if memory is None:
             raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
-        min_mbs, max_mbs = _mbs_bounds(at, gas, dp, config_path)
+        min_mbs, max_mbs, allowed = _mbs_bounds(at, batch, config_path)
         if options.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
         for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
@@ -155,9 +159,9 @@ class Job:
         results_dir = Path(options.results_dir or at.results_dir)
         return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
                    autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
-                   world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, gas=gas,
+                   world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch,
                    stages=tuple(stage_candidates(user, source=config_path)), cpu=cpu, device_memory_bytes=memory,
-                   objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs,
+                   objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs, allowed_mbs=allowed,
                    model_info=_given_model_info(at, config_path), results_dir=results_dir,
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
@@ -177,24 +181,25 @@ class Job:
         from zerotune.core.units import format_bytes
         return (f"job: {self.num_nodes} node(s) x {self.slots_per_node} rank(s), DP world size {self.dp_world_size}, "
                 f"{format_bytes(self.device_memory_bytes)} per device, ZeRO stages {list(self.stages)}, "
-                f"mbs {self.min_mbs}..{self.max_mbs}, gas {self.gas}, objective {self.objective.name} "
-                f"({self.objective.unit})")
+                f"mbs {self.min_mbs}..{self.max_mbs}, objective {self.objective.name} ({self.objective.unit}); "
+                f"{self.batch.describe()}")
 
 
-def _mbs_bounds(at: AutotuningConfig, gas: int, dp: int, source: str) -> tuple[int, int]:
-    """(smallest, largest) mbs: the per-GPU bounds narrowed by the train batch bounds
-    (train_batch_size = mbs * gas * DP world size)."""
-    per_step = gas * dp
-    lo = max(at.min_train_micro_batch_size_per_gpu, -(-at.min_train_batch_size // per_step))
-    hi = at.max_train_micro_batch_size_per_gpu
-    if at.max_train_batch_size:
-        hi = min(hi, at.max_train_batch_size // per_step)
-    if hi < lo:
-        raise ConfigError(f"{source}: the autotuning bounds leave no micro batch size: mbs {lo}..{hi} with gas {gas} "
-                          f"and DP world size {dp} (min/max_train_micro_batch_size_per_gpu = "
-                          f"{at.min_train_micro_batch_size_per_gpu}/{at.max_train_micro_batch_size_per_gpu}, "
-                          f"min/max_train_batch_size = {at.min_train_batch_size}/{at.max_train_batch_size})")
-    return lo, hi
+def _mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:
+    """(smallest, largest, allowed) mbs: the per-GPU bounds narrowed by the train batch bounds
+    (train_batch_size = mbs * gas * DP world size) or a fixed train_batch_size, and the values
+    the batch semantics allow within them."""
+    lo = at.min_train_micro_batch_size_per_gpu
+    if batch.fixed_train_batch_size is None:
+        lo = max(lo, -(-at.min_train_batch_size // (batch.gas * batch.dp_world_size)))
+    hi = batch.max_mbs(at.max_train_micro_batch_size_per_gpu)
+    allowed = batch.allowed_mbs(lo, hi)
+    if hi < lo or allowed == ():
+        raise ConfigError(f"{source}: the autotuning bounds leave no micro batch size: mbs {lo}..{hi} "
+                          f"(min/max_train_micro_batch_size_per_gpu = {at.min_train_micro_batch_size_per_gpu}/"
+                          f"{at.max_train_micro_batch_size_per_gpu}, min/max_train_batch_size = "
+                          f"{at.min_train_batch_size}/{at.max_train_batch_size}; {batch.describe()})")
+    return (allowed[0], allowed[-1], allowed) if allowed else (lo, hi, None)
 
 
 def _given_model_info(at: AutotuningConfig, source: str) -> ModelInfo | None:

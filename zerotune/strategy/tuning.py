@@ -10,8 +10,10 @@ memory model were right. The run is a pure function of the outcomes it is told:
    model (:class:`~zerotune.model.memory.MemoryModel`), calibrated on CPU to the run's peak.
 2. **Stages and mbs** (:func:`~zerotune.strategy.stages.explore_stages`): per stage, the memory
    model's largest fitting mbs, then the progressive stage rule and the mbs search.
-3. **Knobs** (``"fast": false``): for the best stage, and another within :data:`KNOB_STAGE_MARGIN`
-   of it, at its best mbs, the stage's tuning space walked by the configured tuner in batches as
+3. **Gas** (where the batch semantics allow it, :mod:`zerotune.strategy.batch`): gradient
+   accumulation steps at the best stage's best mbs.
+4. **Knobs** (``"fast": false``): for the best stage, and another within :data:`KNOB_STAGE_MARGIN`
+   of it, at its best mbs and gas, the stage's tuning space walked by the configured tuner in batches as
    large as the slots can run at once.
 
 An experiment whose name (its canonical content) was already evaluated is never evaluated again:
@@ -89,6 +91,7 @@ class Strategy:
         self.parallel = max(1, parallel)
         self.log = log or (lambda line: None)
         self.result = StrategyResult()
+        self.best_gas: dict[int, int] = {}  # stage -> gas better than the batch semantics' own (gas phase)
         self._done: dict[str, Experiment] = {}
 
     def run(self) -> StrategyResult:
@@ -100,6 +103,7 @@ class Strategy:
         """
         self.profile()
         self.explore()
+        self.tune_gas()
         if not self.job.autotuning.fast:
             self.tune_knobs()
         return self.result
@@ -162,12 +166,35 @@ class Strategy:
 
         self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
                                             threshold=PLATEAU_THRESHOLD,
-                                            num_fine=self.job.autotuning.num_tuning_micro_batch_sizes)
+                                            num_fine=self.job.autotuning.num_tuning_micro_batch_sizes,
+                                            allowed=self.job.allowed_mbs)
         for r in self.result.stages:
             self.log(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                      + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
 
-    # -- 3. knobs -----------------------------------------------------------------------------------
+    # -- 3. gas -------------------------------------------------------------------------------------
+    def tune_gas(self) -> None:
+        """Gas at the best stage's best mbs: the config's list of gas values (each tried), or a
+        doubling ladder within ``max_train_batch_size`` that stops at a plateau or a failure."""
+        tops = self.knob_stages()[:1]
+        if not tops:
+            return
+        stage, point = tops[0]
+        ladder = self.job.batch.gas_ladder(point.mbs)
+        if ladder:
+            self.log(f"gas phase ZeRO stage {stage} at mbs={point.mbs}: gas {ladder}")
+        best = point.metric
+        for gas in ladder:
+            (exp,) = self.evaluate([self.builder.mbs_experiment(stage, point.mbs, gas)])
+            if exp.status == Status.OK and self.job.objective.better(exp.metric, best):
+                gain, best = self.job.objective.gain(exp.metric, best), exp.metric
+                self.best_gas[stage] = gas
+            else:
+                gain = None
+            if self.job.batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
+                break
+
+    # -- 4. knobs -----------------------------------------------------------------------------------
     def knob_stages(self) -> list[tuple[int, Point]]:
         """Stages whose knobs are tuned, with their best point: the best explored stage, and the
         next best when within :data:`KNOB_STAGE_MARGIN` of it."""
@@ -184,10 +211,12 @@ class Strategy:
         at, memory = self.job.autotuning, self.result.memory
         fits = None if memory is None else (lambda c: memory.fits(c, self.job.device_memory_bytes))
         for stage, point in self.knob_stages():
-            candidates = self.builder.knob_space(stage, point.mbs, fits)
+            gas = self.best_gas.get(stage)
+            candidates = self.builder.knob_space(stage, point.mbs, fits, gas=gas)
             fitting = sum(c.fits for c in candidates)
             self.result.knob_phases.append(KnobPhase(stage, point.mbs, len(candidates), fitting))
-            self.log(f"knob phase ZeRO stage {stage} at mbs={point.mbs}: {len(candidates)} configs, {fitting} fit the "
+            self.log(f"knob phase ZeRO stage {stage} at mbs={point.mbs}" + (f", gas={gas}" if gas else "")
+                     + f": {len(candidates)} configs, {fitting} fit the "
                      f"memory model; tuner {at.tuner_type}, at most {at.tuner_num_trials} trials")
             tuner = make_tuner(at.tuner_type, candidates, objective=self.job.objective, num_trials=at.tuner_num_trials,
                                early_stopping=at.tuner_early_stopping)

@@ -1,0 +1,130 @@
+"""Batch semantics: how mbs, gradient accumulation steps (gas) and train_batch_size relate in a job.
+
+DeepSpeed's invariant is ``train_batch_size = mbs * gas * DP world size``. Which of them the
+tuner may change depends on what the user's config says, as a practitioner expects:
+
+- **a numeric ``train_batch_size``** is the training recipe and is held fixed: the candidates
+  are the (mbs, gas) pairs with ``mbs * gas * DP = train_batch_size`` (mbs a divisor of
+  ``train_batch_size / DP``, gas derived), so every experiment trains the same way;
+- **otherwise gas is the user's value** (``train_batch_size`` follows mbs), and gas becomes a
+  search dimension only where the user lets the global batch grow: a list of gas values in the
+  config, or ``autotuning.max_train_batch_size`` (then gas doubles at the best mbs while the
+  global batch stays within it and throughput improves: a larger gas amortizes the optimizer step
+  and, for ZeRO 0-1, the gradient reduction);
+- **a list of mbs values** in the config restricts the micro-batch search to those values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.keys import GAS, MBS, TBS
+
+
+@dataclass(frozen=True)
+class BatchSemantics:
+    """The batch rules of one job (build with :meth:`from_config`).
+
+    Attributes:
+        dp_world_size: data-parallel world size.
+        fixed_train_batch_size: the user's numeric ``train_batch_size`` (held fixed), or None.
+        gas: gas of the micro-batch search when the global batch is not fixed.
+        mbs_values: the mbs values allowed (None: every integer within the job's bounds).
+        gas_values: gas values to try at the best mbs, in order (the user's list without ``gas``,
+            or doubling up to ``max_train_batch_size``); empty: gas is not searched.
+        gas_doubling: the gas values are a doubling ladder (stop at a plateau) rather than a user list.
+        max_train_batch_size: ``autotuning.max_train_batch_size`` (bounds the doubling), or None.
+    """
+
+    dp_world_size: int
+    fixed_train_batch_size: int | None = None
+    gas: int = 1
+    mbs_values: tuple[int, ...] | None = None
+    gas_values: tuple[int, ...] = ()
+    gas_doubling: bool = False
+    max_train_batch_size: int | None = None
+
+    @classmethod
+    def from_config(cls, user: dict[str, Any], dp_world_size: int, max_train_batch_size: int | None,
+                    source: str) -> "BatchSemantics":
+        """The semantics the user's ds_config asks for.
+
+        Raises:
+            ConfigError: a batch key that is not a positive integer (or a list of them, or
+                ``"auto"`` for ``train_batch_size``), or a ``train_batch_size`` that DP does not divide.
+        """
+        mbs = user.get(MBS)
+        mbs = _values(mbs, MBS, source) if isinstance(mbs, list) else None  # a single value is only a start
+        gas = _values(user.get(GAS, 1), GAS, source)
+        tbs = user.get(TBS)
+        if tbs is not None and tbs != "auto":
+            (tbs,) = _values(tbs, TBS, source, single=True)
+            if tbs % dp_world_size:
+                raise ConfigError(f"{source}: '{TBS}' = {tbs}: not divisible by the DP world size {dp_world_size}")
+            return cls(dp_world_size, fixed_train_batch_size=tbs, mbs_values=mbs)
+        if len(gas) > 1:
+            return cls(dp_world_size, gas=gas[0], mbs_values=mbs, gas_values=tuple(gas[1:]),
+                       max_train_batch_size=max_train_batch_size)
+        return cls(dp_world_size, gas=gas[0], mbs_values=mbs, gas_doubling=max_train_batch_size is not None,
+                   max_train_batch_size=max_train_batch_size)
+
+    def allowed_mbs(self, lo: int, hi: int) -> tuple[int, ...] | None:
+        """The mbs values the search may try within ``lo..hi`` (None: all of them)."""
+        values = self.mbs_values
+        if self.fixed_train_batch_size is not None:
+            per_rank = self.fixed_train_batch_size // self.dp_world_size
+            divisors = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+            values = tuple(m for m in divisors if values is None or m in values)
+        return None if values is None else tuple(m for m in values if lo <= m <= hi)
+
+    def gas_for(self, mbs: int) -> int:
+        """Gas of the micro-batch search at ``mbs``."""
+        if self.fixed_train_batch_size is not None:
+            return self.fixed_train_batch_size // (self.dp_world_size * mbs)
+        return self.gas
+
+    def max_mbs(self, hi: int) -> int:
+        """The largest mbs the train batch bounds allow (at most ``hi``)."""
+        if self.fixed_train_batch_size is not None:
+            return min(hi, self.fixed_train_batch_size // self.dp_world_size)
+        if self.max_train_batch_size is not None:
+            return min(hi, self.max_train_batch_size // (self.gas * self.dp_world_size))
+        return hi
+
+    def gas_ladder(self, mbs: int) -> list[int]:
+        """Gas values to try at ``mbs`` after the micro-batch search (see :attr:`gas_values`)."""
+        if self.fixed_train_batch_size is not None:
+            return []
+        if not self.gas_doubling:
+            return list(self.gas_values)
+        ladder, gas = [], self.gas * 2
+        while mbs * gas * self.dp_world_size <= self.max_train_batch_size:
+            ladder.append(gas)
+            gas *= 2
+        return ladder
+
+    def describe(self) -> str:
+        """One line for the summary: which semantics applied."""
+        if self.fixed_train_batch_size is not None:
+            return (f"batch: train_batch_size fixed at {self.fixed_train_batch_size} (mbs x gas x DP "
+                    f"{self.dp_world_size}); gas follows mbs")
+        line = f"batch: gas {self.gas}, train_batch_size = mbs x {self.gas} x DP {self.dp_world_size}"
+        if self.gas_values:
+            line += f"; gas {list(self.gas_values)} tried at the best mbs (the config's list)"
+        elif self.gas_doubling:
+            line += f"; gas doubled at the best mbs while train_batch_size <= {self.max_train_batch_size}"
+        if self.mbs_values is not None:
+            line += f"; mbs from the config's list {list(self.mbs_values)}"
+        return line
+
+
+def _values(value: Any, key: str, source: str, single: bool = False) -> list[int] | None:
+    """A positive int, or (unless ``single``) a non-empty list of them, as a sorted list; None stays None."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) and not single else [value]
+    if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in items):
+        expected = "a positive integer" if single else "a positive integer or a list of them"
+        raise ConfigError(f"{source}: '{key}' = {value!r}: expected {expected}")
+    return sorted(set(items)) if key != GAS else list(dict.fromkeys(items))
