@@ -60,6 +60,20 @@ class SpaceSummary:
     ok: int
     failed: dict[str, int]
     best: Experiment | None
+    device_s: float = 0.0
+
+
+def device_seconds(exp: Experiment) -> float:
+    """What an experiment cost: wall time x devices it held, seconds (0 when it did not run)."""
+    return (exp.wall_s or 0.0) * exp.num_nodes * exp.num_slots
+
+
+def cost_line(experiments: Sequence[Experiment]) -> str:
+    """The tuning cost in device-hours and the share spent on experiments that gave no metric."""
+    total = sum(device_seconds(e) for e in experiments)
+    wasted = sum(device_seconds(e) for e in experiments if e.status != Status.OK)
+    share = f", {wasted / total:.0%} of it on experiments that did not finish ok" if total else ""
+    return f"tuning cost: {total / 3600:.3g} device-hours (wall time x devices){share}"
 
 
 def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
@@ -68,6 +82,7 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
     for exp in experiments:
         row = rows.setdefault(exp.space, SpaceSummary(exp.space, 0, 0, {}, None))
         row.experiments += 1
+        row.device_s += device_seconds(exp)
         if exp.status == Status.OK:
             row.ok += 1
             if exp.metric is not None and (row.best is None or objective.better(exp.metric, row.best.metric)):
@@ -84,13 +99,15 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
     overall = best_experiment(experiments, objective)
     table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
                         f"tuning time {elapsed_s:.1f} s", title_justify="left")
-    for col in ("tuning space", "experiments", "ok", "not ok", f"best {objective.name} ({unit})", "best experiment"):
+    for col in ("tuning space", "experiments", "ok", "not ok", "device-h", f"best {objective.name} ({unit})",
+                "best experiment"):
         table.add_column(col)
     for row in summarize(experiments, objective):
         failed = ", ".join(f"{n} {s}" for s, n in sorted(row.failed.items())) or "-"
         best = "-" if row.best is None else f"{row.best.metric:.4g}"
         name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
-        table.add_row(row.space, str(row.experiments), str(row.ok), failed, best, name)
+        table.add_row(row.space, str(row.experiments), str(row.ok), failed, f"{row.device_s / 3600:.3g}", best, name)
+    notes = [cost_line(experiments), *notes]
     if notes:
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
