@@ -1,6 +1,10 @@
 """Tests for zerotune.deepspeed.expdir: the experiment directory's files, read and written exactly."""
 import json
+import math
+import statistics
 from pathlib import Path
+
+import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import OBJECTIVES
@@ -53,6 +57,32 @@ def test_finish_of_the_profile_run_reads_model_info_and_scores_nothing(tmp_path)
     write(tmp_path / "metrics.json", '{"throughput": 5.0}')  # not the profile run's result
     done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert (done.status, done.error, done.metric, done.metrics) == (Status.OK, "", None, info)
+
+
+def test_finish_takes_the_metric_and_peak_from_the_probe_and_keeps_deepspeeds_for_comparison(tmp_path):
+    ds_metrics = {"latency": 150000, "throughput": 106.7, "FLOPS_per_gpu": 1e9}
+    write(tmp_path / "metrics.json", json.dumps(ds_metrics))
+    for rank, times in ((0, [0.9, 0.15, 0.16, 0.15]), (1, [0.8, 0.16, 0.15, 0.17])):
+        lines = [{"rank": rank, "step": i, "t": 10.0 + i, "step_s": s, "micro_steps": 1, "train_batch_size": 16,
+                  "peak_bytes": (rank + 1) * 10**9} for i, s in enumerate(times, start=1)]
+        write(tmp_path / f"probe.rank{rank}.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
+    e = exp()
+    e.peak_memory_bytes = 5 * 10**8  # the backend's sampler
+
+    done = expdir.finish(e, tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (done.status, done.metric_source, done.metrics) == (Status.OK, "probe", ds_metrics)
+    assert done.metric == pytest.approx(16 / ((0.16 + 0.16 + 0.17) / 3), abs=1e-9)  # slowest rank per step
+    t_975_2, s = 4.302652729749464, statistics.stdev([0.16, 0.16, 0.17])
+    assert done.metric_rel_half_width == pytest.approx(t_975_2 * s / math.sqrt(3) / ((0.16 + 0.16 + 0.17) / 3),
+                                                       abs=1e-9)
+    assert done.peak_memory_bytes == 2 * 10**9
+
+    flops = expdir.finish(exp(), tmp_path, OBJECTIVES["flops"], exit_code=0)  # not measured by the probe
+    assert (flops.metric, flops.metric_source, flops.metric_rel_half_width) == (1e9, "deepspeed", None)
+    for path in tmp_path.glob("probe.rank*.jsonl"):
+        path.unlink()
+    plain = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)  # no streams: SIMULATED
+    assert (plain.metric, plain.metric_source, plain.peak_memory_bytes) == (106.7, "deepspeed", None)
 
 
 def test_finish_says_a_garbage_metrics_file_is_invalid(tmp_path):

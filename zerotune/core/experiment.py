@@ -51,7 +51,9 @@ class Experiment:
         kind: the phase that asked for it (:class:`ExperimentKind`).
         space: the tuning space it belongs to (``z1``, ``z1_knobs``, ``profile``), for the summary.
         knobs: dotted key -> value of the settings that vary in its tuning space (knob phase).
-        status/metric/metrics/exit_code/wall_s/error: filled in after it ran.
+        status/metric/metrics/exit_code/wall_s/error: filled in after it ran; ``metric`` is the
+            step probe's (:mod:`zerotune.core.measure`) where it measured the run, else DeepSpeed's
+            (``metric_source`` says which); ``metrics`` is DeepSpeed's ``metrics.json``.
     """
 
     name: str
@@ -69,6 +71,8 @@ class Experiment:
     error: str = ""
     memory_bytes: int | None = None  # memory model's estimate per device, bytes
     peak_memory_bytes: int | None = None  # measured peak per rank where the backend can see it
+    metric_source: str = ""  # "probe" (zerotune's step probe) or "deepspeed" (metrics.json); "" without a metric
+    metric_rel_half_width: float | None = None  # of the metric's 95% confidence interval (probe only), 0.02 = ±2%
 
     @property
     def stage(self) -> int:

@@ -15,6 +15,10 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
                        (``engine._autotuning_exit``): ``latency`` (microseconds per step),
                        ``throughput`` (samples/s), ``FLOPS_per_gpu``. The result of every run
                        but the profile run.
+``probe.rank*.jsonl``  zerotune's step probe, one file per rank (:mod:`zerotune.probe`): a line
+                       per optimizer step. :func:`finish` takes the metric from them
+                       (:mod:`zerotune.core.measure`); ``metrics.json`` says whether the run
+                       succeeded.
 ``model_info.json``    DeepSpeed's engine, profile run only (``ExperimentKind.PROFILE``), in the
                        first forward: ``num_params``, ``trainable_num_params``,
                        ``activation_mem_per_gpu``. The result of the profile run.
@@ -39,8 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.measure import measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.deepspeed.canonical import config_hash
+from zerotune.probe import read_streams
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
@@ -114,6 +120,13 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
     info) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
 
+    The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
+    ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width``)
+    for throughput and latency when the streams hold a steady step on every rank; otherwise
+    DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams as on the
+    SIMULATED backend, too few steps). When the streams record peaks, ``peak_memory_bytes``
+    becomes the largest over the ranks; else the backend's value stays.
+
     Args:
         exp: the experiment, updated in place.
         exp_dir: its directory.
@@ -138,6 +151,14 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
                                          _logs(Path(exp_dir)), timed_out, result_file=path.name, invalid=invalid)
     exp.metrics = data or {}
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile else None
+    exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
+    streams = read_streams(exp_dir)
+    measured = measure(streams, objective) if exp.metric is not None else None
+    if measured is not None:
+        exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
+    peaks = peak_bytes(streams)
+    if peaks:
+        exp.peak_memory_bytes = max(peaks.values())
     return exp
 
 

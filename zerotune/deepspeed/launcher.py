@@ -6,6 +6,7 @@ the line a person can paste. Starting, supervising and stopping the process is t
 """
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from zerotune.deepspeed.config import replace_config_arg
+from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH
 
 if TYPE_CHECKING:
     from zerotune.run.backends.base import LaunchSpec
@@ -59,9 +61,21 @@ def deepspeed_launcher() -> list[str]:
     return [found] if found else [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def launch_env(spec: LaunchSpec, reservation: Reservation) -> dict[str, str]:
-    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``)."""
+def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None) -> dict[str, str]:
+    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``).
+
+    Args:
+        spec: how the script is launched.
+        reservation: the slots it runs on.
+        probe_dir: for an experiment, its directory: the step probe (:mod:`zerotune.probe`) is put
+            first on the ranks' ``PYTHONPATH`` and writes its streams there
+            (``ZEROTUNE_PROBE_DIR``). None (the optimal command, ``zerotune run``): no probe.
+    """
     env = dict(spec.extra_env)
+    if probe_dir is not None:
+        inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p)
+        env[PROBE_DIR_ENV] = str(Path(probe_dir).resolve())
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.

@@ -6,7 +6,7 @@ logs and CI output read the same) and, on a terminal, keeps a live status line u
 ``rich.live.Live``::
 
     [  12.3s] start z1_mbs4_gas1, estimate 1.2 GiB/rank
-    [  40.1s] done z1_mbs4_gas1: ok throughput=612.4 (27.8 s, peak 1.1 GiB)
+    [  40.1s] done z1_mbs4_gas1: ok throughput=612.4 ±1.8% (27.8 s, peak 1.1 GiB)
     ⠋ done 3 (2 ok) · running 1 · queued 2 · best z1_mbs4_gas1 throughput=612.4 samples/s · 41.0 s
 """
 from __future__ import annotations
@@ -124,6 +124,8 @@ class Progress:
         tag = "cached" if event == "cached" else "done"
         status = exp.status.value if exp.status is not None else "?"
         value = f"{exp.metric:.4g}" if exp.metric is not None else "-"
+        if exp.metric is not None and exp.metric_rel_half_width is not None:
+            value += f" ±{exp.metric_rel_half_width:.1%}"
         peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
         error = f" {exp.error}" if exp.error else ""
         return (f"{stamp} {tag} {exp.name}: {status} {self.objective.name}={value} "

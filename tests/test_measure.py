@@ -1,0 +1,85 @@
+"""Tests for zerotune.core.measure: the metric from the step probe's streams, exactly."""
+import math
+import statistics
+
+import pytest
+
+from zerotune.core.measure import measure, peak_bytes, step_stats
+from zerotune.core.objective import OBJECTIVES
+
+T_975_3 = 3.182446305284263  # Student t, 97.5% quantile, 3 degrees of freedom
+
+
+def stream(rank: int, step_s: list, train_batch_size: int = 16, peak: int = 2**30) -> list[dict]:
+    t, lines = 100.0, []
+    for i, s in enumerate(step_s, start=1):
+        t += s or 0.0
+        lines.append({"rank": rank, "step": i, "t": t, "step_s": s, "micro_steps": 2,
+                      "train_batch_size": train_batch_size, "peak_bytes": peak + i})
+    return lines
+
+
+# Slowest per step: 1.0 (r0), 0.5 (r0), 0.22 (r1), 0.21 (r0), 0.20 (r0), 0.22 (r0). Step 1 is
+# always warm-up; step 2 is too (0.5 > 1.5 x median(0.22, 0.21, 0.20, 0.22) = 0.3225); step 3 is
+# not (0.22 <= 1.5 x 0.21).
+TWO_RANKS = {0: stream(0, [1.0, 0.5, 0.20, 0.21, 0.20, 0.22], peak=3 * 2**30),
+             1: stream(1, [0.9, 0.45, 0.22, 0.20, 0.19, 0.21])}
+STEADY = [0.22, 0.21, 0.20, 0.22]
+
+
+def test_steady_state_is_the_slowest_rank_after_a_detected_warm_up():
+    stats = step_stats(TWO_RANKS)
+    assert stats.steps == (1, 2, 3, 4, 5, 6)
+    assert stats.step_s == (1.0, 0.5, 0.22, 0.21, 0.20, 0.22)
+    assert stats.slowest_rank == (0, 0, 1, 0, 0, 0)
+    assert stats.warmup_steps == 2 and stats.steady_s == tuple(STEADY)
+
+
+def test_throughput_is_train_batch_size_over_the_mean_slowest_step_with_a_t_interval():
+    m = measure(TWO_RANKS, OBJECTIVES["throughput"])
+    mean = sum(STEADY) / 4
+    assert m.mean_step_s == pytest.approx(0.2125, abs=1e-12)
+    assert m.value == 16 / m.mean_step_s
+    assert m.value == pytest.approx(75.29411764705883, abs=1e-9)
+    half_width = T_975_3 * statistics.stdev(STEADY) / math.sqrt(4)
+    assert m.rel_half_width == pytest.approx(half_width / mean, abs=1e-9)
+    assert m.rel_half_width == pytest.approx(0.07169318498, abs=1e-9)
+    assert (m.steady_steps, m.warmup_steps, m.train_batch_size) == (4, 2, 16)
+    assert m.slowest_rank_share == {0: 0.75, 1: 0.25}
+    assert m.peak_bytes == {0: 3 * 2**30 + 6, 1: 2**30 + 6}
+
+
+def test_latency_is_the_mean_slowest_step_in_seconds():
+    m = measure(TWO_RANKS, OBJECTIVES["latency"])
+    assert m.value == m.mean_step_s == pytest.approx(0.2125, abs=1e-12)
+    assert m.rel_half_width == measure(TWO_RANKS, OBJECTIVES["throughput"]).rel_half_width
+
+
+def test_one_steady_step_has_a_value_but_no_interval():
+    m = measure({0: stream(0, [2.0, 0.25]), 1: stream(1, [2.0, 0.5])}, OBJECTIVES["throughput"])
+    assert (m.value, m.rel_half_width, m.steady_steps, m.warmup_steps) == (32.0, None, 1, 1)
+
+
+def test_only_steps_present_on_every_rank_count():
+    # rank 1 was killed before it wrote step 5; step 1 has no step_s on rank 0 (no forward seen).
+    streams = {0: stream(0, [None, 0.3, 0.3, 0.3, 0.3]), 1: stream(1, [0.9, 0.3, 0.3, 0.5])}
+    stats = step_stats(streams)
+    assert stats.steps == (2, 3, 4) and stats.warmup_steps == 0  # step 1 is not among them
+    assert measure(streams, OBJECTIVES["latency"]).value == pytest.approx((0.3 + 0.3 + 0.5) / 3, abs=1e-12)
+
+
+def test_a_slow_step_after_the_warm_up_stays_in_the_steady_state():
+    stats = step_stats({0: stream(0, [5.0, 0.2, 0.2, 0.9, 0.2, 0.2])})
+    assert stats.warmup_steps == 1 and stats.steady_s == (0.2, 0.2, 0.9, 0.2, 0.2)
+
+
+def test_no_measurement_falls_back_to_deepspeed():
+    assert measure({}, OBJECTIVES["throughput"]) is None  # no stream (SIMULATED backend, profile run)
+    assert measure({0: stream(0, [1.0]), 1: stream(1, [1.0])}, OBJECTIVES["throughput"]) is None  # warm-up only
+    assert measure(TWO_RANKS, OBJECTIVES["flops"]) is None  # the probe counts no FLOPs
+    assert measure({0: [{"rank": 0, "step": 1, "garbage": True}]}, OBJECTIVES["latency"]) is None
+
+
+def test_peak_bytes_is_each_ranks_largest():
+    assert peak_bytes(TWO_RANKS) == {0: 3 * 2**30 + 6, 1: 2**30 + 6}
+    assert peak_bytes({0: [{"step": 1}]}) == {}

@@ -1,0 +1,172 @@
+"""The metric zerotune decides on, from the step probe's streams: what the user gets, with its uncertainty.
+
+The probe (:mod:`zerotune.probe.sitecustomize`) writes, per rank, one record per optimizer step
+with ``step_s``, the wall time from the end of the previous optimizer step to the end of this one:
+everything the training loop does, data loading and the script's own work included, not only
+the engine's forward, backward and step timers DeepSpeed's autotuning metric sums. The method is
+that of steady-state benchmarking with confidence intervals (A. Georges, D. Buytaert,
+L. Eeckhout, "Statistically Rigorous Java Performance Evaluation", OOPSLA 2007: leave out the
+warm-up, report the mean of the steady iterations with a Student-t confidence interval):
+
+1. **Align the ranks.** For every step index present, with a ``step_s``, on every rank, take the
+   slowest rank's ``step_s``: data-parallel ranks wait for each other in the gradient
+   collectives, so the job advances at its slowest rank's pace.
+2. **Leave out the warm-up.** Step 1 is always left out (compilation, first allocations, and it
+   is timed from the first forward). Then, while a leading step is more than
+   :data:`WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; the
+   rest is the steady state. A rule on the stream itself, so a script whose warm-up is longer
+   than ``start_profile_step`` is still measured on steady steps.
+3. **The value.** With ``m`` the mean of the steady steps' slowest ``step_s``: throughput =
+   ``train_batch_size / m`` samples/s (global samples per optimizer step over seconds per step),
+   latency = ``m`` s/step. FLOPS are not measured by the probe (:func:`measure` returns None and
+   DeepSpeed's metric is used).
+4. **The uncertainty.** The relative half-width of the 95% Student-t confidence interval of
+   ``m``: ``t(0.975, n - 1) * s / sqrt(n) / m`` with ``s`` the sample standard deviation of the
+   ``n`` steady steps; None for fewer than 2 steady steps. Throughput, a function of ``m``, gets
+   the same relative half-width (first order). The interval treats steps as independent, which
+   consecutive steps only roughly are: read it as the measurement's noise, not a guarantee.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from zerotune.core.objective import Objective
+
+__all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "StepStats", "measure", "peak_bytes", "step_stats"]
+
+WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
+CONFIDENCE = 0.95
+
+Streams = Mapping[int, Sequence[Mapping[str, Any]]]  # rank -> the probe's step records, in order
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """The slowest rank's time per step, with the warm-up found in it.
+
+    Attributes:
+        steps: the step indices present on every rank, ascending.
+        step_s: per step, the slowest rank's ``step_s``, seconds.
+        slowest_rank: per step, that rank (the lowest on ties).
+        warmup_steps: how many leading steps are warm-up.
+    """
+
+    steps: tuple[int, ...]
+    step_s: tuple[float, ...]
+    slowest_rank: tuple[int, ...]
+    warmup_steps: int
+
+    @property
+    def steady_s(self) -> tuple[float, ...]:
+        """The steady steps' slowest ``step_s``, seconds."""
+        return self.step_s[self.warmup_steps:]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """An experiment's metric from the probe.
+
+    Attributes:
+        value: the metric in the objective's unit (samples/s or s/step).
+        mean_step_s: mean of the steady steps' slowest ``step_s``, seconds.
+        rel_half_width: relative half-width of the 95% confidence interval (0.02 = ±2%); None
+            with fewer than 2 steady steps.
+        steady_steps, warmup_steps: how many steps were measured and how many left out.
+        train_batch_size: global samples per optimizer step.
+        slowest_rank_share: rank -> share of the steady steps on which it was the slowest.
+        peak_bytes: rank -> its peak memory, bytes (:func:`peak_bytes`).
+    """
+
+    value: float
+    mean_step_s: float
+    rel_half_width: float | None
+    steady_steps: int
+    warmup_steps: int
+    train_batch_size: int
+    slowest_rank_share: dict[int, float]
+    peak_bytes: dict[int, int]
+
+
+def step_stats(streams: Streams) -> StepStats | None:
+    """Align the ranks' streams on the step index and find the warm-up (steps 1 and 2 of the
+    module's method). None when no step is present on every rank."""
+    per_rank = {rank: {int(r["step"]): float(r["step_s"]) for r in records
+                       if isinstance(r.get("step"), int) and _number(r.get("step_s"))}
+                for rank, records in streams.items()}
+    if not per_rank:
+        return None
+    steps = sorted(set.intersection(*(set(times) for times in per_rank.values())))
+    if not steps:
+        return None
+    ranks = sorted(per_rank)
+    slowest = [max(ranks, key=lambda rank: (per_rank[rank][step], -rank)) for step in steps]
+    step_s = [per_rank[rank][step] for rank, step in zip(slowest, steps)]
+    warmup = 1 if steps[0] == 1 else 0
+    while len(step_s) - warmup >= 2 and step_s[warmup] > WARMUP_FACTOR * statistics.median(step_s[warmup + 1:]):
+        warmup += 1
+    return StepStats(tuple(steps), tuple(step_s), tuple(slowest), warmup)
+
+
+def measure(streams: Streams, objective: Objective) -> Measurement | None:
+    """The experiment's metric from the probe's streams (the module's method).
+
+    Args:
+        streams: rank -> that rank's probe records in file order
+            (:func:`zerotune.probe.read_streams`).
+        objective: the metric tuned; only throughput and latency are measured.
+
+    Returns:
+        The measurement; None when the probe cannot give this objective (flops), or there is no
+        steady step on every rank (no streams: a SIMULATED run, a script with too few steps), or
+        no ``train_batch_size`` for throughput. The caller then keeps DeepSpeed's metric.
+    """
+    if objective.name not in ("throughput", "latency"):
+        return None
+    stats = step_stats(streams)
+    if stats is None or not stats.steady_s:
+        return None
+    steady = stats.steady_s
+    mean = statistics.fmean(steady)
+    batch = _train_batch_size(streams, stats.steps[stats.warmup_steps])
+    if mean <= 0 or (objective.name == "throughput" and batch is None):
+        return None
+    value = batch / mean if objective.name == "throughput" else mean
+    shares = stats.slowest_rank[stats.warmup_steps:]
+    return Measurement(value=value, mean_step_s=mean, rel_half_width=_rel_half_width(steady, mean),
+                       steady_steps=len(steady), warmup_steps=stats.warmup_steps, train_batch_size=batch or 0,
+                       slowest_rank_share={rank: shares.count(rank) / len(shares) for rank in sorted(streams)},
+                       peak_bytes=peak_bytes(streams))
+
+
+def peak_bytes(streams: Streams) -> dict[int, int]:
+    """rank -> the largest ``peak_bytes`` in its records (CUDA: allocated bytes; CPU: resident
+    high-water mark), bytes; ranks without one are absent."""
+    peaks = {}
+    for rank, records in streams.items():
+        values = [int(r["peak_bytes"]) for r in records if _number(r.get("peak_bytes"))]
+        if values:
+            peaks[rank] = max(values)
+    return peaks
+
+
+def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
+    n = len(steady)
+    if n < 2:
+        return None
+    from scipy.stats import t  # imported here: scipy.stats takes a while to import
+    return float(t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * statistics.stdev(steady) / math.sqrt(n) / mean
+
+
+def _train_batch_size(streams: Streams, step: int) -> int | None:
+    for rank in sorted(streams):
+        for r in streams[rank]:
+            if r.get("step") == step and _number(r.get("train_batch_size")):
+                return int(r["train_batch_size"])
+    return None
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

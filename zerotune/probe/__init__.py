@@ -1,0 +1,55 @@
+"""The step probe, tuner side: where it lives, and reading the streams it writes.
+
+The probe itself is :mod:`zerotune.probe.sitecustomize`, which runs in the ranks (this directory
+first on their ``PYTHONPATH``, ``ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
+it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
+directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from zerotune.probe.sitecustomize import PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
+
+__all__ = ["PROBE_DIR_ENV", "PROBE_PATH", "clear_streams", "read_streams", "stream_name"]
+
+PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
+
+
+def _stream_files(exp_dir: Path) -> dict[int, Path]:
+    files = {}
+    for path in Path(exp_dir).glob(f"{STREAM_PREFIX}*{STREAM_SUFFIX}"):
+        rank = path.name[len(STREAM_PREFIX):-len(STREAM_SUFFIX)]
+        if rank.isdigit():
+            files[int(rank)] = path
+    return files
+
+
+def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's probe lines in ``exp_dir``, in file order: rank -> list of step records.
+
+    A line that is not a JSON object (a rank killed while writing) is skipped. Ranks without a
+    file are absent; an empty dict when the probe wrote nothing (a SIMULATED run, the profile
+    run, a run that failed before its first optimizer step).
+    """
+    streams = {}
+    for rank, path in sorted(_stream_files(exp_dir).items()):
+        lines = []
+        for text in path.read_text(errors="replace").splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(line, dict):
+                lines.append(line)
+        streams[rank] = lines
+    return streams
+
+
+def clear_streams(exp_dir: Path) -> None:
+    """Remove the streams of an earlier attempt in ``exp_dir`` (the probe appends); called by a
+    backend before it launches."""
+    for path in _stream_files(exp_dir).values():
+        path.unlink(missing_ok=True)

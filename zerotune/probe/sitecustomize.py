@@ -1,0 +1,213 @@
+"""zerotune's step probe: one JSON line per optimizer step, in every rank, with no change to the script.
+
+The local launch puts this directory first on the ranks' ``PYTHONPATH`` and sets
+``ZEROTUNE_PROBE_DIR`` (:func:`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
+imports this file at start-up in every process of the launch (the launcher too). Without
+``ZEROTUNE_PROBE_DIR`` it only chains to the user's own ``sitecustomize``.
+
+With it, an import hook (a ``sys.meta_path`` finder) waits for ``deepspeed.runtime.engine``;
+nothing imports deepspeed or torch at start-up. Once that module has run, the hook wraps
+``DeepSpeedEngine.forward`` (only to note the first forward's time) and ``DeepSpeedEngine.step``,
+which the script calls once per micro step. Whether a call is the gradient-accumulation boundary
+is asked before the original ``step`` runs; after a boundary step returns, the rank appends one
+line to ``<ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
+
+    {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "micro_steps": 1,
+     "train_batch_size": 8, "peak_bytes": 734003200}
+
+- ``step``: the optimizer step's index in this process, from 1.
+- ``t``: ``time.monotonic()`` when the step returned, seconds.
+- ``step_s``: wall time since the end of the previous optimizer step, seconds: everything the
+  script does between engine calls (data loading, logging) is in it. Step 1 is measured from the
+  start of the engine's first forward call, so the time before it (the first batch's loading) is
+  lost; step 1 holds first allocations and compilation anyway and is never steady state.
+- ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps).
+- ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
+- ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
+  ``torch.cuda.max_memory_reserved()``); elsewhere the process's resident high-water mark
+  (``ru_maxrss``), bytes.
+
+The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
+inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;
+its ``step_s`` also holds rank 0's writing of ``metrics.json``, a millisecond or so. The end of a
+step is when ``step()`` returns on the host: no device synchronisation is added (it would change
+what is measured), so on CUDA a single step's time may be shifted by the queued kernels, the mean
+over several steps is not. What is lost: a step in progress when the process is killed.
+
+A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
+Only this file and ``__init__.py`` are in this directory, since it is on the ranks' import path.
+"""
+import os
+import sys
+
+PROBE_DIR_ENV = "ZEROTUNE_PROBE_DIR"
+STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
+ENGINE_MODULE = "deepspeed.runtime.engine"
+
+
+def stream_name(rank: int) -> str:
+    """The file name of rank ``rank``'s stream."""
+    return f"{STREAM_PREFIX}{rank}{STREAM_SUFFIX}"
+
+
+class _Probe:
+    """The per-process state: the first forward's time, and per engine its steps and file."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "last", "file"}
+        self.first_forward: float | None = None
+        self.failed = False
+
+    def fail(self, what: str, error: BaseException) -> None:
+        if not self.failed:
+            self.failed = True
+            print(f"zerotune probe: {what} failed, no more steps recorded: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
+
+    def state(self, engine) -> dict:
+        s = self.engines.get(id(engine))
+        if s is None:
+            s = self.engines[id(engine)] = {"step": 0, "micro": 0, "last": self.first_forward, "file": None}
+        return s
+
+    def record(self, engine, state: dict) -> None:
+        import time
+        t = time.monotonic()
+        state["step"] += 1
+        line = {"rank": _rank(engine), "step": state["step"], "t": t,
+                "step_s": t - state["last"] if state["last"] is not None else None,
+                "micro_steps": state["micro"], "train_batch_size": int(engine.train_batch_size())}
+        line.update(_peaks(engine))
+        state["last"], state["micro"] = t, 0
+        if state["file"] is None:
+            state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
+        import json
+        state["file"].write(json.dumps(line) + "\n")
+        state["file"].flush()
+
+
+def _rank(engine) -> int:
+    rank = getattr(engine, "global_rank", None)
+    return int(rank) if rank is not None else int(os.environ.get("RANK", "0"))
+
+
+def _peaks(engine) -> dict:
+    torch = sys.modules.get("torch")
+    device = getattr(engine, "device", None)
+    if torch is not None and getattr(device, "type", device) == "cuda" and torch.cuda.is_available():
+        return {"peak_bytes": int(torch.cuda.max_memory_allocated()),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+    import resource
+    return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+
+
+def _install(module, probe: _Probe) -> None:
+    """Wrap ``DeepSpeedEngine.forward`` and ``DeepSpeedEngine.step`` of the engine module."""
+    import functools
+    import time
+    engine_cls = module.DeepSpeedEngine
+    forward, step = engine_cls.forward, engine_cls.step
+
+    @functools.wraps(forward)
+    def probed_forward(self, *args, **kwargs):
+        if probe.first_forward is None:
+            probe.first_forward = time.monotonic()
+        return forward(self, *args, **kwargs)
+
+    @functools.wraps(step)
+    def probed_step(self, *args, **kwargs):
+        boundary, state = False, None
+        if not probe.failed:
+            try:
+                state = probe.state(self)
+                state["micro"] += 1
+                boundary = bool(self.is_gradient_accumulation_boundary())
+            except Exception as e:  # noqa: BLE001 - the probe never breaks training
+                probe.fail("reading the engine before step", e)
+        try:
+            result = step(self, *args, **kwargs)
+        except SystemExit:  # DeepSpeed's autotuning exit, at the end of the step
+            _record(probe, self, state, boundary)
+            raise
+        _record(probe, self, state, boundary)
+        return result
+
+    engine_cls.forward, engine_cls.step = probed_forward, probed_step
+
+
+def _record(probe: _Probe, engine, state: dict | None, boundary: bool) -> None:
+    if boundary and state is not None and not probe.failed:
+        try:
+            probe.record(engine, state)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            probe.fail("recording a step", e)
+
+
+class _EngineFinder:
+    """A ``sys.meta_path`` finder that lets ``deepspeed.runtime.engine`` load as usual, then
+    wraps its engine (:func:`_install`), once."""
+
+    def __init__(self, probe: _Probe):
+        self.probe = probe
+        self.done = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != ENGINE_MODULE or self.done:
+            return None
+        self.done = True  # once (and not from the search below)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _InstallingLoader(spec.loader, self.probe)
+                return spec
+        return None
+
+
+class _InstallingLoader:
+    """The module's own loader, then :func:`_install` once the module has run."""
+
+    def __init__(self, loader, probe: _Probe):
+        self.loader, self.probe = loader, probe
+
+    def __getattr__(self, name):  # get_source, get_filename, ... as the real loader
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        try:
+            _install(module, self.probe)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.probe.fail("installing the probe", e)
+
+
+def _chain() -> None:
+    """Run the next ``sitecustomize`` on ``sys.path`` after this directory (the user's own)."""
+    import importlib.machinery
+    import importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+def _main() -> None:
+    directory = os.environ.get(PROBE_DIR_ENV)
+    if directory:
+        try:
+            sys.meta_path.insert(0, _EngineFinder(_Probe(directory)))
+        except Exception as e:  # noqa: BLE001
+            print(f"zerotune probe: not installed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    _chain()
+
+
+if __name__ == "sitecustomize":  # imported by ``site`` at start-up, not as zerotune.probe.sitecustomize
+    _main()
