@@ -1,0 +1,126 @@
+"""The step probe in real ranks: DeepSpeed on 2 CPU ranks (DS_ACCELERATOR=cpu), a tiny model, few steps;
+and the probe's import hook on a stand-in engine, in a subprocess."""
+import json
+import subprocess
+import sys
+import pytest
+
+from zerotune.core.experiment import Experiment, Status
+from zerotune.core.measure import measure
+from zerotune.core.objective import OBJECTIVES
+from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, read_streams
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.resources import SlotPool, select_resources
+from zerotune.run.scheduler import Scheduler
+from test_e2e import SCRIPT, TINY, one_thread_per_rank  # noqa: F401 (an autouse fixture: 1 thread per rank)
+
+pytestmark = pytest.mark.e2e
+# mbs 1 on 2 ranks, 4 samples per optimizer step: 2 gradient accumulation steps
+Z1_GAS2 = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "zero_optimization": {"stage": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+
+
+def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(Z1_GAS2))  # the script's own config, replaced by the experiment's
+    args = (*TINY, "--steps", "8", "--deepspeed_config", str(cfg))
+    spec = LaunchSpec(SCRIPT, args, cpu=True, device_memory_bytes=3 * 2**30, start_profile_step=2,
+                      end_profile_step=5, timeout_s=300)
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
+    (done,) = scheduler.run([Experiment("z1_mbs1_gas2", Z1_GAS2, num_slots=2)])
+
+    exp_dir = tmp_path / "exps" / done.name
+    assert done.status == Status.OK, (done.error, (exp_dir / "stderr.log").read_text()[-2000:])
+    streams = read_streams(exp_dir)
+    assert sorted(streams) == [0, 1]
+    for rank, lines in streams.items():
+        # DeepSpeed exits inside the step after end_profile_step (global step 6): that step is recorded.
+        assert [ln["step"] for ln in lines] == [1, 2, 3, 4, 5, 6]
+        assert {(ln["rank"], ln["micro_steps"], ln["train_batch_size"]) for ln in lines} == {(rank, 2, 4)}
+        assert all(ln["step_s"] > 0 and ln["peak_bytes"] > 50 * 2**20 for ln in lines)
+    measured = measure(streams, OBJECTIVES["throughput"])
+    assert (done.metric, done.metric_source) == (measured.value, "probe")
+    assert done.metric_rel_half_width == measured.rel_half_width and measured.steady_steps >= 2
+    assert done.peak_memory_bytes == max(measured.peak_bytes.values())
+    record = json.loads((exp_dir / "exp.json").read_text())
+    assert (record["metric"], record["metric_source"]) == (done.metric, "probe")
+    deepspeed = json.loads((exp_dir / "metrics.json").read_text())
+    assert done.metrics == deepspeed  # DeepSpeed's own metric, for comparison
+    print(f"\nprobe: {measured.value:.2f} samples/s ±{measured.rel_half_width:.1%} over {measured.steady_steps} "
+          f"steady steps (warm-up {measured.warmup_steps}, mean step {measured.mean_step_s * 1e3:.2f} ms); "
+          f"DeepSpeed metrics.json: {deepspeed['throughput']:.2f} samples/s "
+          f"(latency {deepspeed['latency'] / 1e3:.2f} ms)")
+    cmd = (exp_dir / "cmd.txt").read_text()
+    assert f"PYTHONPATH={PROBE_PATH}" in cmd and f"{PROBE_DIR_ENV}={exp_dir.resolve()} " in cmd
+
+
+FAKE_ENGINE = '''
+class DeepSpeedEngine:
+    global_rank = 3
+
+    def __init__(self, gas, fail=False):
+        self.gas, self.micro, self.fail = gas, 0, fail
+
+    def forward(self, x):
+        return x
+
+    def is_gradient_accumulation_boundary(self):
+        return (self.micro + 1) % self.gas == 0
+
+    def train_batch_size(self):
+        if self.fail:
+            raise RuntimeError("no batch size")
+        return 8
+
+    def step(self):
+        self.micro += 1
+        if self.micro == 6:
+            exit()  # as DeepSpeed's autotuning exit, inside the step
+'''
+
+SCRIPT_ON_FAKE = '''
+import sys
+print("deepspeed imported at start-up:", "deepspeed" in sys.modules)
+from deepspeed.runtime.engine import DeepSpeedEngine
+engine = DeepSpeedEngine(gas=2, fail=sys.argv[1] == "fail")
+for _ in range(10):
+    engine.forward(1)
+    engine.step()
+'''
+
+
+def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_breaks_training(tmp_path):
+    fake, user, out = tmp_path / "fake", tmp_path / "user", tmp_path / "out"
+    for d in (fake / "deepspeed" / "runtime", user, out):
+        d.mkdir(parents=True)
+    (fake / "deepspeed" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "runtime" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "runtime" / "engine.py").write_text(FAKE_ENGINE)
+    (user / "sitecustomize.py").write_text(f"open({str(tmp_path / 'chained')!r}, 'a').write('x')\n")
+    (tmp_path / "train.py").write_text(SCRIPT_ON_FAKE)
+
+    def run(probe_dir, *args):
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(map(str, (PROBE_PATH, fake, user)))}
+        if probe_dir:
+            env[PROBE_DIR_ENV] = str(probe_dir)
+        return subprocess.run([sys.executable, str(tmp_path / "train.py"), *args], env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    proc = run(out, "ok")
+    assert proc.returncode == 0 and "deepspeed imported at start-up: False" in proc.stdout, proc.stderr
+    lines = [json.loads(ln) for ln in (out / "probe.rank3.jsonl").read_text().splitlines()]
+    assert [(ln["rank"], ln["step"], ln["micro_steps"], ln["train_batch_size"]) for ln in lines] == [
+        (3, 1, 2, 8), (3, 2, 2, 8), (3, 3, 2, 8)]  # step 3 ended in exit()
+    assert all(ln["step_s"] > 0 and ln["peak_bytes"] > 0 for ln in lines)
+    assert [b["t"] - a["t"] for a, b in zip(lines, lines[1:])] == [ln["step_s"] for ln in lines[1:]]
+    assert (tmp_path / "chained").read_text() == "x"  # the user's sitecustomize ran too
+
+    (tmp_path / "failing").mkdir()
+    failing = run(tmp_path / "failing", "fail")  # train_batch_size() raises: reported once, training goes on
+    assert failing.returncode == 0 and failing.stderr.count("zerotune probe:") == 1, failing.stderr
+    assert "RuntimeError: no batch size" in failing.stderr
+
+    off = run(None, "ok")  # no ZEROTUNE_PROBE_DIR: nothing recorded, the user's sitecustomize still runs
+    assert off.returncode == 0 and (tmp_path / "chained").read_text() == "xxx"
+    assert sorted(p.name for p in out.iterdir()) == ["probe.rank3.jsonl"]
