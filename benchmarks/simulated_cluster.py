@@ -48,7 +48,7 @@ from rich.console import Console  # noqa: E402
 
 from benchmarks.simcluster.backend import LedgerEntry, SimulatedBackend  # noqa: E402
 from benchmarks.simcluster.deepspeed_harness import run_deepspeed_autotuner  # noqa: E402
-from benchmarks.simcluster.model import GiB, Simulator, ZeroSettings  # noqa: E402
+from benchmarks.simcluster.model import NOISE_LEVEL, GiB, Simulator, ZeroSettings  # noqa: E402
 from benchmarks.simcluster.scenarios import SCENARIOS, Scenario  # noqa: E402
 from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
 from zerotune.core.errors import TuningFailed  # noqa: E402
@@ -146,8 +146,8 @@ def summarize_tuner(sim: Simulator, run: dict[str, Any], optimum: float) -> dict
     }
 
 
-def run_scenario(sc: Scenario, tmp_root: str) -> dict[str, Any]:
-    sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5)
+def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL) -> dict[str, Any]:
+    sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5, noise_level=noise_level)
     hosts = [f"sim-node-{i}" for i in range(sc.cluster.num_nodes)]
     best_cfg, best_value, fitting = exhaustive_optimum(sim)
     with tempfile.TemporaryDirectory(dir=tmp_root) as zt_dir, tempfile.TemporaryDirectory(dir=tmp_root) as ds_dir:
@@ -266,25 +266,32 @@ def print_summary(s: dict[str, Any], rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", type=int, nargs="*", help="scenario numbers (1-based) to run")
+    ap.add_argument("--noise", type=float, nargs="*", default=[0.01, 0.05],
+                    help="noise levels: log-normal sigma of the run-to-run factor and the per-step jitter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "simulated_cluster.json"))
     args = ap.parse_args()
     scenarios = [SCENARIOS[i - 1] for i in args.only] if args.only else SCENARIOS
     tmp_root = "/dev/shm" if Path("/dev/shm").is_dir() else None
     start = time.time()
-    rows = []
-    for sc in scenarios:
-        rows.append(run_scenario(sc, tmp_root))
-        print(f"  [{time.time() - start:6.1f}s] {sc.name}", file=sys.stderr)
-    print("SIMULATED cluster benchmark: an analytic model of DeepSpeed training steps, NOT measurements.\n")
-    print_table(rows)
-    s = summary(rows)
-    print_summary(s, rows)
+    results = {}
+    print("SIMULATED cluster benchmark: an analytic model of DeepSpeed training steps, NOT measurements.")
+    for level in args.noise:
+        rows = []
+        for sc in scenarios:
+            rows.append(run_scenario(sc, tmp_root, level))
+            print(f"  [{time.time() - start:6.1f}s] noise {level:.0%} {sc.name}", file=sys.stderr)
+        print(f"\n=== noise level {level:.0%} (run-to-run and per-step log-normal sigma) ===\n")
+        print_table(rows)
+        s = summary(rows)
+        print_summary(s, rows)
+        results[f"{level:g}"] = {"summary": s, "scenarios": rows}
     elapsed = time.time() - start
-    print(f"\n{len(rows)} scenarios in {elapsed:.0f} s (wall time of this run; the GPU-hours above are SIMULATED)")
+    print(f"\n{len(scenarios)} scenarios x {len(args.noise)} noise levels in {elapsed:.0f} s (wall time of this run; "
+          f"the GPU-hours above are SIMULATED)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"label": "SIMULATED", "summary": s, "scenarios": rows, "elapsed_s": elapsed},
-                              indent=1, default=str) + "\n")
+    out.write_text(json.dumps({"label": "SIMULATED", "noise_levels": results, "elapsed_s": elapsed,
+                               "date": time.strftime("%Y-%m-%d")}, indent=1, default=str) + "\n")
     print(f"raw results: {out}")
 
 

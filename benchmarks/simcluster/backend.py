@@ -14,6 +14,7 @@ scheduler writes ``exp.json``.
 """
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from benchmarks.simcluster.model import Outcome, Simulator
 from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
 from zerotune.core.objective import Objective
 from zerotune.deepspeed import expdir
+from zerotune.probe import stream_name
 from zerotune.run.backends.base import Backend
 from zerotune.run.slots import Reservation
 
@@ -88,8 +90,10 @@ class SimulatedBackend(Backend):
         (exp_dir / expdir.STDERR_LOG).write_text(stderr)
         (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {outcome.duration_s:.1f} s\n")
         if outcome.ok:  # what DeepSpeed's engine would write: model_info.json or metrics.json
-            result = self.sim.model_info() if profile else self.sim.metrics(outcome.step)
+            result = self.sim.model_info() if profile else self.sim.metrics(outcome)
             write_json_atomic(expdir.result_path(exp, exp_dir), result)
+        for rank, records in (outcome.streams or {}).items():  # what zerotune's step probe would write
+            (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
 
         expdir.finish(exp, exp_dir, self.objective, exit_code=0 if outcome.ok else 1)
         exp.wall_s = round(outcome.duration_s, 3)

@@ -100,7 +100,7 @@ def _patched(sim: Simulator, ledger: list[LedgerEntry]):
                 json.dump(sim.model_info(), f)
         elif outcome.ok and at.get("metric_path"):
             with open(at["metric_path"], "w") as f:
-                json.dump(sim.metrics(outcome.step), f)
+                json.dump(sim.metrics(outcome), f)
         num_gpus = sum(len(r.slots) for r in reservations)
         with lock:
             ledger.append(LedgerEntry(exp["name"], ds_config, outcome.status, outcome.duration_s, num_gpus, profile))

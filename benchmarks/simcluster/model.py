@@ -57,12 +57,19 @@ Step time (:meth:`Simulator.step`), for ``gas`` micro-steps of ``mbs`` samples:
 - memory pressure: above 92% of device memory the caching allocator flushes and retries
   (DeepSpeed warns "pytorch allocator cache flushes since last step ... detrimental to
   performance"): compute slows by up to 25% at 100%;
-- seeded noise: each (scenario, config) has a fixed multiplicative log-normal factor (σ = 1%) on
-  the step time, the same whichever tuner runs the config.
+- seeded noise, fresh on every run, as real runs vary: each run of a config draws a run-to-run
+  log-normal factor on its step time (σ = ``noise_level``, 1% by default), and each step of each
+  rank a log-normal jitter (the same σ); the k-th run of a config in a scenario draws the same
+  numbers whichever tuner runs it (seeded by scenario, config and k), so results repeat.
 
 DeepSpeed's own metrics (``engine._autotuning_exit``): ``latency`` = microseconds per global step
 (``gas`` micro-steps), ``throughput`` = ``train_batch_size / latency`` in samples/s,
 ``FLOPS_per_gpu``.
+
+What a run reports (:meth:`Simulator.run`): the step probe's stream for :data:`PROBE_RANKS` ranks
+(``probe.rank<R>.jsonl`` records, as :mod:`zerotune.probe` writes them: steps 1 to
+``end_profile_step + 1``, step 1 three times as long as warm-up), and DeepSpeed's ``metrics.json``
+from rank 0's steps ``start_profile_step..end_profile_step``.
 
 Duration of a simulated experiment (:meth:`Simulator.run`): start-up (launcher, NCCL rendezvous,
 model construction: ``30 + 2·log2(GPUs) + 2·Ψ/1e9`` s) plus ``end_profile_step + 1`` measured
@@ -73,8 +80,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
+import threading
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 GiB = 2**30
@@ -85,8 +93,14 @@ PRESSURE_START = 0.92
 """Fraction of device memory above which the allocator starts flushing its cache."""
 PRESSURE_MAX_SLOWDOWN = 0.25
 """Compute slowdown at 100% of device memory (quadratic from :data:`PRESSURE_START`)."""
-NOISE_SIGMA = 0.01
-"""Log-normal sigma of the per-config multiplicative noise on the step time."""
+NOISE_LEVEL = 0.01
+"""Default log-normal sigma of the run-to-run factor and of the per-step jitter on the step time."""
+
+PROBE_RANKS = 2
+"""Ranks whose step streams a SIMULATED run reports (the slowest of all would need every rank)."""
+
+WARMUP_STEP_FACTOR = 3.0
+"""Step 1 of a run takes this many steps' time (allocations, compilation)."""
 OVERLAP_EFFICIENCY = 0.9
 """Fraction of a compute window that can hide communication."""
 ADAM_HBM_BYTES_PER_PARAM = 32
@@ -349,6 +363,7 @@ class Outcome:
     memory: MemoryBreakdown
     step: StepBreakdown | None
     oom_phase: str = ""
+    streams: dict[int, list[dict[str, Any]]] | None = None  # the probe's records per rank (ok runs)
 
     @property
     def ok(self) -> bool:
@@ -379,15 +394,22 @@ class Simulator:
     Args:
         model: the transformer the training script trains.
         cluster: where it runs; every experiment uses all of its GPUs (DP world size = GPUs).
-        seed: seeds the per-config noise.
+        seed: seeds the noise.
         end_profile_step: DeepSpeed's ``autotuning.end_profile_step`` (steps measured before exit).
+        noise_level: log-normal sigma of the run-to-run factor and of the per-step jitter.
+        start_profile_step: DeepSpeed's ``autotuning.start_profile_step`` (its metric's first step).
     """
 
-    def __init__(self, model: Transformer, cluster: Cluster, seed: int = 0, end_profile_step: int = 5):
+    def __init__(self, model: Transformer, cluster: Cluster, seed: int = 0, end_profile_step: int = 5,
+                 noise_level: float = NOISE_LEVEL, start_profile_step: int = 3):
         self.model = model
         self.cluster = cluster
         self.seed = seed
         self.end_profile_step = end_profile_step
+        self.start_profile_step = start_profile_step
+        self.noise_level = noise_level
+        self._runs: dict[str, int] = {}  # config key -> runs so far
+        self._lock = threading.Lock()
 
     # -- memory ---------------------------------------------------------------------------------
     def memory(self, ds_config: dict[str, Any]) -> MemoryBreakdown:
@@ -454,8 +476,9 @@ class Simulator:
         """Communication left visible when it overlaps a compute window."""
         return max(comm_s - OVERLAP_EFFICIENCY * window_s, comm_s * min(1.0, unhidden_fraction))
 
-    def step(self, ds_config: dict[str, Any], noise: bool = True) -> StepBreakdown:
-        """Seconds of one global step of ``ds_config`` (see the module docstring)."""
+    def step(self, ds_config: dict[str, Any], noise: float = 1.0) -> StepBreakdown:
+        """Seconds of one global step of ``ds_config`` (see the module docstring), times ``noise``
+        (a run's factor; 1.0: the noise-free ground truth)."""
         z = ZeroSettings.from_config(ds_config)
         m, c = self.model, self.cluster
         psi, n, L = m.num_params, c.num_gpus, m.num_layers
@@ -501,23 +524,38 @@ class Simulator:
             optimizer = local * ADAM_HBM_BYTES_PER_PARAM / c.device.hbm_bytes_per_s
 
         latency = z.gas * (compute + micro) + boundary + optimizer
-        factor = self.noise(z) if noise else 1.0
         return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,
-                             optimizer_s=optimizer, pressure=pressure, noise=factor,
+                             optimizer_s=optimizer, pressure=pressure, noise=noise,
                              samples=z.mbs * z.gas * n, flops_per_sample=m.flops_per_sample, num_gpus=n,
-                             latency_s=latency * factor)
+                             latency_s=latency * noise)
 
-    def noise(self, z: ZeroSettings) -> float:
-        """The config's fixed multiplicative noise factor: log-normal, seeded by scenario and config."""
-        digest = hashlib.sha256(f"{self.seed}|{z.key()}".encode()).digest()
-        u = (int.from_bytes(digest[:8], "big") + 0.5) / 2**64
-        return math.exp(NOISE_SIGMA * NormalDist().inv_cdf(u))
+    def rng(self, ds_config: dict[str, Any]) -> random.Random:
+        """The noise of the next run of ``ds_config``: seeded by scenario, resolved config and how
+        many times it ran before (thread-safe), so the k-th run draws the same numbers whoever runs it."""
+        key = ZeroSettings.from_config(ds_config).key()
+        with self._lock:
+            k = self._runs[key] = self._runs.get(key, 0) + 1
+        digest = hashlib.sha256(f"{self.seed}|{key}|{k}".encode()).digest()
+        return random.Random(int.from_bytes(digest[:8], "big"))
+
+    def streams(self, step: StepBreakdown, rng: random.Random, gas: int, peak_bytes: int) -> dict[int, list[dict[str, Any]]]:
+        """The probe's records of one run (see the module docstring), per simulated rank."""
+        out: dict[int, list[dict[str, Any]]] = {}
+        for rank in range(min(PROBE_RANKS, step.num_gpus)):
+            t, records = 0.0, []
+            for i in range(1, self.end_profile_step + 2):
+                step_s = step.latency_s * (WARMUP_STEP_FACTOR if i == 1 else 1.0) * rng.lognormvariate(0, self.noise_level)
+                t += step_s
+                records.append({"rank": rank, "step": i, "t": t, "step_s": step_s, "micro_steps": gas,
+                                "train_batch_size": step.samples, "peak_bytes": peak_bytes})
+            out[rank] = records
+        return out
 
     def throughput(self, ds_config: dict[str, Any]) -> float | None:
         """Noise-free samples/s of ``ds_config``, or None when it does not fit (the ground truth)."""
         if not self.fits(ds_config):
             return None
-        return self.step(ds_config, noise=False).throughput
+        return self.step(ds_config).throughput
 
     # -- experiments ----------------------------------------------------------------------------
     def startup_s(self) -> float:
@@ -534,7 +572,8 @@ class Simulator:
         budget = self.cluster.device.memory_bytes
         if mem.total - mem.activations - mem.fragmentation > budget:
             return Outcome("oom", self.startup_s(), mem, None, oom_phase="init")
-        step = self.step(ds_config)
+        rng = self.rng(ds_config)
+        step = self.step(ds_config, noise=rng.lognormvariate(0, self.noise_level))
         if profile:
             fwd = self.model.forward_activation_bytes * ZeroSettings.from_config(ds_config).mbs
             ok = mem.total - mem.activations - mem.fragmentation + fwd <= budget
@@ -542,12 +581,19 @@ class Simulator:
                            oom_phase="" if ok else "step")
         if mem.total > budget:
             return Outcome("oom", self.startup_s() + step.latency_s, mem, step, oom_phase="step")
-        return Outcome("ok", self.startup_s() + (self.end_profile_step + 3) * step.latency_s, mem, step)
+        streams = self.streams(step, rng, ZeroSettings.from_config(ds_config).gas, mem.total)
+        duration = self.startup_s() + sum(r["step_s"] for r in streams[0]) + step.latency_s
+        return Outcome("ok", duration, mem, step, streams=streams)
 
-    def metrics(self, step: StepBreakdown) -> dict[str, float]:
-        """``metrics.json`` as DeepSpeed's engine writes it (``_autotuning_exit``): latency in
-        microseconds per global step, throughput in samples/s, FLOPS_per_gpu."""
-        return {"latency": step.latency_s * 1e6, "throughput": step.throughput, "FLOPS_per_gpu": step.flops_per_gpu}
+    def metrics(self, outcome: Outcome) -> dict[str, float]:
+        """``metrics.json`` as DeepSpeed's engine writes it (``_autotuning_exit``), from rank 0's steps
+        ``start_profile_step..end_profile_step``: latency in microseconds per global step, throughput
+        in samples/s, FLOPS_per_gpu."""
+        step = outcome.step
+        window = [r["step_s"] for r in outcome.streams[0] if self.start_profile_step <= r["step"] <= self.end_profile_step]
+        latency = sum(window) / len(window) if window else step.latency_s
+        return {"latency": latency * 1e6, "throughput": step.samples / latency,
+                "FLOPS_per_gpu": step.flops_per_sample * step.samples / step.num_gpus / latency}
 
     def model_info(self) -> dict[str, int]:
         """``model_info.json`` as DeepSpeed's engine writes it in the profile run."""
