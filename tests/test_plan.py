@@ -11,6 +11,7 @@ from zerotune.core.experiment import Status
 from zerotune.deepspeed.expdir import write_record
 from zerotune.model.memory import MemoryModel
 from zerotune.run.resources import select_resources
+from zerotune.run.resume import resume_context, resume_key
 from zerotune.strategy.configs import ConfigBuilder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +107,8 @@ def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
     profile.metrics = {"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}
     exp_dir = t.job.exps_dir / profile.name
     exp_dir.mkdir(parents=True)
-    write_record(profile, exp_dir)
+    context = resume_context(t.job)  # the record of this job's own profile run
+    write_record(profile, exp_dir, resume_key(profile.ds_config, context), context)
     plan = t.plan()
     assert plan.model_info_source == "profile run on disk"
     assert plan.experiments[0].name == "z0_gas1_tmbspg1"  # the profile is not listed again

@@ -26,6 +26,7 @@ from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans
 from zerotune.run.resources import Node, Reservation, SlotPool
+from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import ResultsLock, Scheduler
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
@@ -56,7 +57,8 @@ class Autotuner:
         self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
-        self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update)
+        self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update,
+                                   context=resume_context(job))
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0

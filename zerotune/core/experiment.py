@@ -25,9 +25,12 @@ class Status(str, enum.Enum):
     INTERRUPTED = "interrupted"  # the tuner stopped while it ran; re-run on resume
 
     @property
-    def finished(self) -> bool:
-        """True when the outcome is final for this config (resume does not re-run it)."""
-        return self in (Status.OK, Status.OOM, Status.FAILED, Status.TIMEOUT)
+    def reusable(self) -> bool:
+        """True when a rerun of the same experiment (the same resume key,
+        :mod:`zerotune.run.resume`) reuses this recorded outcome instead of launching: OK, and
+        OOM (the budget is in the key). FAILED, TIMEOUT and INTERRUPTED may come from the
+        moment (a port clash, a wrong data path, a busy machine) and are re-run."""
+        return self in (Status.OK, Status.OOM)
 
 
 class ExperimentKind(str, enum.Enum):
@@ -73,6 +76,7 @@ class Experiment:
     peak_memory_bytes: int | None = None  # measured peak per rank where the backend can see it
     metric_source: str = ""  # "probe" (zerotune's step probe) or "deepspeed" (metrics.json); "" without a metric
     metric_rel_half_width: float | None = None  # of the metric's 95% confidence interval (probe only), 0.02 = ±2%
+    replica_of: str | None = None  # a re-measurement of this experiment (same config), pooled with it
 
     @property
     def stage(self) -> int:

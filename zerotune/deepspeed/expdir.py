@@ -23,8 +23,9 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
                        first forward: ``num_params``, ``trainable_num_params``,
                        ``activation_mem_per_gpu``. The result of the profile run.
 ``exp.json``           the scheduler, :func:`write_record`: the :class:`Experiment` with its
-                       config digest, written as INTERRUPTED before the launch and again with
-                       the outcome; :func:`load_record` reads it back for resume.
+                       config digest, resume key and resume context, written as INTERRUPTED
+                       before the launch and again with the outcome; :func:`load_record` reads
+                       it back for resume.
 ``hostfile``,          the Ray backend, multi-node only: the nodes Ray granted; the marker
 ``.zerotune_dispatch`` that proves a node sees this directory.
 =====================  =====================================================================
@@ -216,32 +217,46 @@ def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_t
 
 
 def config_digest(ds_config: dict) -> str:
-    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), the
-    key resume matches on."""
+    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), for a
+    person reading ``exp.json``; resume matches on the full resume key."""
     return config_hash(ds_config)[:12]
 
 
-def write_record(exp: Experiment, exp_dir: Path) -> None:
-    """Write ``exp.json``: ``exp`` as JSON with its ``config_digest`` and the time, atomically."""
+def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
+    """Write ``exp.json`` atomically: ``exp`` as JSON with its ``config_digest``, the time, and
+    its ``resume_key`` and ``resume_context``.
+
+    Args:
+        exp: the experiment.
+        exp_dir: its directory.
+        key: what makes it the same experiment on a rerun
+            (:func:`zerotune.run.resume.resume_key`); :func:`load_record` matches on it.
+        context: what went into ``key`` besides the config
+            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+    """
     data = exp.to_json()
     data["config_digest"] = config_digest(exp.ds_config)
+    data["resume_key"] = key
+    data["resume_context"] = context or {}
     data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     write_json_atomic(Path(exp_dir) / RECORD_FILE, data)
 
 
-def load_record(exp_dir: Path, ds_config: dict) -> Experiment | None:
-    """The finished experiment recorded in ``exp_dir`` for this config content, if any.
+def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
+    """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
 
     Returns:
-        The recorded experiment when ``exp.json`` exists, its config digest is ``ds_config``'s and
-        its status is finished (:attr:`Status.finished`); None otherwise (an interrupted run, a
-        different config under the same name, no record), so the experiment is run again.
+        The recorded experiment when ``exp.json`` exists, its config digest is ``ds_config``'s, its
+        ``resume_key`` is ``key`` and its outcome is reusable (:attr:`Status.reusable`: OK or
+        OOM); None otherwise (a failed, timed-out or interrupted run, a different config or script
+        or budget under the same name, a record of another zerotune version, no record), so the
+        experiment is run again.
     """
     data = read_json(Path(exp_dir) / RECORD_FILE)
-    if data is None or data.get("config_digest") != config_digest(ds_config):
+    if data is None or data.get("config_digest") != config_digest(ds_config) or data.get("resume_key") != key:
         return None
     done = Experiment.from_json(data)
-    return done if done.status is not None and done.status.finished else None
+    return done if done.status is not None and done.status.reusable else None
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -3,8 +3,9 @@
 A FIFO queue: the head waits until its slots can be reserved (atomically, from the
 ``SlotPool``); one thread per running experiment; several run at once when slots allow. Results
 live on disk (``exp.json`` per experiment, :func:`zerotune.deepspeed.expdir.write_record`): an
-experiment whose finished result is on disk for the same config content is not run again (resume);
-an interrupted one is.
+experiment whose OK or OOM result is on disk under the same resume key (the config content and
+the job's script, arguments, layout, budget and measurement: :mod:`zerotune.run.resume`) is not
+run again; a failed, timed-out or interrupted one, or one recorded under another key, is.
 The scheduler never decides what to try next: the search hands it batches.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.expdir import load_record, write_record
 from zerotune.run.backends.base import Backend
+from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
 
 
@@ -66,30 +68,41 @@ class Scheduler:
         exps_dir: one sub-directory per experiment, named after it.
         on_update: called (from any thread) as ``on_update(exp, event)`` for progress display
             (``zerotune.report.progress.Progress.update``), with ``event`` one of: ``"cached"`` (its
-            finished result came from disk), ``"queued"`` (waiting for slots), ``"start"``
+            reusable result came from disk), ``"queued"`` (waiting for slots), ``"start"``
             (launched), ``"end"`` (finished, ``exp.status`` set). Every queued experiment is
             started and ended, except after an interrupt.
+        context: what besides the config makes two experiments the same
+            (:func:`zerotune.run.resume.resume_context`); recorded with every result and part of
+            its resume key. None: ``{}`` (a scheduler built by hand, in tests).
     """
 
     def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
-                 on_update: Callable[[Experiment, str], None] | None = None):
+                 on_update: Callable[[Experiment, str], None] | None = None, context: dict | None = None):
         self.backend = backend
         self.pool = pool
         self.exps_dir = Path(exps_dir)
         self.on_update = on_update or (lambda exp, event: None)
+        self.context = context or {}
         self.history: list[Experiment] = []
         self.launched = 0
         self._cond = threading.Condition()
 
     def load(self, exp: Experiment) -> Experiment | None:
-        """The finished result on disk for ``exp``'s name and config content, if any
+        """The reusable result on disk for ``exp``'s name and resume key (OK or OOM), if any
         (:func:`zerotune.deepspeed.expdir.load_record`)."""
-        return load_record(self.exps_dir / exp.name, exp.ds_config)
+        return load_record(self.exps_dir / exp.name, exp.ds_config, self._key(exp))
+
+    def _key(self, exp: Experiment) -> str:
+        return resume_key(exp.ds_config, self.context)
+
+    def _record(self, exp: Experiment, exp_dir: Path) -> None:
+        write_record(exp, exp_dir, self._key(exp), self.context)
 
     def run(self, experiments: Iterable[Experiment]) -> list[Experiment]:
         """Run a batch and return it in the same order, each with its outcome.
 
-        Experiments already finished on disk are returned from disk without running. On
+        Experiments with a reusable result on disk (:meth:`load`) are returned from disk without
+        running. On
         KeyboardInterrupt the running ones are killed, recorded as interrupted, and the
         interrupt is re-raised.
         """
@@ -143,10 +156,10 @@ class Scheduler:
         exp_dir = self.exps_dir / exp.name
         try:
             if exp_dir.exists():
-                shutil.rmtree(exp_dir)  # a stale or interrupted attempt of this config
+                shutil.rmtree(exp_dir)  # an attempt not reused: interrupted, failed, or under another key
             exp_dir.mkdir(parents=True)
             exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
-            write_record(exp, exp_dir)
+            self._record(exp, exp_dir)
             with self._cond:
                 self.launched += 1
             self.on_update(exp, "start")
@@ -155,7 +168,7 @@ class Scheduler:
             exp.status, exp.error = Status.FAILED, f"backend error: {e!r}"
         finally:
             try:
-                write_record(exp, exp_dir)
+                self._record(exp, exp_dir)
             except OSError:
                 pass  # the result is still returned; only its record on disk is missing
             with self._cond:

@@ -1,0 +1,75 @@
+"""The resume key: when a result on disk answers for an experiment of this job.
+
+A rerun with the same results dir reuses an experiment's recorded outcome only when it is the
+same experiment, not merely the same ds_config. The key covers:
+
+- the ds_config's content (:func:`~zerotune.deepspeed.canonical.config_hash`: key order, number
+  spelling and settings spelled at DeepSpeed's default do not change it);
+- the training script: its resolved path and the SHA-256 of its content (a second model, or an
+  edited script, is a different experiment). Other files, such as modules the script imports or
+  its data, are not read: edit the script or start fresh (``--overwrite``) when they change;
+- the script's arguments, with the ds_config path replaced by a placeholder (the config's
+  content is keyed above, and each experiment gets its own copy anyway);
+- the world layout (nodes, slots per node, model-parallel size), CPU or not, and the per-device
+  memory budget in bytes (an OOM under 2 GiB says nothing about 4 GiB);
+- how the result is measured: ``autotuning.start_profile_step``, ``end_profile_step`` and the
+  objective's name.
+
+The scheduler records the key and this context in ``exp.json`` (so a person can see why an
+experiment re-ran) and reuses a record only under the same key, and only for an outcome that is
+a property of the experiment (:attr:`~zerotune.core.experiment.Status.reusable`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zerotune.deepspeed.canonical import config_hash
+from zerotune.deepspeed.config import replace_config_arg
+
+if TYPE_CHECKING:
+    from zerotune.strategy.job import Job
+
+CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed script arguments
+
+
+def resume_context(job: Job) -> dict[str, Any]:
+    """Everything besides the ds_config that makes an experiment of ``job`` the same experiment.
+
+    Returns:
+        A JSON-ready dict: ``script`` (resolved path), ``script_sha256`` (of its content; None
+        when it cannot be read), ``script_args`` (the ds_config path replaced by
+        :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
+        ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``.
+    """
+    script = Path(job.script).resolve()
+    return {
+        "script": str(script),
+        "script_sha256": _sha256(script),
+        "script_args": replace_config_arg(list(job.script_args), CONFIG_PLACEHOLDER),
+        "num_nodes": job.num_nodes,
+        "slots_per_node": job.slots_per_node,
+        "mp_size": job.mp_size,
+        "cpu": job.cpu,
+        "device_memory_bytes": job.device_memory_bytes,
+        "start_profile_step": job.autotuning.start_profile_step,
+        "end_profile_step": job.autotuning.end_profile_step,
+        "objective": job.objective.name,
+    }
+
+
+def resume_key(ds_config: dict[str, Any], context: dict[str, Any]) -> str:
+    """The experiment's identity for resume: SHA-256 (hex) of the config's
+    :func:`~zerotune.deepspeed.canonical.config_hash` and the canonical JSON of ``context``
+    (:func:`resume_context`; ``{}`` for a scheduler built without one)."""
+    text = config_hash(ds_config) + "\n" + json.dumps(context, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
