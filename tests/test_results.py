@@ -32,3 +32,16 @@ def test_summary_rows_carry_device_hours():
     z1 = next(line for line in text.splitlines() if line.startswith("│ z1 "))
     assert [c.strip() for c in z1.split("│")[1:-1]] == ["z1", "3", "2", "1 oom", "4", "12", "z1_gas1_tmbspg2 *"]
     assert "tuning cost: 6 device-hours" in text
+
+
+def test_the_answer_is_the_best_pooled_metric_over_re_measurements():
+    lucky = exp("z1_gas1_tmbspg4", Status.OK, 14.0, 450.0)  # one lucky run...
+    again = exp("z1_gas1_tmbspg4_r2", Status.OK, 10.0, 450.0)  # ...re-measured: pooled 12.0
+    again.replica_of = lucky.name
+    steady = exp("z1_gas1_tmbspg2", Status.OK, 12.5, 450.0)
+    steady_again = exp("z1_gas1_tmbspg2_r2", Status.OK, 12.7, 450.0)
+    steady_again.replica_of = steady.name
+    runs = [lucky, again, steady, steady_again]
+    assert best_experiment(runs, THROUGHPUT) is steady
+    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=1800.0, launched=4))
+    assert "12.6 (2 runs, spread 2%)" in text and "z1_gas1_tmbspg2 *" in text

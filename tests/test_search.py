@@ -136,3 +136,48 @@ def test_search_over_allowed_values_only():
                        allowed=[1, 2, 4, 8, 16, 32])
     assert calls == [1, 2, 4, 8, 16]  # 16 fails; nothing allowed between 8 and 16
     assert trace.stop is StopReason.BOUNDARY and trace.best(THROUGHPUT).mbs == 8
+
+
+def test_a_plateau_within_the_noise_is_re_measured_before_the_climb_stops():
+    # one noisy run at 16 reads 1% below 8; its re-measurement (pooled) shows the real 40% gain
+    noisy = {16: [79.0, 145.0]}
+    calls, confirmed = [], []
+
+    def evaluate(ms):
+        calls.extend(ms)
+        return [Point(m, Status.OK, noisy[m][0] if m in noisy else 10.0 * m, rel_half_width=0.02) for m in ms]
+
+    def confirm(ms):
+        confirmed.extend(ms)
+        return [Point(m, Status.OK, sum(noisy[m]) / 2 if m in noisy else 10.0 * m, runs=2) for m in ms]
+
+    trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0, confirm=confirm)
+    assert confirmed == [8, 16]  # the step and the best so far, interleaved
+    assert calls == [1, 2, 4, 8, 16, 32] and trace.stop is StopReason.CAP
+    assert trace.get(16) == Point(16, Status.OK, 112.0, runs=2)
+
+
+def test_a_clear_drop_is_not_re_measured():
+    def evaluate(ms):
+        return [Point(m, Status.OK, 50.0 if m == 16 else 10.0 * m, rel_half_width=0.02) for m in ms]
+
+    def confirm(ms):
+        raise AssertionError("a 37% drop is beyond the runs' noise (2% + 2%)")
+
+    trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0, confirm=confirm)
+    assert trace.stop is StopReason.PLATEAU and trace.best(THROUGHPUT).mbs == 8
+
+
+def test_a_probe_that_loses_within_the_noise_is_re_measured_with_its_reference():
+    flat = lambda m: 100 * m / (m + 1)  # noqa: E731
+    evaluate, calls = stages({0: (flat, 8), 1: (lambda m: 0.99 * flat(m), 8)})
+    confirmed = []
+
+    def confirm(stage, ms):  # the pooled truth: stage 1 is 5% faster at mbs 8
+        confirmed.extend((stage, m) for m in ms)
+        return [Point(m, Status.OK, flat(m) * (1.05 if stage == 1 else 1.0), runs=2) for m in ms]
+
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 8)], lo=1, hi=8, objective=THROUGHPUT,
+                             num_fine=0, confirm=confirm)
+    assert confirmed == [(1, 8), (0, 8)]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]

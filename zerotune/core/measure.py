@@ -35,7 +35,8 @@ from typing import Any, Mapping, Sequence
 
 from zerotune.core.objective import Objective
 
-__all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "StepStats", "measure", "peak_bytes", "step_stats"]
+__all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "measure", "peak_bytes", "pool",
+           "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
@@ -170,3 +171,27 @@ def _train_batch_size(streams: Streams, step: int) -> int | None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """The metric of one config over its runs (the first and its re-measurements).
+
+    Attributes:
+        value: the mean of the runs' metrics, in the objective's unit.
+        runs: how many runs finished ok.
+        rel_spread: (max - min) / mean of the runs' metrics (0.0 for one run): the run-to-run
+            noise that one run's interval cannot see.
+    """
+
+    value: float
+    runs: int
+    rel_spread: float
+
+
+def pool(metrics: Sequence[float]) -> Pooled | None:
+    """Pool the ok runs' metrics of one config (their mean); None when there are none."""
+    if not metrics:
+        return None
+    mean = statistics.fmean(metrics)
+    return Pooled(mean, len(metrics), (max(metrics) - min(metrics)) / mean if mean else 0.0)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.measure import Pooled, pool
 from zerotune.core.objective import Objective
 from zerotune.core.units import format_bytes
 
@@ -22,13 +23,25 @@ if TYPE_CHECKING:
     from zerotune.strategy.tuning import StrategyResult
 
 
-def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:
-    """The successful experiment with the best metric; None when none succeeded.
+def pooled_metrics(experiments: Iterable[Experiment]) -> dict[str, Pooled]:
+    """Experiment name -> its metric pooled over its ok runs (the experiment and its re-measurements,
+    :attr:`Experiment.replica_of`); the profile run and experiments with no ok run are absent."""
+    runs: dict[str, list[float]] = {}
+    for e in experiments:
+        if e.status == Status.OK and e.metric is not None and e.kind is not ExperimentKind.PROFILE:
+            runs.setdefault(e.replica_of or e.name, []).append(e.metric)
+    return {name: pool(values) for name, values in runs.items()}
 
-    Failed, OOM and timed-out experiments are never candidates (they carry no metric).
+
+def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:
+    """The experiment whose pooled metric (over its re-measurements) is best; None when none succeeded.
+
+    Failed, OOM and timed-out runs are never candidates (they carry no metric).
     """
-    return objective.best((e for e in experiments if e.status == Status.OK and e.kind is not ExperimentKind.PROFILE),
-                          lambda e: e.metric)
+    experiments = list(experiments)
+    pooled = pooled_metrics(experiments)
+    return objective.best((e for e in experiments if e.replica_of is None and e.name in pooled),
+                          lambda e: pooled[e.name].value)
 
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
@@ -77,15 +90,17 @@ def cost_line(experiments: Sequence[Experiment]) -> str:
 
 
 def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
-    """Group experiments by tuning space, in first-seen order."""
+    """Group experiments by tuning space, in first-seen order; each space's best by pooled metric."""
     rows: dict[str, SpaceSummary] = {}
+    pooled = pooled_metrics(experiments)
     for exp in experiments:
         row = rows.setdefault(exp.space, SpaceSummary(exp.space, 0, 0, {}, None))
         row.experiments += 1
         row.device_s += device_seconds(exp)
         if exp.status == Status.OK:
             row.ok += 1
-            if exp.metric is not None and (row.best is None or objective.better(exp.metric, row.best.metric)):
+            if exp.replica_of is None and exp.name in pooled and (
+                    row.best is None or objective.better(pooled[exp.name].value, pooled[row.best.name].value)):
                 row.best = exp
         elif exp.status is not None:
             row.failed[exp.status.value] = row.failed.get(exp.status.value, 0) + 1
@@ -97,6 +112,7 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
     """The summary as a rich table (also written as text to ``summary.txt``)."""
     unit = objective.unit
     overall = best_experiment(experiments, objective)
+    pooled = pooled_metrics(experiments)
     table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
                         f"tuning time {elapsed_s:.1f} s", title_justify="left")
     for col in ("tuning space", "experiments", "ok", "not ok", "device-h", f"best {objective.name} ({unit})",
@@ -104,7 +120,7 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
         table.add_column(col)
     for row in summarize(experiments, objective):
         failed = ", ".join(f"{n} {s}" for s, n in sorted(row.failed.items())) or "-"
-        best = "-" if row.best is None else f"{row.best.metric:.4g}"
+        best = "-" if row.best is None else _metric_text(pooled[row.best.name], row.best)
         name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
         table.add_row(row.space, str(row.experiments), str(row.ok), failed, f"{row.device_s / 3600:.3g}", best, name)
     notes = [cost_line(experiments), *notes]
@@ -112,6 +128,13 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
     return table
+
+
+def _metric_text(pooled: Pooled, exp: Experiment) -> str:
+    """``12.3 ±2%`` for one run with an interval, ``12.3 (2 runs, spread 4%)`` for a pooled one."""
+    if pooled.runs > 1:
+        return f"{pooled.value:.4g} ({pooled.runs} runs, spread {pooled.rel_spread:.0%})"
+    return f"{pooled.value:.4g}" + (f" ±{exp.metric_rel_half_width:.0%}" if exp.metric_rel_half_width else "")
 
 
 def table_text(table: Table) -> str:
@@ -142,8 +165,9 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         config_path.unlink(missing_ok=True)
         cmd_path.unlink(missing_ok=True)
     else:
+        metric = _metric_text(pooled_metrics(experiments)[best.name], best)
         text += (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
-                 f"{objective.name} {best.metric:.4g} {objective.unit}\n")
+                 f"{objective.name} {metric} {objective.unit}\n")
         write_json_atomic(config_path, optimal_config(best))
         cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
     (results_dir / "summary.txt").write_text(text)

@@ -31,15 +31,23 @@ class StopReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Point:
-    """One measured micro batch size."""
+    """One measured micro batch size: its metric pooled over ``runs`` runs (re-measurements)."""
 
     mbs: int
     status: Status
     metric: float | None = None
+    runs: int = 1
+    rel_half_width: float | None = None  # of one run's 95% interval (None: unknown, or pooled)
 
     @property
     def ok(self) -> bool:
         return self.status == Status.OK
+
+
+def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
+    """Whether a relative difference ``gain`` between two measured points could be noise: smaller in
+    size than their intervals' half-widths together (an unknown one counts as ``threshold``)."""
+    return abs(gain) < (a.rel_half_width or threshold) + (b.rel_half_width or threshold)
 
 
 @dataclass
@@ -63,14 +71,23 @@ class MbsTrace:
     def get(self, mbs: int) -> Point | None:
         return next((p for p in self.points if p.mbs == mbs), None)
 
+    def update(self, points: Sequence[Point]) -> None:
+        """Replace the points at these points' mbs (re-measured, pooled), keeping their order."""
+        new = {p.mbs: p for p in points}
+        self.points = [new.get(p.mbs, p) for p in self.points]
+
 
 Evaluate = Callable[[Sequence[int]], Sequence[Point]]
 """Runs experiments at these mbs values (a batch, possibly in parallel) and returns their points."""
 
+Confirm = Callable[[Sequence[int]], Sequence[Point]]
+"""Re-measures these (already measured) mbs values once more, interleaved, and returns their points
+pooled over all their runs."""
+
 
 def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective: Objective,
                threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = (),
-               allowed: Sequence[int] | None = None) -> MbsTrace:
+               allowed: Sequence[int] | None = None, confirm: Confirm | None = None) -> MbsTrace:
     """Search the micro batch size of one stage.
 
     Args:
@@ -88,6 +105,10 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             the largest known runnable mbs; a known failure caps the ladder.
         allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only
             those within ``lo..hi`` are used.
+        confirm: when given, a step that would end the climb as a plateau by a difference within
+            the two runs' noise (:func:`within_noise`) is not decided on one run: the step and the
+            best so far are re-measured once (interleaved) and the plateau test is made on the
+            pooled metrics.
 
     Returns:
         The trace, in evaluation order (``known`` points first).
@@ -125,6 +146,11 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.stop = _bisect(run, trace, values, prev, nxt, objective, threshold)
             break
         improved = objective.gain(p.metric, best.metric)
+        if (improved < threshold and not landing and confirm is not None and min(p.runs, best.runs) < 2
+                and within_noise(improved, p, best, threshold)):
+            trace.update(confirm(sorted({nxt, best.mbs})))  # a plateau is not decided on one sample
+            p, best = trace.get(nxt), trace.get(best.mbs)
+            improved = objective.gain(p.metric, best.metric)
         if objective.better(p.metric, best.metric):
             best = p
         if improved < threshold and not landing:

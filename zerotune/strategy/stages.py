@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.objective import Objective
 from zerotune.core.experiment import Status
-from zerotune.strategy.mbs import MbsTrace, Point, allowed_values, search_mbs
+from zerotune.strategy.mbs import MbsTrace, Point, allowed_values, search_mbs, within_noise
 
 
 class StageDecision(str, enum.Enum):
@@ -58,13 +58,17 @@ StageEvaluate = Callable[[int, Sequence[int]], Sequence[Point]]
 
 def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: int, hi: int,
                    objective: Objective, threshold: float = 0.01, num_fine: int = 3,
-                   allowed: Sequence[int] | None = None) -> list[StageResult]:
+                   allowed: Sequence[int] | None = None, confirm: StageEvaluate | None = None) -> list[StageResult]:
     """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
 
     Args:
         evaluate: ``evaluate(stage, [mbs, ...]) -> [Point, ...]``.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
         lo, hi, objective, threshold, num_fine, allowed: as in :func:`search_mbs`.
+        confirm: ``confirm(stage, [mbs, ...]) -> [Point, ...]`` re-measures measured points once more
+            and returns them pooled; when given, a probe that loses by less than the noise is
+            re-measured with the point it lost to before the stage is given up, and the mbs search
+            confirms its plateaus.
 
     Returns:
         One :class:`StageResult` per plan, in order.
@@ -104,6 +108,13 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                         probe_mbs = max(below)
                         (probe,) = evaluate(stage, [probe_mbs])
                         result.trace.points.append(probe)
+                if (confirm is not None and probe.ok and not objective.better(probe.metric, best[1].metric)
+                        and within_noise(objective.gain(probe.metric, best[1].metric), probe, best[1], threshold)):
+                    # one run decides nothing: re-measure the probe and what it lost to, then compare pooled
+                    ref_mbs = probe_mbs if best_trace.get(probe_mbs) else best[1].mbs
+                    result.trace.update(confirm(stage, [probe_mbs]))
+                    best_trace.update(confirm(best[0], [ref_mbs]))
+                    probe, best = result.trace.get(probe_mbs), (best[0], best_trace.best(objective))
                 if not (probe.ok and objective.better(probe.metric, best[1].metric)):
                     result.decision = StageDecision.PROBED
                     same = best_trace.get(probe_mbs) if probe.ok else None
@@ -124,7 +135,8 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
         result.decision = StageDecision.EXPLORED
         result.trace = search_mbs(lambda ms, s=stage: evaluate(s, ms), lo=lo, hi=min(hi, cap),
                                   estimate=min(plan.max_mbs_estimate, cap), objective=objective, threshold=threshold,
-                                  num_fine=num_fine, known=result.trace.points, allowed=allowed)
+                                  num_fine=num_fine, known=result.trace.points, allowed=allowed,
+                                  confirm=None if confirm is None else (lambda ms, s=stage: confirm(s, ms)))
         top = result.trace.best(objective)
         if top is not None and (best is None or objective.better(top.metric, best[1].metric)):
             best = (stage, top)

@@ -17,7 +17,13 @@ memory model were right. The run is a pure function of the outcomes it is told:
    large as the slots can run at once.
 
 An experiment whose name (its canonical content) was already evaluated is never evaluated again:
-its outcome is reused, e.g. the knob-space candidate that is the mbs phase's own config.
+its outcome is reused, e.g. the knob-space candidate that is the mbs phase's own config. A
+measurement is never decided on one run where it matters: a plateau and a losing stage probe are
+re-measured (a replica, ``<name>_r2``, run beside the point it is compared with) and decided on
+the pooled metrics (only where the difference is within the runs' noise), and before the answer
+the configs whose difference from the best is within their noise (at most :data:`FINAL_MARGIN`)
+are re-measured until each has two runs; the answer is the best pooled metric
+(:func:`zerotune.report.results.best_experiment`).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import Pooled, pool
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import ModelInfo
@@ -40,6 +47,12 @@ PLATEAU_THRESHOLD = 0.01
 
 KNOB_STAGE_MARGIN = 0.05
 """A second stage's knobs are tuned too when its best metric is within this fraction of the best."""
+
+FINAL_MARGIN = 0.05
+"""Before the answer, configs within the noise of the best, and within this fraction of it, are re-measured."""
+
+FINAL_CANDIDATES = 3
+"""At most this many configs (the best included) are re-measured before the answer."""
 
 Evaluate = Callable[[Sequence[Experiment]], Sequence[Experiment]]
 """Runs a batch of experiments (possibly at once) and returns them, in order, with their outcomes."""
@@ -106,6 +119,7 @@ class Strategy:
         self.tune_gas()
         if not self.job.autotuning.fast:
             self.tune_knobs()
+        self.confirm_answer()
         return self.result
 
     def evaluate(self, experiments: Sequence[Experiment]) -> list[Experiment]:
@@ -121,6 +135,50 @@ class Strategy:
             self._done[exp.name] = exp
             self.result.experiments.append(exp)
         return [self._done[e.name] for e in experiments]
+
+    # -- re-measurements ----------------------------------------------------------------------------
+    def runs_of(self, name: str) -> list[Experiment]:
+        """The experiment ``name`` and its replicas, in the order they ran."""
+        return [e for e in self.result.experiments if e.name == name or e.replica_of == name]
+
+    def pooled(self, name: str) -> Pooled | None:
+        """The metric of experiment ``name`` pooled over its ok runs (None: none ran ok)."""
+        return pool([e.metric for e in self.runs_of(name) if e.status == Status.OK and e.metric is not None])
+
+    def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
+        """Run each experiment once more (replicas ``<name>_r<k>``, one batch, so they interleave with
+        each other) and return each one's pooled metric."""
+        replicas = []
+        for base in experiments:
+            replica = self.builder.experiment(base.ds_config, base.kind, base.knobs)
+            replica.name, replica.replica_of = f"{base.name}_r{len(self.runs_of(base.name)) + 1}", base.name
+            replicas.append(replica)
+        self.evaluate(replicas)
+        return [self.pooled(base.name) for base in experiments]
+
+    def confirm_answer(self) -> None:
+        """Re-measure the configs whose difference from the best is within their noise (the two
+        runs' interval half-widths together, at most :data:`FINAL_MARGIN`; at most
+        :data:`FINAL_CANDIDATES`) until each has two ok runs, so the answer is not one lucky sample."""
+        objective = self.job.objective
+        bases = [e for e in self.result.experiments
+                 if e.kind is not ExperimentKind.PROFILE and e.replica_of is None and self.pooled(e.name)]
+        bases.sort(key=lambda e: self.pooled(e.name).value, reverse=objective.higher_is_better)
+        if not bases:
+            return
+        top = bases[0]
+
+        def close(e: Experiment) -> bool:
+            gain = objective.gain(self.pooled(e.name).value, self.pooled(top.name).value)
+            noise = (e.metric_rel_half_width or PLATEAU_THRESHOLD) + (top.metric_rel_half_width or PLATEAU_THRESHOLD)
+            return abs(gain) <= min(noise, FINAL_MARGIN)
+
+        close = [e for e in bases[:FINAL_CANDIDATES] if close(e)]
+        todo = [e for e in close if self.pooled(e.name).runs < 2]
+        if len(close) > 1 and todo:
+            self.log(f"re-measuring {len(todo)} config(s) within {FINAL_MARGIN:.0%} of the best before the answer: "
+                     + ", ".join(e.name for e in todo))
+            self.remeasure(todo)
 
     # -- 1. profile ---------------------------------------------------------------------------------
     def profile(self) -> None:
@@ -162,12 +220,18 @@ class Strategy:
 
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
-            return [Point(m, e.status, e.metric) for m, e in zip(mbs_values, done)]
+            return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width) for m, e in zip(mbs_values, done)]
+
+        def confirm(stage: int, mbs_values: Sequence[int]) -> list[Point]:
+            bases = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
+            pooled = self.remeasure(bases)
+            return [Point(m, e.status, e.metric) if p is None else Point(m, Status.OK, p.value, p.runs)
+                    for m, e, p in zip(mbs_values, bases, pooled)]
 
         self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
                                             threshold=PLATEAU_THRESHOLD,
                                             num_fine=self.job.autotuning.num_tuning_micro_batch_sizes,
-                                            allowed=self.job.allowed_mbs)
+                                            allowed=self.job.allowed_mbs, confirm=confirm)
         for r in self.result.stages:
             self.log(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                      + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
