@@ -271,10 +271,10 @@ def chosen(results_dir: Path, exps: list[dict]) -> tuple[dict | None, float | No
     """The tuner's optimal config, its reported metric, its experiment, and whether the tuner wrote
     it (False: the harness took the best finished experiment of a tuner that did not finish)."""
     cfg = read_json(results_dir / "ds_config_optimal.json")
-    if cfg is not None:
-        for e in exps:
-            if e["ds_config"] == cfg and e["metric"] is not None:
-                return cfg, e["metric"], e["name"], True
+    if cfg is not None:  # the reported metric: the mean over the config's runs (zerotune re-measures finalists)
+        runs = [e for e in exps if e["ds_config"] == cfg and e["metric"] is not None]
+        if runs:
+            return cfg, sum(e["metric"] for e in runs) / len(runs), runs[0]["name"], True
         return cfg, None, None, True
     scored = [e for e in exps if e["ok"] and e["metric"] is not None and not e["name"].startswith("profile")]
     if not scored:
@@ -437,8 +437,10 @@ def render(result: dict) -> Table:
         r = block["ratios"]
         t.add_row(fast, "[bold]zerotune / DeepSpeed[/]", fmt(r["tuning_wall_s"], 2), fmt(r["experiments_launched"], 2),
                   "", fmt(r["reported_metric"], 2), fmt(r["remeasured_median"], 2), "", "", "", end_section=True)
-    t.caption = ("experiments include each tuner's profile run; tuner metric = DeepSpeed engine's autotuning "
-                 "throughput (train_batch_size / mean fwd+bwd+step time) of the chosen experiment; re-measured = "
+    t.caption = ("experiments include each tuner's profile run; tuner metric = what each tuner reports for its "
+                 "answer (DeepSpeed: its engine's autotuning throughput, train_batch_size / mean fwd+bwd+step time; "
+                 "zerotune: its step probe's wall-clock throughput on the slowest rank, mean over the answer's runs); "
+                 "re-measured = "
                  "wall-clock samples/s of a plain training run of the chosen config. Ratios: wall time and "
                  "experiments below 1 and throughput above 1 favour zerotune. Shared cores: timings are noisy, "
                  "see the load averages.")

@@ -22,6 +22,9 @@ from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.ray import RayBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.measure import measure
+from zerotune.core.objective import OBJECTIVES
+from zerotune.probe import read_streams
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
@@ -167,8 +170,11 @@ def test_experiment_runs_in_a_placement_group_and_leaves_nothing(ray_cluster, tm
 
     exp_dir = tmp_path / "exps" / exp.name
     assert done.status == Status.OK, (done.error, (exp_dir / "stderr.log").read_text()[-2000:])
-    metrics = json.loads((exp_dir / "metrics.json").read_text())
-    assert metrics["throughput"] > 0 and done.metric == metrics["throughput"]
+    metrics = json.loads((exp_dir / "metrics.json").read_text())  # DeepSpeed's, kept for comparison
+    # the metric is the step probe's, from every rank's stream written on the node
+    measured = measure(read_streams(exp_dir), OBJECTIVES["throughput"])
+    assert metrics["throughput"] > 0 and done.metric_source == "probe" and done.metric == measured.value
+    assert sorted(read_streams(exp_dir)) == [0, 1]
     assert done.peak_memory_bytes and done.peak_memory_bytes > 50 * 2**20  # measured on the node, per rank
     record = json.loads((exp_dir / "exp.json").read_text())
     assert record["status"] == "ok" and record["metric"] == done.metric
