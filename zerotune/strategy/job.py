@@ -136,7 +136,8 @@ class Job:
                               "pass each experiment's values as script arguments (Hugging Face Trainer scripts); "
                               "remove it and give the micro batch size in the ds_config")
         notes = tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
-                      for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {}))
+                      for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {})
+                      and not (key == "enabled" and at.enabled))  # "enabled": true is what zerotune does anyway
         if not nodes:
             raise ConfigError("no device slots selected")
         num_nodes, slots_per_node = len(nodes), min(len(n.slots) for n in nodes)
