@@ -47,7 +47,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_j
 from zerotune.core.measure import measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.deepspeed.canonical import config_hash
-from zerotune.probe import read_streams
+from zerotune.probe import clear_streams, read_streams
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
@@ -83,8 +83,8 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
             end_profile_step: int) -> Path:
     """Make ``exp_dir`` ready for a launch of ``exp``; called by a backend just before it launches.
 
-    Creates the directory, removes result files of an earlier attempt (so a stale file is never
-    read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
+    Creates the directory, removes result files and probe streams of an earlier attempt (so a
+    stale file is never read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
     ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``.
 
     Args:
@@ -102,6 +102,7 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
     metrics_path, model_info_path = exp_dir / METRICS_FILE, exp_dir / MODEL_INFO_FILE
     for stale in (metrics_path, model_info_path):
         stale.unlink(missing_ok=True)
+    clear_streams(exp_dir)  # the step probe appends
     config = json.loads(json.dumps(exp.ds_config))
     config.setdefault("autotuning", {}).update(
         enabled=True, metric_path=str(metrics_path), model_info_path=str(model_info_path),

@@ -23,7 +23,6 @@ import psutil
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
-from zerotune.probe import clear_streams
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)
@@ -49,7 +48,6 @@ class LocalBackend(Backend):
         running_dir = exp_dir.parent / RUNNING_DIR
         reap_orphans(running_dir)  # first: an orphan of a killed tuner could still write into exp_dir
         config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, spec.end_profile_step)
-        clear_streams(exp_dir)  # the step probe appends
 
         port = free_port()
         env = launch_env(spec, reservation, probe_dir=exp_dir)
