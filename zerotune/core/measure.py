@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 
 __all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "measure", "peak_bytes", "pool",
-           "step_stats"]
+           "pooled_metrics", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
@@ -195,3 +196,14 @@ def pool(metrics: Sequence[float]) -> Pooled | None:
         return None
     mean = statistics.fmean(metrics)
     return Pooled(mean, len(metrics), (max(metrics) - min(metrics)) / mean if mean else 0.0)
+
+
+def pooled_metrics(experiments: Iterable[Experiment]) -> dict[str, Pooled]:
+    """Experiment name -> its metric pooled over its ok runs (the experiment and its re-measurements,
+    :attr:`~zerotune.core.experiment.Experiment.replica_of`); the profile run and experiments with no
+    ok run are absent."""
+    runs: dict[str, list[float]] = {}
+    for e in experiments:
+        if e.status == Status.OK and e.metric is not None and e.kind is not ExperimentKind.PROFILE:
+            runs.setdefault(e.replica_of or e.name, []).append(e.metric)
+    return {name: pool(values) for name, values in runs.items()}

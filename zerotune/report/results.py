@@ -14,23 +14,13 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
-from zerotune.core.measure import Pooled, pool
+from zerotune.core.experiment import Experiment, Status, write_json_atomic
+from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.objective import Objective
 from zerotune.core.units import format_bytes
 
 if TYPE_CHECKING:
     from zerotune.strategy.tuning import StrategyResult
-
-
-def pooled_metrics(experiments: Iterable[Experiment]) -> dict[str, Pooled]:
-    """Experiment name -> its metric pooled over its ok runs (the experiment and its re-measurements,
-    :attr:`Experiment.replica_of`); the profile run and experiments with no ok run are absent."""
-    runs: dict[str, list[float]] = {}
-    for e in experiments:
-        if e.status == Status.OK and e.metric is not None and e.kind is not ExperimentKind.PROFILE:
-            runs.setdefault(e.replica_of or e.name, []).append(e.metric)
-    return {name: pool(values) for name, values in runs.items()}
 
 
 def best_experiment(experiments: Iterable[Experiment], objective: Objective) -> Experiment | None:

@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, pool
+from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import ModelInfo
@@ -143,7 +143,7 @@ class Strategy:
 
     def pooled(self, name: str) -> Pooled | None:
         """The metric of experiment ``name`` pooled over its ok runs (None: none ran ok)."""
-        return pool([e.metric for e in self.runs_of(name) if e.status == Status.OK and e.metric is not None])
+        return pooled_metrics(self.result.experiments).get(name)
 
     def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
         """Run each experiment once more (replicas ``<name>_r<k>``, one batch, so they interleave with
