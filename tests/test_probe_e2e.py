@@ -121,6 +121,6 @@ def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_break
     assert failing.returncode == 0 and failing.stderr.count("zerotune probe:") == 1, failing.stderr
     assert "RuntimeError: no batch size" in failing.stderr
 
-    off = run(None, "ok")  # no ZEROTUNE_PROBE_DIR: nothing recorded, the user's sitecustomize still runs
+    off = run(None, "ok")  # no PYTHON_ZEROTUNE_PROBE_DIR: nothing recorded, the user's sitecustomize still runs
     assert off.returncode == 0 and (tmp_path / "chained").read_text() == "xxx"
     assert sorted(p.name for p in out.iterdir()) == ["probe.rank3.jsonl"]

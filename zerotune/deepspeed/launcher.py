@@ -69,7 +69,7 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         reservation: the slots it runs on.
         probe_dir: for an experiment, its directory: the step probe (:mod:`zerotune.probe`) is put
             first on the ranks' ``PYTHONPATH`` and writes its streams there
-            (``ZEROTUNE_PROBE_DIR``). None (the optimal command, ``zerotune run``): no probe.
+            (``PYTHON_ZEROTUNE_PROBE_DIR``). None (the optimal command, ``zerotune run``): no probe.
     """
     env = dict(spec.extra_env)
     if probe_dir is not None:

@@ -1,7 +1,7 @@
 """The step probe, tuner side: where it lives, and reading the streams it writes.
 
 The probe itself is :mod:`zerotune.probe.sitecustomize`, which runs in the ranks (this directory
-first on their ``PYTHONPATH``, ``ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
+first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
 it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
 directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`.
 """

@@ -1,16 +1,16 @@
 """zerotune's step probe: one JSON line per optimizer step, in every rank, with no change to the script.
 
 The local launch puts this directory first on the ranks' ``PYTHONPATH`` and sets
-``ZEROTUNE_PROBE_DIR`` (:func:`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
+``PYTHON_ZEROTUNE_PROBE_DIR`` (:func:`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
 imports this file at start-up in every process of the launch (the launcher too). Without
-``ZEROTUNE_PROBE_DIR`` it only chains to the user's own ``sitecustomize``.
+``PYTHON_ZEROTUNE_PROBE_DIR`` it only chains to the user's own ``sitecustomize``.
 
 With it, an import hook (a ``sys.meta_path`` finder) waits for ``deepspeed.runtime.engine``;
 nothing imports deepspeed or torch at start-up. Once that module has run, the hook wraps
 ``DeepSpeedEngine.forward`` (only to note the first forward's time) and ``DeepSpeedEngine.step``,
 which the script calls once per micro step. Whether a call is the gradient-accumulation boundary
 is asked before the original ``step`` runs; after a boundary step returns, the rank appends one
-line to ``<ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
+line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 
     {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "micro_steps": 1,
      "train_batch_size": 8, "peak_bytes": 734003200}
@@ -40,7 +40,9 @@ Only this file and ``__init__.py`` are in this directory, since it is on the ran
 import os
 import sys
 
-PROBE_DIR_ENV = "ZEROTUNE_PROBE_DIR"
+# The name starts with PYTHON so that DeepSpeed's multi-node runner forwards it to the other nodes' ranks
+# (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
+PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
