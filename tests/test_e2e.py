@@ -34,6 +34,17 @@ def write_config(path: Path, **autotuning) -> Path:
     return path
 
 
+def best_pooled(records: list[dict]) -> dict:
+    """The exp.json record whose metric, averaged over its runs (the record and its re-measurements,
+    ``replica_of``), is the highest: what the answer must be."""
+    runs: dict[str, list[float]] = {}
+    for r in records:
+        if r["status"] == "ok" and r["kind"] != "profile":
+            runs.setdefault(r["replica_of"] or r["name"], []).append(r["metric"])
+    name = max(runs, key=lambda n: sum(runs[n]) / len(runs[n]))
+    return next(r for r in records if r["name"] == name)
+
+
 def zerotune(*args, cwd):
     return subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=900)
@@ -51,7 +62,7 @@ def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
     records = [json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")]
     ok = [r for r in records if r["status"] == "ok" and r["space"] != "profile"]
     assert ok, records
-    best = max(ok, key=lambda r: r["metric"])
+    best = best_pooled(records)
     assert optimal == best["ds_config"]
     assert optimal["train_batch_size"] == optimal["train_micro_batch_size_per_gpu"] * 2
     assert all(r["metric"] is None for r in records if r["status"] != "ok")  # failures never scored
