@@ -161,22 +161,22 @@ class Strategy:
         runs' interval half-widths together, at most :data:`FINAL_MARGIN`; at most
         :data:`FINAL_CANDIDATES`) until each has two ok runs, so the answer is not one lucky sample."""
         objective = self.job.objective
-        bases = [e for e in self.result.experiments
-                 if e.kind is not ExperimentKind.PROFILE and e.replica_of is None and self.pooled(e.name)]
-        bases.sort(key=lambda e: self.pooled(e.name).value, reverse=objective.higher_is_better)
+        pooled = pooled_metrics(self.result.experiments)  # once: each lookup would walk every experiment
+        bases = [e for e in self.result.experiments if e.replica_of is None and e.name in pooled]
+        bases.sort(key=lambda e: pooled[e.name].value, reverse=objective.higher_is_better)
         if not bases:
             return
         top = bases[0]
 
-        def close(e: Experiment) -> bool:
-            gain = objective.gain(self.pooled(e.name).value, self.pooled(top.name).value)
+        def within_noise_of_top(e: Experiment) -> bool:
+            gain = objective.gain(pooled[e.name].value, pooled[top.name].value)
             noise = (e.metric_rel_half_width or PLATEAU_THRESHOLD) + (top.metric_rel_half_width or PLATEAU_THRESHOLD)
             return abs(gain) <= min(noise, FINAL_MARGIN)
 
-        close = [e for e in bases[:FINAL_CANDIDATES] if close(e)]
-        todo = [e for e in close if self.pooled(e.name).runs < 2]
+        close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]
+        todo = [e for e in close if pooled[e.name].runs < 2]
         if len(close) > 1 and todo:
-            self.log(f"re-measuring {len(todo)} config(s) within {FINAL_MARGIN:.0%} of the best before the answer: "
+            self.log(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
                      + ", ".join(e.name for e in todo))
             self.remeasure(todo)
 
