@@ -1,4 +1,4 @@
-"""The memory model pinned to exact byte counts (formulas in zerotune/memory.py)."""
+"""The memory model pinned to exact byte counts (formulas and DeepSpeed sources in zerotune/model/memory.py)."""
 import pytest
 
 from zerotune.model.memory import MemoryModel
@@ -41,7 +41,10 @@ def test_stage3_fp16_and_offload():
     assert MODEL.bytes_per_device({**cfg(3), **FP16}, mbs=1) == 2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 1_000
     offload = cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     b = MODEL.breakdown({**offload, **FP16}, mbs=1)
-    assert (b.parameters, b.gradients, b.optimizer_states) == (2_000_000, 500_000, 0)
+    # gathered params stay on the device; the gradient partition buffer follows the optimizer to the host
+    assert (b.parameters, b.gradients, b.optimizer_states) == (2_000_000, 0, 0)
+    # host per rank: param partition 2*Psi/4 + grad partition 2*Psi/4 + fp32 grad 4*Psi/4 + (8 + 4)*Psi/4
+    assert b.host == 500_000 + 500_000 + 1_000_000 + 3_000_000
 
 
 def test_zero3_default_bucket_is_two_gigabytes_in_fp32():

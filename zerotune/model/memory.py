@@ -1,59 +1,95 @@
-"""The memory model: bytes per device for a ds_config, as pure arithmetic.
+"""The memory model: bytes per device (and host bytes per rank, for offload) for a ds_config, as pure arithmetic.
 
-Used to prune configurations that cannot fit (they are never launched) and to estimate the
-largest micro batch size per GPU (mbs) each ZeRO stage can run.
+Used to prune configurations that cannot fit (they are never launched), to estimate the largest
+micro batch size per GPU (mbs) each ZeRO stage can run, and by ``zerotune estimate``.
 
-Notation (all per device, bytes): Psi = parameters per model-parallel rank (``num_params / mp_size``,
-``mp_size`` applied once: DeepSpeed's ``model_info.num_params`` is already the total over MP
-ranks), N = data-parallel (DP) world size, b = bytes per element of the model's dtype (2 for
-fp16/bf16, 4 for fp32).
+Notation (per device, bytes): Psi = parameters per model-parallel rank (``num_params / mp_size``;
+DeepSpeed's ``model_info.num_params`` is already the total over MP ranks), T = the trainable ones
+(``trainable_num_params / mp_size``: frozen parameters have no gradient, no master copy and no
+optimizer state), N = data-parallel (DP) world size, b = bytes per element of the model's dtype (2
+for fp16/bf16; 4 when neither ``fp16`` nor ``bf16`` is enabled), K = optimizer state bytes per
+parameter (8 for Adam: momentum and variance in fp32; 4 for SGD with momentum, Adagrad, Lion).
+G = the stage-3 gathered parameters (below).
 
-==================  ==============================  ===================================  ======================
-ZeRO stage          parameters                      gradients                            optimizer states (K)
-==================  ==============================  ===================================  ======================
-0                   b*Psi                           b*Psi                                K*Psi
-1                   b*Psi                           b*Psi + 4*Psi/N                      K*Psi/N
-2                   b*Psi                           b*Psi/N + 4*Psi/N                    K*Psi/N
-3                   b*Psi/N + b*min(Psi, live)      b*Psi/N + 4*Psi/N                    K*Psi/N
-==================  ==============================  ===================================  ======================
+=====  ==================  ====================================  ======================  =================
+stage  parameters          gradients                             optimizer states        buffers
+=====  ==================  ====================================  ======================  =================
+0      b*Psi               b*T (+ 4*T fp16/bf16)                 K*T (+ 4*T fp16/bf16)   b*min(T, 5e8)
+1      b*Psi               b*T + 4*T/N                           (K + 4)*T/N             b*R (x2 overlap)
+2      b*Psi               b*T/N + 4*T/N                         (K + 4)*T/N             b*R (x2 overlap)
+3      b*Psi/N + b*G       b*T/N + 4*T/N                         (K + 4)*T/N, fp32: K*T/N  b*R
+=====  ==================  ====================================  ======================  =================
 
-Sources: the ZeRO paper (Rajbhandari et al., 2020, sec. 5: P_os, P_os+g, P_os+g+p with K=12 for
-mixed-precision Adam: fp32 master weights, momentum and variance) and DeepSpeed's code:
+R = ``reduce_bucket_size`` (elements; 0 without ``contiguous_gradients``). The sources, DeepSpeed
+0.19.8 (paths under ``deepspeed/runtime/``):
 
-- ``stage_1_and_2.py`` keeps an fp32 copy of each partition (``single_partition_of_fp32_groups``)
-  even in fp32 training, so K = 4 (master) + optimizer states for stages 1-3, and an fp32
-  gradient partition (``4*Psi/N``) for the optimizer step. Stage 0 in fp32 steps the torch
-  optimizer on the parameters themselves, so K = optimizer states only (8 for Adam).
-- Adam/AdamW/Lamb keep 2 fp32 states per parameter (8 bytes), SGD/Adagrad 1 (4 bytes).
-- ``live`` = ``stage3_max_live_parameters`` (DeepSpeed default 1e9): the gathered full
-  parameters stage 3 keeps on device at once.
-- Communication buffers follow the bucket knobs: with ``contiguous_gradients`` (default on),
-  stages 1/2 allocate ``reduce_bucket_size`` elements of the reduction dtype, twice with
-  ``overlap_comm`` (``setup_buckets``, "double buffers"); stage 3 allocates one
-  ``reduce_bucket_size`` buffer (``stage3.py``). Stage 0 flattens gradients for all-reduce in
-  chunks of at most 5e8 elements (``engine.buffered_allreduce_fallback``). With DeepSpeed's
-  defaults that is one 2,000,000,000-byte buffer for fp32 stage 1 or 3.
-- ``offload_optimizer`` to cpu/nvme moves optimizer states and the fp32 gradient partition off
-  the device; ``offload_param`` (stage 3) moves the parameter partition.
-- Activations grow linearly in mbs: ``activation_mem_per_gpu`` measured by DeepSpeed at mbs=1
-  (``model_info.json``) times mbs.
-- ``overhead_bytes``: what a rank holds before any of the above (CUDA context, or on CPU the
-  process's own data: Python, torch, the communication backend). Calibrated from the profile run.
+- **Precision.** ``engine.py:1799-1810`` (``get_data_types``): the model dtype is fp16 or bf16 when
+  that section is enabled, else fp32. Stage 0 in fp32 has no optimizer wrapper
+  (``engine.py:2313-2315``): the torch optimizer steps the parameters themselves (grads ``4*T``,
+  states ``K*T``, no master copy).
+- **Stage 0, fp16/bf16**: ``FP16_Optimizer`` (``engine.py:2321``, ``fp16/fused_optimizer.py``) keeps
+  an fp32 master copy of the flat parameters (``fused_optimizer.py:100``, counted with the
+  optimizer states) and at each step builds flat fp32 gradients (``fused_optimizer.py:283-291``):
+  ``4*T`` more, the gradient copy the step makes.
+- **Stages 1 and 2** (``zero/stage_1_and_2.py``): only parameters with ``requires_grad`` enter the
+  optimizer groups (``:428-434``); each rank keeps an fp32 copy of its partition
+  (``single_partition_of_fp32_groups``, ``:560-577``, also in fp32 training) and an fp32 gradient
+  partition for the step (``initialize_optimizer_states``, ``:934-952``). Stage 1 keeps full
+  gradients (``b*T``), stage 2 a partition (``b*T/N``). With ``contiguous_gradients`` (default on,
+  forced on by offload: ``:300``) ``setup_buckets`` (``:3256-3278``) allocates one ``R``-element
+  reduction buffer, and a second with ``overlap_comm``.
+- **Stage 3** (``zero/stage3.py``): the 16-bit (or fp32) parameter partition ``b*Psi/N`` for every
+  parameter; the gradient partition buffer ``grad_partitions_flat_buffer`` ``b*T/N``
+  (``:791-793``); the fp32 gradient of the step, flattened per sub-group
+  (``_prepare_fp32_grad_for_sub_group``, ``:2683-2693``) ``4*T/N``; one ``R``-element reduce bucket
+  (``:780-784``); an fp32 master partition, except in fp32 training where the parameter partition
+  is already fp32 and DeepSpeed reuses it (``:1162-1167``), so fp32 stage 3 has no master copy.
+- **Stage 3 gathered parameters** G: a parameter gathered for its module stays gathered until no
+  use comes within ``stage3_max_reuse_distance`` elements (``zero/partitioned_param_coordinator.py:658``);
+  at most ``stage3_max_live_parameters`` are gathered at once (``:453``), plus the prefetch in
+  flight (``stage3_prefetch_bucket_size``, ``:452-476``) and the persistent parameters (each at most
+  ``stage3_param_persistence_threshold`` elements, never released: ``zero/parameter_offload.py:317-330``).
+  G = min(Psi, max(L, min(max_live, max_reuse_distance + prefetch)) + persistent), with L the largest
+  module's parameters (the one being computed is always gathered). DeepSpeed's defaults
+  (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
+  L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
+  ``persistent_params`` (0 when unknown, e.g. from a profile run; :mod:`zerotune.model.hf_config` gives both).
+- **Stage 0 buffers**: gradients are all-reduced in flattened buckets of at most 5e8 elements
+  (``engine.py:151``, ``buffered_allreduce_fallback`` ``:3921``).
+- **Offload** (``offload_optimizer`` cpu/nvme, stages 1-3): the fp32 master, the optimizer states
+  and the fp32 gradient partition live on the host (``stage_1_and_2.py:560-577``,
+  ``stage3.py:1155-1160,1337-1342``); stage 2 then keeps no gradient partition on the device (it
+  accumulates into the host partition, ``stage_1_and_2.py:646-647,1076-1120``), and stage 3's
+  gradient partition buffer is on the host too (its device is cpu, ``stage3.py:333,791``). With
+  ``offload_param`` (stage 3) the parameter partition is on the host; gathered parameters stay on
+  the device. nvme moves the master and optimizer states (``offload_optimizer``) or the parameter
+  partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
+  modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`); a node needs them times its
+  ranks.
+- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` (DeepSpeed's
+  ``model_info.activation_mem_per_gpu``, measured over the first forward, ``engine.py:3025-3027``;
+  or :mod:`zerotune.model.hf_config` from the architecture) times mbs.
+- ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator
+  reserve, or on CPU the process's own data: Python, torch, the communication backend), calibrated
+  from the profile run's measured peak (:meth:`MemoryModel.calibrated`), and corrected online from
+  each experiment's measured peak (:func:`zerotune.model.online.corrected`).
 
-Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporary buffers
-of the optimizer step, allocator fragmentation. The search treats the estimate as a guide: the
-micro-batch search may go above it when it proves cautious.
+Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
+optimizer step, allocator fragmentation; these are what calibration and online correction absorb.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from zerotune.deepspeed.config import precision
 
-# DeepSpeed defaults (deepspeed/runtime/zero/config.py, engine.py).
+# DeepSpeed defaults (deepspeed/runtime/zero/config.py:113,222,228,245,251; engine.py:151).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
 DEFAULT_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+DEFAULT_STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
 STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
 
 _OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "lamb": 8, "onebitadam": 8,
@@ -62,7 +98,8 @@ _OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device by kind; ``total`` is their sum."""
+    """Bytes per device by kind; ``total`` is their sum. ``host`` (not in ``total``) is what offload
+    puts in host memory per rank."""
 
     parameters: int
     gradients: int
@@ -70,11 +107,17 @@ class MemoryBreakdown:
     buffers: int
     activations: int
     overhead: int
+    host: int = 0
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer_states + self.buffers + self.activations
                 + self.overhead)
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer states on the device (what DeepSpeed's estimators count)."""
+        return self.parameters + self.gradients + self.optimizer_states
 
 
 def optimizer_state_bytes(ds_config: dict[str, Any]) -> int:
@@ -85,6 +128,20 @@ def optimizer_state_bytes(ds_config: dict[str, Any]) -> int:
     opt = ds_config.get("optimizer") or {}
     name = str(opt.get("type", "adam")).lower().replace("_", "").replace("-", "")
     return _OPTIMIZER_STATE_BYTES.get(name, 8)
+
+
+def _number(value: Any, default: float) -> float:
+    """A DeepSpeed numeric setting; ``"auto"``, a list of candidates or nothing gives DeepSpeed's default."""
+    if isinstance(value, bool) or value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _offload_device(section: Any) -> str:
+    return str(section.get("device", "none")).lower() if isinstance(section, dict) else "none"
 
 
 @dataclass(frozen=True)
@@ -99,6 +156,12 @@ class MemoryModel:
         dp_world_size: data-parallel world size N (ranks / mp_size).
         mp_size: model-parallel size; parameters per device are ``num_params / mp_size``.
         overhead_bytes: fixed bytes per rank before model states (see module docstring).
+        trainable_params: parameters with ``requires_grad`` over all MP ranks (DeepSpeed's
+            ``model_info.trainable_num_params``); None: all of them.
+        persistent_params: stage-3 parameters at most ``stage3_param_persistence_threshold`` elements
+            each, which stay gathered (0: unknown; they matter only when G < Psi).
+        largest_layer_params: parameters of the largest module (stage 3 gathers at least that
+            much to run it; 0: unknown).
     """
 
     num_params: int
@@ -106,45 +169,80 @@ class MemoryModel:
     dp_world_size: int
     mp_size: int = 1
     overhead_bytes: int = 0
+    trainable_params: int | None = None
+    persistent_params: int = 0
+    largest_layer_params: int = 0
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
-        """Bytes per device for ``ds_config`` at micro batch size ``mbs``.
+        """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
 
-        ``mbs`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when absent).
+        ``mbs`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when absent or "auto").
+        A stage that is not a number (``"all"``, a list) counts as 0.
         """
         if mbs is None:
-            mbs = int(ds_config.get("train_micro_batch_size_per_gpu", 1))
+            mbs = int(_number(ds_config.get("train_micro_batch_size_per_gpu"), 1))
         zero = ds_config.get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0)) if not isinstance(zero.get("stage"), (list, str)) else 0
+        stage = int(_number(zero.get("stage"), 0)) if isinstance(zero, dict) else 0
+        zero = zero if isinstance(zero, dict) else {}
         psi = self.num_params / self.mp_size
+        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
         n = self.dp_world_size
         b = 4 if precision(ds_config) == "fp32" else 2
         k = optimizer_state_bytes(ds_config)
-        offload_opt = _offloaded(zero.get("offload_optimizer")) and stage >= 1
-        offload_param = _offloaded(zero.get("offload_param")) and stage == 3
-        master = 0 if (stage == 0 and b == 4) else 4
-        contiguous = bool(zero.get("contiguous_gradients", True))
-        bucket = int(float(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET_SIZE)))
+        opt_dev = _offload_device(zero.get("offload_optimizer")) if stage >= 1 else "none"
+        param_dev = _offload_device(zero.get("offload_param")) if stage == 3 else "none"
+        offload_opt = opt_dev in ("cpu", "nvme")
+        contiguous = bool(zero.get("contiguous_gradients", True)) or offload_opt
+        bucket = _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE)
+        host = 0.0
 
         if stage == 0:
-            params, grads, optim = b * psi, b * psi, (k + master) * psi
-            buffers = b * min(psi, STAGE0_ALLREDUCE_ELEMENTS)
+            params = b * psi
+            step_grad = 4 * t if b == 2 else 0  # fused_optimizer.py:283-291
+            master = 4 * t if b == 2 else 0  # fused_optimizer.py:100
+            grads, optim = b * t + step_grad, k * t + master
+            buffers = b * min(t, STAGE0_ALLREDUCE_ELEMENTS)
         else:
-            live = float(zero.get("stage3_max_live_parameters", DEFAULT_STAGE3_MAX_LIVE_PARAMETERS))
+            master = 0 if (stage == 3 and b == 4) else 4 * t / n  # stage3.py:1162-1167 reuses an fp32 partition
+            fp32_grad = 4 * t / n
+            if stage == 1:
+                low_grads = b * t
+            elif stage == 2:
+                low_grads = 0 if offload_opt else b * t / n
+            else:
+                low_grads = b * t / n
             if stage == 3:
-                params = b * min(psi, live) + (0 if offload_param else b * psi / n)
+                params = b * self.gathered_params(ds_config) + (0 if param_dev != "none" else b * psi / n)
+                host += b * psi / n if param_dev == "cpu" else 0
+                if offload_opt:  # the gradient partition buffer is on the host too (stage3.py:333,791)
+                    host += low_grads
+                    low_grads = 0
             else:
                 params = b * psi
-            grads = (b * psi if stage == 1 else b * psi / n) + (0 if offload_opt else 4 * psi / n)
-            optim = 0 if offload_opt else (k + master) * psi / n
+            if offload_opt:
+                grads, optim = low_grads, 0
+                master_host = master if master else 4 * t / n  # offload always makes an fp32 copy (stage3.py:1155-1160)
+                host += fp32_grad + ((k * t / n + master_host) if opt_dev == "cpu" else 0)
+            else:
+                grads, optim = low_grads + fp32_grad, k * t / n + master
             if stage == 3:
                 buffers = b * bucket if contiguous else 0
             else:
-                overlap = bool(zero.get("overlap_comm", False))
+                overlap = zero.get("overlap_comm")
+                overlap = bool(overlap) if isinstance(overlap, bool) else False  # config.py:384-386: off below stage 3
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=int(self.activation_bytes_per_sample * mbs),
-                               overhead=int(self.overhead_bytes))
+                               overhead=int(self.overhead_bytes), host=int(host))
+
+    def gathered_params(self, ds_config: dict[str, Any]) -> float:
+        """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
+        zero = ds_config.get("zero_optimization") or {}
+        psi = self.num_params / self.mp_size
+        live = _number(zero.get("stage3_max_live_parameters"), DEFAULT_STAGE3_MAX_LIVE_PARAMETERS)
+        reuse = _number(zero.get("stage3_max_reuse_distance"), DEFAULT_STAGE3_MAX_REUSE_DISTANCE)
+        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
+        return min(psi, max(self.largest_layer_params, min(live, reuse + prefetch)) + self.persistent_params)
 
     def bytes_per_device(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
         """Total bytes per device (see :meth:`breakdown`)."""
@@ -163,17 +261,30 @@ class MemoryModel:
             return cap
         return int(min(cap, (budget_bytes - fixed) // self.activation_bytes_per_sample))
 
+    def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
+        """What the profile run holds per device when DeepSpeed's engine exits in its first forward
+        (``autotuning.model_info.profile``): the estimate without what only the first optimizer step
+        allocates. Stage 3 creates no optimizer state at initialization (``initialize_optimizer_states``,
+        ``stage3.py:1301-1370``, gives the fp32 partitions a gradient buffer and frees it; torch's Adam
+        creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
+        ``4*T/N`` are left out (on the device only: offloaded ones are on the host)."""
+        full = self.breakdown(ds_config, mbs)
+        zero = ds_config.get("zero_optimization") or {}
+        if _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
+            return full.total
+        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        k = optimizer_state_bytes(ds_config)
+        return int(full.total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
+
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1) -> "MemoryModel":
-        """A copy whose ``overhead_bytes`` makes the estimate of ``ds_config`` equal a measured peak.
+        """A copy whose ``overhead_bytes`` makes the estimate of ``ds_config`` at ``mbs`` equal a measured
+        peak (never negative).
 
-        Used with the profile run: overhead = measured peak - model estimate without overhead
-        (never negative).
+        Used with the profile run (a config with ``autotuning.model_info.profile``: compared with
+        :meth:`profile_exit_bytes`, since that run exits in its first forward) and by the online
+        correction with a finished experiment's peak.
         """
-        base = MemoryModel(self.num_params, self.activation_bytes_per_sample, self.dp_world_size, self.mp_size, 0)
-        overhead = max(0, int(measured_peak_bytes) - base.bytes_per_device(ds_config, mbs))
-        return MemoryModel(self.num_params, self.activation_bytes_per_sample, self.dp_world_size, self.mp_size,
-                           overhead)
-
-
-def _offloaded(section: Any) -> bool:
-    return isinstance(section, dict) and str(section.get("device", "none")).lower() in ("cpu", "nvme")
+        base = dataclasses.replace(self, overhead_bytes=0)
+        profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))
+        estimate = base.profile_exit_bytes(ds_config, mbs) if profiling else base.bytes_per_device(ds_config, mbs)
+        return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate))
