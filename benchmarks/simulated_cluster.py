@@ -107,6 +107,7 @@ def run_zerotune(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, A
                           overwrite=True, cpu=False, hostfile=str(hostfile))
     tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(config_path)], nodes, options,
                       console=Console(file=io.StringIO()), backend=backend)
+    backend.stop_rule = tuner.job.stop_rule  # adaptive experiments: the rule the job gives the local backend
     chosen, error = None, ""
     try:
         chosen = tuner.tune().ds_config

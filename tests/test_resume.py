@@ -81,7 +81,7 @@ def test_context_has_the_script_its_arguments_without_the_config_path_the_layout
         "script_sha256": hashlib.sha256(SCRIPT_V1.encode()).hexdigest(),
         "script_args": ["--steps", "6", "--deepspeed_config", "<ds_config>"],
         "num_nodes": 1, "slots_per_node": 1, "mp_size": 1, "cpu": True, "device_memory_bytes": 2 * GiB,
-        "start_profile_step": 3, "end_profile_step": 5, "objective": "throughput",
+        "start_profile_step": 3, "end_profile_step": 5, "objective": "throughput", "precision": 0.02,
     }
 
 

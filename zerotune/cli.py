@@ -17,6 +17,7 @@ from rich.console import Console
 from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
+from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.run.resources import select_resources
 from zerotune.strategy.job import cuda_available
 
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--hang-timeout", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
         z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
+        z.add_argument("--precision", type=float, default=DEFAULT_PRECISION,
+                       help="end an experiment once its metric's 95%% interval is within this relative half-width "
+                            f"(default {DEFAULT_PRECISION:g}, i.e. ±{DEFAULT_PRECISION * 100:g}%%)")
+        z.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                       help="run every experiment to end_profile_step (no early end when its metric is known or "
+                            "cannot beat the best)")
         z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
         z.add_argument("--backend", choices=("local", "ray"), default="local",
                        help="where experiments run: 'local' (the deepspeed launcher here) or 'ray' (a Ray cluster, "
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                                  args.num_gpus if args.hostfile or not cpu else -1, local_slots)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
-                              cpu=cpu, backend=args.backend, ray_address=args.address)
+                              cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
+                              adaptive=args.adaptive)
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -11,6 +11,11 @@ samples/s, ``FLOPS_per_gpu``, as ``engine._autotuning_exit`` writes it). The out
 and classified from those files by zerotune's own :func:`zerotune.deepspeed.expdir.finish`,
 exactly as for a real run, and ``wall_s`` is the SIMULATED duration (nothing sleeps). The
 scheduler writes ``exp.json``.
+
+Adaptive experiments are simulated as the local backend runs them: with a stop rule, the probe
+streams are offered to :meth:`zerotune.core.stopping.StopRule.check` one step at a time, as a real
+run's grow; where it answers, the run ends there (its streams cut after that step, no
+``metrics.json``, the duration up to that step) and ``finish`` is told why.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from pathlib import Path
 from benchmarks.simcluster.model import Outcome, Simulator
 from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
 from zerotune.core.objective import Objective
+from zerotune.core.stopping import EndReason, StopRule
 from zerotune.deepspeed import expdir
 from zerotune.probe import stream_name
 from zerotune.run.backends.base import Backend
@@ -64,14 +70,17 @@ class SimulatedBackend(Backend):
         metric: the metric zerotune tunes (``throughput``, ``latency``, ``flops``).
         start_profile_step, end_profile_step: written into each config's ``autotuning`` section,
             as the local backend does.
+        stop_rule: ends runs early, as the local backend does with the job's stop rule (None:
+            every run goes to ``end_profile_step``).
 
     Every launch is appended to :attr:`ledger` (thread-safe).
     """
 
     def __init__(self, sim: Simulator, metric: str = "throughput", start_profile_step: int = 3,
-                 end_profile_step: int = 5):
+                 end_profile_step: int = 5, stop_rule: StopRule | None = None):
         self.sim = sim
         self.objective = Objective.named(metric)
+        self.stop_rule = stop_rule
         self.start_profile_step = start_profile_step
         self.end_profile_step = end_profile_step
         self.ledger: list[LedgerEntry] = []
@@ -85,19 +94,35 @@ class SimulatedBackend(Backend):
                                                f"({reservation.include_arg()[:80]}...)\n")
 
         outcome = self.sim.run(exp.ds_config, profile=profile)
+        streams, duration, ended = outcome.streams or {}, outcome.duration_s, None
+        if streams and self.stop_rule is not None and not profile:
+            streams, duration, ended = self._adaptive(exp, outcome)
         memory_bytes = self.sim.cluster.device.memory_bytes
         stderr = "" if outcome.ok else oom_stderr(outcome, memory_bytes)
         (exp_dir / expdir.STDERR_LOG).write_text(stderr)
-        (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {outcome.duration_s:.1f} s\n")
-        if outcome.ok:  # what DeepSpeed's engine would write: model_info.json or metrics.json
+        (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {duration:.1f} s\n")
+        if outcome.ok and ended is None:  # what DeepSpeed's engine would write: model_info.json or metrics.json
             result = self.sim.model_info() if profile else self.sim.metrics(outcome)
             write_json_atomic(expdir.result_path(exp, exp_dir), result)
-        for rank, records in (outcome.streams or {}).items():  # what zerotune's step probe would write
+        for rank, records in streams.items():  # what zerotune's step probe would write
             (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
 
-        expdir.finish(exp, exp_dir, self.objective, exit_code=0 if outcome.ok else 1)
-        exp.wall_s = round(outcome.duration_s, 3)
+        expdir.finish(exp, exp_dir, self.objective, exit_code=0 if outcome.ok else 1, ended=ended)
+        exp.wall_s = round(duration, 3)
         with self._lock:
-            self.ledger.append(LedgerEntry(exp.name, exp.ds_config, outcome.status, outcome.duration_s,
+            self.ledger.append(LedgerEntry(exp.name, exp.ds_config, outcome.status, duration,
                                            reservation.world_size, profile))
         return exp
+
+    def _adaptive(self, exp: Experiment, outcome: Outcome) -> tuple[dict[int, list[dict]], float, EndReason | None]:
+        """Offer the run's streams to the stop rule one step at a time: (streams up to where it
+        ended, its SIMULATED duration, why) or the whole run when the rule never answers."""
+        full = outcome.streams
+        steps = min(len(records) for records in full.values())
+        for k in range(1, steps + 1):
+            prefix = {rank: records[:k] for rank, records in full.items()}
+            ended = self.stop_rule.check(prefix, exp.must_beat)
+            if ended is not None:
+                elapsed = max(records[k - 1]["t"] for records in full.values())
+                return prefix, self.sim.startup_s() + elapsed, ended
+        return full, outcome.duration_s, None

@@ -57,6 +57,9 @@ class Experiment:
         status/metric/metrics/exit_code/wall_s/error: filled in after it ran; ``metric`` is the
             step probe's (:mod:`zerotune.core.measure`) where it measured the run, else DeepSpeed's
             (``metric_source`` says which); ``metrics`` is DeepSpeed's ``metrics.json``.
+        must_beat, ended: the adaptive-experiment bar the strategy set (the incumbent's pessimistic
+            bound, in the objective's unit; None: none) and why the run ended
+            (:class:`zerotune.core.stopping.EndReason`), see :mod:`zerotune.core.stopping`.
     """
 
     name: str
@@ -77,6 +80,8 @@ class Experiment:
     metric_source: str = ""  # "probe" (zerotune's step probe) or "deepspeed" (metrics.json); "" without a metric
     metric_rel_half_width: float | None = None  # of the metric's 95% confidence interval (probe only), 0.02 = ±2%
     replica_of: str | None = None  # a re-measurement of this experiment (same config), pooled with it
+    must_beat: float | None = None  # the bar set by the strategy: ended early once its interval is below it
+    ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
 
     @property
     def stage(self) -> int:

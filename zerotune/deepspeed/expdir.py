@@ -46,6 +46,7 @@ from typing import Any
 from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
 from zerotune.core.measure import measure, peak_bytes
 from zerotune.core.objective import Objective
+from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.canonical import config_hash
 from zerotune.probe import clear_streams, read_streams
 
@@ -113,7 +114,7 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
 
 
 def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int | None, timed_out: bool = False,
-           interrupted: bool = False) -> Experiment:
+           interrupted: bool = False, ended: EndReason | None = None) -> Experiment:
     """Fill in ``exp``'s outcome from its directory; called by a backend once the run's processes
     are gone.
 
@@ -138,6 +139,11 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             ``error`` with a more precise reason afterwards.
         interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
             (re-run on resume) rather than classified.
+        ended: :attr:`EndReason.PRECISE` or :attr:`EndReason.CANNOT_BEAT` when the backend ended
+            the run early on its :class:`~zerotune.core.stopping.StopRule`: the run is OK with the
+            probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
+            derived here: STEP_CAP (the engine's result file), STOPPED (timeout, interruption) or
+            EXITED.
 
     Returns:
         ``exp``.
@@ -145,19 +151,28 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     path = result_path(exp, exp_dir)
     data, invalid = _read_object(path)
     profile = exp.kind is ExperimentKind.PROFILE
+    streams = read_streams(exp_dir)
+    early = measure(streams, objective) if ended is not None and ended.early and not profile else None
     exp.exit_code = exit_code
-    if interrupted and data is None:
+    if early is not None:
+        exp.status, exp.error = Status.OK, ""
+    elif interrupted and data is None:
         exp.status, exp.error = Status.INTERRUPTED, "the tuner was interrupted"
     else:
         exp.status, exp.error = classify(exit_code, data, PROFILE_KEY if profile else objective.metric_key,
                                          _logs(Path(exp_dir)), timed_out, result_file=path.name, invalid=invalid)
     exp.metrics = data or {}
-    exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile else None
+    exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
-    streams = read_streams(exp_dir)
-    measured = measure(streams, objective) if exp.metric is not None else None
+    measured = early or (measure(streams, objective) if exp.metric is not None else None)
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
+    if early is not None:
+        exp.ended = ended.value
+    elif exp.status is Status.OK:
+        exp.ended = EndReason.STEP_CAP.value
+    else:
+        exp.ended = (EndReason.STOPPED if timed_out or exp.status is Status.INTERRUPTED else EndReason.EXITED).value
     peaks = peak_bytes(streams)
     if peaks:
         exp.peak_memory_bytes = max(peaks.values())

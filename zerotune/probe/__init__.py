@@ -13,12 +13,13 @@ from typing import Any
 
 from zerotune.probe.sitecustomize import PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
 
-__all__ = ["PROBE_DIR_ENV", "PROBE_PATH", "clear_streams", "read_streams", "stream_name"]
+__all__ = ["PROBE_DIR_ENV", "PROBE_PATH", "clear_streams", "read_streams", "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
 
 
-def _stream_files(exp_dir: Path) -> dict[int, Path]:
+def stream_files(exp_dir: Path) -> dict[int, Path]:
+    """rank -> the path of its probe stream in ``exp_dir`` (ranks without a file are absent)."""
     files = {}
     for path in Path(exp_dir).glob(f"{STREAM_PREFIX}*{STREAM_SUFFIX}"):
         rank = path.name[len(STREAM_PREFIX):-len(STREAM_SUFFIX)]
@@ -35,7 +36,7 @@ def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
     run, a run that failed before its first optimizer step).
     """
     streams = {}
-    for rank, path in sorted(_stream_files(exp_dir).items()):
+    for rank, path in sorted(stream_files(exp_dir).items()):
         lines = []
         for text in path.read_text(errors="replace").splitlines():
             try:
@@ -51,5 +52,5 @@ def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
 def clear_streams(exp_dir: Path) -> None:
     """Remove the streams of an earlier attempt in ``exp_dir`` (the probe appends); called by a
     backend before it launches."""
-    for path in _stream_files(exp_dir).values():
+    for path in stream_files(exp_dir).values():
         path.unlink(missing_ok=True)

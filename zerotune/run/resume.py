@@ -42,7 +42,8 @@ def resume_context(job: Job) -> dict[str, Any]:
         A JSON-ready dict: ``script`` (resolved path), ``script_sha256`` (of its content; None
         when it cannot be read), ``script_args`` (the ds_config path replaced by
         :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
-        ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``.
+        ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
+        ``precision`` (the adaptive stop's target half-width; None when runs are not ended early).
     """
     script = Path(job.script).resolve()
     return {
@@ -57,6 +58,7 @@ def resume_context(job: Job) -> dict[str, Any]:
         "start_profile_step": job.autotuning.start_profile_step,
         "end_profile_step": job.autotuning.end_profile_step,
         "objective": job.objective.name,
+        "precision": job.stop_rule.precision if job.stop_rule else None,
     }
 
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.objective import Objective
+from zerotune.core.stopping import DEFAULT_PRECISION, StopRule
 from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config, parse_autotuning,
                                        stage_candidates)
 from zerotune.model.profile import ModelInfo
@@ -42,6 +43,10 @@ class TuneOptions:
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
         backend: ``local`` (the deepspeed launcher as a subprocess) or ``ray`` (a Ray cluster).
         ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
+        precision: adaptive experiments: end a run once its metric's 95% interval is within this
+            relative half-width (0.02 = ±2%; :mod:`zerotune.core.stopping`).
+        adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
+            ``end_profile_step``, as DeepSpeed's autotuner runs them.
     """
 
     device_memory_bytes: int | None = None
@@ -53,6 +58,8 @@ class TuneOptions:
     cpu: bool | None = None
     backend: str = "local"
     ray_address: str | None = None
+    precision: float = DEFAULT_PRECISION
+    adaptive: bool = True
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,7 @@ class Job:
             profile run), or None.
         results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
         timeout_s, hang_timeout_s, hostfile, backend, ray_address: see :class:`TuneOptions`.
+        stop_rule: when a running experiment may end early (None: never, ``adaptive`` off).
         notes: what zerotune accepted but does not act on, for the log (never silent).
     """
 
@@ -113,6 +121,7 @@ class Job:
     hostfile: str | None = None
     backend: str = "local"
     ray_address: str | None = None
+    stop_rule: StopRule | None = None
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -154,6 +163,9 @@ class Job:
         min_mbs, max_mbs, allowed = _mbs_bounds(at, batch, config_path)
         if options.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
+        if not 0 < options.precision < 1:
+            raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
+                              "e.g. 0.02 for ±2%")
         for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
@@ -167,7 +179,8 @@ class Job:
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
-                   backend=options.backend, ray_address=options.ray_address, notes=notes)
+                   backend=options.backend, ray_address=options.ray_address, notes=notes,
+                   stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     def launch_spec(self) -> LaunchSpec:
         """How every experiment launches the script (the backends' input)."""
@@ -175,7 +188,8 @@ class Job:
                           device_memory_bytes=self.device_memory_bytes, timeout_s=self.timeout_s,
                           hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile,
                           start_profile_step=self.autotuning.start_profile_step,
-                          end_profile_step=self.autotuning.end_profile_step, objective=self.objective)
+                          end_profile_step=self.autotuning.end_profile_step, objective=self.objective,
+                          stop_rule=self.stop_rule)
 
     def describe(self) -> str:
         """One line for the log: ranks, DP world size, budget, stages, mbs bounds, objective."""

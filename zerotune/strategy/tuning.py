@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.stopping import must_beat
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import ModelInfo
@@ -122,19 +123,38 @@ class Strategy:
         self.confirm_answer()
         return self.result
 
-    def evaluate(self, experiments: Sequence[Experiment]) -> list[Experiment]:
-        """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes."""
+    def evaluate(self, experiments: Sequence[Experiment], race: bool = True) -> list[Experiment]:
+        """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes.
+
+        With ``race`` each new experiment races the incumbent (:meth:`bar`): a backend with a stop
+        rule may end it once it cannot beat it. Re-measurements do not race: they are run for precision.
+        """
         memory = self.result.memory
+        bar = self.bar() if race else None
         todo: dict[str, Experiment] = {}
         for exp in experiments:
             if exp.name not in self._done and exp.name not in todo:
                 if memory is not None:
                     exp.memory_bytes = memory.bytes_per_device(exp.ds_config)
+                if exp.kind is not ExperimentKind.PROFILE:
+                    exp.must_beat = bar
                 todo[exp.name] = exp
         for exp in self._evaluate(list(todo.values())) if todo else []:
             self._done[exp.name] = exp
             self.result.experiments.append(exp)
         return [self._done[e.name] for e in experiments]
+
+    def bar(self) -> float | None:
+        """The bar a new experiment must beat (:func:`zerotune.core.stopping.must_beat`): the pessimistic
+        bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
+        run without an interval: :data:`PLATEAU_THRESHOLD`); None before any experiment ran ok."""
+        objective = self.job.objective
+        pooled = pooled_metrics(self.result.experiments)
+        best = objective.best(pooled, lambda name: pooled[name].value)
+        if best is None:
+            return None
+        hw = self._done[best].metric_rel_half_width if pooled[best].runs == 1 else None
+        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD)
 
     # -- re-measurements ----------------------------------------------------------------------------
     def runs_of(self, name: str) -> list[Experiment]:
@@ -153,7 +173,7 @@ class Strategy:
             replica = self.builder.experiment(base.ds_config, base.kind, base.knobs)
             replica.name, replica.replica_of = f"{base.name}_r{len(self.runs_of(base.name)) + 1}", base.name
             replicas.append(replica)
-        self.evaluate(replicas)
+        self.evaluate(replicas, race=False)
         return [self.pooled(base.name) for base in experiments]
 
     def confirm_answer(self) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from zerotune.core.experiment import Experiment
 from zerotune.core.objective import OBJECTIVES, Objective
+from zerotune.core.stopping import StopRule
 from zerotune.run.slots import Reservation
 
 
@@ -33,6 +34,10 @@ class LaunchSpec:
         start_profile_step, end_profile_step: the ``autotuning`` settings written into each
             experiment's config so DeepSpeed's engine measures and exits.
         objective: the metric DeepSpeed is asked to write, and how to read it.
+        stop_rule: ends a run early once its probe streams say enough (adaptive experiments,
+            :mod:`zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
+        arg_mappings: ``autotuning.arg_mappings`` as (ds_config key, script flag) pairs: each launch
+            passes its config's values as these script arguments (:mod:`zerotune.deepspeed.args`).
     """
 
     script: str
@@ -46,6 +51,8 @@ class LaunchSpec:
     end_profile_step: int = 5
     objective: Objective = OBJECTIVES["throughput"]
     extra_env: dict[str, str] = field(default_factory=dict)
+    stop_rule: StopRule | None = None
+    arg_mappings: tuple[tuple[str, str], ...] = ()
 
 
 class Backend(abc.ABC):

@@ -8,6 +8,10 @@ a new session so the whole tree (launcher and ranks) is killed as one process gr
 hang or Ctrl-C, and any straggler, found by the run's token, is killed after it exits
 (:mod:`zerotune.run.processes`). Multi-node reservations go through the launcher's own hostfile
 mechanism (``--hostfile``, ``--force_multi``), never a blanket pkill.
+
+While a run goes, the backend reads its step probe's streams as they grow and, when the launch
+spec has a stop rule, ends the run as soon as the rule says its metric is known or cannot beat the
+incumbent (adaptive experiments, :mod:`zerotune.core.stopping`), with the same process-group stop.
 """
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ from pathlib import Path
 
 import psutil
 
-from zerotune.core.experiment import Experiment, Status
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.stopping import EndReason, StopRule
 from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
+from zerotune.probe import read_streams, stream_files
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)
@@ -65,6 +71,7 @@ class LocalBackend(Backend):
         record = write_running_record(running_dir, exp.name, token, port)
         start = time.monotonic()
         timed_out = hung = False
+        ended: EndReason | None = None
         peak = 0
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
             try:
@@ -79,6 +86,7 @@ class LocalBackend(Backend):
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
             last_size, last_change = -1, start
+            watch = _StreamWatch(exp_dir, spec.stop_rule, exp)
             try:
                 while proc.poll() is None:
                     now = time.monotonic()
@@ -95,6 +103,8 @@ class LocalBackend(Backend):
                         timed_out = hung = True
                     if timed_out or self._cancelled.is_set():
                         break
+                    if (ended := watch.check()) is not None:  # enough measured: the same clean stop as a timeout
+                        break
                     try:  # returns as soon as the launcher exits (a plain sleep adds poll_s / 2 on average)
                         proc.wait(timeout=self.poll_s)
                     except subprocess.TimeoutExpired:
@@ -108,7 +118,8 @@ class LocalBackend(Backend):
                 release_port(port)
         exp.wall_s = round(time.monotonic() - start, 3)
         exp.peak_memory_bytes = peak or None
-        expdir.finish(exp, exp_dir, spec.objective, proc.returncode, timed_out, interrupted=self._cancelled.is_set())
+        expdir.finish(exp, exp_dir, spec.objective, proc.returncode, timed_out, interrupted=self._cancelled.is_set(),
+                      ended=ended)
         if exp.status is Status.TIMEOUT:
             exp.error = (f"no output for {spec.hang_timeout_s:g} s: killed as hung" if hung
                          else f"killed after the {spec.timeout_s:g} s timeout")
@@ -118,3 +129,30 @@ class LocalBackend(Backend):
         """Stop every running experiment: each run's supervising loop sees it within ``poll_s`` and
         kills its process tree; runs without a result are recorded as INTERRUPTED."""
         self._cancelled.set()
+
+
+class _StreamWatch:
+    """Reads an experiment's probe streams while it runs and asks the stop rule whether it can end
+    (:mod:`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
+    few ``stat`` calls; the profile run (which exits in its first forward) is never watched."""
+
+    def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment):
+        self.exp_dir, self.exp = exp_dir, exp
+        self.rule = None if exp.kind is ExperimentKind.PROFILE else rule
+        self._sizes: dict[int, int] = {}
+
+    def check(self) -> EndReason | None:
+        if self.rule is None:
+            return None
+        sizes = {rank: _size(path) for rank, path in stream_files(self.exp_dir).items()}
+        if sizes == self._sizes:
+            return None
+        self._sizes = sizes
+        return self.rule.check(read_streams(self.exp_dir), self.exp.must_beat)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1

@@ -1,0 +1,204 @@
+"""Adaptive experiments (zerotune.core.stopping): the stop rule on recorded streams, how a run that
+zerotune ended is recorded (zerotune.deepspeed.expdir), the SIMULATED backend's cut, the bar the
+strategy sets, and a real launch that the local backend ends as soon as its metric is known."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from scipy.stats import t as student_t
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.objective import OBJECTIVES
+from zerotune.core.stopping import EndReason, StopRule, must_beat
+from zerotune.deepspeed import expdir
+from zerotune.probe import stream_name
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.processes import RUN_TOKEN_ENV
+from zerotune.run.resources import select_resources
+from zerotune.run.scheduler import Scheduler
+from zerotune.run.slots import SlotPool
+
+THROUGHPUT, LATENCY = OBJECTIVES["throughput"], OBJECTIVES["latency"]
+
+
+def streams_of(step_s: list[float], ranks: int = 2, batch: int = 8) -> dict[int, list[dict]]:
+    """Probe streams whose slowest rank takes ``step_s[i]`` at step i + 1 (rank 0 is 1% faster)."""
+    out = {}
+    for rank in range(ranks):
+        factor = 0.99 if rank == 0 else 1.0
+        out[rank] = [{"rank": rank, "step": i + 1, "step_s": s * factor, "train_batch_size": batch}
+                     for i, s in enumerate(step_s)]
+    return out
+
+
+def rel_half_width(steady: list[float]) -> float:
+    n = len(steady)
+    return student_t.ppf(0.975, n - 1) * statistics.stdev(steady) / math.sqrt(n) / statistics.fmean(steady)
+
+
+def first_answer(rule: StopRule, step_s: list[float], bar: float | None = None) -> tuple[int, EndReason] | None:
+    """The first number of steps after which ``rule`` answers, and its answer."""
+    for k in range(1, len(step_s) + 1):
+        reason = rule.check(streams_of(step_s[:k]), bar)
+        if reason is not None:
+            return k, reason
+    return None
+
+
+# --- the rule on recorded streams ------------------------------------------------------------
+
+
+STEADY = [2.0, 0.50, 0.51, 0.49, 0.505, 0.50, 0.50]  # step 1 is warm-up
+
+
+def test_precise_after_the_minimum_steady_steps_once_the_interval_is_within_2_percent():
+    # the 95% interval after 3, 4 and 5 steady steps: +-5.0%, +-2.7%, +-1.8%
+    assert rel_half_width([0.50, 0.51, 0.49]) == pytest.approx(0.0497, abs=1e-4)
+    assert rel_half_width([0.50, 0.51, 0.49, 0.505]) == pytest.approx(0.0271, abs=1e-4)
+    assert rel_half_width([0.50, 0.51, 0.49, 0.505, 0.50]) == pytest.approx(0.0184, abs=1e-4)
+    assert first_answer(StopRule(THROUGHPUT), STEADY) == (6, EndReason.PRECISE)
+    assert first_answer(StopRule(THROUGHPUT, precision=0.03), STEADY) == (5, EndReason.PRECISE)
+    assert first_answer(StopRule(THROUGHPUT, precision=0.03, min_steady_steps=5), STEADY) == (6, EndReason.PRECISE)
+
+
+def test_a_perfectly_steady_run_still_waits_for_the_minimum_steps():
+    assert first_answer(StopRule(THROUGHPUT), [1.0, 0.5, 0.5, 0.5, 0.5]) == (4, EndReason.PRECISE)
+
+
+NOISY = [2.0, 0.50, 0.60, 0.45, 0.55, 0.50, 0.62, 0.48, 0.58]
+
+
+def test_a_noisy_run_whose_optimistic_bound_is_below_the_bar_cannot_beat():
+    # after 3 steady steps: mean 0.5167 s, 8 samples per step: 15.48 samples/s +-36.7%, optimistic 21.17;
+    # after 4: mean 0.525 s, 15.24 samples/s +-19.6%, optimistic 18.22; its lowest, after 8: 16.39
+    assert rel_half_width(NOISY[1:4]) == pytest.approx(0.3672, abs=1e-4)
+    assert rel_half_width(NOISY[1:5]) == pytest.approx(0.1956, abs=1e-4)
+    rule = StopRule(THROUGHPUT)
+    assert first_answer(rule, NOISY, bar=18.5) == (5, EndReason.CANNOT_BEAT)
+    assert first_answer(rule, NOISY, bar=17.5) == (6, EndReason.CANNOT_BEAT)
+    assert first_answer(rule, NOISY, bar=16.3) is None  # within reach all along: runs to its cap
+    assert first_answer(rule, NOISY) is None  # never precise to 2% in 8 steady steps
+
+
+def test_latency_races_downwards():
+    # latency: the optimistic bound is the lower one: 0.525 s x (1 - 0.1956) = 0.4223 s after 4 steady steps
+    assert first_answer(StopRule(LATENCY), NOISY, bar=0.42) == (5, EndReason.CANNOT_BEAT)
+    assert first_answer(StopRule(LATENCY), NOISY, bar=0.45) == (7, EndReason.CANNOT_BEAT)
+    assert first_answer(StopRule(LATENCY), NOISY, bar=0.49) is None
+
+
+def test_flops_is_not_measured_by_the_probe_so_it_never_ends_a_run():
+    assert first_answer(StopRule(OBJECTIVES["flops"]), STEADY, bar=1e30) is None
+
+
+def test_the_bar_is_the_incumbents_pessimistic_bound():
+    assert must_beat(THROUGHPUT, 100.0, 0.03) == pytest.approx(97.0)
+    assert must_beat(LATENCY, 0.5, 0.02) == pytest.approx(0.51)
+
+
+# --- how an ended run is recorded --------------------------------------------------------------
+
+
+def ran(tmp_path: Path, step_s: list[float], metrics: dict | None) -> Path:
+    exp_dir = tmp_path / "exp"
+    exp_dir.mkdir()
+    for rank, records in streams_of(step_s).items():
+        (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
+    if metrics is not None:
+        (exp_dir / expdir.METRICS_FILE).write_text(json.dumps(metrics))
+    return exp_dir
+
+
+def test_a_run_ended_precise_is_ok_with_the_probes_metric_and_no_metrics_json(tmp_path):
+    exp = Experiment("z0_gas1_tmbspg4", {"train_micro_batch_size_per_gpu": 4})
+    exp_dir = ran(tmp_path, STEADY[:6], None)
+    expdir.finish(exp, exp_dir, THROUGHPUT, exit_code=-15, ended=EndReason.PRECISE)
+    assert (exp.status, exp.ended, exp.metric_source, exp.error) == (Status.OK, "precise", "probe", "")
+    assert exp.metric == pytest.approx(8 / statistics.fmean(STEADY[1:6]))
+    assert exp.metric_rel_half_width == pytest.approx(rel_half_width(STEADY[1:6]))
+    assert exp.metrics == {}
+
+
+def test_a_run_to_the_cap_is_step_cap_and_a_failure_exited(tmp_path):
+    exp = Experiment("a", {"train_micro_batch_size_per_gpu": 4})
+    expdir.finish(exp, ran(tmp_path, STEADY, {"throughput": 15.0}), THROUGHPUT, exit_code=0)
+    assert (exp.status, exp.ended) == (Status.OK, "step_cap")
+    failed = Experiment("b", {"train_micro_batch_size_per_gpu": 4})
+    (tmp_path / "b").mkdir()
+    expdir.finish(failed, tmp_path / "b", THROUGHPUT, exit_code=1)
+    assert (failed.status, failed.ended) == (Status.FAILED, "exited")
+    timed_out = Experiment("c", {"train_micro_batch_size_per_gpu": 4})
+    (tmp_path / "c").mkdir()
+    expdir.finish(timed_out, tmp_path / "c", THROUGHPUT, exit_code=-9, timed_out=True)
+    assert (timed_out.status, timed_out.ended) == (Status.TIMEOUT, "stopped")
+
+
+def test_an_early_end_without_steady_steps_is_classified_as_usual(tmp_path):
+    exp = Experiment("a", {"train_micro_batch_size_per_gpu": 4})
+    expdir.finish(exp, ran(tmp_path, [2.0], None), THROUGHPUT, exit_code=-15, ended=EndReason.PRECISE)
+    assert (exp.status, exp.ended) == (Status.FAILED, "exited")
+
+
+# --- a real launch ended by the local backend ---------------------------------------------------
+
+# A stand-in rank: writes the probe's lines itself (step 1 slow, then steady 0.1 s steps) into the
+# probe dir the backend gives it, and would train forever; rank 0 never writes metrics.json.
+STAND_IN = r'''
+import json, os, sys, time
+rank = int(os.environ["LOCAL_RANK"])
+path = os.path.join(os.environ["PYTHON_ZEROTUNE_PROBE_DIR"], f"probe.rank{rank}.jsonl")
+with open(path, "a") as f:
+    for step in range(1, 10**6):
+        step_s = 0.3 if step == 1 else 0.1
+        time.sleep(step_s)
+        f.write(json.dumps({"rank": rank, "step": step, "t": time.monotonic(), "step_s": step_s,
+                            "train_batch_size": 4, "peak_bytes": 1000}) + "\n")
+        f.flush()
+'''
+
+
+@pytest.mark.e2e
+def test_the_local_backend_ends_a_run_once_its_metric_is_known_and_leaves_no_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    config = tmp_path / "ds_config.json"
+    config.write_text("{}")
+    spec = LaunchSpec(script=str(script), script_args=("--deepspeed_config", str(config)), cpu=True,
+                      timeout_s=120, stop_rule=StopRule(THROUGHPUT))
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
+    exp = Experiment("steady", {"train_micro_batch_size_per_gpu": 2}, num_slots=2)
+    started = time.monotonic()
+    (done,) = scheduler.run([exp])
+    assert time.monotonic() - started < 60  # the launcher's start-up, then 4 steps: not the 120 s timeout
+    assert (done.status, done.ended, done.metric_source) == (Status.OK, "precise", "probe")
+    assert done.metric == pytest.approx(40.0)  # 4 samples per 0.1 s step
+    assert not (tmp_path / "exps" / "steady" / expdir.METRICS_FILE).exists()
+    leftovers = []
+    for p in psutil.process_iter():
+        try:
+            if RUN_TOKEN_ENV in p.environ() and str(script) in " ".join(p.cmdline()):
+                leftovers.append(p.pid)
+        except psutil.Error:
+            pass
+    assert leftovers == []
+    record = json.loads((tmp_path / "exps" / "steady" / expdir.RECORD_FILE).read_text())
+    assert (record["status"], record["ended"]) == ("ok", "precise")
+
+
+def test_the_profile_run_is_never_watched(tmp_path):
+    from zerotune.run.backends.local import _StreamWatch
+    exp_dir = ran(tmp_path, STEADY, None)
+    profile = Experiment("profile_x", {"train_micro_batch_size_per_gpu": 1}, kind=ExperimentKind.PROFILE)
+    assert _StreamWatch(exp_dir, StopRule(THROUGHPUT), profile).check() is None
+    mbs = Experiment("x", {"train_micro_batch_size_per_gpu": 1})
+    watch = _StreamWatch(exp_dir, StopRule(THROUGHPUT), mbs)
+    assert watch.check() is EndReason.PRECISE
+    assert watch.check() is None  # nothing grew since: not re-read
