@@ -3,6 +3,7 @@
     zerotune tune [--hostfile F] [--include ...] [--num_gpus N] [--device-memory 3GiB] SCRIPT [ARGS...]
     zerotune run  ...same...   # tune, then train with the winning config
     zerotune tune --dry-run [--json] ...   # list the experiments it may generate, launch nothing
+    zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB   # what-if, runs nothing
 
 Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
 or value), 130 interrupted (results on disk are kept; rerun to resume).
@@ -17,6 +18,7 @@ from rich.console import Console
 from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
+from zerotune.model import estimate
 from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.run.resources import select_resources
 from zerotune.strategy.job import cuda_available
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
+    estimate.add_parser(sub)
     return parser
 
 
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True, soft_wrap=True)
     try:
+        if args.command == "estimate":
+            return estimate.run(args)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         cpu = args.cpu
         local_slots = None

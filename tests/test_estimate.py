@@ -1,0 +1,124 @@
+"""``zerotune estimate`` and the model sources it reads: exact bytes, and bad input refused naming the argument."""
+import json
+
+import pytest
+
+from zerotune.cli import main
+from zerotune.model.hf_config import architecture
+
+# Tiny configs; the parameter counts are what transformers 5.23 builds from them
+# (AutoModelForCausalLM.from_config(...), sum of numel).
+GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 128}
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128,
+         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False}
+OPT = {"model_type": "opt", "hidden_size": 64, "ffn_dim": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+       "vocab_size": 1000, "max_position_embeddings": 128}
+QWEN2 = {**LLAMA, "model_type": "qwen2"}
+
+
+@pytest.mark.parametrize("cfg,params", [(GPT2, 172_288), (LLAMA, 220_480), ({**LLAMA, "tie_word_embeddings": True}, 156_480),
+                                        (OPT, 172_416), (QWEN2, 220_736)])
+def test_hf_parameter_counts_match_transformers(cfg, params):
+    assert architecture(cfg).num_params == params
+
+
+def test_hf_activations_follow_korthikanti():
+    a = architecture(GPT2)
+    # per layer s*h*(18 + 4*ffn/h) + 5*a*s^2 = 128*64*34 + 5*4*128^2 = 278,528 + 327,680; 2 layers; logits 6*s*V
+    assert a.activation_bytes_per_sample == 2 * (278_528 + 327_680) + 6 * 128 * 1000
+    assert architecture(GPT2, flash_attention=True).activation_bytes_per_sample == 2 * 278_528 + 6 * 128 * 1000
+    assert architecture(GPT2, seq_len=64, bytes_per_activation=4).activation_bytes_per_sample == \
+        2 * (2 * (64 * 64 * 34 + 5 * 4 * 64 * 64) + 6 * 64 * 1000)
+    assert (a.largest_layer_params, a.seq_len) == (64_000, 128)  # the token embedding
+    # persistent (<= 1e5 elements): every tensor of this tiny model
+    assert a.persistent_params == a.num_params
+
+
+def run(capsys, *argv):
+    code = main(["estimate", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_estimate_num_params_json_exact(capsys):
+    code, out, _ = run(capsys, "--num-params", "1e6", "--activation-bytes", "1000", "--num_gpus", "2", "--num_nodes",
+                       "2", "--device-memory", "20000000", "--json")
+    assert code == 0
+    est = json.loads(out)
+    assert (est["dp_world_size"], est["precision"], est["optimizer"]) == (4, "bf16", "AdamW")
+    rows = {(r["stage"], r["offload"]): r for r in est["rows"]}
+    assert len(rows) == 8
+    z2 = rows[(2, "none")]
+    # bf16: params 2*Psi, grads (2 + 4)*Psi/4, optimizer (8 + 4)*Psi/4, one 5e8-element bf16 bucket: over 20 MB
+    assert (z2["parameters"], z2["gradients"], z2["optimizer_states"], z2["buffers"]) == \
+        (2_000_000, 1_500_000, 3_000_000, 1_000_000_000)
+    assert z2["max_mbs"] == 0
+    z0 = rows[(0, "none")]
+    # stage 0: 2 + 6 + 12 bytes/param + bucket 2*Psi = 22,000,000 > 20,000,000
+    assert (z0["total_mbs1"], z0["max_mbs"]) == (22_001_000, 0)
+
+
+def test_estimate_max_mbs_and_host_check(capsys):
+    code, out, _ = run(capsys, "--num-params", "1e6", "--activation-bytes", "1000", "--num_gpus", "4",
+                       "--device-memory", "1100000000", "--host-memory", "5MB", "--json")
+    rows = {(r["stage"], r["offload"]): r for r in json.loads(out)["rows"]}
+    z3 = rows[(3, "none")]
+    # params 2*Psi/4 + 2*Psi gathered, grads 6*Psi/4, optimizer 12*Psi/4, bucket 1e9: 1,007,000,000 fixed
+    assert z3["total_mbs1"] - 1_000 == 1_007_000_000
+    assert (z3["max_mbs"], z3["activations_max_mbs"]) == (1024, 1_024_000)  # the cap
+    off = rows[(3, "optimizer cpu")]
+    # host per rank: grad partition 2*Psi/4 + fp32 grad 4*Psi/4 + master 4*Psi/4 + Adam 8*Psi/4 = 4.5 MB; 4 ranks
+    assert (off["host_per_node"], off["fits_host"]) == (18_000_000, False)
+
+
+def test_estimate_from_a_profile_run_and_a_hf_config(tmp_path, capsys):
+    prof = tmp_path / "profile"
+    prof.mkdir()
+    (prof / "model_info.json").write_text(json.dumps({"num_params": 1_000_000, "trainable_num_params": 250_000,
+                                                      "activation_mem_per_gpu": 1_000_000}))
+    code, out, _ = run(capsys, "--profile", str(prof), "--num_gpus", "2", "--device-memory", "1GB", "--precision",
+                       "fp32", "--json")
+    est = json.loads(out)
+    assert (code, est["trainable_params"], est["precision"]) == (0, 250_000, "fp32")
+    z0 = next(r for r in est["rows"] if r["stage"] == 0)
+    # fp32 stage 0, 250,000 trainable: params 4*1e6, grads 4*T, Adam 8*T, bucket 4*T; then 1 MB per sample
+    assert (z0["parameters"], z0["gradients"], z0["optimizer_states"], z0["buffers"]) == \
+        (4_000_000, 1_000_000, 2_000_000, 1_000_000)
+    assert z0["max_mbs"] == (1_000_000_000 - 8_000_000) // 1_000_000
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GPT2))
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--seq-len", "64", "--num_gpus", "8", "--device-memory", "80GiB")
+    assert code == 0 and "172,288 parameters" in out and "seq_len 64" in out and "does not fit" not in out
+
+
+@pytest.mark.parametrize("argv,names", [
+    ([], "--profile, --num-params or --hf-config"),
+    (["--num-params", "1e9", "--hf-config", "x.json"], "(got --num-params, --hf-config)"),
+    (["--num-params", "lots"], "--num-params = 'lots'"),
+    (["--num-params", "-5"], "--num-params = '-5'"),
+    (["--num-params", "1e9"], "--device-memory is required"),
+    (["--num-params", "1e9", "--device-memory", "40 bananas"], "--device-memory = '40 bananas'"),
+    (["--num-params", "1e9", "--device-memory", "40GiB", "--num_gpus", "0"], "--num_gpus = 0"),
+    (["--num-params", "1e9", "--device-memory", "40GiB", "--host-memory", "0"], "--host-memory = '0'"),
+    (["--num-params", "1e9", "--device-memory", "40GiB", "--seq-len", "512"], "--seq-len goes with --hf-config"),
+    (["--num-params", "1e9", "--trainable-params", "2e9", "--device-memory", "40GiB"], "--trainable-params 2e9"),
+    (["--num-params", "1e9", "--device-memory", "40GiB", "--num_gpus", "3", "--mp-size", "2"], "--mp-size 2"),
+    (["--hf-config", "/nonexistent/config.json", "--device-memory", "40GiB"], "--hf-config /nonexistent/config.json"),
+    (["--profile", "/nonexistent", "--device-memory", "40GiB"], "--profile /nonexistent"),
+    (["--num-params", "1e9", "--device-memory", "40GiB", "--deepspeed", "/nonexistent.json"], "--deepspeed /nonexistent.json"),
+])
+def test_estimate_bad_input_names_the_argument(capsys, argv, names):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert names in err
+
+
+def test_estimate_hf_config_without_sizes_names_the_key(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**GPT2, "n_head": "four"}))
+    code, _, err = run(capsys, "--hf-config", str(cfg), "--device-memory", "1GiB")
+    assert code == 2 and "n_head = 'four'" in err
+    cfg.write_text(json.dumps({"model_type": "resnet"}))
+    code, _, err = run(capsys, "--hf-config", str(cfg), "--device-memory", "1GiB")
+    assert code == 2 and "no hidden size" in err

@@ -1,0 +1,273 @@
+"""``zerotune estimate``: a what-if that runs nothing.
+
+For a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging
+Face ``config.json``) and hardware (devices per node, nodes, device memory, host memory), the
+memory model's bytes per device by component for each ZeRO stage and offload choice, the
+activations at mbs 1 and at the largest mbs that fits, and that mbs; as a table or JSON::
+
+    zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB
+    zerotune estimate --hf-config config.json --seq-len 2048 --num_gpus 8 --device-memory 80GiB --host-memory 1TiB
+    zerotune estimate --profile autotuning_exps/profile_z3_gas1_tmbspg1 --num_gpus 4 --device-memory 24GiB
+
+The hardware options carry the launcher's names (``--num_gpus``, ``--num_nodes``) as ``tune`` uses
+them. Bad input raises :class:`~zerotune.core.errors.ConfigError` naming the argument (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.units import format_bytes, parse_bytes
+from zerotune.deepspeed.config import precision as config_precision
+from zerotune.model.hf_config import architecture, read_config
+from zerotune.model.memory import MemoryModel
+
+OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
+            ("optimizer+params cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
+"""The offload choices estimated: none (every stage), the optimizer (stages 1-3), both (stage 3)."""
+
+
+@dataclass
+class Row:
+    """One ZeRO stage and offload choice: bytes per device by component at mbs 1, the largest mbs
+    that fits (0: none, None: activations unknown) and host bytes per node."""
+
+    stage: int
+    offload: str
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    buffers: int
+    overhead: int
+    activations_mbs1: int | None
+    total_mbs1: int
+    max_mbs: int | None
+    activations_max_mbs: int | None
+    host_per_node: int
+    fits_host: bool | None
+
+
+@dataclass
+class Estimate:
+    """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage and offload."""
+
+    model_source: str
+    num_params: int
+    trainable_params: int
+    activation_bytes_per_sample: int | None
+    precision: str
+    optimizer: str
+    num_nodes: int
+    gpus_per_node: int
+    mp_size: int
+    dp_world_size: int
+    device_memory_bytes: int
+    host_memory_bytes: int | None
+    rows: list[Row]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the ``estimate`` subcommand on the CLI's subparsers."""
+    p = sub.add_parser("estimate", help="bytes per device for each ZeRO stage and offload, for hardware you "
+                                        "don't have (runs nothing)")
+    m = p.add_argument_group("the model (one of)")
+    m.add_argument("--profile", default=None, help="a profile run on disk: its directory (model_info.json) or the file")
+    m.add_argument("--num-params", default=None, help="parameters, e.g. 13e9")
+    m.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its directory)")
+    m.add_argument("--trainable-params", default=None, help="with --num-params: parameters with requires_grad "
+                                                            "(default all)")
+    m.add_argument("--activation-bytes", default=None,
+                   help="activation memory per sample, e.g. 1.5GiB (with --num-params; without it the largest mbs is "
+                        "not estimated)")
+    m.add_argument("--seq-len", type=int, default=None, help="with --hf-config: tokens per sample (default: its "
+                                                              "maximum positions)")
+    m.add_argument("--flash-attention", action="store_true", help="with --hf-config: attention scores not stored")
+    h = p.add_argument_group("the hardware (the launcher's names)")
+    h.add_argument("--num_gpus", "--num_accelerators", type=int, default=1, help="devices per node (default 1)")
+    h.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
+    h.add_argument("--device-memory", default=None, help="memory per device, e.g. 40GiB (required)")
+    h.add_argument("--host-memory", default=None, help="memory per node, e.g. 512GiB: checks offload's host bytes")
+    t = p.add_argument_group("training")
+    t.add_argument("--deepspeed", "--deepspeed_config", dest="ds_config", default=None,
+                   help="a ds_config: precision, optimizer and buckets from it (default bf16, AdamW, DeepSpeed's buckets)")
+    t.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="overrides the config's")
+    t.add_argument("--mp-size", type=int, default=1, help="model-parallel size (default 1)")
+    t.add_argument("--overhead", default="0", help="fixed bytes per device not modelled (CUDA context, NCCL), "
+                                                   "e.g. 1GiB (default 0)")
+    t.add_argument("--max-mbs", type=int, default=1024, help="largest mbs considered (default 1024)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _count(text: str, what: str) -> int:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} = {text!r}: expected a number of parameters, e.g. 13e9") from None
+    if not value >= 1 or value >= 2**63:
+        raise ConfigError(f"{what} = {text!r}: expected a positive number of parameters")
+    return int(value)
+
+
+def _positive(value: int, what: str) -> int:
+    if value < 1:
+        raise ConfigError(f"{what} = {value}: must be at least 1")
+    return value
+
+
+def _read_profile(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model_info.json"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"--profile {path}: cannot read {p.name} ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--profile {path}: {p.name} is not JSON ({e.msg})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("num_params"), (int, float)) or data["num_params"] <= 0:
+        raise ConfigError(f"--profile {path}: {p.name} has no positive num_params (DeepSpeed's model_info.json)")
+    return data
+
+
+def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"optimizer": {"type": "AdamW"}, "bf16": {"enabled": True}}
+    if args.ds_config:
+        try:
+            cfg = json.loads(Path(args.ds_config).read_text())
+        except OSError as e:
+            raise ConfigError(f"--deepspeed {args.ds_config}: cannot read it ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--deepspeed {args.ds_config}: not JSON ({e.msg}, line {e.lineno})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"--deepspeed {args.ds_config}: expected a JSON object")
+    if args.precision:
+        cfg = {k: v for k, v in cfg.items() if k not in ("fp16", "bf16", "bfloat16")}
+        if args.precision != "fp32":
+            cfg[args.precision] = {"enabled": True}
+    return cfg
+
+
+def estimate(args: argparse.Namespace) -> Estimate:
+    """The estimate for parsed ``zerotune estimate`` arguments.
+
+    Raises:
+        ConfigError: bad or missing input, naming the argument.
+    """
+    sources = [name for name, value in (("--profile", args.profile), ("--num-params", args.num_params),
+                                        ("--hf-config", args.hf_config)) if value is not None]
+    if len(sources) != 1:
+        raise ConfigError("give the model by exactly one of --profile, --num-params or --hf-config"
+                          + (f" (got {', '.join(sources)})" if sources else ""))
+    for flag, value, source in (("--trainable-params", args.trainable_params, "--num-params"),
+                                ("--activation-bytes", args.activation_bytes, "--num-params"),
+                                ("--seq-len", args.seq_len, "--hf-config"),
+                                ("--flash-attention", args.flash_attention or None, "--hf-config")):
+        if value is not None and sources[0] != source:
+            raise ConfigError(f"{flag} goes with {source}")
+    cfg = _ds_config(args)
+    prec = config_precision(cfg)
+    extra: dict[str, int] = {}
+    if args.profile is not None:
+        info = _read_profile(args.profile)
+        num_params = int(info["num_params"])
+        trainable = int(info.get("trainable_num_params", num_params))
+        activations: int | None = max(0, int(info.get("activation_mem_per_gpu", 0)))
+        source = f"profile run {args.profile}"
+    elif args.num_params is not None:
+        num_params = _count(args.num_params, "--num-params")
+        trainable = num_params if args.trainable_params is None else _count(args.trainable_params, "--trainable-params")
+        if trainable > num_params:
+            raise ConfigError(f"--trainable-params {args.trainable_params}: more than --num-params {args.num_params}")
+        activations = (parse_bytes(args.activation_bytes, "--activation-bytes")
+                       if args.activation_bytes is not None else None)
+        source = f"--num-params {args.num_params}"
+    else:
+        if args.seq_len is not None:
+            _positive(args.seq_len, "--seq-len")
+        arch = architecture(read_config(args.hf_config), seq_len=args.seq_len,
+                            bytes_per_activation=4 if prec == "fp32" else 2, flash_attention=args.flash_attention,
+                            source=f"--hf-config {args.hf_config}")
+        num_params = trainable = arch.num_params
+        activations = arch.activation_bytes_per_sample
+        extra = {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params}
+        source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
+                  + (", flash attention" if args.flash_attention else ""))
+    if args.device_memory is None:
+        raise ConfigError("--device-memory is required: the memory of one device, e.g. 40GiB")
+    budget = parse_bytes(args.device_memory, "--device-memory")
+    host = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
+    overhead = 0 if str(args.overhead).strip() == "0" else parse_bytes(args.overhead, "--overhead")
+    gpus, nodes = _positive(args.num_gpus, "--num_gpus"), _positive(args.num_nodes, "--num_nodes")
+    mp = _positive(args.mp_size, "--mp-size")
+    max_mbs = _positive(args.max_mbs, "--max-mbs")
+    if (gpus * nodes) % mp:
+        raise ConfigError(f"--mp-size {mp} does not divide the {gpus * nodes} devices")
+    dp = gpus * nodes // mp
+    model = MemoryModel(num_params, activations or 0, dp, mp_size=mp, overhead_bytes=overhead,
+                        trainable_params=trainable, **extra)
+    rows = []
+    for stage in range(4):
+        for name, offload in OFFLOADS:
+            if (stage == 0 and offload) or (stage < 3 and "offload_param" in offload):
+                continue
+            zero = {**(cfg.get("zero_optimization") or {}), "stage": stage}
+            for key in ("offload_optimizer", "offload_param"):
+                zero.pop(key, None)
+            c = {**cfg, "zero_optimization": {**zero, **offload}}
+            b = model.breakdown(c, mbs=1)
+            fit = model.max_mbs(c, budget, cap=max_mbs) if activations else (None if model.fits(c, budget, 1) else 0)
+            host_node = b.host * gpus
+            rows.append(Row(stage, name, b.parameters, b.gradients, b.optimizer_states, b.buffers, b.overhead,
+                            b.activations if activations else None, b.total, fit,
+                            (model.breakdown(c, mbs=fit).activations if activations and fit else None),
+                            host_node, None if host is None else host_node <= host))
+    return Estimate(source, num_params, trainable, activations, prec, str((cfg.get("optimizer") or {}).get("type", "adam")),
+                    nodes, gpus, mp, dp, budget, host, rows)
+
+
+def render(est: Estimate) -> str:
+    """The estimate as a text table with a header and notes."""
+    act = "unknown" if not est.activation_bytes_per_sample else format_bytes(est.activation_bytes_per_sample)
+    lines = [f"model: {est.model_source}: {est.num_params:,} parameters ({est.trainable_params:,} trainable), "
+             f"activations {act} per sample; {est.precision}, {est.optimizer}",
+             f"hardware: {est.num_nodes} node(s) x {est.gpus_per_node} device(s), {format_bytes(est.device_memory_bytes)}"
+             f" per device" + (f", {format_bytes(est.host_memory_bytes)} host memory per node" if est.host_memory_bytes
+                               else "") + f"; DP world size {est.dp_world_size}, MP size {est.mp_size}",
+             ""]
+    head = ("stage", "offload", "params", "grads", "optimizer", "buffers", "act@mbs1", "total@mbs1", "max mbs",
+            "act@max", "host/node")
+    table = [head]
+    for r in est.rows:
+        max_mbs = ("?" if r.max_mbs is None else ("does not fit" if r.max_mbs == 0 else str(r.max_mbs)))
+        host = format_bytes(r.host_per_node) if r.host_per_node else "-"
+        if r.fits_host is False:
+            host += " (over)"
+        table.append((str(r.stage), r.offload, format_bytes(r.parameters), format_bytes(r.gradients),
+                      format_bytes(r.optimizer_states), format_bytes(r.buffers),
+                      "?" if r.activations_mbs1 is None else format_bytes(r.activations_mbs1), format_bytes(r.total_mbs1),
+                      max_mbs, "-" if r.activations_max_mbs is None else format_bytes(r.activations_max_mbs), host))
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        lines.append("  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    lines += ["", "Bytes per device (the memory model, zerotune/model/memory.py). Not counted: "
+              + ("the fixed per-device overhead (CUDA context, NCCL; --overhead), " if not any(r.overhead for r in est.rows)
+                 else "") + "allocator fragmentation."]
+    if not est.activation_bytes_per_sample:
+        lines.append("Activations unknown (--activation-bytes): the largest mbs is not estimated; "
+                     "'does not fit' means the model states alone are over the device memory.")
+    return "\n".join(lines)
+
+
+def to_json(est: Estimate) -> str:
+    return json.dumps(asdict(est), indent=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``estimate`` subcommand: print the table (or JSON); 0."""
+    est = estimate(args)
+    print(to_json(est) if args.json else render(est))
+    return 0
