@@ -75,7 +75,7 @@ class Experiment:
     exit_code: int | None = None
     wall_s: float | None = None
     error: str = ""
-    memory_bytes: int | None = None  # memory model's estimate per device, bytes
+    memory_bytes: int | None = None  # the memory model's prediction per device, bytes (memory_rel_error compares)
     peak_memory_bytes: int | None = None  # measured peak per rank where the backend can see it
     metric_source: str = ""  # "probe" (zerotune's step probe) or "deepspeed" (metrics.json); "" without a metric
     metric_rel_half_width: float | None = None  # of the metric's 95% confidence interval (probe only), 0.02 = ±2%
@@ -86,6 +86,15 @@ class Experiment:
     @property
     def stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def memory_rel_error(self) -> float | None:
+        """The memory model's error on this run, ``memory_bytes / peak_memory_bytes - 1`` (0.05: predicted
+        5% over the measured peak); None without both. On CPU the peak is the probe's resident
+        high-water mark, which leaves out allocated pages never written (see benchmarks/README.md)."""
+        if not self.memory_bytes or not self.peak_memory_bytes:
+            return None
+        return self.memory_bytes / self.peak_memory_bytes - 1
 
     @property
     def mbs(self) -> int:
@@ -99,6 +108,8 @@ class Experiment:
         d = asdict(self)
         d["status"] = self.status.value if self.status else None
         d["kind"] = self.kind.value
+        err = self.memory_rel_error
+        d["memory_rel_error"] = None if err is None else round(err, 4)  # derived, for readers of exp.json
         return d
 
     @classmethod

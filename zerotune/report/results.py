@@ -7,6 +7,7 @@ command with the config path) and ``summary.txt`` (the table printed at the end)
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
@@ -136,6 +137,26 @@ def _metric_text(pooled: Pooled, exp: Experiment) -> str:
     return f"{pooled.value:.4g}" + (f" ±{exp.metric_rel_half_width:.0%}" if exp.metric_rel_half_width else "")
 
 
+def memory_table(experiments: Sequence[Experiment]) -> Table | None:
+    """The memory model checked on every run: predicted vs measured peak bytes per rank of each
+    experiment that has both (``exp.json`` carries the same figures), with the median and worst
+    absolute error; None when no experiment has both."""
+    rows = [e for e in experiments if e.memory_rel_error is not None]
+    if not rows:
+        return None
+    table = Table(title="memory per rank: the memory model's prediction vs the measured peak", title_justify="left")
+    for col in ("experiment", "status", "predicted", "measured peak", "error"):
+        table.add_column(col)
+    for e in rows:
+        table.add_row(e.name, e.status.value if e.status else "-", format_bytes(e.memory_bytes),
+                      format_bytes(e.peak_memory_bytes), f"{e.memory_rel_error:+.1%}")
+    errors = [abs(e.memory_rel_error) for e in rows]
+    table.caption = (f"{len(errors)} runs: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
+                     "(on CPU the peak is a resident high-water mark: allocated pages never written are not in it)")
+    table.caption_justify = "left"
+    return table
+
+
 def table_text(table: Table) -> str:
     console = Console(width=140, record=True, file=open("/dev/null", "w"), color_system=None)
     console.print(table)
@@ -169,5 +190,8 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
                  f"{objective.name} {metric} {objective.unit}\n")
         write_json_atomic(config_path, optimal_config(best))
         cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
+    memory = memory_table(experiments)
+    if memory is not None:
+        text += "\n" + table_text(memory)
     (results_dir / "summary.txt").write_text(text)
     return best

@@ -36,6 +36,7 @@ from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.stopping import must_beat
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
+from zerotune.model.online import corrected
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
@@ -142,7 +143,17 @@ class Strategy:
         for exp in self._evaluate(list(todo.values())) if todo else []:
             self._done[exp.name] = exp
             self.result.experiments.append(exp)
+            self.correct_memory(exp)
         return [self._done[e.name] for e in experiments]
+
+    def correct_memory(self, exp: Experiment) -> None:
+        """Online correction of the memory model from a finished experiment (an OOM under a fitting
+        estimate, a peak above it: :func:`zerotune.model.online.corrected`), so a near-boundary
+        estimate is not repeated."""
+        if self.result.memory is not None:
+            self.result.memory, why = corrected(self.result.memory, exp, self.job.device_memory_bytes)
+            if why:
+                self.log(why)
 
     def bar(self) -> float | None:
         """The bar a new experiment must beat (:func:`zerotune.core.stopping.must_beat`): the pessimistic
@@ -210,7 +221,8 @@ class Strategy:
             self.log("profile: model size unknown, so the memory model prunes nothing")
             return
         info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs)
-        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size)
+        memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
+                             trainable_params=info.trainable_num_params)
         if self.job.cpu and info.peak_memory_bytes:  # CUDA reports no peak here: uncalibrated
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
         self.result.memory = memory

@@ -1,0 +1,55 @@
+"""The memory model checked on every run: online correction, exp.json's error, the summary's memory table."""
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.model.memory import MemoryModel
+from zerotune.model.online import corrected
+from zerotune.report.results import memory_table, table_text
+
+MODEL = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4, overhead_bytes=100)
+CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}
+ESTIMATE = 4_000_000 + 4_000_000 + 8_000_000 + 4_000_000 + 2_000 + 100  # fp32 stage 0 at mbs 2
+
+
+def exp(status, peak=None, kind=ExperimentKind.MBS):
+    return Experiment("z0_mbs2", CFG, num_slots=4, kind=kind, status=status, peak_memory_bytes=peak)
+
+
+def test_an_oom_under_a_fitting_estimate_raises_it_just_over_the_budget():
+    assert MODEL.bytes_per_device(CFG) == ESTIMATE
+    budget = ESTIMATE + 500
+    new, why = corrected(MODEL, exp(Status.OOM), budget)
+    assert new.overhead_bytes == 100 + 501 and new.bytes_per_device(CFG) == budget + 1
+    assert not new.fits(CFG, budget) and "ran out of memory" in why
+    # an OOM the model predicted teaches nothing
+    assert corrected(MODEL, exp(Status.OOM), ESTIMATE - 1) == (MODEL, None)
+
+
+def test_a_peak_above_the_estimate_raises_the_overhead_and_one_below_never_lowers_it():
+    new, why = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12)
+    assert new.overhead_bytes == 100 + 12_345 and new.bytes_per_device(CFG) == ESTIMATE + 12_345
+    assert "peaked at" in why
+    assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE - 10**6), 10**12) == (MODEL, None)
+    assert corrected(MODEL, exp(Status.OK, peak=None), 10**12) == (MODEL, None)
+    # the profile run is the calibration itself, not a correction
+    assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE * 2, kind=ExperimentKind.PROFILE), 10**12) == (MODEL, None)
+
+
+def test_exp_json_carries_predicted_measured_and_error():
+    e = exp(Status.OK, peak=1_000_000)
+    e.memory_bytes = 1_050_000
+    assert round(e.memory_rel_error, 6) == 0.05
+    d = e.to_json()
+    assert (d["memory_bytes"], d["peak_memory_bytes"], d["memory_rel_error"]) == (1_050_000, 1_000_000, 0.05)
+    assert Experiment.from_json(d).memory_rel_error == e.memory_rel_error
+    assert exp(Status.OK).memory_rel_error is None
+
+
+def test_summary_memory_table_has_every_run_with_both_figures():
+    runs = []
+    for name, predicted, peak in (("a", 1_100, 1_000), ("b", 900, 1_000), ("c", 1_020, 1_000), ("d", None, 1_000)):
+        e = Experiment(name, CFG, status=Status.OK, peak_memory_bytes=peak)
+        e.memory_bytes = predicted
+        runs.append(e)
+    text = table_text(memory_table(runs))
+    assert "+10.0%" in text and "-10.0%" in text and "+2.0%" in text and " d " not in text
+    assert "3 runs: median |error| 10.0%, worst 10.0%" in text
+    assert memory_table(runs[3:]) is None
