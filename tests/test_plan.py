@@ -44,13 +44,14 @@ PROFILE = "profile_z3_gas1_tmbspg1_rbs1e7_pfbs1e7_mlp1e7"
 def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
     assert plan.model_info_source == "autotuning.model_info"
-    # everything fits 2.5 GiB: ZeRO-0 climbs to the cap (8) and bisects below it; ZeRO-1 has no more
-    # headroom, so one probe at mbs 8, a tie under the oracle's assumed metric: a losing probe is re-measured
-    # with the point it lost to (replicas _r2) before the stage is given up
+    # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower) and
+    # bisects below the best; ZeRO-1 has no more headroom, so one probe at mbs 8, a tie under the oracle's
+    # assumed metric: a losing probe is re-measured with the point it lost to (replicas _r2) before the
+    # stage is given up
     assert [e.name for e in plan.experiments] == [
-        PROFILE, "z0_gas1_tmbspg1", "z0_gas1_tmbspg2", "z0_gas1_tmbspg4", "z0_gas1_tmbspg8", "z0_gas1_tmbspg6",
-        "z0_gas1_tmbspg7", "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2", "z0_gas1_tmbspg8_r2"]
-    z1 = plan.experiments[7]
+        PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z0_gas1_tmbspg6", "z0_gas1_tmbspg7",
+        "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2", "z0_gas1_tmbspg8_r2"]
+    z1 = plan.experiments[5]
     assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 8, 1, {})
     # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + activations
     assert z1.memory_bytes == 4 * PARAMS + (4 * PARAMS + 2 * PARAMS) + 6 * PARAMS + 80_000_000 + 8 * ACTIVATIONS
@@ -64,14 +65,14 @@ def test_plan_follows_the_search_to_the_memory_boundary(tmp_path):
     # 300 MiB per device: ZeRO-0 (4Ψ+4Ψ+8Ψ+4Ψ buffer = 105.8 MB) fits to mbs 4, ZeRO-1 (fixed 164.6 MB) to mbs 3
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
     rows = {e.name: e for e in plan.experiments}
-    # the ladder lands on the estimate 4, tries one step above it (8: OOM), bisects down to 4 (6, 5: OOM),
-    # then the fine pass tries 3; ZeRO-1 is probed at its own largest mbs, 3, and loses by more than the
-    # noise (the oracle's 6 vs 8 samples/s), so nothing is re-measured
-    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8, 6, 5, 3]
+    # the search starts on the estimate 4, tries one step above it (8: OOM), bisects down to 4 (6, 5: OOM),
+    # halves once (2: slower), then the fine pass tries 3; ZeRO-1 is probed at its own largest mbs, 3, and
+    # loses by more than the noise (the oracle's 6 vs 8 samples/s), so nothing is re-measured
+    assert [e.mbs for e in plan.experiments if e.stage == 0] == [4, 8, 6, 5, 2, 3]
     assert [rows[f"z0_gas1_tmbspg{m}"].fits for m in (4, 8, 6, 5)] == [True, False, False, False]
     assert rows["z0_gas1_tmbspg4"].memory_bytes == 20 * PARAMS + 4 * ACTIVATIONS
     assert [n for n in rows if n.startswith("z1")] == ["z1_gas1_tmbspg3_rbs2e7"]
-    assert "5 fit 300.00 MiB per device" in plan.header()
+    assert "4 fit 300.00 MiB per device" in plan.header()  # 4, 2, 3 of ZeRO-0 and 3 of ZeRO-1
 
 
 def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path):
@@ -99,7 +100,7 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
-    assert [e.mbs for e in plan.experiments if e.stage == 0] == [1, 2, 4, 8, 6, 7, 8]  # 8 re-measured with the probe
+    assert [e.mbs for e in plan.experiments if e.stage == 0] == [8, 4, 6, 7, 8]  # 8 re-measured with the probe
     assert "unknown until the profile run" in plan.header()
 
 
@@ -116,7 +117,7 @@ def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
     write_record(profile, exp_dir, resume_key(profile.ds_config, context), context)
     plan = t.plan()
     assert plan.model_info_source == "profile run on disk"
-    assert plan.experiments[0].name == "z0_gas1_tmbspg1"  # the profile is not listed again
+    assert plan.experiments[0].name == "z0_gas1_tmbspg8"  # the profile is not listed again
     # calibrated on the profile's peak: the fixed per-rank overhead is what the estimate of the profile
     # run (which exits in its first forward, before the optimizer states exist) missed there
     bare = MemoryModel(PARAMS, ACTIVATIONS, dp_world_size=2)
@@ -134,8 +135,8 @@ def test_cli_dry_run_json_launches_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["device_memory_bytes"] == int(2.5 * GiB) and data["dp_world_size"] == 2
-    assert [e["name"] for e in data["experiments"]][:2] == [PROFILE, "z0_gas1_tmbspg1"]
-    assert data["experiments"][1]["memory_bytes"] == 20 * PARAMS + ACTIVATIONS == 149_379_072
+    assert [e["name"] for e in data["experiments"]][:2] == [PROFILE, "z0_gas1_tmbspg8"]
+    assert data["experiments"][1]["memory_bytes"] == 20 * PARAMS + 8 * ACTIVATIONS == 454_506_496  # at mbs 8
     assert not (tmp_path / "results").exists()
 
 

@@ -20,34 +20,57 @@ def curve(fn, max_ok=None):
 
 def test_plateau_then_fine_pass():
     evaluate, calls = curve(lambda m: 100 * m / (m + 1))
-    trace = search_mbs(evaluate, lo=1, hi=1024, estimate=1000, objective=THROUGHPUT, threshold=0.01, num_fine=2)
-    # 64 -> 128 gains 0.77% < 1%: plateau. Fine pass bisects below the best (128): 96, then 112.
-    assert calls == [1, 2, 4, 8, 16, 32, 64, 128, 96, 112]
+    trace = search_mbs(evaluate, lo=1, hi=1024, estimate=40, objective=THROUGHPUT, threshold=0.01, num_fine=2)
+    # throughput starts at the estimate (40); 40 -> 80 gains 1.2%, 80 -> 160 0.6% < 1%: plateau. A smaller
+    # mbs was measured (40), so no halving below; the fine pass bisects below the best (160): 120, then 140.
+    assert calls == [40, 80, 160, 120, 140]
     assert trace.stop is StopReason.PLATEAU
-    assert trace.best(THROUGHPUT).mbs == 128
+    assert trace.best(THROUGHPUT).mbs == 160
+
+
+def test_the_search_goes_below_its_start_only_while_halving_pays():
+    # a curve that peaks at 16: from the estimate 64 it halves to 32 (+9%), 16 (+3%), 8 (-11%: stop)
+    peak = {8: 80.0, 16: 100.0, 32: 97.0, 64: 89.0, 96: 80.0}
+    evaluate, calls = curve(lambda m: peak[m], max_ok=100)
+    trace = search_mbs(evaluate, lo=1, hi=128, estimate=64, objective=THROUGHPUT, num_fine=0)
+    assert calls == [64, 128, 96, 32, 16, 8]  # 128 OOMs; 96 runs slower than 64: plateau, then down
+    assert trace.best(THROUGHPUT).mbs == 16
+
+
+def test_an_optimistic_estimate_halves_until_a_size_runs_then_bisects_up_to_the_failure():
+    evaluate, calls = curve(lambda m: 10.0 * m, max_ok=13)
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=40, objective=THROUGHPUT, num_fine=0)
+    assert calls == [40, 20, 10, 15, 12, 13, 14]
+    assert trace.stop is StopReason.BOUNDARY and trace.best(THROUGHPUT).mbs == 13
 
 
 def test_failure_boundary_above_a_cautious_estimate():
     evaluate, calls = curve(lambda m: 10.0 * m, max_ok=40)
     trace = search_mbs(evaluate, lo=1, hi=1024, estimate=24, objective=THROUGHPUT, num_fine=3)
-    # The ladder lands on the estimate (24), goes above it (48 fails), then bisects to 40.
-    assert calls == [1, 2, 4, 8, 16, 24, 48, 36, 42, 39, 40, 41]
+    # The search starts on the estimate (24), goes above it (48 fails), then bisects to 40.
+    assert calls == [24, 48, 36, 42, 39, 40, 41]
     assert trace.stop is StopReason.BOUNDARY
     assert trace.best(THROUGHPUT).mbs == 40
     assert [p.status for p in trace.points if p.mbs in (48, 42, 41)] == [Status.OOM] * 3
 
 
-def test_infeasible_smallest_mbs_stops_at_once():
+def test_nothing_runs_down_to_the_smallest_mbs_is_infeasible():
     evaluate, calls = curve(lambda m: 1.0, max_ok=0)
     trace = search_mbs(evaluate, lo=1, hi=64, estimate=8, objective=THROUGHPUT)
-    assert calls == [1] and trace.stop is StopReason.INFEASIBLE and trace.best(THROUGHPUT) is None
+    assert calls == [8, 4, 2, 1] and trace.stop is StopReason.INFEASIBLE and trace.best(THROUGHPUT) is None
+
+
+def test_latency_infeasible_smallest_mbs_stops_at_once():
+    evaluate, calls = curve(lambda m: 1.0, max_ok=0)
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=8, objective=LATENCY)
+    assert calls == [1] and trace.stop is StopReason.INFEASIBLE and trace.best(LATENCY) is None
 
 
 def test_cap_and_known_points_are_not_rerun():
     evaluate, calls = curve(lambda m: 10.0 * m)
     known = [Point(4, Status.OK, 40.0)]
     trace = search_mbs(evaluate, lo=1, hi=6, estimate=6, objective=THROUGHPUT, num_fine=1, known=known)
-    # 4 ran already: the ladder climbs from it (lo is not run), reaches the cap 6, bisects 4..6.
+    # 4 ran already: the search starts at the estimate 6 (the cap) and bisects 4..6.
     assert calls == [6, 5]
     assert trace.stop is StopReason.CAP
 
@@ -75,10 +98,9 @@ def test_higher_stage_probed_once_when_slower_and_later_stages_skipped():
     plans = [StagePlan(0, 100), StagePlan(1, 100), StagePlan(2, 200), StagePlan(3, 0)]
     results = explore_stages(evaluate, plans, lo=1, hi=1024, objective=THROUGHPUT, num_fine=0)
     assert [(r.stage, r.decision) for r in results] == [(0, StageDecision.EXPLORED), (1, StageDecision.PROBED), (2, StageDecision.SKIPPED), (3, StageDecision.PRUNED)]
-    # stage 0: the ladder lands on the estimate 100 (a positioning step, not a plateau test), goes one
-    # step above it (200 gains 0.5%: plateau); stage 1 can reach 100 only: probed once there, slower than
-    # stage 0 at the same mbs; stage 2 is not run at all.
-    assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (0, 16), (0, 32), (0, 64), (0, 100), (0, 200), (1, 100)]
+    # stage 0 starts at the estimate 100 and goes one step above it (200 gains 0.5%: plateau); stage 1
+    # can reach 100 only: probed once there, slower than stage 0 at the same mbs; stage 2 is not run.
+    assert calls == [(0, 100), (0, 200), (1, 100)]
     assert results[1].reason == "probe at mbs=100: ok 89.11 not better than ZeRO stage 0's 99.01 at mbs=100"
 
 
@@ -89,7 +111,9 @@ def test_higher_stage_explored_when_memory_headroom_could_beat():
     results = explore_stages(evaluate, plans, lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
     assert results[1].reason.startswith("could beat: optimistic throughput 64")
-    assert [m for s, m in calls if s == 1] == [1, 2, 4, 8, 16, 32, 64]  # no probe: the bound decided
+    # stage 0: 8 runs, 16 fails, the bisection finds nothing between, halving to 4 does not pay;
+    # stage 1: no probe (the bound decided), its search starts at its estimate
+    assert calls == [(0, 8), (0, 16), (0, 12), (0, 10), (0, 9), (0, 4), (1, 64), (1, 32)]
     assert results[1].trace.best(THROUGHPUT).mbs == 64
 
 
@@ -98,7 +122,7 @@ def test_higher_stage_that_measures_faster_is_explored_from_its_probe():
     results = explore_stages(evaluate, [StagePlan(0, 4), StagePlan(1, 4)], lo=1, hi=4, objective=THROUGHPUT,
                              num_fine=0)
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
-    assert calls == [(0, 1), (0, 2), (0, 4), (1, 4)]  # the probe at 4 is stage 1's search start (the cap)
+    assert calls == [(0, 4), (0, 2), (1, 4), (1, 2)]  # the probe at 4 is stage 1's search start (the cap)
     assert results[1].trace.best(THROUGHPUT) == Point(4, Status.OK, 96.0)
 
 
@@ -111,12 +135,13 @@ def test_failed_first_stage_lets_the_next_one_run():
 
 
 def test_the_step_onto_the_memory_estimate_is_not_a_plateau_test():
-    # 16 -> 17 (the estimate) gains 0.4%, but 34 runs 8% faster than 17: the climb goes on past the estimate
-    metric = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0, 16: 160.0, 17: 160.6, 34: 173.5}
-    evaluate, calls = curve(lambda m: metric.get(m, 150.0), max_ok=40)
-    trace = search_mbs(evaluate, lo=1, hi=64, estimate=17, objective=THROUGHPUT, num_fine=0)
-    assert calls == [1, 2, 4, 8, 16, 17, 34, 64, 49, 41, 37]  # 37 runs slower than 34: plateau
-    assert trace.best(THROUGHPUT).mbs == 34
+    # the bottom-up (latency) ladder: 16 -> 17 (the estimate) gains 0.3%, but 34 is 8.5% faster than 17:
+    # the climb goes on past the estimate
+    metric = {1: 100.0, 2: 50.0, 4: 25.0, 8: 12.5, 16: 6.25, 17: 6.23, 34: 5.7}
+    evaluate, calls = curve(lambda m: metric.get(m, 7.0), max_ok=40)
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=17, objective=LATENCY, num_fine=0)
+    assert calls == [1, 2, 4, 8, 16, 17, 34, 64, 49, 41, 37]  # 37 is slower than 34: plateau
+    assert trace.best(LATENCY).mbs == 34
 
 
 def test_an_oom_probe_is_no_evidence_of_slowness():
@@ -126,7 +151,7 @@ def test_an_oom_probe_is_no_evidence_of_slowness():
     plans = [StagePlan(0, 8), StagePlan(1, 8), StagePlan(2, 8)]
     results = explore_stages(evaluate, plans, lo=1, hi=8, objective=THROUGHPUT, num_fine=0)
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.PROBED]
-    assert calls == [(0, 1), (0, 2), (0, 4), (0, 8), (1, 8), (1, 4), (2, 8)]  # stage 2 still probed
+    assert calls == [(0, 8), (0, 4), (1, 8), (1, 4), (2, 8)]  # stage 2 still probed
 
 
 def test_search_over_allowed_values_only():
@@ -134,7 +159,7 @@ def test_search_over_allowed_values_only():
     evaluate, calls = curve(lambda m: 10.0 * m, max_ok=12)
     trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=2,
                        allowed=[1, 2, 4, 8, 16, 32])
-    assert calls == [1, 2, 4, 8, 16]  # 16 fails; nothing allowed between 8 and 16
+    assert calls == [32, 16, 8, 4]  # 32 and 16 fail; nothing allowed between 8 and 16; 4 is slower
     assert trace.stop is StopReason.BOUNDARY and trace.best(THROUGHPUT).mbs == 8
 
 
@@ -151,9 +176,9 @@ def test_a_plateau_within_the_noise_is_re_measured_before_the_climb_stops():
         confirmed.extend(ms)
         return [Point(m, Status.OK, sum(noisy[m]) / 2 if m in noisy else 10.0 * m, runs=2) for m in ms]
 
-    trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0, confirm=confirm)
+    trace = search_mbs(evaluate, lo=1, hi=32, estimate=8, objective=THROUGHPUT, num_fine=0, confirm=confirm)
     assert confirmed == [8, 16]  # the step and the best so far, interleaved
-    assert calls == [1, 2, 4, 8, 16, 32] and trace.stop is StopReason.CAP
+    assert calls == [8, 16, 32] and trace.stop is StopReason.CAP
     assert trace.get(16) == Point(16, Status.OK, 112.0, runs=2)
 
 
@@ -164,7 +189,7 @@ def test_a_clear_drop_is_not_re_measured():
     def confirm(ms):
         raise AssertionError("a 37% drop is beyond the runs' noise (2% + 2%)")
 
-    trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0, confirm=confirm)
+    trace = search_mbs(evaluate, lo=1, hi=32, estimate=8, objective=THROUGHPUT, num_fine=0, confirm=confirm)
     assert trace.stop is StopReason.PLATEAU and trace.best(THROUGHPUT).mbs == 8
 
 

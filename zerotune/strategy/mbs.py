@@ -1,15 +1,25 @@
 """The micro-batch search of one ZeRO stage: which mbs values to try, in what order, and when to stop.
 
 :func:`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate``
-callable and learns from the outcomes (``Status`` and metric). In order: the smallest mbs; a
-doubling ladder that lands on the memory model's estimate and may go above it; a binary search
-between the last runnable and the first failing mbs; plateau detection (stop when the metric
-improves by less than ``threshold``; the short step onto the memory estimate is not tested, it only
-positions the ladder); and a fine pass that bisects around the best mbs. Why it stopped is a
-:class:`StopReason`. The search moves over a sorted set of allowed mbs values: every integer in
-``lo..hi``, or fewer when the global batch is fixed (the divisors that keep
-``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling" and "bisecting" pick
-from that set.
+callable and learns from the outcomes (``Status`` and metric). Why it stopped is a
+:class:`StopReason`. Two directions, after the metric's:
+
+- **Throughput** (a larger mbs tends to win, until memory runs out): top-down. The first run is
+  at the memory model's largest fitting mbs (the estimate), where the answer usually is, not at
+  the smallest mbs, whose runs teach little. If it fails, the search halves until a size runs and
+  bisects up to the failure. If it runs, the search climbs above it by doubling while it runs and
+  gains (a failure: binary search for the boundary; a gain under ``threshold``: plateau), then
+  checks one halving below the best: it goes further down only while that pays by ``threshold``.
+- **Latency** (a smaller mbs tends to win): bottom-up. The smallest mbs, then a doubling ladder
+  that lands on the estimate and may go above it; a binary search between the last runnable and
+  the first failing mbs; plateau detection (stop when the metric improves by less than
+  ``threshold``; the short step onto the memory estimate is not tested, it only positions the
+  ladder).
+
+Then a fine pass bisects around the best mbs. The search moves over a sorted set of allowed mbs
+values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the divisors that
+keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
+"bisecting" pick from that set.
 """
 from __future__ import annotations
 
@@ -88,21 +98,24 @@ pooled over all their runs."""
 def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective: Objective,
                threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = (),
                allowed: Sequence[int] | None = None, confirm: Confirm | None = None) -> MbsTrace:
-    """Search the micro batch size of one stage.
+    """Search the micro batch size of one stage (the module docstring gives the order).
 
     Args:
         evaluate: runs a batch of mbs values and returns one :class:`Point` each.
         lo, hi: smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``,
             and the train batch bounds).
-        estimate: the memory model's largest fitting mbs; the ladder lands on it exactly and
-            may continue above it (doubling) when it runs.
-        objective: the metric's direction.
+        estimate: the memory model's largest fitting mbs: where a throughput search starts (the
+            largest allowed value within it), and where a latency ladder lands exactly; both may
+            go above it when it runs.
+        objective: the metric's direction (which way the search goes).
         threshold: plateau threshold: a step that improves the best metric by less than this
-            fraction ends the upward search (except the step onto the estimate).
+            fraction ends the upward search (except a latency ladder's step onto the estimate);
+            a throughput search goes below its start only while halving gains this much.
         num_fine: experiments allowed in the fine pass around the best mbs.
-        known: points already measured for this stage (reused, not re-run). When one of them
-            ran, the smallest mbs is not run (memory grows with mbs) and the ladder starts at
-            the largest known runnable mbs; a known failure caps the ladder.
+        known: points already measured for this stage (reused, not re-run). A throughput search
+            starts at the largest known runnable mbs when it is above the estimate. For latency,
+            when one of them ran, the smallest mbs is not run (memory grows with mbs) and the
+            ladder starts at the largest known runnable mbs. A known failure is never re-run.
         allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only
             those within ``lo..hi`` are used.
         confirm: when given, a step that would end the climb as a plateau by a difference within
@@ -125,6 +138,11 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.points.extend(evaluate(todo))
         return [trace.get(m) for m in batch]
 
+    if objective.higher_is_better:
+        _top_down(run, trace, values, estimate, objective, threshold, confirm)
+        if trace.stop is not StopReason.INFEASIBLE:
+            _fine_pass(run, trace, values, objective, num_fine)
+        return trace
     known_ok = [p.mbs for p in trace.ok_points]
     if known_ok:  # e.g. a probe: memory grows with mbs, so lo runs too; climb from the largest known
         prev = max(known_ok)
@@ -134,17 +152,25 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.stop = StopReason.INFEASIBLE
             return trace
         prev = values[0]
+    trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm)
+    _fine_pass(run, trace, values, objective, num_fine)
+    return trace
+
+
+def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int, objective: Objective,
+           threshold: float, confirm: Confirm | None) -> StopReason:
+    """Climb from the runnable ``prev`` by :func:`next_mbs` steps until the cap, a failure (then
+    :func:`_bisect` to the boundary) or a plateau (a step gaining less than ``threshold``; not the
+    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given)."""
     best = trace.best(objective)
     while True:
         step = next_mbs(prev, estimate, values)
         if step is None:
-            trace.stop = StopReason.CAP
-            break
+            return StopReason.CAP
         nxt, landing = step
         (p,) = run([nxt])
         if not p.ok:
-            trace.stop = _bisect(run, trace, values, prev, nxt, objective, threshold)
-            break
+            return _bisect(run, trace, values, prev, nxt, objective, threshold)
         improved = objective.gain(p.metric, best.metric)
         if (improved < threshold and not landing and confirm is not None and min(p.runs, best.runs) < 2
                 and within_noise(improved, p, best, threshold)):
@@ -154,12 +180,42 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
         if objective.better(p.metric, best.metric):
             best = p
         if improved < threshold and not landing:
-            trace.stop = StopReason.PLATEAU
-            break
+            return StopReason.PLATEAU
         prev = nxt
 
-    _fine_pass(run, trace, values, objective, num_fine)
-    return trace
+
+def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, objective: Objective, threshold: float,
+              confirm: Confirm | None) -> None:
+    """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
+    (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
+    (a failure: bisect to the boundary), then check one halving below: the search goes down only
+    while a smaller mbs is better by ``threshold``."""
+    known_ok = [p.mbs for p in trace.ok_points]
+    start = max([m for m in values if m <= estimate] or [values[0]])
+    start = max(start, *known_ok) if known_ok else start
+    (p,) = run([start])
+    fail = None
+    while not p.ok:  # the estimate was optimistic: halve until a size runs, then bisect up to the failure
+        fail = start
+        below = [m for m in values if m <= start // 2] or [m for m in values if m < start][-1:]
+        if not below:
+            trace.stop = StopReason.INFEASIBLE
+            return
+        start = below[-1]
+        (p,) = run([start])
+    if fail is not None:
+        trace.stop = _bisect(run, trace, values, start, fail, objective, threshold)
+    else:
+        trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm)  # above the estimate
+    best = trace.best(objective)
+    while not any(q.mbs < best.mbs for q in trace.ok_points):  # below: only while halving pays
+        below = [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]
+        if not below:
+            break
+        (p,) = run([below[-1]])
+        if not p.ok or objective.gain(p.metric, best.metric) < threshold:
+            break
+        best = p
 
 
 def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:
