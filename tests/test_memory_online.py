@@ -17,7 +17,9 @@ def test_an_oom_under_a_fitting_estimate_raises_it_just_over_the_budget():
     assert MODEL.bytes_per_device(CFG) == ESTIMATE
     budget = ESTIMATE + 500
     new, why = corrected(MODEL, exp(Status.OOM), budget)
-    assert new.overhead_bytes == 100 + 501 and new.bytes_per_device(CFG) == budget + 1
+    assert new.stage_overhead_bytes == (501, 0, 0, 0) and new.bytes_per_device(CFG) == budget + 1
+    assert new.bytes_per_device({**CFG, "zero_optimization": {"stage": 1}}) == \
+        MODEL.bytes_per_device({**CFG, "zero_optimization": {"stage": 1}})  # per stage
     assert not new.fits(CFG, budget) and "ran out of memory" in why
     # an OOM the model predicted teaches nothing
     assert corrected(MODEL, exp(Status.OOM), ESTIMATE - 1) == (MODEL, None)
@@ -25,7 +27,7 @@ def test_an_oom_under_a_fitting_estimate_raises_it_just_over_the_budget():
 
 def test_a_peak_above_the_estimate_raises_the_overhead_and_one_below_never_lowers_it():
     new, why = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12)
-    assert new.overhead_bytes == 100 + 12_345 and new.bytes_per_device(CFG) == ESTIMATE + 12_345
+    assert new.stage_overhead_bytes == (12_345, 0, 0, 0) and new.bytes_per_device(CFG) == ESTIMATE + 12_345
     assert "peaked at" in why
     assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE - 10**6), 10**12) == (MODEL, None)
     assert corrected(MODEL, exp(Status.OK, peak=None), 10**12) == (MODEL, None)
@@ -53,3 +55,24 @@ def test_summary_memory_table_has_every_run_with_both_figures():
     assert "+10.0%" in text and "-10.0%" in text and "+2.0%" in text and " d " not in text
     assert "3 runs: median |error| 10.0%, worst 10.0%" in text
     assert memory_table(runs[3:]) is None
+
+
+def test_the_activation_slope_comes_from_two_runs_of_one_config_and_keeps_the_calibration():
+    profile = {**CFG, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1_000_000},
+               "autotuning": {"model_info": {"profile": True}}}
+    model = MemoryModel(1_000_000, 5_000_000, 4).calibrated(profile, 900_000_000, mbs=1)
+    runs = []
+    for mbs, peak in ((1, 500_000_000), (2, 501_500_000), (8, 510_500_000)):
+        runs.append(Experiment(f"z0_mbs{mbs}", {**CFG, "train_micro_batch_size_per_gpu": mbs}, status=Status.OK,
+                               peak_memory_bytes=peak))
+    a, _ = corrected(model, runs[0], 10**12, [])
+    assert a.activation_bytes_per_sample == 5_000_000  # one run: no slope
+    b, why = corrected(a, runs[2], 10**12, runs[:2])
+    # the widest pair (mbs 1 and 8): 10,500,000 / 7 bytes per sample
+    assert b.activation_bytes_per_sample == 1_500_000 and "activations" in why
+    # recalibrated on the profile's peak: the profile estimate with the new slope still equals it
+    assert b.profile_exit_bytes(profile, 1) == 900_000_000 and b.overhead_bytes > model.overhead_bytes
+    # another config (other buckets) is not a pair
+    other = Experiment("z0_mbs4_b", {**CFG, "train_micro_batch_size_per_gpu": 4, "zero_optimization":
+                                     {"stage": 0, "reduce_bucket_size": 1}}, status=Status.OK, peak_memory_bytes=1)
+    assert corrected(b, other, 10**12, runs)[0].activation_bytes_per_sample == 1_500_000

@@ -162,6 +162,12 @@ class MemoryModel:
             each, which stay gathered (0: unknown; they matter only when G < Psi).
         largest_layer_params: parameters of the largest module (stage 3 gathers at least that
             much to run it; 0: unknown).
+        stage_overhead_bytes: per ZeRO stage (0-3), bytes on top of ``overhead_bytes`` that the
+            online correction learnt from that stage's runs (:mod:`zerotune.model.online`).
+        anchor: the calibration's measurement, ``(ds_config, peak bytes, mbs)``, kept so the
+            overhead can be recalibrated when the activation term is corrected (None: uncalibrated).
+        activations_measured: the activation term is a slope measured between two runs (online
+            correction), not the profile's first-forward figure.
     """
 
     num_params: int
@@ -172,6 +178,10 @@ class MemoryModel:
     trainable_params: int | None = None
     persistent_params: int = 0
     largest_layer_params: int = 0
+    stage_overhead_bytes: tuple[int, int, int, int] = (0, 0, 0, 0)
+    anchor: tuple[dict[str, Any], int, int] | None = dataclasses.field(default=None, compare=False, hash=False,
+                                                                         repr=False)
+    activations_measured: bool = False
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
         """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
@@ -233,7 +243,7 @@ class MemoryModel:
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=int(self.activation_bytes_per_sample * mbs),
-                               overhead=int(self.overhead_bytes), host=int(host))
+                               overhead=int(self.overhead_bytes + self.stage_overhead_bytes[stage]), host=int(host))
 
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
         """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
@@ -284,7 +294,17 @@ class MemoryModel:
         :meth:`profile_exit_bytes`, since that run exits in its first forward) and by the online
         correction with a finished experiment's peak.
         """
-        base = dataclasses.replace(self, overhead_bytes=0)
+        base = dataclasses.replace(self, overhead_bytes=0, stage_overhead_bytes=(0, 0, 0, 0))
         profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))
         estimate = base.profile_exit_bytes(ds_config, mbs) if profiling else base.bytes_per_device(ds_config, mbs)
-        return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate))
+        return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate),
+                                   anchor=(ds_config, int(measured_peak_bytes), mbs))
+
+    def with_activations(self, activation_bytes_per_sample: int) -> "MemoryModel":
+        """A copy with a measured activation term, recalibrated on its :attr:`anchor` when it has one
+        (the calibration's measured peak stays explained; the per-stage corrections are kept)."""
+        new = dataclasses.replace(self, activation_bytes_per_sample=int(activation_bytes_per_sample),
+                                  activations_measured=True)
+        if self.anchor is None:
+            return new
+        return dataclasses.replace(new.calibrated(*self.anchor), stage_overhead_bytes=self.stage_overhead_bytes)

@@ -1,50 +1,97 @@
 """Online correction: the memory model learns from each finished experiment (issue 10, part 6).
 
 The profile run calibrates the fixed per-rank overhead once (:meth:`MemoryModel.calibrated`). Every
-experiment after it is a second measurement of the same model: where it shows the estimate too
-optimistic, the overhead is raised so that the same mistake is not made twice near the boundary:
+experiment after it is another measurement of the same model, used two ways:
 
-- **OOM although the estimate fit** (``estimate <= budget``): the config's estimate becomes just
-  over the budget (the overhead rises by ``budget + 1 - estimate``), so it and every config the model
-  puts at least as high are predicted not to fit.
-- **A measured peak above the estimate** (an OK run): the overhead rises by the shortfall, so the
-  estimate of that config equals what it used.
+- **The activation slope.** DeepSpeed's profile measures activations as the change in memory across
+  the first forward pass; on CPU that change also holds one-off allocations (ZeRO-3 gathering the
+  parameters for the first time, the allocator growing its heap), several times the real slope on
+  the benchmark's models. Two finished runs of the same config at different mbs measure the slope
+  itself: ``(peak_b - peak_a) / (mbs_b - mbs_a)`` (the widest such pair). It replaces the profile's
+  activation term, then the largest slope measured so far is kept (stages and precisions differ a
+  little, and the step's high-water marks are noisy), and the overhead is recalibrated on the
+  profile's peak (:meth:`MemoryModel.with_activations`).
+- **The stage's own overhead**, only ever raised: after an OOM although the estimate fit
+  (``estimate <= budget``), the stage's estimate becomes just over the budget (its overhead rises by
+  ``budget + 1 - estimate``); after an OK run whose peak is above the estimate, it rises by the
+  shortfall. Per stage, since what the structural terms miss (communication buffers, allocator
+  slack) differs by stage.
 
-The overhead is never lowered: a peak below the estimate may be a measurement that does not see
+A peak below the estimate never lowers an overhead: it may be a measurement that does not see
 everything the budget counts (on CPU the probe's resident high-water mark leaves out allocated pages
 never written, such as most of a large reduce bucket, while ``RLIMIT_DATA`` counts them). Pure
-function of the model and the experiment; the strategy calls it after each batch
-(:meth:`zerotune.strategy.tuning.Strategy.evaluate`).
+functions of the model and the experiments; the strategy calls :func:`corrected` after each finished
+experiment (:meth:`zerotune.strategy.tuning.Strategy.correct_memory`).
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Sequence
 
-from zerotune.core.experiment import Experiment, Status
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")
 
-def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int) -> tuple[MemoryModel, str | None]:
-    """The memory model after ``exp``'s outcome, and a line for the log saying why it changed (None: unchanged).
+
+def _measured(exp: Experiment) -> bool:
+    return (exp.kind is not ExperimentKind.PROFILE and exp.status is Status.OK and bool(exp.peak_memory_bytes)
+            and isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int))
+
+
+def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Equal apart from the batch keys (mbs, train batch size, gas)."""
+    return {k: v for k, v in a.items() if k not in _BATCH_KEYS} == {k: v for k, v in b.items() if k not in _BATCH_KEYS}
+
+
+def activation_slope(exp: Experiment, earlier: Sequence[Experiment]) -> int | None:
+    """Bytes per sample from ``exp`` and the earlier run of the same config (but mbs) farthest from it in
+    mbs, both OK with a measured peak; None without such a pair or when the peaks do not grow."""
+    if not _measured(exp):
+        return None
+    pairs = [e for e in earlier if _measured(e) and e.mbs != exp.mbs and _same_config(e.ds_config, exp.ds_config)]
+    if not pairs:
+        return None
+    other = max(pairs, key=lambda e: abs(e.mbs - exp.mbs))
+    slope = (exp.peak_memory_bytes - other.peak_memory_bytes) / (exp.mbs - other.mbs)
+    return int(slope) if slope > 0 else None
+
+
+def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
+              earlier: Sequence[Experiment] = ()) -> tuple[MemoryModel, str | None]:
+    """The memory model after ``exp``'s outcome, and a line for the log saying what changed (None: nothing).
 
     Args:
         memory: the current model.
         exp: a finished experiment (its ``ds_config``, ``status`` and ``peak_memory_bytes``); the
-            profile run and experiments without a ZeRO config are ignored.
+            profile run is the calibration itself and is ignored.
         budget_bytes: the per-device budget the run was held to.
+        earlier: the experiments finished before it (for the activation slope).
     """
-    if exp.kind.value == "profile" or not isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int):
+    if exp.kind is ExperimentKind.PROFILE or not isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int):
         return memory, None
+    notes = []
+    slope = activation_slope(exp, earlier)
+    if slope is not None and memory.activations_measured:
+        slope = max(slope, memory.activation_bytes_per_sample)  # the largest slope measured so far
+    if slope is not None and slope != memory.activation_bytes_per_sample:
+        notes.append(f"activations {format_bytes(slope)} per sample (was {format_bytes(memory.activation_bytes_per_sample)}"
+                     f", measured between mbs {exp.mbs} and an earlier run)")
+        memory = memory.with_activations(slope)
+    stage = min(max(exp.stage, 0), 3)
     estimate = memory.bytes_per_device(exp.ds_config)
+    raise_by = 0
     if exp.status is Status.OOM and estimate <= budget_bytes:
         raise_by = budget_bytes + 1 - estimate
-        why = (f"{exp.name} ran out of memory at an estimate of {format_bytes(estimate)} "
-               f"(budget {format_bytes(budget_bytes)})")
-    elif exp.status is Status.OK and exp.peak_memory_bytes and exp.peak_memory_bytes > estimate:
+        notes.append(f"{exp.name} ran out of memory at an estimate of {format_bytes(estimate)} "
+                     f"(budget {format_bytes(budget_bytes)})")
+    elif _measured(exp) and exp.peak_memory_bytes > estimate:
         raise_by = exp.peak_memory_bytes - estimate
-        why = f"{exp.name} peaked at {format_bytes(exp.peak_memory_bytes)}, estimated {format_bytes(estimate)}"
-    else:
-        return memory, None
-    new = dataclasses.replace(memory, overhead_bytes=memory.overhead_bytes + raise_by)
-    return new, f"memory model corrected: {why}; per-rank overhead {format_bytes(new.overhead_bytes)} (+{format_bytes(raise_by)})"
+        notes.append(f"{exp.name} peaked at {format_bytes(exp.peak_memory_bytes)}, estimated {format_bytes(estimate)}")
+    if raise_by:
+        extra = list(memory.stage_overhead_bytes)
+        extra[stage] += raise_by
+        memory = dataclasses.replace(memory, stage_overhead_bytes=tuple(extra))
+        notes.append(f"ZeRO stage {stage} overhead +{format_bytes(raise_by)}")
+    return memory, ("memory model corrected: " + "; ".join(notes)) if notes else None

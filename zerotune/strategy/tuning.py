@@ -147,11 +147,13 @@ class Strategy:
         return [self._done[e.name] for e in experiments]
 
     def correct_memory(self, exp: Experiment) -> None:
-        """Online correction of the memory model from a finished experiment (an OOM under a fitting
-        estimate, a peak above it: :func:`zerotune.model.online.corrected`), so a near-boundary
-        estimate is not repeated."""
+        """Online correction of the memory model from a finished experiment (the activation slope
+        between two runs of a config, and the stage's overhead after an OOM under a fitting estimate
+        or a peak above it: :func:`zerotune.model.online.corrected`), so a near-boundary estimate is
+        not repeated."""
         if self.result.memory is not None:
-            self.result.memory, why = corrected(self.result.memory, exp, self.job.device_memory_bytes)
+            earlier = [e for e in self.result.experiments if e is not exp]
+            self.result.memory, why = corrected(self.result.memory, exp, self.job.device_memory_bytes, earlier)
             if why:
                 self.log(why)
 

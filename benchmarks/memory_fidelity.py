@@ -1,0 +1,218 @@
+"""Memory fidelity: the memory model's bytes per rank against real runs on 2 CPU ranks.
+
+For each model shape the benchmark runs zerotune's own profile run (ZeRO-3, small buckets,
+DeepSpeed's ``model_info.json``), calibrates the memory model from it as ``tune`` does, then runs a
+grid (ZeRO stages 0-3 x mbs x fp32/bf16) of short real trainings through zerotune's local backend
+(the real ``deepspeed`` launcher, ``DS_ACCELERATOR=cpu``, the step probe in every rank) and prints
+predicted vs measured bytes per rank with the median and worst absolute relative error.
+
+Two measured figures per run, per rank, the largest over the ranks:
+- ``VmData``: the process's private writable memory, sampled every 0.1 s by this script. It is what
+  the per-rank budget limits on CPU (``RLIMIT_DATA``) and what an allocator has handed out, which
+  is what a GPU's ``max_memory_allocated`` counts: a buffer allocated but never written counts
+  (DeepSpeed's 2 GB fp32 reduce bucket does). This is the figure the error is computed on.
+- RSS high-water mark (the step probe's ``peak_bytes``, ``ru_maxrss``): resident pages only. It
+  leaves out allocated pages never written (most of a large reduce bucket) and includes shared
+  library text (libtorch), so it is neither above nor below VmData in general; shown for reading
+  ``exp.json`` figures, not scored.
+
+Raw measurements go to ``benchmarks/results/memory_fidelity.json``; ``--report`` recomputes the
+predictions from that file with the current memory model without running anything.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_fidelity.py            # ~10 min here
+    .venv/bin/python benchmarks/memory_fidelity.py --report                      # table only
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status  # noqa: E402
+from zerotune.core.units import format_bytes  # noqa: E402
+from zerotune.model.memory import MemoryModel  # noqa: E402
+from zerotune.model.online import corrected  # noqa: E402
+from zerotune.model.profile import ModelInfo  # noqa: E402
+from zerotune.run.backends.base import LaunchSpec  # noqa: E402
+from zerotune.run.backends.local import LocalBackend  # noqa: E402
+from zerotune.run.processes import data_bytes  # noqa: E402
+from zerotune.run.slots import Node, Reservation  # noqa: E402
+from zerotune.strategy.configs import PROFILE_BUCKET_SIZE  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "memory_fidelity.json"
+SCRIPT = ROOT / "examples" / "train_gpt.py"
+RANKS = 2
+BUCKET = 50_000_000  # reduce/allgather bucket elements (200 MB fp32): buffers matter without dwarfing the rest
+
+MODELS = {  # name -> train_gpt.py arguments
+    "gpt-small": [],  # the bundled example: d_model 256, 4 layers, vocab 4096, seq 128
+    "gpt-wide": ["--d-model", "512", "--n-layer", "2", "--vocab", "8192", "--seq-len", "64", "--n-head", "8"],
+}
+STAGES = (0, 1, 2, 3)
+MBS = (1, 8)
+PRECISIONS = ("fp32", "bf16")
+
+
+def ds_config(stage: int, mbs: int, precision: str) -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1,
+           "train_batch_size": mbs * RANKS,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}}
+    if stage == 3:
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = BUCKET
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def profile_config() -> dict:
+    """The profile run's config as zerotune builds it (ConfigBuilder.profile): ZeRO-3, mbs 1, small buckets."""
+    cfg = ds_config(3, 1, "fp32")
+    cfg["zero_optimization"].update(reduce_bucket_size=PROFILE_BUCKET_SIZE, stage3_prefetch_bucket_size=PROFILE_BUCKET_SIZE,
+                                    stage3_max_live_parameters=PROFILE_BUCKET_SIZE)
+    cfg["autotuning"] = {"model_info": {"profile": True}}
+    return cfg
+
+
+class VmDataSampler(threading.Thread):
+    """Largest ``VmData`` of the ranks (processes running ``config_path``), sampled every ``period_s``."""
+
+    def __init__(self, marker: str, period_s: float = 0.1):
+        super().__init__(daemon=True)
+        self.marker, self.period_s, self.peak, self.stop = marker, period_s, {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                cmd = p.info.get("cmdline") or []
+                if any(self.marker in a for a in cmd) and any(a.endswith(SCRIPT.name) for a in cmd[1:4]):
+                    self.peak[p.pid] = max(self.peak.get(p.pid, 0), data_bytes(p.pid))
+            self.stop.wait(self.period_s)
+
+
+def run_one(backend: LocalBackend, exp: Experiment, workdir: Path) -> dict:
+    exp_dir = workdir / exp.name
+    sampler = VmDataSampler(str(exp_dir))
+    sampler.start()
+    start = time.monotonic()
+    try:
+        backend.run(exp, Reservation((Node("localhost", tuple(range(RANKS))),)), exp_dir)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    return {"name": exp.name, "status": exp.status.value if exp.status else None, "error": exp.error[-300:],
+            "vmdata_peak_bytes": max(sampler.peak.values(), default=None), "rss_peak_bytes": exp.peak_memory_bytes,
+            "metrics": exp.metrics if exp.kind is ExperimentKind.PROFILE else {}, "wall_s": round(time.monotonic() - start, 1)}
+
+
+def run_grid(models: list[str], steps: int, workdir: Path) -> dict:
+    out = {"date": datetime.date.today().isoformat(), "ranks": RANKS, "bucket": BUCKET, "models": {}}
+    for model in models:
+        spec = LaunchSpec(script=str(SCRIPT), script_args=("--steps", str(steps), *MODELS[model],
+                                                             "--deepspeed_config", "ds_config.json"),
+                          cpu=True, device_memory_bytes=None, timeout_s=300, start_profile_step=2, end_profile_step=4,
+                          extra_env={"OMP_NUM_THREADS": "1"})
+        backend = LocalBackend(spec)
+        prof = run_one(backend, Experiment(f"{model}_profile", profile_config(), 1, RANKS, ExperimentKind.PROFILE),
+                       workdir)
+        print(f"{model} profile: {prof['status']} {prof['metrics']} VmData {format_bytes(prof['vmdata_peak_bytes'] or 0)}"
+              f" ({prof['wall_s']} s)", flush=True)
+        runs = []
+        for precision in PRECISIONS:
+            for stage in STAGES:
+                for mbs in MBS:
+                    name = f"{model}_z{stage}_{precision}_mbs{mbs}"
+                    r = run_one(backend, Experiment(name, ds_config(stage, mbs, precision), 1, RANKS), workdir)
+                    r.update(stage=stage, mbs=mbs, precision=precision)
+                    runs.append(r)
+                    print(f"  {name}: {r['status']} VmData {format_bytes(r['vmdata_peak_bytes'] or 0)} RSS "
+                          f"{format_bytes(r['rss_peak_bytes'] or 0)} ({r['wall_s']} s)", flush=True)
+        out["models"][model] = {"args": MODELS[model], "profile": prof, "runs": runs}
+    return out
+
+
+def memory_model(model: dict) -> MemoryModel:
+    """The memory model ``tune`` would build from this model's profile run."""
+    prof = model["profile"]
+    info = ModelInfo.from_metrics(prof["metrics"], prof["vmdata_peak_bytes"])
+    base = MemoryModel(info.num_params, info.activation_mem_per_gpu, RANKS,
+                       trainable_params=info.trainable_num_params)
+    return base.calibrated(profile_config(), info.peak_memory_bytes, mbs=1)
+
+
+def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
+    """The table: per run the profile-calibrated prediction, the online-corrected one (the model after
+    the runs before it in the grid, fed their RSS peaks as ``tune`` feeds them), the measured VmData and
+    RSS; errors on VmData."""
+    lines = [f"memory fidelity, {data['date']}, {data['ranks']} CPU ranks, reduce/allgather bucket {data['bucket']:,} "
+             "elements",
+             "profile = calibrated on the profile run only; online = after zerotune.model.online's corrections "
+             "from the runs above it (as tune applies them, from the RSS peaks); errors against VmData", "",
+             f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'RSS':>10} {'err profile':>11} "
+             f"{'err online':>10}"]
+    errors: dict[str, list[float]] = {"profile": [], "online": []}
+    for name, model in data["models"].items():
+        mm = memory_model(model)
+        lines.append(f"{name}: {mm.num_params:,} params, profile activations {format_bytes(mm.activation_bytes_per_sample)}"
+                     f"/sample, calibrated overhead {format_bytes(mm.overhead_bytes)}")
+        online, earlier = mm, []
+        for r in model["runs"]:
+            cfg = ds_config(r["stage"], r["mbs"], r["precision"])
+            if r["status"] != Status.OK.value or not r["vmdata_peak_bytes"]:
+                lines.append(f"  {r['name'][len(name) + 1:]:<16} {r['status']}: {r['error'][-80:]}")
+                continue
+            predicted, corrected_now = mm.bytes_per_device(cfg, r["mbs"]), online.bytes_per_device(cfg, r["mbs"])
+            measured = r["vmdata_peak_bytes"]
+            e_prof, e_online = predicted / measured - 1, corrected_now / measured - 1
+            errors["profile"].append(abs(e_prof))
+            errors["online"].append(abs(e_online))
+            lines.append(f"  {r['name'][len(name) + 1:]:<16} {format_bytes(predicted):>10} {format_bytes(corrected_now):>10} "
+                         f"{format_bytes(measured):>10} {format_bytes(r['rss_peak_bytes'] or 0):>10} {e_prof:>+11.1%} "
+                         f"{e_online:>+10.1%}")
+            exp = Experiment(r["name"], cfg, 1, RANKS, status=Status.OK, peak_memory_bytes=r["rss_peak_bytes"])
+            online, _ = corrected(online, exp, 2**62, earlier)
+            earlier.append(exp)
+        lines.append(f"  after the grid: activations {format_bytes(online.activation_bytes_per_sample)}/sample, "
+                     f"overhead {format_bytes(online.overhead_bytes)}, per stage +"
+                     + ", +".join(format_bytes(b) for b in online.stage_overhead_bytes))
+    lines.append("")
+    for kind, errs in errors.items():
+        if errs:
+            lines.append(f"{kind:>7}: {len(errs)} runs, median |error| {statistics.median(errs):.1%}, worst {max(errs):.1%}")
+    lines.append("(target: median <= 5%, worst <= 10%)")
+    return lines, errors
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", action="store_true", help="print the table from the saved results, run nothing")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not args.report:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        with tempfile.TemporaryDirectory(prefix="zt_memfid_") as tmp:
+            data = run_grid(args.models.split(","), args.steps, Path(tmp))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data, indent=1) + "\n")
+    data = json.loads(args.out.read_text())
+    lines, _ = report(data)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
