@@ -30,6 +30,9 @@ def test_hf_activations_follow_korthikanti():
     assert architecture(GPT2, flash_attention=True).activation_bytes_per_sample == 2 * 278_528 + 6 * 128 * 1000
     assert architecture(GPT2, seq_len=64, bytes_per_activation=4).activation_bytes_per_sample == \
         2 * (2 * (64 * 64 * 34 + 5 * 4 * 64 * 64) + 6 * 64 * 1000)
+    # checkpointing: each layer keeps its input 2*s*h, one layer is recomputed at a time
+    assert architecture(GPT2, checkpointing=True).activation_bytes_per_sample == \
+        2 * (2 * 128 * 64) + (278_528 + 327_680) + 6 * 128 * 1000
     assert (a.largest_layer_params, a.seq_len) == (64_000, 128)  # the token embedding
     # persistent (<= 1e5 elements): every tensor of this tiny model
     assert a.persistent_params == a.num_params

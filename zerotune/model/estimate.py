@@ -86,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seq-len", type=int, default=None, help="with --hf-config: tokens per sample (default: its "
                                                               "maximum positions)")
     m.add_argument("--flash-attention", action="store_true", help="with --hf-config: attention scores not stored")
+    m.add_argument("--activation-checkpointing", action="store_true",
+                   help="with --hf-config: every layer checkpointed (keeps its input, recomputes in backward)")
     h = p.add_argument_group("the hardware (the launcher's names)")
     h.add_argument("--num_gpus", "--num_accelerators", type=int, default=1, help="devices per node (default 1)")
     h.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
@@ -165,7 +167,8 @@ def estimate(args: argparse.Namespace) -> Estimate:
     for flag, value, source in (("--trainable-params", args.trainable_params, "--num-params"),
                                 ("--activation-bytes", args.activation_bytes, "--num-params"),
                                 ("--seq-len", args.seq_len, "--hf-config"),
-                                ("--flash-attention", args.flash_attention or None, "--hf-config")):
+                                ("--flash-attention", args.flash_attention or None, "--hf-config"),
+                                ("--activation-checkpointing", args.activation_checkpointing or None, "--hf-config")):
         if value is not None and sources[0] != source:
             raise ConfigError(f"{flag} goes with {source}")
     cfg = _ds_config(args)
@@ -190,12 +193,13 @@ def estimate(args: argparse.Namespace) -> Estimate:
             _positive(args.seq_len, "--seq-len")
         arch = architecture(read_config(args.hf_config), seq_len=args.seq_len,
                             bytes_per_activation=4 if prec == "fp32" else 2, flash_attention=args.flash_attention,
-                            source=f"--hf-config {args.hf_config}")
+                            checkpointing=args.activation_checkpointing, source=f"--hf-config {args.hf_config}")
         num_params = trainable = arch.num_params
         activations = arch.activation_bytes_per_sample
         extra = {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params}
         source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
-                  + (", flash attention" if args.flash_attention else ""))
+                  + (", flash attention" if args.flash_attention else "")
+                  + (", activation checkpointing" if args.activation_checkpointing else ""))
     if args.device_memory is None:
         raise ConfigError("--device-memory is required: the memory of one device, e.g. 40GiB")
     budget = parse_bytes(args.device_memory, "--device-memory")

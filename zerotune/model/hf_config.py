@@ -10,8 +10,10 @@ attention scores, softmax and its dropout mask, which a fused (flash) attention 
 the loss, ``6*s*V`` (V = vocabulary). Of the 34: attention 11, the two layer norms 4, the MLP 19 =
 2 (its input) + 1 (dropout mask) + 16 (the activation function's input and output, ``2*ffn/h`` each
 at 2 bytes); with another MLP width ffn the layer stores ``s*h*(18 + 4*ffn/h)`` (34 at ffn = 4h).
-A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate. fp32
-activations are twice the bytes.
+A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate. With activation
+checkpointing (``checkpointing=True``, sec. 5: full recomputation) a layer keeps only its input,
+``2*s*h``, and one layer's activations are live again while it is recomputed in the backward pass.
+fp32 activations are twice the bytes.
 
 Read: ``hidden_size``/``n_embd``/``d_model``, ``num_hidden_layers``/``n_layer``/``num_layers``,
 ``num_attention_heads``/``n_head``, ``num_key_value_heads`` (grouped-query attention),
@@ -70,7 +72,7 @@ def _get(cfg: dict[str, Any], names: tuple[str, ...], what: str, source: str, de
 
 
 def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_activation: int = 2,
-                 flash_attention: bool = False, source: str = "config.json",
+                 flash_attention: bool = False, checkpointing: bool = False, source: str = "config.json",
                  persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> Architecture:
     """The :class:`Architecture` of a Hugging Face config (the dict of its ``config.json``).
 
@@ -78,6 +80,7 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
         seq_len: tokens per sample (default: the config's maximum positions).
         bytes_per_activation: 2 for fp16/bf16 training, 4 for fp32.
         flash_attention: leave out the attention-score term (module docstring).
+        checkpointing: activation checkpointing of every layer (module docstring).
         source: the file name, for messages.
 
     Raises:
@@ -121,7 +124,8 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     persistent = sum(t for t in tensors if t <= persistence_threshold)
 
     per_layer = s * h * (18 + 4 * ffn / h) + (0 if flash_attention else 5 * heads * s * s)
-    act = (layers * per_layer + 6 * s * vocab) * bytes_per_activation / 2
+    kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
+    act = (kept + 6 * s * vocab) * bytes_per_activation / 2
     return Architecture(num_params=num_params, activation_bytes_per_sample=int(act),
                         largest_layer_params=max(tensors), persistent_params=persistent, seq_len=s)
 
