@@ -243,7 +243,8 @@ class MemoryModel:
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=int(self.activation_bytes_per_sample * mbs),
-                               overhead=int(self.overhead_bytes + self.stage_overhead_bytes[stage]), host=int(host))
+                               overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
+                               host=int(host))
 
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
         """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
