@@ -48,9 +48,10 @@ def test_bounds_that_leave_no_mbs_are_an_error_before_anything_runs(tmp_path):
         build(tmp_path, {"autotuning": {"max_train_batch_size": 1}})
 
 
-def test_arg_mappings_is_refused_not_ignored(tmp_path):
-    with pytest.raises(ConfigError, match=r"'autotuning.arg_mappings' is not supported yet"):
-        build(tmp_path, {"autotuning": {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"}}})
+def test_arg_mappings_reach_every_launch(tmp_path):
+    job = build(tmp_path, {"autotuning": {"arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"}}})
+    assert job.arg_mappings == {"train_micro_batch_size_per_gpu": "--bs"}
+    assert job.launch_spec().arg_mappings == (("train_micro_batch_size_per_gpu", "--bs"),)
 
 
 def test_keys_zerotune_sets_itself_are_logged(tmp_path):

@@ -6,6 +6,7 @@ the line a person can paste. Starting, supervising and stopping the process is t
 """
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -15,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zerotune.deepspeed.args import apply_arg_mappings
 from zerotune.deepspeed.config import replace_config_arg
 from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH
 
@@ -88,14 +90,19 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
 
     Multi-node reservations (a hostfile and a host other than ``localhost``) go through the
     launcher's own runner (``--hostfile --force_multi``); the script's ds_config argument is
-    replaced by ``config_path``.
+    replaced by ``config_path``, and with ``spec.arg_mappings`` the mapped values of the config at
+    ``config_path`` (written before the launch) are passed as the script's arguments
+    (:func:`zerotune.deepspeed.args.apply_arg_mappings`).
     """
     cmd = deepspeed_launcher()
     multi = spec.hostfile and any(n.host != "localhost" for n in reservation.nodes)
     if multi:
         cmd += ["--hostfile", spec.hostfile, "--force_multi"]
     cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
-    return cmd + replace_config_arg(list(spec.script_args), config_path)
+    args = replace_config_arg(list(spec.script_args), config_path)
+    if spec.arg_mappings:
+        args = apply_arg_mappings(args, dict(spec.arg_mappings), json.loads(Path(config_path).read_text()))
+    return cmd + args
 
 
 def paste_command(env: dict[str, str], cmd: list[str]) -> str:

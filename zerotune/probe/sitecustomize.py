@@ -21,7 +21,8 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
   script does between engine calls (data loading, logging) is in it. Step 1 is measured from the
   start of the engine's first forward call, so the time before it (the first batch's loading) is
   lost; step 1 holds first allocations and compilation anyway and is never steady state.
-- ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps).
+- ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps; 1 under
+  the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
 - ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
   ``torch.cuda.max_memory_reserved()``); elsewhere the process's resident high-water mark
@@ -34,6 +35,12 @@ step is when ``step()`` returns on the host: no device synchronisation is added 
 what is measured), so on CUDA a single step's time may be shifted by the queued kernels, the mean
 over several steps is not. What is lost: a step in progress when the process is killed.
 
+Before the first forward, rank 0 also writes ``engine_config.json`` (:data:`ENGINE_RECORD`): the
+config the engine got (a Trainer script's ``"auto"`` values filled in), the model's hidden size as
+the Trainer reads it, and the engine's micro batch size, gradient accumulation steps and train
+batch size. The profile run's record resolves the hidden-size ``"auto"`` values
+(:mod:`zerotune.deepspeed.auto`); every experiment's shows what its engine ran with.
+
 A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
 Only this file and ``__init__.py`` are in this directory, since it is on the ranks' import path.
 """
@@ -44,6 +51,7 @@ import sys
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
+ENGINE_RECORD = "engine_config.json"
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
@@ -115,6 +123,7 @@ def _install(module, probe: _Probe) -> None:
     def probed_forward(self, *args, **kwargs):
         if probe.first_forward is None:
             probe.first_forward = time.monotonic()
+            _record_engine(probe, self)
         return forward(self, *args, **kwargs)
 
     @functools.wraps(step)
@@ -136,6 +145,44 @@ def _install(module, probe: _Probe) -> None:
         return result
 
     engine_cls.forward, engine_cls.step = probed_forward, probed_step
+
+
+def _record_engine(probe: _Probe, engine) -> None:
+    """Rank 0 writes :data:`ENGINE_RECORD` once, before the first forward: the config the engine got
+    (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
+    reads it, and the engine's batch sizes. A failure is reported and steps are still recorded."""
+    try:
+        if _rank(engine) != 0:
+            return
+        import json
+        config = getattr(getattr(engine, "_config", None), "_param_dict", None)
+        record = {"ds_config": config if isinstance(config, dict) else None,
+                  "hidden_size": _hidden_size(getattr(engine, "module", None)),
+                  "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
+                  "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+                  "train_batch_size": int(engine.train_batch_size())}
+        path = os.path.join(probe.directory, ENGINE_RECORD)
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, default=str)
+        os.replace(path + ".tmp", path)
+    except Exception as e:  # noqa: BLE001 - the probe never breaks training
+        print(f"zerotune probe: recording the engine's config failed: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+
+
+def _hidden_size(module) -> int | None:
+    """The model's hidden size where the Trainer reads it (``transformers.integrations.deepspeed``,
+    ``trainer_config_finalize``): ``config.hidden_size``, the largest of ``config.hidden_sizes``, or the
+    same in ``config.text_config``; None for a model without one."""
+    config = getattr(module, "config", None)
+    for owner in (config, getattr(config, "text_config", None)):
+        if owner is None:
+            continue
+        if getattr(owner, "hidden_size", None) is not None:
+            return int(owner.hidden_size)
+        if getattr(owner, "hidden_sizes", None):
+            return int(max(owner.hidden_sizes))
+    return None
 
 
 def _record(probe: _Probe, engine, state: dict | None, boundary: bool) -> None:

@@ -7,6 +7,12 @@ world size``, deep-merged with the phase's own settings (the profile's small buc
 candidate's values), pruned of the settings its stage does not read, and validated before it can
 run. Its name is the canonical name of its content (``z1_gas1_tmbspg8``, plus knob acronyms), so
 the same config always has the same name, whichever phase asks for it, and runs once.
+
+A Hugging Face Trainer config's ``"auto"`` values are resolved as the Trainer resolves them
+(:mod:`zerotune.deepspeed.auto`): gas and precision from the script's arguments, the hidden-size
+bucket values from the profile run's record of the model; the rest (learning rate, betas...) stay
+``"auto"`` for the Trainer to fill. With a mapped micro batch size and no numeric
+``train_batch_size``, the launched configs leave ``train_batch_size`` out (DeepSpeed derives it).
 """
 from __future__ import annotations
 
@@ -16,7 +22,10 @@ from typing import Any, Callable
 
 from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
-from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.auto import (ENGINE_RECORD, MODEL_AUTO_KEYS, auto_paths, hidden_size_autos, read_engine_record,
+                                     resolve)
+from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.job import Job
 from zerotune.strategy.space import Candidate, default_space, generate, merge
@@ -39,9 +48,17 @@ class ConfigBuilder:
 
     def __init__(self, job: Job):
         self.job = job
-        base = first_candidates(job.user_config)
+        # a Trainer script's "auto" values: those its arguments give now, the model's after the profile
+        self._user = resolve(job.user_config, job.script_autos)
+        self._model_auto_keys = [p for p in auto_paths(self._user) if p in MODEL_AUTO_KEYS]
+        self._model_autos: dict[str, int] | None = None if self._model_auto_keys else {}
+        base = first_candidates(self._user)
         base.pop("autotuning", None)
         self._base = base
+        # the Trainer fills the batch from its arguments: DeepSpeed derives train_batch_size (mbs x gas x
+        # DP) unless the user fixed it (see zerotune.deepspeed.auto: the Trainer's own sum is wrong on CPU)
+        tbs = job.user_config.get(TBS)
+        self._derive_tbs = MBS in job.arg_mappings and (isinstance(tbs, bool) or not isinstance(tbs, int))
         # the user's lists of candidates at keys without an acronym vary within the job: they are
         # not written into names, so configs that set them carry a hash in their name
         self._extra_keys = tuple(k for k in _candidate_keys(job.user_config) if k not in ACRONYMS)
@@ -49,17 +66,46 @@ class ConfigBuilder:
     def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None,
                gas: int | None = None) -> dict[str, Any]:
         """The user's config at ``stage``, ``mbs`` and ``gas`` (default: the batch semantics' gas at
-        that mbs) with ``settings`` deep-merged over it, pruned and validated."""
-        cfg = merge(self._base, settings or {})
+        that mbs) with ``settings`` deep-merged over it, pruned and validated; every ``"auto"`` that
+        zerotune reads is resolved (:mod:`zerotune.deepspeed.auto`)."""
+        return self._build(resolve(self._base, self.model_autos()), stage, mbs, settings, gas)
+
+    def _build(self, base: dict[str, Any], stage: int, mbs: int, settings: dict[str, Any] | None,
+               gas: int | None) -> dict[str, Any]:
+        cfg = merge(base, settings or {})
         if not isinstance(cfg.get(ZERO, {}), dict):
             cfg[ZERO] = {}
         cfg.setdefault(ZERO, {})["stage"] = stage
         cfg[MBS] = mbs
         cfg[GAS] = gas = gas or self.job.batch.gas_for(mbs)
         cfg[TBS] = mbs * gas * self.job.dp_world_size
+        if self._derive_tbs:
+            del cfg[TBS]
         cfg = prune(cfg)
         validate(cfg, self.job.dp_world_size)
         return cfg
+
+    def model_autos(self) -> dict[str, int]:
+        """The values of the user's hidden-size ``"auto"`` keys (:data:`MODEL_AUTO_KEYS`), as the Trainer
+        fills them, from the model's hidden size the profile run recorded (read once; empty when the
+        config has none).
+
+        Raises:
+            ConfigError: the profile run left no record (a dry run before any profile run) or the
+                model has no hidden size; naming the keys.
+        """
+        if self._model_autos is None:
+            exp_dir = self.job.exps_dir / self.profile().name
+            record = read_engine_record(exp_dir)
+            hidden = record.get("hidden_size") if record else None
+            if not isinstance(hidden, int) or hidden < 1:
+                why = (f"the model has no hidden size ({exp_dir / ENGINE_RECORD})" if record else
+                       f"no profile run has recorded it ({exp_dir / ENGINE_RECORD} is missing)")
+                raise ConfigError(f"{self.job.config_path}: {', '.join(self._model_auto_keys)} = \"auto\": the Trainer "
+                                  f"fills it from the model's hidden size, and {why}; run 'zerotune tune' (its "
+                                  f"profile run records it) or give a number")
+            self._model_autos = hidden_size_autos(hidden)
+        return self._model_autos
 
     def name(self, ds_config: dict[str, Any]) -> str:
         """The canonical name of a config of this job (see :func:`zerotune.deepspeed.canonical.canonical_name`)."""
@@ -83,7 +129,10 @@ class ConfigBuilder:
         writes ``model_info.json`` and exits in the first forward (``autotuning.model_info.profile``)."""
         small = {"reduce_bucket_size": PROFILE_BUCKET_SIZE, "stage3_prefetch_bucket_size": PROFILE_BUCKET_SIZE,
                  "stage3_max_live_parameters": PROFILE_BUCKET_SIZE}
-        cfg = self.config(PROFILE_STAGE, self.job.min_mbs, {ZERO: small})
+        # the model's "auto" values are not known yet (this run records them): small buckets, and
+        # DeepSpeed's default persistence threshold
+        before = {key: ZERO_DEFAULTS[PROFILE_STAGE][key.split(".")[-1]] for key in MODEL_AUTO_KEYS}
+        cfg = self._build(resolve(self._base, before), PROFILE_STAGE, self.job.min_mbs, {ZERO: small}, None)
         exp = self.experiment(cfg, ExperimentKind.PROFILE)
         exp.ds_config["autotuning"] = {"model_info": {"profile": True}}
         return exp
@@ -102,7 +151,8 @@ class ConfigBuilder:
         Args:
             fits: the memory model's predicate; a candidate it rejects keeps ``fits=False``.
         """
-        user = {k: v for k, v in self.job.user_config.items() if k not in ("autotuning", MBS, GAS, TBS)}
+        resolved = resolve(self._user, self.model_autos())
+        user = {k: v for k, v in resolved.items() if k not in ("autotuning", MBS, GAS, TBS)}
         user_zero = {k: v for k, v in (user.get(ZERO) or {}).items() if k != "stage"}
         space = default_space(stage)
         space[ZERO].update(user_zero)

@@ -21,6 +21,8 @@ from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_d
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
+from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
+from zerotune.deepspeed.auto import check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
 
 BACKENDS = ("local", "ray")
@@ -90,6 +92,10 @@ class Job:
         results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
         timeout_s, hang_timeout_s, hostfile, backend, ray_address: see :class:`TuneOptions`.
         stop_rule: when a running experiment may end early (None: never, ``adaptive`` off).
+        arg_mappings: ``autotuning.arg_mappings`` (ds_config key -> script flag), checked
+            (:mod:`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
+        script_autos: the ``"auto"`` values the script's arguments resolve before anything runs
+            (gas, precision; :func:`zerotune.deepspeed.auto.script_autos`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
     """
 
@@ -123,6 +129,8 @@ class Job:
     ray_address: str | None = None
     stop_rule: StopRule | None = None
     notes: tuple[str, ...] = ()
+    arg_mappings: dict[str, str] = field(default_factory=dict)
+    script_autos: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -140,10 +148,9 @@ class Job:
         _, config_path = find_config_arg(list(script_args))
         user = load_ds_config(config_path)
         at = parse_autotuning(user.get("autotuning"), source=config_path)
-        if at.arg_mappings:
-            raise ConfigError(f"{config_path}: 'autotuning.arg_mappings' is not supported yet: zerotune cannot "
-                              "pass each experiment's values as script arguments (Hugging Face Trainer scripts); "
-                              "remove it and give the micro batch size in the ds_config")
+        mappings = parse_arg_mappings(at.arg_mappings, config_path)
+        check_mapped_keys(mappings, user, config_path)
+        autos = script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
         notes = tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
                       for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {})
                       and not (key == "enabled" and at.enabled))  # "enabled": true is what zerotune does anyway
@@ -155,7 +162,8 @@ class Job:
             raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {at.mp_size} does not divide the "
                               f"{world_size} ranks of each experiment")
         dp = world_size // at.mp_size
-        batch = BatchSemantics.from_config(user, dp, at.max_train_batch_size, config_path)
+        batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path)
+        check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
         memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
         if memory is None:
@@ -179,7 +187,8 @@ class Job:
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
-                   backend=options.backend, ray_address=options.ray_address, notes=notes,
+                   backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
+                   script_autos=autos,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     def launch_spec(self) -> LaunchSpec:
@@ -189,7 +198,7 @@ class Job:
                           hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile,
                           start_profile_step=self.autotuning.start_profile_step,
                           end_profile_step=self.autotuning.end_profile_step, objective=self.objective,
-                          stop_rule=self.stop_rule)
+                          stop_rule=self.stop_rule, arg_mappings=tuple(self.arg_mappings.items()))
 
     def describe(self) -> str:
         """One line for the log: ranks, DP world size, budget, stages, mbs bounds, objective."""

@@ -1,0 +1,162 @@
+"""``autotuning.arg_mappings``: each experiment's ds_config values written into the script's own arguments.
+
+A Hugging Face ``Trainer`` script takes its micro batch size from ``--per_device_train_batch_size``
+and checks the ds_config against it (a mismatch raises), so an experiment at mbs 4 must also pass
+``--per_device_train_batch_size 4``. DeepSpeed's autotuner does this with
+``"arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", ...}``; zerotune
+keeps its meaning on every launch (the profile run, every experiment and its ``cmd.txt``,
+``cmd_optimal.txt``, ``zerotune run``): for each mapped key, the value the launched config holds is
+written into the script's arguments:
+
+- every occurrence of the flag gets the value, in both forms (``--flag v`` and ``--flag=v``), so
+  the parser reads it whichever occurrence it takes (argparse takes the last; DeepSpeed's own
+  autotuner replaced only the first);
+- a flag given without a value (``--gradient_checkpointing``, a boolean switch) gets the value
+  after it;
+- an absent flag is appended (``--flag v``);
+- a key the config does not hold, or holds as ``"auto"``, leaves the arguments unchanged (the
+  Trainer fills that value from the script's own arguments).
+
+Any ds_config key may be mapped (a dotted path such as ``"optimizer.params.lr"``, or a key name
+found at the top level or, failing that, the first section holding it), so a script flag can be a
+tuning dimension: a list of candidates in the config, each passed to the script as its value.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.config import CONFIG_FLAGS
+
+__all__ = ["apply_arg_mappings", "arg_text", "check_mapped_keys", "flag_value", "mapped_value", "parse_arg_mappings"]
+
+_MISSING = object()
+
+
+def parse_arg_mappings(mappings: Mapping[str, str] | None, source: str = "ds_config") -> dict[str, str]:
+    """Check ``autotuning.arg_mappings``: ds_config key -> script flag.
+
+    Returns:
+        The mappings as a new dict (empty when None).
+
+    Raises:
+        ConfigError: naming ``source`` and the entry: an empty key, an ``autotuning.*`` key, a flag
+            that does not start with ``-``, holds whitespace or ``=``, is the ds_config's own flag
+            (``--deepspeed``, ``--deepspeed_config``), or is mapped from two keys.
+    """
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for key, flag in (mappings or {}).items():
+        where = f"{source}: 'autotuning.arg_mappings.{key}' = {flag!r}"
+        if not key or key.split(".")[0] == "autotuning":
+            raise ConfigError(f"{where}: expected a ds_config key such as 'train_micro_batch_size_per_gpu'")
+        if not flag.startswith("-") or flag.strip("-") == "" or any(c.isspace() for c in flag) or "=" in flag:
+            raise ConfigError(f"{where}: expected the script's flag, such as '--per_device_train_batch_size'")
+        if flag in CONFIG_FLAGS:
+            raise ConfigError(f"{where}: {flag} carries the ds_config path, which zerotune sets for each experiment")
+        if flag in seen:
+            raise ConfigError(f"{where}: {flag} is mapped from '{seen[flag]}' too")
+        seen[flag] = key
+        out[key] = flag
+    return out
+
+
+def mapped_value(ds_config: Mapping[str, Any], key: str) -> Any:
+    """The value of ``key`` in ``ds_config`` as a mapping reads it, or None when absent.
+
+    ``key`` is a dotted path (``optimizer.params.lr``), or a name looked up at the top level and
+    then in the sections, depth first in the config's order (DeepSpeed's ``get_val_by_key``); the
+    ``autotuning`` section is never read.
+    """
+    value = _lookup(ds_config, key)
+    return None if value is _MISSING else value
+
+
+def _lookup(config: Mapping[str, Any], key: str) -> Any:
+    if "." in key:
+        node: Any = config
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return _MISSING
+            node = node[part]
+        return node
+    if key in config:
+        return config[key]
+    for name, section in config.items():
+        if name != "autotuning" and isinstance(section, Mapping):
+            found = _lookup(section, key)
+            if found is not _MISSING:
+                return found
+    return _MISSING
+
+
+def arg_text(value: Any) -> str:
+    """A config value as a script argument: integral floats as ints (``5e8`` -> ``500000000``),
+    lists and objects as JSON, everything else as ``str`` (``True``, ``4``, ``3e-05``)."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def _takes_value(args: Sequence[str], i: int) -> bool:
+    """Whether ``args[i]`` (a bare flag) is followed by its value rather than by another flag."""
+    return i + 1 < len(args) and not args[i + 1].startswith("--")
+
+
+def apply_arg_mappings(script_args: Sequence[str], mappings: Mapping[str, str],
+                       ds_config: Mapping[str, Any]) -> list[str]:
+    """The script's arguments with each mapped key's value from ``ds_config`` (see the module
+    docstring for the rules). ``script_args`` is not modified."""
+    args = list(script_args)
+    for key, flag in mappings.items():
+        value = mapped_value(ds_config, key)
+        if value is None or value == "auto":
+            continue
+        text = arg_text(value)
+        out, found, i = [], False, 0
+        while i < len(args):
+            arg = args[i]
+            if arg == flag:
+                found = True
+                out += [flag, text]
+                i += 2 if _takes_value(args, i) else 1
+                continue
+            if arg.startswith(flag + "="):
+                found = True
+                arg = f"{flag}={text}"
+            out.append(arg)
+            i += 1
+        args = out if found else out + [flag, text]
+    return args
+
+
+def flag_value(script_args: Sequence[str], flag: str) -> str | None:
+    """The value the script's parser reads for ``flag`` (its last occurrence, ``--flag v`` or
+    ``--flag=v``): ``""`` for a flag given without a value, None when the flag is absent."""
+    value = None
+    for i, arg in enumerate(script_args):
+        if arg == flag:
+            value = script_args[i + 1] if _takes_value(script_args, i) else ""
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+ZEROTUNE_SET = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                "zero_optimization.stage", "stage")
+"""Keys every experiment's config holds whatever the user's config says (zerotune sets them)."""
+
+
+def check_mapped_keys(mappings: Mapping[str, str], ds_config: Mapping[str, Any], source: str = "ds_config") -> None:
+    """Every mapped key is one the experiments' configs hold: set in ``ds_config`` or by zerotune.
+
+    Raises:
+        ConfigError: naming the mapping whose key no experiment would hold (it would never reach the script).
+    """
+    for key, flag in mappings.items():
+        if key not in ZEROTUNE_SET and _lookup(ds_config, key) is _MISSING:
+            raise ConfigError(f"{source}: 'autotuning.arg_mappings.{key}' = {flag!r}: the config does not set "
+                              f"'{key}', so no experiment would pass {flag}; set it (a value or a list of candidates)")

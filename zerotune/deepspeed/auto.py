@@ -1,0 +1,177 @@
+"""The ds_config's ``"auto"`` values, resolved as the Hugging Face ``Trainer`` resolves them.
+
+A Trainer script's ds_config says ``"auto"`` where the Trainer fills the value in
+(``transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig``): from its own arguments when it
+starts (``trainer_config_process``) and from the model once it has it (``trainer_config_finalize``).
+A value that is not ``"auto"`` must agree with the arguments, or the Trainer raises. zerotune needs
+concrete values to name, validate and estimate each experiment, so it resolves them the same way:
+
+==============================================  ==================================================
+``"auto"`` at                                   is, for zerotune and in each experiment's config
+==============================================  ==================================================
+``train_micro_batch_size_per_gpu``              the experiment's mbs, passed to the script through
+                                                ``autotuning.arg_mappings`` (required: the Trainer
+                                                checks it against ``--per_device_train_batch_size``)
+``gradient_accumulation_steps``                 the script's value of the mapped flag (else of
+                                                ``--gradient_accumulation_steps``; absent: 1); an
+                                                experiment at another gas passes it when mapped
+``train_batch_size``                            mbs x gas x DP world size; with a mapped mbs it is
+                                                left out of the launched config and DeepSpeed
+                                                derives the same number (the Trainer computes it
+                                                from accelerate's world size, which is 1 for
+                                                DeepSpeed on CPU, and would fail the check)
+``fp16.enabled``, ``bf16.enabled``              the script's ``--fp16`` / ``--bf16`` (or
+                                                ``--fp16_full_eval`` / ``--bf16_full_eval``) flags
+``zero_optimization.reduce_bucket_size``        from the model's hidden size h, as the Trainer
+``zero_optimization.stage3_prefetch_bucket_``   fills them: h*h, int(0.9*h*h) and 10*h. The profile
+``size``, ``..stage3_param_persistence_``       run records h as the engine saw the model (the
+``threshold``                                   probe's :data:`ENGINE_RECORD`); the profile itself
+                                                runs with zerotune's small buckets
+everything else (``optimizer.params.lr``,       stays ``"auto"``: the Trainer fills it in every
+``betas``, ``scheduler.params.*``,              experiment, and the optimal config keeps it
+``gradient_clipping``...)
+==============================================  ==================================================
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.args import flag_value
+from zerotune.deepspeed.keys import GAS, MBS, ZERO
+from zerotune.probe.sitecustomize import ENGINE_RECORD
+
+__all__ = ["AUTO", "ENGINE_RECORD", "MODEL_AUTO_KEYS", "TRAINER_FLAGS", "auto_paths", "check_trainer_batch",
+           "hidden_size_autos",
+           "read_engine_record", "resolve", "script_autos"]
+
+AUTO = "auto"
+
+TRAINER_FLAGS = {MBS: "--per_device_train_batch_size", GAS: "--gradient_accumulation_steps"}
+"""The Trainer's own flags for the batch keys (``TrainingArguments``), used where a key is not mapped."""
+
+PRECISION_FLAGS = {"fp16.enabled": ("--fp16", "--fp16_full_eval"), "bf16.enabled": ("--bf16", "--bf16_full_eval")}
+"""``TrainingArguments`` flags from which the Trainer fills each precision ``"auto"`` (any of them on)."""
+
+MODEL_AUTO_KEYS = (f"{ZERO}.reduce_bucket_size", f"{ZERO}.stage3_prefetch_bucket_size",
+                   f"{ZERO}.stage3_param_persistence_threshold")
+"""The ``"auto"`` keys the Trainer fills from the model's hidden size."""
+
+_TRUE, _FALSE = ("", "yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")  # transformers' string_to_bool
+
+
+def auto_paths(config: Any, path: str = "") -> list[str]:
+    """Dotted paths whose value is ``"auto"`` (or a list of candidates holding it); the
+    ``autotuning`` section aside."""
+    if isinstance(config, dict):
+        return [p for key, v in config.items() if path or key != "autotuning"
+                for p in auto_paths(v, f"{path}.{key}" if path else key)]
+    if config == AUTO or (isinstance(config, list) and AUTO in config):
+        return [path]
+    return []
+
+
+def script_autos(config: Mapping[str, Any], script_args: Sequence[str], mappings: Mapping[str, str],
+                 source: str = "ds_config") -> dict[str, Any]:
+    """The ``"auto"`` values known from the script's arguments, before anything runs: gas and
+    precision (dotted path -> value, only for paths that hold ``"auto"``).
+
+    Raises:
+        ConfigError: the flag's value is not what the Trainer accepts (naming flag and value).
+    """
+    autos = set(auto_paths(config))
+    values: dict[str, Any] = {}
+    if GAS in autos:
+        flag = mappings.get(GAS, TRAINER_FLAGS[GAS])
+        text = flag_value(script_args, flag)
+        if text is None:
+            values[GAS] = 1
+        elif text.isdigit() and int(text) >= 1:
+            values[GAS] = int(text)
+        else:
+            raise ConfigError(f"{source}: '{GAS}' is \"auto\", filled from the script's {flag} {text!r}: "
+                              f"expected a positive integer")
+    for path, flags in PRECISION_FLAGS.items():
+        if path in autos:
+            flags = flags + ((mappings[path],) if path in mappings else ())
+            values[path] = any(_flag_on(script_args, flag, source) for flag in flags)
+    return values
+
+
+def _flag_on(script_args: Sequence[str], flag: str, source: str) -> bool:
+    text = flag_value(script_args, flag)
+    if text is None:
+        return False
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ConfigError(f"{source}: the script's {flag} {text!r}: expected true or false")
+
+
+def hidden_size_autos(hidden_size: int) -> dict[str, int]:
+    """The Trainer's values for :data:`MODEL_AUTO_KEYS` from the model's hidden size h
+    (``trainer_config_finalize``: h*h, int(0.9*h*h), 10*h)."""
+    h = int(hidden_size)
+    return dict(zip(MODEL_AUTO_KEYS, (h * h, int(0.9 * h * h), 10 * h)))
+
+
+def resolve(config: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` where each dotted path of ``values`` that holds ``"auto"`` (or a list of
+    candidates with ``"auto"`` in it) takes the value; other values are untouched."""
+    out = copy.deepcopy(dict(config))
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        current = node[leaf]
+        if current == AUTO:
+            node[leaf] = copy.deepcopy(value)
+        elif isinstance(current, list):
+            candidates: list[Any] = []
+            for c in (value if c == AUTO else c for c in current):
+                if c not in candidates:
+                    candidates.append(copy.deepcopy(c))
+            node[leaf] = candidates
+    return out
+
+
+def read_engine_record(exp_dir: Path) -> dict[str, Any] | None:
+    """What the probe recorded of the engine in ``exp_dir`` (rank 0, first forward): ``ds_config``
+    (the config as the engine got it, the Trainer's ``"auto"`` filled in), ``hidden_size`` (the
+    model's, as the Trainer reads it; None when it has none), ``train_micro_batch_size_per_gpu``,
+    ``gradient_accumulation_steps``, ``train_batch_size``. None when there is no readable record."""
+    try:
+        data = json.loads((Path(exp_dir) / ENGINE_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def check_trainer_batch(config: Mapping[str, Any], mappings: Mapping[str, str], gas_varies: bool,
+                        source: str = "ds_config") -> None:
+    """A Trainer script (a config with ``"auto"`` values) checks mbs and gas against its own
+    arguments, so an experiment may change them only through ``arg_mappings``.
+
+    Args:
+        gas_varies: the batch semantics try more than one gas (a fixed train_batch_size, a list of
+            gas values, or gas doubling within ``max_train_batch_size``).
+
+    Raises:
+        ConfigError: naming the key and the flag to map.
+    """
+    if not auto_paths(config):
+        return
+    needed = [MBS] + ([GAS] if gas_varies else [])
+    for key in needed:
+        if key not in mappings:
+            raise ConfigError(f"{source}: a Hugging Face Trainer config (it holds \"auto\" values) needs "
+                              f"'autotuning.arg_mappings' for '{key}', e.g. {{\"{key}\": \"{TRAINER_FLAGS[key]}\"}}: "
+                              f"the Trainer checks each experiment's {key} against its {TRAINER_FLAGS[key]} and "
+                              f"raises on a mismatch")
