@@ -159,3 +159,19 @@ def test_the_probe_reads_the_hidden_size_where_the_trainer_does():
     assert _hidden_size(cfg(config=cfg(hidden_sizes=[64, 256, 128]))) == 256
     assert _hidden_size(cfg(config=cfg(text_config=cfg(hidden_size=32)))) == 32
     assert _hidden_size(cfg(config=None)) is None and _hidden_size(None) is None
+
+
+def test_the_optimal_command_and_zerotune_run_pass_the_optimal_configs_values(tmp_path):
+    from zerotune.autotuner import Autotuner
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF))
+    opts = TuneOptions(device_memory_bytes=3 * GiB, cpu=True, results_dir=str(tmp_path / "results"))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    tuner = Autotuner(str(script), ["--per_device_train_batch_size", "1", "--deepspeed", str(path), "--bf16"],
+                      [Node("localhost", (0, 1))], opts)
+    optimal = tmp_path / "ds_config_optimal.json"
+    optimal.write_text(json.dumps({**HF, "train_micro_batch_size_per_gpu": 12, "gradient_accumulation_steps": 3}))
+    command = tuner.optimal_command(str(optimal))
+    assert command.endswith(f"train.py --per_device_train_batch_size 12 --deepspeed {optimal} --bf16 "
+                            f"--gradient_accumulation_steps 3")
