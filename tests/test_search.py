@@ -110,9 +110,9 @@ def test_higher_stage_explored_when_memory_headroom_could_beat():
     plans = [StagePlan(0, 8), StagePlan(1, 64)]
     results = explore_stages(evaluate, plans, lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
-    assert results[1].reason.startswith("could beat: optimistic throughput 64")
+    assert results[1].reason == "probe at mbs=64 beat the best (57.6 > 8)"
     # stage 0: 8 runs, 16 fails, the bisection finds nothing between, halving to 4 does not pay;
-    # stage 1: no probe (the bound decided), its search starts at its estimate
+    # stage 1 is probed at its own largest mbs (64), where its headroom can pay, and searched from there
     assert calls == [(0, 8), (0, 16), (0, 12), (0, 10), (0, 9), (0, 4), (1, 64), (1, 32)]
     assert results[1].trace.best(THROUGHPUT).mbs == 64
 
@@ -206,3 +206,31 @@ def test_a_probe_that_loses_within_the_noise_is_re_measured_with_its_reference()
                              num_fine=0, confirm=confirm)
     assert confirmed == [(1, 8), (0, 8)]
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
+
+
+def test_a_headroom_probe_that_ooms_is_probed_again_halfway_and_searched_from_there():
+    linear = lambda scale: (lambda m: scale * m)  # noqa: E731
+    evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.9), 13)})
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 16)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    # stage 1's estimate (16) is optimistic: 16 OOMs, 12 (halfway back to stage 0's best, 8) runs and
+    # beats it; the search bisects from 12 up to the failure below 16
+    assert calls[6:] == [(1, 16), (1, 12), (1, 15), (1, 13), (1, 14)]
+    assert results[1].reason == "probe at mbs=12 beat the best (10.8 > 8)"
+    assert (results[1].trace.stop, results[1].trace.best(THROUGHPUT).mbs) == (StopReason.BOUNDARY, 13)
+
+
+def test_a_stage_without_more_headroom_is_skipped_once_a_lower_one_was_slower_at_equal_mbs():
+    linear = lambda scale: (lambda m: scale * m)  # noqa: E731
+    evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.9), 8), 2: (linear(0.8), 8), 3: (linear(0.7), 32)})
+    plans = [StagePlan(0, 8), StagePlan(1, 16), StagePlan(2, 8), StagePlan(3, 32)]
+    results = explore_stages(evaluate, plans, lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
+    # stage 1: 16 OOMs, 12 (halfway back to 8) too, then at equal mbs (8): slower; stage 2 reaches no larger
+    # mbs: skipped; stage 3 has headroom (32): probed there, 22.4 > 8, searched: above 32 all OOM, and
+    # halving to 16 does not pay
+    assert calls[6:] == [(1, 16), (1, 12), (1, 8), (3, 32), (3, 64), (3, 48), (3, 40), (3, 36), (3, 34), (3, 33),
+                         (3, 16)]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.SKIPPED,
+                                             StageDecision.EXPLORED]
+    assert results[2].reason == ("cannot beat: a lower stage was already slower at the same mbs, and this one "
+                                 "reaches no larger mbs than 8")

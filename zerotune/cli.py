@@ -22,6 +22,7 @@ from zerotune.model import estimate
 from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.run.resources import select_resources
 from zerotune.strategy.job import cuda_available
+from zerotune.strategy.variables import parse_cli_variable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--hang-timeout", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
         z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
+        z.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                       help="candidates of the ds_config's $NAME placeholders, as JSON (a list is a list of candidates, "
+                            "e.g. --var RBS='[5e7, 5e8]'); over autotuning.variables; repeatable")
         z.add_argument("--precision", type=float, default=DEFAULT_PRECISION,
                        help="end an experiment once its metric's 95%% interval is within this relative half-width "
                             f"(default {DEFAULT_PRECISION:g}, i.e. ±{DEFAULT_PRECISION * 100:g}%%)")
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
-                              adaptive=args.adaptive)
+                              adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var))
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -36,11 +36,18 @@ from typing import Any, Iterable, Mapping, Sequence
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 
-__all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "measure", "peak_bytes", "pool",
-           "pooled_metrics", "step_stats"]
+__all__ = ["CONFIDENCE", "RUN_NOISE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "comparison_noise",
+           "measure", "peak_bytes", "pool", "pooled_metrics", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
+
+RUN_NOISE = 0.01
+"""The run-to-run noise assumed between two runs of one config: relative standard deviation (1%).
+One run's interval sees only the jitter of its own steps; a whole run can be faster or slower
+(placement, the machine's other load, clocks). Comparing two runs, each carries a run term of
+about ``2 * RUN_NOISE`` at 95% (:func:`comparison_noise`). Three re-measured runs of one config on
+this project's 2-core machine spread 2.4% (benchmarks/README.md, 2026-11-22): sigma about 1%."""
 
 Streams = Mapping[int, Sequence[Mapping[str, Any]]]  # rank -> the probe's step records, in order
 
@@ -152,6 +159,17 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
         if values:
             peaks[rank] = max(values)
     return peaks
+
+
+def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int] = (), floor: float = RUN_NOISE,
+                     run_noise: float = RUN_NOISE) -> float:
+    """How far apart (relative, at 95%) two or more metrics can be by noise alone:
+    ``sqrt(sum over metrics of (hw ** 2 + (2 * run_noise) ** 2 / runs))``, with ``hw`` each one's
+    interval half-width (None, unknown or pooled: ``floor``) and ``runs`` how many runs each pools
+    (default 1). Independent errors add in quadrature; the run term is the run-to-run noise
+    (:data:`RUN_NOISE`), which shrinks as runs are pooled."""
+    runs = list(runs) or [1] * len(rel_half_widths)
+    return math.sqrt(sum((hw or floor) ** 2 + (2 * run_noise) ** 2 / max(1, n) for hw, n in zip(rel_half_widths, runs)))
 
 
 def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:

@@ -9,7 +9,7 @@ The experiment records why it ended (:class:`EndReason`). The rule ends a run as
   half-width is at most :attr:`StopRule.precision` (2% by default), after at least
   :attr:`StopRule.min_steady_steps` steady steps; or
 - **cannot beat**: its whole interval lies on the losing side of the bar the strategy set for it
-  (``Experiment.must_beat``: the incumbent's own pessimistic bound). Its optimistic bound, the
+  (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included). Its optimistic bound, the
   metric times ``1 + half-width`` (``1 - half-width`` where lower is better), cannot beat the
   incumbent, so more steps would only sharpen a number that loses. This is the median-stopping
   and successive-halving idea of Ray Tune's and Optuna's pruners (stop a trial whose intermediate
@@ -22,9 +22,10 @@ autotuning protocol), or the experiment timeout. The rule never ends a run befor
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
-from zerotune.core.measure import Streams, measure
+from zerotune.core.measure import RUN_NOISE, Streams, measure
 from zerotune.core.objective import Objective
 
 __all__ = ["DEFAULT_PRECISION", "EndReason", "MIN_STEADY_STEPS", "StopRule", "must_beat"]
@@ -90,10 +91,15 @@ class StopRule:
         return None
 
 
-def must_beat(objective: Objective, incumbent: float, rel_half_width: float) -> float:
-    """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%): the
-    incumbent's pessimistic bound, ``incumbent * (1 - rel_half_width)`` where higher is better and
-    ``incumbent * (1 + rel_half_width)`` where lower is. A run ended below it differs from the
-    incumbent by more than both intervals together, so the strategy's noise tests
+def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1) -> float:
+    """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%, pooled
+    over ``runs`` runs): the incumbent's pessimistic bound with the run-to-run noise of a comparison,
+    ``incumbent * (1 - n)`` where higher is better and ``incumbent * (1 + n)`` where lower is, with
+    ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise
+    (:data:`~zerotune.core.measure.RUN_NOISE`): the incumbent's interval and run term, and the racing
+    run's run term.
+    A run ended below it (its optimistic bound, value times ``1 + hw``, under the bar) differs from the
+    incumbent by more than their comparison noise, so the strategy's noise tests
     (:func:`zerotune.strategy.mbs.within_noise`) read it as a clear loss, not a tie to re-measure."""
-    return incumbent * (1 - rel_half_width) if objective.higher_is_better else incumbent * (1 + rel_half_width)
+    n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * RUN_NOISE) ** 2 / max(1, runs) + (2 * RUN_NOISE) ** 2)
+    return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)

@@ -50,6 +50,7 @@ class AutotuningConfig(BaseModel):
     tuner_num_trials: int = Field(50, ge=1)
     tuner_early_stopping: int = Field(5, ge=1)
     arg_mappings: dict[str, str] | None = None
+    variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.strategy.variables)
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AutotuningConfig":

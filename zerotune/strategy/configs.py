@@ -29,6 +29,7 @@ from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, is_list_
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.job import Job
 from zerotune.strategy.space import Candidate, default_space, generate, merge
+from zerotune.strategy.variables import first_values, placeholder_paths, substitute
 
 PROFILE_BUCKET_SIZE = 10_000_000
 """Elements per reduce/prefetch bucket and live parameters in the profile run (40 MB in fp32): small,
@@ -49,7 +50,9 @@ class ConfigBuilder:
     def __init__(self, job: Job):
         self.job = job
         # a Trainer script's "auto" values: those its arguments give now, the model's after the profile
-        self._user = resolve(job.user_config, job.script_autos)
+        # $VAR placeholders: the knob phase expands the template, every other config takes the first candidates
+        self._template = resolve(job.user_config, job.script_autos)
+        self._user = substitute(self._template, first_values(job.variables))
         self._model_auto_keys = [p for p in auto_paths(self._user) if p in MODEL_AUTO_KEYS]
         self._model_autos: dict[str, int] | None = None if self._model_auto_keys else {}
         base = first_candidates(self._user)
@@ -61,7 +64,10 @@ class ConfigBuilder:
         self._derive_tbs = MBS in job.arg_mappings and (isinstance(tbs, bool) or not isinstance(tbs, int))
         # the user's lists of candidates at keys without an acronym vary within the job: they are
         # not written into names, so configs that set them carry a hash in their name
-        self._extra_keys = tuple(k for k in _candidate_keys(job.user_config) if k not in ACRONYMS)
+        varying = [p for name, paths in placeholder_paths(job.user_config).items()
+                   if len(job.variables.get(name, ())) > 1 for p in paths]
+        self._extra_keys = tuple(dict.fromkeys(k for k in [*_candidate_keys(job.user_config), *varying]
+                                               if k not in ACRONYMS))
 
     def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None,
                gas: int | None = None) -> dict[str, Any]:
@@ -146,19 +152,20 @@ class ConfigBuilder:
                    gas: int | None = None) -> list[Candidate]:
         """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
         stage (:func:`zerotune.strategy.space.default_space`) with the user's own settings, and the
-        user's lists of candidates, over it; named as :meth:`name` names them.
+        user's lists of candidates and ``$VAR`` variables (:mod:`zerotune.strategy.variables`), over it;
+        named as :meth:`name` names them.
 
         Args:
             fits: the memory model's predicate; a candidate it rejects keeps ``fits=False``.
         """
-        resolved = resolve(self._user, self.model_autos())
+        resolved = resolve(self._template, self.model_autos())
         user = {k: v for k, v in resolved.items() if k not in ("autotuning", MBS, GAS, TBS)}
         user_zero = {k: v for k, v in (user.get(ZERO) or {}).items() if k != "stage"}
         space = default_space(stage)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
         candidates = generate(self.config(stage, mbs, gas=gas), space, stage=stage, dp_world_size=self.job.dp_world_size,
-                              fits=fits)
+                              variables=self.job.variables or None, fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 
 

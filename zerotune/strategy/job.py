@@ -24,6 +24,7 @@ from zerotune.run.resources import Node
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.auto import check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
+from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 BACKENDS = ("local", "ray")
 
@@ -45,6 +46,8 @@ class TuneOptions:
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
         backend: ``local`` (the deepspeed launcher as a subprocess) or ``ray`` (a Ray cluster).
         ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
+        variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
+            (:mod:`zerotune.strategy.variables`).
         precision: adaptive experiments: end a run once its metric's 95% interval is within this
             relative half-width (0.02 = ±2%; :mod:`zerotune.core.stopping`).
         adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
@@ -60,6 +63,7 @@ class TuneOptions:
     cpu: bool | None = None
     backend: str = "local"
     ray_address: str | None = None
+    variables: dict[str, Any] = field(default_factory=dict)
     precision: float = DEFAULT_PRECISION
     adaptive: bool = True
 
@@ -96,6 +100,7 @@ class Job:
             (:mod:`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
         script_autos: the ``"auto"`` values the script's arguments resolve before anything runs
             (gas, precision; :func:`zerotune.deepspeed.auto.script_autos`).
+        variables: the ``$VAR`` placeholders' candidates (:mod:`zerotune.strategy.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
     """
 
@@ -131,6 +136,7 @@ class Job:
     notes: tuple[str, ...] = ()
     arg_mappings: dict[str, str] = field(default_factory=dict)
     script_autos: dict[str, Any] = field(default_factory=dict)
+    variables: dict[str, list[Any]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -150,6 +156,7 @@ class Job:
         at = parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
+        variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
         autos = script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
         notes = tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
                       for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {})
@@ -188,7 +195,7 @@ class Job:
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
-                   script_autos=autos,
+                   script_autos=autos, variables=variables,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     def launch_spec(self) -> LaunchSpec:

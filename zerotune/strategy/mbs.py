@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Status
+from zerotune.core.measure import comparison_noise
 from zerotune.core.objective import Objective
 
 
@@ -56,8 +57,9 @@ class Point:
 
 def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
     """Whether a relative difference ``gain`` between two measured points could be noise: smaller in
-    size than their intervals' half-widths together (an unknown one counts as ``threshold``)."""
-    return abs(gain) < (a.rel_half_width or threshold) + (b.rel_half_width or threshold)
+    size than their :func:`~zerotune.core.measure.comparison_noise` (each point's interval, an unknown
+    or pooled one counting as ``threshold``, plus the run-to-run noise, less for pooled points)."""
+    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold)
 
 
 @dataclass
@@ -197,6 +199,10 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     fail = None
     while not p.ok:  # the estimate was optimistic: halve until a size runs, then bisect up to the failure
         fail = start
+        known_below = [q.mbs for q in trace.ok_points if q.mbs < start]
+        if known_below:  # one ran below already (a stage probe): bisect from it
+            start = max(known_below)
+            break
         below = [m for m in values if m <= start // 2] or [m for m in values if m < start][-1:]
         if not below:
             trace.stop = StopReason.INFEASIBLE

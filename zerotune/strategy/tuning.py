@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.measure import Pooled, comparison_noise, pooled_metrics
 from zerotune.core.stopping import must_beat
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
@@ -167,7 +167,7 @@ class Strategy:
         if best is None:
             return None
         hw = self._done[best].metric_rel_half_width if pooled[best].runs == 1 else None
-        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD)
+        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs)
 
     # -- re-measurements ----------------------------------------------------------------------------
     def runs_of(self, name: str) -> list[Experiment]:
@@ -190,8 +190,8 @@ class Strategy:
         return [self.pooled(base.name) for base in experiments]
 
     def confirm_answer(self) -> None:
-        """Re-measure the configs whose difference from the best is within their noise (the two
-        runs' interval half-widths together, at most :data:`FINAL_MARGIN`; at most
+        """Re-measure the configs whose difference from the best is within their noise (their
+        :func:`~zerotune.core.measure.comparison_noise`, at most :data:`FINAL_MARGIN`; at most
         :data:`FINAL_CANDIDATES`) until each has two ok runs, so the answer is not one lucky sample."""
         objective = self.job.objective
         pooled = pooled_metrics(self.result.experiments)  # once: each lookup would walk every experiment
@@ -203,7 +203,8 @@ class Strategy:
 
         def within_noise_of_top(e: Experiment) -> bool:
             gain = objective.gain(pooled[e.name].value, pooled[top.name].value)
-            noise = (e.metric_rel_half_width or PLATEAU_THRESHOLD) + (top.metric_rel_half_width or PLATEAU_THRESHOLD)
+            noise = comparison_noise([e.metric_rel_half_width, top.metric_rel_half_width],
+                                     [pooled[e.name].runs, pooled[top.name].runs], floor=PLATEAU_THRESHOLD)
             return abs(gain) <= min(noise, FINAL_MARGIN)
 
         close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]

@@ -1,0 +1,124 @@
+"""``$VAR`` templates in the user's ds_config, and the variables that resolve them.
+
+A string value of the user's ds_config may hold a placeholder, in the syntax of the tuning spaces
+(:mod:`zerotune.strategy.space`): ``"$NAME"`` or ``"${NAME}"`` as the whole value takes the
+candidate itself (an int stays an int), inside a longer string it takes the candidate's text, and
+``$$`` is a literal ``$``. The candidates come from the config, ``"autotuning": {"variables":
+{"NAME": [candidates...]}}``, or from the command line, ``zerotune tune --var NAME=VALUE`` (VALUE is
+JSON: a list is a list of candidates, anything else one value; text that is not JSON is a string),
+the command line winning for a name given in both.
+
+A variable is a tuning dimension like a list of candidates at a key: the profile run and the
+micro-batch search take its first candidate (every launched config is concrete), and the knob phase
+(``"fast": false``) tries each candidate. Placeholders at the keys zerotune searches itself (the
+batch keys and the ZeRO stage) are refused.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Mapping
+
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO
+from zerotune.strategy.space import _PLACEHOLDER, _substitute
+
+__all__ = ["first_values", "parse_cli_variable", "parse_variables", "placeholder_paths", "substitute"]
+
+SEARCHED_KEYS = (MBS, GAS, TBS, f"{ZERO}.stage")
+"""Keys zerotune searches itself: a placeholder there is refused."""
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def placeholder_paths(config: Any, path: str = "") -> dict[str, list[str]]:
+    """Variable name -> the dotted keys whose value holds its placeholder (an item of a list counts as
+    its key), in the config's order; the ``autotuning`` section aside."""
+    out: dict[str, list[str]] = {}
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, str):
+            for m in _PLACEHOLDER.finditer(value):
+                name = m.group(2) or m.group(3)
+                if name and where not in out.setdefault(name, []):
+                    out[name].append(where)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if where or k != "autotuning":
+                    walk(v, f"{where}.{k}" if where else str(k))
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, where)
+
+    walk(config, path)
+    return out
+
+
+def parse_variables(given: Mapping[str, Any] | None, config: Mapping[str, Any],
+                    source: str = "ds_config") -> dict[str, list[Any]]:
+    """Check the variables against the config's placeholders.
+
+    Args:
+        given: variable name (with or without ``$``) -> a list of candidates or one value
+            (``autotuning.variables`` updated with the command line's ``--var``).
+        config: the user's ds_config.
+
+    Returns:
+        Name (without ``$``) -> its candidates, a non-empty list.
+
+    Raises:
+        ConfigError: naming ``source`` and the variable or key: a placeholder no variable gives, a
+            variable no placeholder uses, a bad name, an empty list, a placeholder at a key zerotune
+            searches itself.
+    """
+    variables: dict[str, list[Any]] = {}
+    for name, values in (given or {}).items():
+        bare = name[1:] if name.startswith("$") else name
+        if not _NAME.fullmatch(bare):
+            raise ConfigError(f"{source}: variable {name!r}: expected a name of letters, digits and _")
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise ConfigError(f"{source}: variable ${bare} = []: expected at least one candidate")
+        variables[bare] = values
+    used = placeholder_paths(config)
+    for name, paths in used.items():
+        searched = [p for p in paths if p in SEARCHED_KEYS]
+        if searched:
+            raise ConfigError(f"{source}: '{searched[0]}' holds the placeholder ${name}: zerotune searches "
+                              f"{searched[0]} itself; give a value or a list of candidates")
+        if name not in variables:
+            raise ConfigError(f"{source}: '{paths[0]}' holds the placeholder ${name}, which no variable gives: set "
+                              f"\"autotuning\": {{\"variables\": {{\"{name}\": [...]}}}} or pass --var {name}=VALUE "
+                              f"(or write $$ for a literal $)")
+    for name in variables:
+        if name not in used:
+            raise ConfigError(f"{source}: variable ${name} is used by no $-placeholder in the config")
+    return variables
+
+
+def parse_cli_variable(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE`` from ``--var``: VALUE as JSON (``[5e7, 5e8]``, ``4``, ``true``), else the text.
+
+    Raises:
+        ConfigError: no ``=`` or an empty name.
+    """
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"--var {text!r}: expected NAME=VALUE, e.g. --var RBS='[5e7, 5e8]'")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
+def first_values(variables: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """Each variable's first candidate (the profile run's and the micro-batch search's value)."""
+    return {name: values[0] for name, values in variables.items()}
+
+
+def substitute(config: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``config`` with each placeholder replaced by its variable's value in ``values``
+    (``config`` itself when there are none); the ``autotuning`` section is left as it is."""
+    if not values:
+        return config
+    return {k: v if k == "autotuning" else _substitute(v, dict(values)) for k, v in config.items()}
