@@ -4,7 +4,7 @@ import statistics
 
 import pytest
 
-from zerotune.core.measure import measure, peak_bytes, step_stats
+from zerotune.core.measure import comparison_noise, measure, peak_bytes, step_stats
 from zerotune.core.objective import OBJECTIVES
 
 T_975_3 = 3.182446305284263  # Student t, 97.5% quantile, 3 degrees of freedom
@@ -83,3 +83,10 @@ def test_no_measurement_falls_back_to_deepspeed():
 def test_peak_bytes_is_each_ranks_largest():
     assert peak_bytes(TWO_RANKS) == {0: 3 * 2**30 + 6, 1: 2**30 + 6}
     assert peak_bytes({0: [{"step": 1}]}) == {}
+
+
+def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrature():
+    # two single runs known to 2% and 1%, 1% run-to-run noise each (2% at 95%): sqrt(4 + 1 + 4 + 4) %
+    assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%
+    # an unknown interval counts as the floor; a pooled point's run term shrinks with its runs
+    assert comparison_noise([None, 0.01], [2, 1], floor=0.01) == pytest.approx(math.sqrt(0.0001 + 0.0002 + 0.0001 + 0.0004))

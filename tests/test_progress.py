@@ -56,6 +56,7 @@ def test_plain_lines_are_the_log_format_and_counts_follow_events():
     assert (progress.done, progress.running, progress.queued) == (1, 2, 0)
     clock.now += 30.0
     a.status, a.metric, a.wall_s, a.peak_memory_bytes = Status.OK, 612.43, 29.96, 2**30
+    a.metric_rel_half_width, a.ended = 0.0183, "precise"
     progress.update(a, "end")
     clock.now += 0.5
     b.status, b.wall_s, b.error = Status.OOM, 3.0, "[rank0]: DefaultCPUAllocator: can't allocate memory [/dev/shm]"
@@ -66,7 +67,7 @@ def test_plain_lines_are_the_log_format_and_counts_follow_events():
         "[   0.0s] cached profile: ok throughput=- (12.3 s)",
         "[   1.2s] start z1_mbs2_gas1, estimate 3.00 GiB/rank",  # 1.25 -> "1.2" (round half even)
         "[   1.2s] start z1_mbs4_gas1",
-        "[  31.2s] done z1_mbs2_gas1: ok throughput=612.4 (30.0 s, peak 1.00 GiB)",
+        "[  31.2s] done z1_mbs2_gas1: ok throughput=612.4 ±1.8% (30.0 s, peak 1.00 GiB, ended: precise)",
         # the error's brackets are printed as they are, not read as rich markup
         "[  31.8s] done z1_mbs4_gas1: oom throughput=- (3.0 s) "
         "[rank0]: DefaultCPUAllocator: can't allocate memory [/dev/shm]",

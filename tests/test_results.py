@@ -22,6 +22,14 @@ def test_cost_is_wall_time_times_devices():
     assert cost_line(RUNS) == "tuning cost: 6 device-hours (wall time x devices), 33% of it on experiments that did not finish ok"
 
 
+def test_cost_gives_the_share_of_runs_ended_early():
+    runs = [*RUNS, exp("z1_gas1_tmbspg3", Status.OK, 11.0, 450.0), exp("z1_gas1_tmbspg3_r2", Status.OK, 11.0, 450.0)]
+    runs[-2].ended, runs[-1].ended, runs[1].ended = "cannot_beat", "precise", "step_cap"
+    # 3600 s x 8 = 8 device-hours; the two ended early, 900 s of 3600 s, are a quarter of it
+    assert cost_line(runs) == ("tuning cost: 8 device-hours (wall time x devices), 25% of it on experiments that did "
+                               "not finish ok, 25% on 2 ended early (precise or cannot beat the best)")
+
+
 def test_best_ignores_the_profile_and_failures():
     assert best_experiment(RUNS, THROUGHPUT).name == "z1_gas1_tmbspg2"
     assert best_experiment(RUNS, Objective.named("latency")).name == "z1_gas1_tmbspg1"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from zerotune.core.measure import RUN_NOISE, Streams, measure
 from zerotune.core.objective import Objective
 
-__all__ = ["DEFAULT_PRECISION", "EndReason", "MIN_STEADY_STEPS", "StopRule", "must_beat"]
+__all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EndReason", "MIN_STEADY_STEPS", "StopRule", "must_beat"]
 
 DEFAULT_PRECISION = 0.02
 """Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
@@ -50,6 +50,10 @@ class EndReason(str, enum.Enum):
     def early(self) -> bool:
         """True when zerotune ended a healthy run before its cap (its steps were enough)."""
         return self in (EndReason.PRECISE, EndReason.CANNOT_BEAT)
+
+
+EARLY_ENDS = frozenset(r.value for r in EndReason if r.early)
+"""The ``Experiment.ended`` values of runs zerotune ended early (they told enough)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from rich.text import Text
 from zerotune.core.units import format_bytes
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
+from zerotune.core.stopping import EARLY_ENDS
 
 EVENTS = ("queued", "start", "end", "cached")
 
@@ -127,9 +128,10 @@ class Progress:
         if exp.metric is not None and exp.metric_rel_half_width is not None:
             value += f" ±{exp.metric_rel_half_width:.1%}"
         peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
+        ended = f", ended: {exp.ended.replace('_', ' ')}" if exp.ended in EARLY_ENDS else ""
         error = f" {exp.error}" if exp.error else ""
         return (f"{stamp} {tag} {exp.name}: {status} {self.objective.name}={value} "
-                f"({exp.wall_s or 0:.1f} s{peak}){error}")
+                f"({exp.wall_s or 0:.1f} s{peak}{ended}){error}")
 
     def status_text(self) -> str:
         """The status line without decoration:

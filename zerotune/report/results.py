@@ -18,7 +18,7 @@ from rich.table import Table
 from zerotune.core.experiment import Experiment, Status, write_json_atomic
 from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.objective import Objective
-from zerotune.core.stopping import EndReason
+from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
 
 if TYPE_CHECKING:
@@ -78,15 +78,12 @@ def cost_line(experiments: Sequence[Experiment]) -> str:
     share spent on experiments zerotune ended early (:mod:`zerotune.core.stopping`), with how many."""
     total = sum(device_seconds(e) for e in experiments)
     wasted = sum(device_seconds(e) for e in experiments if e.status != Status.OK)
-    early = [e for e in experiments if e.status == Status.OK and e.ended in _EARLY]
+    early = [e for e in experiments if e.status == Status.OK and e.ended in EARLY_ENDS]
     share = f", {wasted / total:.0%} of it on experiments that did not finish ok" if total else ""
     if total and early:
         share += (f", {sum(device_seconds(e) for e in early) / total:.0%} on {len(early)} ended early "
                   f"(precise or cannot beat the best)")
     return f"tuning cost: {total / 3600:.3g} device-hours (wall time x devices){share}"
-
-
-_EARLY = {r.value for r in EndReason if r.early}
 
 
 def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
