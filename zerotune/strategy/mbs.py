@@ -191,7 +191,7 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
     (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
     (a failure: bisect to the boundary), then check one halving below: the search goes down only
-    while a smaller mbs is better by ``threshold``."""
+    while a smaller mbs is better by ``threshold`` and by more than the noise (:func:`within_noise`)."""
     known_ok = [p.mbs for p in trace.ok_points]
     start = max([m for m in values if m <= estimate] or [values[0]])
     start = max(start, *known_ok) if known_ok else start
@@ -214,13 +214,14 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     else:
         trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm)  # above the estimate
     best = trace.best(objective)
-    while not any(q.mbs < best.mbs for q in trace.ok_points):  # below: only while halving pays
+    while not any(q.mbs < best.mbs for q in trace.ok_points):  # below: only while halving clearly pays
         below = [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]
         if not below:
             break
         (p,) = run([below[-1]])
-        if not p.ok or objective.gain(p.metric, best.metric) < threshold:
-            break
+        gain = objective.gain(p.metric, best.metric) if p.ok else None
+        if gain is None or gain < threshold or within_noise(gain, p, best, threshold):
+            break  # a larger mbs is the prior for throughput: going down takes more than noise
         best = p
 
 
