@@ -263,7 +263,9 @@ def zt_results(results_dir: Path) -> dict:
         e = read_json(f) or {}
         exps.append({"name": e.get("name"), "ok": e.get("status") == "ok", "status": e.get("status"),
                      "metric": e.get("metric"), "ds_config": e.get("ds_config") or {},
-                     "wall_s": e.get("wall_s"), "error": e.get("error") or None})
+                     "wall_s": e.get("wall_s"), "error": e.get("error") or None,
+                     "metric_rel_half_width": e.get("metric_rel_half_width"), "metric_source": e.get("metric_source"),
+                     "ended": e.get("ended"), "replica_of": e.get("replica_of")})
     return {"experiments": exps}
 
 
