@@ -96,10 +96,12 @@ def test_lists_of_mbs_and_gas_are_honoured(tmp_path):
     assert job.batch.gas == 1 and job.batch.gas_ladder(8) == [4, 2]  # the config's order after the first
 
 
-def test_gas_doubles_only_within_max_train_batch_size(tmp_path):
+def test_gas_doubles_within_max_train_batch_size_or_once_without_it(tmp_path):
     job = build(tmp_path, {"autotuning": {"max_train_batch_size": 40}})
     assert job.max_mbs == 20 and job.batch.gas_ladder(4) == [2, 4]  # 4 x 4 x 2 = 32 <= 40 < 4 x 8 x 2
-    assert build(tmp_path).batch.gas_ladder(4) == []  # no bound given: the global batch stays the user's
+    assert build(tmp_path).batch.gas_ladder(4) == [2]  # no bound given: one doubling of the user's gas
+    assert build(tmp_path, {"gradient_accumulation_steps": 3}).batch.gas_ladder(4) == [6]
+    assert build(tmp_path, {"gradient_accumulation_steps": [1]}).batch.gas_ladder(4) == []  # held at 1
 
 
 def test_bad_batch_values_are_errors(tmp_path):

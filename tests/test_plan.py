@@ -47,10 +47,10 @@ def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(t
     # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower) and
     # bisects below the best; ZeRO-1 has no more headroom, so one probe at mbs 8, a tie under the oracle's
     # assumed metric: a losing probe is re-measured with the point it lost to (replicas _r2) before the
-    # stage is given up
+    # stage is given up; then gas doubles once at the best mbs (the global batch is free)
     assert [e.name for e in plan.experiments] == [
         PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z0_gas1_tmbspg6", "z0_gas1_tmbspg7",
-        "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2", "z0_gas1_tmbspg8_r2"]
+        "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2", "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg8"]
     z1 = plan.experiments[5]
     assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 8, 1, {})
     # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + activations
@@ -68,17 +68,19 @@ def test_plan_follows_the_search_to_the_memory_boundary(tmp_path):
     # the search starts on the estimate 4, tries one step above it (8: OOM), bisects down to 4 (6, 5: OOM),
     # halves once (2: slower), then the fine pass tries 3; ZeRO-1 is probed at its own largest mbs, 3, and
     # loses by more than the noise (the oracle's 6 vs 8 samples/s), so nothing is re-measured
-    assert [e.mbs for e in plan.experiments if e.stage == 0] == [4, 8, 6, 5, 2, 3]
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [
+        (4, 1), (8, 1), (6, 1), (5, 1), (2, 1), (3, 1), (4, 2)]
     assert [rows[f"z0_gas1_tmbspg{m}"].fits for m in (4, 8, 6, 5)] == [True, False, False, False]
     assert rows["z0_gas1_tmbspg4"].memory_bytes == 20 * PARAMS + 4 * ACTIVATIONS
     assert [n for n in rows if n.startswith("z1")] == ["z1_gas1_tmbspg3_rbs2e7"]
-    assert "4 fit 300.00 MiB per device" in plan.header()  # 4, 2, 3 of ZeRO-0 and 3 of ZeRO-1
+    assert "5 fit 300.00 MiB per device" in plan.header()  # 4, 2, 3 and 4 at gas 2 of ZeRO-0, 3 of ZeRO-1
 
 
 def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path):
     path = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
     cfg = json.loads(path.read_text())
     cfg["zero_optimization"]["stage"] = 1
+    cfg["gradient_accumulation_steps"] = [1]  # gas held at 1: a one-value list
     path.write_text(json.dumps(cfg))
     plan = tuner(tmp_path, path).plan()
     knobs = [e for e in plan.experiments if e.phase == "knobs" and not e.name.endswith("_r2")]
@@ -100,7 +102,8 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
-    assert [e.mbs for e in plan.experiments if e.stage == 0] == [8, 4, 6, 7, 8]  # 8 re-measured with the probe
+    # 8 re-measured with the probe; then gas 2 at 8
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(8, 1), (4, 1), (6, 1), (7, 1), (8, 1), (8, 2)]
     assert "unknown until the profile run" in plan.header()
 
 

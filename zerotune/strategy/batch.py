@@ -6,11 +6,13 @@ tuner may change depends on what the user's config says, as a practitioner expec
 - **a numeric ``train_batch_size``** is the training recipe and is held fixed: the candidates
   are the (mbs, gas) pairs with ``mbs * gas * DP = train_batch_size`` (mbs a divisor of
   ``train_batch_size / DP``, gas derived), so every experiment trains the same way;
-- **otherwise gas is the user's value** (``train_batch_size`` follows mbs), and gas becomes a
-  search dimension only where the user lets the global batch grow: a list of gas values in the
-  config, or ``autotuning.max_train_batch_size`` (then gas doubles at the best mbs while the
-  global batch stays within it and throughput improves: a larger gas amortizes the optimizer step
-  and, for ZeRO 0-1, the gradient reduction);
+- **otherwise the global batch is free**, as it is for mbs (``train_batch_size`` follows mbs and
+  gas), and gas is a search dimension where it pays: the user's list of gas values is tried at the
+  best mbs (a one-value list, ``[1]``, holds gas), or else gas doubles there from the user's value
+  while throughput improves by 1% (a
+  larger gas amortizes the optimizer step and, for ZeRO 0-1, the gradient reduction), within
+  ``autotuning.max_train_batch_size`` when given, else at most :data:`MAX_GAS_DOUBLINGS` doublings.
+  DeepSpeed's autotuner also tries gas where the config leaves the global batch free;
 - **a list of mbs values** in the config restricts the micro-batch search to those values.
 """
 from __future__ import annotations
@@ -22,6 +24,10 @@ from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.keys import GAS, MBS, TBS
 
 
+MAX_GAS_DOUBLINGS = 1
+"""Without ``autotuning.max_train_batch_size``, gas doubles at most this many times (2x the user's gas)."""
+
+
 @dataclass(frozen=True)
 class BatchSemantics:
     """The batch rules of one job (build with :meth:`from_config`).
@@ -31,10 +37,11 @@ class BatchSemantics:
         fixed_train_batch_size: the user's numeric ``train_batch_size`` (held fixed), or None.
         gas: gas of the micro-batch search when the global batch is not fixed.
         mbs_values: the mbs values allowed (None: every integer within the job's bounds).
-        gas_values: gas values to try at the best mbs, in order (the user's list without ``gas``,
-            or doubling up to ``max_train_batch_size``); empty: gas is not searched.
-        gas_doubling: the gas values are a doubling ladder (stop at a plateau) rather than a user list.
-        max_train_batch_size: ``autotuning.max_train_batch_size`` (bounds the doubling), or None.
+        gas_values: the user's list of gas values to try at the best mbs, in order (without ``gas``);
+            empty: see ``gas_doubling``.
+        gas_doubling: gas doubles at the best mbs (stop at a plateau), the global batch being free.
+        max_train_batch_size: ``autotuning.max_train_batch_size`` (bounds the doubling), or None
+            (:data:`MAX_GAS_DOUBLINGS` does).
     """
 
     dp_world_size: int
@@ -47,8 +54,12 @@ class BatchSemantics:
 
     @classmethod
     def from_config(cls, user: dict[str, Any], dp_world_size: int, max_train_batch_size: int | None,
-                    source: str) -> "BatchSemantics":
+                    source: str, search_gas: bool = True) -> "BatchSemantics":
         """The semantics the user's ds_config asks for.
+
+        ``search_gas`` False keeps a single gas unless the user bounds the global batch on purpose
+        (``max_train_batch_size``): a Hugging Face Trainer script whose gas is not mapped to its
+        argument raises on any other value.
 
         Raises:
             ConfigError: a batch key that is not a positive integer (or a list of them, or
@@ -63,10 +74,11 @@ class BatchSemantics:
             if tbs % dp_world_size:
                 raise ConfigError(f"{source}: '{TBS}' = {tbs}: not divisible by the DP world size {dp_world_size}")
             return cls(dp_world_size, fixed_train_batch_size=tbs, mbs_values=mbs)
-        if len(gas) > 1:
+        if isinstance(user.get(GAS), list):  # exactly these gas values ([1]: gas stays 1)
             return cls(dp_world_size, gas=gas[0], mbs_values=mbs, gas_values=tuple(gas[1:]),
                        max_train_batch_size=max_train_batch_size)
-        return cls(dp_world_size, gas=gas[0], mbs_values=mbs, gas_doubling=max_train_batch_size is not None,
+        return cls(dp_world_size, gas=gas[0], mbs_values=mbs,
+                   gas_doubling=search_gas or max_train_batch_size is not None,
                    max_train_batch_size=max_train_batch_size)
 
     def allowed_mbs(self, lo: int, hi: int) -> tuple[int, ...] | None:
@@ -99,7 +111,8 @@ class BatchSemantics:
         if not self.gas_doubling:
             return list(self.gas_values)
         ladder, gas = [], self.gas * 2
-        while mbs * gas * self.dp_world_size <= self.max_train_batch_size:
+        limit = self.max_train_batch_size or mbs * self.gas * self.dp_world_size * 2 ** MAX_GAS_DOUBLINGS
+        while mbs * gas * self.dp_world_size <= limit:
             ladder.append(gas)
             gas *= 2
         return ladder
@@ -113,7 +126,9 @@ class BatchSemantics:
         if self.gas_values:
             line += f"; gas {list(self.gas_values)} tried at the best mbs (the config's list)"
         elif self.gas_doubling:
-            line += f"; gas doubled at the best mbs while train_batch_size <= {self.max_train_batch_size}"
+            line += ("; gas doubled at the best mbs while throughput improves, "
+                     + (f"within train_batch_size <= {self.max_train_batch_size}" if self.max_train_batch_size
+                        else f"at most {2 ** MAX_GAS_DOUBLINGS}x (autotuning.max_train_batch_size bounds it)"))
         if self.mbs_values is not None:
             line += f"; mbs from the config's list {list(self.mbs_values)}"
         return line

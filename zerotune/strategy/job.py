@@ -22,7 +22,7 @@ from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
-from zerotune.deepspeed.auto import check_trainer_batch, resolve, script_autos
+from zerotune.deepspeed.auto import auto_paths, check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
@@ -169,7 +169,10 @@ class Job:
             raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {at.mp_size} does not divide the "
                               f"{world_size} ranks of each experiment")
         dp = world_size // at.mp_size
-        batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path)
+        # a Trainer script's gas is its own argument: searched only where it is mapped (or bounded on purpose)
+        search_gas = not auto_paths(user) or "gradient_accumulation_steps" in mappings
+        batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path,
+                                           search_gas=search_gas)
         check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
         memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
