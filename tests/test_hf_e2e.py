@@ -43,23 +43,26 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
     profile = next(r for r in records if r["kind"] == "profile")
     engine = json.loads((results / "exps" / profile["name"] / "engine_config.json").read_text())
     assert engine["hidden_size"] == 64  # the model as the engine saw it; the Trainer's buckets follow
+    # the mbs search at the script's gas 2; the gas phase (gas mapped, so searched) doubles it at the best mbs
+    assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1"} == {2}
+    assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1_gas"} <= {4}
     for r in ran:
         cfg, exp_dir = r["ds_config"], results / "exps" / r["name"]
         mbs, gas = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
-        assert gas == 2 and cfg["fp16"] == {"enabled": False} and "train_batch_size" not in cfg
+        assert cfg["fp16"] == {"enabled": False} and "train_batch_size" not in cfg
         cmd = (exp_dir / "cmd.txt").read_text()
-        assert f"--per_device_train_batch_size={mbs} --gradient_accumulation_steps 2 --deepspeed" in cmd
+        assert f"--per_device_train_batch_size={mbs} --gradient_accumulation_steps {gas} --deepspeed" in cmd
         # the Trainer's own log and the engine: each experiment really ran at its mbs and gas
         log = (exp_dir / "stdout.log").read_text() + (exp_dir / "stderr.log").read_text()
         assert re.findall(r"Instantaneous batch size per device = (\d+)", log)[0] == str(mbs)
         engine = engine_of(exp_dir)
         assert (engine["train_micro_batch_size_per_gpu"], engine["gradient_accumulation_steps"],
-                engine["train_batch_size"]) == (mbs, 2, mbs * 2 * 2)
+                engine["train_batch_size"]) == (mbs, gas, mbs * gas * 2)
         if r["kind"] != "profile":
             assert cfg["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # the Trainer's "auto"
             # samples per optimizer step, as the probe saw them (accelerate calls step() once per optimizer step)
             steps = [json.loads(line) for line in (exp_dir / "probe.rank0.jsonl").read_text().splitlines()]
-            assert steps and {s["train_batch_size"] for s in steps} == {mbs * 2 * 2}
+            assert steps and {s["train_batch_size"] for s in steps} == {mbs * gas * 2}
 
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["optimizer"]["params"] == {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
