@@ -281,7 +281,7 @@ def test_tune_with_ray_backend_gives_the_local_backends_answer(ray_cluster, tmp_
     "Same answer" is made deterministic by memory, not by throughput: CPU throughput here varies
     by +-20% between runs (two shared cores), so on a job where two configs are close the two
     backends could honestly pick different winners. This job (ZeRO stages 0-3 with DeepSpeed's
-    default buckets, mbs capped at 1, 2 GiB per rank) leaves one feasible choice: stages 1-3 need a
+    default buckets, mbs capped at 1, gas held at 1, 2 GiB per rank) leaves one feasible choice: stages 1-3 need a
     2,000,000,000-byte reduce buffer per rank plus the rank's measured overhead, over the budget, so
     the memory model prunes them, and stage 0 runs at mbs 1 only. The two runs must then agree on
     everything the answer is made of: the experiments run and their outcomes, each stage's decision,
@@ -291,7 +291,7 @@ def test_tune_with_ray_backend_gives_the_local_backends_answer(ray_cluster, tmp_
     import ray
 
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1,
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": [1],  # gas held
                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                "zero_optimization": {"stage": "all"},
                                "autotuning": {"start_profile_step": 2, "end_profile_step": 3,

@@ -82,6 +82,7 @@ def test_context_has_the_script_its_arguments_without_the_config_path_the_layout
         "script_args": ["--steps", "6", "--deepspeed_config", "<ds_config>"],
         "num_nodes": 1, "slots_per_node": 1, "mp_size": 1, "cpu": True, "device_memory_bytes": 2 * GiB,
         "start_profile_step": 3, "end_profile_step": 5, "objective": "throughput", "precision": 0.02,
+        "arg_mappings": {},
     }
 
 
@@ -140,6 +141,20 @@ def test_a_changed_script_argument_reruns(tmp_path):
     tune(make_job(tmp_path, "--data", "wiki"))
     assert tune(make_job(tmp_path, "--data", "books"))[0] == ["a", "b", "c", "d"]
     assert tune(make_job(tmp_path, "--data", "books"))[0] == []
+
+
+def test_a_changed_arg_mapping_reruns(tmp_path):
+    script(tmp_path)
+    tune(make_job(tmp_path, "--bs", "1"))
+    mapped = {**USER_CONFIG, "autotuning": {**USER_CONFIG.get("autotuning", {}),
+                                            "arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"}}}
+    (tmp_path / "ds.json").write_text(json.dumps(mapped))
+    job = Job.build(str(tmp_path / "train.py"), ["--bs", "1", "--deepspeed_config", str(tmp_path / "ds.json")],
+                    select_resources(local_slots=1),
+                    TuneOptions(device_memory_bytes=2 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
+    assert resume_context(job)["arg_mappings"] == {"train_micro_batch_size_per_gpu": "--bs"}
+    ran, _ = tune(job)
+    assert ran == list("abcd")  # each run now gets --bs <its mbs>: not the same experiments
 
 
 def test_a_changed_unrelated_file_beside_the_script_does_not_rerun(tmp_path):

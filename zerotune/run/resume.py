@@ -43,7 +43,8 @@ def resume_context(job: Job) -> dict[str, Any]:
         when it cannot be read), ``script_args`` (the ds_config path replaced by
         :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
         ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
-        ``precision`` (the adaptive stop's target half-width; None when runs are not ended early).
+        ``precision`` (the adaptive stop's target half-width; None when runs are not ended early),
+        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets).
     """
     script = Path(job.script).resolve()
     return {
@@ -59,6 +60,7 @@ def resume_context(job: Job) -> dict[str, Any]:
         "end_profile_step": job.autotuning.end_profile_step,
         "objective": job.objective.name,
         "precision": job.stop_rule.precision if job.stop_rule else None,
+        "arg_mappings": dict(sorted(job.arg_mappings.items())),
     }
 
 
