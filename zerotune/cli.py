@@ -20,7 +20,7 @@ from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.model import estimate
 from zerotune.core.stopping import DEFAULT_PRECISION
-from zerotune.run.resources import select_resources
+from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
 
@@ -89,11 +89,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = True
                 if args.num_gpus < 1 and not args.include:
                     raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
-                local_slots = args.num_gpus if args.num_gpus > 0 else None
-                if local_slots is None:  # --include localhost:0,1 on CPU: enough slots to cover the ids
-                    ids = [int(x) for part in args.include.split("@") if ":" in part
-                           for x in part.split(":", 1)[1].split(",")]
-                    local_slots = max(ids) + 1 if ids else 1
+                # --include localhost:0,1 on CPU: enough slots to cover the ids
+                local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
         nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
                                  args.num_gpus if args.hostfile or not cpu else -1, local_slots)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,

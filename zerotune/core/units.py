@@ -4,6 +4,7 @@ Inside zerotune memory is bytes (int) everywhere; these two functions are the on
 """
 from __future__ import annotations
 
+import math
 import re
 
 from zerotune.core.errors import ConfigError
@@ -25,7 +26,10 @@ def parse_bytes(text: str | int, what: str = "--device-memory") -> int:
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
             raise ConfigError(f"{what} = {text!r}: expected a size such as 3GiB, 2.5GB, 512MiB or a byte count")
-        value = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number >= 2**63:  # 1e400 is inf; RLIMIT_DATA takes 64 bits
+            raise ConfigError(f"{what} = {text!r}: too large (at most {2**63 - 1} bytes)")
+        value = int(number)
     if value <= 0:
         raise ConfigError(f"{what} = {text!r}: must be positive")
     return value

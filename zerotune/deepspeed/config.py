@@ -23,11 +23,12 @@ class AutotuningConfig(BaseModel):
     """The ``autotuning`` section, with DeepSpeed's key names and defaults.
 
     Differences from DeepSpeed, on purpose: ``overwrite`` defaults to False so that a rerun resumes
-    from the results on disk (``--overwrite`` starts fresh), and unknown keys are errors rather
-    than silently ignored.
+    from the results on disk (``--overwrite`` starts fresh), unknown keys are errors rather
+    than silently ignored, and types are strict (JSON's own: ``"fast": "yes"``, ``"fast": 1`` and
+    ``"start_profile_step": "8"`` are errors, not coerced).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "fast": "yes" or "8" is an error, never coerced
 
     enabled: bool = True
     fast: bool = True

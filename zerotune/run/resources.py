@@ -38,6 +38,7 @@ __all__ = [
     "SlotPool",
     "parse_hostfile",
     "select_resources",
+    "slots_named",
 ]
 
 # DeepSpeed's pattern is ``^(\S+)\s+slots=(\d+)`` matched as a prefix, so the launcher accepts extra
@@ -125,6 +126,19 @@ def _parse_filter(flag: str, value: str) -> dict[str, list[int]]:
                     ) from None
         specs.setdefault(host, []).extend(slots)
     return {h: sorted(set(s)) for h, s in specs.items()}
+
+
+def slots_named(include: str) -> int:
+    """Without a hostfile on CPU: how many local slots ``--include`` needs (its highest slot id + 1;
+    1 when it names hosts only), so ``--include localhost:0,3`` works without ``--num_gpus``.
+
+    Raises:
+        ConfigError: a malformed ``--include`` (``localhost:a``, ``localhost:0,,1``), naming it.
+    """
+    ids = [s for slots in _parse_filter("--include", include).values() for s in slots]
+    if any(s < 0 for s in ids):
+        raise ConfigError(f"--include {include!r}: device ids are non-negative integers")
+    return max(ids) + 1 if ids else 1
 
 
 def _apply_filter(available: dict[str, list[int]], include: str, exclude: str) -> dict[str, list[int]]:

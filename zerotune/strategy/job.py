@@ -9,6 +9,7 @@ input is a :class:`~zerotune.core.errors.ConfigError` here, before the first lau
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_d
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
+from zerotune.deepspeed.keys import GAS, MBS, TBS
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.auto import auto_paths, check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
@@ -188,6 +190,13 @@ class Job:
             if value is not None and not value > 0:
                 raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
         results_dir = Path(options.results_dir or at.results_dir)
+        notes += _check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
+        if cpu:
+            _check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
+        for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
+                            results_dir),
+                           (f"{config_path}: 'autotuning.exps_dir'", None if options.results_dir else Path(at.exps_dir))):
+            _check_writable_dir(flag, path)
         return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
                    autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
                    world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch,
@@ -255,6 +264,67 @@ def _positive_int(value: Any, key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
     return value
+
+
+MIN_CPU_RANK_BYTES = 256 * 2**20
+"""The smallest per-rank budget on CPU: a rank's Python with torch and DeepSpeed imported holds
+about 195 MiB of private data (``VmData``, what ``RLIMIT_DATA`` limits) before any model."""
+
+
+def _check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSemantics, min_mbs: int,
+                     source: str) -> tuple[str, ...]:
+    """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
+    gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
+    substituted; :func:`zerotune.strategy.variables.parse_variables` checks those).
+    Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
+    and gas (which the search then replaces) is said, never silently overwritten."""
+    dp, notes = batch.dp_world_size, []
+    tbs, mbs, gas = (user.get(k) for k in (TBS, MBS, GAS))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (tbs, mbs, gas)):
+        if tbs != mbs * gas * dp:
+            notes.append(f"{source}: '{TBS}' = {tbs} disagrees with {MBS} {mbs} x {GAS} {gas} x DP world size {dp} "
+                         f"= {mbs * gas * dp}: the train batch size is held fixed at {tbs}, so gas follows each "
+                         f"mbs tried ({tbs} = mbs x gas x {dp})")
+    if isinstance(tbs, int) and not isinstance(tbs, bool):
+        for key, bound, bad in (("max_train_batch_size", at.max_train_batch_size, lambda b: tbs > b),
+                                ("min_train_batch_size", at.min_train_batch_size, lambda b: tbs < b)):
+            if bound is not None and bad(bound):
+                raise ConfigError(f"{source}: '{TBS}' = {tbs} is outside 'autotuning.{key}' = {bound}")
+    if at.max_train_batch_size is not None:
+        for g in batch.gas_values:
+            if min_mbs * g * dp > at.max_train_batch_size:
+                raise ConfigError(f"{source}: '{GAS}' candidate {g} gives train_batch_size {min_mbs * g * dp} "
+                                  f"(mbs {min_mbs} x gas {g} x DP {dp}) above 'autotuning.max_train_batch_size' = "
+                                  f"{at.max_train_batch_size}")
+    return tuple(notes)
+
+
+def _check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
+    """On CPU: a budget that can start a rank, and no more local ranks than this process may use
+    cores (``local_ranks`` 0: not a local run, not checked)."""
+    from zerotune.core.units import format_bytes
+    if budget_bytes < MIN_CPU_RANK_BYTES:
+        raise ConfigError(f"--device-memory {format_bytes(budget_bytes)}: too small to start a CPU rank (Python "
+                          f"with torch and DeepSpeed needs about 200 MiB before the model); at least "
+                          f"{format_bytes(MIN_CPU_RANK_BYTES)}")
+    cores = len(os.sched_getaffinity(0))
+    if local_ranks > cores:
+        raise ConfigError(f"--num_gpus {local_ranks}: on CPU each slot is one rank process, and this machine gives "
+                          f"zerotune {cores} core(s); at most {cores}")
+
+
+def _check_writable_dir(what: str, path: Path | None) -> None:
+    """``path`` is a directory or can be made one: neither it nor an ancestor is a file, and its
+    nearest existing ancestor is writable (checked, nothing created)."""
+    if path is None:
+        return
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{what} {str(path)!r}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(path)!r}: {probe} is not writable")
 
 
 def cuda_available() -> bool:
