@@ -8,16 +8,21 @@ it), and :mod:`zerotune.report` (the answer).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
-import shutil
+import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
 
-from zerotune.core.errors import TuningFailed
+from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment
+from zerotune.deepspeed import extensions
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command
 from zerotune.report import results
 from zerotune.report.plan import Plan
@@ -27,12 +32,49 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans
 from zerotune.run.resources import Node, Reservation, SlotPool
 from zerotune.run.resume import resume_context
-from zerotune.run.scheduler import ResultsLock, Scheduler
+from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
 from zerotune.strategy.tuning import Strategy, StrategyResult
 
-__all__ = ["Autotuner", "TuneOptions"]
+__all__ = ["Autotuner", "Interrupted", "TuneOptions"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""What Ctrl-C, Slurm's scancel, ``docker stop``, ``timeout``, Kubernetes and a closed terminal send."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The tuner was stopped by a signal (:data:`STOP_SIGNALS`); ``signum`` says which. A
+    KeyboardInterrupt, so every path that cleans up after Ctrl-C cleans up after it too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt():
+    """While tuning, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread: the
+    running experiments are killed (with every process) and recorded as interrupted, finished
+    results are kept. Later signals while that cleanup runs are ignored, so it is never cut short
+    (it is bounded: a process tree gets SIGTERM, then SIGKILL after 10 s). Off the main thread,
+    where Python cannot install handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def handler(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Autotuner:
@@ -53,12 +95,14 @@ class Autotuner:
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
                  options: TuneOptions | None = None, console: Console | None = None, backend: Backend | None = None):
         self.job = job = Job.build(script, script_args, nodes, options)
+        if backend is None and not Path(job.script).is_file():  # a simulated backend runs no script
+            raise ConfigError(f"training script {job.script!r} does not exist (or is not a file)")
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
         self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update,
-                                   context=resume_context(job))
+                                   context=resume_context(job), log=self._log)
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
@@ -74,24 +118,34 @@ class Autotuner:
         return self.result.stages
 
     def _strategy(self, evaluate) -> Strategy:
-        log = lambda line: self.console.print(line, markup=False, highlight=False)  # noqa: E731
         return Strategy(self.job, evaluate, parallel=self.pool.capacity(self.job.num_nodes, self.job.slots_per_node),
-                        log=log)
+                        log=self._log)
+
+    def _log(self, line: str) -> None:
+        self.console.print(line, markup=False, highlight=False)
 
     def tune(self) -> Experiment:
         """Profile, search and write the results; return the best experiment.
 
+        SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (when called from the main thread): the
+        running experiments are killed with all their processes and recorded as interrupted, the
+        finished results and the summary are written, and :class:`Interrupted` (a
+        KeyboardInterrupt naming the signal) is raised; a rerun resumes.
+
         Raises:
             TuningFailed: the profile run or every experiment failed (the summary says so).
+            ConfigError: the results or exps dir cannot be created, or is in use by another tuner.
+            Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
-        with ResultsLock(job.results_dir):
+        with _stop_signals_interrupt(), ResultsLock(job.results_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
             reap_orphans(job.exps_dir / RUNNING_DIR)
             if job.overwrite:
-                shutil.rmtree(job.exps_dir, ignore_errors=True)
+                clear_experiments(job.exps_dir)  # zerotune's experiment dirs only, whatever exps_dir names
                 (job.results_dir / "summary.txt").unlink(missing_ok=True)
+            self._prepare_extensions()
             for note in (job.describe(), *job.notes):
                 self.console.print(note, markup=False, highlight=False)
             strategy = self._strategy(self.scheduler.run)
@@ -102,11 +156,41 @@ class Autotuner:
             finally:
                 self.progress.stop()
                 self.elapsed_s = time.monotonic() - started
-                self.best = self.write_optimal_config()
+                unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
+        if unwritten is not None:
+            raise TuningFailed(f"cannot write the results: {unwritten}; the experiments' records under "
+                               f"{job.exps_dir} are kept: free some space and rerun to resume")
         if self.best is None:
             raise TuningFailed(f"no experiment succeeded; see {job.results_dir / 'summary.txt'} and the logs "
                                f"under {job.exps_dir}")
         return self.best
+
+    def _write_results(self) -> OSError | None:
+        """:meth:`write_optimal_config`, or the OSError that stopped it (a full disk), said in the log."""
+        try:
+            self.best = self.write_optimal_config()
+        except OSError as e:
+            self.best = None
+            self._log(f"zerotune: cannot write the results: {e}")
+            return e
+        return None
+
+    def _prepare_extensions(self) -> None:
+        """The experiments' own torch extension cache (:mod:`zerotune.deepspeed.extensions`): created,
+        seeded from the machine's built ops, cleared of locks (nothing of this tuner runs yet and
+        orphans are reaped); a stale lock in the machine's cache is reported by path."""
+        try:
+            self.job.exps_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"exps dir {self.job.exps_dir}: cannot create it: {e.strerror or e}") from None
+        ext = extensions.extensions_dir(self.job.exps_dir)
+        extensions.seed(ext)
+        for lock in extensions.remove_stale_locks(ext):
+            self._log(f"removed {lock}: a torch extension lock left by a killed process")
+        old = time.time() - extensions.BUILD_S
+        for lock in extensions.stale_locks(extensions.default_root(), older_than=old):
+            self._log(f"note: {lock} is older than {extensions.BUILD_S / 60:g} min: DeepSpeed runs outside zerotune "
+                      f"that load this op wait on it forever; remove it if no build is running")
 
     def plan(self) -> Plan:
         """The dry run: the experiments the strategy would try if the memory model were right
@@ -133,11 +217,14 @@ class Autotuner:
     def _training_launch(self, config_path: str, master_port: int) -> tuple[dict[str, str], list[str]]:
         """The launcher's environment additions and command to train on all selected slots."""
         every_slot = Reservation(tuple(Node(n.host, n.slots[:self.job.slots_per_node]) for n in self.job.nodes))
-        spec = self.job.launch_spec()
+        # absolute paths: the command works from any directory
+        spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
+        config_path = str(Path(config_path).absolute())
         return launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port)
 
     def optimal_command(self, config_path: str) -> str:
-        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots."""
+        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the
+        script and the config by absolute path)."""
         return paste_command(*self._training_launch(config_path, master_port=29500))
 
     def run_after_tuning(self) -> int:

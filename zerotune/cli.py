@@ -6,16 +6,18 @@
     zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB   # what-if, runs nothing
 
 Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
-or value), 130 interrupted (results on disk are kept; rerun to resume).
+or value), 130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (results on disk are kept;
+rerun to resume).
 """
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from rich.console import Console
 
-from zerotune.autotuner import Autotuner, TuneOptions
+from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.model import estimate
@@ -125,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     except TuningFailed as e:
         print(f"zerotune: tuning failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        console.print("[yellow]zerotune: interrupted; finished results are kept, rerun to resume[/]")
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP while tuning (Interrupted): 128 + the signal
+        signum = e.signum if isinstance(e, Interrupted) else 2
+        console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
+                      "rerun to resume[/]")
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from zerotune.deepspeed.args import apply_arg_mappings
 from zerotune.deepspeed.config import replace_config_arg
+from zerotune.deepspeed.extensions import extensions_dir
 from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p)
         env[PROBE_DIR_ENV] = str(Path(probe_dir).resolve())
+        # the exps dir's own extension cache, never the machine's (zerotune.deepspeed.extensions)
+        env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(Path(probe_dir).resolve().parent))
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.

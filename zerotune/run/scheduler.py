@@ -13,14 +13,17 @@ from __future__ import annotations
 import collections
 import fcntl
 import os
+import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.deepspeed.expdir import load_record, write_record
+from zerotune.deepspeed.expdir import RECORD_FILE, load_record, write_record
+from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, stale_locks
 from zerotune.run.backends.base import Backend
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
@@ -38,8 +41,12 @@ class ResultsLock:
         self._fd: int | None = None
 
     def __enter__(self) -> "ResultsLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"results dir {self.path.parent}: cannot create it or its lock file: "
+                              f"{e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,8 +54,12 @@ class ResultsLock:
             os.close(fd)
             raise ConfigError(f"results dir {self.path.parent} is in use by another zerotune (pid {holder}); "
                               f"wait for it or choose another --results-dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as e:  # a full disk
+            os.close(fd)
+            raise ConfigError(f"results dir {self.path.parent}: cannot write its lock file: {e.strerror or e}") from None
         self._fd = fd
         return self
 
@@ -57,6 +68,45 @@ class ResultsLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def experiment_dir(exps_dir: Path, name: str) -> Path:
+    """The directory of experiment ``name``: a direct child of ``exps_dir``, checked on the resolved
+    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), so that
+    nothing is created or removed outside the results tree whatever a config's keys say.
+
+    Raises:
+        ConfigError: ``name`` is not ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` (200 characters at most), or its
+            directory resolves outside ``exps_dir``.
+    """
+    if not _SAFE_NAME.fullmatch(name):
+        raise ConfigError(f"experiment name {name!r}: expected letters, digits, '.', '_' and '-' (not starting "
+                          f"with '.'), at most 200 characters")
+    path = Path(exps_dir) / name
+    if path.resolve().parent != Path(exps_dir).resolve():
+        raise ConfigError(f"experiment directory {path} resolves to {path.resolve()}, outside the exps dir "
+                          f"{Path(exps_dir).resolve()}: zerotune creates and removes directories only inside it")
+    return path
+
+
+def clear_experiments(exps_dir: Path) -> list[str]:
+    """``--overwrite``: remove the experiment directories in ``exps_dir`` (each a direct child holding
+    an ``exp.json``, not a symlink), nothing else, so an exps dir that holds other files (a config's
+    ``exps_dir`` may name any directory) keeps them. Returns the names removed."""
+    removed = []
+    try:
+        children = sorted(Path(exps_dir).iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if child.is_dir() and not child.is_symlink() and (child / RECORD_FILE).is_file() \
+                and _SAFE_NAME.fullmatch(child.name):
+            shutil.rmtree(experiment_dir(exps_dir, child.name))
+            removed.append(child.name)
+    return removed
 
 
 class Scheduler:
@@ -74,15 +124,22 @@ class Scheduler:
         context: what besides the config makes two experiments the same
             (:func:`zerotune.run.resume.resume_context`); recorded with every result and part of
             its resume key. None: ``{}`` (a scheduler built by hand, in tests).
+        log: called with a line for the person (a stale extension lock removed).
+
+    .. note:: Every experiment directory is checked to be a direct child of ``exps_dir`` on its
+       resolved path (:func:`experiment_dir`) before anything is read, created or removed; a batch
+       with a name that fails is refused whole (ConfigError) before any of it launches.
     """
 
     def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
-                 on_update: Callable[[Experiment, str], None] | None = None, context: dict | None = None):
+                 on_update: Callable[[Experiment, str], None] | None = None, context: dict | None = None,
+                 log: Callable[[str], None] | None = None):
         self.backend = backend
         self.pool = pool
         self.exps_dir = Path(exps_dir)
         self.on_update = on_update or (lambda exp, event: None)
         self.context = context or {}
+        self.log = log or (lambda line: None)
         self.history: list[Experiment] = []
         self.launched = 0
         self._cond = threading.Condition()
@@ -90,7 +147,7 @@ class Scheduler:
     def load(self, exp: Experiment) -> Experiment | None:
         """The reusable result on disk for ``exp``'s name and resume key (OK or OOM), if any
         (:func:`zerotune.deepspeed.expdir.load_record`)."""
-        return load_record(self.exps_dir / exp.name, exp.ds_config, self._key(exp))
+        return load_record(experiment_dir(self.exps_dir, exp.name), exp.ds_config, self._key(exp))
 
     def _key(self, exp: Experiment) -> str:
         return resume_key(exp.ds_config, self.context)
@@ -107,6 +164,8 @@ class Scheduler:
         interrupt is re-raised.
         """
         batch = list(experiments)
+        for exp in batch:
+            experiment_dir(self.exps_dir, exp.name)  # every name checked before anything runs
         queue: collections.deque[Experiment] = collections.deque()
         results: dict[int, Experiment] = {}
         for i, exp in enumerate(batch):
@@ -139,6 +198,9 @@ class Scheduler:
                         self._cond.wait(timeout=0.5)
                         continue
                     exp = queue.popleft()
+                    if not running:  # no experiment of this tuner loads ops now: a lock is a killed one's
+                        for lock in remove_stale_locks(extensions_dir(self.exps_dir)):
+                            self.log(f"removed {lock}: a torch extension lock left by a killed process")
                 t = threading.Thread(target=self._run_one, args=(exp, reservation, results, index[id(exp)]),
                                      name=f"exp-{exp.name}", daemon=True)
                 threads.append(t)
@@ -154,7 +216,9 @@ class Scheduler:
 
     def _run_one(self, exp: Experiment, reservation, results: dict, i: int) -> None:
         exp_dir = self.exps_dir / exp.name
+        started = time.time()
         try:
+            exp_dir = experiment_dir(self.exps_dir, exp.name)
             if exp_dir.exists():
                 shutil.rmtree(exp_dir)  # an attempt not reused: interrupted, failed, or under another key
             exp_dir.mkdir(parents=True)
@@ -164,6 +228,12 @@ class Scheduler:
                 self.launched += 1
             self.on_update(exp, "start")
             self.backend.run(exp, reservation, exp_dir)
+            if exp.status is Status.TIMEOUT:
+                locks = stale_locks(extensions_dir(self.exps_dir), older_than=started)
+                if locks:
+                    exp.error = (f"{exp.error}; {', '.join(map(str, locks))} was there before it started: a torch "
+                                 f"extension lock left by a killed process, which DeepSpeed's op loader waits on "
+                                 f"(removed before the next experiment when none runs)")
         except Exception as e:  # a backend (or disk) error must not kill the tuner or lose other results
             exp.status, exp.error = Status.FAILED, f"backend error: {e!r}"
         finally:

@@ -1,0 +1,691 @@
+"""Hostile input, signals and faults (issue 13): nothing lost, nothing escapes, nothing hangs.
+
+Three parts:
+
+- **hostile input** (:data:`HOSTILE_INPUTS`): each bad argument or config is exit status 2 with a
+  message naming the argument, file or key, before anything launches (no exps dir, no process);
+  run in-process through ``zerotune.cli.main`` (benchmarks/fault_matrix.py runs the same table as
+  real subprocesses);
+- **the results tree**: experiment directories only ever inside the exps dir, checked on the
+  resolved path; ``--overwrite`` removes zerotune's experiment directories and nothing else;
+- **process faults**, with real processes: a stand-in ``deepspeed`` launcher (:data:`LAUNCHER`:
+  one child per slot, forwards SIGTERM and exits, kills the others when a rank fails, as
+  DeepSpeed's ``launch.py`` does) starting stand-in ranks (:data:`RANK`: write DeepSpeed's result
+  files, a shared-memory file like DeepSpeed's CPU comm, or misbehave on cue). The tuner is the real
+  ``zerotune`` CLI in its own process (:data:`DRIVER` only points the launcher at the stand-in), so
+  a signal reaches it as it reaches a user's. Each case asserts the status, that no process of the
+  run is left (found by the run token in its environment), that no ``/dev/shm`` file is left, that
+  finished results survive unchanged, and, where the tuner is disturbed, the same answer as an
+  undisturbed run. A tuning takes about 3 s (the tuner's own start-up, importing torch).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from zerotune import cli
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
+from zerotune.deepspeed import expdir, extensions
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.processes import RUN_TOKEN_ENV, RUNNING_DIR
+from zerotune.run.resources import select_resources
+from zerotune.run.scheduler import Scheduler, clear_experiments, experiment_dir
+from zerotune.run.slots import SlotPool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --- stand-ins ----------------------------------------------------------------------------------
+
+RANK = r'''
+"""A stand-in DeepSpeed rank: profile -> model_info.json; else end_profile_step steps, then
+metrics.json (rank 0). $STANDIN_PLAN (JSON {name substring: fault}) makes it misbehave."""
+import json, os, signal, socket, sys, time
+
+args = sys.argv[1:]
+config_path = args[args.index("--deepspeed_config") + 1]
+config = json.load(open(config_path))
+at = config["autotuning"]
+rank = int(os.environ.get("LOCAL_RANK", "0"))
+exp_dir = os.path.dirname(config_path)
+name = os.path.basename(exp_dir)
+plan = json.load(open(os.environ["STANDIN_PLAN"])) if os.environ.get("STANDIN_PLAN") else {}
+fault = next((f for key, f in sorted(plan.items()) if key in name), "")
+
+
+def write(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+# what DeepSpeed's CPU comm leaves in /dev/shm, one file per rank and master port
+shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_{rank}"
+open(shm, "wb").close()
+print(f"stand-in rank {rank} of {name} pid {os.getpid()}", flush=True)
+if rank == 0:  # rank 0 listens on the master port, as torch's TCPStore does
+    store = socket.socket()
+    try:
+        store.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+    except OSError:
+        print(f"RuntimeError: The server socket has failed to listen on any local network address. port: "
+              f"{os.environ['MASTER_PORT']}, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use",
+              file=sys.stderr, flush=True)
+        sys.exit(1)
+if at.get("model_info", {}).get("profile"):
+    if rank == 0:
+        write(at["model_info_path"], json.dumps({"num_params": 1_000_000, "trainable_num_params": 1_000_000,
+                                                  "activation_mem_per_gpu": 1000}))
+    sys.exit(0)
+stage, mbs = config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"]
+for step in range(at["end_profile_step"]):
+    if fault == "crash_at_step" and step == 2:
+        raise RuntimeError("stand-in crash at step 2")
+    if fault == "sigkill_rank" and step == 2 and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(f"step {step}", flush=True)
+    time.sleep(0.05)
+if fault == "hang":
+    time.sleep(10**6)
+if fault == "ignore_term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring SIGTERM", flush=True)
+    time.sleep(10**6)
+if fault == "slow":  # a long run, so a tuner can be stopped while it runs
+    time.sleep(float(os.environ.get("STANDIN_SLOW_S", "3")))
+if fault == "oom":
+    print("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+          "you tried to allocate 1073741824 bytes", file=sys.stderr, flush=True)
+    sys.exit(1)
+if rank == 0:
+    if fault == "garbage_metrics":
+        open(at["metric_path"], "wb").write(b"\x00\xff\xfe garbage {")
+    elif fault == "truncated_metrics":
+        open(at["metric_path"], "w").write('{"throughput": 12')
+    else:
+        write(at["metric_path"], json.dumps({"throughput": 100.0 * mbs / (1 + 0.25 * stage),
+                                             "latency": 1e4 * (1 + 0.25 * stage) / mbs, "FLOPS_per_gpu": 1e9}))
+if fault == "garbage_probe":  # the step probe's stream, garbled: binary, a wrong-typed record, a cut line
+    with open(os.path.join(os.environ["PYTHON_ZEROTUNE_PROBE_DIR"], f"probe.rank{rank}.jsonl"), "wb") as f:
+        f.write(b'\xff\x00\n{"step": "x", "wall_s": "abc", "train_batch_size": null}\n[1, 2]\n{"step": 3, "wa')
+'''
+
+LAUNCHER = r'''
+"""A stand-in for the deepspeed launcher: --include localhost:0,1 --master_port P SCRIPT ARGS."""
+import os, signal, subprocess, sys, time
+
+args = sys.argv[1:]
+include, port = args[args.index("--include") + 1], args[args.index("--master_port") + 1]
+script_and_args = args[args.index("--master_port") + 2:]
+slots = [int(s) for s in include.split(":", 1)[1].split(",")]
+children = []
+for rank, slot in enumerate(slots):
+    env = dict(os.environ, LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(len(slots)), MASTER_PORT=port,
+               CUDA_VISIBLE_DEVICES=str(slot))
+    children.append(subprocess.Popen([sys.executable, "-u", *script_and_args], env=env))
+
+
+def stop(signum, frame):  # as DeepSpeed's launch.py: pass it on, and go
+    for c in children:
+        c.send_signal(signal.SIGTERM)
+    sys.exit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+while children:
+    for c in list(children):
+        rc = c.poll()
+        if rc is None:
+            continue
+        children.remove(c)
+        if rc != 0:  # one rank failed: kill the others (launch.py's sigkill_handler)
+            for other in children:
+                other.kill()
+            print(f"exit code {rc}: a rank failed", file=sys.stderr, flush=True)
+            sys.exit(rc if rc > 0 else 1)
+    time.sleep(0.02)
+'''
+
+DRIVER = r'''
+"""The zerotune CLI with the stand-in launcher in place of deepspeed's (argv: LAUNCHER then the CLI's)."""
+import os
+import sys
+import zerotune.deepspeed.launcher as launcher
+from zerotune import cli
+
+fake = sys.argv[1]
+launcher.deepspeed_launcher = lambda: [sys.executable, fake]
+if os.environ.get("STANDIN_TAKE_PORT"):  # the Nth launch gets a master port another process listens on
+    import socket
+    import zerotune.run.backends.local as local
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    free, launches = local.free_port, []
+
+    def free_port():
+        launches.append(1)
+        return taken.getsockname()[1] if len(launches) == int(os.environ["STANDIN_TAKE_PORT"]) else free()
+    local.free_port = free_port
+sys.exit(cli.main(sys.argv[2:]))
+'''
+
+BASE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": [0, 1]},
+               "autotuning": {"max_train_micro_batch_size_per_gpu": 2, "start_profile_step": 2,
+                              "end_profile_step": 4}}
+ANSWER = {"stage": 0, "mbs": 2, "metric": 200.0}  # the stand-in's fastest config: 100 * mbs / (1 + stage / 4)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    for name, text in (("rank.py", RANK), ("launcher.py", LAUNCHER), ("driver.py", DRIVER)):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "ds.json").write_text(json.dumps(BASE_CONFIG))
+    return tmp_path
+
+
+def tune_argv(work: Path, *extra: str, results: str = "results", ranks: int = 1) -> list[str]:
+    return ["tune", "--num_gpus", str(ranks), "--device-memory", "2GiB", "--results-dir", str(work / results),
+            "--timeout", "30", *extra, str(work / "rank.py"), "--deepspeed_config", str(work / "ds.json")]
+
+
+def start_tuner(work: Path, argv: list[str], plan: dict | None = None, **env) -> subprocess.Popen:
+    """The real CLI in its own process (and session, as a shell job), with the stand-in launcher."""
+    environ = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    if plan is not None:
+        (work / "plan.json").write_text(json.dumps(plan))
+        environ["STANDIN_PLAN"] = str(work / "plan.json")
+    return subprocess.Popen([sys.executable, str(work / "driver.py"), str(work / "launcher.py"), *argv], cwd=work,
+                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def run_tuner(work: Path, argv: list[str], plan: dict | None = None, timeout: float = 120, **env):
+    proc = start_tuner(work, argv, plan, **env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, out, err
+
+
+def processes_of_tuner(pid: int) -> list[psutil.Process]:
+    """Live processes whose run token says tuner ``pid`` started them (token = '<pid>-<uuid>')."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(RUN_TOKEN_ENV, "").startswith(f"{pid}-") and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def stand_in_processes(work: Path) -> list[psutil.Process]:
+    """Live stand-in launchers and ranks of this test (by their script paths in ``work``)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if any(str(work) in a and a.endswith(("rank.py", "launcher.py")) for a in p.cmdline()) \
+                    and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
+
+
+def shm_left(work: Path, before: set[str]) -> set[str]:
+    """This test's shared-memory files still there: those of the master ports its runs used (other
+    tests on the machine may have their own)."""
+    ports = {cmd.read_text().split("--master_port ")[1].split()[0] for cmd in work.glob("*/exps/*/cmd.txt")}
+    return {name for name in shm_files() - before if name.rsplit("_", 2)[1] in ports}
+
+
+def records(results: Path) -> dict[str, dict]:
+    out = {}
+    for path in (results / "exps").glob("*/exp.json"):
+        out[path.parent.name] = json.loads(path.read_text())
+    return out
+
+
+def answer(results: Path) -> dict:
+    cfg = json.loads((results / "ds_config_optimal.json").read_text())
+    return {"stage": cfg["zero_optimization"]["stage"], "mbs": cfg["train_micro_batch_size_per_gpu"]}
+
+
+def assert_clean(work: Path, shm_before: set[str], pid: int | None = None) -> None:
+    if pid is not None:
+        assert processes_of_tuner(pid) == []
+    assert stand_in_processes(work) == []
+    assert shm_left(work, shm_before) == set()
+    for running in (work / "results" / "exps" / RUNNING_DIR).glob("*.json"):
+        raise AssertionError(f"running record left: {running}")
+
+
+# --- hostile input: exit 2 naming it, before anything launches ------------------------------------
+
+# (id, CLI args before the script ("{tmp}" is the test's directory), config changes, script, message)
+HOSTILE_INPUTS = [
+    ("device-memory-1e400", ["--num_gpus", "1", "--device-memory", "1e400"], {}, None,
+     r"--device-memory = '1e400': too large"),
+    ("device-memory-1KiB", ["--num_gpus", "1", "--device-memory", "1KiB"], {}, None,
+     r"--device-memory 1\.00 KiB: too small to start a CPU rank"),
+    ("device-memory-words", ["--num_gpus", "1", "--device-memory", "lots"], {}, None,
+     r"--device-memory = 'lots': expected a size"),
+    ("include-letter", ["--include", "localhost:a", "--device-memory", "2GiB"], {}, None,
+     r"--include 'localhost:a': slot 'a' on host 'localhost' is not a device id"),
+    ("include-empty-slot", ["--include", "localhost:0,,1", "--device-memory", "2GiB"], {}, None,
+     r"--include 'localhost:0,,1': slot '' on host 'localhost' is not a device id"),
+    ("include-negative", ["--include", "localhost:-1", "--device-memory", "2GiB"], {}, None,
+     r"--include 'localhost:-1': device ids are non-negative"),
+    ("num-gpus-above-cores", ["--num_gpus", str(len(os.sched_getaffinity(0)) + 1), "--device-memory", "2GiB"], {},
+     None, rf"--num_gpus {len(os.sched_getaffinity(0)) + 1}: on CPU each slot is one rank process"),
+    ("num-gpus-zero", ["--num_gpus", "0", "--device-memory", "2GiB"], {}, None, r"--num_gpus N is required"),
+    ("timeout-negative", ["--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "-5"], {}, None,
+     r"--timeout -5: expected a positive number of seconds"),
+    ("results-dir-is-a-file", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", "{tmp}/afile"], {},
+     None, r"--results-dir '.*afile': .*afile is a file, not a directory"),
+    ("results-dir-under-a-file", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir",
+                                  "{tmp}/afile/sub"], {}, None, r"afile is a file, not a directory"),
+    ("missing-script", ["--num_gpus", "1", "--device-memory", "2GiB"], {}, "{tmp}/nope.py",
+     r"training script '.*nope\.py' does not exist"),
+    ("fast-yes", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"fast": "yes"}}, None,
+     r"'autotuning\.fast' = 'yes': Input should be a valid boolean"),
+    ("profile-step-string", ["--num_gpus", "1", "--device-memory", "2GiB"],
+     {"autotuning": {"start_profile_step": "8"}}, None, r"'autotuning\.start_profile_step' = '8'"),
+    ("unknown-autotuning-key", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"fastest": True}},
+     None, r"unknown key 'autotuning\.fastest'"),
+    ("unresolved-variable", ["--num_gpus", "1", "--device-memory", "2GiB"],
+     {"zero_optimization": {"stage": 1, "reduce_bucket_size": "$BUCKET"}}, None,
+     r"'zero_optimization\.reduce_bucket_size' holds the placeholder \$BUCKET, which no variable gives"),
+    ("gas-list-above-max-batch", ["--num_gpus", "1", "--device-memory", "2GiB"],
+     {"gradient_accumulation_steps": [1, 8], "autotuning": {"max_train_batch_size": 4}}, None,
+     r"'gradient_accumulation_steps' candidate 8 gives train_batch_size 8 .* above "
+     r"'autotuning\.max_train_batch_size' = 4"),
+    ("fixed-batch-above-max", ["--num_gpus", "1", "--device-memory", "2GiB"],
+     {"train_batch_size": 16, "autotuning": {"max_train_batch_size": 4}}, None,
+     r"'train_batch_size' = 16 is outside 'autotuning\.max_train_batch_size' = 4"),
+    ("max-batch-leaves-no-mbs", ["--num_gpus", "2", "--device-memory", "2GiB"],
+     {"autotuning": {"max_train_batch_size": 1}}, None, r"the autotuning bounds leave no micro batch size"),
+    ("stage-7", ["--num_gpus", "1", "--device-memory", "2GiB"], {"zero_optimization": {"stage": 7}}, None,
+     r"'zero_optimization\.stage' = 7"),
+    ("config-not-json", ["--num_gpus", "1", "--device-memory", "2GiB"], "{not json", None, r"ds\.json:1:2: invalid JSON"),
+    ("hostfile-missing", ["--hostfile", "{tmp}/nohosts", "--device-memory", "2GiB"], {}, None,
+     r"hostfile .*nohosts does not exist"),
+]
+
+
+def hostile_argv(tmp: Path, args: list[str], config, script: str | None) -> list[str]:
+    (tmp / "afile").write_text("a file, not a directory\n")
+    (tmp / "rank.py").write_text(RANK)
+    cfg = tmp / "ds.json"
+    if isinstance(config, str):
+        cfg.write_text(config)
+    else:
+        merged = json.loads(json.dumps(BASE_CONFIG))
+        for key, value in config.items():
+            merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
+        cfg.write_text(json.dumps(merged))
+    args = [a.replace("{tmp}", str(tmp)) for a in args]
+    if "--results-dir" not in args:
+        args += ["--results-dir", str(tmp / "results")]
+    return ["tune", *args, (script or "{tmp}/rank.py").replace("{tmp}", str(tmp)), "--deepspeed_config", str(cfg)]
+
+
+@pytest.mark.parametrize("case", HOSTILE_INPUTS, ids=[c[0] for c in HOSTILE_INPUTS])
+def test_hostile_input_is_exit_2_naming_it_before_anything_launches(tmp_path, capsys, case):
+    _, args, config, script, message = case
+    code = cli.main(hostile_argv(tmp_path, args, config, script))
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.startswith("zerotune: error: "), err[-2000:]
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "results" / "exps").exists()  # nothing ran, nothing was created
+
+
+def test_a_fixed_train_batch_size_that_disagrees_with_mbs_and_gas_is_said_not_silently_replaced(tmp_path):
+    from zerotune.strategy.job import Job, TuneOptions
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                                                  "gradient_accumulation_steps": 2}))
+    job = Job.build("train.py", ["--deepspeed_config", str(tmp_path / "ds.json")], select_resources(local_slots=2),
+                    TuneOptions(device_memory_bytes=2 * 2**30, cpu=True, results_dir=str(tmp_path / "r")))
+    assert job.notes == (f"{tmp_path / 'ds.json'}: 'train_batch_size' = 32 disagrees with "
+                         "train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x DP world size 2 = 16: "
+                         "the train batch size is held fixed at 32, so gas follows each mbs tried "
+                         "(32 = mbs x gas x 2)",)
+
+
+def test_dry_run_never_lists_an_experiment_above_max_train_batch_size(tmp_path, capsys):
+    argv = hostile_argv(tmp_path, ["--num_gpus", "2", "--device-memory", "2GiB", "--dry-run", "--json"],
+                        {"autotuning": {"max_train_batch_size": 4, "model_info": {"num_params": 1000}}}, None)
+    assert cli.main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    batches = [e["mbs"] * e["gas"] * 2 for e in plan["experiments"]]
+    assert batches and max(batches) <= 4, plan["experiments"]
+
+
+def test_garbage_and_truncated_metrics_are_named_invalid_not_missing(tmp_path):
+    from zerotune.core.objective import Objective
+    for content, why in ((b"\x00\xff\xfe garbage {", "cannot be read"), (b'{"throughput": 12', "not JSON")):
+        (tmp_path / "metrics.json").write_bytes(content)
+        exp = expdir.finish(Experiment("e", {}), tmp_path, Objective.named("throughput"), 0)
+        assert exp.status is Status.FAILED
+        assert exp.error.startswith(f"metrics.json is invalid: {why}"), exp.error
+
+
+def test_optimal_command_names_the_script_and_config_by_absolute_path(tmp_path, monkeypatch):
+    from zerotune.autotuner import Autotuner, TuneOptions
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "ds.json").write_text(json.dumps(BASE_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    tuner = Autotuner("rank.py", ["--deepspeed_config", "ds.json"], select_resources(local_slots=1),
+                      TuneOptions(device_memory_bytes=2 * 2**30, cpu=True, results_dir="results"))
+    line = tuner.optimal_command("results/ds_config_optimal.json")
+    assert f" {tmp_path / 'rank.py'} --deepspeed_config {tmp_path / 'results' / 'ds_config_optimal.json'}" in line
+
+
+# --- the results tree: nothing created or removed outside it ---------------------------------------
+
+
+def test_an_experiment_name_that_leaves_the_exps_dir_is_refused_before_anything_runs(tmp_path):
+    exps = tmp_path / "results" / "exps"
+    scheduler = Scheduler(LocalBackend(LaunchSpec("x.py", ("--deepspeed_config", "c.json"), cpu=True)),
+                          SlotPool(select_resources(local_slots=1)), exps)
+    for name in ("../../../ESCAPED", "..", ".hidden", "a/b", "", "x" * 201):
+        with pytest.raises(ConfigError, match="experiment name"):
+            scheduler.run([Experiment("ok_first", {}), Experiment(name, {})])
+    assert not (tmp_path / "ESCAPED").exists() and not exps.exists() and scheduler.launched == 0
+
+
+def test_a_symlinked_experiment_dir_is_refused_and_its_target_kept(tmp_path):
+    exps, outside = tmp_path / "exps", tmp_path / "outside"
+    exps.mkdir()
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (exps / "z0_gas1_tmbspg1").symlink_to(outside)
+    with pytest.raises(ConfigError, match=r"resolves to .*outside, outside the exps dir"):
+        experiment_dir(exps, "z0_gas1_tmbspg1")
+    scheduler = Scheduler(LocalBackend(LaunchSpec("x.py", ("--deepspeed_config", "c.json"), cpu=True)),
+                          SlotPool(select_resources(local_slots=1)), exps)
+    with pytest.raises(ConfigError):
+        scheduler.run([Experiment("z0_gas1_tmbspg1", {})])
+    assert (outside / "precious.txt").read_text() == "keep me"
+
+
+def test_config_keys_never_reach_an_experiment_name(tmp_path, capsys):
+    argv = hostile_argv(tmp_path, ["--num_gpus", "1", "--device-memory", "2GiB", "--dry-run", "--json"],
+                        {"../../../ESCAPED": [1, 2], "a/b": {"..": [3, 4]},
+                         "autotuning": {"fast": False, "model_info": {"num_params": 1000}}}, None)
+    assert cli.main(argv) == 0
+    names = [e["name"] for e in json.loads(capsys.readouterr().out)["experiments"]]
+    assert len(names) > 3
+    for name in names:
+        assert experiment_dir(tmp_path / "results" / "exps", name).parent == tmp_path / "results" / "exps"
+        assert "ESCAPED" not in name and "/" not in name and ".." not in name
+
+
+def test_overwrite_removes_experiment_dirs_and_nothing_else(tmp_path):
+    exps = tmp_path / "shared_dir"  # a config's exps_dir may name any directory
+    (exps / "z0_gas1_tmbspg1").mkdir(parents=True)
+    (exps / "z0_gas1_tmbspg1" / "exp.json").write_text("{}")
+    (exps / "user_data").mkdir()
+    (exps / "user_data" / "train.bin").write_text("data")
+    (exps / "notes.txt").write_text("mine")
+    assert clear_experiments(exps) == ["z0_gas1_tmbspg1"]
+    assert sorted(p.name for p in exps.iterdir()) == ["notes.txt", "user_data"]
+
+
+# --- the extension cache: never the machine's, a stale lock removed or named --------------------------
+
+
+def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
+    machine = tmp_path / "machine_cache"
+    (machine / "fused_adam").mkdir(parents=True)
+    (machine / "fused_adam" / "fused_adam.so").write_bytes(b"\x7fELF")
+    (machine / "fused_adam" / "lock").write_text("")  # stale, in the machine's cache
+    os.utime(machine / "fused_adam" / "lock", (time.time() - 3600,) * 2)
+    (machine / "building").mkdir()
+    (machine / "building" / "building.so").write_bytes(b"")
+    (machine / "building" / "lock").write_text("")  # fresh: a build in progress, not copied
+    ext = extensions.extensions_dir(tmp_path / "exps")
+    assert extensions.seed(ext, machine) == ["fused_adam"]
+    assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["fused_adam.so"]  # no lock copied
+    assert (ext / "fused_adam" / "fused_adam.so").stat().st_mtime == (machine / "fused_adam" / "fused_adam.so").stat().st_mtime
+    from zerotune.deepspeed.launcher import launch_env
+    from zerotune.run.slots import Node, Reservation
+    env = launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
+                     probe_dir=tmp_path / "exps" / "z0_gas1_tmbspg1")
+    assert env["TORCH_EXTENSIONS_DIR"] == str(ext)
+
+
+LOCK_WAITER = r'''
+import json, os, sys, time
+args = sys.argv[1:]
+config_path = args[args.index("--deepspeed_config") + 1]
+config = json.load(open(config_path))
+op = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "fused_adam")
+os.makedirs(op, exist_ok=True)
+lock = os.path.join(op, "lock")
+if config["stand_in"] == "dies_holding_the_lock":  # torch's FileBaton: O_CREAT | O_EXCL, then the build
+    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+    print("building", flush=True)
+    time.sleep(10**6)
+while os.path.exists(lock):  # FileBaton.wait(): poll, forever, silently
+    time.sleep(0.1)
+print("loaded", flush=True)
+with open(config["autotuning"]["metric_path"], "w") as f:
+    json.dump({"throughput": 10.0}, f)
+'''
+
+
+def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
+    (tmp_path / "waiter.py").write_text(LOCK_WAITER)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "c.json").write_text("{}")
+    spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
+                      timeout_s=2.0)
+    lines = []
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps",
+                          log=lines.append)
+    ext = extensions.extensions_dir(tmp_path / "exps")
+    import zerotune.deepspeed.launcher as launcher
+    original = launcher.deepspeed_launcher
+    launcher.deepspeed_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
+    try:
+        # 'holder' takes the lock and is killed at its timeout, mid-"build"; 'waiter' runs beside it,
+        # waits on the lock and times out too: its error names the lock
+        holder = Experiment("holder", {"stand_in": "dies_holding_the_lock"})
+        waiter = Experiment("waiter", {"stand_in": "waits"})
+        scheduler.run([holder])  # leaves the lock (killed at its timeout)
+        assert (ext / "fused_adam" / "lock").exists()
+        lines.clear()
+        # the next batch: nothing runs, so the lock is stale: removed, said, and the run loads
+        (after,) = scheduler.run([waiter])
+    finally:
+        launcher.deepspeed_launcher = original
+    assert holder.status is Status.TIMEOUT
+    assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
+    assert after.status is Status.OK and after.metric == 10.0
+
+
+def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
+    (tmp_path / "waiter.py").write_text(LOCK_WAITER)
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    (tmp_path / "c.json").write_text("{}")
+    spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
+                      timeout_s=1.5)
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=1)), tmp_path / "exps")
+    ext = extensions.extensions_dir(tmp_path / "exps")
+    import zerotune.deepspeed.launcher as launcher
+    original = launcher.deepspeed_launcher
+    launcher.deepspeed_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
+
+    def lock_while_running(exp, event):  # a lock that appears once nothing could remove it, dated before the run
+        if event == "start":
+            (ext / "fused_adam").mkdir(parents=True, exist_ok=True)
+            (ext / "fused_adam" / "lock").write_text("")
+            os.utime(ext / "fused_adam" / "lock", (time.time() - 60,) * 2)
+    scheduler.on_update = lock_while_running
+    try:
+        (done,) = scheduler.run([Experiment("waiter", {"stand_in": "waits"})])
+    finally:
+        launcher.deepspeed_launcher = original
+    assert done.status is Status.TIMEOUT
+    assert done.error.startswith(f"killed after the 1.5 s timeout; {ext / 'fused_adam' / 'lock'} was there before "
+                                 f"it started: a torch extension lock left by a killed process"), done.error
+
+
+# --- process faults through the real CLI -------------------------------------------------------------
+
+
+@pytest.mark.e2e  # a real tuner process: about 6 s
+def test_undisturbed_tuning_finds_the_stand_ins_fastest_config_and_leaves_nothing(work):
+    shm = shm_files()
+    code, _, err = run_tuner(work, tune_argv(work))
+    assert code == 0, err[-3000:]
+    assert answer(work / "results") == {"stage": ANSWER["stage"], "mbs": ANSWER["mbs"]}
+    statuses = {n: r["status"] for n, r in records(work / "results").items()}
+    assert set(statuses.values()) == {"ok"} and len(statuses) >= 3, statuses
+    assert_clean(work, shm)
+
+
+# (fault, the experiment it hits (a name substring), its status, its error, extra CLI args, extra env)
+RANK_FAULTS = [
+    ("sigkill_rank", "z0_gas1_tmbspg1", "failed", r"exit code (-9|137|1)", [], {}),
+    ("crash_at_step", "z0_gas1_tmbspg1", "failed", r"RuntimeError: stand-in crash at step 2", [], {}),
+    ("oom", "z0_gas1_tmbspg1", "oom", r"DefaultCPUAllocator: can't allocate memory", [], {}),
+    ("hang", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
+    ("ignore_term", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
+    ("garbage_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: cannot be read", [], {}),
+    ("truncated_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: not JSON", [], {}),
+    ("garbage_probe", "z0_gas1_tmbspg1", "ok", r"^$", [], {}),
+    # the third launch (profile, z0 mbs 2, z0 mbs 1) finds its master port taken
+    ("port_taken", "z0_gas1_tmbspg1", "failed", r"EADDRINUSE", [], {"STANDIN_TAKE_PORT": "3"}),
+]
+
+
+@pytest.mark.e2e  # a real tuner process: about 6 s
+@pytest.mark.parametrize("fault", RANK_FAULTS, ids=[f[0] for f in RANK_FAULTS])
+def test_a_rank_fault_gets_its_status_and_tuning_goes_on(work, fault):
+    name, target, status, error, extra, env = fault
+    shm = shm_files()
+    code, _, err = run_tuner(work, tune_argv(work, *extra, ranks=2), plan={target: name}, **env)
+    assert "Traceback" not in err, err[-3000:]
+    recs = records(work / "results")
+    hit = [r for n, r in recs.items() if n.startswith(target) and not n.endswith("_r2")]
+    assert hit and hit[0]["status"] == status, ({n: (r["status"], r["error"]) for n, r in recs.items()}, err[-3000:])
+    assert __import__("re").search(error, hit[0]["error"] or ""), hit[0]["error"]
+    assert code == 0, err[-3000:]  # another experiment succeeded: an answer
+    assert (work / "results" / "ds_config_optimal.json").exists()
+    assert_clean(work, shm)
+
+
+@pytest.mark.e2e  # a real tuner process: about 6 s
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(work, sig):
+    shm = shm_files()
+    # launches: the profile, z0 mbs 2, then z0 mbs 1, which is slow: stopped while it runs
+    tuner = start_tuner(work, tune_argv(work, ranks=2), plan={"z0_gas1_tmbspg1": "slow"}, STANDIN_SLOW_S="60")
+    exps = work / "results" / "exps"
+    try:
+        deadline = time.monotonic() + 60
+        while not (exps / "z0_gas1_tmbspg1" / "stdout.log").exists() or \
+                "step 3" not in (exps / "z0_gas1_tmbspg1" / "stdout.log").read_text():
+            assert time.monotonic() < deadline and tuner.poll() is None, tuner.communicate()[1][-3000:]
+            time.sleep(0.1)
+        os.kill(tuner.pid, sig)
+        _, err = tuner.communicate(timeout=30)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+    assert tuner.returncode == 128 + sig, err[-3000:]
+    assert f"zerotune: interrupted ({sig.name}); finished results are kept, rerun to resume" in err
+    assert "Traceback" not in err
+    recs = records(work / "results")
+    assert recs["z0_gas1_tmbspg1"]["status"] == "interrupted"
+    assert recs["z0_gas1_tmbspg2"]["status"] == "ok" and recs["z0_gas1_tmbspg2"]["metric"] == 200.0
+    assert_clean(work, shm, tuner.pid)
+
+
+@pytest.mark.e2e
+def test_a_tuner_stopped_at_random_points_then_resumed_loses_nothing_and_gives_the_same_answer(work):
+    """SIGINT, SIGTERM, SIGHUP and SIGKILL at random moments (seeded), each followed by a resume;
+    every finished result survives unchanged, and the answer is the undisturbed run's."""
+    shm = shm_files()
+    slow = {"z": "slow"}  # every experiment but the profile sleeps STANDIN_SLOW_S after its steps
+    code, _, err = run_tuner(work, tune_argv(work, results="undisturbed"), plan=slow, STANDIN_SLOW_S="1")
+    assert code == 0, err[-3000:]
+    undisturbed = answer(work / "undisturbed")
+    rng = random.Random(13)
+    finished: dict[str, str] = {}
+    stopped = 0
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, signal.SIGKILL):
+        tuner = start_tuner(work, tune_argv(work), plan=slow, STANDIN_SLOW_S="1")
+        time.sleep(rng.uniform(1.0, 5.0))  # start-up (imports) takes 2-3 s: some land before a launch
+        os.kill(tuner.pid, sig)
+        tuner.communicate(timeout=60)
+        assert tuner.returncode in (0, 128 + sig, -sig), tuner.returncode
+        stopped += tuner.returncode != 0
+        if sig is not signal.SIGKILL:  # a SIGKILLed tuner's experiments live on until the next run reaps them
+            assert processes_of_tuner(tuner.pid) == []
+        for name, text in finished.items():  # nothing finished is lost or changed
+            assert (work / "results" / "exps" / name / "exp.json").read_text() == text, name
+        finished.update({p.parent.name: p.read_text() for p in (work / "results" / "exps").glob("*/exp.json")
+                         if json.loads(p.read_text())["status"] in ("ok", "oom")})
+    assert stopped >= 3  # most signals landed before the tuning ended
+    code, _, err = run_tuner(work, tune_argv(work))
+    assert code == 0, err[-3000:]
+    for name, text in finished.items():
+        assert (work / "results" / "exps" / name / "exp.json").read_text() == text, name
+    assert answer(work / "results") == undisturbed == {"stage": ANSWER["stage"], "mbs": ANSWER["mbs"]}
+    assert_clean(work, shm)
+
+
+@pytest.mark.e2e  # a real tuner process: about 6 s
+def test_a_full_results_disk_is_a_clear_error_and_keeps_what_was_written(work):
+    """RLIMIT_FSIZE stands in for a full disk: every write past 64 KiB fails with EFBIG."""
+    code, _, err = run_tuner(work, tune_argv(work))
+    assert code == 0, err[-3000:]
+    before = {p.parent.name: p.read_text() for p in (work / "results" / "exps").glob("*/exp.json")}
+    (work / "full.py").write_text(
+        "import resource, runpy, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))\n"
+        "sys.argv = sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cfg = json.loads((work / "ds.json").read_text())
+    cfg["autotuning"]["max_train_micro_batch_size_per_gpu"] = 4  # new experiments to write
+    (work / "ds.json").write_text(json.dumps(cfg))
+    proc = subprocess.run([sys.executable, str(work / "full.py"), str(work / "driver.py"), str(work / "launcher.py"),
+                           *tune_argv(work)], cwd=work, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "zerotune: tuning failed: cannot write the results: [Errno 27] File too large" in proc.stderr, \
+        proc.stderr[-3000:]
+    for name, text in before.items():
+        assert (work / "results" / "exps" / name / "exp.json").read_text() == text, name
+    assert stand_in_processes(work) == []
