@@ -33,6 +33,7 @@ from zerotune.run.processes import RUNNING_DIR, reap_orphans
 from zerotune.run.resources import Node, Reservation, SlotPool
 from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
+from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
 from zerotune.strategy.tuning import Strategy, StrategyResult
@@ -77,6 +78,22 @@ def _stop_signals_interrupt():
             signal.signal(sig, old)
 
 
+def _check_stage_configs(job: Job) -> None:
+    """The user's config at every ZeRO stage to explore, at the smallest mbs, built and validated as
+    an experiment's would be, so a bad setting (``reduce_bucket_size: 0``) is exit 2 before the
+    first launch rather than after the profile run.
+
+    Raises:
+        ConfigError: naming the config file and the key.
+    """
+    builder = ConfigBuilder(job)
+    for stage in job.stages:
+        try:
+            builder.config(stage, job.min_mbs)
+        except ConfigError as e:
+            raise ConfigError(str(e) if job.config_path in str(e) else f"{job.config_path}: {e}") from None
+
+
 class Autotuner:
     """Find the fastest DeepSpeed config for a training script on the given resources.
 
@@ -97,6 +114,7 @@ class Autotuner:
         self.job = job = Job.build(script, script_args, nodes, options)
         if backend is None and not Path(job.script).is_file():  # a simulated backend runs no script
             raise ConfigError(f"training script {job.script!r} does not exist (or is not a file)")
+        _check_stage_configs(job)
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))
