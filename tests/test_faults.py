@@ -481,6 +481,11 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     env = launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
                      probe_dir=tmp_path / "exps" / "z0_gas1_tmbspg1")
     assert env["TORCH_EXTENSIONS_DIR"] == str(ext)
+    # a backend driven by hand, without a scheduler or tuner that made the cache: torch's default
+    assert "TORCH_EXTENSIONS_DIR" not in launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
+                                                    probe_dir=tmp_path / "other" / "z0_gas1_tmbspg1")
+    # the machine's big build outputs are hard-linked, never written through: a rebuild unlinks first
+    assert (ext / "fused_adam" / "fused_adam.so").stat().st_ino == (machine / "fused_adam" / "fused_adam.so").stat().st_ino
 
 
 LOCK_WAITER = r'''

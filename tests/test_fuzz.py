@@ -129,10 +129,11 @@ def check(tmp: Path, code, out: str, err: str, argv: list[str]) -> None:
     assert "Traceback" not in err, err
     assert code in (0, 2), (code, argv, err[-2000:])
     if code == 2:
-        message = err.strip().splitlines()[-1] if err.strip() else ""
-        # names the file, an argument, or the key: the config or hostfile path, a --flag, or a 'quoted' name
-        assert re.search(r"ds\.json|hostfile|--[a-z]|usage:", message), (argv, err)
-        assert message.startswith(("zerotune: error:", "zerotune tune: error:")), (argv, err)
+        found = list(re.finditer(r"^zerotune( tune)?: error: ", err, re.M))  # (a key may hold a line break)
+        assert found, (argv, err)
+        message = err[found[-1].start():]
+        # names the file, the argument or the key: the config or hostfile path, or a --flag
+        assert re.search(r"ds\.json|hostfile|--[a-z]", message), (argv, err)
         return
     plan = json.loads(out)
     exps = Path(argv[argv.index("--results-dir") + 1]) / "exps"

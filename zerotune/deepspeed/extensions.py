@@ -74,12 +74,27 @@ def seed(target: Path, source: Path | None = None) -> list[str]:
         partial = target / f".{op.name}.seeding"
         shutil.rmtree(partial, ignore_errors=True)
         try:
-            shutil.copytree(op, partial, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True)
+            shutil.copytree(op, partial, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True,
+                            copy_function=_link_or_copy)
             partial.rename(target / op.name)  # whole or not at all
             copied.append(op.name)
         except OSError:
             shutil.rmtree(partial, ignore_errors=True)
     return copied
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Hard-link the build's objects and libraries (50 MB for fused Adam), copy the rest. Safe: a
+    rebuild never writes into them in place (binutils and ninja unlink an output before writing it),
+    while ninja's own files (``.ninja_log``, ``.ninja_deps``, ``build.ninja``), which are appended to
+    or rewritten in place, are always copied."""
+    if src.endswith((".o", ".so")):
+        try:
+            os.link(src, dst)
+            return
+        except OSError:  # another filesystem
+            pass
+    shutil.copy2(src, dst)
 
 
 def stale_locks(ext_dir: Path, older_than: float | None = None, op: str = "*") -> list[Path]:

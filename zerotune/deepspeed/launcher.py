@@ -79,8 +79,10 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p)
         env[PROBE_DIR_ENV] = str(Path(probe_dir).resolve())
-        # the exps dir's own extension cache, never the machine's (zerotune.deepspeed.extensions)
-        env["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(Path(probe_dir).resolve().parent))
+        # the exps dir's own extension cache, once the scheduler or tuner made it (zerotune.deepspeed.extensions)
+        own = extensions_dir(Path(probe_dir).resolve().parent)
+        if own.is_dir():
+            env["TORCH_EXTENSIONS_DIR"] = str(own)
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.expdir import RECORD_FILE, load_record, write_record
-from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, stale_locks
+from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, seed, stale_locks
 from zerotune.run.backends.base import Backend
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
@@ -140,6 +140,7 @@ class Scheduler:
         self.on_update = on_update or (lambda exp, event: None)
         self.context = context or {}
         self.log = log or (lambda line: None)
+        self._seeded = False
         self.history: list[Experiment] = []
         self.launched = 0
         self._cond = threading.Condition()
@@ -166,6 +167,9 @@ class Scheduler:
         batch = list(experiments)
         for exp in batch:
             experiment_dir(self.exps_dir, exp.name)  # every name checked before anything runs
+        if not self._seeded:  # the experiments' own extension cache (zerotune.deepspeed.extensions)
+            seed(extensions_dir(self.exps_dir))
+            self._seeded = True
         queue: collections.deque[Experiment] = collections.deque()
         results: dict[int, Experiment] = {}
         for i, exp in enumerate(batch):
