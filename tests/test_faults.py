@@ -55,8 +55,12 @@ import json, os, signal, socket, sys, time
 args = sys.argv[1:]
 config_path = args[args.index("--deepspeed_config") + 1]
 config = json.load(open(config_path))
-at = config["autotuning"]
 rank = int(os.environ.get("LOCAL_RANK", "0"))
+if "autotuning" not in config:  # the training 'zerotune run' starts with the optimal config
+    print(f"training rank {rank} pid {os.getpid()}", flush=True)
+    time.sleep(float(os.environ.get("STANDIN_TRAIN_S", "0")))
+    sys.exit(0)
+at = config["autotuning"]
 exp_dir = os.path.dirname(config_path)
 name = os.path.basename(exp_dir)
 plan = json.load(open(os.environ["STANDIN_PLAN"])) if os.environ.get("STANDIN_PLAN") else {}
@@ -636,6 +640,26 @@ def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(w
     assert recs["z0_gas1_tmbspg1"]["status"] == "interrupted"
     assert recs["z0_gas1_tmbspg2"]["status"] == "ok" and recs["z0_gas1_tmbspg2"]["metric"] == 200.0
     assert_clean(work, shm, tuner.pid)
+
+
+@pytest.mark.e2e  # a real tuner process: about 6 s
+def test_zerotune_run_stopped_while_training_stops_the_training(work):
+    tuner = start_tuner(work, ["run", *tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())]:
+            assert time.monotonic() < deadline and tuner.poll() is None, tuner.communicate()[1][-3000:]
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.kill(tuner.pid, signal.SIGTERM)
+        _, err = tuner.communicate(timeout=60)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+    assert tuner.returncode == 143, err[-3000:]
+    assert "zerotune: interrupted (SIGTERM)" in err and "Traceback" not in err
+    assert stand_in_processes(work) == []
 
 
 @pytest.mark.e2e

@@ -246,10 +246,28 @@ class Autotuner:
         return paste_command(*self._training_launch(config_path, master_port=29500))
 
     def run_after_tuning(self) -> int:
-        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); its exit code."""
+        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); its exit code.
+
+        A stop signal (SIGINT, SIGTERM, SIGHUP) is passed on to the launcher as SIGTERM (DeepSpeed's
+        launcher then stops its ranks), which gets 30 s before its process group is killed; then
+        :class:`Interrupted` is raised. The training never outlives zerotune.
+        """
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")
         config_path = str((self.job.results_dir / "ds_config_optimal.json").resolve())
         env, cmd = self._training_launch(config_path, master_port=free_port())
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
-        return subprocess.call(cmd, env={**os.environ, **env})
+        with _stop_signals_interrupt():
+            proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
