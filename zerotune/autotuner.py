@@ -23,6 +23,7 @@ from rich.console import Console
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment
 from zerotune.deepspeed import extensions
+from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command
 from zerotune.report import results
 from zerotune.report.plan import Plan
@@ -81,11 +82,14 @@ def _stop_signals_interrupt():
 def _check_stage_configs(job: Job) -> None:
     """The user's config at every ZeRO stage to explore, at the smallest mbs, built and validated as
     an experiment's would be, so a bad setting (``reduce_bucket_size: 0``) is exit 2 before the
-    first launch rather than after the profile run.
+    first launch rather than after the profile run. A config with ``"auto"`` values (a Hugging Face
+    Trainer's) is built only after the profile run resolves them.
 
     Raises:
         ConfigError: naming the config file and the key.
     """
+    if auto_paths(job.user_config):  # "auto" settings the profile run resolves: built after it
+        return
     builder = ConfigBuilder(job)
     for stage in job.stages:
         try:
