@@ -66,10 +66,12 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 
 
 
+
+
 # Regenerated (issue 10): throughput searches start at the memory model's estimate and go down only while
 # halving clearly pays (zerotune.strategy.mbs, top-down); a higher stage with more memory headroom is probed at
 # its own largest mbs (zerotune.strategy.stages); noise tests count the run-to-run noise; gas doubles once at
-# the best mbs where the global batch is free (zerotune.strategy.batch).
+# the best mbs where the global batch is free (zerotune.strategy.batch); the warm-up is cut by MSER (core.measure).
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -111,8 +113,6 @@ PINS = {
             (1, 4, 1, 'ok'),
             (2, 10, 1, 'oom'),
             (2, 8, 1, 'ok'),
-            (2, 8, 1, 'ok'),
-            (1, 8, 1, 'ok'),
             (2, 9, 1, 'oom'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
@@ -125,8 +125,8 @@ PINS = {
             (3, 7, 1, 'ok'),
             (3, 8, 2, 'ok'),
             (3, 8, 1, 'ok'),
-            (3, 7, 1, 'ok'),
             (3, 8, 2, 'ok'),
+            (3, 7, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'boundary'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),
@@ -203,8 +203,6 @@ PINS = {
             (1, 8, 1, 'ok'),
             (2, 10, 1, 'oom'),
             (2, 8, 1, 'ok'),
-            (2, 8, 1, 'ok'),
-            (1, 8, 1, 'ok'),
             (2, 9, 1, 'oom'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
@@ -318,8 +316,6 @@ BATCH_PINS = {
             (1, 4, 1, 'ok'),
             (2, 10, 1, 'oom'),
             (2, 8, 1, 'ok'),
-            (2, 8, 1, 'ok'),
-            (1, 8, 1, 'ok'),
             (2, 9, 1, 'oom'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
@@ -332,8 +328,8 @@ BATCH_PINS = {
             (3, 7, 1, 'ok'),
             (3, 8, 2, 'ok'),
             (3, 8, 1, 'ok'),
-            (3, 7, 1, 'ok'),
             (3, 8, 2, 'ok'),
+            (3, 7, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'boundary'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),
@@ -355,8 +351,8 @@ BATCH_PINS = {
             (3, 2, 1, 'ok'),
             (3, 4, 1, 'ok'),
             (3, 6, 2, 'ok'),
-            (3, 6, 1, 'ok'),
             (3, 6, 2, 'ok'),
+            (3, 6, 1, 'ok'),
             (2, 6, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],

@@ -90,3 +90,11 @@ def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrat
     assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%
     # an unknown interval counts as the floor; a pooled point's run term shrinks with its runs
     assert comparison_noise([None, 0.01], [2, 1], floor=0.01) == pytest.approx(math.sqrt(0.0001 + 0.0002 + 0.0001 + 0.0004))
+
+
+def test_a_slowly_decaying_warm_up_is_cut_by_the_marginal_standard_error_rule():
+    # a real run here (z0 mbs 32 on 2 CPU ranks, both ranks alike): steps 2-4 still warming up
+    steps = [2.269, 1.679, 1.365, 1.296, 1.191, 1.141, 1.196, 1.17, 1.168, 1.184, 1.201]
+    stats = step_stats({0: stream(0, steps)})
+    # the 1.5x rule alone keeps 1.679 (< 1.5 x the median 1.19); MSER cuts 5 more (at most half of the 10)
+    assert stats.warmup_steps == 6 and stats.steady_s == (1.196, 1.17, 1.168, 1.184, 1.201)

@@ -252,13 +252,13 @@ def test_simulated_adaptive_tuning_ends_runs_early_with_the_same_answer(tmp_path
 
 
 # SIMULATED scenario 0 (GPT-125M on 8 A100-40GB, 1% noise): the same launches and answer as without the
-# stop rule; each run ends once precise to 2%, or once it cannot beat the best (the probes of stages 1
-# and 2 at mbs 31); OOMs end on their own. The runs are start-up bound (36 s of simulated start-up each),
-# so ending them 1-2 steps early saves 2.9% of the GPU time.
+# stop rule; each run ends once precise to 2%, or once it cannot beat the best (stage 0 at mbs 30, the
+# probe of stage 2 at mbs 31); OOMs end on their own. The runs are start-up bound (36 s of simulated
+# start-up each), so ending them 1-2 steps early saves 2.3% of the GPU time.
 PINNED_ADAPTIVE = [
     (0, 33, "oom", "exited"), (0, 16, "ok", "precise"), (0, 24, "ok", "precise"), (0, 28, "ok", "precise"),
-    (0, 20, "ok", "precise"), (0, 30, "ok", "precise"), (1, 34, "oom", "exited"), (1, 31, "ok", "cannot_beat"),
+    (0, 20, "ok", "precise"), (0, 30, "ok", "cannot_beat"), (1, 34, "oom", "exited"), (1, 31, "ok", "precise"),
     (2, 34, "oom", "exited"), (2, 31, "ok", "cannot_beat"), (3, 34, "oom", "exited"), (3, 31, "ok", "precise"),
     (0, 28, "ok", "precise"), (0, 28, "ok", "precise"), (0, 28, "ok", "precise"), (0, 24, "ok", "precise"),
 ]  # the gas phase (mbs 28 at gas 2), then the finalists' re-measurements (28 at gas 2, 28, 24)
-PINNED_GPU_RATIO = 0.971
+PINNED_GPU_RATIO = 0.977

@@ -13,9 +13,11 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
    collectives, so the job advances at its slowest rank's pace.
 2. **Leave out the warm-up.** Step 1 is always left out (compilation, first allocations, and it
    is timed from the first forward). Then, while a leading step is more than
-   :data:`WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; the
-   rest is the steady state. A rule on the stream itself, so a script whose warm-up is longer
-   than ``start_profile_step`` is still measured on steady steps.
+   :data:`WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; then
+   a slowly decaying warm-up is cut where the Marginal Standard Error Rule puts it (:func:`_mser`,
+   at most half of the remaining steps); the rest is the steady state. A rule on the stream
+   itself, so a script whose warm-up is longer than ``start_profile_step`` is still measured on
+   steady steps.
 3. **The value.** With ``m`` the mean of the steady steps' slowest ``step_s``: throughput =
    ``train_batch_size / m`` samples/s (global samples per optimizer step over seconds per step),
    latency = ``m`` s/step. FLOPS are not measured by the probe (:func:`measure` returns None and
@@ -116,7 +118,27 @@ def step_stats(streams: Streams) -> StepStats | None:
     warmup = 1 if steps[0] == 1 else 0
     while len(step_s) - warmup >= 2 and step_s[warmup] > WARMUP_FACTOR * statistics.median(step_s[warmup + 1:]):
         warmup += 1
+    warmup += _mser(step_s[warmup:])
     return StepStats(tuple(steps), tuple(step_s), tuple(slowest), warmup)
+
+
+def _mser(x: Sequence[float]) -> int:
+    """How many leading values of ``x`` to leave out as a slowly decaying warm-up: the truncation
+    ``d`` (at most half of ``x``) that minimises the standard error of the mean of what remains,
+    ``sum((x_i - mean)^2) / (n - d)^2`` over ``i >= d`` (the Marginal Standard Error Rule, K. P. White,
+    "An effective truncation heuristic for bias reduction in simulation output", Simulation 69(6),
+    1997). On this project's CPU runs steps 2-4 run 1.4x, 1.15x and 1.1x the steady step: under the
+    1.5x rule alone they counted as steady and widened the interval to about ±10%."""
+    best_d, best = 0, math.inf
+    for d in range(len(x) // 2 + 1):
+        rest = x[d:]
+        if len(rest) < 2:
+            break
+        mean = statistics.fmean(rest)
+        score = sum((v - mean) ** 2 for v in rest) / len(rest) ** 2
+        if score < best * (1 - 1e-9):
+            best_d, best = d, score
+    return best_d
 
 
 def measure(streams: Streams, objective: Objective) -> Measurement | None:
