@@ -52,8 +52,8 @@ from zerotune.probe import clear_streams, read_streams
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
-    "STDOUT_LOG", "classify", "config_digest", "finish", "load_record", "output_bytes", "prepare", "read_json",
-    "result_path", "write_record",
+    "STDOUT_LOG", "classify", "config_digest", "file_size", "finish", "load_record", "output_bytes", "prepare",
+    "read_json", "result_path", "write_record",
 ]
 
 CONFIG_FILE = "ds_config.json"
@@ -182,7 +182,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
 def output_bytes(exp_dir: Path) -> int:
     """How much the run has printed so far (``stdout.log`` plus ``stderr.log``), bytes; a backend
     watches it grow to tell a hung run from a busy one."""
-    return sum(_size(Path(exp_dir) / name) for name in (STDOUT_LOG, STDERR_LOG))
+    return sum(file_size(Path(exp_dir) / name) for name in (STDOUT_LOG, STDERR_LOG))
 
 
 # The allocators' own out-of-memory messages (torch CPU and CUDA allocators, glibc/dlopen under
@@ -314,7 +314,8 @@ def _logs(exp_dir: Path) -> str:
     return _tail(exp_dir / STDERR_LOG) + "\n" + _tail(exp_dir / STDOUT_LOG)
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """A file's size in bytes; 0 when it does not exist (yet) or cannot be read."""
     try:
         return path.stat().st_size
     except OSError:
@@ -324,7 +325,7 @@ def _size(path: Path) -> int:
 def _tail(path: Path, limit: int = LOG_TAIL_BYTES) -> str:
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, _size(path) - limit))
+            f.seek(max(0, file_size(path) - limit))
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""

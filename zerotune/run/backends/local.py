@@ -144,15 +144,8 @@ class _StreamWatch:
     def check(self) -> EndReason | None:
         if self.rule is None:
             return None
-        sizes = {rank: _size(path) for rank, path in stream_files(self.exp_dir).items()}
+        sizes = {rank: expdir.file_size(path) for rank, path in stream_files(self.exp_dir).items()}
         if sizes == self._sizes:
             return None
         self._sizes = sizes
         return self.rule.check(read_streams(self.exp_dir), self.exp.must_beat)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return -1
