@@ -94,6 +94,7 @@ if at.get("model_info", {}).get("profile"):
 stage, mbs = config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"]
 for step in range(at["end_profile_step"]):
     if fault == "crash_at_step" and step == 2:
+        time.sleep(0.5 * rank)  # every rank crashes, one after the other: two tracebacks at once interleave on stderr
         raise RuntimeError("stand-in crash at step 2")
     if fault == "sigkill_rank" and step == 2 and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
