@@ -77,9 +77,9 @@ def ds_config(stage: int, mbs: int, precision: str) -> dict:
     return cfg
 
 
-def profile_config() -> dict:
+def profile_config(precision: str) -> dict:
     """The profile run's config as zerotune builds it (ConfigBuilder.profile): ZeRO-3, mbs 1, small buckets."""
-    cfg = ds_config(3, 1, "fp32")
+    cfg = ds_config(3, 1, precision)
     cfg["zero_optimization"].update(reduce_bucket_size=PROFILE_BUCKET_SIZE, stage3_prefetch_bucket_size=PROFILE_BUCKET_SIZE,
                                     stage3_max_live_parameters=PROFILE_BUCKET_SIZE)
     cfg["autotuning"] = {"model_info": {"profile": True}}
@@ -125,12 +125,13 @@ def run_grid(models: list[str], steps: int, workdir: Path) -> dict:
                           cpu=True, device_memory_bytes=None, timeout_s=300, start_profile_step=2, end_profile_step=4,
                           extra_env={"OMP_NUM_THREADS": "1"})
         backend = LocalBackend(spec)
-        prof = run_one(backend, Experiment(f"{model}_profile", profile_config(), 1, RANKS, ExperimentKind.PROFILE),
-                       workdir)
-        print(f"{model} profile: {prof['status']} {prof['metrics']} VmData {format_bytes(prof['vmdata_peak_bytes'] or 0)}"
-              f" ({prof['wall_s']} s)", flush=True)
-        runs = []
-        for precision in PRECISIONS:
+        runs, profiles = [], {}
+        for precision in PRECISIONS:  # one tuning job per precision: its own profile run, as tune does
+            prof = profiles[precision] = run_one(backend, Experiment(f"{model}_{precision}_profile",
+                                                                     profile_config(precision), 1, RANKS,
+                                                                     ExperimentKind.PROFILE), workdir)
+            print(f"{model} {precision} profile: {prof['status']} {prof['metrics']} VmData "
+                  f"{format_bytes(prof['vmdata_peak_bytes'] or 0)} ({prof['wall_s']} s)", flush=True)
             for stage in STAGES:
                 for mbs in MBS:
                     name = f"{model}_z{stage}_{precision}_mbs{mbs}"
@@ -139,17 +140,17 @@ def run_grid(models: list[str], steps: int, workdir: Path) -> dict:
                     runs.append(r)
                     print(f"  {name}: {r['status']} VmData {format_bytes(r['vmdata_peak_bytes'] or 0)} RSS "
                           f"{format_bytes(r['rss_peak_bytes'] or 0)} ({r['wall_s']} s)", flush=True)
-        out["models"][model] = {"args": MODELS[model], "profile": prof, "runs": runs}
+        out["models"][model] = {"args": MODELS[model], "profiles": profiles, "runs": runs}
     return out
 
 
-def memory_model(model: dict) -> MemoryModel:
-    """The memory model ``tune`` would build from this model's profile run."""
-    prof = model["profile"]
+def memory_model(model: dict, precision: str) -> MemoryModel:
+    """The memory model ``tune`` would build from this model's profile run at ``precision``."""
+    prof = model["profiles"][precision]
     info = ModelInfo.from_metrics(prof["metrics"], prof["vmdata_peak_bytes"])
     base = MemoryModel(info.num_params, info.activation_mem_per_gpu, RANKS,
                        trainable_params=info.trainable_num_params)
-    return base.calibrated(profile_config(), info.peak_memory_bytes, mbs=1)
+    return base.calibrated(profile_config(precision), info.peak_memory_bytes, mbs=1)
 
 
 def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
@@ -163,12 +164,13 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
              f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'RSS':>10} {'err profile':>11} "
              f"{'err online':>10}"]
     errors: dict[str, list[float]] = {"profile": [], "online": []}
-    for name, model in data["models"].items():
-        mm = memory_model(model)
-        lines.append(f"{name}: {mm.num_params:,} params, profile activations {format_bytes(mm.activation_bytes_per_sample)}"
-                     f"/sample, calibrated overhead {format_bytes(mm.overhead_bytes)}")
+    for (name, model), precision in ((m, p) for m in data["models"].items() for p in PRECISIONS):
+        mm = memory_model(model, precision)
+        lines.append(f"{name} {precision}: {mm.num_params:,} params, profile activations "
+                     f"{format_bytes(mm.activation_bytes_per_sample)}/sample, calibrated overhead "
+                     f"{format_bytes(mm.overhead_bytes)}")
         online, earlier = mm, []
-        for r in model["runs"]:
+        for r in (r for r in model["runs"] if r["precision"] == precision):
             cfg = ds_config(r["stage"], r["mbs"], r["precision"])
             if r["status"] != Status.OK.value or not r["vmdata_peak_bytes"]:
                 lines.append(f"  {r['name'][len(name) + 1:]:<16} {r['status']}: {r['error'][-80:]}")

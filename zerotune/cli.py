@@ -20,8 +20,8 @@ from rich.console import Console
 from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
-from zerotune.model import estimate
 from zerotune.core.stopping import DEFAULT_PRECISION
+from zerotune.model import estimate
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
