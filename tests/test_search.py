@@ -237,6 +237,25 @@ def test_a_stage_without_more_headroom_is_skipped_once_a_lower_one_was_slower_at
                                  "reaches no larger mbs than 8")
 
 
+def test_zero3_without_more_headroom_is_skipped_once_a_partitioned_stage_did_not_beat_the_best():
+    linear = lambda scale: (lambda m: scale * m)  # noqa: E731
+    # stages 1 and 2 tie stage 0 within the threshold (no "slower" evidence), stage 3 would be slower
+    evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.995), 8), 2: (linear(0.995), 8), 3: (linear(0.9), 8)})
+    plans = [StagePlan(0, 8), StagePlan(1, 8), StagePlan(2, 8), StagePlan(3, 8)]
+    results = explore_stages(evaluate, plans, lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
+    assert calls[-3:] == [(0, 4), (1, 8), (2, 8)]  # ZeRO-3 never runs
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.PROBED,
+                                             StageDecision.SKIPPED]
+    assert results[3].reason == ("cannot beat: it reaches no larger mbs than 8, and at equal mbs it is stages 1-2's "
+                                 "partitioned step plus parameter all-gathers (3 Psi per step against 2 Psi, ZeRO "
+                                 "paper section 7.2); a stage 1-2 probe at that mbs did not beat the best")
+    # with headroom it is probed at its own largest mbs, as any stage
+    evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.995), 8), 3: (linear(0.9), 32)})
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 8), StagePlan(3, 32)], lo=1, hi=32,
+                             objective=THROUGHPUT, num_fine=0)
+    assert (3, 32) in calls and results[2].decision is StageDecision.EXPLORED
+
+
 def test_a_smaller_mbs_within_the_noise_does_not_take_the_search_down():
     evaluate, calls = curve(lambda m: {32: 100.0, 16: 103.0, 8: 110.0}[m])  # +3% is within 3.2%
     trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0)

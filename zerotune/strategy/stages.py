@@ -11,7 +11,11 @@ probe measures faster than the best so far:
 
 Once a stage has measured slower than the best stage at the same mbs by more than the threshold,
 a later stage with no more headroom is skipped (more communication at no larger mbs); a tie
-within the threshold is noise. An OOM probe is no evidence of slowness: it caps the stage below
+within the threshold is noise. ZeRO-3 with no more headroom is skipped too once stage 1 or 2 is the
+best, or a stage 1-2 probe at the best's mbs did not beat it: at equal mbs ZeRO-3 runs the same
+partitioned optimizer step as stages 1-2 and all-gathers the parameters on top (3 Psi of
+communication per step against 2 Psi: the ZeRO paper, Rajbhandari et al. 2020, section 7.2), so it
+cannot beat them. An OOM probe is no evidence of slowness: it caps the stage below
 that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's
 largest runnable mbs below it). A probe that loses within the runs' noise is re-measured with the
 point it lost to before the stage is given up. Each stage's outcome is a :class:`StageDecision`
@@ -82,6 +86,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
     results: list[StageResult] = []
     best: tuple[int, Point] | None = None  # (stage, point)
     slower_seen = False
+    partitioned_lost = False  # a stage 1 or 2 probe at the best's mbs did not beat it
     for plan in plans:
         stage = plan.stage
         result = StageResult(stage, None, "", estimate=plan.max_mbs_estimate)
@@ -98,6 +103,13 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                 result.decision = StageDecision.SKIPPED
                 result.reason = (f"cannot beat: a lower stage was already slower at the same mbs, and this one "
                                  f"reaches no larger mbs than {best[1].mbs}")
+                continue
+            if not headroom and stage == 3 and (best[0] in (1, 2) or partitioned_lost):
+                result.decision = StageDecision.SKIPPED
+                result.reason = (f"cannot beat: it reaches no larger mbs than {best[1].mbs}, and at equal mbs it is "
+                                 f"stages 1-2's partitioned step plus parameter all-gathers (3 Psi per step against "
+                                 f"2 Psi, ZeRO paper section 7.2); " + (f"ZeRO stage {best[0]} is the best"
+                                 if best[0] in (1, 2) else "a stage 1-2 probe at that mbs did not beat the best"))
                 continue
             probe_mbs = own if headroom else max([m for m in values if m <= min(best[1].mbs, own)], default=values[0])
             (probe,) = evaluate(stage, [probe_mbs])
@@ -138,6 +150,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                 # nothing about speed, nor does a probe at another mbs)
                 slower_seen = slower_seen or (same is not None
                                               and objective.gain(probe.metric, same.metric) <= -threshold)
+                partitioned_lost = partitioned_lost or (stage in (1, 2) and same is not None)
                 continue
             result.reason = f"probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best[1].metric:.4g})"
         else:

@@ -53,7 +53,7 @@ KNOB_STAGE_MARGIN = 0.05
 FINAL_MARGIN = 0.05
 """Before the answer, configs within the noise of the best, and within this fraction of it, are re-measured."""
 
-FINAL_CANDIDATES = 3
+FINAL_CANDIDATES = 2
 """At most this many configs (the best included) are re-measured before the answer."""
 
 Evaluate = Callable[[Sequence[Experiment]], Sequence[Experiment]]
