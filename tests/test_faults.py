@@ -574,6 +574,29 @@ def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
 
 
 @pytest.mark.e2e  # a real tuner process: about 6 s
+def test_a_killed_process_left_a_zombie_counts_as_exited(tmp_path):
+    # an orphaned launcher or rank stays a zombie until init reaps it (here, about once a second): it
+    # holds nothing any more, so kill_tree must not wait for the reaping (it took 1.2 s of every stop)
+    from zerotune.run.processes import _exited, _wait_exited
+    child = subprocess.Popen([sys.executable, "-c", "pass"])  # never waited for: a zombie once it exits
+    proc = psutil.Process(child.pid)
+    deadline = time.monotonic() + 10
+    while proc.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.status() == psutil.STATUS_ZOMBIE and psutil.pid_exists(child.pid)
+    assert _exited(proc)
+    start = time.monotonic()
+    _wait_exited([proc], timeout_s=5)
+    assert time.monotonic() - start < 1  # no polling until the 5 s timeout
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not _exited(psutil.Process(alive.pid))
+    finally:
+        alive.kill()
+        alive.wait()
+    child.wait()
+
+
 def test_undisturbed_tuning_finds_the_stand_ins_fastest_config_and_leaves_nothing(work):
     shm = shm_files()
     code, _, err = run_tuner(work, tune_argv(work))

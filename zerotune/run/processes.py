@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def data_bytes(pid: int) -> int:
 def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: str) -> None:
     """Stop a run: the launcher's process group (TERM, then KILL after 10 s), any descendant seen
     on the way (``known``, pid -> process, added to here), and any other process carrying the run's
-    ``token`` (one that left the group and its parent). Returns once they are gone."""
+    ``token`` (one that left the group and its parent). Returns once they have exited (:func:`_exited`:
+    gone, or zombies that no longer hold anything)."""
     for child in descendants(proc.pid):
         known.setdefault(child.pid, child)
     if proc.poll() is None:
@@ -90,10 +92,29 @@ def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: s
         try:
             if p.is_running():
                 p.kill()
-                p.wait(timeout=5)
         except psutil.Error:
             pass
+    _wait_exited(list(known.values()), timeout_s=5)
     kill_token(token)
+
+
+def _exited(proc: psutil.Process) -> bool:
+    """True once ``proc`` has exited: gone, or a zombie. An orphaned rank or launcher (its parent
+    killed first) stays a zombie until init reaps it, which some inits (a container's or a microVM's)
+    do only about once a second; a zombie holds no memory, file or port any more."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> None:
+    """Wait until every one of ``procs`` has exited (:func:`_exited`), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while not all(_exited(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def kill_token(token: str) -> int:
@@ -104,7 +125,7 @@ def kill_token(token: str) -> int:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=5)
+    _wait_exited(procs, timeout_s=5)
     return len(procs)
 
 
