@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, comparison_noise, pooled_metrics
-from zerotune.core.stopping import must_beat
+from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import corrected
@@ -192,7 +192,11 @@ class Strategy:
     def confirm_answer(self) -> None:
         """Re-measure the configs whose difference from the best is within their noise (their
         :func:`~zerotune.core.measure.comparison_noise`, at most :data:`FINAL_MARGIN`; at most
-        :data:`FINAL_CANDIDATES`) until each has two ok runs, so the answer is not one lucky sample."""
+        :data:`FINAL_CANDIDATES`) until each has two ok runs, so the answer is not one lucky sample,
+        when one of them is not known to the target precision (its run ended without reaching
+        ``--precision``, or gave no interval). Finalists that are each known to ±precision and tie
+        within the run-to-run noise differ by about the precision the answer is promised to: a
+        second run of each would cost two launches to move the answer by no more than that."""
         objective = self.job.objective
         pooled = pooled_metrics(self.result.experiments)  # once: each lookup would walk every experiment
         bases = [e for e in self.result.experiments if e.replica_of is None and e.name in pooled]
@@ -209,7 +213,11 @@ class Strategy:
 
         close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]
         todo = [e for e in close if pooled[e.name].runs < 2]
-        if len(close) > 1 and todo:
+        rule = self.job.stop_rule
+        precision = rule.precision if rule is not None else DEFAULT_PRECISION
+        imprecise = [e for e in close if pooled[e.name].runs < 2 and (e.metric_rel_half_width is None
+                                                                      or e.metric_rel_half_width > precision)]
+        if len(close) > 1 and todo and imprecise:
             self.log(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
                      + ", ".join(e.name for e in todo))
             self.remeasure(todo)
