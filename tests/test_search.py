@@ -256,6 +256,35 @@ def test_zero3_without_more_headroom_is_skipped_once_a_partitioned_stage_did_not
     assert (3, 32) in calls and results[2].decision is StageDecision.EXPLORED
 
 
+def test_the_fine_pass_skips_the_gap_below_a_precise_plateau_only():
+    def run(hw):
+        calls = []
+
+        def evaluate(ms):
+            calls.extend(ms)
+            return [Point(m, Status.OK, {32: 100.0, 16: 99.0}.get(m, 99.5), rel_half_width=hw) for m in ms]
+        search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=3, precision=0.02)
+        return calls
+    # 32 and 16 known to 1.5% and 1% apart: a plateau, nothing between them is run
+    assert run(0.015) == [32, 16]
+    # the same metrics known to 5% only: a tie of ignorance, the gap is bisected
+    assert run(0.05) == [32, 16, 24, 28, 30]
+
+
+def test_no_headroom_where_the_best_stage_already_ran_a_larger_mbs():
+    peak = lambda scale: (lambda m: scale * (100 - abs(m - 28) * 0.5))  # noqa: E731  (best at 28, not the cap)
+    evaluate, calls = stages({0: (peak(1.0), 32), 1: (peak(0.9), 32), 2: (peak(0.9), 32), 3: (peak(0.8), 32)})
+    results = explore_stages(evaluate, [StagePlan(s, 32) for s in range(4)], lo=1, hi=32, objective=THROUGHPUT,
+                             num_fine=3)
+    # stage 0 ran 32 and was slower there than at 28: stage 1 reaching 32 is no headroom, so it is probed at
+    # equal mbs (28), loses, and stages 2 and 3 are skipped
+    assert calls == [(0, 32), (0, 16), (0, 24), (0, 28), (0, 30), (1, 28)]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.SKIPPED,
+                                             StageDecision.SKIPPED]
+    assert results[2].reason == ("cannot beat: a lower stage was already slower at the same mbs, and this one "
+                                 "reaches no larger mbs than 32")
+
+
 def test_a_smaller_mbs_within_the_noise_does_not_take_the_search_down():
     evaluate, calls = curve(lambda m: {32: 100.0, 16: 103.0, 8: 110.0}[m])  # +3% is within 3.2%
     trace = search_mbs(evaluate, lo=1, hi=32, estimate=32, objective=THROUGHPUT, num_fine=0)

@@ -269,8 +269,8 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # start-up each), so ending them 1-2 steps early saves 2.3% of the GPU time.
 PINNED_ADAPTIVE = [
     (0, 33, "oom", "exited"), (0, 16, "ok", "precise"), (0, 24, "ok", "precise"), (0, 28, "ok", "precise"),
-    (0, 20, "ok", "precise"), (0, 30, "ok", "cannot_beat"), (1, 34, "oom", "exited"), (1, 31, "ok", "precise"),
+    (0, 30, "ok", "cannot_beat"), (0, 29, "ok", "precise"), (1, 34, "oom", "exited"), (1, 31, "ok", "precise"),
     (2, 34, "oom", "exited"), (2, 31, "ok", "cannot_beat"), (3, 34, "oom", "exited"), (3, 31, "ok", "precise"),
     (0, 28, "ok", "precise"),
 ]  # the gas phase (mbs 28 at gas 2); the finalists are known to 2%, so nothing is re-measured
-PINNED_GPU_RATIO = 0.978
+PINNED_GPU_RATIO = 0.975

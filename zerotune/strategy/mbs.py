@@ -99,7 +99,8 @@ pooled over all their runs."""
 
 def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective: Objective,
                threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = (),
-               allowed: Sequence[int] | None = None, confirm: Confirm | None = None) -> MbsTrace:
+               allowed: Sequence[int] | None = None, confirm: Confirm | None = None,
+               precision: float | None = None) -> MbsTrace:
     """Search the micro batch size of one stage (the module docstring gives the order).
 
     Args:
@@ -124,6 +125,9 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             the two runs' noise (:func:`within_noise`) is not decided on one run: the step and the
             best so far are re-measured once (interleaved) and the plateau test is made on the
             pooled metrics.
+        precision: the runs' target precision (relative half-width, e.g. 0.02): the fine pass skips
+            the gap below the best when both ends are known to it and tie (:func:`_plateau`);
+            None: it never skips.
 
     Returns:
         The trace, in evaluation order (``known`` points first).
@@ -143,7 +147,7 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
     if objective.higher_is_better:
         _top_down(run, trace, values, estimate, objective, threshold, confirm)
         if trace.stop is not StopReason.INFEASIBLE:
-            _fine_pass(run, trace, values, objective, num_fine)
+            _fine_pass(run, trace, values, objective, num_fine, threshold, precision)
         return trace
     known_ok = [p.mbs for p in trace.ok_points]
     if known_ok:  # e.g. a probe: memory grows with mbs, so lo runs too; climb from the largest known
@@ -155,7 +159,7 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             return trace
         prev = values[0]
     trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm)
-    _fine_pass(run, trace, values, objective, num_fine)
+    _fine_pass(run, trace, values, objective, num_fine, threshold, precision)
     return trace
 
 
@@ -269,8 +273,21 @@ def _bisect(run, trace: MbsTrace, values: Sequence[int], ok: int, fail: int, obj
     return StopReason.BOUNDARY
 
 
-def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int) -> None:
-    """Bisect the gaps next to the best mbs (below and above), up to ``budget`` experiments."""
+def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -> bool:
+    """True when the measured point ``a`` and ``best`` are both known to ``precision`` (their runs'
+    interval half-widths; None: never) and tie within their noise (:func:`within_noise`): the curve is
+    flat between them, so the gap between them holds no mbs better by more than one run can tell.
+    A tie of imprecise points is ignorance, not a plateau."""
+    if precision is None or not a.ok:
+        return False
+    precise = all(p.rel_half_width is not None and p.rel_half_width <= precision for p in (a, best))
+    return precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
+
+
+def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
+               threshold: float = 0.01, precision: float | None = None) -> None:
+    """Bisect the gaps next to the best mbs (above, and below unless the best and the point below it
+    are a precise plateau: :func:`_plateau`), up to ``budget`` experiments."""
     while budget > 0:
         best = trace.best(objective)
         below = [p.mbs for p in trace.ok_points if p.mbs < best.mbs]
@@ -278,7 +295,7 @@ def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective
         candidates = []
         if above:
             candidates.append(_middle(values, best.mbs, min(above)))
-        if below:
+        if below and not _plateau(trace.get(max(below)), best, threshold, precision):
             candidates.append(_middle(values, max(below), best.mbs))
         candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
         if not candidates:

@@ -4,9 +4,9 @@ One loop over the candidate ZeRO stages, lowest first. The first stage that fits
 higher stage that the memory model says fits gets one probe, and a full mbs search only when the
 probe measures faster than the best so far:
 
-- where its memory headroom lets it run a larger mbs than the best stage's best (higher stages
-  partition more of the model states), the probe is at its own largest fitting mbs: a larger
-  batch is how a stage with more communication wins;
+- where its memory headroom lets it run a larger mbs than the best stage ran at all (higher
+  stages partition more of the model states), the probe is at its own largest fitting mbs: a
+  larger batch is how a stage with more communication wins;
 - otherwise at the best stage's best mbs, compared at equal mbs.
 
 Once a stage has measured slower than the best stage at the same mbs by more than the threshold,
@@ -67,13 +67,14 @@ StageEvaluate = Callable[[int, Sequence[int]], Sequence[Point]]
 
 def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: int, hi: int,
                    objective: Objective, threshold: float = 0.01, num_fine: int = 3,
-                   allowed: Sequence[int] | None = None, confirm: StageEvaluate | None = None) -> list[StageResult]:
+                   allowed: Sequence[int] | None = None, confirm: StageEvaluate | None = None,
+                   precision: float | None = None) -> list[StageResult]:
     """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
 
     Args:
         evaluate: ``evaluate(stage, [mbs, ...]) -> [Point, ...]``.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
-        lo, hi, objective, threshold, num_fine, allowed: as in :func:`search_mbs`.
+        lo, hi, objective, threshold, num_fine, allowed, precision: as in :func:`search_mbs`.
         confirm: ``confirm(stage, [mbs, ...]) -> [Point, ...]`` re-measures measured points once more
             and returns them pooled; when given, a probe that loses by less than the noise is
             re-measured with the point it lost to before the stage is given up, and the mbs search
@@ -98,15 +99,18 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
         if best is not None:
             best_trace = next(r.trace for r in results if r.stage == best[0])
             own = max([m for m in values if m <= plan.max_mbs_estimate], default=values[0])
-            headroom = own > best[1].mbs  # this stage can run a larger mbs than the best: probe it there
+            # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
+            # best mbs: where the best stage ran larger and was slower, a larger batch is no advantage)
+            reach = max(p.mbs for p in best_trace.ok_points)
+            headroom = own > reach
             if not headroom and slower_seen:
                 result.decision = StageDecision.SKIPPED
                 result.reason = (f"cannot beat: a lower stage was already slower at the same mbs, and this one "
-                                 f"reaches no larger mbs than {best[1].mbs}")
+                                 f"reaches no larger mbs than {reach}")
                 continue
             if not headroom and stage == 3 and (best[0] in (1, 2) or partitioned_lost):
                 result.decision = StageDecision.SKIPPED
-                result.reason = (f"cannot beat: it reaches no larger mbs than {best[1].mbs}, and at equal mbs it is "
+                result.reason = (f"cannot beat: it reaches no larger mbs than {reach}, and at equal mbs it is "
                                  f"stages 1-2's partitioned step plus parameter all-gathers (3 Psi per step against "
                                  f"2 Psi, ZeRO paper section 7.2); " + (f"ZeRO stage {best[0]} is the best"
                                  if best[0] in (1, 2) else "a stage 1-2 probe at that mbs did not beat the best"))
@@ -159,7 +163,8 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
         result.trace = search_mbs(lambda ms, s=stage: evaluate(s, ms), lo=lo, hi=min(hi, cap),
                                   estimate=min(plan.max_mbs_estimate, cap), objective=objective, threshold=threshold,
                                   num_fine=num_fine, known=result.trace.points, allowed=allowed,
-                                  confirm=None if confirm is None else (lambda ms, s=stage: confirm(s, ms)))
+                                  confirm=None if confirm is None else (lambda ms, s=stage: confirm(s, ms)),
+                                  precision=precision)
         top = result.trace.best(objective)
         if top is not None and (best is None or objective.better(top.metric, best[1].metric)):
             best = (stage, top)

@@ -157,6 +157,12 @@ class Strategy:
             if why:
                 self.log(why)
 
+    @property
+    def precision(self) -> float:
+        """The target precision of a run's metric (relative 95% half-width): ``--precision``, which
+        also ends runs early when they are adaptive; :data:`DEFAULT_PRECISION` with ``--no-adaptive``."""
+        return self.job.stop_rule.precision if self.job.stop_rule is not None else DEFAULT_PRECISION
+
     def bar(self) -> float | None:
         """The bar a new experiment must beat (:func:`zerotune.core.stopping.must_beat`): the pessimistic
         bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
@@ -213,10 +219,8 @@ class Strategy:
 
         close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]
         todo = [e for e in close if pooled[e.name].runs < 2]
-        rule = self.job.stop_rule
-        precision = rule.precision if rule is not None else DEFAULT_PRECISION
         imprecise = [e for e in close if pooled[e.name].runs < 2 and (e.metric_rel_half_width is None
-                                                                      or e.metric_rel_half_width > precision)]
+                                                                      or e.metric_rel_half_width > self.precision)]
         if len(close) > 1 and todo and imprecise:
             self.log(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
                      + ", ".join(e.name for e in todo))
@@ -274,7 +278,7 @@ class Strategy:
         self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
                                             threshold=PLATEAU_THRESHOLD,
                                             num_fine=self.job.autotuning.num_tuning_micro_batch_sizes,
-                                            allowed=self.job.allowed_mbs, confirm=confirm)
+                                            allowed=self.job.allowed_mbs, confirm=confirm, precision=self.precision)
         for r in self.result.stages:
             self.log(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                      + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
