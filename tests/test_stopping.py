@@ -33,7 +33,8 @@ def streams_of(step_s: list[float], ranks: int = 2, batch: int = 8) -> dict[int,
     out = {}
     for rank in range(ranks):
         factor = 0.99 if rank == 0 else 1.0
-        out[rank] = [{"rank": rank, "step": i + 1, "step_s": s * factor, "train_batch_size": batch}
+        ends = [sum(step_s[:i + 1]) * factor for i in range(len(step_s))]  # the probe's t: the first step starts at 0
+        out[rank] = [{"rank": rank, "step": i + 1, "t": ends[i], "step_s": s * factor, "train_batch_size": batch}
                      for i, s in enumerate(step_s)]
     return out
 
@@ -85,6 +86,28 @@ def test_a_noisy_run_whose_optimistic_bound_is_below_the_bar_cannot_beat():
     assert first_answer(rule, NOISY, bar=17.5) == (6, EndReason.CANNOT_BEAT)
     assert first_answer(rule, NOISY, bar=16.3) is None  # within reach all along: runs to its cap
     assert first_answer(rule, NOISY) is None  # never precise to 2% in 8 steady steps
+
+
+# a run that alternates 0.47 / 0.53 s steps after its warm-up (a 6% standard deviation): ±6.4% after 6 steady steps
+ALTERNATING = [2.0] + [0.47, 0.53] * 20
+
+
+def test_at_the_cap_a_noisy_run_goes_on_while_more_steps_can_make_it_precise_within_its_start_up_time():
+    rule = StopRule(THROUGHPUT)
+    cap = 7  # end_profile_step 6: the exiting step is recorded as step 7
+    # without an extended exit the rule never answers at the cap: DeepSpeed's engine exits there
+    assert first_answer(rule, ALTERNATING[:7]) is None
+    # start-up 8 s (what a new launch would cost again): the interval, ±6.4% on 6 steady steps, needs about
+    # 6 * (6.4 / 2) ** 2 = 61 steady steps (30 s of steps): too many; the run ends at the cap
+    answers = [rule.check(streams_of(ALTERNATING[:k]), None, cap, 8.0) for k in range(1, 12)]
+    assert answers[:6] == [None] * 6 and answers[6] is EndReason.STEP_CAP
+    # start-up 40 s: it goes on past the cap and ends once precise (within 2%)
+    k, reason = next((k, r) for k in range(1, len(ALTERNATING) + 1)
+                     if (r := rule.check(streams_of(ALTERNATING[:k]), None, cap, 40.0)) is not None)
+    assert (k, reason) == (39, EndReason.PRECISE)
+    assert rel_half_width(ALTERNATING[1:k]) <= 0.02 < rel_half_width(ALTERNATING[1:k - 1])
+    # a precise run never needs the extension; a run below the bar still cannot beat past the cap
+    assert rule.check(streams_of(STEADY), None, 6, 40.0) is EndReason.PRECISE
 
 
 def test_latency_races_downwards():
@@ -199,9 +222,9 @@ def test_the_profile_run_is_never_watched(tmp_path):
     from zerotune.run.backends.local import _StreamWatch
     exp_dir = ran(tmp_path, STEADY, None)
     profile = Experiment("profile_x", {"train_micro_batch_size_per_gpu": 1}, kind=ExperimentKind.PROFILE)
-    assert _StreamWatch(exp_dir, StopRule(THROUGHPUT), profile).check() is None
+    assert _StreamWatch(exp_dir, StopRule(THROUGHPUT), profile, 5).check() is None
     mbs = Experiment("x", {"train_micro_batch_size_per_gpu": 1})
-    watch = _StreamWatch(exp_dir, StopRule(THROUGHPUT), mbs)
+    watch = _StreamWatch(exp_dir, StopRule(THROUGHPUT), mbs, 5)
     assert watch.check() is EndReason.PRECISE
     assert watch.check() is None  # nothing grew since: not re-read
 
@@ -257,10 +280,10 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
     # (above); 5% noise: 5 steps rarely reach 2%, and the two finalists tied within the noise get a second run
     # (SIMULATED scenario 3, GPT-125M on 32 H100)
     exps, best, _ = tune_simulated(tmp_path / "noisy", 3, adaptive=True, noise_level=0.05)
-    assert [e.name for e in exps[-3:]] == ["z1_gas2_tmbspg62_fp1", "z1_gas1_tmbspg62_fp1_r2", "z1_gas1_tmbspg58_fp1_r2"]
+    assert [e.name for e in exps[-3:]] == ["z1_gas2_tmbspg62_fp1", "z1_gas1_tmbspg62_fp1_r2", "z1_gas1_tmbspg55_fp1_r2"]
     originals = {e.name: e for e in exps if not e.replica_of}
-    assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.083, 0.06]
-    assert (best.stage, best.mbs) == (1, 58)
+    assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.083, 0.02]
+    assert (best.stage, best.mbs) == (0, 39)  # both finalists pooled below ZeRO-0's mbs 39 (one run, known to 2%)
 
 
 # SIMULATED scenario 0 (GPT-125M on 8 A100-40GB, 1% noise): the same launches and answer as without the

@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks.simcluster.model import Outcome, Simulator
 from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
 from zerotune.core.objective import Objective
-from zerotune.core.stopping import EndReason, StopRule
+from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed import expdir
 from zerotune.probe import stream_name
 from zerotune.run.backends.base import Backend
@@ -89,13 +89,16 @@ class SimulatedBackend(Backend):
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
         exp_dir = Path(exp_dir)
         profile = exp.kind is ExperimentKind.PROFILE
-        expdir.prepare(exp, exp_dir, self.objective, self.start_profile_step, self.end_profile_step)
+        adaptive = self.stop_rule is not None and not profile
+        end_step = extended_end_step(self.end_profile_step) if adaptive else self.end_profile_step
+        expdir.prepare(exp, exp_dir, self.objective, self.start_profile_step, end_step)
         (exp_dir / expdir.CMD_FILE).write_text(f"# SIMULATED: no process launched; {reservation.world_size} GPUs "
                                                f"({reservation.include_arg()[:80]}...)\n")
 
-        outcome = self.sim.run(exp.ds_config, profile=profile)
+        extra = end_step - self.end_profile_step
+        outcome = self.sim.run(exp.ds_config, profile=profile, extra_steps=extra)
         streams, duration, ended = outcome.streams or {}, outcome.duration_s, None
-        if streams and self.stop_rule is not None and not profile:
+        if streams and adaptive:
             streams, duration, ended = self._adaptive(exp, outcome)
         memory_bytes = self.sim.cluster.device.memory_bytes
         stderr = "" if outcome.ok else oom_stderr(outcome, memory_bytes)
@@ -121,7 +124,7 @@ class SimulatedBackend(Backend):
         steps = min(len(records) for records in full.values())
         for k in range(1, steps + 1):
             prefix = {rank: records[:k] for rank, records in full.items()}
-            ended = self.stop_rule.check(prefix, exp.must_beat)
+            ended = self.stop_rule.check(prefix, exp.must_beat, self.end_profile_step + 1, self.sim.startup_s())
             if ended is not None:
                 elapsed = max(records[k - 1]["t"] for records in full.values())
                 return prefix, self.sim.startup_s() + elapsed, ended

@@ -538,17 +538,23 @@ class Simulator:
         digest = hashlib.sha256(f"{self.seed}|{key}|{k}".encode()).digest()
         return random.Random(int.from_bytes(digest[:8], "big"))
 
-    def streams(self, step: StepBreakdown, rng: random.Random, gas: int, peak_bytes: int) -> dict[int, list[dict[str, Any]]]:
-        """The probe's records of one run (see the module docstring), per simulated rank."""
+    def streams(self, step: StepBreakdown, rng: random.Random, gas: int, peak_bytes: int,
+                extra_steps: int = 0) -> dict[int, list[dict[str, Any]]]:
+        """The probe's records of one run (see the module docstring), per simulated rank; with
+        ``extra_steps`` more after ``end_profile_step`` (an extended run), drawn after all the others so
+        the first ``end_profile_step + 1`` steps are the same either way."""
         out: dict[int, list[dict[str, Any]]] = {}
-        for rank in range(min(PROBE_RANKS, step.num_gpus)):
-            t, records = 0.0, []
-            for i in range(1, self.end_profile_step + 2):
-                step_s = step.latency_s * (WARMUP_STEP_FACTOR if i == 1 else 1.0) * rng.lognormvariate(0, self.noise_level)
-                t += step_s
-                records.append({"rank": rank, "step": i, "t": t, "step_s": step_s, "micro_steps": gas,
-                                "train_batch_size": step.samples, "peak_bytes": peak_bytes})
-            out[rank] = records
+        ranks = range(min(PROBE_RANKS, step.num_gpus))
+        for first, last in ((1, self.end_profile_step + 1), (self.end_profile_step + 2, self.end_profile_step + 1 + extra_steps)):
+            for rank in ranks:
+                records = out.setdefault(rank, [])
+                t = records[-1]["t"] if records else 0.0
+                for i in range(first, last + 1):
+                    step_s = (step.latency_s * (WARMUP_STEP_FACTOR if i == 1 else 1.0)
+                              * rng.lognormvariate(0, self.noise_level))
+                    t += step_s
+                    records.append({"rank": rank, "step": i, "t": t, "step_s": step_s, "micro_steps": gas,
+                                    "train_batch_size": step.samples, "peak_bytes": peak_bytes})
         return out
 
     def throughput(self, ds_config: dict[str, Any]) -> float | None:
@@ -562,11 +568,13 @@ class Simulator:
         """Launcher, rendezvous and model construction before the first step."""
         return 30 + 2 * math.log2(self.cluster.num_gpus) + 2 * self.model.num_params / 1e9
 
-    def run(self, ds_config: dict[str, Any], profile: bool = False) -> Outcome:
+    def run(self, ds_config: dict[str, Any], profile: bool = False, extra_steps: int = 0) -> Outcome:
         """One SIMULATED experiment of ``ds_config``: its outcome and how long it ran.
 
         Args:
             profile: DeepSpeed's model-info profile run (exits in the first forward pass).
+            extra_steps: steps after ``end_profile_step`` (an extended run's engine exits that much
+                later; :func:`zerotune.core.stopping.extended_end_step`).
         """
         mem = self.memory(ds_config)
         budget = self.cluster.device.memory_bytes
@@ -581,7 +589,7 @@ class Simulator:
                            oom_phase="" if ok else "step")
         if mem.total > budget:
             return Outcome("oom", self.startup_s() + step.latency_s, mem, step, oom_phase="step")
-        streams = self.streams(step, rng, ZeroSettings.from_config(ds_config).gas, mem.total)
+        streams = self.streams(step, rng, ZeroSettings.from_config(ds_config).gas, mem.total, extra_steps)
         duration = self.startup_s() + sum(r["step_s"] for r in streams[0]) + step.latency_s
         return Outcome("ok", duration, mem, step, streams=streams)
 

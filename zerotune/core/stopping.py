@@ -18,6 +18,16 @@ The experiment records why it ended (:class:`EndReason`). The rule ends a run as
 Otherwise the run goes on to its cap: DeepSpeed's engine exits after ``end_profile_step`` (its
 autotuning protocol), or the experiment timeout. The rule never ends a run before
 ``min_steady_steps`` steady steps, whatever the bar: one step's interval is not an interval.
+
+**Extension.** A run that reaches ``end_profile_step`` without being precise may go on (the backend
+writes a later engine exit, :func:`extended_end_step`) while more steps cost less than a new launch
+would: the steps past the cap may take at most the run's own start-up time (launcher, rank start,
+model and engine construction: what a re-measurement would spend again before its first step), and
+only while the interval can still reach the precision within that time (it narrows as the square
+root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The run then ends
+``step_cap`` at the cap or as soon as it is precise. On this machine a launch costs about 8 s
+before its first step and a step about 1 s, so a noisy run gets up to 8 more steps instead of a
+second run; a SIMULATED 70B model's 80 s steps get none.
 """
 from __future__ import annotations
 
@@ -28,7 +38,8 @@ from dataclasses import dataclass
 from zerotune.core.measure import RUN_NOISE, Streams, measure
 from zerotune.core.objective import Objective
 
-__all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EndReason", "MIN_STEADY_STEPS", "StopRule", "must_beat"]
+__all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule",
+           "extended_end_step", "must_beat"]
 
 DEFAULT_PRECISION = 0.02
 """Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
@@ -37,12 +48,22 @@ MIN_STEADY_STEPS = 3
 """Steady steps (warm-up left out) before the rule may end a run."""
 
 
+EXTENSION_FACTOR = 5
+"""With adaptive runs, DeepSpeed's engine exits at this many times ``end_profile_step`` (the hard cap);
+the stop rule ends each run at ``end_profile_step`` unless the extension pays (module docstring)."""
+
+
+def extended_end_step(end_profile_step: int) -> int:
+    """The ``end_profile_step`` written into an adaptive run's config: the hard cap of an extension."""
+    return EXTENSION_FACTOR * end_profile_step
+
+
 class EndReason(str, enum.Enum):
     """Why an experiment's run ended (``Experiment.ended``)."""
 
     PRECISE = "precise"  # zerotune ended it: its metric reached the target precision
     CANNOT_BEAT = "cannot_beat"  # zerotune ended it: its interval lies wholly below the incumbent's bar
-    STEP_CAP = "step_cap"  # it ran to the cap: DeepSpeed's engine exited after end_profile_step
+    STEP_CAP = "step_cap"  # it ran to the cap: end_profile_step (or past it, while an extension paid)
     EXITED = "exited"  # it ended on its own otherwise (a failure, an OOM, the script's end)
     STOPPED = "stopped"  # the backend killed it: timeout, hang, or the tuner interrupted
 
@@ -50,6 +71,12 @@ class EndReason(str, enum.Enum):
     def early(self) -> bool:
         """True when zerotune ended a healthy run before its cap (its steps were enough)."""
         return self in (EndReason.PRECISE, EndReason.CANNOT_BEAT)
+
+    @property
+    def by_rule(self) -> bool:
+        """True when the stop rule ended the run (early, or at the cap after an extension did not pay):
+        the run is OK from the probe's metric, without DeepSpeed's ``metrics.json``."""
+        return self in (EndReason.PRECISE, EndReason.CANNOT_BEAT, EndReason.STEP_CAP)
 
 
 EARLY_ENDS = frozenset(r.value for r in EndReason if r.early)
@@ -72,27 +99,60 @@ class StopRule:
     precision: float = DEFAULT_PRECISION
     min_steady_steps: int = MIN_STEADY_STEPS
 
-    def check(self, streams: Streams, bar: float | None = None) -> EndReason | None:
+    def check(self, streams: Streams, bar: float | None = None, cap_step: int | None = None,
+              startup_s: float | None = None) -> EndReason | None:
         """Whether the run whose probe streams are ``streams`` (so far) can end now.
 
         Args:
             streams: rank -> the probe's step records so far (:func:`zerotune.probe.read_streams`).
             bar: the run's ``must_beat`` (None: no incumbent, only the precision stop applies).
+            cap_step: the probe's step at which DeepSpeed's engine would have exited
+                (``end_profile_step + 1``: the exiting step is recorded too) when the run was launched
+                with an extended exit (:func:`extended_end_step`); None: the engine's exit is the cap.
+            startup_s: seconds from the launch to the start of the run's first step (the extension
+                budget, see the module docstring); None: no extension.
 
         Returns:
-            :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, or None to go on.
+            :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` (the
+            cap reached and an extension does not pay), or None to go on.
         """
         m = measure(streams, self.objective)
-        if m is None or m.steady_steps < self.min_steady_steps or m.rel_half_width is None:
-            return None
-        if m.rel_half_width <= self.precision:
-            return EndReason.PRECISE
-        if bar is not None:
-            higher = self.objective.higher_is_better
-            optimistic = m.value * (1 + m.rel_half_width) if higher else m.value * (1 - m.rel_half_width)
-            if (optimistic < bar) if higher else (optimistic > bar):
-                return EndReason.CANNOT_BEAT
-        return None
+        if m is not None and m.steady_steps >= self.min_steady_steps and m.rel_half_width is not None:
+            if m.rel_half_width <= self.precision:
+                return EndReason.PRECISE
+            if bar is not None:
+                higher = self.objective.higher_is_better
+                optimistic = m.value * (1 + m.rel_half_width) if higher else m.value * (1 - m.rel_half_width)
+                if (optimistic < bar) if higher else (optimistic > bar):
+                    return EndReason.CANNOT_BEAT
+        if cap_step is None or m is None or _last_step(streams) < cap_step:
+            return None  # no measurement at the cap: the engine's own exit (or the script's end) ends it
+        return None if self._extension_pays(streams, m, cap_step, startup_s) else EndReason.STEP_CAP
+
+    def _extension_pays(self, streams: Streams, m, cap_step: int, startup_s: float | None) -> bool:
+        """Past the cap: whether more steps can still make the metric precise within the budget
+        (``startup_s`` of steps past the cap, see the module docstring)."""
+        if not startup_s or startup_s <= 0 or self.precision <= 0 or m is None or not m.rel_half_width:
+            return False
+        spent = _time_at(streams, _last_step(streams)) - _time_at(streams, cap_step)
+        left_steps = (startup_s - spent) / m.mean_step_s
+        needed = m.steady_steps * ((m.rel_half_width / self.precision) ** 2 - 1)
+        return 0 < needed <= left_steps
+
+
+def _last_step(streams: Streams) -> int:
+    """The latest step every rank has recorded (0 before any)."""
+    if not streams:
+        return 0
+    return min(max((r.get("step") or 0 for r in records if isinstance(r, dict)), default=0)
+               for records in streams.values())
+
+
+def _time_at(streams: Streams, step: int) -> float:
+    """When step ``step`` ended on the slowest rank (the probe's ``t``, seconds)."""
+    return max((r["t"] for records in streams.values() for r in records
+                if isinstance(r, dict) and r.get("step") == step and isinstance(r.get("t"), (int, float))),
+               default=0.0)
 
 
 def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1) -> float:

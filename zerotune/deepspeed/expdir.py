@@ -139,9 +139,10 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             ``error`` with a more precise reason afterwards.
         interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
             (re-run on resume) rather than classified.
-        ended: :attr:`EndReason.PRECISE` or :attr:`EndReason.CANNOT_BEAT` when the backend ended
-            the run early on its :class:`~zerotune.core.stopping.StopRule`: the run is OK with the
-            probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
+        ended: :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT` or :attr:`EndReason.STEP_CAP`
+            when the backend ended the run on its :class:`~zerotune.core.stopping.StopRule` (early, or
+            at ``end_profile_step`` of an extended run: :attr:`EndReason.by_rule`): the run is OK with
+            the probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
             derived here: STEP_CAP (the engine's result file), STOPPED (timeout, interruption) or
             EXITED.
 
@@ -152,7 +153,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     data, invalid = _read_object(path)
     profile = exp.kind is ExperimentKind.PROFILE
     streams = read_streams(exp_dir)
-    early = measure(streams, objective) if ended is not None and ended.early and not profile else None
+    early = measure(streams, objective) if ended is not None and ended.by_rule and not profile else None
     exp.exit_code = exit_code
     if early is not None:
         exp.status, exp.error = Status.OK, ""

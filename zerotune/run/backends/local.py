@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.stopping import EndReason, StopRule
+from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
 from zerotune.probe import read_streams, stream_files
@@ -53,7 +53,9 @@ class LocalBackend(Backend):
         exp_dir = Path(exp_dir)
         running_dir = exp_dir.parent / RUNNING_DIR
         reap_orphans(running_dir)  # first: an orphan of a killed tuner could still write into exp_dir
-        config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, spec.end_profile_step)
+        watch = _StreamWatch(exp_dir, spec.stop_rule, exp, spec.end_profile_step)
+        end_step = extended_end_step(spec.end_profile_step) if watch.rule is not None else spec.end_profile_step
+        config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, end_step)
 
         port = free_port()
         env = launch_env(spec, reservation, probe_dir=exp_dir)
@@ -86,7 +88,7 @@ class LocalBackend(Backend):
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
             last_size, last_change = -1, start
-            watch = _StreamWatch(exp_dir, spec.stop_rule, exp)
+            watch.launched_at = start
             try:
                 while proc.poll() is None:
                     now = time.monotonic()
@@ -109,6 +111,8 @@ class LocalBackend(Backend):
                         proc.wait(timeout=self.poll_s)
                     except subprocess.TimeoutExpired:
                         pass
+                if ended is None and proc.returncode == 0 and watch.reached_cap():
+                    ended = EndReason.STEP_CAP  # the script ended past end_profile_step, before the extended exit
             finally:
                 kill_tree(proc, known, token)
                 remove_shm_buffers(port)
@@ -134,12 +138,20 @@ class LocalBackend(Backend):
 class _StreamWatch:
     """Reads an experiment's probe streams while it runs and asks the stop rule whether it can end
     (:mod:`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
-    few ``stat`` calls; the profile run (which exits in its first forward) is never watched."""
+    few ``stat`` calls; the profile run (which exits in its first forward) is never watched.
 
-    def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment):
+    The run was launched with an extended engine exit (:func:`~zerotune.core.stopping.extended_end_step`):
+    the rule ends it at ``end_profile_step`` unless more steps pay, within its start-up time, from the
+    launch (``launched_at``, ``time.monotonic()``) to its first step's start (the probe's ``t`` is the
+    same system-wide monotonic clock: the ranks run on this machine)."""
+
+    def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment, end_profile_step: int):
         self.exp_dir, self.exp = exp_dir, exp
         self.rule = None if exp.kind is ExperimentKind.PROFILE else rule
+        self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
+        self.launched_at: float | None = None
         self._sizes: dict[int, int] = {}
+        self._streams: dict = {}
 
     def check(self) -> EndReason | None:
         if self.rule is None:
@@ -148,4 +160,22 @@ class _StreamWatch:
         if sizes == self._sizes:
             return None
         self._sizes = sizes
-        return self.rule.check(read_streams(self.exp_dir), self.exp.must_beat)
+        self._streams = read_streams(self.exp_dir)
+        return self.rule.check(self._streams, self.exp.must_beat, self.cap_step, self.startup_s())
+
+    def startup_s(self) -> float | None:
+        """Seconds from the launch to the start of the first step (None: not known yet)."""
+        firsts = [records[0] for records in self._streams.values() if records and isinstance(records[0], dict)]
+        starts = [r["t"] - r["step_s"] for r in firsts
+                  if isinstance(r.get("t"), (int, float)) and isinstance(r.get("step_s"), (int, float))]
+        if self.launched_at is None or not starts:
+            return None
+        return max(0.0, min(starts) - self.launched_at)
+
+    def reached_cap(self) -> bool:
+        """Whether every rank recorded ``end_profile_step``'s exiting step (read afresh)."""
+        if self.rule is None:
+            return False
+        streams = read_streams(self.exp_dir)
+        return bool(streams) and all(any(isinstance(r, dict) and (r.get("step") or 0) >= self.cap_step for r in records)
+                                     for records in streams.values())
