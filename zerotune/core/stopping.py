@@ -144,15 +144,16 @@ def _last_step(streams: Streams) -> int:
     """The latest step every rank has recorded (0 before any)."""
     if not streams:
         return 0
-    return min(max((r.get("step") or 0 for r in records if isinstance(r, dict)), default=0)
+    return min(max((r["step"] for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)),
+                   default=0)
                for records in streams.values())
 
 
 def _time_at(streams: Streams, step: int) -> float:
     """When step ``step`` ended on the slowest rank (the probe's ``t``, seconds)."""
     return max((r["t"] for records in streams.values() for r in records
-                if isinstance(r, dict) and r.get("step") == step and isinstance(r.get("t"), (int, float))),
-               default=0.0)
+                if isinstance(r, dict) and r.get("step") == step and isinstance(r.get("t"), (int, float))
+                and not isinstance(r.get("t"), bool)), default=0.0)
 
 
 def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1) -> float:

@@ -177,5 +177,10 @@ class _StreamWatch:
         if self.rule is None:
             return False
         streams = read_streams(self.exp_dir)
-        return bool(streams) and all(any(isinstance(r, dict) and (r.get("step") or 0) >= self.cap_step for r in records)
+        return bool(streams) and all(any(isinstance(r, dict) and _int(r.get("step")) >= self.cap_step for r in records)
                                      for records in streams.values())
+
+
+def _int(value) -> int:
+    """A probe record's integer field, 0 when it is not an integer (a garbled stream)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
