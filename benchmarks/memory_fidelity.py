@@ -52,6 +52,7 @@ from zerotune.run.slots import Node, Reservation  # noqa: E402
 from zerotune.strategy.configs import PROFILE_BUCKET_SIZE  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "memory_fidelity.json"
+MMAP_RESULTS = RESULTS.with_name("memory_fidelity_mmap.json")
 SCRIPT = ROOT / "examples" / "train_gpt.py"
 RANKS = 2
 BUCKET = 50_000_000  # reduce/allgather bucket elements (200 MB fp32): buffers matter without dwarfing the rest
@@ -117,13 +118,16 @@ def run_one(backend: LocalBackend, exp: Experiment, workdir: Path) -> dict:
             "metrics": exp.metrics if exp.kind is ExperimentKind.PROFILE else {}, "wall_s": round(time.monotonic() - start, 1)}
 
 
-def run_grid(models: list[str], steps: int, workdir: Path) -> dict:
+def run_grid(models: list[str], steps: int, workdir: Path, mmap_threshold: int | None = None) -> dict:
     out = {"date": datetime.date.today().isoformat(), "ranks": RANKS, "bucket": BUCKET, "models": {}}
+    env = {"OMP_NUM_THREADS": "1"}
+    if mmap_threshold is not None:
+        out["malloc_mmap_threshold"] = env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     for model in models:
         spec = LaunchSpec(script=str(SCRIPT), script_args=("--steps", str(steps), *MODELS[model],
                                                              "--deepspeed_config", "ds_config.json"),
                           cpu=True, device_memory_bytes=None, timeout_s=300, start_profile_step=2, end_profile_step=4,
-                          extra_env={"OMP_NUM_THREADS": "1"})
+                          extra_env=env)
         backend = LocalBackend(spec)
         runs, profiles = [], {}
         for precision in PRECISIONS:  # one tuning job per precision: its own profile run, as tune does
@@ -157,8 +161,10 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
     """The table: per run the profile-calibrated prediction, the online-corrected one (the model after
     the runs before it in the grid, fed their RSS peaks as ``tune`` feeds them), the measured VmData and
     RSS; errors on VmData."""
+    allocator = (f", ranks under MALLOC_MMAP_THRESHOLD_={data['malloc_mmap_threshold']}"
+                 if data.get("malloc_mmap_threshold") else ", glibc's default allocator")
     lines = [f"memory fidelity, {data['date']}, {data['ranks']} CPU ranks, reduce/allgather bucket {data['bucket']:,} "
-             "elements",
+             f"elements{allocator}",
              "profile = calibrated on the profile run only; online = after zerotune.model.online's corrections "
              "from the runs above it (as tune applies them, from the RSS peaks); errors against VmData", "",
              f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'RSS':>10} {'err profile':>11} "
@@ -166,8 +172,10 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
     errors: dict[str, list[float]] = {"profile": [], "online": []}
     for (name, model), precision in ((m, p) for m in data["models"].items() for p in PRECISIONS):
         mm = memory_model(model, precision)
-        lines.append(f"{name} {precision}: {mm.num_params:,} params, profile activations "
-                     f"{format_bytes(mm.activation_bytes_per_sample)}/sample, calibrated overhead "
+        metrics = model["profiles"][precision]["metrics"]
+        lines.append(f"{name} {precision}: {mm.num_params:,} params, activations "
+                     f"{format_bytes(mm.activation_bytes_per_sample)}/sample (DeepSpeed's first-forward RSS change "
+                     f"{format_bytes(metrics.get('activation_mem_per_gpu', 0))}), calibrated overhead "
                      f"{format_bytes(mm.overhead_bytes)}")
         online, earlier = mm, []
         for r in (r for r in model["runs"] if r["precision"] == precision):
@@ -202,12 +210,18 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="print the table from the saved results, run nothing")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help=f"results file ({RESULTS.name})")
+    parser.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="run the ranks with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 65536): every larger "
+                             "allocation gets its own mapping, returned when freed, so VmData follows the live "
+                             f"tensors as a GPU's max_memory_allocated does (saved as {MMAP_RESULTS.name})")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = MMAP_RESULTS if args.malloc_mmap_threshold is not None else RESULTS
     if not args.report:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         with tempfile.TemporaryDirectory(prefix="zt_memfid_") as tmp:
-            data = run_grid(args.models.split(","), args.steps, Path(tmp))
+            data = run_grid(args.models.split(","), args.steps, Path(tmp), args.malloc_mmap_threshold)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=1) + "\n")
     data = json.loads(args.out.read_text())

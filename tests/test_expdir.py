@@ -9,6 +9,7 @@ import pytest
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import OBJECTIVES
 from zerotune.deepspeed import expdir
+from zerotune.model.profile import ModelInfo
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
 ALLOCATOR_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
@@ -57,6 +58,34 @@ def test_finish_of_the_profile_run_reads_model_info_and_scores_nothing(tmp_path)
     write(tmp_path / "metrics.json", '{"throughput": 5.0}')  # not the profile run's result
     done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert (done.status, done.error, done.metric, done.metrics) == (Status.OK, "", None, info)
+
+
+def test_finish_of_the_profile_run_adds_the_probes_saved_activations_per_sample(tmp_path):
+    info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 54_505_472}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "activations.json", '{"saved_bytes": 13122584, "saved_storages": 61, "micro_batch_size": 2}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics == {**info, "activation_saved_bytes": 6_561_292}
+    assert ModelInfo.from_metrics(done.metrics, mbs=2).activation_mem_per_gpu == 6_561_292  # per sample already
+    assert ModelInfo.from_metrics(info, mbs=2).activation_mem_per_gpu == 27_252_736  # DeepSpeed's, over 2 samples
+
+
+@pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',
+                                    '{"saved_bytes": true}', '[1]', 'not json'])
+def test_a_bad_activations_record_is_ignored(tmp_path, record):
+    info = {"num_params": 10, "activation_mem_per_gpu": 4}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "activations.json", record)
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics == info
+
+
+def test_an_activations_record_beside_a_failed_or_non_profile_run_is_not_read(tmp_path):
+    write(tmp_path / "activations.json", '{"saved_bytes": 100}')
+    write(tmp_path / "metrics.json", '{"throughput": 5.0}')
+    assert "activation_saved_bytes" not in expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0).metrics
+    failed = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path / "none", OBJECTIVES["throughput"], exit_code=1)
+    assert failed.metrics == {}
 
 
 def test_finish_takes_the_metric_and_peak_from_the_probe_and_keeps_deepspeeds_for_comparison(tmp_path):

@@ -48,7 +48,8 @@ from zerotune.core.measure import measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.canonical import config_hash
-from zerotune.probe import clear_streams, read_streams
+from zerotune.model.profile import SAVED_ACTIVATIONS_KEY
+from zerotune.probe import clear_streams, read_saved_activations, read_streams
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
@@ -121,7 +122,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     Reads the result file (:func:`result_path`) and the tails of ``stderr.log`` and
     ``stdout.log``, and sets ``status`` and ``error`` (:func:`classify`), ``exit_code``,
     ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
-    info) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
+    info with the probe's ``activation_saved_bytes`` when it wrote them) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
 
     The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
     ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width``)
@@ -163,6 +164,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
         exp.status, exp.error = classify(exit_code, data, PROFILE_KEY if profile else objective.metric_key,
                                          _logs(Path(exp_dir)), timed_out, result_file=path.name, invalid=invalid)
     exp.metrics = data or {}
+    saved = read_saved_activations(exp_dir) if profile and data else None
+    if saved is not None:
+        exp.metrics[SAVED_ACTIVATIONS_KEY] = saved
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
     measured = early or (measure(streams, objective) if exp.metric is not None else None)

@@ -25,6 +25,8 @@ from zerotune.core.units import format_bytes, parse_bytes
 from zerotune.deepspeed.config import precision as config_precision
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
+from zerotune.model.profile import SAVED_ACTIVATIONS_KEY, ModelInfo
+from zerotune.probe import read_saved_activations
 
 OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
             ("optimizer+params cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
@@ -132,6 +134,9 @@ def _read_profile(path: str) -> dict[str, Any]:
         raise ConfigError(f"--profile {path}: {p.name} is not JSON ({e.msg})") from None
     if not isinstance(data, dict) or not isinstance(data.get("num_params"), (int, float)) or data["num_params"] <= 0:
         raise ConfigError(f"--profile {path}: {p.name} has no positive num_params (DeepSpeed's model_info.json)")
+    saved = read_saved_activations(p.parent)  # the probe's record beside it, as the tuner reads it
+    if saved is not None:
+        data[SAVED_ACTIVATIONS_KEY] = saved
     return data
 
 
@@ -178,7 +183,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
         info = _read_profile(args.profile)
         num_params = int(info["num_params"])
         trainable = int(info.get("trainable_num_params", num_params))
-        activations: int | None = max(0, int(info.get("activation_mem_per_gpu", 0)))
+        activations: int | None = ModelInfo.from_metrics(info).activation_mem_per_gpu
         source = f"profile run {args.profile}"
     elif args.num_params is not None:
         num_params = _count(args.num_params, "--num-params")

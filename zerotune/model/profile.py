@@ -4,12 +4,24 @@ DeepSpeed's engine writes ``model_info.json`` (``num_params``, ``trainable_num_p
 ``activation_mem_per_gpu``) and exits in the first forward pass when the config's
 ``autotuning.model_info.profile`` is set (``engine._get_model_parameters`` and ``forward``). The
 profile run's config comes from :meth:`zerotune.strategy.configs.ConfigBuilder.profile`; the
-experiment directory module reads the file into the experiment's ``metrics``.
+experiment directory module reads the file into the experiment's ``metrics``, adding
+:data:`SAVED_ACTIVATIONS_KEY` from zerotune's probe (:func:`zerotune.probe.read_saved_activations`).
+
+The activation term: DeepSpeed's ``activation_mem_per_gpu`` is the change of ``memory_allocated()``
+across the first forward (``runtime/engine.py:2994-3027``); on CPU that is the process's RSS
+(``accelerator/cpu_accelerator.py:140-154``), and the profile run is ZeRO-3, so the figure also holds
+the parameters gathered during that forward (the first iteration releases them per module,
+``zero/partitioned_param_coordinator.py:498``, but the C heap keeps the pages) and whatever the forward
+allocates once. The probe's figure counts only the storages autograd saves for the backward pass
+(``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
+are there, it is the one used.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+SAVED_ACTIVATIONS_KEY = "activation_saved_bytes"  # bytes per sample, from the probe (per sample already)
 
 
 @dataclass(frozen=True)
@@ -19,9 +31,10 @@ class ModelInfo:
     Attributes:
         num_params: parameters of the model over all model-parallel ranks.
         trainable_num_params: those with ``requires_grad``.
-        activation_mem_per_gpu: activation bytes per device per sample (DeepSpeed measures the
-            change in device memory across the first forward pass at the profile's mbs; on CPU in
-            resident memory), i.e. at mbs=1.
+        activation_mem_per_gpu: activation bytes per device per sample: the probe's bytes saved for
+            the backward pass (:data:`SAVED_ACTIVATIONS_KEY`) when recorded, else DeepSpeed's change in
+            device memory across the first forward pass at the profile's mbs (on CPU in resident
+            memory, see the module docstring), i.e. at mbs=1.
         peak_memory_bytes: peak bytes per rank the backend saw during the run, when it can
             see it (CPU), else None.
     """
@@ -35,13 +48,15 @@ class ModelInfo:
     def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1) -> "ModelInfo":
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
+        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
 
         Raises:
             KeyError, ValueError: ``num_params`` is missing or a field is not a number.
         """
         return cls(num_params=int(data["num_params"]),
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
-                   activation_mem_per_gpu=max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs,
+                   activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
+                                           else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
                    peak_memory_bytes=peak_memory_bytes)
 
     def to_metrics(self, mbs: int = 1) -> dict[str, int]:

@@ -3,7 +3,9 @@
 The probe itself is :mod:`zerotune.probe.sitecustomize`, which runs in the ranks (this directory
 first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
 it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
-directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`.
+directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`; in the
+profile run it also writes the bytes saved for the backward pass, which :func:`read_saved_activations`
+reads back.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zerotune.probe.sitecustomize import PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
+from zerotune.probe.sitecustomize import ACTIVATIONS_RECORD, PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
 
-__all__ = ["PROBE_DIR_ENV", "PROBE_PATH", "clear_streams", "read_streams", "stream_files", "stream_name"]
+__all__ = ["ACTIVATIONS_RECORD", "PROBE_DIR_ENV", "PROBE_PATH", "clear_streams", "read_saved_activations", "read_streams",
+           "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
 
@@ -54,3 +57,19 @@ def clear_streams(exp_dir: Path) -> None:
     backend before it launches."""
     for path in stream_files(exp_dir).values():
         path.unlink(missing_ok=True)
+
+
+def read_saved_activations(exp_dir: Path) -> int | None:
+    """Bytes per sample that the profile run's first forward saved for the backward pass (the probe's
+    :data:`ACTIVATIONS_RECORD`: ``saved_bytes`` over ``micro_batch_size``), or None when the probe
+    wrote no valid record (not a profile run, an older probe, a run that died before its forward)."""
+    try:
+        record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
+        saved, mbs = record["saved_bytes"], record.get("micro_batch_size", 1)
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
+        return None
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        return None
+    return saved // mbs

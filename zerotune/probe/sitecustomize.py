@@ -41,6 +41,21 @@ the Trainer reads it, and the engine's micro batch size, gradient accumulation s
 batch size. The profile run's record resolves the hidden-size ``"auto"`` values
 (:mod:`zerotune.deepspeed.auto`); every experiment's shows what its engine ran with.
 
+In the profile run (the config's ``autotuning.model_info.profile``: DeepSpeed's engine measures
+``activation_mem_per_gpu`` across the first forward and exits, ``engine.py:3025-3030``), rank 0 also
+writes :data:`ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors autograd saves for
+the backward pass (``torch.autograd.graph.saved_tensors_hooks``, ``torch/autograd/graph.py``), each
+storage once, less parameters, views of parameters and module buffers::
+
+    {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1}
+
+That is what a device holds per micro batch for the backward pass, whatever the allocator does.
+DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
+(``accelerator/cpu_accelerator.py:140-154``): in the ZeRO-3 profile run it also holds the parameters
+gathered during that forward (released per module in the first iteration,
+``zero/partitioned_param_coordinator.py:498``, but kept by the C heap), several times the activations
+of a small model.
+
 A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
 Only this file and ``__init__.py`` are in this directory, since it is on the ranks' import path.
 """
@@ -52,6 +67,7 @@ import sys
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
 ENGINE_RECORD = "engine_config.json"
+ACTIVATIONS_RECORD = "activations.json"
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
@@ -124,6 +140,13 @@ def _install(module, probe: _Probe) -> None:
         if probe.first_forward is None:
             probe.first_forward = time.monotonic()
             _record_engine(probe, self)
+            counter = _SavedActivations.for_profile(probe, self)
+            if counter is not None:
+                try:
+                    with counter.hooks():
+                        return forward(self, *args, **kwargs)
+                finally:  # DeepSpeed's profile exit() passes through here
+                    counter.write()
         return forward(self, *args, **kwargs)
 
     @functools.wraps(step)
@@ -168,6 +191,58 @@ def _record_engine(probe: _Probe, engine) -> None:
     except Exception as e:  # noqa: BLE001 - the probe never breaks training
         print(f"zerotune probe: recording the engine's config failed: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)
+
+
+class _SavedActivations:
+    """Counts the bytes autograd saves for the backward pass during the profile run's first forward
+    (rank 0), and writes :data:`ACTIVATIONS_RECORD`. The pack hook returns the tensor itself: nothing
+    is copied, the forward runs as it would."""
+
+    def __init__(self, probe: _Probe, engine, torch):
+        self.probe, self.engine, self.torch = probe, engine, torch
+        module = getattr(engine, "module", None)
+        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
+        self.resident = {t.untyped_storage().data_ptr() for t in tensors}  # parameters and buffers
+        self.storages: dict[int, int] = {}  # data_ptr -> bytes
+
+    @classmethod
+    def for_profile(cls, probe: _Probe, engine) -> "_SavedActivations | None":
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or _rank(engine) != 0 or not engine.autotuning_profile_model_info():
+                return None
+            return cls(probe, engine, torch)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: counting activations failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return None
+
+    def pack(self, tensor):
+        try:
+            parameter = self.torch.nn.Parameter
+            if not (isinstance(tensor, parameter) or isinstance(tensor._base, parameter)):
+                storage = tensor.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.resident:
+                    self.storages[ptr] = storage.nbytes()
+        except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, meta): not counted
+            pass
+        return tensor
+
+    def hooks(self):
+        return self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+    def write(self) -> None:
+        try:
+            import json
+            record = {"saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
+                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu())}
+            path = os.path.join(self.probe.directory, ACTIVATIONS_RECORD)
+            with open(path + ".tmp", "w") as f:
+                json.dump(record, f)
+            os.replace(path + ".tmp", path)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: recording activations failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
 
 
 def _hidden_size(module) -> int | None:
