@@ -25,20 +25,25 @@ def test_stage0_fp32_adam_no_master_copy():
 
 def test_stage1_fp16_partitions_optimizer_states_only():
     b = MODEL.breakdown({**cfg(1), **FP16}, mbs=1)
-    # K = 12 (master + 2 Adam states) over N=4; full fp16 grads + fp32 grad partition; one 5e8 bucket.
+    # K = 12 (master + 2 Adam states) over N=4; full fp16 grads + fp32 grad partition; one 5e8 bucket
+    # and the reduction's flat copy of the bucket's content, 2*min(5e8, Psi) (stage_1_and_2.py:2367).
     assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 3_000_000, 3_000_000,
-                                                                         1_000_000_000)
-    assert b.total == 1_008_001_000
+                                                                         1_002_000_000)
+    assert b.total == 1_010_001_000
 
 
 def test_stage2_overlap_comm_doubles_the_bucket():
     b = MODEL.breakdown({**cfg(2, overlap_comm=True, reduce_bucket_size=5e7), **FP16}, mbs=1)
-    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 1_500_000, 3_000_000, 200_000_000)
-    assert b.total == 206_501_000
+    # two 5e7-element buckets and the flat copy 2*min(5e7, Psi)
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 1_500_000, 3_000_000, 202_000_000)
+    assert b.total == 208_501_000
 
 
 def test_stage3_fp16_and_offload():
-    assert MODEL.bytes_per_device({**cfg(3), **FP16}, mbs=1) == 2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 1_000
+    # buffers: the 5e8 bucket, the reduce-scatter's copy 2*min(5e8, Psi) and the all-gather's flat
+    # buffer 2*min(G, 5e7) with G = Psi (coalesced_collectives.py:122, partition_parameters.py:1343)
+    assert MODEL.bytes_per_device({**cfg(3), **FP16}, mbs=1) == \
+        2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 2_000_000 + 2_000_000 + 1_000
     offload = cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     b = MODEL.breakdown({**offload, **FP16}, mbs=1)
     # gathered params stay on the device; the gradient partition buffer follows the optimizer to the host
@@ -48,7 +53,8 @@ def test_stage3_fp16_and_offload():
 
 
 def test_zero3_default_bucket_is_two_gigabytes_in_fp32():
-    assert MODEL.breakdown(cfg(3)).buffers == 2_000_000_000
+    # plus the reduce-scatter copy and the all-gather buffer, 4*Psi each
+    assert MODEL.breakdown(cfg(3)).buffers == 2_000_000_000 + 4_000_000 + 4_000_000
 
 
 def test_mp_size_applied_once():

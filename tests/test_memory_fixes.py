@@ -82,8 +82,9 @@ def test_offload_optimizer_stage1_and_2_host_bytes_and_forced_contiguous_buffer(
     assert states(b2) == (2_000_000, 0, 0)
     # host: fp32 grad partition 4*Psi/N + master 4*Psi/N + Adam 8*Psi/N
     assert b1.host == b2.host == 1_000_000 + 1_000_000 + 2_000_000
-    # offload forces contiguous gradients (stage_1_and_2.py:300): the bucket is there despite the setting
-    assert b1.buffers == b2.buffers == 2 * 1_000
+    # offload forces contiguous gradients (stage_1_and_2.py:300): the bucket is there despite the setting,
+    # and the reduction flattens a bucket's content, 2*min(R, Psi)
+    assert b1.buffers == b2.buffers == 2 * 1_000 + 2 * 1_000
 
 
 def test_offload_nvme_keeps_master_and_states_off_the_host():
@@ -115,7 +116,7 @@ def test_frozen_parameters_have_no_gradients_master_or_optimizer_state():
 def test_auto_and_candidate_lists_take_deepspeeds_defaults():
     auto = cfg(2, BF16, reduce_bucket_size="auto", overlap_comm="auto")
     auto["train_micro_batch_size_per_gpu"] = "auto"
-    assert MODEL.breakdown(auto).buffers == 2 * 500_000_000
+    assert MODEL.breakdown(auto).buffers == 2 * 500_000_000 + 2 * PSI  # one bucket (no overlap) + its flat copy
     assert MODEL.breakdown(auto).activations == 1_000  # mbs "auto" counts as 1
 
 
@@ -123,8 +124,15 @@ def test_profile_exit_leaves_out_what_the_first_step_allocates():
     prof = cfg(3, None, reduce_bucket_size=10_000_000, stage3_max_live_parameters=10_000_000,
                stage3_prefetch_bucket_size=10_000_000)
     prof["autotuning"] = {"model_info": {"profile": True}}
-    # Adam states 8*Psi/N and the fp32 gradient 4*Psi/N do not exist yet when the engine exits
-    assert MODEL.profile_exit_bytes(prof, 1) == MODEL.bytes_per_device(prof, 1) - 2_000_000 - 1_000_000
+    # Adam states 8*Psi/N and the fp32 gradient 4*Psi/N do not exist yet when the engine exits, nor the
+    # reduction's copy 4*min(R, Psi); the first forward holds L + persistent = 0 gathered (unknown here)
+    # and a copy of L = 0, not G = Psi (4e6) and its all-gather buffer 4*min(G, 1e7)
+    assert MODEL.profile_exit_bytes(prof, 1) == \
+        MODEL.bytes_per_device(prof, 1) - 2_000_000 - 1_000_000 - 4_000_000 - 4_000_000 - 4_000_000
+    shaped = MemoryModel(PSI, 1_000, N, largest_layer_params=200_000, persistent_params=10_000)
+    # known shapes: (200,000 + 10,000) gathered and 200,000 of all-gather buffer, 4 bytes each
+    assert shaped.profile_exit_bytes(prof, 1) == \
+        MODEL.profile_exit_bytes(prof, 1) + 4 * 210_000 + 4 * 200_000
     cal = MODEL.calibrated(prof, MODEL.profile_exit_bytes(prof, 1) + 300_000_000, mbs=1)
     assert cal.overhead_bytes == 300_000_000
     plain = {k: v for k, v in prof.items() if k != "autotuning"}
@@ -193,3 +201,29 @@ def test_zero3_model_states_agree_with_deepspeed_up_to_named_differences(psi, la
     off = {**c["zero_optimization"], "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     _, gpu_off, _ = _ds_zero3(psi, largest, gpus, cpu_offload=True, cpu_offload_params=True)
     assert model.breakdown({**c, "zero_optimization": off}, 1).model_states == gpu_off - largest_mem + 2 * largest
+
+
+def test_every_stages_reduction_flattens_its_bucket():
+    # stage 0: engine.py:3795-3796 flattens buckets of at most 5e8 elements: 4*Psi in fp32
+    assert MODEL.reduction_copy_bytes(cfg(0)) == 4_000_000
+    # stages 1-2: allreduce_bucket flattens the bucket's slices (stage_1_and_2.py:1695-1710, :2367): 2*min(R, T)
+    assert MODEL.reduction_copy_bytes(cfg(1, BF16, reduce_bucket_size=100_000)) == 200_000
+    assert MODEL.reduction_copy_bytes(cfg(2, BF16)) == 2_000_000
+    # stage 3 with reduce_scatter (default): reduce_scatter_coalesced's torch.cat (coalesced_collectives.py:122)
+    assert MODEL.reduction_copy_bytes(cfg(3, BF16, reduce_bucket_size=100_000)) == 200_000
+    # without it a contiguous bucket is all-reduced in place (stage3.py:1675-1677); a scattered one is not
+    assert MODEL.reduction_copy_bytes(cfg(3, BF16, reduce_scatter=False)) == 0
+    assert MODEL.reduction_copy_bytes(cfg(3, BF16, reduce_scatter=False, contiguous_gradients=False)) == 2_000_000
+    # part of the buffers: stage 2 bf16 with a 1e5 bucket holds the bucket and its copy
+    assert MODEL.breakdown(cfg(2, BF16, reduce_bucket_size=100_000), 1).buffers == 200_000 + 200_000
+
+
+def test_stage3_all_gather_buffer_is_one_module_or_one_prefetch():
+    # partition_parameters.py:1343 (the flat buffer) and :795 (each parameter's copy): b*min(G, max(L, F))
+    assert MODEL.gather_copy_bytes(cfg(3, BF16, stage3_prefetch_bucket_size=200_000)) == 2 * 200_000
+    shaped = MemoryModel(PSI, 1_000, N, largest_layer_params=300_000)
+    assert shaped.gather_copy_bytes(cfg(3, BF16, stage3_prefetch_bucket_size=200_000)) == 2 * 300_000
+    assert MODEL.gather_copy_bytes(cfg(3, BF16)) == 2 * PSI  # default F = 5e7 > G = Psi
+    # never more than what is gathered: max_live 1e5 keeps G = 1e5
+    assert MODEL.gather_copy_bytes(cfg(3, BF16, stage3_max_live_parameters=100_000)) == 2 * 100_000
+    assert MODEL.gather_copy_bytes(cfg(2, BF16)) == 0

@@ -11,17 +11,18 @@ for fp16/bf16; 4 when neither ``fp16`` nor ``bf16`` is enabled), K = optimizer s
 parameter (8 for Adam: momentum and variance in fp32; 4 for SGD with momentum, Adagrad, Lion).
 G = the stage-3 gathered parameters (below).
 
-=====  ==================  ====================================  ======================  =================
+=====  ==================  ====================================  ======================  =====================================
 stage  parameters          gradients                             optimizer states        buffers
-=====  ==================  ====================================  ======================  =================
+=====  ==================  ====================================  ======================  =====================================
 0      b*Psi               b*T (+ 4*T fp16/bf16)                 K*T (+ 4*T fp16/bf16)   b*min(T, 5e8)
-1      b*Psi               b*T + 4*T/N                           (K + 4)*T/N             b*R (x2 overlap)
-2      b*Psi               b*T/N + 4*T/N                         (K + 4)*T/N             b*R (x2 overlap)
-3      b*Psi/N + b*G       b*T/N + 4*T/N                         (K + 4)*T/N, fp32: K*T/N  b*R
-=====  ==================  ====================================  ======================  =================
+1      b*Psi               b*T + 4*T/N                           (K + 4)*T/N             b*R (x2 overlap) + b*min(R, T)
+2      b*Psi               b*T/N + 4*T/N                         (K + 4)*T/N             b*R (x2 overlap) + b*min(R, T)
+3      b*Psi/N + b*G       b*T/N + 4*T/N                         (K + 4)*T/N, fp32: K*T/N  b*R + b*min(R, T) + b*min(G, max(L, F))
+=====  ==================  ====================================  ======================  =====================================
 
-R = ``reduce_bucket_size`` (elements; 0 without ``contiguous_gradients``). The sources, DeepSpeed
-0.19.8 (paths under ``deepspeed/runtime/``):
+R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguous_gradients``), F =
+``stage3_prefetch_bucket_size``, L = the largest module's parameters. The sources, DeepSpeed 0.19.8
+(paths under ``deepspeed/runtime/``):
 
 - **Precision.** ``engine.py:1799-1810`` (``get_data_types``): the model dtype is fp16 or bf16 when
   that section is enabled, else fp32. Stage 0 in fp32 has no optimizer wrapper
@@ -54,8 +55,21 @@ R = ``reduce_bucket_size`` (elements; 0 without ``contiguous_gradients``). The s
   (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
   L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
   ``persistent_params`` (0 when unknown, e.g. from a profile run; :mod:`zerotune.model.hf_config` gives both).
-- **Stage 0 buffers**: gradients are all-reduced in flattened buckets of at most 5e8 elements
-  (``engine.py:151``, ``buffered_allreduce_fallback`` ``:3921``).
+- **The reduction's flat copy** (every stage, :meth:`MemoryModel.reduction_copy_bytes`): the
+  backward pass reduces gradients by flattening a bucket into a new tensor, which lives while the
+  optimizer states do. Stage 0: buckets of at most 5e8 elements (``engine.py:151``,
+  ``buffered_allreduce_fallback`` ``:3921``, ``allreduce_bucket`` flattens at ``:3795-3796``).
+  Stages 1-2: ``average_tensor`` puts every slice of the bucket in one all-reduce bucket
+  (``use_multi_rank_bucket_allreduce``, default on, ``zero/config.py:119``; ``stage_1_and_2.py:1695-1710``)
+  that ``allreduce_bucket`` flattens (``:2367``): ``b*min(R, T)``. Stage 3: with ``reduce_scatter``
+  (default on, ``zero/config.py:108``) the bucket goes to ``__avg_scatter_grads`` (``stage3.py:1675-1680``,
+  ``:1931``), whose ``reduce_scatter_coalesced`` interleaves the ranks' chunks into a new tensor
+  (``comm/coalesced_collectives.py:104-122``): ``b*min(R, T)``; without it, a contiguous bucket is
+  all-reduced in place (``stage3.py:1863-1880``).
+- **Stage 3 all-gather copy** (:meth:`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
+  one flat buffer (``zero/partition_parameters.py:1343``) and gives each parameter its own copy of
+  its part (``:795``, ``torch.cat``); the buffer lives until the copies are made. One all-gather
+  carries a module's parameters or a prefetch of at most F elements: ``b*min(G, max(L, F))``.
 - **Offload** (``offload_optimizer`` cpu/nvme, stages 1-3): the fp32 master, the optimizer states
   and the fp32 gradient partition live on the host (``stage_1_and_2.py:560-577``,
   ``stage3.py:1155-1160,1337-1342``); stage 2 then keeps no gradient partition on the device (it
@@ -66,16 +80,25 @@ R = ``reduce_bucket_size`` (elements; 0 without ``contiguous_gradients``). The s
   partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
   modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`); a node needs them times its
   ranks.
-- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` (DeepSpeed's
-  ``model_info.activation_mem_per_gpu``, measured over the first forward, ``engine.py:3025-3027``;
-  or :mod:`zerotune.model.hf_config` from the architecture) times mbs.
+- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs. From a profile
+  run it is what the first forward saved for the backward pass (zerotune's probe,
+  :mod:`zerotune.model.profile`); else DeepSpeed's ``model_info.activation_mem_per_gpu`` (the change
+  in ``memory_allocated`` over the first forward, ``engine.py:2994-3027``), or
+  :mod:`zerotune.model.hf_config` from the architecture. What the backward pass allocates on top
+  (gradients of activations, e.g. of the logits) is not counted.
+- **The profile run** exits in its first forward, which records the stage-3 trace: no prefetch
+  (``zero/partitioned_param_coordinator.py:422``) and each module's parameters released when it is
+  done (``:498``), so it holds L + persistent gathered parameters, one module's all-gather copy, no
+  optimizer state and no reduction copy (:meth:`MemoryModel.profile_exit_bytes`).
 - ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator
   reserve, or on CPU the process's own data: Python, torch, the communication backend), calibrated
   from the profile run's measured peak (:meth:`MemoryModel.calibrated`), and corrected online from
   each experiment's measured peak (:func:`zerotune.model.online.corrected`).
 
 Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
-optimizer step, allocator fragmentation; these are what calibration and online correction absorb.
+optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
+glibc keeps freed heap chunks: see ``benchmarks/README.md``, Memory fidelity); these are what
+calibration and online correction absorb.
 """
 from __future__ import annotations
 
@@ -211,7 +234,7 @@ class MemoryModel:
             step_grad = 4 * t if b == 2 else 0  # fused_optimizer.py:283-291
             master = 4 * t if b == 2 else 0  # fused_optimizer.py:100
             grads, optim = b * t + step_grad, k * t + master
-            buffers = b * min(t, STAGE0_ALLREDUCE_ELEMENTS)
+            buffers = self.reduction_copy_bytes(ds_config)
         else:
             master = 0 if (stage == 3 and b == 4) else 4 * t / n  # stage3.py:1162-1167 reuses an fp32 partition
             fp32_grad = 4 * t / n
@@ -241,10 +264,45 @@ class MemoryModel:
                 overlap = zero.get("overlap_comm")
                 overlap = bool(overlap) if isinstance(overlap, bool) else False  # config.py:384-386: off below stage 3
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
+            buffers += self.reduction_copy_bytes(ds_config) + self.gather_copy_bytes(ds_config)
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=int(self.activation_bytes_per_sample * mbs),
                                overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
                                host=int(host))
+
+    def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
+        """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
+        bytes: ``b*min(T, 5e8)`` at stage 0 (``engine.py:3795-3796``), ``b*min(R, T)`` at stages 1-3 with
+        R = ``reduce_bucket_size`` (see the module docstring). Part of :attr:`MemoryBreakdown.buffers`;
+        not in the profile run, which exits in its first forward (:meth:`profile_exit_bytes`)."""
+        zero = ds_config.get("zero_optimization") or {}
+        zero = zero if isinstance(zero, dict) else {}
+        stage = int(_number(zero.get("stage"), 0))
+        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        b = 4 if precision(ds_config) == "fp32" else 2
+        if stage <= 0:
+            return int(b * min(t, STAGE0_ALLREDUCE_ELEMENTS))
+        bucket = _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE)
+        contiguous = bool(zero.get("contiguous_gradients", True)) or _offload_device(
+            zero.get("offload_optimizer")) in ("cpu", "nvme")
+        if stage >= 3 and zero.get("reduce_scatter", True) is False and contiguous:
+            return 0  # stage3.py:1675-1677: all-reduced in place in the contiguous bucket
+        return int(b * min(bucket, t))
+
+    def gather_copy_bytes(self, ds_config: dict[str, Any]) -> int:
+        """Stage 3: the flat buffer of one coalesced all-gather, bytes, alive while its parameters are
+        copied out of it (``zero/partition_parameters.py:1343`` allocates it, ``:795`` gives each
+        parameter its own ``torch.cat`` copy; the buffer goes with the handle). One all-gather carries
+        a module's parameters or a prefetch (at most ``stage3_prefetch_bucket_size`` elements,
+        ``zero/partitioned_param_coordinator.py:452-476``): ``b*min(G, max(L, prefetch))``. 0 below
+        stage 3. Part of :attr:`MemoryBreakdown.buffers`."""
+        zero = ds_config.get("zero_optimization") or {}
+        zero = zero if isinstance(zero, dict) else {}
+        if int(_number(zero.get("stage"), 0)) != 3:
+            return 0
+        b = 4 if precision(ds_config) == "fp32" else 2
+        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
+        return int(b * min(self.gathered_params(ds_config), max(self.largest_layer_params, prefetch)))
 
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
         """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
@@ -274,18 +332,30 @@ class MemoryModel:
 
     def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device when DeepSpeed's engine exits in its first forward
-        (``autotuning.model_info.profile``): the estimate without what only the first optimizer step
-        allocates. Stage 3 creates no optimizer state at initialization (``initialize_optimizer_states``,
+        (``autotuning.model_info.profile``): the estimate without what only the backward pass and the
+        first optimizer step allocate. The reduction's flat copy (:meth:`reduction_copy_bytes`) is left
+        out. Stage 3 creates no optimizer state at initialization (``initialize_optimizer_states``,
         ``stage3.py:1301-1370``, gives the fp32 partitions a gradient buffer and frees it; torch's Adam
         creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
-        ``4*T/N`` are left out (on the device only: offloaded ones are on the host)."""
+        ``4*T/N`` are left out (on the device only: offloaded ones are on the host). The first forward
+        records the stage-3 trace (module docstring): ``b*min(Psi, L + persistent)`` gathered and
+        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and :meth:`gather_copy_bytes`."""
         full = self.breakdown(ds_config, mbs)
         zero = ds_config.get("zero_optimization") or {}
+        full_total = full.total - self.reduction_copy_bytes(ds_config)  # made in the backward pass
+        if _offload_device(zero.get("offload_param")) == "none" and int(_number(zero.get("stage"), 0)) == 3:
+            # The first forward records the trace: no prefetch (partitioned_param_coordinator.py:422) and
+            # each module's parameters released after it (:498): L + persistent gathered, one module's copy.
+            b = 4 if precision(ds_config) == "fp32" else 2
+            psi = self.num_params / self.mp_size
+            first = min(psi, self.largest_layer_params + self.persistent_params)
+            full_total += int(b * first + b * min(psi, self.largest_layer_params)
+                              - b * self.gathered_params(ds_config) - self.gather_copy_bytes(ds_config))
         if _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
-            return full.total
+            return full_total
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
         k = optimizer_state_bytes(ds_config)
-        return int(full.total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
+        return int(full_total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
 
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1) -> "MemoryModel":
         """A copy whose ``overhead_bytes`` makes the estimate of ``ds_config`` at ``mbs`` equal a measured
