@@ -20,7 +20,9 @@ def test_stage0_fp32_adam_no_master_copy():
     # all-reduce flatten buffer 4*min(Psi, 5e8), activations 1000*2.
     assert (b.parameters, b.gradients, b.optimizer_states, b.buffers, b.activations) == \
         (4_000_000, 4_000_000, 8_000_000, 4_000_000, 2_000)
-    assert b.total == 20_002_000
+    # stage 0 reduces after the backward pass, when the activations are freed: the peak holds the
+    # larger of the activations and the flat copy, here the copy (apart = min(2,000, 4,000,000))
+    assert b.apart == 2_000 and b.total == 20_000_000
 
 
 def test_stage1_fp16_partitions_optimizer_states_only():
@@ -29,21 +31,21 @@ def test_stage1_fp16_partitions_optimizer_states_only():
     # and the reduction's flat copy of the bucket's content, 2*min(5e8, Psi) (stage_1_and_2.py:2367).
     assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 3_000_000, 3_000_000,
                                                                          1_002_000_000)
-    assert b.total == 1_010_001_000
+    assert b.apart == 1_000 and b.total == 1_010_000_000  # no overlap_comm: reduced after the backward
 
 
 def test_stage2_overlap_comm_doubles_the_bucket():
     b = MODEL.breakdown({**cfg(2, overlap_comm=True, reduce_bucket_size=5e7), **FP16}, mbs=1)
     # two 5e7-element buckets and the flat copy 2*min(5e7, Psi)
     assert (b.parameters, b.gradients, b.optimizer_states, b.buffers) == (2_000_000, 1_500_000, 3_000_000, 202_000_000)
-    assert b.total == 208_501_000
+    assert b.apart == 1_000 and b.total == 208_500_000  # the bucket holds all of T: reduced after the backward
 
 
 def test_stage3_fp16_and_offload():
     # buffers: the 5e8 bucket, the reduce-scatter's copy 2*min(5e8, Psi) and the all-gather's flat
     # buffer 2*min(G, 5e7) with G = Psi (coalesced_collectives.py:122, partition_parameters.py:1343)
     assert MODEL.bytes_per_device({**cfg(3), **FP16}, mbs=1) == \
-        2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 2_000_000 + 2_000_000 + 1_000
+        2_500_000 + 1_500_000 + 3_000_000 + 1_000_000_000 + 2_000_000 + 2_000_000  # activations apart
     offload = cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
     b = MODEL.breakdown({**offload, **FP16}, mbs=1)
     # gathered params stay on the device; the gradient partition buffer follows the optimizer to the host
@@ -65,11 +67,14 @@ def test_mp_size_applied_once():
 
 
 def test_max_mbs_and_fits():
-    budget = 20_010_000  # stage 0 fixed part is 20,000,000 bytes; 1,000 bytes per sample
-    assert MODEL.max_mbs(cfg(0), budget) == 10
-    assert MODEL.fits(cfg(0), budget, mbs=10) and not MODEL.fits(cfg(0), budget, mbs=11)
-    assert MODEL.max_mbs(cfg(0), budget, cap=4) == 4
-    assert MODEL.max_mbs(cfg(1), budget) == 0  # the 2 GB bucket alone is over budget
+    model = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000_000, dp_world_size=4)
+    budget = 30_000_000  # stage 0 fixed part is 20,000,000 bytes; 1,000,000 bytes per sample
+    # the first 4,000,000 bytes of activations share their room with the flat copy made after the backward
+    assert model.max_mbs(cfg(0), budget) == 14
+    assert model.fits(cfg(0), budget, mbs=14) and not model.fits(cfg(0), budget, mbs=15)
+    assert model.max_mbs(cfg(0), budget, cap=4) == 4
+    assert model.max_mbs(cfg(1), budget) == 0  # the 2 GB bucket alone is over budget
+    assert MODEL.max_mbs(cfg(0), 20_000_000) == 1024  # 1,000 bytes a sample: 4,000 samples under the copy
 
 
 def test_calibration_sets_overhead_from_a_measured_peak():

@@ -43,8 +43,10 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   parameter; the gradient partition buffer ``grad_partitions_flat_buffer`` ``b*T/N``
   (``:791-793``); the fp32 gradient of the step, flattened per sub-group
   (``_prepare_fp32_grad_for_sub_group``, ``:2683-2693``) ``4*T/N``; one ``R``-element reduce bucket
-  (``:780-784``); an fp32 master partition, except in fp32 training where the parameter partition
-  is already fp32 and DeepSpeed reuses it (``:1162-1167``), so fp32 stage 3 has no master copy.
+  (``:780-784``); an fp32 master partition ``4*T/N``, in fp32 training too: ``:1162-1167`` means to
+  reuse an fp32 parameter partition as the master, but it compares a ``torch.device`` with the
+  accelerator's device name, a ``str`` (``:333``), which is never equal, so ``:1168-1170`` clones it
+  (measured: three distinct ``T/N`` fp32 storages after a 2-rank fp32 ZeRO-3 initialization).
 - **Stage 3 gathered parameters** G: a parameter gathered for its module stays gathered until no
   use comes within ``stage3_max_reuse_distance`` elements (``zero/partitioned_param_coordinator.py:658``);
   at most ``stage3_max_live_parameters`` are gathered at once (``:453``), plus the prefetch in
@@ -54,7 +56,8 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   module's parameters (the one being computed is always gathered). DeepSpeed's defaults
   (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
   L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
-  ``persistent_params`` (0 when unknown, e.g. from a profile run; :mod:`zerotune.model.hf_config` gives both).
+  ``persistent_params`` (0 when unknown; the probe records both in the profile run,
+  :mod:`zerotune.probe.sitecustomize`, and :mod:`zerotune.model.hf_config` gives both from the architecture).
 - **The reduction's flat copy** (every stage, :meth:`MemoryModel.reduction_copy_bytes`): the
   backward pass reduces gradients by flattening a bucket into a new tensor, which lives while the
   optimizer states do. Stage 0: buckets of at most 5e8 elements (``engine.py:151``,
@@ -65,7 +68,12 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   (default on, ``zero/config.py:108``) the bucket goes to ``__avg_scatter_grads`` (``stage3.py:1675-1680``,
   ``:1931``), whose ``reduce_scatter_coalesced`` interleaves the ranks' chunks into a new tensor
   (``comm/coalesced_collectives.py:104-122``): ``b*min(R, T)``; without it, a contiguous bucket is
-  all-reduced in place (``stage3.py:1863-1880``).
+  all-reduced in place (``stage3.py:1863-1880``). Where the reduction runs after the backward pass
+  (stage 0, stage 1 without ``overlap_comm``, a bucket that holds all of T:
+  :meth:`MemoryModel.copy_after_backward_bytes`), autograd has freed the activations by then, so the
+  peak holds the larger of the two, not their sum (:attr:`MemoryBreakdown.apart`). Measured on 2 CPU
+  ranks (gpt-wide fp32, ranks under a 64 KiB ``MALLOC_MMAP_THRESHOLD_``): the ZeRO-0 peak is 634 MiB at
+  mbs 1 and 635 MiB at mbs 8, 44 MiB of activations apart.
 - **Stage 3 all-gather copy** (:meth:`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
   one flat buffer (``zero/partition_parameters.py:1343``) and gives each parameter its own copy of
   its part (``:795``, ``torch.cat``); the buffer lives until the copies are made. One all-gather
@@ -121,8 +129,10 @@ _OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device by kind; ``total`` is their sum. ``host`` (not in ``total``) is what offload
-    puts in host memory per rank."""
+    """Bytes per device by kind; ``total`` is their sum less ``apart``. ``host`` (not in ``total``) is what
+    offload puts in host memory per rank. ``apart``: bytes of two components that are never alive at
+    once, so the peak holds only the larger: the activations and the reduction's flat copy when the
+    gradients are reduced after the backward pass (:meth:`MemoryModel.reduction_copy_bytes`)."""
 
     parameters: int
     gradients: int
@@ -131,11 +141,12 @@ class MemoryBreakdown:
     activations: int
     overhead: int
     host: int = 0
+    apart: int = 0
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer_states + self.buffers + self.activations
-                + self.overhead)
+                + self.overhead - self.apart)
 
     @property
     def model_states(self) -> int:
@@ -236,7 +247,7 @@ class MemoryModel:
             grads, optim = b * t + step_grad, k * t + master
             buffers = self.reduction_copy_bytes(ds_config)
         else:
-            master = 0 if (stage == 3 and b == 4) else 4 * t / n  # stage3.py:1162-1167 reuses an fp32 partition
+            master = 4 * t / n  # stage3.py:1168-1170 (fp32 too: the reuse test at :1162-1163 is never true)
             fp32_grad = 4 * t / n
             if stage == 1:
                 low_grads = b * t
@@ -265,10 +276,11 @@ class MemoryModel:
                 overlap = bool(overlap) if isinstance(overlap, bool) else False  # config.py:384-386: off below stage 3
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
             buffers += self.reduction_copy_bytes(ds_config) + self.gather_copy_bytes(ds_config)
+        activations = int(self.activation_bytes_per_sample * mbs)
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
-                               buffers=int(buffers), activations=int(self.activation_bytes_per_sample * mbs),
+                               buffers=int(buffers), activations=activations,
                                overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
-                               host=int(host))
+                               host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)))
 
     def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
@@ -288,6 +300,23 @@ class MemoryModel:
         if stage >= 3 and zero.get("reduce_scatter", True) is False and contiguous:
             return 0  # stage3.py:1675-1677: all-reduced in place in the contiguous bucket
         return int(b * min(bucket, t))
+
+    def copy_after_backward_bytes(self, ds_config: dict[str, Any]) -> int:
+        """The reduction's flat copy (:meth:`reduction_copy_bytes`) when it is made after the backward
+        pass, else 0. ``engine.backward`` runs ``loss.backward()`` and then ``_backward_epilogue``, which
+        reduces (``engine.py:3429-3431``, ``:3153-3165``); autograd has freed the saved activations by
+        then. Stage 0 and stage 1 without ``overlap_comm`` reduce only there (``engine.py:3085-3095``);
+        otherwise a bucket is reduced in the backward pass once it is full (``stage_1_and_2.py:1422``,
+        ``stage3.py:1583``), which never happens when it holds every trainable parameter (R >= T)."""
+        zero = ds_config.get("zero_optimization") or {}
+        zero = zero if isinstance(zero, dict) else {}
+        stage = int(_number(zero.get("stage"), 0))
+        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        overlap = zero.get("overlap_comm")
+        overlap = overlap if isinstance(overlap, bool) else stage == 3  # zero/config.py:384-386
+        after = (stage <= 0 or (stage == 1 and not overlap)
+                 or _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE) >= t)
+        return self.reduction_copy_bytes(ds_config) if after else 0
 
     def gather_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """Stage 3: the flat buffer of one coalesced all-gather, bytes, alive while its parameters are
@@ -328,7 +357,9 @@ class MemoryModel:
             return 0
         if self.activation_bytes_per_sample <= 0:
             return cap
-        return int(min(cap, (budget_bytes - fixed) // self.activation_bytes_per_sample))
+        # the activations share their room with the copy made after the backward pass (MemoryBreakdown.apart)
+        room = budget_bytes - fixed + self.copy_after_backward_bytes(ds_config)
+        return int(min(cap, room // self.activation_bytes_per_sample))
 
     def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device when DeepSpeed's engine exits in its first forward
@@ -342,7 +373,7 @@ class MemoryModel:
         ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and :meth:`gather_copy_bytes`."""
         full = self.breakdown(ds_config, mbs)
         zero = ds_config.get("zero_optimization") or {}
-        full_total = full.total - self.reduction_copy_bytes(ds_config)  # made in the backward pass
+        full_total = full.total + full.apart - self.reduction_copy_bytes(ds_config)  # made in the backward pass
         if _offload_device(zero.get("offload_param")) == "none" and int(_number(zero.get("stage"), 0)) == 3:
             # The first forward records the trace: no prefetch (partitioned_param_coordinator.py:422) and
             # each module's parameters released after it (:498): L + persistent gathered, one module's copy.

@@ -136,7 +136,9 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
             if (confirm is not None and probe.ok and not objective.better(probe.metric, best[1].metric)
                     and within_noise(objective.gain(probe.metric, best[1].metric), probe, best[1], threshold)):
                 # one run decides nothing: re-measure the probe and what it lost to, then compare pooled
-                ref_mbs = probe_mbs if best_trace.get(probe_mbs) else best[1].mbs
+                # (at equal mbs where the best stage ran there; an OOM there is no point to re-measure)
+                at_same = best_trace.get(probe_mbs)
+                ref_mbs = probe_mbs if at_same is not None and at_same.ok else best[1].mbs
                 result.trace.update(confirm(stage, [probe_mbs]))
                 best_trace.update(confirm(best[0], [ref_mbs]))
                 probe, best = result.trace.get(probe_mbs), (best[0], best_trace.best(objective))
