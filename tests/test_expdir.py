@@ -70,6 +70,17 @@ def test_finish_of_the_profile_run_adds_the_probes_saved_activations_per_sample(
     assert ModelInfo.from_metrics(info, mbs=2).activation_mem_per_gpu == 27_252_736  # DeepSpeed's, over 2 samples
 
 
+def test_finish_of_the_profile_run_adds_the_probes_model_shapes(tmp_path):
+    info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 54_505_472}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "activations.json", '{"saved_bytes": 100, "micro_batch_size": 1, "largest_layer_params": 4194304, '
+                                         '"persistent_params": true}')  # a bool is not a count: left out
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics == {**info, "activation_saved_bytes": 100, "largest_layer_params": 4_194_304}
+    model = ModelInfo.from_metrics(done.metrics)
+    assert (model.largest_layer_params, model.persistent_params) == (4_194_304, 0)
+
+
 @pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',
                                     '{"saved_bytes": true}', '[1]', 'not json'])
 def test_a_bad_activations_record_is_ignored(tmp_path, record):

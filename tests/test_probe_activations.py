@@ -69,8 +69,20 @@ def test_the_profile_forward_records_the_saved_storages_less_parameters_and_buff
     record = json.loads((tmp_path / "activations.json").read_text())
     # fp32, mbs 3: input 3x8 (96 B), fc1 output 3x16 (192 B, GELU's input), product 3x16 (192 B,
     # fc2's input): 480 B in 3 storages
-    assert record == {"saved_bytes": 480, "saved_storages": 3, "micro_batch_size": 3}
+    # fc1 holds 8*16 + 16 = 144 parameters, the most of any module; no ZeRO-3 here, so none persistent
+    assert record == {"saved_bytes": 480, "saved_storages": 3, "micro_batch_size": 3, "largest_layer_params": 144,
+                      "persistent_params": 0}
     assert read_saved_activations(tmp_path) == 160  # per sample
+
+
+def test_the_shapes_count_zero3s_full_parameters_and_its_persistent_ones():
+    model = nn.Sequential(nn.Embedding(100, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    for p in model.parameters():  # as ZeRO-3 leaves them: an empty partition, the full count in ds_numel
+        p.ds_numel, p.data = p.numel(), torch.empty(0)
+    for p in model[1].parameters():
+        p.ds_persist = True  # zero/parameter_offload.py:317-330
+    # the embedding's 800 parameters are the most one module holds; the LayerNorm's 8 + 8 stay gathered
+    assert probe_module._SavedActivations._shapes(model) == {"largest_layer_params": 800, "persistent_params": 16}
 
 
 def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):

@@ -49,7 +49,7 @@ from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.canonical import config_hash
 from zerotune.model.profile import SAVED_ACTIVATIONS_KEY
-from zerotune.probe import clear_streams, read_saved_activations, read_streams
+from zerotune.probe import clear_streams, read_model_shapes, read_saved_activations, read_streams
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
@@ -167,6 +167,8 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     saved = read_saved_activations(exp_dir) if profile and data else None
     if saved is not None:
         exp.metrics[SAVED_ACTIVATIONS_KEY] = saved
+    if profile and data:
+        exp.metrics.update(read_model_shapes(exp_dir))
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
     measured = early or (measure(streams, objective) if exp.metric is not None else None)

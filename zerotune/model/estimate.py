@@ -26,7 +26,7 @@ from zerotune.deepspeed.config import precision as config_precision
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import SAVED_ACTIVATIONS_KEY, ModelInfo
-from zerotune.probe import read_saved_activations
+from zerotune.probe import read_model_shapes, read_saved_activations
 
 OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
             ("optimizer+params cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
@@ -137,6 +137,7 @@ def _read_profile(path: str) -> dict[str, Any]:
     saved = read_saved_activations(p.parent)  # the probe's record beside it, as the tuner reads it
     if saved is not None:
         data[SAVED_ACTIVATIONS_KEY] = saved
+    data.update(read_model_shapes(p.parent))
     return data
 
 
@@ -183,7 +184,10 @@ def estimate(args: argparse.Namespace) -> Estimate:
         info = _read_profile(args.profile)
         num_params = int(info["num_params"])
         trainable = int(info.get("trainable_num_params", num_params))
-        activations: int | None = ModelInfo.from_metrics(info).activation_mem_per_gpu
+        model_info = ModelInfo.from_metrics(info)
+        activations: int | None = model_info.activation_mem_per_gpu
+        extra = {"largest_layer_params": model_info.largest_layer_params,
+                 "persistent_params": model_info.persistent_params}
         source = f"profile run {args.profile}"
     elif args.num_params is not None:
         num_params = _count(args.num_params, "--num-params")

@@ -37,12 +37,16 @@ class ModelInfo:
             memory, see the module docstring), i.e. at mbs=1.
         peak_memory_bytes: peak bytes per rank the backend saw during the run, when it can
             see it (CPU), else None.
+        largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
+        persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown).
     """
 
     num_params: int
     trainable_num_params: int
     activation_mem_per_gpu: int
     peak_memory_bytes: int | None = None
+    largest_layer_params: int = 0
+    persistent_params: int = 0
 
     @classmethod
     def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1) -> "ModelInfo":
@@ -57,7 +61,9 @@ class ModelInfo:
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                                            else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
-                   peak_memory_bytes=peak_memory_bytes)
+                   peak_memory_bytes=peak_memory_bytes,
+                   largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
+                   persistent_params=max(0, int(data.get("persistent_params", 0))))
 
     def to_metrics(self, mbs: int = 1) -> dict[str, int]:
         """The ``model_info.json`` content DeepSpeed would write for this model at micro batch size ``mbs``."""

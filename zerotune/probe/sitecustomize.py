@@ -47,7 +47,14 @@ writes :data:`ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors
 the backward pass (``torch.autograd.graph.saved_tensors_hooks``, ``torch/autograd/graph.py``), each
 storage once, less parameters, views of parameters and module buffers::
 
-    {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1}
+    {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1,
+     "largest_layer_params": 4194304, "persistent_params": 9216}
+
+``largest_layer_params``: the most parameters any one module holds directly (its own, not its
+children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
+elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
+``zero/parameter_offload.py:317-330`` from ``stage3_param_persistence_threshold``). Both count full
+parameters (``ds_numel`` where ZeRO-3 has partitioned them) and feed the memory model's stage-3 terms.
 
 That is what a device holds per micro batch for the backward pass, whatever the allocator does.
 DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
@@ -204,6 +211,16 @@ class _SavedActivations:
         tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
         self.resident = {t.untyped_storage().data_ptr() for t in tensors}  # parameters and buffers
         self.storages: dict[int, int] = {}  # data_ptr -> bytes
+        self.shapes = self._shapes(module) if module is not None else {}
+
+    @staticmethod
+    def _shapes(module) -> dict:
+        """``largest_layer_params`` and ``persistent_params`` of ``module`` (see the module docstring)."""
+        def numel(p):
+            return int(getattr(p, "ds_numel", None) or p.numel())
+        largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+        persistent = sum(numel(p) for p in module.parameters() if getattr(p, "ds_persist", False))
+        return {"largest_layer_params": largest, "persistent_params": persistent}
 
     @classmethod
     def for_profile(cls, probe: _Probe, engine) -> "_SavedActivations | None":
@@ -235,7 +252,7 @@ class _SavedActivations:
         try:
             import json
             record = {"saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
-                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu())}
+                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes}
             path = os.path.join(self.probe.directory, ACTIVATIONS_RECORD)
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)

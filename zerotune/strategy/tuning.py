@@ -237,7 +237,8 @@ class Strategy:
             return
         info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs)
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
-                             trainable_params=info.trainable_num_params)
+                             trainable_params=info.trainable_num_params,
+                             largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params)
         if self.job.cpu and info.peak_memory_bytes:  # CUDA reports no peak here: uncalibrated
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
         self.result.memory = memory
