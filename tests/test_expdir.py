@@ -78,7 +78,15 @@ def test_finish_of_the_profile_run_adds_the_probes_model_shapes(tmp_path):
     done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert done.metrics == {**info, "activation_saved_bytes": 100, "largest_layer_params": 4_194_304}
     model = ModelInfo.from_metrics(done.metrics)
-    assert (model.largest_layer_params, model.persistent_params) == (4_194_304, 0)
+    assert (model.largest_layer_params, model.persistent_params, model.peak_memory_bytes) == (4_194_304, 0, None)
+
+
+def test_on_cuda_the_profile_peak_is_the_probes_device_peak(tmp_path):
+    write(tmp_path / "model_info.json", '{"num_params": 1000}')
+    write(tmp_path / "activations.json", '{"saved_bytes": 10, "device_peak_bytes": 5000000000}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert ModelInfo.from_metrics(done.metrics).peak_memory_bytes == 5_000_000_000  # calibrates on CUDA
+    assert ModelInfo.from_metrics(done.metrics, 7).peak_memory_bytes == 7  # the backend's sampled peak (CPU) first
 
 
 @pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',

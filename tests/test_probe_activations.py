@@ -85,6 +85,16 @@ def test_the_shapes_count_zero3s_full_parameters_and_its_persistent_ones():
     assert probe_module._SavedActivations._shapes(model) == {"largest_layer_params": 800, "persistent_params": 16}
 
 
+def test_on_cuda_the_record_holds_the_devices_peak_outside_and_inside_the_allocator():
+    # a stand-in for torch.cuda (no GPU on this machine): 80 GB device, 70 GB free, 6 GB reserved now, 9 GB at
+    # the peak: the 4 GB outside the allocator (context, NCCL) plus the reserved high-water mark
+    cuda = types.SimpleNamespace(is_available=lambda: True, mem_get_info=lambda: (70 * 10**9, 80 * 10**9),
+                                 memory_reserved=lambda: 6 * 10**9, max_memory_reserved=lambda: 9 * 10**9)
+    engine = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert probe_module._device_peak(types.SimpleNamespace(cuda=cuda), engine) == {"device_peak_bytes": 13 * 10**9}
+    assert probe_module._device_peak(torch, types.SimpleNamespace(device=torch.device("cpu"))) == {}
+
+
 def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):
     module = engine_module(profile=False)
     probe_module._install(module, probe_module._Probe(str(tmp_path)))

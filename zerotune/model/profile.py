@@ -36,7 +36,8 @@ class ModelInfo:
             device memory across the first forward pass at the profile's mbs (on CPU in resident
             memory, see the module docstring), i.e. at mbs=1.
         peak_memory_bytes: peak bytes per rank the backend saw during the run, when it can
-            see it (CPU), else None.
+            see it (CPU); else, on CUDA, the probe's ``device_peak_bytes`` (rank 0's device at the
+            peak: the allocator's reserved high-water mark, the CUDA context, NCCL); else None.
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown).
     """
@@ -61,7 +62,8 @@ class ModelInfo:
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                                            else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
-                   peak_memory_bytes=peak_memory_bytes,
+                   peak_memory_bytes=peak_memory_bytes if peak_memory_bytes is not None else (
+                       int(data["device_peak_bytes"]) if data.get("device_peak_bytes") else None),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
                    persistent_params=max(0, int(data.get("persistent_params", 0))))
 

@@ -55,6 +55,10 @@ children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent
 elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
 ``zero/parameter_offload.py:317-330`` from ``stage3_param_persistence_threshold``). Both count full
 parameters (``ds_numel`` where ZeRO-3 has partitioned them) and feed the memory model's stage-3 terms.
+On CUDA the record also holds ``device_peak_bytes`` (:func:`_device_peak`): what the device held at
+the peak, the caching allocator's reserved high-water mark plus what lies outside it (the CUDA
+context, NCCL's buffers), from which the tuner calibrates the memory model's fixed overhead per
+device, as the backend's sampled peak does on CPU.
 
 That is what a device holds per micro batch for the backward pass, whatever the allocator does.
 DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
@@ -133,6 +137,18 @@ def _peaks(engine) -> dict:
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
     import resource
     return {"peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+
+
+def _device_peak(torch, engine) -> dict:
+    """On CUDA, ``{"device_peak_bytes": n}``: ``torch.cuda.max_memory_reserved()`` plus what the device
+    holds outside the caching allocator now (``mem_get_info``'s total - free, less
+    ``memory_reserved()``: the CUDA context, NCCL, other processes). Elsewhere ``{}``."""
+    device = getattr(engine, "device", None)
+    if torch is None or getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    outside = max(0, int(total) - int(free) - int(torch.cuda.memory_reserved()))
+    return {"device_peak_bytes": int(torch.cuda.max_memory_reserved()) + outside}
 
 
 def _install(module, probe: _Probe) -> None:
@@ -252,7 +268,8 @@ class _SavedActivations:
         try:
             import json
             record = {"saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
-                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes}
+                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
+                      **_device_peak(self.torch, self.engine)}
             path = os.path.join(self.probe.directory, ACTIVATIONS_RECORD)
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)

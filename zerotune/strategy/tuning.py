@@ -239,7 +239,7 @@ class Strategy:
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
                              trainable_params=info.trainable_num_params,
                              largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params)
-        if self.job.cpu and info.peak_memory_bytes:  # CUDA reports no peak here: uncalibrated
+        if info.peak_memory_bytes:  # CPU: the backend's sampled peak; CUDA: the probe's device peak
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
         self.result.memory = memory
         self.log(f"profile: {info.num_params:,} parameters, activations {format_bytes(info.activation_mem_per_gpu)} "
