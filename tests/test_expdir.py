@@ -86,7 +86,10 @@ def test_on_cuda_the_profile_peak_is_the_probes_device_peak(tmp_path):
     write(tmp_path / "activations.json", '{"saved_bytes": 10, "device_peak_bytes": 5000000000}')
     done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert ModelInfo.from_metrics(done.metrics).peak_memory_bytes == 5_000_000_000  # calibrates on CUDA
-    assert ModelInfo.from_metrics(done.metrics, 7).peak_memory_bytes == 7  # the backend's sampled peak (CPU) first
+    # the local backend's sampled peak is the ranks' host VmData: on CUDA the device's figure wins over it
+    assert ModelInfo.from_metrics(done.metrics, 7).peak_memory_bytes == 5_000_000_000
+    # on CPU the probe writes no device peak: the backend's sampled peak calibrates
+    assert ModelInfo.from_metrics({"num_params": 1000}, 7).peak_memory_bytes == 7
 
 
 @pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',

@@ -35,9 +35,11 @@ class ModelInfo:
             the backward pass (:data:`SAVED_ACTIVATIONS_KEY`) when recorded, else DeepSpeed's change in
             device memory across the first forward pass at the profile's mbs (on CPU in resident
             memory, see the module docstring), i.e. at mbs=1.
-        peak_memory_bytes: peak bytes per rank the backend saw during the run, when it can
-            see it (CPU); else, on CUDA, the probe's ``device_peak_bytes`` (rank 0's device at the
-            peak: the allocator's reserved high-water mark, the CUDA context, NCCL); else None.
+        peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
+            the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
+            on CUDA), which wins over the backend's figure: the local backend samples the ranks' host
+            ``VmData``, which is not the device's memory. Elsewhere the peak bytes per rank the
+            backend saw during the run (CPU); else None.
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown).
     """
@@ -62,8 +64,8 @@ class ModelInfo:
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                                            else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
-                   peak_memory_bytes=peak_memory_bytes if peak_memory_bytes is not None else (
-                       int(data["device_peak_bytes"]) if data.get("device_peak_bytes") else None),
+                   peak_memory_bytes=(int(data["device_peak_bytes"]) if data.get("device_peak_bytes")
+                                      else peak_memory_bytes),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
                    persistent_params=max(0, int(data.get("persistent_params", 0))))
 
