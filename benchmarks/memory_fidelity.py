@@ -13,10 +13,11 @@ Two measured figures per run, per rank, the largest over the ranks:
   the per-rank budget limits on CPU (``RLIMIT_DATA``) and what an allocator has handed out, which
   is what a GPU's ``max_memory_allocated`` counts: a buffer allocated but never written counts
   (DeepSpeed's 2 GB fp32 reduce bucket does). This is the figure the error is computed on.
-- RSS high-water mark (the step probe's ``peak_bytes``, ``ru_maxrss``): resident pages only. It
-  leaves out allocated pages never written (most of a large reduce bucket) and includes shared
-  library text (libtorch), so it is neither above nor below VmData in general; shown for reading
-  ``exp.json`` figures, not scored.
+- the probe's peak (``exp.json``'s ``peak_memory_bytes``, the step probe's ``peak_bytes``), what ``tune``
+  records and corrects the model from ("online"): since 2026-11-25 the rank's own ``VmData`` sampled
+  every 5 ms (saved as ``probe_peak_bytes``); before, the resident high-water mark ``ru_maxrss``
+  (``rss_peak_bytes`` in the files of that date), which leaves out allocated pages never written (most
+  of a large reduce bucket) and includes shared library text; shown, not scored.
 
 How to read the CPU figure: VmData is what the C allocator has taken from the kernel and not given
 back. glibc keeps freed heap chunks for reuse, so a process that allocates and frees a lot holds more
@@ -128,6 +129,12 @@ class VmDataSampler(threading.Thread):
             self.stop.wait(self.period_s)
 
 
+def probe_peak(run: dict) -> int | None:
+    """The probe's peak of a saved run: ``probe_peak_bytes`` (VmData sampled in the rank, since 2026-11-25),
+    or ``rss_peak_bytes`` (the resident high-water mark the probe recorded before)."""
+    return run.get("probe_peak_bytes", run.get("rss_peak_bytes"))
+
+
 def run_one(backend: LocalBackend, exp: Experiment, workdir: Path) -> dict:
     exp_dir = workdir / exp.name
     sampler = VmDataSampler(str(exp_dir))
@@ -139,7 +146,7 @@ def run_one(backend: LocalBackend, exp: Experiment, workdir: Path) -> dict:
         sampler.stop.set()
         sampler.join()
     return {"name": exp.name, "status": exp.status.value if exp.status else None, "error": exp.error[-300:],
-            "vmdata_peak_bytes": max(sampler.peak.values(), default=None), "rss_peak_bytes": exp.peak_memory_bytes,
+            "vmdata_peak_bytes": max(sampler.peak.values(), default=None), "probe_peak_bytes": exp.peak_memory_bytes,
             "metrics": exp.metrics if exp.kind is ExperimentKind.PROFILE else {}, "wall_s": round(time.monotonic() - start, 1)}
 
 
@@ -167,8 +174,8 @@ def run_grid(models: list[str], steps: int, workdir: Path, mmap_threshold: int |
                     r = run_one(backend, Experiment(name, ds_config(stage, mbs, precision), 1, RANKS), workdir)
                     r.update(stage=stage, mbs=mbs, precision=precision)
                     runs.append(r)
-                    print(f"  {name}: {r['status']} VmData {format_bytes(r['vmdata_peak_bytes'] or 0)} RSS "
-                          f"{format_bytes(r['rss_peak_bytes'] or 0)} ({r['wall_s']} s)", flush=True)
+                    print(f"  {name}: {r['status']} VmData {format_bytes(r['vmdata_peak_bytes'] or 0)} probe "
+                          f"{format_bytes(probe_peak(r) or 0)} ({r['wall_s']} s)", flush=True)
         out["models"][model] = {"args": MODELS[model], "profiles": profiles, "runs": runs}
     return out
 
@@ -185,15 +192,15 @@ def memory_model(model: dict, precision: str) -> MemoryModel:
 
 def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
     """The table: per run the profile-calibrated prediction, the online-corrected one (the model after
-    the runs before it in the grid, fed their RSS peaks as ``tune`` feeds them), the measured VmData and
-    RSS; errors on VmData."""
+    the runs before it in the grid, fed the probe's peaks as ``tune`` feeds them), the measured VmData and
+    the probe's peak (:func:`probe_peak`); errors on VmData."""
     allocator = (f", ranks under MALLOC_MMAP_THRESHOLD_={data['malloc_mmap_threshold']}"
                  if data.get("malloc_mmap_threshold") else ", glibc's default allocator")
     lines = [f"memory fidelity, {data['date']}, {data['ranks']} CPU ranks, reduce/allgather bucket {data['bucket']:,} "
              f"elements{allocator}",
              "profile = calibrated on the profile run only; online = after zerotune.model.online's corrections "
-             "from the runs above it (as tune applies them, from the RSS peaks); errors against VmData", "",
-             f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'RSS':>10} {'err profile':>11} "
+             "from the runs above it (as tune applies them, from the probe's peaks); errors against VmData", "",
+             f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'probe':>10} {'err profile':>11} "
              f"{'err online':>10}"]
     errors: dict[str, list[float]] = {"profile": [], "online": []}
     for (name, model), precision in ((m, p) for m in data["models"].items() for p in PRECISIONS):
@@ -215,9 +222,9 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
             errors["profile"].append(abs(e_prof))
             errors["online"].append(abs(e_online))
             lines.append(f"  {r['name'][len(name) + 1:]:<16} {format_bytes(predicted):>10} {format_bytes(corrected_now):>10} "
-                         f"{format_bytes(measured):>10} {format_bytes(r['rss_peak_bytes'] or 0):>10} {e_prof:>+11.1%} "
+                         f"{format_bytes(measured):>10} {format_bytes(probe_peak(r) or 0):>10} {e_prof:>+11.1%} "
                          f"{e_online:>+10.1%}")
-            exp = Experiment(r["name"], cfg, 1, RANKS, status=Status.OK, peak_memory_bytes=r["rss_peak_bytes"])
+            exp = Experiment(r["name"], cfg, 1, RANKS, status=Status.OK, peak_memory_bytes=probe_peak(r))
             online, _ = corrected(online, exp, 2**62, earlier)
             earlier.append(exp)
         lines.append(f"  after the grid: activations {format_bytes(online.activation_bytes_per_sample)}/sample, "

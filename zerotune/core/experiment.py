@@ -90,8 +90,8 @@ class Experiment:
     @property
     def memory_rel_error(self) -> float | None:
         """The memory model's error on this run, ``memory_bytes / peak_memory_bytes - 1`` (0.05: predicted
-        5% over the measured peak); None without both. On CPU the peak is the probe's resident
-        high-water mark, which leaves out allocated pages never written (see benchmarks/README.md)."""
+        5% over the measured peak); None without both. On CPU the peak is the probe's largest
+        ``VmData`` (sampled every 5 ms: what the budget, ``RLIMIT_DATA``, limits; see benchmarks/README.md)."""
         if not self.memory_bytes or not self.peak_memory_bytes:
             return None
         return self.memory_bytes / self.peak_memory_bytes - 1

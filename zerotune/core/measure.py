@@ -173,8 +173,8 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
 
 
 def peak_bytes(streams: Streams) -> dict[int, int]:
-    """rank -> the largest ``peak_bytes`` in its records (CUDA: allocated bytes; CPU: resident
-    high-water mark), bytes; ranks without one are absent."""
+    """rank -> the largest ``peak_bytes`` in its records (CUDA: allocated bytes; CPU: the largest
+    ``VmData``, sampled every 5 ms), bytes; ranks without one are absent."""
     peaks = {}
     for rank, records in streams.items():
         values = [int(r["peak_bytes"]) for r in records if _number(r.get("peak_bytes"))]

@@ -18,8 +18,8 @@ experiment after it is another measurement of the same model, used two ways:
   slack) differs by stage.
 
 A peak below the estimate never lowers an overhead: it may be a measurement that does not see
-everything the budget counts (on CPU the probe's resident high-water mark leaves out allocated pages
-never written, such as most of a large reduce bucket, while ``RLIMIT_DATA`` counts them). Pure
+everything the budget counts (on CPU the probe samples ``VmData`` every 5 ms and can miss a shorter
+peak; a GPU's ``max_memory_allocated`` leaves out the context and the allocator's reserve). Pure
 functions of the model and the experiments; the strategy calls :func:`corrected` after each finished
 experiment (:meth:`zerotune.strategy.tuning.Strategy.correct_memory`).
 """

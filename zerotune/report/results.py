@@ -149,7 +149,7 @@ def memory_table(experiments: Sequence[Experiment]) -> Table | None:
                       format_bytes(e.peak_memory_bytes), f"{e.memory_rel_error:+.1%}")
     errors = [abs(e.memory_rel_error) for e in rows]
     table.caption = (f"{len(errors)} runs: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
-                     "(on CPU the peak is a resident high-water mark: allocated pages never written are not in it)")
+                     "(on CPU the peak is the largest VmData, sampled every 5 ms: what the budget limits)")
     table.caption_justify = "left"
     return table
 
