@@ -90,6 +90,28 @@ def test_offload_optimizer_stage1_and_2_host_bytes_and_forced_contiguous_buffer(
     assert b1.buffers == b2.buffers == 2 * 1_000 + 2 * 1_000
 
 
+def test_on_cpu_ranks_offloaded_bytes_stay_in_the_ranks_budget():
+    """On the CPU backend the "host" is the rank's own process: RLIMIT_DATA counts what offload moves."""
+    off = cfg(2, BF16, offload_optimizer={"device": "cpu"}, reduce_bucket_size=1_000)
+    cpu = MemoryModel(num_params=PSI, activation_bytes_per_sample=1_000, dp_world_size=N, host_on_device=True)
+    gpu = MODEL.breakdown(off, 1)
+    assert gpu.host == 4_000_000 and cpu.breakdown(off, 1).host == 4_000_000
+    assert cpu.bytes_per_device(off, 1) == gpu.total + 4_000_000
+    assert cpu.bytes_per_device(cfg(2, BF16), 1) == MODEL.bytes_per_device(cfg(2, BF16), 1)  # no offload: the same
+    # and the largest mbs shrinks by what the host bytes take: 4,000,000 / 1,000 per sample
+    budget = gpu.total - 1_000 + 10_000_000
+    assert MODEL.max_mbs(off, budget, cap=10**6) - cpu.max_mbs(off, budget, cap=10**6) == 4_000
+
+
+def test_host_memory_per_node_bounds_what_offload_keeps_there():
+    off = cfg(2, BF16, offload_optimizer={"device": "cpu"}, reduce_bucket_size=1_000)  # 4,000,000 host bytes a rank
+    assert MODEL.host_fits(off, 8 * 4_000_000, ranks_per_node=8)
+    assert not MODEL.host_fits(off, 8 * 4_000_000 - 1, ranks_per_node=8)
+    assert MODEL.host_fits(off, None, ranks_per_node=8)  # unknown host memory: not checked
+    on_cpu = MemoryModel(num_params=PSI, activation_bytes_per_sample=1_000, dp_world_size=N, host_on_device=True)
+    assert on_cpu.host_fits(off, 1, ranks_per_node=8)  # CPU ranks: the per-rank budget counts it instead
+
+
 def test_offload_nvme_keeps_master_and_states_off_the_host():
     b = MODEL.breakdown(cfg(2, BF16, offload_optimizer={"device": "nvme"}), 1)
     assert (b.optimizer_states, b.host) == (0, 1_000_000)  # only the fp32 gradient partition

@@ -164,3 +164,49 @@ def test_bad_model_info_is_an_error_naming_the_key(tmp_path):
     from zerotune.core.errors import ConfigError
     with pytest.raises(ConfigError, match=r"autotuning.model_info.activation_mem_per_gpu' = '40MB'"):
         tuner(tmp_path, path).plan()
+
+
+def offload_config(path: Path) -> Path:
+    cfg = json.loads(write_config(path).read_text())
+    cfg["zero_optimization"] = {"stage": [0, 2], "reduce_bucket_size": 20_000_000,
+                                "offload_optimizer": {"device": "cpu"}}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_stage_whose_offload_overflows_the_nodes_host_memory_is_pruned(tmp_path):
+    """GPU ranks: offload's host bytes (fp32 gradient partition 4Ψ/N, master 4Ψ/N, Adam 8Ψ/N per rank)
+    times the ranks of a node must fit the node's host memory, or the stage is never launched."""
+    nodes = select_resources(None, "", "", -1, -1, 2)
+    host_per_rank = 16 * PARAMS // 2
+    lines = []
+
+    def plan(host_memory):
+        t = Autotuner(SCRIPT, ["--deepspeed_config", str(offload_config(tmp_path / "ds.json"))], nodes,
+                      TuneOptions(device_memory_bytes=int(2.5 * GiB), results_dir=str(tmp_path / "results"), cpu=False,
+                                  host_memory_bytes=host_memory))
+        t._log = lines.append
+        return {e.stage for e in t.plan().experiments if e.phase != "profile"}
+
+    assert plan(2 * host_per_rank) == {0, 2}
+    assert plan(2 * host_per_rank - 1) == {0}
+    assert any("ZeRO stage 2: does not fit (offload needs 80.71 MiB of host memory per node, the node has 80.71 MiB)"
+               in line for line in lines), lines
+
+
+def test_on_cpu_ranks_offload_counts_against_the_per_rank_budget(tmp_path):
+    """CPU ranks: what offload moves to the "host" stays in the rank (RLIMIT_DATA counts it)."""
+    plan = tuner(tmp_path, offload_config(tmp_path / "ds.json")).plan()
+    z2 = next(e for e in plan.experiments if e.stage == 2)
+    model = MemoryModel(PARAMS, ACTIVATIONS, 2)
+    on_cpu = MemoryModel(PARAMS, ACTIVATIONS, 2, host_on_device=True)
+    config = ConfigBuilder(tuner(tmp_path, offload_config(tmp_path / "ds.json")).job).mbs_experiment(2, z2.mbs).ds_config
+    assert z2.memory_bytes == on_cpu.bytes_per_device(config) == model.bytes_per_device(config) + 16 * PARAMS // 2
+
+
+def test_a_bad_host_memory_is_exit_2_naming_it(tmp_path, capsys):
+    from zerotune import cli
+    argv = ["tune", "--num_gpus", "2", "--device-memory", "2GiB", "--host-memory", "lots", "--dry-run",
+            "--results-dir", str(tmp_path / "r"), SCRIPT, "--deepspeed_config", str(write_config(tmp_path / "ds.json"))]
+    assert cli.main(argv) == 2
+    assert "--host-memory = 'lots': expected a size such as 3GiB" in capsys.readouterr().err

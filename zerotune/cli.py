@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--results-dir", default=None, help="results dir (default: autotuning.results_dir)")
         z.add_argument("--device-memory", default=None,
                        help="per-rank memory budget, e.g. 3GiB (required on CPU; read from the device on CUDA)")
+        z.add_argument("--host-memory", default=None,
+                       help="host memory per node that offloaded optimizer states and parameters must fit in, e.g. "
+                            "512GiB (default: this machine's, when every node is this machine; on CPU ranks offload "
+                            "counts against --device-memory)")
         z.add_argument("--timeout", type=float, default=None, help="seconds per experiment before it is killed")
         z.add_argument("--hang-timeout", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "estimate":
             return estimate.run(args)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
+        host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
         cpu = args.cpu
         local_slots = None
         if args.hostfile is None:
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
-                              adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var))
+                              adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
+                              host_memory_bytes=host_memory)
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

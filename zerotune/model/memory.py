@@ -87,7 +87,8 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   the device. nvme moves the master and optimizer states (``offload_optimizer``) or the parameter
   partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
   modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`); a node needs them times its
-  ranks.
+  ranks (:meth:`MemoryModel.host_fits`, checked by ``tune`` against ``--host-memory``). On CPU ranks
+  the host is the rank's own process: the per-rank budget counts them (:attr:`MemoryModel.host_on_device`).
 - **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs. From a profile
   run it is what the first forward saved for the backward pass (zerotune's probe,
   :mod:`zerotune.model.profile`); else DeepSpeed's ``model_info.activation_mem_per_gpu`` (the change
@@ -129,10 +130,11 @@ _OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device by kind; ``total`` is their sum less ``apart``. ``host`` (not in ``total``) is what
-    offload puts in host memory per rank. ``apart``: bytes of two components that are never alive at
-    once, so the peak holds only the larger: the activations and the reduction's flat copy when the
-    gradients are reduced after the backward pass (:meth:`MemoryModel.reduction_copy_bytes`)."""
+    """Bytes per device by kind; ``total`` is their sum less ``apart``. ``host`` is what offload puts in
+    host memory per rank, in ``total`` only with ``host_on_device`` (the CPU backend, where the host is
+    the device: :attr:`MemoryModel.host_on_device`). ``apart``: bytes of two components that are never
+    alive at once, so the peak holds only the larger: the activations and the reduction's flat copy
+    when the gradients are reduced after the backward pass (:meth:`MemoryModel.reduction_copy_bytes`)."""
 
     parameters: int
     gradients: int
@@ -142,11 +144,12 @@ class MemoryBreakdown:
     overhead: int
     host: int = 0
     apart: int = 0
+    host_on_device: bool = False
 
     @property
     def total(self) -> int:
         return (self.parameters + self.gradients + self.optimizer_states + self.buffers + self.activations
-                + self.overhead - self.apart)
+                + self.overhead - self.apart + (self.host if self.host_on_device else 0))
 
     @property
     def model_states(self) -> int:
@@ -202,6 +205,9 @@ class MemoryModel:
             overhead can be recalibrated when the activation term is corrected (None: uncalibrated).
         activations_measured: the activation term is a slope measured between two runs (online
             correction), not the profile's first-forward figure.
+        host_on_device: the devices are CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the
+            host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
+            counts it), so :attr:`MemoryBreakdown.total` includes ``host``.
     """
 
     num_params: int
@@ -216,6 +222,7 @@ class MemoryModel:
     anchor: tuple[dict[str, Any], int, int] | None = dataclasses.field(default=None, compare=False, hash=False,
                                                                          repr=False)
     activations_measured: bool = False
+    host_on_device: bool = False
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
         """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
@@ -280,7 +287,8 @@ class MemoryModel:
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=activations,
                                overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
-                               host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)))
+                               host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)),
+                               host_on_device=self.host_on_device)
 
     def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
@@ -349,6 +357,15 @@ class MemoryModel:
     def fits(self, ds_config: dict[str, Any], budget_bytes: int, mbs: int | None = None) -> bool:
         """True when the estimate for ``ds_config`` at ``mbs`` is within ``budget_bytes`` per device."""
         return self.bytes_per_device(ds_config, mbs) <= budget_bytes
+
+    def host_fits(self, ds_config: dict[str, Any], host_memory_bytes: int | None, ranks_per_node: int) -> bool:
+        """True when what offload keeps in host memory for ``ranks_per_node`` ranks
+        (:attr:`MemoryBreakdown.host` each, which does not grow with mbs) is within ``host_memory_bytes``
+        per node; True when that memory is unknown (None) or the host is the device
+        (:attr:`host_on_device`: the per-device budget counts it)."""
+        if host_memory_bytes is None or self.host_on_device:
+            return True
+        return self.breakdown(ds_config, mbs=0).host * ranks_per_node <= host_memory_bytes
 
     def max_mbs(self, ds_config: dict[str, Any], budget_bytes: int, cap: int = 1024) -> int:
         """Largest mbs whose estimate fits in ``budget_bytes`` (at most ``cap``); 0 when none fits."""

@@ -54,6 +54,10 @@ class TuneOptions:
             relative half-width (0.02 = ±2%; :mod:`zerotune.core.stopping`).
         adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
             ``end_profile_step``, as DeepSpeed's autotuner runs them.
+        host_memory_bytes: host memory per node, bytes, that offloaded optimizer states and
+            parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
+            memory when every node is this machine (the local backend), else not checked. On CPU
+            ranks offload stays in the rank's own budget (:attr:`MemoryModel.host_on_device`).
     """
 
     device_memory_bytes: int | None = None
@@ -68,6 +72,7 @@ class TuneOptions:
     variables: dict[str, Any] = field(default_factory=dict)
     precision: float = DEFAULT_PRECISION
     adaptive: bool = True
+    host_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class Job:
             (gas, precision; :func:`zerotune.deepspeed.auto.script_autos`).
         variables: the ``$VAR`` placeholders' candidates (:mod:`zerotune.strategy.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
+        host_memory_bytes: host memory per node that offload must fit in, bytes (None: not checked;
+            see :class:`TuneOptions`).
     """
 
     script: str
@@ -139,6 +146,7 @@ class Job:
     arg_mappings: dict[str, str] = field(default_factory=dict)
     script_autos: dict[str, Any] = field(default_factory=dict)
     variables: dict[str, list[Any]] = field(default_factory=dict)
+    host_memory_bytes: int | None = None
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -191,6 +199,9 @@ class Job:
                 raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
         results_dir = Path(options.results_dir or at.results_dir)
         notes += _check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
+        host_memory = options.host_memory_bytes
+        if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
+            host_memory = _host_memory()
         if cpu:
             _check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
         for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
@@ -207,7 +218,7 @@ class Job:
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
-                   script_autos=autos, variables=variables,
+                   script_autos=autos, variables=variables, host_memory_bytes=host_memory,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     def launch_spec(self) -> LaunchSpec:
@@ -311,6 +322,15 @@ def _check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
     if local_ranks > cores:
         raise ConfigError(f"--num_gpus {local_ranks}: on CPU each slot is one rank process, and this machine gives "
                           f"zerotune {cores} core(s); at most {cores}")
+
+
+def _host_memory() -> int | None:
+    """This machine's memory, bytes (psutil); None when it cannot be read."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001 - unknown host memory is left unchecked
+        return None
 
 
 def _check_writable_dir(what: str, path: Path | None) -> None:

@@ -238,7 +238,8 @@ class Strategy:
         info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs)
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
                              trainable_params=info.trainable_num_params,
-                             largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params)
+                             largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params,
+                             host_on_device=self.job.cpu)
         if info.peak_memory_bytes:  # CPU: the backend's sampled peak; CUDA: the probe's device peak
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
         self.result.memory = memory
@@ -253,7 +254,15 @@ class Strategy:
         lo, hi = self.job.min_mbs, self.job.max_mbs
         if self.result.memory is None:
             return hi
+        if not self.host_fits(self.builder.config(stage, lo)):
+            return lo - 1
         return self.result.memory.max_mbs(self.builder.config(stage, lo), self.job.device_memory_bytes, cap=hi)
+
+    def host_fits(self, ds_config: dict) -> bool:
+        """Whether what ``ds_config`` offloads to the host fits each node's host memory
+        (:meth:`zerotune.model.memory.MemoryModel.host_fits`; True when the model or the host memory is unknown)."""
+        memory = self.result.memory
+        return memory is None or memory.host_fits(ds_config, self.job.host_memory_bytes, self.job.slots_per_node)
 
     def explore(self) -> None:
         lo, hi = self.job.min_mbs, self.job.max_mbs
@@ -262,9 +271,14 @@ class Strategy:
             est = self.max_mbs_estimate(stage)
             plans.append(StagePlan(stage, est))
             if self.result.memory is not None:
-                fixed = self.result.memory.bytes_per_device(self.builder.config(stage, lo))
+                config = self.builder.config(stage, lo)
+                fixed = self.result.memory.bytes_per_device(config)
+                host = self.result.memory.breakdown(config).host * self.job.slots_per_node
+                why = (f"offload needs {format_bytes(host)} of host memory per node, the node has "
+                       f"{format_bytes(self.job.host_memory_bytes or 0)}" if not self.host_fits(config)
+                       else f"{format_bytes(fixed)} per rank at mbs={lo}")
                 self.log(f"memory model: ZeRO stage {stage}: " + (f"largest mbs estimated to fit {est}" if est >= lo else
-                         f"does not fit ({format_bytes(fixed)} per rank at mbs={lo}): pruned"))
+                         f"does not fit ({why}): pruned"))
 
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
@@ -321,7 +335,8 @@ class Strategy:
 
     def tune_knobs(self) -> None:
         at, memory = self.job.autotuning, self.result.memory
-        fits = None if memory is None else (lambda c: memory.fits(c, self.job.device_memory_bytes))
+        fits = None if memory is None else (lambda c: memory.fits(c, self.job.device_memory_bytes)
+                                            and self.host_fits(c))
         for stage, point in self.knob_stages():
             gas = self.best_gas.get(stage)
             candidates = self.builder.knob_space(stage, point.mbs, fits, gas=gas)
