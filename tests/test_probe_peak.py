@@ -1,6 +1,8 @@
-"""The probe's CPU peak: the largest VmData (what RLIMIT_DATA limits), sampled every 5 ms in the rank."""
+"""The probe's CPU peak: the largest VmData (what RLIMIT_DATA limits), sampled every 5 ms in the rank
+until the end of optimizer step 2, then once per record."""
 import threading
 import time
+import types
 
 from zerotune.probe import sitecustomize as probe_module
 
@@ -9,12 +11,17 @@ def vmdata() -> int:
     return probe_module._DataPeak().sample()
 
 
-def test_a_transient_allocation_shorter_than_a_step_is_in_the_peak():
-    """A 256 MiB buffer held for 50 ms, then freed: VmData is back down, and the sampler kept the peak,
-    which the resident high-water mark also sees here only because the buffer is written (zero-filled)."""
-    probe_module._DataPeak.start()
-    sampler = probe_module._DataPeak.running
-    assert sampler is not None and sampler.period_s == 0.005
+def sampler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "zerotune-vmdata" and t.daemon]
+
+
+def test_a_transient_allocation_shorter_than_a_step_is_in_the_peak_and_stop_ends_the_thread():
+    """A 256 MiB buffer held for 50 ms, then freed: VmData is back down, and the sampler kept the peak."""
+    sampler = probe_module._DataPeak()
+    assert sampler.sample() > 0 and sampler.period_s == 0.005
+    threads = len(sampler_threads())
+    sampler.run_in_background()
+    assert len(sampler_threads()) == threads + 1
     before = vmdata()
     buffer = bytearray(256 * 2**20)  # above glibc's mmap threshold: mapped, and unmapped when freed
     time.sleep(0.05)
@@ -23,8 +30,25 @@ def test_a_transient_allocation_shorter_than_a_step_is_in_the_peak():
     time.sleep(0.02)
     after = vmdata()
     assert held - before >= 256 * 2**20 and held - after >= 256 * 2**20
-    assert sampler.peak() >= held  # kept after the buffer went: 10 samples fell while it was held
-    assert any(t.name == "zerotune-vmdata" and t.daemon for t in threading.enumerate())
+    sampler.stop()
+    assert sampler._peak >= held  # kept after the buffer went: about 10 samples fell while it was held
+    time.sleep(0.05)
+    assert len(sampler_threads()) == threads  # the thread ended
+
+
+def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch):
+    sampler = probe_module._DataPeak()
+    monkeypatch.setattr(probe_module._DataPeak, "running", sampler)
+    probe = probe_module._Probe(str(tmp_path))
+    engine = types.SimpleNamespace(global_rank=0, train_batch_size=lambda: 4)
+    state = probe.state(engine)
+    state["last"] = time.monotonic()
+    probe.record(engine, state)
+    assert not sampler._stopped
+    probe.record(engine, state)
+    assert sampler._stopped
+    lines = (tmp_path / "probe.rank0.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and all('"peak_bytes"' in ln and '"rss_peak_bytes"' in ln for ln in lines)
 
 
 def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it():

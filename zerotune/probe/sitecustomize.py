@@ -26,8 +26,8 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
 - ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
   ``torch.cuda.max_memory_reserved()``); on CPU the largest ``VmData`` so far (what ``RLIMIT_DATA``,
-  the per-rank budget, limits), sampled every 5 ms from the engine module's import on
-  (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which
+  the per-rank budget, limits), sampled every 5 ms from the engine module's import to the end of
+  step 2 and at each record after it (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which
   leaves out pages allocated and never written; bytes.
 
 The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
@@ -118,6 +118,8 @@ class _Probe:
                 "step_s": t - state["last"] if state["last"] is not None else None,
                 "micro_steps": state["micro"], "train_batch_size": int(engine.train_batch_size())}
         line.update(_peaks(engine))
+        if line["step"] >= _DataPeak.SAMPLED_STEPS and _DataPeak.running is not None:
+            _DataPeak.running.stop()
         state["last"], state["micro"] = t, 0
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
@@ -151,14 +153,25 @@ class _DataPeak:
     and the reduction's flat copy at once): measured on a gpt-small ZeRO-0 rank, 457 MiB for about
     20 ms, 415-435 MiB otherwise. The resident high-water mark (``ru_maxrss``) is no substitute: it
     leaves out pages allocated and never written, such as most of a reduce bucket, which the budget
-    counts. A sample costs tens of microseconds: about 1% of one core at 5 ms."""
+    counts.
+
+    The thread runs until the end of optimizer step :attr:`SAMPLED_STEPS` (:meth:`stop`), then each
+    record samples once: by then every step's allocations have happened (the first step creates the
+    optimizer states, the second holds them with the activations, the gradients and the reduction's
+    copy), and the steps measured for the metric run without it."""
 
     running: "_DataPeak | None" = None
     period_s = 0.005
+    SAMPLED_STEPS = 2
     PATH = "/proc/self/status"
 
     def __init__(self):
         self._peak = 0
+        self._stopped = False
+
+    def stop(self) -> None:
+        """End the sampling thread (its last sample is kept; :meth:`peak` still samples once per call)."""
+        self._stopped = True
 
     @classmethod
     def start(cls) -> None:
@@ -168,9 +181,13 @@ class _DataPeak:
         sampler = cls()
         if not sampler.sample():
             return
-        import threading
         cls.running = sampler
-        threading.Thread(target=sampler._loop, name="zerotune-vmdata", daemon=True).start()
+        sampler.run_in_background()
+
+    def run_in_background(self) -> None:
+        """Sample every :attr:`period_s` in a daemon thread until :meth:`stop`."""
+        import threading
+        threading.Thread(target=self._loop, name="zerotune-vmdata", daemon=True).start()
 
     def sample(self) -> int:
         """Read ``VmData`` now, bytes (0 when unknown), and keep the largest."""
@@ -192,7 +209,7 @@ class _DataPeak:
 
     def _loop(self) -> None:
         import time
-        while True:
+        while not self._stopped:
             time.sleep(self.period_s)
             self.sample()
 
@@ -210,11 +227,14 @@ def _device_peak(torch, engine) -> dict:
 
 
 def _install(module, probe: _Probe) -> None:
-    """Wrap ``DeepSpeedEngine.forward`` and ``DeepSpeedEngine.step`` of the engine module; on CPU
-    (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks) start the ``VmData`` sampler (:class:`_DataPeak`)."""
+    """Wrap ``DeepSpeedEngine.forward`` and ``DeepSpeedEngine.step`` of the engine module; in a CPU rank
+    (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
+    for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
+    the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
+    5 ms for the whole run on the ranks' cores (measured: 3% fewer samples/s on 2 CPU ranks)."""
     import functools
     import time
-    if os.environ.get("DS_ACCELERATOR") == "cpu":
+    if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
         _DataPeak.start()
     engine_cls = module.DeepSpeedEngine
     forward, step = engine_cls.forward, engine_cls.step
