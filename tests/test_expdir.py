@@ -88,8 +88,20 @@ def test_on_cuda_the_profile_peak_is_the_probes_device_peak(tmp_path):
     assert ModelInfo.from_metrics(done.metrics).peak_memory_bytes == 5_000_000_000  # calibrates on CUDA
     # the local backend's sampled peak is the ranks' host VmData: on CUDA the device's figure wins over it
     assert ModelInfo.from_metrics(done.metrics, 7).peak_memory_bytes == 5_000_000_000
-    # on CPU the probe writes no device peak: the backend's sampled peak calibrates
+    # on CPU the probe writes no device peak: the backend's sampled peak calibrates, or rank 0's 5 ms VmData
+    # peak from the profile record where it is larger (the first forward's peak may fall between two samples)
     assert ModelInfo.from_metrics({"num_params": 1000}, 7).peak_memory_bytes == 7
+    assert ModelInfo.from_metrics({"num_params": 1000, "data_peak_bytes": 9}, 7).peak_memory_bytes == 9
+    assert ModelInfo.from_metrics({"num_params": 1000, "data_peak_bytes": 5}, 7).peak_memory_bytes == 7
+    assert ModelInfo.from_metrics({"num_params": 1000}).peak_memory_bytes is None
+
+
+def test_on_cpu_the_profile_record_carries_rank_0s_vmdata_peak_to_the_calibration(tmp_path):
+    write(tmp_path / "model_info.json", '{"num_params": 1000}')
+    write(tmp_path / "activations.json", '{"saved_bytes": 10, "data_peak_bytes": 600000000}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics["data_peak_bytes"] == 600_000_000
+    assert ModelInfo.from_metrics(done.metrics, 550_000_000).peak_memory_bytes == 600_000_000
 
 
 @pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',

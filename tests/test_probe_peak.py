@@ -51,10 +51,17 @@ def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch
     assert len(lines) == 2 and all('"peak_bytes"' in ln and '"rss_peak_bytes"' in ln for ln in lines)
 
 
-def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it():
+def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it(monkeypatch):
+    monkeypatch.setattr(probe_module._DataPeak, "running", None)  # this test's own sampler, gone after it
+    assert probe_module._data_peak() == {}  # no sampler (CUDA, or not a rank): nothing in the profile record
     probe_module._DataPeak.start()
-    peaks = probe_module._peaks(object())  # an engine without a device: CPU
-    assert set(peaks) == {"peak_bytes", "rss_peak_bytes"}
-    # the largest VmData so far (this test process has imported torch: over 50 MiB), never above a later read
-    assert 50 * 2**20 < peaks["peak_bytes"] <= probe_module._DataPeak.running.peak()
-    assert peaks["rss_peak_bytes"] > 50 * 2**20
+    sampler = probe_module._DataPeak.running
+    try:
+        peaks = probe_module._peaks(object())  # an engine without a device: CPU
+        assert set(peaks) == {"peak_bytes", "rss_peak_bytes"}
+        # the largest VmData so far (this test process has imported torch: over 50 MiB), never above a later read
+        assert 50 * 2**20 < peaks["peak_bytes"] <= sampler.peak()
+        assert peaks["rss_peak_bytes"] > 50 * 2**20
+        assert peaks["peak_bytes"] <= probe_module._data_peak()["data_peak_bytes"]  # the profile record's figure
+    finally:
+        sampler.stop()

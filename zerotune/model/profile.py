@@ -38,8 +38,9 @@ class ModelInfo:
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
             the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
             on CUDA), which wins over the backend's figure: the local backend samples the ranks' host
-            ``VmData``, which is not the device's memory. Elsewhere the peak bytes per rank the
-            backend saw during the run (CPU); else None.
+            ``VmData``, which is not the device's memory. On CPU the larger of the backend's sampled
+            peak (every rank, every 0.2 s) and the probe's ``data_peak_bytes`` (rank 0's ``VmData``,
+            every 5 ms: the first forward's peak can be shorter than the backend's period); else None.
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown).
     """
@@ -65,7 +66,8 @@ class ModelInfo:
                    activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                                            else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
                    peak_memory_bytes=(int(data["device_peak_bytes"]) if data.get("device_peak_bytes")
-                                      else peak_memory_bytes),
+                                      else max(peak_memory_bytes or 0, int(data.get("data_peak_bytes") or 0))
+                                      or None),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
                    persistent_params=max(0, int(data.get("persistent_params", 0))))
 

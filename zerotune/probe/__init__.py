@@ -15,7 +15,7 @@ from typing import Any
 
 from zerotune.probe.sitecustomize import ACTIVATIONS_RECORD, PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
 
-__all__ = ["ACTIVATIONS_RECORD", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "clear_streams",
+__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "clear_streams",
            "read_model_shapes",
            "read_saved_activations", "read_streams",
            "stream_files", "stream_name"]
@@ -23,6 +23,7 @@ __all__ = ["ACTIVATIONS_RECORD", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
 SHAPE_KEYS = ("largest_layer_params", "persistent_params")  # elements, in ACTIVATIONS_RECORD
 DEVICE_PEAK_KEY = "device_peak_bytes"  # in ACTIVATIONS_RECORD on CUDA
+DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's largest VmData, sampled every 5 ms
 
 
 def stream_files(exp_dir: Path) -> dict[int, Path]:
@@ -82,7 +83,7 @@ def read_saved_activations(exp_dir: Path) -> int | None:
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     """The profile run's :data:`SHAPE_KEYS` from the probe's :data:`ACTIVATIONS_RECORD`: the most
     parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
-    :data:`DEVICE_PEAK_KEY`, bytes. A key whose value is missing or not a non-negative integer is left
+    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes. A key whose value is missing or not a non-negative integer is left
     out (an empty dict without a valid record)."""
     try:
         record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
@@ -90,5 +91,5 @@ def read_model_shapes(exp_dir: Path) -> dict[str, int]:
         return {}
     if not isinstance(record, dict):
         return {}
-    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY)
+    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY)
             if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0}

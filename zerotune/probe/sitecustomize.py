@@ -27,8 +27,8 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 - ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
   ``torch.cuda.max_memory_reserved()``); on CPU the largest ``VmData`` so far (what ``RLIMIT_DATA``,
   the per-rank budget, limits), sampled every 5 ms from the engine module's import to the end of
-  step 2 and at each record after it (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which
-  leaves out pages allocated and never written; bytes.
+  step 2 and at each record after it (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident
+  high-water mark (``ru_maxrss``), which leaves out pages allocated and never written; bytes.
 
 The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
 inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;
@@ -214,6 +214,13 @@ class _DataPeak:
             self.sample()
 
 
+def _data_peak() -> dict:
+    """On CPU ranks, ``{"data_peak_bytes": n}``: the largest ``VmData`` so far (:class:`_DataPeak`);
+    elsewhere ``{}``. The profile run's record carries it: the run exits in its first forward, before
+    any step record, and the tuner calibrates the memory model from it."""
+    return {"data_peak_bytes": _DataPeak.running.peak()} if _DataPeak.running is not None else {}
+
+
 def _device_peak(torch, engine) -> dict:
     """On CUDA, ``{"device_peak_bytes": n}``: ``torch.cuda.max_memory_reserved()`` plus what the device
     holds outside the caching allocator now (``mem_get_info``'s total - free, less
@@ -350,7 +357,7 @@ class _SavedActivations:
             import json
             record = {"saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
                       "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
-                      **_device_peak(self.torch, self.engine)}
+                      **_device_peak(self.torch, self.engine), **_data_peak()}
             path = os.path.join(self.probe.directory, ACTIVATIONS_RECORD)
             with open(path + ".tmp", "w") as f:
                 json.dump(record, f)
