@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import psutil
+
 from zerotune.core.errors import ConfigError
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, StopRule
@@ -201,7 +203,7 @@ class Job:
         notes += _check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
         host_memory = options.host_memory_bytes
         if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
-            host_memory = _host_memory()
+            host_memory = int(psutil.virtual_memory().total)
         if cpu:
             _check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
         for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
@@ -322,15 +324,6 @@ def _check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
     if local_ranks > cores:
         raise ConfigError(f"--num_gpus {local_ranks}: on CPU each slot is one rank process, and this machine gives "
                           f"zerotune {cores} core(s); at most {cores}")
-
-
-def _host_memory() -> int | None:
-    """This machine's memory, bytes (psutil); None when it cannot be read."""
-    try:
-        import psutil
-        return int(psutil.virtual_memory().total)
-    except Exception:  # noqa: BLE001 - unknown host memory is left unchecked
-        return None
 
 
 def _check_writable_dir(what: str, path: Path | None) -> None:
