@@ -139,12 +139,28 @@ class Strategy:
                     exp.memory_bytes = memory.bytes_per_device(exp.ds_config)
                 if exp.kind is not ExperimentKind.PROFILE:
                     exp.must_beat = bar
+                    if exp.memory_bytes is not None and exp.memory_bytes > self.job.device_memory_bytes:
+                        self._not_launched(exp)  # the online-corrected model knows it runs out of memory
+                        continue
                 todo[exp.name] = exp
         for exp in self._evaluate(list(todo.values())) if todo else []:
             self._done[exp.name] = exp
             self.result.experiments.append(exp)
             self.correct_memory(exp)
         return [self._done[e.name] for e in experiments]
+
+    def _not_launched(self, exp: Experiment) -> None:
+        """Record ``exp`` as out of memory without launching it: its estimate, from the memory model as
+        corrected by the runs so far (:meth:`correct_memory`), is over the per-device budget. A stage's
+        largest mbs is planned from the profile run before any of its runs; a later run that measures
+        more (a steeper activation slope, a stage's own overhead) would otherwise see the plan launched
+        into an OOM it already predicts."""
+        exp.status, exp.metric = Status.OOM, None
+        exp.error = (f"memory model: {format_bytes(exp.memory_bytes)} per rank estimated, over the "
+                     f"{format_bytes(self.job.device_memory_bytes)} budget: not launched")
+        self.log(f"{exp.name}: {exp.error}")
+        self._done[exp.name] = exp
+        self.result.experiments.append(exp)
 
     def correct_memory(self, exp: Experiment) -> None:
         """Online correction of the memory model from a finished experiment (the activation slope
