@@ -288,11 +288,10 @@ class Strategy:
             plans.append(StagePlan(stage, est))
             if self.result.memory is not None:
                 config = self.builder.config(stage, lo)
-                fixed = self.result.memory.bytes_per_device(config)
-                host = self.result.memory.breakdown(config).host * self.job.slots_per_node
-                why = (f"offload needs {format_bytes(host)} of host memory per node, the node has "
-                       f"{format_bytes(self.job.host_memory_bytes or 0)}" if not self.host_fits(config)
-                       else f"{format_bytes(fixed)} per rank at mbs={lo}")
+                needs = self.result.memory.breakdown(config)  # one breakdown: the device total and the host bytes
+                why = (f"offload needs {format_bytes(needs.host * self.job.slots_per_node)} of host memory per node, "
+                       f"the node has {format_bytes(self.job.host_memory_bytes or 0)}" if not self.host_fits(config)
+                       else f"{format_bytes(needs.total)} per rank at mbs={lo}")
                 self.log(f"memory model: ZeRO stage {stage}: " + (f"largest mbs estimated to fit {est}" if est >= lo else
                          f"does not fit ({why}): pruned"))
 
