@@ -209,6 +209,32 @@ def test_a_probe_that_loses_within_the_noise_is_re_measured_with_its_reference()
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
 
 
+def test_a_probe_that_loses_within_the_noise_to_a_lucky_best_re_measures_that_best_too():
+    # stage 0's single run at mbs 7 read 6% high (95.0, truly 87.5); stage 1 (truly 5% faster) is probed at its
+    # largest mbs, 9, OOMs, and runs at 8: 93.3, within the noise of the lucky 95.0. Re-measuring only stage 0's
+    # mbs 8 (the equal-mbs point) would leave the lucky 95.0 as the bar; its best point is re-measured as well
+    flat = lambda m: 100 * m / (m + 1)  # noqa: E731
+    lucky = {(0, 7): 95.0}
+    calls, confirmed = [], []
+
+    def evaluate(stage, ms):
+        calls.extend((stage, m) for m in ms)
+        return [Point(m, Status.OOM) if m > 8 else
+                Point(m, Status.OK, lucky.get((stage, m), flat(m) * (1.05 if stage else 1.0))) for m in ms]
+
+    def confirm(stage, ms):  # the pooled truth
+        confirmed.extend((stage, m) for m in ms)
+        return [Point(m, Status.OK, flat(m) * (1.05 if stage else 1.0), runs=2) for m in ms]
+
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 9)], lo=1, hi=9, objective=THROUGHPUT,
+                             num_fine=3, confirm=confirm)
+    assert calls[:calls.index((1, 9))] == [(0, 8), (0, 9), (0, 4), (0, 6), (0, 7)]  # stage 0: 7 reads best
+    assert calls[calls.index((1, 9)):][:2] == [(1, 9), (1, 8)]
+    assert confirmed[:3] == [(1, 8), (0, 7), (0, 8)]  # the probe, then the best and the equal-mbs point
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
+    assert results[1].reason == "probe at mbs=8 beat the best (93.33 > 88.89)"
+
+
 def test_a_headroom_probe_that_ooms_is_probed_again_halfway_and_searched_from_there():
     linear = lambda scale: (lambda m: scale * m)  # noqa: E731
     evaluate, calls = stages({0: (linear(1.0), 8), 1: (linear(0.9), 13)})

@@ -18,7 +18,7 @@ communication per step against 2 Psi: the ZeRO paper, Rajbhandari et al. 2020, s
 cannot beat them. An OOM probe is no evidence of slowness: it caps the stage below
 that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's
 largest runnable mbs below it). A probe that loses within the runs' noise is re-measured with the
-point it lost to before the stage is given up. Each stage's outcome is a :class:`StageDecision`
+best point it lost to (and the best stage's point at the probe's mbs) before the stage is given up. Each stage's outcome is a :class:`StageDecision`
 with a human reason beside it. Nothing here launches anything.
 """
 from __future__ import annotations
@@ -135,12 +135,13 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                     cap = probe_mbs - 1
             if (confirm is not None and probe.ok and not objective.better(probe.metric, best[1].metric)
                     and within_noise(objective.gain(probe.metric, best[1].metric), probe, best[1], threshold)):
-                # one run decides nothing: re-measure the probe and what it lost to, then compare pooled
-                # (at equal mbs where the best stage ran there; an OOM there is no point to re-measure)
+                # one run decides nothing: re-measure the probe and what it lost to, then compare pooled:
+                # the best point itself, and the best stage's point at equal mbs where it ran there (an
+                # OOM there is no point to re-measure); a lucky best is what a lost probe most often meets
                 at_same = best_trace.get(probe_mbs)
-                ref_mbs = probe_mbs if at_same is not None and at_same.ok else best[1].mbs
+                refs = sorted({best[1].mbs} | ({probe_mbs} if at_same is not None and at_same.ok else set()))
                 result.trace.update(confirm(stage, [probe_mbs]))
-                best_trace.update(confirm(best[0], [ref_mbs]))
+                best_trace.update(confirm(best[0], refs))
                 probe, best = result.trace.get(probe_mbs), (best[0], best_trace.best(objective))
             if not (probe.ok and objective.better(probe.metric, best[1].metric)):
                 result.decision = StageDecision.PROBED
