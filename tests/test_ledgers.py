@@ -85,6 +85,9 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # (17 OOMs, and scenario 21's ZeRO-1 at mbs 30, which had fit).
 # Then (session 8): a stage probe that loses within the noise re-measures the best point it lost to, not only the
 # best stage's point at the probe's mbs (zerotune.strategy.stages): scenario 0 runs one replica more.
+# Then (session 8): the gas phase first runs the best mbs's global batch split in two (half the mbs at twice the
+# gas) where a measured mbs from that half up ties the best (zerotune.strategy.tuning, Strategy.tune_gas):
+# scenarios 0 and 33 run it (it loses on the simulator, whose throughput only rises with mbs); the same answers.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -105,6 +108,7 @@ PINS = {
             (2, 14, 1, 'ok'),
             (2, 30, 1, 'ok'),
             (3, 31, 1, 'ok'),
+            (2, 14, 2, 'ok'),
             (2, 29, 2, 'ok'),
         ],
         'decisions': [(0, 'explored', 'plateau'), (1, 'probed', ''), (2, 'explored', 'plateau'), (3, 'probed', '')],
@@ -181,6 +185,7 @@ PINS = {
             (3, 15, 1, 'ok'),
             (3, 9, 1, 'ok'),
             (3, 16, 1, 'ok'),
+            (3, 7, 2, 'ok'),
             (3, 15, 2, 'ok'),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau')],

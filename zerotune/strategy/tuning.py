@@ -10,8 +10,9 @@ memory model were right. The run is a pure function of the outcomes it is told:
    model (:class:`~zerotune.model.memory.MemoryModel`), calibrated on CPU to the run's peak.
 2. **Stages and mbs** (:func:`~zerotune.strategy.stages.explore_stages`): per stage, the memory
    model's largest fitting mbs, then the progressive stage rule and the mbs search.
-3. **Gas** (where the batch semantics allow it, :mod:`zerotune.strategy.batch`): gradient
-   accumulation steps at the best stage's best mbs.
+3. **Gas** (where the batch semantics allow it, :mod:`zerotune.strategy.batch`): the best stage's
+   best mbs's global batch split in two (half the mbs, twice the gas), then gradient accumulation
+   steps at that best mbs.
 4. **Knobs** (``"fast": false``): for the best stage, and another within :data:`KNOB_STAGE_MARGIN`
    of it, at its best mbs and gas, the stage's tuning space walked by the configured tuner in batches as
    large as the slots can run at once.
@@ -40,7 +41,7 @@ from zerotune.model.online import corrected
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
-from zerotune.strategy.mbs import Point
+from zerotune.strategy.mbs import Point, within_noise
 from zerotune.strategy.stages import StageDecision, StagePlan, StageResult, explore_stages
 from zerotune.strategy.tuners import make_tuner
 
@@ -106,7 +107,7 @@ class Strategy:
         self.parallel = max(1, parallel)
         self.log = log or (lambda line: None)
         self.result = StrategyResult()
-        self.best_gas: dict[int, int] = {}  # stage -> gas better than the batch semantics' own (gas phase)
+        self.best_batch: dict[int, tuple[int, int]] = {}  # stage -> (mbs, gas) better than its mbs search's best
         self._done: dict[str, Experiment] = {}
 
     def run(self) -> StrategyResult:
@@ -315,25 +316,57 @@ class Strategy:
 
     # -- 3. gas -------------------------------------------------------------------------------------
     def tune_gas(self) -> None:
-        """Gas at the best stage's best mbs: the config's list of gas values (each tried), or a
-        doubling ladder within ``max_train_batch_size`` that stops at a plateau or a failure."""
+        """Gas at the best stage's best mbs ``m`` (where the batch semantics search it): first ``m``'s
+        global batch split in two (``m // 2`` at twice the gas, :meth:`BatchSemantics.gas_split`), then
+        the config's list of gas values at ``m`` (each tried), or a doubling ladder within
+        ``max_train_batch_size`` that stops at a plateau or a failure."""
         tops = self.knob_stages()[:1]
         if not tops:
             return
         stage, point = tops[0]
-        ladder = self.job.batch.gas_ladder(point.mbs)
-        if ladder:
-            self.log(f"gas phase ZeRO stage {stage} at mbs={point.mbs}: gas {ladder}")
+        batch = self.job.batch
+        split = batch.gas_split(point.mbs, lo=self.job.min_mbs)
+        ladder = batch.gas_ladder(point.mbs)
+        if split or ladder:
+            self.log(f"gas phase ZeRO stage {stage} at mbs={point.mbs}: "
+                     + "; ".join(([f"mbs {split[0]} at gas {split[1]} (the same global batch)"] if split else [])
+                                 + ([f"gas {ladder}"] if ladder else [])))
         best = point.metric
+        evidence = self.split_evidence(stage, split[0], point) if split else None
+        if split and evidence is None:
+            self.log(f"gas phase: mbs {split[0]} at gas {split[1]} not tried: no mbs from {split[0]} up to "
+                     f"{point.mbs} measured within the noise of mbs {point.mbs} (the throughput still climbs there)")
+            split = None
+        if split:
+            (exp,) = self.evaluate([self.builder.mbs_experiment(stage, *split)])
+            if exp.status == Status.OK and self.job.objective.better(exp.metric, best):
+                best = exp.metric
+                self.best_batch[stage] = split
         for gas in ladder:
             (exp,) = self.evaluate([self.builder.mbs_experiment(stage, point.mbs, gas)])
             if exp.status == Status.OK and self.job.objective.better(exp.metric, best):
                 gain, best = self.job.objective.gain(exp.metric, best), exp.metric
-                self.best_gas[stage] = gas
+                self.best_batch[stage] = (point.mbs, gas)
             else:
                 gain = None
-            if self.job.batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
+            if batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
                 break
+
+    def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
+        """The measured point that makes the split worth a run, or None. With throughput rising with mbs,
+        a point measured in ``[half, point.mbs)`` bounds the throughput at ``half`` from above; where the
+        smallest such point ties the best within the runs' noise (:func:`~zerotune.strategy.mbs.within_noise`),
+        the larger micro-batch bought nothing measurable from ``half`` up, and the split may win (one
+        optimizer step per two micro-batches; on a CPU, activations that stay in cache). Without one
+        (the throughput still climbs, or nothing was measured there) the smaller micro-batch is the
+        slower one, and the split is not tried."""
+        trace = next(r.trace for r in self.result.stages if r.stage == stage)
+        between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
+        bound = min(between, key=lambda p: p.mbs, default=None)
+        if bound is not None and (not self.job.objective.better(point.metric, bound.metric) or within_noise(
+                self.job.objective.gain(bound.metric, point.metric), bound, point, PLATEAU_THRESHOLD)):
+            return bound
+        return None
 
     # -- 4. knobs -----------------------------------------------------------------------------------
     def knob_stages(self) -> list[tuple[int, Point]]:
@@ -353,11 +386,11 @@ class Strategy:
         fits = None if memory is None else (lambda c: memory.fits(c, self.job.device_memory_bytes)
                                             and self.host_fits(c))
         for stage, point in self.knob_stages():
-            gas = self.best_gas.get(stage)
-            candidates = self.builder.knob_space(stage, point.mbs, fits, gas=gas)
+            mbs, gas = self.best_batch.get(stage, (point.mbs, None))
+            candidates = self.builder.knob_space(stage, mbs, fits, gas=gas)
             fitting = sum(c.fits for c in candidates)
-            self.result.knob_phases.append(KnobPhase(stage, point.mbs, len(candidates), fitting))
-            self.log(f"knob phase ZeRO stage {stage} at mbs={point.mbs}" + (f", gas={gas}" if gas else "")
+            self.result.knob_phases.append(KnobPhase(stage, mbs, len(candidates), fitting))
+            self.log(f"knob phase ZeRO stage {stage} at mbs={mbs}" + (f", gas={gas}" if gas else "")
                      + f": {len(candidates)} configs, {fitting} fit the "
                      f"memory model; tuner {at.tuner_type}, at most {at.tuner_num_trials} trials")
             tuner = make_tuner(at.tuner_type, candidates, objective=self.job.objective, num_trials=at.tuner_num_trials,
