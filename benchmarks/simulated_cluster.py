@@ -24,8 +24,9 @@ tuner the noise-free throughput of the config it chose as a fraction of the opti
 experiments it launched (the profile run included) and the SIMULATED GPU-hours they took
 (duration × GPUs).
 
-Run: ``.venv/bin/python benchmarks/simulated_cluster.py`` (under a minute; ``--only 1 5`` runs some); raw results go to
-``benchmarks/results/simulated_cluster.json``.
+Run: ``.venv/bin/python benchmarks/simulated_cluster.py`` (under a minute; ``--only 1 5`` runs some; ``--seeds 6``
+pools six noise draws per scenario, the first the pinned one: one draw's worst case is one unlucky run); raw
+results go to ``benchmarks/results/simulated_cluster.json``.
 """
 from __future__ import annotations
 
@@ -147,8 +148,13 @@ def summarize_tuner(sim: Simulator, run: dict[str, Any], optimum: float) -> dict
     }
 
 
-def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL) -> dict[str, Any]:
-    sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5, noise_level=noise_level)
+SEED_STRIDE = 1000
+"""``--seeds K`` runs each scenario with seeds ``seed + SEED_STRIDE * k``, k = 0..K-1 (k = 0: the pinned draw)."""
+
+
+def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL, seed_offset: int = 0) -> dict[str, Any]:
+    sim = Simulator(sc.model, sc.cluster, seed=sc.seed + SEED_STRIDE * seed_offset, end_profile_step=5,
+                    noise_level=noise_level)
     hosts = [f"sim-node-{i}" for i in range(sc.cluster.num_nodes)]
     best_cfg, best_value, fitting = exhaustive_optimum(sim)
     with tempfile.TemporaryDirectory(dir=tmp_root) as zt_dir, tempfile.TemporaryDirectory(dir=tmp_root) as ds_dir:
@@ -162,9 +168,11 @@ def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL) 
             best_cfg, best_value, beyond = e.ds_config, value, e.name
     c = sc.cluster
     return {
-        "scenario": sc.name, "model": sc.model.name, "num_params": sc.model.num_params,
+        "scenario": sc.name + (f" (seed +{seed_offset})" if seed_offset else ""), "model": sc.model.name,
+        "num_params": sc.model.num_params,
         "gpus": c.num_gpus, "nodes": c.num_nodes, "device": c.device.name,
-        "device_memory_gib": c.device.memory_bytes / GiB, "interconnect": c.interconnect.name, "seed": sc.seed,
+        "device_memory_gib": c.device.memory_bytes / GiB, "interconnect": c.interconnect.name,
+        "seed": sc.seed + SEED_STRIDE * seed_offset,
         "optimum": {"config": describe(best_cfg), "stage": ZeroSettings.from_config(best_cfg).stage,
                     "mbs": ZeroSettings.from_config(best_cfg).mbs, "throughput": best_value,
                     "space_configs_that_fit": fitting,
@@ -267,6 +275,8 @@ def print_summary(s: dict[str, Any], rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", type=int, nargs="*", help="scenario numbers (1-based) to run")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="noise draws per scenario (default 1, the pinned one); the summary pools them all")
     ap.add_argument("--noise", type=float, nargs="*", default=[0.01, 0.05],
                     help="noise levels: log-normal sigma of the run-to-run factor and the per-step jitter")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "simulated_cluster.json"))
@@ -278,16 +288,17 @@ def main() -> None:
     print("SIMULATED cluster benchmark: an analytic model of DeepSpeed training steps, NOT measurements.")
     for level in args.noise:
         rows = []
-        for sc in scenarios:
-            rows.append(run_scenario(sc, tmp_root, level))
-            print(f"  [{time.time() - start:6.1f}s] noise {level:.0%} {sc.name}", file=sys.stderr)
+        for offset in range(args.seeds):
+            for sc in scenarios:
+                rows.append(run_scenario(sc, tmp_root, level, offset))
+                print(f"  [{time.time() - start:6.1f}s] noise {level:.0%} {sc.name} seed +{offset}", file=sys.stderr)
         print(f"\n=== noise level {level:.0%} (run-to-run and per-step log-normal sigma) ===\n")
         print_table(rows)
         s = summary(rows)
         print_summary(s, rows)
         results[f"{level:g}"] = {"summary": s, "scenarios": rows}
     elapsed = time.time() - start
-    print(f"\n{len(scenarios)} scenarios x {len(args.noise)} noise levels in {elapsed:.0f} s (wall time of this run; "
+    print(f"\n{len(scenarios)} scenarios x {args.seeds} seed(s) x {len(args.noise)} noise levels in {elapsed:.0f} s (wall time of this run; "
           f"the GPU-hours above are SIMULATED)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

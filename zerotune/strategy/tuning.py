@@ -192,6 +192,10 @@ class Strategy:
         hw = self._done[best].metric_rel_half_width if pooled[best].runs == 1 else None
         return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs)
 
+    def known_to_precision(self, exp: Experiment) -> bool:
+        """Whether one run's interval tells ``exp``'s metric to the target precision (:attr:`precision`)."""
+        return exp.metric_rel_half_width is not None and exp.metric_rel_half_width <= self.precision
+
     # -- re-measurements ----------------------------------------------------------------------------
     def runs_of(self, name: str) -> list[Experiment]:
         """The experiment ``name`` and its replicas, in the order they ran."""
@@ -236,8 +240,7 @@ class Strategy:
 
         close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]
         todo = [e for e in close if pooled[e.name].runs < 2]
-        imprecise = [e for e in close if pooled[e.name].runs < 2 and (e.metric_rel_half_width is None
-                                                                      or e.metric_rel_half_width > self.precision)]
+        imprecise = [e for e in close if pooled[e.name].runs < 2 and not self.known_to_precision(e)]
         if len(close) > 1 and todo and imprecise:
             self.log(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
                      + ", ".join(e.name for e in todo))
@@ -331,26 +334,50 @@ class Strategy:
             self.log(f"gas phase ZeRO stage {stage} at mbs={point.mbs}: "
                      + "; ".join(([f"mbs {split[0]} at gas {split[1]} (the same global batch)"] if split else [])
                                  + ([f"gas {ladder}"] if ladder else [])))
-        best = point.metric
         evidence = self.split_evidence(stage, split[0], point) if split else None
         if split and evidence is None:
             self.log(f"gas phase: mbs {split[0]} at gas {split[1]} not tried: no mbs from {split[0]} up to "
                      f"{point.mbs} measured within the noise of mbs {point.mbs} (the throughput still climbs there)")
             split = None
+        best = self._done[self.builder.mbs_experiment(stage, point.mbs).name]  # the mbs search's best config
         if split:
-            (exp,) = self.evaluate([self.builder.mbs_experiment(stage, *split)])
-            if exp.status == Status.OK and self.job.objective.better(exp.metric, best):
-                best = exp.metric
-                self.best_batch[stage] = split
+            best, _ = self.gas_candidate(stage, *split, best)
         for gas in ladder:
-            (exp,) = self.evaluate([self.builder.mbs_experiment(stage, point.mbs, gas)])
-            if exp.status == Status.OK and self.job.objective.better(exp.metric, best):
-                gain, best = self.job.objective.gain(exp.metric, best), exp.metric
-                self.best_batch[stage] = (point.mbs, gas)
-            else:
-                gain = None
+            best, gain = self.gas_candidate(stage, point.mbs, gas, best)
             if batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
                 break
+
+    def gas_candidate(self, stage: int, mbs: int, gas: int, best: Experiment) -> tuple[Experiment, float | None]:
+        """Run ``mbs`` at ``gas`` for ``stage`` against the gas phase's ``best`` so far; (the better of the
+        two, the candidate's gain over ``best`` on their pooled metrics; None: it did not run ok). A
+        difference within the runs' noise (:func:`~zerotune.strategy.mbs.within_noise`) where a one-run
+        side is not known to the target precision (:meth:`known_to_precision`) is not decided on that
+        run: the one-run side(s) are re-measured and the pooled metrics decide (two runs each known to
+        the precision that tie differ by about it, as in :meth:`confirm_answer`). A win is recorded in
+        :attr:`best_batch`."""
+        objective = self.job.objective
+        (exp,) = self.evaluate([self.builder.mbs_experiment(stage, mbs, gas)])
+        if exp.status != Status.OK or exp.metric is None:
+            return best, None
+
+        def compare() -> tuple[float, list[Experiment]]:
+            pooled = pooled_metrics(self.result.experiments)
+            a, b = pooled[exp.name], pooled[best.name]
+            points = [Point(e.mbs, Status.OK, p.value, p.runs, e.metric_rel_half_width if p.runs == 1 else None)
+                      for e, p in ((exp, a), (best, b))]
+            gain = objective.gain(a.value, b.value)
+            single = [e for e, p in ((exp, a), (best, b)) if p.runs < 2]
+            imprecise = any(p.runs < 2 and not self.known_to_precision(e) for e, p in ((exp, a), (best, b)))
+            return gain, single if imprecise and within_noise(gain, *points, PLATEAU_THRESHOLD) else []
+
+        gain, single = compare()
+        if single:  # one run decides nothing within the noise
+            self.remeasure(single)
+            gain, _ = compare()
+        if gain > 0:
+            self.best_batch[stage] = (mbs, gas)
+            return exp, gain
+        return best, gain
 
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
         """The measured point that makes the split worth a run, or None. With throughput rising with mbs,
