@@ -1,5 +1,8 @@
 """autotuning.arg_mappings: each experiment's config values as the script's own arguments."""
+import base64
+import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -121,3 +124,20 @@ def test_launch_command_passes_the_launched_configs_values(tmp_path):
     plain = LaunchSpec(script="train.py", script_args=("--deepspeed", "user.json", "--bs", "1"))
     assert launch_command(plain, Reservation((Node("localhost", (0,)),)), "/x.json", 1)[-4:] == [
         "--deepspeed", "/x.json", "--bs", "1"]
+
+
+def test_an_experiment_on_this_machine_starts_deepspeeds_node_launcher_with_the_runners_arguments():
+    spec = LaunchSpec(script="train.py", script_args=("--deepspeed_config", "user.json"))
+    here = Reservation((Node("localhost", (2, 3)),))
+    cmd = launch_command(spec, here, "/x.json", 29501, direct=True)
+    # what deepspeed/launcher/runner.py execs for a single-node run: the world as base64 JSON {host: slots}
+    assert cmd[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    assert cmd[4:11] == ["--world_info", "eyJsb2NhbGhvc3QiOiBbMiwgM119", "--master_addr", "127.0.0.1",
+                         "--master_port", "29501", "train.py"]
+    assert json.loads(base64.urlsafe_b64decode(cmd[5])) == {"localhost": [2, 3]}
+    # the line to paste, and any run on other hosts, go through the deepspeed runner
+    assert launch_command(spec, here, "/x.json", 29501)[1:5] == ["--include", "localhost:2,3", "--master_port", "29501"]
+    remote = dataclasses.replace(spec, hostfile="/hosts")
+    multi = launch_command(remote, Reservation((Node("worker-1", (0,)), Node("worker-2", (0,)))), "/x.json", 1,
+                           direct=True)
+    assert multi[1:4] == ["--hostfile", "/hosts", "--force_multi"]

@@ -126,13 +126,13 @@ if fault == "garbage_probe":  # the step probe's stream, garbled: binary, a wron
 '''
 
 LAUNCHER = r'''
-"""A stand-in for the deepspeed launcher: --include localhost:0,1 --master_port P SCRIPT ARGS."""
-import os, signal, subprocess, sys, time
+"""A stand-in for DeepSpeed's launch.py: --world_info B64 --master_addr A --master_port P SCRIPT ARGS."""
+import base64, json, os, signal, subprocess, sys, time
 
 args = sys.argv[1:]
-include, port = args[args.index("--include") + 1], args[args.index("--master_port") + 1]
+world, port = args[args.index("--world_info") + 1], args[args.index("--master_port") + 1]
 script_and_args = args[args.index("--master_port") + 2:]
-slots = [int(s) for s in include.split(":", 1)[1].split(",")]
+slots = json.loads(base64.urlsafe_b64decode(world))["localhost"]
 children = []
 for rank, slot in enumerate(slots):
     env = dict(os.environ, LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(len(slots)), MASTER_PORT=port,
@@ -170,7 +170,7 @@ import zerotune.deepspeed.launcher as launcher
 from zerotune import cli
 
 fake = sys.argv[1]
-launcher.deepspeed_launcher = lambda: [sys.executable, fake]
+launcher.node_launcher = lambda: [sys.executable, fake]
 if os.environ.get("STANDIN_TAKE_PORT"):  # the Nth launch gets a master port another process listens on
     import socket
     import zerotune.run.backends.local as local
@@ -528,8 +528,8 @@ def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
                           log=lines.append)
     ext = extensions.extensions_dir(tmp_path / "exps")
     import zerotune.deepspeed.launcher as launcher
-    original = launcher.deepspeed_launcher
-    launcher.deepspeed_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
+    original = launcher.node_launcher
+    launcher.node_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
     try:
         # 'holder' takes the lock and is killed at its timeout, mid-"build"; 'waiter' runs beside it,
         # waits on the lock and times out too: its error names the lock
@@ -541,7 +541,7 @@ def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
         # the next batch: nothing runs, so the lock is stale: removed, said, and the run loads
         (after,) = scheduler.run([waiter])
     finally:
-        launcher.deepspeed_launcher = original
+        launcher.node_launcher = original
     assert holder.status is Status.TIMEOUT
     assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
     assert after.status is Status.OK and after.metric == 10.0
@@ -556,8 +556,8 @@ def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
     scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=1)), tmp_path / "exps")
     ext = extensions.extensions_dir(tmp_path / "exps")
     import zerotune.deepspeed.launcher as launcher
-    original = launcher.deepspeed_launcher
-    launcher.deepspeed_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
+    original = launcher.node_launcher
+    launcher.node_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
 
     def lock_while_running(exp, event):  # a lock that appears once nothing could remove it, dated before the run
         if event == "start":
@@ -568,7 +568,7 @@ def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
     try:
         (done,) = scheduler.run([Experiment("waiter", {"stand_in": "waits"})])
     finally:
-        launcher.deepspeed_launcher = original
+        launcher.node_launcher = original
     assert done.status is Status.TIMEOUT
     assert done.error.startswith(f"killed after the 1.5 s timeout; {ext / 'fused_adam' / 'lock'} was there before "
                                  f"it started: a torch extension lock left by a killed process"), done.error

@@ -4,6 +4,7 @@ The tests marked e2e start Ray once for the module (``ray.init`` in this process
 127.0.0.1) and are skipped when Ray is not installed (``pip install 'zerotune[ray]'``; ``make setup``
 installs it). The missing-Ray error is checked without Ray, in the fast suite.
 """
+import base64
 import json
 import os
 import shutil
@@ -178,11 +179,11 @@ def test_experiment_runs_in_a_placement_group_and_leaves_nothing(ray_cluster, tm
     assert done.peak_memory_bytes and done.peak_memory_bytes > 50 * 2**20  # measured on the node, per rank
     record = json.loads((exp_dir / "exp.json").read_text())
     assert record["status"] == "ok" and record["metric"] == done.metric
-    # The launcher ran on the GPUs Ray granted the bundle: Ray set CUDA_VISIBLE_DEVICES in its
-    # actor and the launcher, given --include, says it ignores it.
+    # The launcher ran on the GPUs Ray granted the bundle: DeepSpeed's node launcher, given the node's
+    # world ({"localhost": [0, 1]}), sets the ranks' visible devices over the CUDA_VISIBLE_DEVICES Ray set
     cmd = (exp_dir / "cmd.txt").read_text()
-    assert cmd.startswith("DS_ACCELERATOR=cpu LOCAL_SIZE=2 ") and "--include localhost:0,1 " in cmd
-    assert "Detected VISIBLE_DEVICES=0,1 but ignoring it" in (exp_dir / "stdout.log").read_text()
+    assert cmd.startswith("DS_ACCELERATOR=cpu LOCAL_SIZE=2 ") and " -m deepspeed.launcher.launch --world_info " in cmd
+    assert json.loads(base64.urlsafe_b64decode(cmd.split("--world_info ")[1].split()[0])) == {"localhost": [0, 1]}
     assert not (exp_dir / ".zerotune_dispatch").exists()
 
     (group,) = [g for name, g in zerotune_groups(ray).items() if name.startswith(f"zerotune-{exp.name}-")]

@@ -59,7 +59,7 @@ class LocalBackend(Backend):
 
         port = free_port()
         env = launch_env(spec, reservation, probe_dir=exp_dir)
-        cmd = launch_command(spec, reservation, str(config_path), port)
+        cmd = launch_command(spec, reservation, str(config_path), port, direct=True)
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
         limit = spec.device_memory_bytes if spec.cpu else None
