@@ -159,6 +159,7 @@ def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL, 
     best_cfg, best_value, fitting = exhaustive_optimum(sim)
     with tempfile.TemporaryDirectory(dir=tmp_root) as zt_dir, tempfile.TemporaryDirectory(dir=tmp_root) as ds_dir:
         zt = run_zerotune(sim, Path(zt_dir), hosts)
+        sim.reset_runs()  # DeepSpeed's first run of a config draws what zerotune's first run of it drew
         ds = run_deepspeed(sim, Path(ds_dir), hosts)
     # configs a tuner ran outside the space (DeepSpeed's gas > 1) count when they are better
     beyond = None

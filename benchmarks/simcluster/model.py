@@ -60,7 +60,8 @@ Step time (:meth:`Simulator.step`), for ``gas`` micro-steps of ``mbs`` samples:
 - seeded noise, fresh on every run, as real runs vary: each run of a config draws a run-to-run
   log-normal factor on its step time (σ = ``noise_level``, 1% by default), and each step of each
   rank a log-normal jitter (the same σ); the k-th run of a config in a scenario draws the same
-  numbers whichever tuner runs it (seeded by scenario, config and k), so results repeat.
+  numbers whichever tuner runs it (seeded by scenario, config and k; :meth:`Simulator.reset_runs`
+  between tuners restarts k), so results repeat.
 
 DeepSpeed's own metrics (``engine._autotuning_exit``): ``latency`` = microseconds per global step
 (``gas`` micro-steps), ``throughput`` = ``train_batch_size / latency`` in samples/s,
@@ -537,6 +538,12 @@ class Simulator:
             k = self._runs[key] = self._runs.get(key, 0) + 1
         digest = hashlib.sha256(f"{self.seed}|{key}|{k}".encode()).digest()
         return random.Random(int.from_bytes(digest[:8], "big"))
+
+    def reset_runs(self) -> None:
+        """Forget how many times each config ran: call it between two tuners, so each one's k-th run of
+        a config draws the same noise (common random numbers), whatever the other tuner ran."""
+        with self._lock:
+            self._runs.clear()
 
     def streams(self, step: StepBreakdown, rng: random.Random, gas: int, peak_bytes: int,
                 extra_steps: int = 0) -> dict[int, list[dict[str, Any]]]:
