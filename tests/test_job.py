@@ -102,6 +102,9 @@ def test_gas_doubles_within_max_train_batch_size_or_once_without_it(tmp_path):
     assert build(tmp_path).batch.gas_ladder(4) == [2]  # no bound given: one doubling of the user's gas
     assert build(tmp_path, {"gradient_accumulation_steps": 3}).batch.gas_ladder(4) == [6]
     assert build(tmp_path, {"gradient_accumulation_steps": [1]}).batch.gas_ladder(4) == []  # held at 1
+    # null is unset, as DeepSpeed reads it (found by tests/test_fuzz.py: it raised a TypeError)
+    job = build(tmp_path, {"gradient_accumulation_steps": None})
+    assert job.batch.gas == 1 and job.batch.gas_ladder(4) == [2]
 
 
 def test_bad_batch_values_are_errors(tmp_path):

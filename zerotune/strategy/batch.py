@@ -70,7 +70,7 @@ class BatchSemantics:
         """
         mbs = user.get(MBS)
         mbs = _values(mbs, MBS, source) if isinstance(mbs, list) else None  # a single value is only a start
-        gas = _values(user.get(GAS, 1), GAS, source)
+        gas = _values(1 if user.get(GAS) is None else user[GAS], GAS, source)  # null: unset, as DeepSpeed reads it
         tbs = user.get(TBS)
         if tbs is not None and tbs != "auto":
             (tbs,) = _values(tbs, TBS, source, single=True)
