@@ -125,14 +125,16 @@ class Strategy:
         self.confirm_answer()
         return self.result
 
-    def evaluate(self, experiments: Sequence[Experiment], race: bool = True) -> list[Experiment]:
+    def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
+                 bar: float | None = None) -> list[Experiment]:
         """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes.
 
-        With ``race`` each new experiment races the incumbent (:meth:`bar`): a backend with a stop
-        rule may end it once it cannot beat it. Re-measurements do not race: they are run for precision.
+        With ``race`` each new experiment races the incumbent (``bar``, by default :meth:`bar`): a
+        backend with a stop rule may end it once it cannot beat it. Re-measurements do not race: they
+        are run for precision.
         """
         memory = self.result.memory
-        bar = self.bar() if race else None
+        bar = (bar if bar is not None else self.bar()) if race else None
         todo: dict[str, Experiment] = {}
         for exp in experiments:
             if exp.name not in self._done and exp.name not in todo:
@@ -343,20 +345,26 @@ class Strategy:
         if split:
             best, _ = self.gas_candidate(stage, *split, best)
         for gas in ladder:
-            best, gain = self.gas_candidate(stage, point.mbs, gas, best)
+            best, gain = self.gas_candidate(stage, point.mbs, gas, best, larger_batch=True)
             if batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
                 break
 
-    def gas_candidate(self, stage: int, mbs: int, gas: int, best: Experiment) -> tuple[Experiment, float | None]:
+    def gas_candidate(self, stage: int, mbs: int, gas: int, best: Experiment,
+                      larger_batch: bool = False) -> tuple[Experiment, float | None]:
         """Run ``mbs`` at ``gas`` for ``stage`` against the gas phase's ``best`` so far; (the better of the
         two, the candidate's gain over ``best`` on their pooled metrics; None: it did not run ok). A
         difference within the runs' noise (:func:`~zerotune.strategy.mbs.within_noise`) where a one-run
         side is not known to the target precision (:meth:`known_to_precision`) is not decided on that
         run: the one-run side(s) are re-measured and the pooled metrics decide (two runs each known to
-        the precision that tie differ by about it, as in :meth:`confirm_answer`). A win is recorded in
-        :attr:`best_batch`."""
+        the precision that tie differ by about it, as in :meth:`confirm_answer`). With ``larger_batch``
+        (a rung of the gas ladder: a larger global batch than ``best``'s, which changes the training
+        itself) only a win is re-measured: a loss within the noise is no evidence for the larger batch,
+        and the smaller one is kept without spending two runs on it; so the run races ``best``'s own
+        metric, not its pessimistic bound: it ends as soon as its optimistic bound cannot beat that. A
+        win is recorded in :attr:`best_batch`."""
         objective = self.job.objective
-        (exp,) = self.evaluate([self.builder.mbs_experiment(stage, mbs, gas)])
+        bar = self.pooled(best.name).value if larger_batch else None
+        (exp,) = self.evaluate([self.builder.mbs_experiment(stage, mbs, gas)], bar=bar)
         if exp.status != Status.OK or exp.metric is None:
             return best, None
 
@@ -371,7 +379,7 @@ class Strategy:
             return gain, single if imprecise and within_noise(gain, *points, PLATEAU_THRESHOLD) else []
 
         gain, single = compare()
-        if single:  # one run decides nothing within the noise
+        if single and not (larger_batch and gain <= 0):  # one run decides nothing within the noise
             self.remeasure(single)
             gain, _ = compare()
         if gain > 0:
