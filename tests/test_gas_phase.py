@@ -1,4 +1,4 @@
-"""The gas phase of zerotune.strategy.tuning.Strategy on known throughput curves (no launch).
+"""The gas phase and the answer of zerotune.strategy.tuning.Strategy on known throughput curves (no launch).
 
 A scripted ``evaluate`` gives each experiment the metric of a curve in (ZeRO stage, mbs, gas), known to
 ±1%, so the whole strategy (profile, stages, mbs search, gas phase) runs in milliseconds and its exact
@@ -20,15 +20,17 @@ GiB = 2**30
 
 
 def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=None,
-                 rel_half_width: float = 0.01) -> tuple[list[tuple[int, int, int]], Strategy]:
+                 rel_half_width: float = 0.01, fast: bool = True) -> tuple[list[tuple[int, int, int]], Strategy]:
     """Tune ZeRO stage 0 only, mbs 1..max_mbs, with ``curve(mbs, gas)`` as each run's samples/s
     (``first_runs``: (mbs, gas) -> the first run's samples/s instead, a noisy run), each known to
-    ``rel_half_width``; ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy)."""
+    ``rel_half_width``; ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy).
+    With ``fast`` False the knob phase runs too (every knob setting on the curve's value)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
                                   "zero_optimization": {"stage": 0},
-                                  "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": max_mbs}}))
+                                  "autotuning": {"enabled": True, "fast": fast,
+                                                 "max_train_micro_batch_size_per_gpu": max_mbs}}))
     job = Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
     ran = []
@@ -126,3 +128,18 @@ def test_a_split_that_loses_within_the_noise_on_an_imprecise_run_is_re_measured(
     # the mbs search (its runs imprecise, the fine pass runs), then the split and both sides re-measured
     assert ran[5:8] == [(0, 16, 2), (0, 16, 2), (0, 32, 1)]
     assert strategy.best_batch[0] == (16, 2)
+
+
+def test_with_fast_false_the_answer_is_reported_on_two_runs(tmp_path):
+    # throughput rising with mbs, every run known to ±1%: nothing ties, so nothing is re-measured before the
+    # answer; with "fast": false the answer, mbs 32 at gas 2, gets a second run all the same (its first run
+    # read 10% high: 704 samples/s for 640), and the pooled 672 is what the summary reports
+    curve = lambda mbs, gas: 10.0 * mbs * (2.0 if gas == 2 else 1.0)  # noqa: E731
+    ran, strategy = run_strategy(tmp_path, curve, first_runs={(32, 2): 704.0}, fast=False)
+    assert ran[-1] == (0, 32, 2) and ran.count((0, 32, 2)) == 2
+    answer = best_experiment(strategy.result.experiments, strategy.job.objective)
+    assert answer.name == "z0_gas2_tmbspg32" and strategy.pooled(answer.name).value == 672.0
+    assert strategy.result.experiments[-1].name == "z0_gas2_tmbspg32_r2"
+    # "fast": true: the answer stays on its one run
+    ran, strategy = run_strategy(tmp_path / "fast", curve, first_runs={(32, 2): 704.0})
+    assert ran.count((0, 32, 2)) == 1
