@@ -57,6 +57,8 @@ config_path = args[args.index("--deepspeed_config") + 1]
 config = json.load(open(config_path))
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 if "autotuning" not in config:  # the training 'zerotune run' starts with the optimal config
+    # what DeepSpeed's CPU comm leaves in /dev/shm, as below
+    open(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_{rank}", "wb").close()
     print(f"training rank {rank} pid {os.getpid()}", flush=True)
     time.sleep(float(os.environ.get("STANDIN_TRAIN_S", "0")))
     sys.exit(0)
@@ -680,13 +682,15 @@ def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(w
 
 @pytest.mark.e2e  # a real tuner process: about 6 s
 def test_zerotune_run_stopped_while_training_stops_the_training(work):
+    shm = shm_files()
     tuner = start_tuner(work, ["run", *tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")
     try:
         deadline = time.monotonic() + 60
-        while not [p for p in stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())]:
+        # both training ranks are up once each has made its shared-memory file (a port no experiment used)
+        while len(training_shm := shm_files() - shm - shm_left(work, shm)) < 2:
             assert time.monotonic() < deadline and tuner.poll() is None, tuner.communicate()[1][-3000:]
             time.sleep(0.1)
-        time.sleep(0.5)
+        assert [p for p in stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())]
         os.kill(tuner.pid, signal.SIGTERM)
         _, err = tuner.communicate(timeout=60)
     finally:
@@ -696,6 +700,10 @@ def test_zerotune_run_stopped_while_training_stops_the_training(work):
     assert tuner.returncode == 143, err[-3000:]
     assert "zerotune: interrupted (SIGTERM)" in err and "Traceback" not in err
     assert stand_in_processes(work) == []
+    # the training's shared-memory files are gone too (its master port is in the 'running:' line)
+    port = err.split("running")[1].split("--master_port ")[1].split()[0]
+    assert {name.rsplit("_", 2)[1] for name in training_shm} == {port}
+    assert shm_files() & training_shm == set()
 
 
 @pytest.mark.e2e

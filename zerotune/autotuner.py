@@ -30,7 +30,7 @@ from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
 from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
-from zerotune.run.processes import RUNNING_DIR, reap_orphans
+from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
 from zerotune.run.resources import Node, Reservation, SlotPool
 from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
@@ -254,12 +254,15 @@ class Autotuner:
 
         A stop signal (SIGINT, SIGTERM, SIGHUP) is passed on to the launcher as SIGTERM (DeepSpeed's
         launcher then stops its ranks), which gets 30 s before its process group is killed; then
-        :class:`Interrupted` is raised. The training never outlives zerotune.
+        :class:`Interrupted` is raised. The training never outlives zerotune, nor do the shared-memory
+        files DeepSpeed's CPU communication leaves on this machine for its master port
+        (:func:`~zerotune.run.processes.remove_shm_buffers`, as after every experiment).
         """
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")
         config_path = str((self.job.results_dir / "ds_config_optimal.json").resolve())
-        env, cmd = self._training_launch(config_path, master_port=free_port())
+        port = free_port()
+        env, cmd = self._training_launch(config_path, master_port=port)
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
         with _stop_signals_interrupt():
             proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
@@ -275,3 +278,5 @@ class Autotuner:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 raise
+            finally:
+                remove_shm_buffers(port)
