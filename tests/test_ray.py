@@ -79,6 +79,18 @@ def test_backend_ray_without_ray_installed_is_exit_2_naming_the_extra(tmp_path, 
     assert not (tmp_path / "res" / "exps").exists()  # nothing was launched
 
 
+def test_a_dry_run_with_backend_ray_does_not_import_ray(tmp_path):
+    # importing Ray reads its environment once per process: a dry run that imported it (tests/test_fuzz.py draws
+    # --backend ray) made this module's Ray head start on the machine's network address instead of 127.0.0.1
+    cfg = write_config(tmp_path / "ds.json")
+    code = ("import sys; from zerotune import cli; "
+            f"code = cli.main(['tune', '--dry-run', '--backend', 'ray', '--num_gpus', '2', '--device-memory', '3GiB', "
+            f"'--results-dir', {str(tmp_path / 'res')!r}, {SCRIPT!r}, '--deepspeed_config', {str(cfg)!r}]); "
+            "print(code, 'ray' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split()[-2:] == ["0", "False"], run.stderr[-3000:]
+
+
 def test_address_without_backend_ray_is_exit_2(tmp_path, capsys):
     cfg = write_config(tmp_path / "ds.json")
     code = cli.main(["tune", "--address", "127.0.0.1:6379", "--num_gpus", "2", "--device-memory", "3GiB", SCRIPT,

@@ -36,6 +36,7 @@ Ray is an optional dependency (``pip install 'zerotune[ray]'``), imported only w
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import socket
 import subprocess
@@ -54,7 +55,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run.slots import LOCALHOST, Node, Reservation
 
-__all__ = ["RayBackend", "import_ray"]
+__all__ = ["RayBackend", "import_ray", "require_ray"]
 
 DISPATCH_MARKER = ".zerotune_dispatch"  # written in exp_dir by the driver, checked by the node
 POLL_S = 0.5
@@ -74,6 +75,19 @@ def import_ray():
     return ray
 
 
+def require_ray() -> None:
+    """Check that Ray is installed without importing it: a dry run builds the backend and launches
+    nothing, and importing Ray costs seconds and reads its environment once, for the whole process
+    (a test that imports it later with its own environment would get the earlier one's).
+
+    Raises:
+        ConfigError: Ray is not installed (``pip install 'zerotune[ray]'``).
+    """
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--backend ray needs Ray, which is not installed; "
+                          "install it with: pip install 'zerotune[ray]'")
+
+
 class RayBackend(Backend):
     """Runs each experiment in a Ray placement group on a Ray cluster (see the module docstring).
 
@@ -91,11 +105,18 @@ class RayBackend(Backend):
     def __init__(self, spec: LaunchSpec, address: str | None = None):
         self.spec = spec
         self.address = address
-        self._ray = import_ray()
+        require_ray()
+        self._ray_module = None  # imported on first use (connect): a dry run never imports it
         self._cancelled = threading.Event()
         self._lock = threading.Lock()
         self._running: dict[str, Any] = {}  # experiment name -> its launcher actor
         self._remote_cache: tuple | None = None
+
+    @property
+    def _ray(self):
+        if self._ray_module is None:
+            self._ray_module = import_ray()
+        return self._ray_module
 
     def connect(self) -> None:
         """Connect this process to the Ray cluster, once (``run`` calls it; building the backend does
