@@ -255,8 +255,8 @@ class Strategy:
     def measure_answer_twice(self) -> None:
         """``"fast": false``: the answer is reported on at least two runs. One run's interval sees only the
         jitter of its own steps, not the run-to-run noise, and the answer is the run that read highest
-        among many (the winner's curse): on this machine one answer's single run read 9.9% over its own
-        re-measure (benchmarks/README.md, 2026-11-25). The answer, while it has one ok run, is re-measured;
+        among many (the winner's curse): on a 2-core CPU machine one answer's single run read 9.9% over
+        its re-measure (benchmarks/README.md, 2026-11-25). The answer, while it has one ok run, is re-measured;
         where the pooled metric then puts another one-run config first, that one is re-measured too (at
         most :data:`FINAL_CANDIDATES` configs)."""
         for _ in range(FINAL_CANDIDATES):
