@@ -30,8 +30,9 @@ How one experiment runs (``RayBackend.run``):
    logical GPUs (``ray start --head --num-gpus 2``) and run the ranks on CPU as the local backend
    does (``DS_ACCELERATOR=cpu``); the GPU ids then only count ranks.
 
-Ray is an optional dependency (``pip install 'zerotune[ray]'``), imported only when a
-``RayBackend`` is built.
+Ray is an optional dependency (``pip install 'zerotune[ray]'``): building a ``RayBackend`` checks
+that it is installed, and it is imported only when the backend first connects (a dry run never
+imports it).
 """
 from __future__ import annotations
 
