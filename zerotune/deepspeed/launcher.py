@@ -115,14 +115,13 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
     ``config_path`` (written before the launch) are passed as the script's arguments
     (:func:`zerotune.deepspeed.args.apply_arg_mappings`).
     """
-    multi = spec.hostfile and any(n.host != "localhost" for n in reservation.nodes)
-    if direct and not multi and [n.host for n in reservation.nodes] == ["localhost"]:
+    if direct and [n.host for n in reservation.nodes] == ["localhost"]:  # this machine alone
         world = json.dumps({"localhost": list(reservation.nodes[0].slots)}).encode()
         cmd = node_launcher() + ["--world_info", base64.urlsafe_b64encode(world).decode(), "--master_addr",
                                  "127.0.0.1", "--master_port", str(master_port), spec.script]
     else:
         cmd = deepspeed_launcher()
-        if multi:
+        if spec.hostfile and any(n.host != "localhost" for n in reservation.nodes):  # multi-node
             cmd += ["--hostfile", spec.hostfile, "--force_multi"]
         cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
     args = replace_config_arg(list(spec.script_args), config_path)

@@ -260,9 +260,8 @@ class Strategy:
         where the pooled metric then puts another one-run config first, that one is re-measured too (at
         most :data:`FINAL_CANDIDATES` configs)."""
         for _ in range(FINAL_CANDIDATES):
-            pooled = pooled_metrics(self.result.experiments)
             answer = best_experiment(self.result.experiments, self.job.objective)
-            if answer is None or pooled[answer.name].runs >= 2:
+            if answer is None or self.pooled(answer.name).runs >= 2:
                 return
             self.log(f"re-measuring the answer {answer.name}: one run does not show the run-to-run noise")
             self.remeasure([answer])

@@ -60,6 +60,7 @@ __all__ = ["RayBackend", "import_ray", "require_ray"]
 
 DISPATCH_MARKER = ".zerotune_dispatch"  # written in exp_dir by the driver, checked by the node
 POLL_S = 0.5
+INSTALL_HINT = "install it with: pip install 'zerotune[ray]'"
 
 
 def import_ray():
@@ -71,8 +72,7 @@ def import_ray():
     try:
         import ray
     except ImportError as e:
-        raise ConfigError(f"--backend ray needs Ray, which is not installed ({e}); "
-                          "install it with: pip install 'zerotune[ray]'") from None
+        raise ConfigError(f"--backend ray needs Ray, which is not installed ({e}); {INSTALL_HINT}") from None
     return ray
 
 
@@ -85,8 +85,7 @@ def require_ray() -> None:
         ConfigError: Ray is not installed (``pip install 'zerotune[ray]'``).
     """
     if importlib.util.find_spec("ray") is None:
-        raise ConfigError("--backend ray needs Ray, which is not installed; "
-                          "install it with: pip install 'zerotune[ray]'")
+        raise ConfigError(f"--backend ray needs Ray, which is not installed; {INSTALL_HINT}")
 
 
 class RayBackend(Backend):
