@@ -20,10 +20,12 @@ GiB = 2**30
 
 
 def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=None,
-                 rel_half_width: float = 0.01, fast: bool = True) -> tuple[list[tuple[int, int, int]], Strategy]:
+                 rel_half_width: float = 0.01, fast: bool = True,
+                 boundary_share: float | None = None) -> tuple[list[tuple[int, int, int]], Strategy]:
     """Tune ZeRO stage 0 only, mbs 1..max_mbs, with ``curve(mbs, gas)`` as each run's samples/s
     (``first_runs``: (mbs, gas) -> the first run's samples/s instead, a noisy run), each known to
-    ``rel_half_width``; ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy).
+    ``rel_half_width``, and each spending ``boundary_share`` of its step once per optimizer step
+    (None: not measured); ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy).
     With ``fast`` False the knob phase runs too (every knob setting on the curve's value)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
@@ -43,6 +45,7 @@ def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=Non
                 ran.append((exp.stage, exp.mbs, exp.gas))
                 exp.metric = first_runs[exp.mbs, exp.gas] if first else curve(exp.mbs, exp.gas)
                 exp.metric_rel_half_width = rel_half_width
+                exp.boundary_share = boundary_share
         return exps
 
     strategy = Strategy(job, evaluate)
@@ -72,6 +75,33 @@ def test_where_throughput_still_climbs_the_split_is_not_tried(tmp_path):
     # 16 ran at half the speed of 32: no split, only gas 2 at the best mbs
     assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2)]
     assert strategy.best_batch == {0: (32, 2)}
+
+
+def test_a_gas_rung_is_not_run_where_the_once_per_step_share_bounds_its_gain_under_the_threshold(tmp_path):
+    def climbing(mbs, gas):
+        return 10.0 * mbs * (1.02 if gas == 2 else 1.0)
+
+    # 1.9% of each step once per optimizer step: gas 2 gains at most 0.019 / 1.981 = 0.96%: not run
+    ran, strategy = run_strategy(tmp_path / "small", climbing, boundary_share=0.019)
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1)]
+    assert strategy.best_batch == {}
+    # 2.1%: at most 1.06%: the rung runs (and on this curve wins by 2%, more than the bound: a curve no run can give)
+    ran, strategy = run_strategy(tmp_path / "large", climbing, boundary_share=0.021)
+    assert ran[-1] == (0, 32, 2) and strategy.best_batch == {0: (32, 2)}
+
+
+def test_the_gain_of_doubling_gas_is_bounded_by_the_once_per_step_share():
+    from zerotune.strategy.batch import doubling_gain_bound
+    z0, z3 = {"zero_optimization": {"stage": 0}}, {"zero_optimization": {"stage": 3}}
+    # T = g F + B; gas 2g over g: 2 (g F + B) / (2 g F + B) - 1 = s / (2 - s)
+    assert doubling_gain_bound(0.02, z0) == 0.02 / 1.98
+    assert doubling_gain_bound(0.0002, z3) == 0.0002 / 1.9998
+    assert doubling_gain_bound(1.0, z0) == 1.0  # all once per step: gas 2 halves the time per sample
+    assert doubling_gain_bound(None, z0) is None
+    # ZeRO-1 reduces in the backward's gradient hooks under overlap_comm, where the probe does not time it
+    assert doubling_gain_bound(0.001, {"zero_optimization": {"stage": 1, "overlap_comm": True}}) is None
+    assert doubling_gain_bound(0.001, {"zero_optimization": {"stage": 1}}) == 0.001 / 1.999
+    assert doubling_gain_bound(0.001, {"zero_optimization": {"stage": 3, "overlap_comm": False}}) == 0.001 / 1.999
 
 
 def test_the_split_keeps_the_global_batch_and_honours_the_semantics():

@@ -91,6 +91,11 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # Then (session 9): with "fast": false the answer is re-measured while it has one run (Strategy.measure_answer_twice):
 # scenario 11 (stages 1-2) runs its answer once more; in scenario 16 the answer's second run drops it below another
 # ZeRO-3 knob setting, which is re-measured in turn and stays the answer.
+# Then (session 10): a gas-ladder rung is not run where the probe's once-per-step share (boundary_s: optimizer
+# step, boundary reduction) bounds its gain under the 1% plateau threshold (zerotune.strategy.batch,
+# doubling_gain_bound): the ZeRO-2/3 answers of scenarios 0, 11, 16 and 33 and the gas-doubling batch case run no
+# rung. The answers keep their stage and mbs; scenario 0's, 16's and 11's (stages 1-2, "fast": false) were at gas 2,
+# now gas 1. With "fast": false scenario 16's knob phase runs 9 launches fewer and scenario 11's (stages 1-2) 3 more.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -112,10 +117,9 @@ PINS = {
             (2, 30, 1, 'ok'),
             (3, 31, 1, 'ok'),
             (2, 14, 2, 'ok'),
-            (2, 29, 2, 'ok'),
         ],
         'decisions': [(0, 'explored', 'plateau'), (1, 'probed', ''), (2, 'explored', 'plateau'), (3, 'probed', '')],
-        'answer': (2, 29, 2, {'stage': 2}),
+        'answer': (2, 29, 1, {'stage': 2}),
     },
     (11, True, 'all'): {
         'ledger': [
@@ -136,7 +140,6 @@ PINS = {
             (3, 8, 1, 'ok'),
             (3, 4, 1, 'ok'),
             (3, 6, 1, 'ok'),
-            (3, 8, 2, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),
@@ -155,10 +158,9 @@ PINS = {
             (3, 2, 1, 'ok'),
             (3, 3, 1, 'ok'),
             (3, 4, 1, 'ok'),
-            (3, 5, 2, 'ok'),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'explored', 'boundary'), (2, 'probed', ''), (3, 'explored', 'cap')],
-        'answer': (3, 5, 2, {'stage': 3}),
+        'answer': (3, 5, 1, {'stage': 3}),
     },
     (21, True, 'all'): {
         'ledger': [
@@ -189,7 +191,6 @@ PINS = {
             (3, 9, 1, 'ok'),
             (3, 16, 1, 'ok'),
             (3, 7, 2, 'ok'),
-            (3, 15, 2, 'ok'),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau')],
         'answer': (3, 15, 1, {'stage': 3}),
@@ -206,23 +207,26 @@ PINS = {
             (2, 8, 1, 'ok'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
-            (2, 8, 2, 'ok'),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': False, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': False, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': False, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': False, 'contiguous_gradients': True}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 50000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 500000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 500000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 1000000000}),
-            (2, 8, 2, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
         ],
         'decisions': [(1, 'explored', 'plateau'), (2, 'explored', 'cap')],
-        'answer': (2, 8, 2, {'stage': 2, 'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
+        'answer': (2, 8, 1, {'stage': 2, 'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
     },
     (16, False, 'all'): {
         'ledger': [
@@ -238,27 +242,18 @@ PINS = {
             (3, 2, 1, 'ok'),
             (3, 3, 1, 'ok'),
             (3, 4, 1, 'ok'),
-            (3, 5, 2, 'ok'),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 1000000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 1000000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 1000000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
-            (3, 5, 2, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+            (3, 5, 1, 'ok'),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'explored', 'boundary'), (2, 'probed', ''), (3, 'explored', 'cap')],
-        'answer': (3, 5, 2, {'stage': 3, 'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
+        'answer': (3, 5, 1, {'stage': 3}),
     },
 }
 
@@ -275,7 +270,8 @@ def test_simulated_ledger_is_pinned(tmp_path, case):
 # Batch semantics (issue 10): the same SIMULATED scenario under each rule of zerotune.strategy.batch
 BATCH_PINS = {
     'fixed train_batch_size': {
-        'scenario': 11, 'overrides': {'train_batch_size': 64},
+        'scenario': 11,
+        'overrides': {'train_batch_size': 64},
         'ledger': [
             ('profile', 3, 1, 8, 'ok'),
             (0, 4, 2, 'ok'),
@@ -290,7 +286,8 @@ BATCH_PINS = {
         'answer': (2, 8, 1, {'stage': 2}),
     },
     'gas doubling': {
-        'scenario': 11, 'overrides': {'autotuning': {'max_train_batch_size': 512}},
+        'scenario': 11,
+        'overrides': {'autotuning': {'max_train_batch_size': 512}},
         'ledger': [
             ('profile', 3, 1, 1, 'ok'),
             (0, 4, 1, 'ok'),
@@ -309,13 +306,13 @@ BATCH_PINS = {
             (3, 8, 1, 'ok'),
             (3, 4, 1, 'ok'),
             (3, 6, 1, 'ok'),
-            (3, 8, 2, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),
     },
     'mbs and gas lists': {
-        'scenario': 11, 'overrides': {'train_micro_batch_size_per_gpu': [2, 4, 6], 'gradient_accumulation_steps': [1, 2]},
+        'scenario': 11,
+        'overrides': {'train_micro_batch_size_per_gpu': [2, 4, 6], 'gradient_accumulation_steps': [1, 2]},
         'ledger': [
             ('profile', 3, 2, 1, 'ok'),
             (0, 6, 1, 'oom'),

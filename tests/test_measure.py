@@ -49,6 +49,18 @@ def test_throughput_is_train_batch_size_over_the_mean_slowest_step_with_a_t_inte
     assert m.peak_bytes == {0: 3 * 2**30 + 6, 1: 2**30 + 6}
 
 
+def test_the_once_per_step_share_is_the_ranks_largest_boundary_time_over_the_mean_step():
+    streams = {rank: [dict(line, boundary_s=b) for line, b in zip(TWO_RANKS[rank], bs)]
+               for rank, bs in ((0, [0.5, 0.1, 0.010, 0.012, 0.011, 0.010]), (1, [0.4, 0.1, 0.014, 0.010, 0.009, 0.012]))}
+    m = measure(streams, OBJECTIVES["throughput"])
+    # steady steps 3-6: the larger of the two ranks' boundary_s, 0.014, 0.012, 0.011, 0.012 (mean 0.01225),
+    # over the mean slowest step_s 0.2125
+    assert m.boundary_share == pytest.approx(0.01225 / 0.2125, abs=1e-12)
+    assert measure(TWO_RANKS, OBJECTIVES["throughput"]).boundary_share is None  # a probe without boundary_s
+    streams[1][4].pop("boundary_s")  # one steady step of one rank lacks it: no share
+    assert measure(streams, OBJECTIVES["throughput"]).boundary_share is None
+
+
 def test_latency_is_the_mean_slowest_step_in_seconds():
     m = measure(TWO_RANKS, OBJECTIVES["latency"])
     assert m.value == m.mean_step_s == pytest.approx(0.2125, abs=1e-12)

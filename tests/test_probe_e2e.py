@@ -44,8 +44,11 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
         # for this model), which the resident high-water mark beside it leaves out.
         assert all(ln["peak_bytes"] >= ln["rss_peak_bytes"] + 1_500_000_000 for ln in lines), \
             [(ln["peak_bytes"], ln["rss_peak_bytes"]) for ln in lines]
+    for lines in streams.values():  # ZeRO-1 without overlap_comm: the boundary's reduction and optimizer step
+        assert all(0 < ln["boundary_s"] < ln["step_s"] for ln in lines[1:]), lines
     measured = measure(streams, OBJECTIVES["throughput"])
     assert (done.metric, done.metric_source) == (measured.value, "probe")
+    assert done.boundary_share == measured.boundary_share and 0 < measured.boundary_share < 1
     assert done.metric_rel_half_width == measured.rel_half_width and measured.steady_steps >= 2
     assert done.peak_memory_bytes == max(measured.peak_bytes.values())
     record = json.loads((exp_dir / "exp.json").read_text())
@@ -61,6 +64,9 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
 
 
 FAKE_ENGINE = '''
+import time
+
+
 class DeepSpeedEngine:
     global_rank = 3
 
@@ -69,6 +75,12 @@ class DeepSpeedEngine:
 
     def forward(self, x):
         return x
+
+    def backward(self, loss):
+        self.allreduce_gradients()  # as DeepSpeed's backward does, every micro-step
+
+    def allreduce_gradients(self):
+        time.sleep(0.03)  # as ZeRO-2/3's reduction epilogue, every micro-step: timed at the boundary only
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro + 1) % self.gas == 0
@@ -79,6 +91,9 @@ class DeepSpeedEngine:
         return 8
 
     def step(self):
+        if self.is_gradient_accumulation_boundary():
+            time.sleep(0.05)  # the optimizer step
+            self.allreduce_gradients()  # as DeepSpeed's step() may: timed with the step, not twice
         self.micro += 1
         if self.micro == 6:
             exit()  # as DeepSpeed's autotuning exit, inside the step
@@ -90,7 +105,7 @@ print("deepspeed imported at start-up:", "deepspeed" in sys.modules)
 from deepspeed.runtime.engine import DeepSpeedEngine
 engine = DeepSpeedEngine(gas=2, fail=sys.argv[1] == "fail")
 for _ in range(10):
-    engine.forward(1)
+    engine.backward(engine.forward(1))
     engine.step()
 '''
 
@@ -119,6 +134,10 @@ def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_break
         (3, 1, 2, 8), (3, 2, 2, 8), (3, 3, 2, 8)]  # step 3 ended in exit()
     assert all(ln["step_s"] > 0 and ln["peak_bytes"] > 0 for ln in lines)
     assert [b["t"] - a["t"] for a, b in zip(lines, lines[1:])] == [ln["step_s"] for ln in lines[1:]]
+    # once per optimizer step: the boundary backward's allreduce_gradients (0.03 s) and the boundary step()
+    # (0.05 s and its own allreduce_gradients, 0.03 s), not the other micro-step's allreduce_gradients (0.03 s)
+    assert all(0.11 <= ln["boundary_s"] < 0.14 for ln in lines), [ln["boundary_s"] for ln in lines]
+    assert all(ln["step_s"] >= ln["boundary_s"] + 0.03 for ln in lines[1:])
     assert (tmp_path / "chained").read_text() == "x"  # the user's sitecustomize ran too
 
     (tmp_path / "failing").mkdir()

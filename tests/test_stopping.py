@@ -287,7 +287,8 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
     # (SIMULATED scenario 25, GPT-13B on 64 A100-40GB; until session 8 scenario 3, whose finalists are now both
     # known to 2% after its gas phase re-measured its imprecise ties)
     exps, best, _, _ = tune_simulated(tmp_path / "noisy", 25, adaptive=True, noise_level=0.05)
-    assert [e.name for e in exps[-3:]] == ["z3_gas2_tmbspg16_fp1", "z3_gas1_tmbspg16_fp1_r2", "z3_gas1_tmbspg14_fp1_r2"]
+    # (no gas phase: ZeRO-3 spends 0.02% of its step once per optimizer step, so gas 2 could gain 0.01%)
+    assert [e.name for e in exps[-3:]] == ["z3_gas1_tmbspg17_fp1", "z3_gas1_tmbspg16_fp1_r2", "z3_gas1_tmbspg14_fp1_r2"]
     originals = {e.name: e for e in exps if not e.replica_of}
     assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.082, 0.005]
     # mbs 16's one run read 51.8 (±8.2%) against 14's 49.4; pooled, 16 falls to 47.7 and 14 is the answer
@@ -299,13 +300,15 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # the memory model corrected from that OOM puts mbs 15 and each higher stage's largest mbs over the budget, so
 # they are not launched (until 2026-11-25 they were: 15 ran and ended "cannot beat", the three higher stages
 # ran out of memory at 18-19). Each higher stage's probe at mbs 16 ties ZeRO-0's best and is re-measured with it
-# (mbs 14). The runs are start-up bound, so ending them a step or two early saves 2.9% of the GPU time.
+# (mbs 14). The runs are start-up bound, so ending them a step or two early saves 2.4% of the GPU time.
 # (Scenario 0 was pinned here until the memory model's session-6 changes, when its adaptive and plain runs came
 # to answers 1.3% apart.)
 PINNED_ADAPTIVE = [
     (0, 16, "oom", "exited"), (0, 8, "ok", "precise"), (0, 12, "ok", "precise"), (0, 14, "ok", "precise"),
     (1, 16, "ok", "precise"), (1, 16, "ok", "precise"), (0, 14, "ok", "precise"),
     (2, 16, "ok", "precise"), (2, 16, "ok", "precise"), (0, 14, "ok", "precise"),
-    (3, 16, "ok", "precise"), (3, 16, "ok", "precise"), (0, 14, "ok", "precise"), (0, 14, "ok", "precise"),
-]  # the gas phase (mbs 14 at gas 2); the finalists are known to 2%, so nothing more is re-measured
-PINNED_GPU_RATIO = 0.971
+    (3, 16, "ok", "precise"), (3, 16, "ok", "precise"), (0, 14, "ok", "precise"),
+]  # no gas phase: mbs 14 spends 1.8% of its step once per optimizer step (the all-reduce and the optimizer
+# step), so gas 2 could gain 0.92%, under the 1% plateau threshold (until 2026-11-25 it ran); the finalists
+# are known to 2%, so nothing more is re-measured
+PINNED_GPU_RATIO = 0.976

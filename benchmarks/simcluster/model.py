@@ -69,7 +69,9 @@ DeepSpeed's own metrics (``engine._autotuning_exit``): ``latency`` = microsecond
 
 What a run reports (:meth:`Simulator.run`): the step probe's stream for :data:`PROBE_RANKS` ranks
 (``probe.rank<R>.jsonl`` records, as :mod:`zerotune.probe` writes them: steps 1 to
-``end_profile_step + 1``, step 1 three times as long as warm-up), and DeepSpeed's ``metrics.json``
+``end_profile_step + 1``, step 1 three times as long as warm-up; ``boundary_s``, what the probe
+times once per step, is the exposed boundary communication plus the optimizer step, without
+ZeRO-1's reduction in the gradient hooks under ``overlap_comm``, with the step's noise), and DeepSpeed's ``metrics.json``
 from rank 0's steps ``start_profile_step..end_profile_step``.
 
 Duration of a simulated experiment (:meth:`Simulator.run`): start-up (launcher, NCCL rendezvous,
@@ -344,6 +346,7 @@ class StepBreakdown:
     flops_per_sample: float
     num_gpus: int
     latency_s: float
+    probed_boundary_s: float = 0.0  # once per step, as the step probe times it (boundary_s), times noise
 
     @property
     def throughput(self) -> float:
@@ -496,13 +499,14 @@ class Simulator:
         rs_calls = math.ceil(psi / z.reduce_bucket_size)
         reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter)
         last_bucket = z.reduce_bucket_size / psi
-        micro = boundary = 0.0
+        micro = boundary = hooks = 0.0
         if z.stage == 0:
             boundary = self._collective_s(grad_bytes, math.ceil(psi / STAGE0_ALLREDUCE_ELEMENTS), all_reduce=True)
         elif z.stage in (1, 2):
             exposed = self._exposed(reduce, bwd_window, last_bucket) if z.overlap_comm else reduce
             if z.stage == 1:
                 boundary += exposed
+                hooks = exposed if z.overlap_comm else 0.0  # in the backward's gradient hooks: not probed
             else:
                 micro += exposed
             boundary += self._collective_s(2 * psi, math.ceil(psi / z.allgather_bucket_size))
@@ -528,7 +532,7 @@ class Simulator:
         return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,
                              optimizer_s=optimizer, pressure=pressure, noise=noise,
                              samples=z.mbs * z.gas * n, flops_per_sample=m.flops_per_sample, num_gpus=n,
-                             latency_s=latency * noise)
+                             latency_s=latency * noise, probed_boundary_s=(boundary - hooks + optimizer) * noise)
 
     def rng(self, ds_config: dict[str, Any]) -> random.Random:
         """The noise of the next run of ``ds_config``: seeded by scenario, resolved config and how
@@ -557,10 +561,11 @@ class Simulator:
                 records = out.setdefault(rank, [])
                 t = records[-1]["t"] if records else 0.0
                 for i in range(first, last + 1):
-                    step_s = (step.latency_s * (WARMUP_STEP_FACTOR if i == 1 else 1.0)
-                              * rng.lognormvariate(0, self.noise_level))
+                    jitter = (WARMUP_STEP_FACTOR if i == 1 else 1.0) * rng.lognormvariate(0, self.noise_level)
+                    step_s = step.latency_s * jitter
                     t += step_s
-                    records.append({"rank": rank, "step": i, "t": t, "step_s": step_s, "micro_steps": gas,
+                    records.append({"rank": rank, "step": i, "t": t, "step_s": step_s,
+                                    "boundary_s": step.probed_boundary_s * jitter, "micro_steps": gas,
                                     "train_batch_size": step.samples, "peak_bytes": peak_bytes})
         return out
 

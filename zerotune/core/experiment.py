@@ -82,6 +82,7 @@ class Experiment:
     replica_of: str | None = None  # a re-measurement of this experiment (same config), pooled with it
     must_beat: float | None = None  # the bar set by the strategy: ended early once its interval is below it
     ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
+    boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
 
     @property
     def stage(self) -> int:

@@ -22,7 +22,11 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
    ``train_batch_size / m`` samples/s (global samples per optimizer step over seconds per step),
    latency = ``m`` s/step. FLOPS are not measured by the probe (:func:`measure` returns None and
    DeepSpeed's metric is used).
-4. **The uncertainty.** The relative half-width of the 95% Student-t confidence interval of
+4. **The once-per-step share.** Where the records carry ``boundary_s`` (the time spent in the work
+   done once per optimizer step: optimizer step, boundary gradient reduction), the mean over the
+   steady steps of the largest ``boundary_s`` among the ranks, over ``m``: the share of a step that a
+   larger gas amortizes (:attr:`Measurement.boundary_share`).
+5. **The uncertainty.** The relative half-width of the 95% Student-t confidence interval of
    ``m``: ``t(0.975, n - 1) * s / sqrt(n) / m`` with ``s`` the sample standard deviation of the
    ``n`` steady steps; None for fewer than 2 steady steps. Throughput, a function of ``m``, gets
    the same relative half-width (first order). The interval treats steps as independent, which
@@ -89,6 +93,9 @@ class Measurement:
         train_batch_size: global samples per optimizer step.
         slowest_rank_share: rank -> share of the steady steps on which it was the slowest.
         peak_bytes: rank -> its peak memory, bytes (:func:`peak_bytes`).
+        boundary_share: the share of the mean step spent in the work done once per optimizer step
+            (the probe's ``boundary_s``, step 4 of the module's method), 0..1; None when a steady step
+            lacks it on some rank.
     """
 
     value: float
@@ -99,6 +106,7 @@ class Measurement:
     train_batch_size: int
     slowest_rank_share: dict[int, float]
     peak_bytes: dict[int, int]
+    boundary_share: float | None = None
 
 
 def step_stats(streams: Streams) -> StepStats | None:
@@ -169,7 +177,18 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
     return Measurement(value=value, mean_step_s=mean, rel_half_width=_rel_half_width(steady, mean),
                        steady_steps=len(steady), warmup_steps=stats.warmup_steps, train_batch_size=batch or 0,
                        slowest_rank_share={rank: shares.count(rank) / len(shares) for rank in sorted(streams)},
-                       peak_bytes=peak_bytes(streams))
+                       peak_bytes=peak_bytes(streams),
+                       boundary_share=_boundary_share(streams, stats.steps[stats.warmup_steps:], mean))
+
+
+def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) -> float | None:
+    """Mean over ``steps`` of the largest ``boundary_s`` among the ranks, over ``mean_step_s``; None
+    when a step lacks it on a rank (a probe that did not record it)."""
+    per_rank = [{int(r["step"]): float(r["boundary_s"]) for r in records
+                 if isinstance(r.get("step"), int) and _number(r.get("boundary_s"))} for records in streams.values()]
+    if not steps or not per_rank or any(step not in times for times in per_rank for step in steps):
+        return None
+    return statistics.fmean(max(times[step] for times in per_rank) for step in steps) / mean_step_s
 
 
 def peak_bytes(streams: Streams) -> dict[int, int]:

@@ -125,7 +125,8 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     info with the probe's ``activation_saved_bytes`` when it wrote them) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
 
     The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
-    ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width``)
+    ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
+    ``boundary_share``)
     for throughput and latency when the streams hold a steady step on every rank; otherwise
     DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams as on the
     SIMULATED backend, too few steps). When the streams record peaks, ``peak_memory_bytes``
@@ -171,9 +172,11 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
         exp.metrics.update(read_model_shapes(exp_dir))
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
+    exp.boundary_share = None
     measured = early or (measure(streams, objective) if exp.metric is not None else None)
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
+        exp.boundary_share = measured.boundary_share
     if early is not None:
         exp.ended = ended.value
     elif exp.status is Status.OK:

@@ -12,7 +12,7 @@ which the script calls once per micro step. Whether a call is the gradient-accum
 is asked before the original ``step`` runs; after a boundary step returns, the rank appends one
 line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 
-    {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "micro_steps": 1,
+    {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 1,
      "train_batch_size": 8, "peak_bytes": 734003200}
 
 - ``step``: the optimizer step's index in this process, from 1.
@@ -21,6 +21,13 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
   script does between engine calls (data loading, logging) is in it. Step 1 is measured from the
   start of the engine's first forward call, so the time before it (the first batch's loading) is
   lost; step 1 holds first allocations and compilation anyway and is never steady state.
+- ``boundary_s``: the part of ``step_s`` spent in the work done once per optimizer step, at the
+  gradient-accumulation boundary: the boundary ``step()`` call (the optimizer step; ZeRO 1-2's
+  parameter all-gather; the gradient reduction where ``step()`` runs it) and the boundary
+  ``allreduce_gradients()`` call that ``backward()`` makes (ZeRO 0's all-reduce, ZeRO 1's reduction
+  without ``overlap_comm``, ZeRO 2-3's reduction epilogue), seconds. A larger gas amortizes this
+  part only (the tuner's bound on what doubling gas can gain); ZeRO-1's reduction in the backward
+  hooks (``overlap_comm``) is not in it.
 - ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps; 1 under
   the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
@@ -94,7 +101,7 @@ class _Probe:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "last", "file"}
+        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file"}
         self.first_forward: float | None = None
         self.failed = False
 
@@ -107,7 +114,8 @@ class _Probe:
     def state(self, engine) -> dict:
         s = self.engines.get(id(engine))
         if s is None:
-            s = self.engines[id(engine)] = {"step": 0, "micro": 0, "last": self.first_forward, "file": None}
+            s = self.engines[id(engine)] = {"step": 0, "micro": 0, "boundary": 0.0, "in_step": False,
+                                            "last": self.first_forward, "file": None}
         return s
 
     def record(self, engine, state: dict) -> None:
@@ -116,11 +124,12 @@ class _Probe:
         state["step"] += 1
         line = {"rank": _rank(engine), "step": state["step"], "t": t,
                 "step_s": t - state["last"] if state["last"] is not None else None,
-                "micro_steps": state["micro"], "train_batch_size": int(engine.train_batch_size())}
+                "boundary_s": state["boundary"], "micro_steps": state["micro"],
+                "train_batch_size": int(engine.train_batch_size())}
         line.update(_peaks(engine))
         if line["step"] >= _DataPeak.SAMPLED_STEPS and _DataPeak.running is not None:
             _DataPeak.running.stop()
-        state["last"], state["micro"] = t, 0
+        state["last"], state["micro"], state["boundary"] = t, 0, 0.0
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
         import json
@@ -234,7 +243,8 @@ def _device_peak(torch, engine) -> dict:
 
 
 def _install(module, probe: _Probe) -> None:
-    """Wrap ``DeepSpeedEngine.forward`` and ``DeepSpeedEngine.step`` of the engine module; in a CPU rank
+    """Wrap ``DeepSpeedEngine.forward``, ``DeepSpeedEngine.step`` and ``DeepSpeedEngine.allreduce_gradients``
+    (timed at the boundary: ``boundary_s``) of the engine module; in a CPU rank
     (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
     for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
     the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
@@ -270,15 +280,55 @@ def _install(module, probe: _Probe) -> None:
                 boundary = bool(self.is_gradient_accumulation_boundary())
             except Exception as e:  # noqa: BLE001 - the probe never breaks training
                 probe.fail("reading the engine before step", e)
+        start = time.monotonic()
+        if state is not None:
+            state["in_step"] = True
         try:
             result = step(self, *args, **kwargs)
         except SystemExit:  # DeepSpeed's autotuning exit, at the end of the step
+            _end_step(state, boundary, start)
             _record(probe, self, state, boundary)
             raise
+        except BaseException:
+            _end_step(state, False, start)
+            raise
+        _end_step(state, boundary, start)
         _record(probe, self, state, boundary)
         return result
 
     engine_cls.forward, engine_cls.step = probed_forward, probed_step
+    allreduce = getattr(engine_cls, "allreduce_gradients", None)
+    if allreduce is None:
+        return
+
+    @functools.wraps(allreduce)
+    def probed_allreduce(self, *args, **kwargs):
+        state = None
+        if not probe.failed:
+            try:
+                state = probe.state(self)
+                if state["in_step"] or not self.is_gradient_accumulation_boundary():
+                    state = None  # inside step(): timed with it; between boundaries: not once per step
+            except Exception as e:  # noqa: BLE001 - the probe never breaks training
+                probe.fail("reading the engine before allreduce_gradients", e)
+                state = None
+        start = time.monotonic()
+        try:
+            return allreduce(self, *args, **kwargs)
+        finally:
+            if state is not None:
+                state["boundary"] += time.monotonic() - start
+
+    engine_cls.allreduce_gradients = probed_allreduce
+
+
+def _end_step(state: dict | None, boundary: bool, start: float) -> None:
+    """After a ``step()`` call: add its time to ``boundary_s`` when it was the boundary's."""
+    import time
+    if state is not None:
+        state["in_step"] = False
+        if boundary:
+            state["boundary"] += time.monotonic() - start
 
 
 def _record_engine(probe: _Probe, engine) -> None:

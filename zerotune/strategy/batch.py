@@ -17,6 +17,11 @@ tuner may change depends on what the user's config says, as a practitioner expec
   activations stay in cache), and DeepSpeed's autotuner tries the same (its mbs below the largest
   runnable one take ``gas = largest // mbs``);
 - **a list of mbs values** in the config restricts the micro-batch search to those values.
+
+What a doubling of gas can gain is bounded by what it amortizes (:func:`doubling_gain_bound`): the
+step probe measures the work done once per optimizer step (``boundary_s``), and the ladder is not
+climbed where that bound is under the plateau threshold (ZeRO-2 and 3 reduce the gradients every
+micro-step, so there the optimizer step over the rank's partition is all a larger gas saves).
 """
 from __future__ import annotations
 
@@ -146,6 +151,35 @@ class BatchSemantics:
         if self.mbs_values is not None:
             line += f"; mbs from the config's list {list(self.mbs_values)}"
         return line
+
+
+def doubling_gain_bound(boundary_share: float | None, ds_config: dict[str, Any]) -> float | None:
+    """The most that doubling gas can gain in throughput, relative (0.01 = 1%), from a run of
+    ``ds_config`` whose step spends the share ``boundary_share`` (0..1, the probe's ``boundary_s`` over
+    ``step_s``: :attr:`zerotune.core.measure.Measurement.boundary_share`) in work done once per
+    optimizer step.
+
+    With ``T = g F + B`` seconds per step at gas ``g`` (``F`` per micro-step, ``B`` once per step),
+    samples per second at gas ``2g`` over those at ``g`` are ``2 (g F + B) / (2 g F + B)``, a gain of
+    ``B / (2 T - B) = s / (2 - s)`` with ``s = B / T`` (DeepSpeed's engine runs the boundary's gradient
+    reduction and the optimizer step once per ``gas`` micro-steps, ``engine.py`` ``allreduce_gradients``
+    and ``step``; ZeRO-2 and 3 reduce every micro-step). Everything else in a micro-step is unchanged
+    by gas, so this bounds the gain from above.
+
+    Returns None where the probe's share misses amortized work, and so cannot bound it: no share
+    measured, or ZeRO-1 with ``overlap_comm`` (its boundary reduction runs in the backward pass's
+    gradient hooks, ``zero/stage_1_and_2.py``, outside the calls the probe times).
+    """
+    if boundary_share is None:
+        return None
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0) or 0)
+    overlap = zero.get("overlap_comm")
+    overlap = stage == 3 if overlap is None else bool(overlap)  # DeepSpeed's default (zero/config.py)
+    if stage == 1 and overlap:
+        return None
+    share = min(max(boundary_share, 0.0), 1.0)
+    return share / (2 - share)
 
 
 def _values(value: Any, key: str, source: str, single: bool = False) -> list[int] | None:

@@ -41,6 +41,7 @@ from zerotune.model.memory import MemoryModel
 from zerotune.model.online import corrected
 from zerotune.model.profile import ModelInfo
 from zerotune.report.results import best_experiment
+from zerotune.strategy.batch import doubling_gain_bound
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
 from zerotune.strategy.mbs import Point, within_noise
@@ -342,7 +343,8 @@ class Strategy:
         """Gas at the best stage's best mbs ``m`` (where the batch semantics search it): first ``m``'s
         global batch split in two (``m // 2`` at twice the gas, :meth:`BatchSemantics.gas_split`), then
         the config's list of gas values at ``m`` (each tried), or a doubling ladder within
-        ``max_train_batch_size`` that stops at a plateau or a failure."""
+        ``max_train_batch_size`` that stops at a plateau or a failure, or before a rung that cannot gain
+        the plateau threshold (:meth:`gas_cannot_pay`)."""
         tops = self.knob_stages()[:1]
         if not tops:
             return
@@ -363,9 +365,29 @@ class Strategy:
         if split:
             best, _ = self.gas_candidate(stage, *split, best)
         for gas in ladder:
+            base = self._done.get(self.builder.mbs_experiment(stage, point.mbs, gas // 2).name)
+            if batch.gas_doubling and base is not None and self.gas_cannot_pay(base, gas):
+                break
             best, gain = self.gas_candidate(stage, point.mbs, gas, best, larger_batch=True)
             if batch.gas_doubling and (gain is None or gain < PLATEAU_THRESHOLD):
                 break
+
+    def gas_cannot_pay(self, base: Experiment, gas: int) -> bool:
+        """Whether the ladder's rung at ``gas`` is not worth a run, from ``base``, the same config at half
+        that gas: where throughput is tuned and ``base``'s runs measured the share of their step spent
+        once per optimizer step, the rung gains at most :func:`~zerotune.strategy.batch.doubling_gain_bound`
+        over ``base`` (and less over a better best); under :data:`PLATEAU_THRESHOLD` it would end the
+        ladder as a plateau even if it ran."""
+        if not self.job.objective.higher_is_better:
+            return False
+        shares = [e.boundary_share for e in self.runs_of(base.name) if e.boundary_share is not None]
+        bound = doubling_gain_bound(sum(shares) / len(shares) if shares else None, base.ds_config)
+        if bound is None or bound >= PLATEAU_THRESHOLD:
+            return False
+        self.log(f"gas phase: gas {gas} not tried: {base.name} spends {sum(shares) / len(shares):.1%} of its step "
+                 f"in the work done once per optimizer step (optimizer step, boundary gradient reduction), so "
+                 f"doubling gas gains at most {bound:.2%}, under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
+        return True
 
     def gas_candidate(self, stage: int, mbs: int, gas: int, best: Experiment,
                       larger_batch: bool = False) -> tuple[Experiment, float | None]:
