@@ -90,6 +90,16 @@ def test_a_gas_rung_is_not_run_where_the_once_per_step_share_bounds_its_gain_und
     assert ran[-1] == (0, 32, 2) and strategy.best_batch == {0: (32, 2)}
 
 
+def test_the_split_is_not_run_where_its_doubled_gas_can_gain_under_the_threshold(tmp_path):
+    # mbs 16 ties 32 (the split's evidence); at most 0.2% x 16 / 16 of a step once per optimizer step at mbs 16:
+    # twice the gas gains at most 0.1%: no split, and no gas 2 at mbs 32 either
+    ran, strategy = run_strategy(tmp_path / "small", cpu_like, boundary_share=0.002)
+    assert ran == [(0, 32, 1), (0, 16, 1)] and strategy.best_batch == {}
+    # 3%: up to 1.5%: both run, as without a measured share
+    ran, _ = run_strategy(tmp_path / "large", cpu_like, boundary_share=0.03)
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 16, 2), (0, 32, 2)]
+
+
 def test_the_gain_of_doubling_gas_is_bounded_by_the_once_per_step_share():
     from zerotune.strategy.batch import doubling_gain_bound
     z0, z3 = {"zero_optimization": {"stage": 0}}, {"zero_optimization": {"stage": 3}}

@@ -344,7 +344,7 @@ class Strategy:
         global batch split in two (``m // 2`` at twice the gas, :meth:`BatchSemantics.gas_split`), then
         the config's list of gas values at ``m`` (each tried), or a doubling ladder within
         ``max_train_batch_size`` that stops at a plateau or a failure, or before a rung that cannot gain
-        the plateau threshold (:meth:`gas_cannot_pay`)."""
+        the plateau threshold (:meth:`gas_cannot_pay`; the split likewise, :meth:`split_cannot_pay`)."""
         tops = self.knob_stages()[:1]
         if not tops:
             return
@@ -360,6 +360,8 @@ class Strategy:
         if split and evidence is None:
             self.log(f"gas phase: mbs {split[0]} at gas {split[1]} not tried: no mbs from {split[0]} up to "
                      f"{point.mbs} measured within the noise of mbs {point.mbs} (the throughput still climbs there)")
+            split = None
+        if split and self.split_cannot_pay(stage, *split, evidence):
             split = None
         best = self._done[self.builder.mbs_experiment(stage, point.mbs).name]  # the mbs search's best config
         if split:
@@ -378,16 +380,41 @@ class Strategy:
         once per optimizer step, the rung gains at most :func:`~zerotune.strategy.batch.doubling_gain_bound`
         over ``base`` (and less over a better best); under :data:`PLATEAU_THRESHOLD` it would end the
         ladder as a plateau even if it ran."""
-        if not self.job.objective.higher_is_better:
-            return False
-        shares = [e.boundary_share for e in self.runs_of(base.name) if e.boundary_share is not None]
-        bound = doubling_gain_bound(sum(shares) / len(shares) if shares else None, base.ds_config)
+        share = self.boundary_share(base)
+        bound = doubling_gain_bound(share, base.ds_config) if self.job.objective.higher_is_better else None
         if bound is None or bound >= PLATEAU_THRESHOLD:
             return False
-        self.log(f"gas phase: gas {gas} not tried: {base.name} spends {sum(shares) / len(shares):.1%} of its step "
-                 f"in the work done once per optimizer step (optimizer step, boundary gradient reduction), so "
-                 f"doubling gas gains at most {bound:.2%}, under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
+        self.log(f"gas phase: gas {gas} not tried: {base.name} spends {share:.1%} of its step in the work done "
+                 f"once per optimizer step (optimizer step, boundary gradient reduction), so doubling gas gains at "
+                 f"most {bound:.2%}, under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
         return True
+
+    def split_cannot_pay(self, stage: int, half: int, gas: int, evidence: Point) -> bool:
+        """Whether the split (``half`` at ``gas``, twice the search's gas) is not worth a run. It runs
+        ``half``'s micro-batches, which the mbs search bounds by ``evidence`` (with throughput rising with
+        mbs, :meth:`split_evidence`: no faster than the best), and gains over them at most what its doubled
+        gas amortizes (:func:`~zerotune.strategy.batch.doubling_gain_bound`). The share at ``half`` is at
+        most ``evidence``'s measured share times ``evidence.mbs / half`` (the once-per-step time is the
+        same, and a micro-step's time falls no faster than its mbs). Under :data:`PLATEAU_THRESHOLD` the
+        split can beat the best by no more than the noise, and a run would only add a chance of a lucky read."""
+        base = self._done.get(self.builder.mbs_experiment(stage, evidence.mbs).name)
+        share = self.boundary_share(base) if base is not None else None
+        if share is None or not self.job.objective.higher_is_better:
+            return False
+        share = min(1.0, share * evidence.mbs / half)
+        bound = doubling_gain_bound(share, base.ds_config)
+        if bound is None or bound >= PLATEAU_THRESHOLD:
+            return False
+        self.log(f"gas phase: mbs {half} at gas {gas} not tried: the mbs search measured mbs {evidence.mbs} no "
+                 f"faster than the best, and twice the gas at mbs {half} gains at most {bound:.2%} (at most "
+                 f"{share:.1%} of its step once per optimizer step), under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
+        return True
+
+    def boundary_share(self, exp: Experiment) -> float | None:
+        """The share of ``exp``'s step spent once per optimizer step (the probe's ``boundary_s``), the mean
+        over its runs that measured it; None where none did."""
+        shares = [e.boundary_share for e in self.runs_of(exp.name) if e.boundary_share is not None]
+        return sum(shares) / len(shares) if shares else None
 
     def gas_candidate(self, stage: int, mbs: int, gas: int, best: Experiment,
                       larger_batch: bool = False) -> tuple[Experiment, float | None]:
