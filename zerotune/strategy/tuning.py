@@ -381,8 +381,8 @@ class Strategy:
         over ``base`` (and less over a better best); under :data:`PLATEAU_THRESHOLD` it would end the
         ladder as a plateau even if it ran."""
         share = self.boundary_share(base)
-        bound = doubling_gain_bound(share, base.ds_config) if self.job.objective.higher_is_better else None
-        if bound is None or bound >= PLATEAU_THRESHOLD:
+        bound = self.doubling_bound_under_threshold(share, base)
+        if bound is None:
             return False
         self.log(f"gas phase: gas {gas} not tried: {base.name} spends {share:.1%} of its step in the work done "
                  f"once per optimizer step (optimizer step, boundary gradient reduction), so doubling gas gains at "
@@ -399,16 +399,22 @@ class Strategy:
         split can beat the best by no more than the noise, and a run would only add a chance of a lucky read."""
         base = self._done.get(self.builder.mbs_experiment(stage, evidence.mbs).name)
         share = self.boundary_share(base) if base is not None else None
-        if share is None or not self.job.objective.higher_is_better:
-            return False
-        share = min(1.0, share * evidence.mbs / half)
-        bound = doubling_gain_bound(share, base.ds_config)
-        if bound is None or bound >= PLATEAU_THRESHOLD:
+        share = None if share is None else min(1.0, share * evidence.mbs / half)
+        bound = self.doubling_bound_under_threshold(share, base)
+        if bound is None:
             return False
         self.log(f"gas phase: mbs {half} at gas {gas} not tried: the mbs search measured mbs {evidence.mbs} no "
                  f"faster than the best, and twice the gas at mbs {half} gains at most {bound:.2%} (at most "
                  f"{share:.1%} of its step once per optimizer step), under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
         return True
+
+    def doubling_bound_under_threshold(self, share: float | None, base: Experiment | None) -> float | None:
+        """:func:`~zerotune.strategy.batch.doubling_gain_bound` of ``share`` for ``base``'s config where
+        throughput is tuned and the bound is under :data:`PLATEAU_THRESHOLD`; else None."""
+        if base is None or not self.job.objective.higher_is_better:
+            return None
+        bound = doubling_gain_bound(share, base.ds_config)
+        return bound if bound is not None and bound < PLATEAU_THRESHOLD else None
 
     def boundary_share(self, exp: Experiment) -> float | None:
         """The share of ``exp``'s step spent once per optimizer step (the probe's ``boundary_s``), the mean
