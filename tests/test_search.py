@@ -118,6 +118,28 @@ def test_higher_stage_explored_when_memory_headroom_could_beat():
     assert results[1].trace.best(THROUGHPUT).mbs == 64
 
 
+def test_a_headroom_probe_slowed_at_its_memory_boundary_is_probed_again_at_the_best_mbs():
+    # stage 1 fits up to mbs 20, stage 0 up to 12; stage 1 is 10% faster at equal mbs, but at its largest mbs,
+    # 20, it runs under memory pressure (the allocator flushing near the device's capacity), at half speed
+    pressed = lambda m: 11.0 * m * (0.5 if m == 20 else 1.0)  # noqa: E731
+    evaluate, calls = stages({0: (lambda m: 10.0 * m, 12), 1: (pressed, 20)})
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 20)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    # stage 0: 12 runs, 24 fails, the bisection finds nothing between, halving to 6 does not pay; stage 1's
+    # probe at its own largest mbs reads 110 against 120, and the probe at stage 0's best mbs 132: explored
+    assert calls == [(0, 12), (0, 24), (0, 18), (0, 15), (0, 13), (0, 6), (1, 20), (1, 12),
+                     (1, 40), (1, 30), (1, 25), (1, 22), (1, 21), (1, 6)]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
+    assert results[1].reason == "probe at mbs=12 beat the best (132 > 120)"
+    assert results[1].trace.best(THROUGHPUT) == Point(12, Status.OK, 132.0)
+    # a probe at its own largest mbs that loses where it is not slowed is compared at equal mbs too, and given up
+    evaluate, calls = stages({0: (lambda m: 10.0 * m, 12), 1: (lambda m: 5.0 * m, 20)})
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 20)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    assert calls[6:] == [(1, 20), (1, 12)] and results[1].decision is StageDecision.PROBED
+    assert results[1].reason == "probe at mbs=12: ok 60 not better than ZeRO stage 0's 120 at mbs=12"
+
+
 def test_higher_stage_that_measures_faster_is_explored_from_its_probe():
     evaluate, calls = stages({0: (lambda m: 100 * m / (m + 1), 1000), 1: (lambda m: 120 * m / (m + 1), 1000)})
     results = explore_stages(evaluate, [StagePlan(0, 4), StagePlan(1, 4)], lo=1, hi=4, objective=THROUGHPUT,
