@@ -103,6 +103,9 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # zerotune.strategy.stages): scenario 21 now explores ZeRO-3 from that second probe and answers ZeRO-3 mbs 27 (was
 # ZeRO-1 mbs 27 at gas 2); scenarios 0 and 16 and the fixed-train_batch_size case run the second probe and keep
 # their answers.
+# Then (session 10): a best at the memory boundary (the next mbs failed) that ties the point below it precisely is
+# no plateau (zerotune.strategy.mbs, the fine pass): the gap below is bisected; scenario 11 (and its gas-doubling
+# batch case) runs 2 launches more, with stages 1-2 1 more; the same answers.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -143,10 +146,12 @@ PINS = {
             (2, 8, 1, 'ok'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
+            (2, 7, 1, 'ok'),
             (3, 9, 1, 'oom'),
             (3, 8, 1, 'ok'),
             (3, 4, 1, 'ok'),
             (3, 6, 1, 'ok'),
+            (3, 7, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),
@@ -224,6 +229,7 @@ PINS = {
             (2, 8, 1, 'ok'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
+            (2, 7, 1, 'ok'),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 500000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
@@ -323,10 +329,12 @@ BATCH_PINS = {
             (2, 8, 1, 'ok'),
             (2, 4, 1, 'ok'),
             (2, 6, 1, 'ok'),
+            (2, 7, 1, 'ok'),
             (3, 9, 1, 'oom'),
             (3, 8, 1, 'ok'),
             (3, 4, 1, 'ok'),
             (3, 6, 1, 'ok'),
+            (3, 7, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
         'answer': (3, 8, 1, {'stage': 3}),

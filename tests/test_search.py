@@ -319,6 +319,23 @@ def test_the_fine_pass_skips_the_gap_below_a_precise_plateau_only():
     assert run(0.05) == [32, 16, 24, 28, 30]
 
 
+def test_a_precise_tie_with_a_best_at_the_memory_boundary_is_no_plateau():
+    # 32 fits, 33 runs out of memory; at 32 the allocator flushes near the device's capacity, so 32 reads no
+    # more than 16, and the peak is between them
+    calls = []
+
+    def evaluate(ms):
+        calls.extend(ms)
+        return [Point(m, Status.OOM) if m > 32 else
+                Point(m, Status.OK, {32: 100.0, 16: 99.0}.get(m, 110.0 - abs(m - 28)), rel_half_width=0.015)
+                for m in ms]
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=32, objective=THROUGHPUT, num_fine=3, precision=0.02)
+    # 64 fails, the bisection finds nothing between 32 and 64 that runs, halving to 16 does not pay; the tie of
+    # 32 and 16 (known to 1.5%, 1% apart) is bisected all the same: 24, then 28 (110) and 20
+    assert calls == [32, 64, 48, 40, 36, 34, 33, 16, 24, 28, 20]
+    assert trace.best(THROUGHPUT).mbs == 28
+
+
 def test_no_headroom_where_the_best_stage_already_ran_a_larger_mbs():
     peak = lambda scale: (lambda m: scale * (100 - abs(m - 28) * 0.5))  # noqa: E731  (best at 28, not the cap)
     evaluate, calls = stages({0: (peak(1.0), 32), 1: (peak(0.9), 32), 2: (peak(0.9), 32), 3: (peak(0.8), 32)})

@@ -287,7 +287,9 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
 def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
                threshold: float = 0.01, precision: float | None = None) -> None:
     """Bisect the gaps next to the best mbs (above, and below unless the best and the point below it
-    are a precise plateau: :func:`_plateau`), up to ``budget`` experiments."""
+    are a precise plateau: :func:`_plateau`), up to ``budget`` experiments. A best at the memory
+    boundary (the next allowed mbs failed) is no end of a plateau: a step there can be slowed by the
+    allocator's flushes near the device's capacity, so a tie with the point below hides a peak between."""
     while budget > 0:
         best = trace.best(objective)
         below = [p.mbs for p in trace.ok_points if p.mbs < best.mbs]
@@ -295,7 +297,8 @@ def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective
         candidates = []
         if above:
             candidates.append(_middle(values, best.mbs, min(above)))
-        if below and not _plateau(trace.get(max(below)), best, threshold, precision):
+        at_boundary = bool(above) and not trace.get(min(above)).ok and _middle(values, best.mbs, min(above)) is None
+        if below and (at_boundary or not _plateau(trace.get(max(below)), best, threshold, precision)):
             candidates.append(_middle(values, max(below), best.mbs))
         candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
         if not candidates:
