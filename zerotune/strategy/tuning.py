@@ -405,7 +405,8 @@ class Strategy:
             return False
         self.log(f"gas phase: mbs {half} at gas {gas} not tried: the mbs search measured mbs {evidence.mbs} no "
                  f"faster than the best, and twice the gas at mbs {half} gains at most {bound:.2%} (at most "
-                 f"{share:.1%} of its step once per optimizer step), under the {PLATEAU_THRESHOLD:.0%} plateau threshold")
+                 f"{share:.1%} of its step once per optimizer step), under the {PLATEAU_THRESHOLD:.0%} plateau "
+                 f"threshold")
         return True
 
     def doubling_bound_under_threshold(self, share: float | None, base: Experiment | None) -> float | None:
