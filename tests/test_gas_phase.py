@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from zerotune.core.experiment import ExperimentKind, Status
+from zerotune.core.measure import RUN_NOISE
 from zerotune.report.results import best_experiment
 from zerotune.run.resources import select_resources
 from zerotune.strategy.batch import BatchSemantics
@@ -17,6 +20,18 @@ from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.tuning import Strategy
 
 GiB = 2**30
+
+
+def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True) -> Job:
+    """A job tuning ZeRO stage 0 only, mbs 1..max_mbs, on 2 CPU ranks with 8 GiB each."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+                                  "zero_optimization": {"stage": 0},
+                                  "autotuning": {"enabled": True, "fast": fast,
+                                                 "max_train_micro_batch_size_per_gpu": max_mbs}}))
+    return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
 
 
 def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=None,
@@ -27,14 +42,7 @@ def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=Non
     ``rel_half_width``, and each spending ``boundary_share`` of its step once per optimizer step
     (None: not measured); ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy).
     With ``fast`` False the knob phase runs too (every knob setting on the curve's value)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
-                                  "zero_optimization": {"stage": 0},
-                                  "autotuning": {"enabled": True, "fast": fast,
-                                                 "max_train_micro_batch_size_per_gpu": max_mbs}}))
-    job = Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
-                    TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
+    job = make_job(tmp_path, max_mbs, gas, fast)
     ran = []
 
     def evaluate(exps):
@@ -183,3 +191,38 @@ def test_with_fast_false_the_answer_is_reported_on_two_runs(tmp_path):
     # "fast": true: the answer stays on its one run
     ran, strategy = run_strategy(tmp_path / "fast", curve, first_runs={(32, 2): 704.0})
     assert ran.count((0, 32, 2)) == 1
+
+
+def test_precise_finalists_are_re_measured_once_the_runs_show_a_run_to_run_noise_wider_than_the_precision(tmp_path):
+    # mbs 32 reads 103 and mbs 16 reads 100, each known to +-1% on its own steps: 3% apart
+    values = {"z0_gas1_tmbspg32": 103.0, "z0_gas1_tmbspg16": 100.0, "z0_gas1_tmbspg8": 80.0,
+              "z0_gas1_tmbspg8_r2": 88.0, "z0_gas1_tmbspg32_r2": 101.0, "z0_gas1_tmbspg16_r2": 100.0}
+    ran = []
+
+    def evaluate(exps):
+        for exp in exps:
+            ran.append(exp.name)
+            exp.status, exp.metric, exp.metric_rel_half_width = Status.OK, values[exp.name], 0.01
+        return exps
+
+    def strategy_with(path, mbs_values):
+        strategy = Strategy(make_job(path), evaluate)
+        strategy.evaluate([strategy.builder.mbs_experiment(0, m) for m in mbs_values])
+        return strategy
+
+    # with the assumed 1% run-to-run noise, two finalists known to +-2% tie at about the promised precision:
+    # a second run of each would not move the answer by more, so none is run
+    strategy = strategy_with(tmp_path / "assumed", [32, 16])
+    strategy.confirm_answer()
+    assert ran == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16"] and strategy.result.run_noise.sigma == RUN_NOISE
+    # mbs 8 ran twice, 80 then 88: the run-to-run noise reads 4.0% (test_results), so one run is not known to
+    # +-2% however narrow its own interval, and both finalists are re-measured (the best first)
+    ran.clear()
+    strategy = strategy_with(tmp_path / "measured", [32, 16, 8])
+    strategy.remeasure([strategy.result.experiments[-1]])
+    assert strategy.result.run_noise.sigma == pytest.approx(0.0397, abs=1e-4)
+    assert not strategy.known_to_precision(strategy.result.experiments[0])
+    strategy.confirm_answer()
+    assert ran[4:] == ["z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
+    answer = best_experiment(strategy.result.experiments, strategy.job.objective)
+    assert answer.name == "z0_gas1_tmbspg32" and strategy.pooled(answer.name).value == 102.0

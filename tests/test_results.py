@@ -1,7 +1,12 @@
 """The answer files and the summary: best experiment, cost, optimal config."""
+import math
+
+import pytest
+
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
-from zerotune.report.results import best_experiment, cost_line, device_seconds, render_table, table_text
+from zerotune.report.results import answer_text, best_experiment, cost_line, device_seconds, render_table, table_text
 
 THROUGHPUT = Objective.named("throughput")
 
@@ -53,3 +58,40 @@ def test_the_answer_is_the_best_pooled_metric_over_re_measurements():
     assert best_experiment(runs, THROUGHPUT) is steady
     text = table_text(render_table(runs, THROUGHPUT, elapsed_s=1800.0, launched=4))
     assert "12.6 (2 runs, spread 2%)" in text and "z1_gas1_tmbspg2 *" in text
+
+
+def test_the_answer_is_reported_with_the_run_to_run_noise_of_the_configs_run_twice():
+    # z1 mbs 4 ran twice, 10 and 11: on the log scale the deviations are +-ln(1.1)/2; each run's own +-1%
+    # explains (0.01 / 2) ** 2 of each, less a half for the pair's own mean: the runs give
+    # v = ln(1.1) ** 2 / 2 - 2.5e-05; with the 1% prior worth 2 degrees of freedom, sigma ** 2 = (2e-4 + v) / 3
+    slow, slow_again = exp("z1_gas1_tmbspg4", Status.OK, 10.0, 450.0), exp("z1_gas1_tmbspg4_r2", Status.OK, 11.0, 450.0)
+    slow_again.replica_of = slow.name
+    best = exp("z1_gas1_tmbspg8", Status.OK, 12.0, 450.0)
+    for e in (slow, slow_again, best):
+        e.metric_rel_half_width = 0.01
+    runs = [RUNS[0], slow, slow_again, best]
+    v = math.log(1.1) ** 2 / 2 - 2.5e-05
+    sigma = math.sqrt((2 * 0.01 ** 2 + v) / 3)
+    noise = run_noise(runs)
+    assert (noise.configs, noise.df) == (1, 1)
+    assert noise.measured == pytest.approx(math.sqrt(v)) and noise.sigma == pytest.approx(sigma)  # 6.7%, 3.97%
+    # the answer's one run, +-1% on its own steps, is what a run of it gives to +-sqrt(0.01 ** 2 + (2 sigma) ** 2)
+    assert mean_half_width([0.01], noise.sigma) == pytest.approx(math.sqrt(0.01 ** 2 + 4 * sigma ** 2))  # 8.0%
+    text = answer_text(runs, best, THROUGHPUT)
+    assert text.startswith("\nOptimal: z1_gas1_tmbspg8 (") and "throughput 12 ±8.0% samples/s (95%, mean of 1 run(s)" in text
+    assert "run-to-run noise: sigma 4.0%, from 1 config(s) run more than once (1 degree(s) of freedom; the runs " \
+           "alone give 6.7%)" in text
+
+
+def test_the_run_to_run_noise_is_assumed_until_a_config_runs_twice_and_never_below_the_floor():
+    assert run_noise(RUNS) == RunNoise(RUN_NOISE)  # one run each; the profile, a failure and an OOM count nothing
+    twice, again = exp("z1_gas1_tmbspg2", Status.OK, 12.0, 450.0), exp("z1_gas1_tmbspg2_r2", Status.OK, 12.0, 450.0)
+    again.replica_of = twice.name
+    failed = exp("z1_gas1_tmbspg2_r3", Status.FAILED, None, 450.0)
+    failed.replica_of = twice.name
+    noise = run_noise([twice, again, failed])
+    # two equal runs: the runs give 0, the prior alone sqrt(2e-4 / 3) = 0.8%, floored at 1%
+    assert noise == RunNoise(RUN_NOISE, configs=1, df=1, measured=0.0)
+    assert mean_half_width([0.01, 0.03], 0.01) == pytest.approx(math.sqrt((0.0005 + 0.0004) / 2))
+    with pytest.raises(ValueError):
+        mean_half_width([], 0.01)

@@ -233,6 +233,8 @@ class Autotuner:
         self.console.print(results.render_table(self.scheduler.history, self.job.objective, self.elapsed_s,
                                                 self.scheduler.launched, self._notes))
         if self.best is not None:
+            self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
+                               soft_wrap=True, markup=False)
             self.console.print(f"optimal config: {self.job.results_dir / 'ds_config_optimal.json'}\n"
                                f"command:        {(self.job.results_dir / 'cmd_optimal.txt').read_text().strip()}")
 

@@ -156,15 +156,17 @@ def _time_at(streams: Streams, step: int) -> float:
                 and not isinstance(r.get("t"), bool)), default=0.0)
 
 
-def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1) -> float:
+def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1,
+              run_noise: float = RUN_NOISE) -> float:
     """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%, pooled
     over ``runs`` runs): the incumbent's pessimistic bound with the run-to-run noise of a comparison,
     ``incumbent * (1 - n)`` where higher is better and ``incumbent * (1 + n)`` where lower is, with
-    ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise
-    (:data:`~zerotune.core.measure.RUN_NOISE`): the incumbent's interval and run term, and the racing
+    ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise ``run_noise``
+    (a relative standard deviation: :data:`~zerotune.core.measure.RUN_NOISE`, or the tuning's estimate,
+    :func:`~zerotune.core.measure.run_noise`): the incumbent's interval and run term, and the racing
     run's run term.
     A run ended below it (its optimistic bound, value times ``1 + hw``, under the bar) differs from the
     incumbent by more than their comparison noise, so the strategy's noise tests
     (:func:`zerotune.strategy.mbs.within_noise`) read it as a clear loss, not a tie to re-measure."""
-    n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * RUN_NOISE) ** 2 / max(1, runs) + (2 * RUN_NOISE) ** 2)
+    n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * run_noise) ** 2 / max(1, runs) + (2 * run_noise) ** 2)
     return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)

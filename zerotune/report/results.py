@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zerotune.core.experiment import Experiment, Status, write_json_atomic
-from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
@@ -127,6 +127,21 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
     return table
 
 
+def answer_text(experiments: Sequence[Experiment], best: Experiment, objective: Objective) -> str:
+    """The summary's answer lines: the optimal config, its metric over its runs with the interval of
+    what a run of it gives (its runs' own intervals and the run-to-run noise,
+    :func:`~zerotune.core.measure.mean_half_width`), and the run-to-run noise and where it comes from
+    (:func:`~zerotune.core.measure.run_noise`)."""
+    noise = run_noise(experiments)
+    runs = [e for e in experiments if (e.name == best.name or e.replica_of == best.name)
+            and e.status == Status.OK and e.metric is not None]
+    pooled = pooled_metrics(experiments)[best.name]
+    half_width = mean_half_width([e.metric_rel_half_width for e in runs], noise.sigma)
+    return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
+            f"{objective.name} {pooled.value:.4g} ±{half_width:.1%} {objective.unit} (95%, mean of {pooled.runs} "
+            f"run(s): each run's own interval and the run-to-run noise)\n{noise.describe()}\n")
+
+
 def _metric_text(pooled: Pooled, exp: Experiment) -> str:
     """``12.3 ±2%`` for one run with an interval, ``12.3 (2 runs, spread 4%)`` for a pooled one."""
     if pooled.runs > 1:
@@ -182,9 +197,7 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         config_path.unlink(missing_ok=True)
         cmd_path.unlink(missing_ok=True)
     else:
-        metric = _metric_text(pooled_metrics(experiments)[best.name], best)
-        text += (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
-                 f"{objective.name} {metric} {objective.unit}\n")
+        text += answer_text(experiments, best, objective)
         write_json_atomic(config_path, optimal_config(best))
         cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
     memory = memory_table(experiments)

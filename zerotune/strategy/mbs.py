@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Status
-from zerotune.core.measure import comparison_noise
+from zerotune.core.measure import RUN_NOISE, comparison_noise
 from zerotune.core.objective import Objective
 
 
@@ -49,6 +49,7 @@ class Point:
     metric: float | None = None
     runs: int = 1
     rel_half_width: float | None = None  # of one run's 95% interval (None: unknown, or pooled)
+    run_noise: float = RUN_NOISE  # the run-to-run noise (relative sigma) known when it was measured
 
     @property
     def ok(self) -> bool:
@@ -58,8 +59,10 @@ class Point:
 def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
     """Whether a relative difference ``gain`` between two measured points could be noise: smaller in
     size than their :func:`~zerotune.core.measure.comparison_noise` (each point's interval, an unknown
-    or pooled one counting as ``threshold``, plus the run-to-run noise, less for pooled points)."""
-    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold)
+    or pooled one counting as ``threshold``, plus the run-to-run noise, less for pooled points; the
+    larger of the two points' ``run_noise``)."""
+    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold,
+                                        run_noise=max(a.run_noise, b.run_noise))
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, comparison_noise, pooled_metrics
+from zerotune.core.measure import Pooled, RunNoise, comparison_noise, pooled_metrics, run_noise
 from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
@@ -84,6 +84,9 @@ class StrategyResult:
         stages: one :class:`StageResult` per candidate stage, ascending.
         knob_phases: the knob phases run (``"fast": false``).
         experiments: every distinct experiment evaluated, in the order asked, with its outcome.
+        run_noise: the run-to-run noise estimated from the configs run more than once
+            (:func:`~zerotune.core.measure.run_noise`), updated after every batch; every comparison of
+            runs counts it.
     """
 
     model_info: ModelInfo | None = None
@@ -91,6 +94,7 @@ class StrategyResult:
     stages: list[StageResult] = field(default_factory=list)
     knob_phases: list[KnobPhase] = field(default_factory=list)
     experiments: list[Experiment] = field(default_factory=list)
+    run_noise: RunNoise = field(default_factory=lambda: run_noise(()))
 
 
 class Strategy:
@@ -155,7 +159,16 @@ class Strategy:
             self._done[exp.name] = exp
             self.result.experiments.append(exp)
             self.correct_memory(exp)
+        if todo:
+            self.update_run_noise()
         return [self._done[e.name] for e in experiments]
+
+    def update_run_noise(self) -> None:
+        """Re-estimate the run-to-run noise from the runs so far (:attr:`StrategyResult.run_noise`); log a change."""
+        before, now = self.result.run_noise, run_noise(self.result.experiments)
+        self.result.run_noise = now
+        if now.df != before.df and round(now.sigma, 3) != round(before.sigma, 3):
+            self.log(now.describe())
 
     def _not_launched(self, exp: Experiment) -> None:
         """Record ``exp`` as out of memory without launching it: its estimate, from the memory model as
@@ -197,11 +210,15 @@ class Strategy:
         if best is None:
             return None
         hw = self._done[best].metric_rel_half_width if pooled[best].runs == 1 else None
-        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs)
+        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs,
+                         run_noise=self.result.run_noise.sigma)
 
     def known_to_precision(self, exp: Experiment) -> bool:
-        """Whether one run's interval tells ``exp``'s metric to the target precision (:attr:`precision`)."""
-        return exp.metric_rel_half_width is not None and exp.metric_rel_half_width <= self.precision
+        """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`): its
+        interval is that narrow, and the run-to-run noise it cannot show (``2 * sigma`` at 95%,
+        :attr:`StrategyResult.run_noise`) is no wider."""
+        return (exp.metric_rel_half_width is not None and exp.metric_rel_half_width <= self.precision
+                and 2 * self.result.run_noise.sigma <= self.precision * (1 + 1e-9))
 
     # -- re-measurements ----------------------------------------------------------------------------
     def runs_of(self, name: str) -> list[Experiment]:
@@ -242,7 +259,8 @@ class Strategy:
         def within_noise_of_top(e: Experiment) -> bool:
             gain = objective.gain(pooled[e.name].value, pooled[top.name].value)
             noise = comparison_noise([e.metric_rel_half_width, top.metric_rel_half_width],
-                                     [pooled[e.name].runs, pooled[top.name].runs], floor=PLATEAU_THRESHOLD)
+                                     [pooled[e.name].runs, pooled[top.name].runs], floor=PLATEAU_THRESHOLD,
+                                     run_noise=self.result.run_noise.sigma)
             return abs(gain) <= min(noise, FINAL_MARGIN)
 
         close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e)]
@@ -322,12 +340,16 @@ class Strategy:
 
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
-            return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width) for m, e in zip(mbs_values, done)]
+            sigma = self.result.run_noise.sigma
+            return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma)
+                    for m, e in zip(mbs_values, done)]
 
         def confirm(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             bases = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
             pooled = self.remeasure(bases)
-            return [Point(m, e.status, e.metric) if p is None else Point(m, Status.OK, p.value, p.runs)
+            sigma = self.result.run_noise.sigma
+            return [Point(m, e.status, e.metric, run_noise=sigma) if p is None
+                    else Point(m, Status.OK, p.value, p.runs, run_noise=sigma)
                     for m, e, p in zip(mbs_values, bases, pooled)]
 
         self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
@@ -445,8 +467,8 @@ class Strategy:
         def compare() -> tuple[float, list[Experiment]]:
             pooled = pooled_metrics(self.result.experiments)
             a, b = pooled[exp.name], pooled[best.name]
-            points = [Point(e.mbs, Status.OK, p.value, p.runs, e.metric_rel_half_width if p.runs == 1 else None)
-                      for e, p in ((exp, a), (best, b))]
+            points = [Point(e.mbs, Status.OK, p.value, p.runs, e.metric_rel_half_width if p.runs == 1 else None,
+                            run_noise=self.result.run_noise.sigma) for e, p in ((exp, a), (best, b))]
             gain = objective.gain(a.value, b.value)
             single = [e for e, p in ((exp, a), (best, b)) if p.runs < 2]
             imprecise = any(p.runs < 2 and not self.known_to_precision(e) for e, p in ((exp, a), (best, b)))
