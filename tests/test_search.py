@@ -231,6 +231,27 @@ def test_a_probe_that_loses_within_the_noise_is_re_measured_with_its_reference()
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
 
 
+def test_a_probe_that_wins_within_the_noise_is_re_measured_before_its_stage_is_searched():
+    # stage 1 at mbs 8 truly ties stage 0 (1% slower); its one run reads 1% faster (within the noise of two runs
+    # known to +-2%): re-measured with stage 0's best, the pooled metrics show the tie, and stage 1 is not searched
+    flat = lambda m: 100 * m / (m + 1)  # noqa: E731
+    calls, confirmed = [], []
+
+    def evaluate(stage, ms):
+        calls.extend((stage, m) for m in ms)
+        return [Point(m, Status.OK, flat(m) * (1.01 if stage else 1.0), rel_half_width=0.02) for m in ms]
+
+    def confirm(stage, ms):  # the pooled truth
+        confirmed.extend((stage, m) for m in ms)
+        return [Point(m, Status.OK, flat(m) * (0.99 if stage else 1.0), runs=2) for m in ms]
+
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 8)], lo=1, hi=8, objective=THROUGHPUT,
+                             num_fine=0, confirm=confirm)
+    assert calls == [(0, 8), (0, 4), (1, 8)] and confirmed == [(1, 8), (0, 8)]
+    assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED]
+    assert results[1].reason == "probe at mbs=8: ok 88 not better than ZeRO stage 0's 88.89 at mbs=8"
+
+
 def test_a_probe_that_loses_within_the_noise_to_a_lucky_best_re_measures_that_best_too():
     # stage 0's single run at mbs 7 read 6% high (95.0, truly 87.5); stage 1 (truly 5% faster) is probed at its
     # largest mbs, 9, OOMs, and runs at 8: 93.3, within the noise of the lucky 95.0. Re-measuring only stage 0's
