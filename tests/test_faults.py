@@ -474,18 +474,29 @@ def test_overwrite_removes_experiment_dirs_and_nothing_else(tmp_path):
 # --- the extension cache: never the machine's, a stale lock removed or named --------------------------
 
 
+def built_op(root: Path, name: str, torch_dir: str, deepspeed_dir: str | None = None) -> Path:
+    """A stand-in for an op torch built under ``root``: its library and a ``build.ninja`` naming the
+    install's include dirs as torch writes them (a DeepSpeed op: its sources under ``deepspeed/ops``)."""
+    op = root / name
+    op.mkdir(parents=True)
+    (op / f"{name}.so").write_bytes(b"\x7fELF")
+    ds = f"-I{deepspeed_dir}/ops/csrc/includes " if deepspeed_dir else ""
+    (op / "build.ninja").write_text(f"cflags = -DTORCH_EXTENSION_NAME={name} {ds}-isystem {torch_dir}/include\n"
+                                    + (f"build {name}.o: compile {deepspeed_dir}/ops/csrc/{name}.cpp\n" if ds else ""))
+    return op
+
+
 def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
+    here = ("/venv/site-packages/torch", "/venv/site-packages/deepspeed")
     machine = tmp_path / "machine_cache"
-    (machine / "fused_adam").mkdir(parents=True)
-    (machine / "fused_adam" / "fused_adam.so").write_bytes(b"\x7fELF")
+    built_op(machine, "fused_adam", *here)
     (machine / "fused_adam" / "lock").write_text("")  # stale, in the machine's cache
     os.utime(machine / "fused_adam" / "lock", (time.time() - 3600,) * 2)
-    (machine / "building").mkdir()
-    (machine / "building" / "building.so").write_bytes(b"")
+    built_op(machine, "building", *here)
     (machine / "building" / "lock").write_text("")  # fresh: a build in progress, not copied
     ext = extensions.extensions_dir(tmp_path / "exps")
-    assert extensions.seed(ext, machine) == ["fused_adam"]
-    assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["fused_adam.so"]  # no lock copied
+    assert extensions.seed(ext, [machine], install=here) == ["fused_adam"]
+    assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["build.ninja", "fused_adam.so"]  # no lock
     assert (ext / "fused_adam" / "fused_adam.so").stat().st_mtime == (machine / "fused_adam" / "fused_adam.so").stat().st_mtime
     from zerotune.deepspeed.launcher import launch_env
     from zerotune.run.slots import Node, Reservation
@@ -497,6 +508,38 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
                                                     probe_dir=tmp_path / "other" / "z0_gas1_tmbspg1")
     # the machine's big build outputs are hard-linked, never written through: a rebuild unlinks first
     assert (ext / "fused_adam" / "fused_adam.so").stat().st_ino == (machine / "fused_adam" / "fused_adam.so").stat().st_ino
+
+
+def test_an_op_another_install_built_is_built_once_then_seeded_from_zerotunes_own_cache(tmp_path):
+    here = ("/venv/site-packages/torch", "/venv/site-packages/deepspeed")
+    machine, own = tmp_path / "machine_cache", tmp_path / "zerotune_cache"
+    # the machine's cache was built by a venv at another path (CI's checkout): torch would rebuild both in a copy
+    built_op(machine, "deepspeed_shm_comm", "/ci/venv/site-packages/torch", "/ci/venv/site-packages/deepspeed")
+    built_op(machine, "fused_adam", here[0], "/ci/venv/site-packages/deepspeed")  # the same torch, another DeepSpeed
+    built_op(machine, "user_op", here[0])  # not DeepSpeed's: this torch's include dir is all it needs
+    assert [extensions.built_here(machine / op, here) for op in ("deepspeed_shm_comm", "fused_adam", "user_op")] == \
+        [False, False, True]
+    first = extensions.extensions_dir(tmp_path / "first" / "exps")
+    assert extensions.seed(first, [machine, own], install=here) == ["user_op"]
+    # the first tuning's experiments build the DeepSpeed ops; at its end they are kept in zerotune's own cache
+    built_op(first, "deepspeed_shm_comm", *here)
+    built_op(first, "fused_adam", *here)
+    (first / "fused_adam" / "lock").write_text("")  # still being built (or its build was killed): not kept
+    assert extensions.publish(first, own, machine, install=here) == ["deepspeed_shm_comm"]
+    assert extensions.publish(first, own, machine, install=here) == []  # kept already
+    (first / "fused_adam" / "lock").unlink()
+    assert extensions.publish(first, own, machine, install=here) == ["fused_adam"]
+    # the next results dir: seeded, nothing rebuilt; the machine's cache was never written
+    second = extensions.extensions_dir(tmp_path / "second" / "exps")
+    assert sorted(extensions.seed(second, [machine, own], install=here)) == ["deepspeed_shm_comm", "fused_adam",
+                                                                              "user_op"]
+    assert extensions.built_here(second / "fused_adam", here)
+    assert not extensions.built_here(machine / "fused_adam", here)
+    # zerotune's copy of an op another install built is replaced whole by this install's build
+    other = ("/other/torch", "/other/deepspeed")
+    assert extensions.publish(first, own, machine, install=other) == []
+    assert extensions.publish(second, own, machine, install=here) == []
+    assert extensions.built_here(own / "fused_adam", here) and not (own / ".fused_adam.old").exists()
 
 
 LOCK_WAITER = r'''

@@ -175,6 +175,7 @@ class Autotuner:
             try:
                 self.progress.start(started)
                 strategy.run()
+                extensions.publish(extensions.extensions_dir(job.exps_dir))  # built once per install, not per dir
             finally:
                 self.progress.stop()
                 self.elapsed_s = time.monotonic() - started
@@ -199,14 +200,20 @@ class Autotuner:
 
     def _prepare_extensions(self) -> None:
         """The experiments' own torch extension cache (:mod:`zerotune.deepspeed.extensions`): created,
-        seeded from the machine's built ops, cleared of locks (nothing of this tuner runs yet and
-        orphans are reaped); a stale lock in the machine's cache is reported by path."""
+        seeded from the ops this install built (the machine's cache, then zerotune's own), cleared of
+        locks (nothing of this tuner runs yet and orphans are reaped); an op the machine's cache holds
+        from another install, which the experiments will build, and a stale lock there are said."""
         try:
             self.job.exps_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"exps dir {self.job.exps_dir}: cannot create it: {e.strerror or e}") from None
         ext = extensions.extensions_dir(self.job.exps_dir)
         extensions.seed(ext)
+        machine = extensions.default_root()
+        for op in sorted(p.parent.name for p in machine.glob("*/build.ninja")
+                         if not (ext / p.parent.name).exists() and not extensions.built_here(p.parent)):
+            self._log(f"note: {machine / op} was built by another install (its build.ninja names other paths): the "
+                      f"experiments build it again, once (about a minute), and zerotune keeps that build")
         for lock in extensions.remove_stale_locks(ext):
             self._log(f"removed {lock}: a torch extension lock left by a killed process")
         old = time.time() - extensions.BUILD_S

@@ -11,20 +11,33 @@ from then on every DeepSpeed run on the machine that loads the op waits on it fo
 So zerotune's experiments never use the machine's cache: each exps dir has its own
 (:func:`extensions_dir`, ``<exps_dir>/.torch_extensions``), seeded from the machine's already-built
 ops (:func:`seed`, so nothing is rebuilt), and only this tuner's experiments load from it (the
-results-dir lock keeps a second tuner out). A lock there while none of its experiments runs can
+results-dir lock keeps a second tuner out).
+
+A built op is reusable only by the install that built it: torch rewrites the op's ``build.ninja``
+when the include and library paths it would write now differ (a venv moved or recreated, another
+venv), and ninja then rebuilds the op, about a minute per op on a 2-core machine. So an op is seeded
+only when its ``build.ninja`` names this install's torch and DeepSpeed (:func:`built_here`). Ops
+the experiments had to build themselves are kept in zerotune's own cache when the tuning ends
+(:func:`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
+next time, so they are built once per install, not once per results dir; the machine's cache is
+never written. A lock there while none of its experiments runs can
 only be left by a killed process: :func:`remove_stale_locks` removes it, and a run that timed out
 while a lock older than the run was present says so by path (:func:`stale_locks`).
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import re
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "default_root", "extensions_dir", "remove_stale_locks", "seed",
-           "stale_locks"]
+__all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "built_here", "default_root", "extensions_dir", "own_root", "publish",
+           "remove_stale_locks", "seed", "stale_locks"]
 
 EXTENSIONS_DIR = ".torch_extensions"  # under the exps dir
 LOCK_FILE = "lock"  # torch.utils.file_baton.FileBaton's file in each op's build directory
@@ -43,44 +56,132 @@ def default_root(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     if env.get("TORCH_EXTENSIONS_DIR"):
         return Path(env["TORCH_EXTENSIONS_DIR"])
-    import torch
     from torch.utils.cpp_extension import get_default_build_root
+    return Path(get_default_build_root()) / _build_tag()
+
+
+def _build_tag() -> str:
+    """``py<ver>_<cpu|cuXY|rocmXY>``: the per-interpreter, per-accelerator subdirectory torch uses."""
+    import torch
     if torch.version.hip is not None:
         accelerator = "rocm" + torch.version.hip.replace(".", "")
     elif torch.version.cuda is not None:
         accelerator = "cu" + torch.version.cuda.replace(".", "")
     else:
         accelerator = "cpu"
-    version = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{version}_{accelerator}"
+    return f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{accelerator}"
 
 
-def seed(target: Path, source: Path | None = None) -> list[str]:
-    """Copy each op built in ``source`` (default :func:`default_root`) that ``target`` lacks, with
-    its timestamps (so torch's build check finds it up to date), never a lock; returns the ops
-    copied. An op being built in ``source`` right now (its lock younger than ``BUILD_S``) is
-    skipped: the experiments then build it themselves, in ``target``."""
-    source = default_root() if source is None else Path(source)
+def own_root(environ: dict[str, str] | None = None) -> Path:
+    """zerotune's own cache of ops its experiments built (:func:`publish`):
+    ``$XDG_CACHE_HOME/zerotune/torch_extensions/<py>_<accelerator>`` (default ``~/.cache``)."""
+    env = os.environ if environ is None else environ
+    cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return cache / "zerotune" / "torch_extensions" / _build_tag()
+
+
+@functools.lru_cache(maxsize=None)
+def _install_dirs() -> tuple[str, str | None]:
+    """This interpreter's torch package dir and DeepSpeed package dir (None: not installed), found
+    without importing DeepSpeed (a second and a half)."""
+    import torch
+    spec = importlib.util.find_spec("deepspeed")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.dirname(torch.__file__), (locations[0] if locations else None)
+
+
+def built_here(op: Path, install: tuple[str, str | None] | None = None) -> bool:
+    """Whether the op built in ``op`` was built by this install (``install``: the torch and DeepSpeed
+    package dirs, default this interpreter's), so torch loads it without a rebuild: it has a library
+    and a ``build.ninja`` that names this torch's include dir and, for a DeepSpeed op (one whose
+    sources are under a ``deepspeed/ops`` dir), this DeepSpeed's ``ops`` dir."""
+    torch_dir, deepspeed_dir = install or _install_dirs()
+    try:
+        ninja = (Path(op) / "build.ninja").read_text(errors="replace")
+    except OSError:
+        return False
+    if not any(Path(op).glob("*.so")) or not _names(ninja, os.path.join(torch_dir, "include")):
+        return False
+    if f"deepspeed{os.sep}ops{os.sep}" in ninja:
+        return deepspeed_dir is not None and _names(ninja, os.path.join(deepspeed_dir, "ops"))
+    return True
+
+
+def _names(ninja: str, path: str) -> bool:
+    """Whether ``build.ninja``'s text names ``path`` or a path under it, as a whole path: after a space,
+    ``=``, ``-I`` or ``-L`` (not inside a longer path that ends the same)."""
+    return re.search(r"(?:^|[\s=]|-[IL])" + re.escape(path) + r"(?:[/\s]|$)", ninja, re.MULTILINE) is not None
+
+
+def seed(target: Path, sources: Sequence[Path] | None = None,
+         install: tuple[str, str | None] | None = None) -> list[str]:
+    """Copy into ``target`` each op that it lacks from the first of ``sources`` (default: the
+    machine's cache, :func:`default_root`, then zerotune's own, :func:`own_root`) where that op was
+    built by this install (:func:`built_here`; ``install`` as there), with its timestamps (so torch's
+    build check finds it up to date), never a lock; returns the ops copied. An op being built in a
+    source right now (its lock younger than ``BUILD_S``) is not taken from it. An op no source has
+    built here is left to the experiments, which build it in ``target``."""
+    sources = [default_root(), own_root()] if sources is None else [Path(s) for s in sources]
     target.mkdir(parents=True, exist_ok=True)
     copied = []
-    try:
-        ops = sorted(p for p in source.iterdir() if p.is_dir())
-    except OSError:
-        return copied
-    for op in ops:
-        if (target / op.name).exists() or stale_locks(op.parent, time.time() - BUILD_S, op.name) != \
-                stale_locks(op.parent, None, op.name) or not any(op.glob("*.so")):
-            continue
-        partial = target / f".{op.name}.seeding"
-        shutil.rmtree(partial, ignore_errors=True)
+    for source in sources:
         try:
-            shutil.copytree(op, partial, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True,
-                            copy_function=_link_or_copy)
-            partial.rename(target / op.name)  # whole or not at all
-            copied.append(op.name)
+            ops = sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith("."))
         except OSError:
-            shutil.rmtree(partial, ignore_errors=True)
+            continue
+        for op in ops:
+            if (target / op.name).exists() or stale_locks(op.parent, time.time() - BUILD_S, op.name) != \
+                    stale_locks(op.parent, None, op.name) or not built_here(op, install):
+                continue
+            if _copy_whole(op, target / op.name):
+                copied.append(op.name)
     return copied
+
+
+def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
+            install: tuple[str, str | None] | None = None) -> list[str]:
+    """Keep in zerotune's own cache (``own``, default :func:`own_root`) each op in ``ext_dir`` that
+    this install built (:func:`built_here`; ``install`` as there), has no lock, and neither that
+    cache nor the machine's (``machine``, default :func:`default_root`) holds as built here; call only
+    while no experiment may be building in ``ext_dir``. Returns the ops kept. Failures (a full disk,
+    a read-only home) keep nothing and raise nothing."""
+    own = own_root() if own is None else Path(own)
+    machine = default_root() if machine is None else Path(machine)
+    kept = []
+    try:
+        ops = sorted(p for p in Path(ext_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return kept
+    for op in ops:
+        if (op / LOCK_FILE).exists() or not built_here(op, install) or built_here(own / op.name, install) \
+                or built_here(machine / op.name, install):
+            continue
+        old = own / f".{op.name}.old"
+        try:
+            own.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(old, ignore_errors=True)
+            if (own / op.name).exists():
+                (own / op.name).rename(old)  # another install's build: replaced whole
+            if _copy_whole(op, own / op.name):
+                kept.append(op.name)
+        except OSError:
+            pass
+        shutil.rmtree(old, ignore_errors=True)
+    return kept
+
+
+def _copy_whole(op: Path, dest: Path) -> bool:
+    """Copy the build dir ``op`` to ``dest`` whole or not at all (a partial copy, then a rename), no lock."""
+    partial = dest.parent / f".{dest.name}.copying"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        shutil.copytree(op, partial, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True,
+                        copy_function=_link_or_copy)
+        partial.rename(dest)
+        return True
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        return False
 
 
 def _link_or_copy(src: str, dst: str) -> None:
