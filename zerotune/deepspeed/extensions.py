@@ -20,9 +20,11 @@ only when its ``build.ninja`` names this install's torch and DeepSpeed (:func:`b
 the experiments had to build themselves are kept in zerotune's own cache when the tuning ends
 (:func:`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
 next time, so they are built once per install, not once per results dir; the machine's cache is
-never written. A lock there while none of its experiments runs can
-only be left by a killed process: :func:`remove_stale_locks` removes it, and a run that timed out
-while a lock older than the run was present says so by path (:func:`stale_locks`).
+never written.
+
+A lock in an exps dir's cache while none of its experiments runs can only be left by a killed
+process: :func:`remove_stale_locks` removes it, and a run that timed out while a lock older than the
+run was present says so by path (:func:`stale_locks`).
 """
 from __future__ import annotations
 
