@@ -8,7 +8,8 @@ import pytest
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import measure
 from zerotune.core.objective import OBJECTIVES
-from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, read_streams
+from zerotune.core.stopping import StopRule
+from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, clean_exits, read_exits, read_streams
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
@@ -147,4 +148,106 @@ def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_break
 
     off = run(None, "ok")  # no PYTHON_ZEROTUNE_PROBE_DIR: nothing recorded, the user's sitecustomize still runs
     assert off.returncode == 0 and (tmp_path / "chained").read_text() == "xxx"
-    assert sorted(p.name for p in out.iterdir()) == ["probe.rank3.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == ["exit.rank3.json", "probe.rank3.jsonl"]
+
+
+# Registers libc's abort() as a C-level exit handler: it runs in exit(), after Python's finalization (its atexit
+# hooks included), as a C++ destructor's std::terminate does ("terminate called without an active exception").
+ABORT_AT_C_EXIT = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)
+"""
+
+SCRIPT_ENDING = '''
+import sys
+from deepspeed.runtime.engine import DeepSpeedEngine
+if sys.argv[1] == "exit_before":
+    sys.exit(0)  # before any step: no record
+engine = DeepSpeedEngine(gas=1)
+for _ in range(3):
+    engine.backward(engine.forward(1))
+    engine.step()
+if sys.argv[1] == "raise":
+    raise RuntimeError("saving the checkpoint failed")
+if sys.argv[1] == "exit_3":
+    sys.exit(3)
+if sys.argv[1] == "abort":
+''' + "\n".join("    " + line for line in ABORT_AT_C_EXIT.strip().splitlines()) + "\n"
+
+
+def test_each_rank_records_how_its_script_ended_and_a_teardown_abort_comes_after_a_clean_record(tmp_path):
+    fake = tmp_path / "fake"
+    (fake / "deepspeed" / "runtime").mkdir(parents=True)
+    (fake / "deepspeed" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "runtime" / "__init__.py").write_text("")
+    (fake / "deepspeed" / "runtime" / "engine.py").write_text(FAKE_ENGINE)
+    (tmp_path / "train.py").write_text(SCRIPT_ENDING)
+    ended = {}
+    for how in ("end", "raise", "exit_3", "abort", "exit_before"):
+        out = tmp_path / how
+        out.mkdir()
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{PROBE_PATH}:{fake}", PROBE_DIR_ENV: str(out)}
+        proc = subprocess.run([sys.executable, str(tmp_path / "train.py"), how], env=env, capture_output=True,
+                              text=True, timeout=60)
+        ended[how] = (proc.returncode, read_exits(out))
+        assert "zerotune probe:" not in proc.stderr, proc.stderr
+    clean = {"rank": 3, "steps": 3, "uncaught": None, "exit_status": None}
+    assert ended == {"end": (0, {3: clean}),
+                     "raise": (1, {3: {**clean, "uncaught": "RuntimeError: saving the checkpoint failed"}}),
+                     "exit_3": (3, {3: {**clean, "exit_status": 3}}),
+                     "abort": (-6, {3: clean}),  # SIGABRT after the record
+                     "exit_before": (0, {})}
+
+
+def test_clean_exits_needs_every_rank_of_the_world_to_have_ended_its_script_cleanly(tmp_path):
+    def write(rank, **fields):
+        record = {"rank": rank, "steps": 5, "uncaught": None, "exit_status": None, **fields}
+        (tmp_path / f"exit.rank{rank}.json").write_text(json.dumps(record))
+
+    write(0)
+    assert not clean_exits(tmp_path, 2)  # rank 1 never finished its interpreter
+    write(1, exit_status=0)
+    assert clean_exits(tmp_path, 2)
+    assert not clean_exits(tmp_path, 3) and not clean_exits(tmp_path, 0)
+    write(1, exit_status="bad data path")  # sys.exit("...") exits 1
+    assert not clean_exits(tmp_path, 2)
+    write(1, uncaught="RuntimeError: boom")
+    assert not clean_exits(tmp_path, 2)
+    (tmp_path / "exit.rank1.json").write_text('{"rank": 1, "ste')  # cut short: no record
+    assert not clean_exits(tmp_path, 2)
+
+
+class _NeverEnds(StopRule):
+    """A stop rule that never ends a run: the script's own end does, past the cap."""
+
+    def check(self, *args, **kwargs):
+        return None
+
+
+def test_a_rank_aborting_in_teardown_after_its_script_ended_past_the_cap_is_measured_not_failed(tmp_path):
+    """The teardown abort seen on gloo-backed CPU ranks ("terminate called without an active exception",
+    exit -6), reproduced: every rank's interpreter ends cleanly, then abort() runs as a C exit handler."""
+    cfg = tmp_path / "ds.json"
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg.write_text(json.dumps(config))
+    script = tmp_path / "train_then_abort.py"
+    script.write_text(ABORT_AT_C_EXIT + f"import runpy, sys\nsys.argv[0] = {SCRIPT!r}\n"
+                      f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+    args = (*TINY, "--steps", "6", "--deepspeed_config", str(cfg))
+    # end_profile_step 3: the cap is the probe's step 4; the extended exit (step 15) is never reached: the
+    # script ends at step 6 on its own
+    spec = LaunchSpec(str(script), args, cpu=True, device_memory_bytes=3 * 2**30, start_profile_step=2,
+                      end_profile_step=3, timeout_s=300, stop_rule=_NeverEnds(OBJECTIVES["throughput"]))
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
+    (done,) = scheduler.run([Experiment("z0_mbs1_gas1", config, num_slots=2)])
+
+    exp_dir = tmp_path / "exps" / done.name
+    assert done.exit_code not in (0, None), done.exit_code  # the launch failed...
+    assert (done.status, done.ended) == (Status.OK, "step_cap"), (done.error, (exp_dir / "stderr.log").read_text()[-2000:])
+    assert done.error == (f"exit code {done.exit_code} after every rank's script ended cleanly (a crash in the "
+                          f"interpreter's teardown): the steps measured count")
+    assert {r: e["steps"] for r, e in read_exits(exp_dir).items()} == {0: 6, 1: 6}
+    streams = read_streams(exp_dir)
+    assert (done.metric, done.metric_source) == (measure(streams, OBJECTIVES["throughput"]).value, "probe")

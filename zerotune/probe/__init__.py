@@ -5,7 +5,8 @@ first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: :func:`zerotun
 it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
 directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`; in the
 profile run it also writes the bytes saved for the backward pass, which :func:`read_saved_activations`
-reads back.
+reads back. Each rank that stepped writes an exit record as Python finishes; :func:`clean_exits` tells
+from them a crash in the interpreter's teardown from a script that failed.
 """
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zerotune.probe.sitecustomize import ACTIVATIONS_RECORD, PROBE_DIR_ENV, STREAM_PREFIX, STREAM_SUFFIX, stream_name
+from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV, STREAM_PREFIX,
+                                          STREAM_SUFFIX, exit_name, stream_name)
 
-__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "clear_streams",
-           "read_model_shapes",
+__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS",
+           "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
            "read_saved_activations", "read_streams",
            "stream_files", "stream_name"]
 
@@ -28,12 +30,45 @@ DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's larg
 
 def stream_files(exp_dir: Path) -> dict[int, Path]:
     """rank -> the path of its probe stream in ``exp_dir`` (ranks without a file are absent)."""
+    return _rank_files(exp_dir, STREAM_PREFIX, STREAM_SUFFIX)
+
+
+def _rank_files(exp_dir: Path, prefix: str, suffix: str) -> dict[int, Path]:
     files = {}
-    for path in Path(exp_dir).glob(f"{STREAM_PREFIX}*{STREAM_SUFFIX}"):
-        rank = path.name[len(STREAM_PREFIX):-len(STREAM_SUFFIX)]
+    for path in Path(exp_dir).glob(f"{prefix}*{suffix}"):
+        rank = path.name[len(prefix):-len(suffix)]
         if rank.isdigit():
             files[int(rank)] = path
     return files
+
+
+def read_exits(exp_dir: Path) -> dict[int, dict[str, Any]]:
+    """rank -> its exit record (:func:`~zerotune.probe.sitecustomize.exit_name`: ``steps``, ``uncaught``,
+    ``exit_status``), written as the rank's Python finished. Ranks without a valid record are absent
+    (the rank never stepped, or died before its interpreter's finalization)."""
+    exits = {}
+    for rank, path in sorted(_rank_files(exp_dir, EXIT_PREFIX, EXIT_SUFFIX).items()):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict):
+            exits[rank] = record
+    return exits
+
+
+def clean_exits(exp_dir: Path, world_size: int) -> bool:
+    """Whether all ``world_size`` ranks (0 .. world_size - 1) recorded a clean end of their script: an
+    exit record with no uncaught exception and no ``sys.exit`` with a status other than 0.
+
+    A launch that exits non-zero after that crashed in the interpreter's teardown, after every step
+    its ranks recorded (a rank aborting with ``terminate called without an active exception``): what
+    was measured stands. A script that raised or called ``sys.exit(1)`` after its last step is not
+    clean: the user would see it fail.
+    """
+    exits = read_exits(exp_dir)
+    return world_size > 0 and sorted(exits) == list(range(world_size)) and all(
+        r.get("uncaught") is None and r.get("exit_status") in (None, 0) for r in exits.values())
 
 
 def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
@@ -58,9 +93,9 @@ def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
 
 
 def clear_streams(exp_dir: Path) -> None:
-    """Remove the streams of an earlier attempt in ``exp_dir`` (the probe appends); called by a
-    backend before it launches."""
-    for path in stream_files(exp_dir).values():
+    """Remove the streams and exit records of an earlier attempt in ``exp_dir`` (the probe appends);
+    called by a backend before it launches."""
+    for path in [*stream_files(exp_dir).values(), *_rank_files(exp_dir, EXIT_PREFIX, EXIT_SUFFIX).values()]:
         path.unlink(missing_ok=True)
 
 

@@ -76,6 +76,18 @@ gathered during that forward (released per module in the first iteration,
 ``zero/partitioned_param_coordinator.py:498``, but kept by the C heap), several times the activations
 of a small model.
 
+Once a rank has recorded its first step, it also writes :data:`EXIT_PREFIX` ``<RANK>.json`` as Python
+finishes (an ``atexit`` hook; :func:`exit_name`)::
+
+    {"rank": 0, "steps": 20, "uncaught": null, "exit_status": null}
+
+``uncaught``: the uncaught exception that ended the script (``sys.last_value``, set by Python's
+top-level error printing), as ``"Type: message"``, or null. ``exit_status``: the argument of the
+last ``sys.exit`` call after the first step (null without one). ``atexit`` hooks run at the start of
+the interpreter's finalization, before its C++ teardown: a rank that aborts after writing a clean
+record (``terminate called without an active exception``, seen at exit of gloo-backed ranks) crashed
+after the script ended, with every step it recorded measured (:func:`zerotune.probe.clean_exits`).
+
 A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
 Only this file and ``__init__.py`` are in this directory, since it is on the ranks' import path.
 """
@@ -88,12 +100,18 @@ PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
 ENGINE_RECORD = "engine_config.json"
 ACTIVATIONS_RECORD = "activations.json"
+EXIT_PREFIX, EXIT_SUFFIX = "exit.rank", ".json"
 ENGINE_MODULE = "deepspeed.runtime.engine"
 
 
 def stream_name(rank: int) -> str:
     """The file name of rank ``rank``'s stream."""
     return f"{STREAM_PREFIX}{rank}{STREAM_SUFFIX}"
+
+
+def exit_name(rank: int) -> str:
+    """The file name of rank ``rank``'s exit record."""
+    return f"{EXIT_PREFIX}{rank}{EXIT_SUFFIX}"
 
 
 class _Probe:
@@ -104,6 +122,8 @@ class _Probe:
         self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file"}
         self.first_forward: float | None = None
         self.failed = False
+        self.exit_rank: int | None = None  # set with the first step record: this process writes an exit record
+        self.exit_status = None  # the last sys.exit argument after that
 
     def fail(self, what: str, error: BaseException) -> None:
         if not self.failed:
@@ -132,9 +152,50 @@ class _Probe:
         state["last"], state["micro"], state["boundary"] = t, 0, 0.0
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
+            self.watch_exit(line["rank"])
         import json
         state["file"].write(json.dumps(line) + "\n")
         state["file"].flush()
+
+
+    def watch_exit(self, rank: int) -> None:
+        """From now on, note ``sys.exit`` calls, and write this rank's exit record as Python finishes."""
+        if self.exit_rank is not None:
+            return
+        import atexit
+        self.exit_rank = rank
+        real_exit = sys.exit
+
+        def noted_exit(status=None):
+            self.exit_status = status
+            real_exit(status)
+
+        sys.exit = noted_exit
+        atexit.register(self.write_exit)
+
+    def write_exit(self) -> None:
+        """The ``atexit`` hook: this rank's exit record (module docstring)."""
+        def record():
+            last, status = getattr(sys, "last_value", None), self.exit_status
+            return {"rank": self.exit_rank, "steps": sum(s["step"] for s in self.engines.values()),
+                    "uncaught": f"{type(last).__name__}: {last}"[:300] if last is not None else None,
+                    "exit_status": status if status is None or isinstance(status, int) else str(status)[:300]}
+        _write_record(os.path.join(self.directory, exit_name(self.exit_rank)), record, "writing the exit record")
+
+
+def _write_record(path: str, make_record, what: str) -> None:
+    """Write the JSON object ``make_record()`` returns (None: nothing) to ``path`` atomically (a reader
+    never sees half of it). A failure is printed to stderr, naming ``what``; training goes on."""
+    try:
+        import json
+        record = make_record()
+        if record is None:
+            return
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f, default=str)
+        os.replace(path + ".tmp", path)
+    except Exception as e:  # noqa: BLE001 - the probe never breaks training
+        print(f"zerotune probe: {what} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 def _rank(engine) -> int:
@@ -335,23 +396,16 @@ def _record_engine(probe: _Probe, engine) -> None:
     """Rank 0 writes :data:`ENGINE_RECORD` once, before the first forward: the config the engine got
     (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
     reads it, and the engine's batch sizes. A failure is reported and steps are still recorded."""
-    try:
+    def record():
         if _rank(engine) != 0:
-            return
-        import json
+            return None
         config = getattr(getattr(engine, "_config", None), "_param_dict", None)
-        record = {"ds_config": config if isinstance(config, dict) else None,
-                  "hidden_size": _hidden_size(getattr(engine, "module", None)),
-                  "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
-                  "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
-                  "train_batch_size": int(engine.train_batch_size())}
-        path = os.path.join(probe.directory, ENGINE_RECORD)
-        with open(path + ".tmp", "w") as f:
-            json.dump(record, f, default=str)
-        os.replace(path + ".tmp", path)
-    except Exception as e:  # noqa: BLE001 - the probe never breaks training
-        print(f"zerotune probe: recording the engine's config failed: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
+        return {"ds_config": config if isinstance(config, dict) else None,
+                "hidden_size": _hidden_size(getattr(engine, "module", None)),
+                "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
+                "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+                "train_batch_size": int(engine.train_batch_size())}
+    _write_record(os.path.join(probe.directory, ENGINE_RECORD), record, "recording the engine's config")
 
 
 class _SavedActivations:
@@ -403,18 +457,10 @@ class _SavedActivations:
         return self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
 
     def write(self) -> None:
-        try:
-            import json
-            record = {"saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
-                      "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
-                      **_device_peak(self.torch, self.engine), **_data_peak()}
-            path = os.path.join(self.probe.directory, ACTIVATIONS_RECORD)
-            with open(path + ".tmp", "w") as f:
-                json.dump(record, f)
-            os.replace(path + ".tmp", path)
-        except Exception as e:  # noqa: BLE001 - the probe never breaks training
-            print(f"zerotune probe: recording activations failed: {type(e).__name__}: {e}", file=sys.stderr,
-                  flush=True)
+        _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {
+            "saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
+            "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
+            **_device_peak(self.torch, self.engine), **_data_peak()}, "recording activations")
 
 
 def _hidden_size(module) -> int | None:

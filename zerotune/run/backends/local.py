@@ -28,7 +28,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
-from zerotune.probe import read_streams, stream_files
+from zerotune.probe import clean_exits, read_streams, stream_files
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)
@@ -72,7 +72,7 @@ class LocalBackend(Backend):
         token = new_run_token()
         record = write_running_record(running_dir, exp.name, token, port)
         start = time.monotonic()
-        timed_out = hung = False
+        timed_out = hung = teardown_crash = False
         ended: EndReason | None = None
         peak = 0
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
@@ -111,8 +111,12 @@ class LocalBackend(Backend):
                         proc.wait(timeout=self.poll_s)
                     except subprocess.TimeoutExpired:
                         pass
-                if ended is None and proc.returncode == 0 and watch.reached_cap():
-                    ended = EndReason.STEP_CAP  # the script ended past end_profile_step, before the extended exit
+                if ended is None and watch.reached_cap() and (
+                        proc.returncode == 0 or clean_exits(exp_dir, exp.num_nodes * exp.num_slots)):
+                    # the script ended past end_profile_step, before the extended exit (a non-zero exit after
+                    # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
+                    ended = EndReason.STEP_CAP
+                    teardown_crash = proc.returncode != 0
             finally:
                 kill_tree(proc, known, token)
                 remove_shm_buffers(port)
@@ -124,6 +128,9 @@ class LocalBackend(Backend):
         exp.peak_memory_bytes = peak or None
         expdir.finish(exp, exp_dir, spec.objective, proc.returncode, timed_out, interrupted=self._cancelled.is_set(),
                       ended=ended)
+        if teardown_crash and exp.status is Status.OK:
+            exp.error = (f"exit code {proc.returncode} after every rank's script ended cleanly (a crash in the "
+                         f"interpreter's teardown): the steps measured count")
         if exp.status is Status.TIMEOUT:
             exp.error = (f"no output for {spec.hang_timeout_s:g} s: killed as hung" if hung
                          else f"killed after the {spec.timeout_s:g} s timeout")
