@@ -6,7 +6,8 @@ answer. Launches are pinned by what they ran (ZeRO stage, mbs, gas, status, and 
 settings of the knob phase), not by name, so that a renaming leaves the pins valid. Since issue 10
 the SIMULATED runs draw fresh noise on every run (1%, seeded by scenario, config and run count),
 and zerotune decides on the step probe's streams the simulator writes: the pins hold one seeded
-draw, and any change to what is run or how it is measured shows up here.
+draw, and any change to what is run or how it is measured shows up here. ``tests/regen_ledger_pins.py``
+regenerates the pins (``--write``) and lists the cases that moved.
 """
 import io
 import json
