@@ -226,3 +226,35 @@ def test_precise_finalists_are_re_measured_once_the_runs_show_a_run_to_run_noise
     assert ran[4:] == ["z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
     answer = best_experiment(strategy.result.experiments, strategy.job.objective)
     assert answer.name == "z0_gas1_tmbspg32" and strategy.pooled(answer.name).value == 102.0
+
+
+def saturating(mbs: int, gas: int) -> float:
+    """Samples/s rising and concave in mbs (a fixed per-step cost amortized), the same at any gas."""
+    return 100.0 * mbs / (mbs + 8)
+
+
+def test_with_fast_true_an_answer_reading_above_the_line_through_its_mbs_neighbours_is_measured_again(tmp_path):
+    # the search runs mbs 32, 16, 24, 28 and 30, then gas 2 at the best mbs; mbs 28's first run reads 90.0 where the
+    # curve gives 77.8: the line through its neighbours mbs 24 (75.0) and 30 (78.9) predicts 77.6 at mbs 28, 16%
+    # below the read, beyond the noise of three runs known to +-1% with the assumed 1% run-to-run noise (2.7%)
+    ran, strategy = run_strategy(tmp_path, saturating, first_runs={(28, 1): 90.0})
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 28, 2), (0, 28, 1)], ran
+    answer = best_experiment(strategy.result.experiments, strategy.job.objective)
+    assert answer.name == "z0_gas1_tmbspg28" and strategy.pooled(answer.name).value == pytest.approx((90 + 700 / 9) / 2)
+    assert strategy.result.experiments[-1].name == "z0_gas1_tmbspg28_r2"
+    # the same curve without the lucky read: mbs 32 is the answer, below the line through mbs 24 and 28 (80.6 at
+    # mbs 32: a concave curve falls under its chords' extensions), and it keeps its one run
+    ran, strategy = run_strategy(tmp_path / "smooth", saturating)
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 32, 2)] and not strategy.answer_stands_out()
+    assert best_experiment(strategy.result.experiments, strategy.job.objective).name == "z0_gas1_tmbspg32"
+
+
+def test_an_answer_at_the_end_of_the_curve_is_compared_with_the_line_through_its_two_nearest_neighbours(tmp_path):
+    # mbs 32, the largest, against the line through mbs 28 (77.8) and 30 (78.9): 80.1 at mbs 32. Extrapolating
+    # doubles the weight of mbs 30 and gives mbs 28 a weight of -1, so the prediction's noise counts 1 + 4 times a
+    # neighbour's: sqrt(6) x 2.2% = 5.5% with the answer's own. A read of 90.0 (12.4% above) is measured again;
+    # one of 84.0 (4.9% above) is not
+    ran, _ = run_strategy(tmp_path, saturating, first_runs={(32, 1): 90.0})
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2), (0, 32, 1)], ran
+    ran, _ = run_strategy(tmp_path / "within", saturating, first_runs={(32, 1): 84.0})
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2)], ran

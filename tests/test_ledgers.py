@@ -112,6 +112,9 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # floor). An equal-mbs stage probe that wins within the noise is re-measured with the best before its stage is
 # searched (strategy.stages): the mbs-and-gas-lists batch case re-measures ZeRO-2 and ZeRO-1 at mbs 6 (2 launches
 # more), ZeRO-2 still wins pooled and is searched; the same answer.
+# Then (session 12): with "fast": true the answer is re-measured where its one run reads above the line through its
+# mbs neighbours by more than the noise (Strategy.answer_stands_out): scenario 0's ZeRO-2 mbs 29 (between mbs 28 and
+# 30) runs once more and stays the answer.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -133,6 +136,7 @@ PINS = {
             (2, 30, 1, 'ok'),
             (3, 31, 1, 'ok'),
             (3, 29, 1, 'ok'),
+            (2, 29, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'plateau'), (1, 'probed', ''), (2, 'explored', 'plateau'), (3, 'probed', '')],
         'answer': (2, 29, 1, {'stage': 2}),
