@@ -157,7 +157,6 @@ class _Probe:
         state["file"].write(json.dumps(line) + "\n")
         state["file"].flush()
 
-
     def watch_exit(self, rank: int) -> None:
         """From now on, note ``sys.exit`` calls, and write this rank's exit record as Python finishes."""
         if self.exit_rank is not None:
