@@ -263,11 +263,11 @@ def shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
 
 
-def shm_left(work: Path, before: set[str]) -> set[str]:
-    """This test's shared-memory files still there: those of the master ports its runs used (other
-    tests on the machine may have their own)."""
+def shm_left(work: Path, before: set[str], now: set[str] | None = None) -> set[str]:
+    """This test's shared-memory files still there (in ``now``, a listing of :func:`shm_files`; None: list
+    them now): those of the master ports its runs used (other tests on the machine may have their own)."""
     ports = {cmd.read_text().split("--master_port ")[1].split()[0] for cmd in work.glob("*/exps/*/cmd.txt")}
-    return {name for name in shm_files() - before if name.rsplit("_", 2)[1] in ports}
+    return {name for name in (shm_files() if now is None else now) - before if name.rsplit("_", 2)[1] in ports}
 
 
 def records(results: Path) -> dict[str, dict]:
@@ -729,8 +729,9 @@ def test_zerotune_run_stopped_while_training_stops_the_training(work):
     tuner = start_tuner(work, ["run", *tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")
     try:
         deadline = time.monotonic() + 60
-        # both training ranks are up once each has made its shared-memory file (a port no experiment used)
-        while len(training_shm := shm_files() - shm - shm_left(work, shm)) < 2:
+        # both training ranks are up once each has made its shared-memory file (a port no experiment used); one
+        # listing for both sides: an experiment's files removed between two listings would count as the training's
+        while len(training_shm := (now := shm_files()) - shm - shm_left(work, shm, now)) < 2:
             assert time.monotonic() < deadline and tuner.poll() is None, tuner.communicate()[1][-3000:]
             time.sleep(0.1)
         assert [p for p in stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())]
