@@ -38,6 +38,54 @@ def test_the_search_goes_below_its_start_only_while_halving_pays():
     assert trace.best(THROUGHPUT).mbs == 16
 
 
+def measured_curve(fn, max_ok, peak, budget, calm_mbs=None):
+    """:func:`curve` whose runs report their measured peak (``peak(mbs)`` bytes) against ``budget``,
+    and the memory model's largest mbs under NEAR_CAPACITY of it (``calm_mbs``)."""
+    calls = []
+
+    def evaluate(ms):
+        calls.extend(ms)
+        return [Point(m, Status.OOM) if m > max_ok else
+                Point(m, Status.OK, fn(m), memory_fraction=peak(m) / budget, calm_mbs=calm_mbs) for m in ms]
+    return evaluate, calls
+
+
+def test_no_look_below_a_best_that_ran_away_from_the_device_capacity():
+    # the same curve as above, peaking at 16, but every run measured its peak: 64 ran at 0.59 of the budget
+    # (1 GiB + 64 x 32 MiB of 5 GiB), far from the capacity, where throughput rises with mbs: the search does not
+    # go below its best (until session 13 it halved to 32, 16 and 8 here)
+    peak = {8: 80.0, 16: 105.0, 32: 97.0, 64: 89.0, 96: 80.0}
+    evaluate, calls = measured_curve(lambda m: peak[m], 100, lambda m: 2**30 + m * 2**25, 5 * 2**30)
+    trace = search_mbs(evaluate, lo=1, hi=128, estimate=64, objective=THROUGHPUT, num_fine=0)
+    assert calls == [64, 128, 96]
+    assert trace.get(64).memory_fraction == (2**30 + 64 * 2**25) / (5 * 2**30) == 0.6
+    assert trace.best(THROUGHPUT).mbs == 64
+
+
+def test_a_best_near_the_device_capacity_looks_below_at_the_largest_mbs_the_memory_model_puts_under_it():
+    # the best (40, the boundary: 41 fails) ran at 0.98 of the budget, slowed by the allocator near capacity; the
+    # memory model puts mbs 33 at most under 0.9 of the budget, so the look below goes there, not to the halving
+    # (20), and 33 wins by 10%. 33 measured 0.9025 of the budget, but it is the memory model's calm mbs: the look
+    # stops there. The fine pass bisects above it, 36 then 38 (the curve is 10 x mbs but at 40).
+    slowed = {40: 300.0, 33: 330.0}
+    evaluate, calls = measured_curve(lambda m: slowed.get(m, 10.0 * m), 40, lambda m: 0.49 + m / 80, 1.0, calm_mbs=33)
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=40, objective=THROUGHPUT, num_fine=2)
+    assert calls == [40, 64, 52, 46, 43, 41, 33, 36, 38]  # 64, 52, 46, 43 and 41 fail: 40 is the boundary
+    assert round(trace.get(33).memory_fraction, 4) == 0.9025
+    assert trace.best(THROUGHPUT).mbs == 38
+
+
+def test_a_point_below_the_best_but_near_capacity_too_does_not_stop_the_look_below():
+    # a headroom probe ran at 40 (0.97 of the budget), the search climbs to its best, 42 (0.99; 43 fails): the
+    # points below it are near capacity too, so the look below still runs, at the calm mbs 33, and loses
+    evaluate, calls = measured_curve(lambda m: {40: 300.0, 41: 305.0}.get(m, 9.0 * m), 42, lambda m: 0.57 + m / 100,
+                                     1.0, calm_mbs=33)
+    known = evaluate([40])
+    trace = search_mbs(evaluate, lo=1, hi=64, estimate=40, objective=THROUGHPUT, num_fine=0, known=known)
+    assert calls == [40, 64, 52, 46, 43, 41, 42, 33]
+    assert trace.best(THROUGHPUT).mbs == 42
+
+
 def test_an_optimistic_estimate_halves_until_a_size_runs_then_bisects_up_to_the_failure():
     evaluate, calls = curve(lambda m: 10.0 * m, max_ok=13)
     trace = search_mbs(evaluate, lo=1, hi=64, estimate=40, objective=THROUGHPUT, num_fine=0)

@@ -273,12 +273,13 @@ def test_simulated_adaptive_tuning_ends_runs_early_with_the_same_answer(tmp_path
     assert all(e.ended in ("step_cap", "exited") for e in plain)
     # every raced run got the bar of the best so far; re-measurements (replicas) are not raced
     assert all(e.must_beat is None for e in exps if e.replica_of)
-    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (2, 15)
+    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (2, 14)
     assert round(gpu_s / plain_gpu_s, 3) == PINNED_GPU_RATIO
     # what the corrected memory model put over the budget is in the strategy's record as OOM, never launched
     launched = {e.name for e in tuner.scheduler.history}
     predicted = [(e.stage, e.mbs, e.status.value) for e in tuner.result.experiments if e.name not in launched]
-    assert predicted == [(0, 15, "oom"), (1, 18, "oom"), (1, 17, "oom"), (2, 19, "oom"), (3, 18, "oom")]
+    assert predicted == [(0, 15, "oom"), (1, 18, "oom"), (1, 17, "oom"), (2, 19, "oom"), (2, 18, "oom"), (2, 17, "oom"),
+                         (3, 18, "oom")]
     assert all("per rank estimated, over the" in e.error and e.error.endswith("budget: not launched")
                for e in tuner.result.experiments if e.name not in launched)
 
@@ -290,10 +291,12 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
     # known to 2% after its gas phase re-measured its imprecise ties)
     exps, best, _, _ = tune_simulated(tmp_path / "noisy", 25, adaptive=True, noise_level=0.05)
     # (no gas phase: ZeRO-3 spends 0.02% of its step once per optimizer step, so gas 2 could gain 0.01%)
-    assert [e.name for e in exps[-3:]] == ["z3_gas1_tmbspg17_fp1", "z3_gas1_tmbspg16_fp1_r2", "z3_gas1_tmbspg14_fp1_r2"]
+    # (the fine pass bisects 14..16: 15; until session 13 a look below 14 came first, and 14 and 16 were the finalists)
+    assert [e.name for e in exps[-3:]] == ["z3_gas1_tmbspg15_fp1", "z3_gas1_tmbspg16_fp1_r2", "z3_gas1_tmbspg15_fp1_r2"]
     originals = {e.name: e for e in exps if not e.replica_of}
-    assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.082, 0.005]
-    # mbs 16's one run read 51.8 (±8.2%) against 14's 49.4; pooled, 16 falls to 47.7 and 14 is the answer
+    assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.082, 0.018]
+    # mbs 16's one run read 51.8 (±8.2%) and 15's 50.9 (±1.8%) against 14's 49.4 (±0.5%); pooled, 16 falls to 47.7
+    # and 15 to 48.0, and 14 is the answer (the three are within 0.5% of each other on the simulator)
     assert (best.stage, best.mbs, best.gas) == (3, 14, 1)
 
 
@@ -302,18 +305,19 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # the memory model corrected from that OOM puts mbs 15 and each higher stage's largest mbs over the budget, so
 # they are not launched (until 2026-11-25 they were: 15 ran and ended "cannot beat", the three higher stages
 # ran out of memory at 18-19). ZeRO-0's best, 14, sits at that boundary, so its tie with 12 is bisected (13).
-# Stages 1 and 2 win their probes and are searched; ZeRO-3's probe at 16 ties ZeRO-2's best and is re-measured
-# with it (and ZeRO-2's 16), then probed at the best's mbs, 15 (its own largest mbs sits at its memory boundary), where it loses.
+# Stage 1 wins its probe at 15 and is searched: its best, 16, ran at 0.95 of the device memory, near capacity,
+# so the search looks below at the largest mbs the memory model puts under 0.9 of it, 14 (until session 13 it
+# halved to 7). ZeRO-2's probe at 16 wins within the noise at equal mbs and is re-measured with ZeRO-1's 14 and
+# 16 before it is searched (14, 15). ZeRO-3 is probed at 16, then at the best's mbs, 14, where it loses.
 # No gas phase: ZeRO-2 spends under 1% of its step once per optimizer step. The runs are start-up bound, so
-# ending them a step or two early saves 2.2% of the GPU time. (Until session 10 stages 1-3 were given up on
-# their probes at 16, and the answer was ZeRO-0 mbs 14, 0.984 of the optimum; now ZeRO-2 mbs 15.)
+# ending them a step or two early saves 2.5% of the GPU time. The answer, ZeRO-2 mbs 14, is 0.997 of the optimum
+# (ZeRO-2 mbs 15, the answer until session 13; until session 10 ZeRO-0 mbs 14, 0.984).
 # (Scenario 0 was pinned here until the memory model's session-6 changes, when its adaptive and plain runs came
 # to answers 1.3% apart.)
 PINNED_ADAPTIVE = [
     (0, 16, "oom", "exited"), (0, 8, "ok", "precise"), (0, 12, "ok", "precise"), (0, 14, "ok", "precise"),
-    (0, 13, "ok", "precise"), (1, 15, "ok", "precise"), (1, 16, "ok", "precise"), (1, 7, "ok", "precise"),
-    (2, 17, "oom", "exited"), (2, 15, "ok", "precise"), (2, 16, "ok", "precise"), (2, 7, "ok", "precise"),
-    (2, 11, "ok", "precise"), (3, 16, "ok", "precise"), (3, 16, "ok", "precise"), (2, 15, "ok", "precise"),
-    (2, 16, "ok", "precise"), (3, 15, "ok", "precise"),
+    (0, 13, "ok", "precise"), (1, 15, "ok", "precise"), (1, 16, "ok", "precise"), (1, 14, "ok", "precise"),
+    (2, 16, "ok", "precise"), (2, 16, "ok", "precise"), (1, 14, "ok", "precise"), (1, 16, "ok", "precise"),
+    (2, 14, "ok", "precise"), (2, 15, "ok", "precise"), (3, 16, "ok", "precise"), (3, 14, "ok", "precise"),
 ]
-PINNED_GPU_RATIO = 0.978
+PINNED_GPU_RATIO = 0.975

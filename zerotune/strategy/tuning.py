@@ -46,7 +46,7 @@ from zerotune.report.results import best_experiment
 from zerotune.strategy.batch import doubling_gain_bound
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
-from zerotune.strategy.mbs import Point, within_noise
+from zerotune.strategy.mbs import NEAR_CAPACITY, Point, within_noise
 from zerotune.strategy.stages import StageDecision, StagePlan, StageResult, explore_stages
 from zerotune.strategy.tuners import make_tuner
 
@@ -387,18 +387,27 @@ class Strategy:
                 self.log(f"memory model: ZeRO stage {stage}: " + (f"largest mbs estimated to fit {est}" if est >= lo else
                          f"does not fit ({why}): pruned"))
 
+        def memory_terms(stage: int, exp: Experiment) -> dict:
+            """A point's measured peak over the budget, and the largest mbs the memory model (as corrected so
+            far) puts under NEAR_CAPACITY of it: where the mbs search looks below a best near capacity."""
+            budget, memory = self.job.device_memory_bytes, self.result.memory
+            calm = None if memory is None else memory.max_mbs(self.builder.config(stage, lo),
+                                                              int(NEAR_CAPACITY * budget), cap=hi)
+            return {"memory_fraction": exp.peak_memory_bytes / budget if exp.peak_memory_bytes and budget else None,
+                    "calm_mbs": calm if calm is not None and calm >= lo else None}
+
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
             sigma = self.result.run_noise.sigma
-            return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma)
-                    for m, e in zip(mbs_values, done)]
+            return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma,
+                          **memory_terms(stage, e)) for m, e in zip(mbs_values, done)]
 
         def confirm(stage: int, mbs_values: Sequence[int]) -> list[Point]:
             bases = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
             pooled = self.remeasure(bases)
             sigma = self.result.run_noise.sigma
-            return [Point(m, e.status, e.metric, run_noise=sigma) if p is None
-                    else Point(m, Status.OK, p.value, p.runs, run_noise=sigma)
+            return [Point(m, e.status, e.metric, run_noise=sigma, **memory_terms(stage, e)) if p is None
+                    else Point(m, Status.OK, p.value, p.runs, run_noise=sigma, **memory_terms(stage, e))
                     for m, e, p in zip(mbs_values, bases, pooled)]
 
         self.result.stages = explore_stages(evaluate, plans, lo=lo, hi=hi, objective=self.job.objective,
