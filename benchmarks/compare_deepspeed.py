@@ -380,10 +380,13 @@ def measure(cfg: dict, args, ctx: dict, path: Path, label: str, console: Console
     with LoadSampler(every_s=2.0) as sampler:
         rc, wall, timed_out = run_group(cmd, path, ctx["env"], path / "run", args.measure_timeout)
     after = load()
-    data = read_json(report) if rc == 0 else None
+    # the script writes its report after its last step; a launch that exits non-zero after that (torch's
+    # teardown abort on this machine, 'terminate called without an active exception', exit -6) still measured
+    data = read_json(report) if rc is not None and (rc == 0 or report.exists()) else None
     value = data.get("samples_per_s") if data else None
     console.print(f"  measure {label}: {value if value is None else round(value, 2)} samples/s "
-                  f"({wall:.0f} s, load {before} -> {after}, during {sampler.summary()})")
+                  f"({wall:.0f} s, load {before} -> {after}, during {sampler.summary()})"
+                  + (f"; exit code {rc} after the report was written" if data and rc else ""))
     return {"samples_per_s": value, "exit_code": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
             "load_before": before, "load_after": after, "load_during": sampler.summary(), "report": data,
             "command": shlex.join(cmd)}
