@@ -128,9 +128,9 @@ def stop_signal(root: Path, sig: signal.Signals) -> Case:
     work = workdir(root, f"signal-{sig.name}")
     shm = tf.shm_files()
     exps = work / "results" / "exps"
-    proc = tf.start_tuner(work, tf.tune_argv(work, ranks=2), plan={"z1_gas1_tmbspg2": "slow"}, STANDIN_SLOW_S="60")
+    proc = tf.start_tuner(work, tf.tune_argv(work, ranks=2), plan={"z0_gas1_tmbspg1": "slow"}, STANDIN_SLOW_S="60")
     deadline = time.monotonic() + 120
-    log = exps / "z1_gas1_tmbspg2" / "stdout.log"  # ZeRO-1's probe, the third launch
+    log = exps / "z0_gas1_tmbspg1" / "stdout.log"
     while not (log.exists() and "step 3" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     before = finished(work / "results")

@@ -658,16 +658,16 @@ def test_undisturbed_tuning_finds_the_stand_ins_fastest_config_and_leaves_nothin
 
 # (fault, the experiment it hits (a name substring), its status, its error, extra CLI args, extra env)
 RANK_FAULTS = [
-    ("sigkill_rank", "z1_gas1_tmbspg2", "failed", r"exit code (-9|137|1)", [], {}),
-    ("crash_at_step", "z1_gas1_tmbspg2", "failed", r"RuntimeError: stand-in crash at step 2", [], {}),
-    ("oom", "z1_gas1_tmbspg2", "oom", r"DefaultCPUAllocator: can't allocate memory", [], {}),
-    ("hang", "z1_gas1_tmbspg2", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
-    ("ignore_term", "z1_gas1_tmbspg2", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
-    ("garbage_metrics", "z1_gas1_tmbspg2", "failed", r"metrics\.json is invalid: cannot be read", [], {}),
-    ("truncated_metrics", "z1_gas1_tmbspg2", "failed", r"metrics\.json is invalid: not JSON", [], {}),
-    ("garbage_probe", "z1_gas1_tmbspg2", "ok", r"^$", [], {}),
-    # the third launch (profile, z0 mbs 2, ZeRO-1's probe at mbs 2) finds its master port taken
-    ("port_taken", "z1_gas1_tmbspg2", "failed", r"EADDRINUSE", [], {"STANDIN_TAKE_PORT": "3"}),
+    ("sigkill_rank", "z0_gas1_tmbspg1", "failed", r"exit code (-9|137|1)", [], {}),
+    ("crash_at_step", "z0_gas1_tmbspg1", "failed", r"RuntimeError: stand-in crash at step 2", [], {}),
+    ("oom", "z0_gas1_tmbspg1", "oom", r"DefaultCPUAllocator: can't allocate memory", [], {}),
+    ("hang", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
+    ("ignore_term", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
+    ("garbage_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: cannot be read", [], {}),
+    ("truncated_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: not JSON", [], {}),
+    ("garbage_probe", "z0_gas1_tmbspg1", "ok", r"^$", [], {}),
+    # the third launch (profile, z0 mbs 2, z0 mbs 1) finds its master port taken
+    ("port_taken", "z0_gas1_tmbspg1", "failed", r"EADDRINUSE", [], {"STANDIN_TAKE_PORT": "3"}),
 ]
 
 
@@ -690,7 +690,7 @@ def test_a_rank_fault_gets_its_status_and_tuning_goes_on(work, fault):
     assert hit and hit[0]["status"] == status, ({n: (r["status"], r["error"]) for n, r in recs.items()}, err[-3000:])
     assert __import__("re").search(error, hit[0]["error"] or ""), hit[0]["error"]
     assert code == 0, err[-3000:]  # another experiment succeeded: an answer
-    # the fault hits ZeRO-1's probe, never the winner: the answer is the undisturbed one
+    # the fault hits mbs 1, never the winner: the answer is the undisturbed one
     assert answer(work / "results") == {"stage": ANSWER["stage"], "mbs": ANSWER["mbs"]}
     assert_clean(work, shm, tuner.pid)  # no process of this tuner's runs left (by run token), no /dev/shm file
 
@@ -699,14 +699,13 @@ def test_a_rank_fault_gets_its_status_and_tuning_goes_on(work, fault):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(work, sig):
     shm = shm_files()
-    # launches: the profile, z0 mbs 2, then ZeRO-1's probe at mbs 2, which is slow: stopped while it runs
-    # (z0 mbs 2 ran far from the 2 GiB budget, so the search does not look below it at mbs 1)
-    tuner = start_tuner(work, tune_argv(work, ranks=2), plan={"z1_gas1_tmbspg2": "slow"}, STANDIN_SLOW_S="60")
+    # launches: the profile, z0 mbs 2, then z0 mbs 1, which is slow: stopped while it runs
+    tuner = start_tuner(work, tune_argv(work, ranks=2), plan={"z0_gas1_tmbspg1": "slow"}, STANDIN_SLOW_S="60")
     exps = work / "results" / "exps"
     try:
         deadline = time.monotonic() + 60
-        while not (exps / "z1_gas1_tmbspg2" / "stdout.log").exists() or \
-                "step 3" not in (exps / "z1_gas1_tmbspg2" / "stdout.log").read_text():
+        while not (exps / "z0_gas1_tmbspg1" / "stdout.log").exists() or \
+                "step 3" not in (exps / "z0_gas1_tmbspg1" / "stdout.log").read_text():
             assert time.monotonic() < deadline and tuner.poll() is None, tuner.communicate()[1][-3000:]
             time.sleep(0.1)
         os.kill(tuner.pid, sig)
@@ -719,7 +718,7 @@ def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(w
     assert f"zerotune: interrupted ({sig.name}); finished results are kept, rerun to resume" in err
     assert "Traceback" not in err
     recs = records(work / "results")
-    assert recs["z1_gas1_tmbspg2"]["status"] == "interrupted"
+    assert recs["z0_gas1_tmbspg1"]["status"] == "interrupted"
     assert recs["z0_gas1_tmbspg2"]["status"] == "ok" and recs["z0_gas1_tmbspg2"]["metric"] == 200.0
     assert_clean(work, shm, tuner.pid)
 

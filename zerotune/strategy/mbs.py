@@ -13,8 +13,9 @@ callable and learns from the outcomes (``Status`` and metric). Why it stopped is
   :data:`NEAR_CAPACITY` of the budget), where a caching allocator's flushes can slow a step: at the
   largest mbs the memory model puts under that fraction (``Point.calm_mbs``), and further down only
   while that pays by ``threshold``. Away from the capacity throughput rises with mbs (fixed per-step
-  work amortized over more samples), so nothing below can win; where no peak was measured, one halving
-  below is checked instead.
+  work amortized over more samples), so nothing below can win; where no peak is given (unknown, or
+  CPU ranks, whose caches can make a smaller micro-batch faster anywhere), one halving below is
+  checked instead.
 - **Latency** (a smaller mbs tends to win): bottom-up. The smallest mbs, then a doubling ladder
   that lands on the estimate and may go above it; a binary search between the last runnable and
   the first failing mbs; plateau detection (stop when the metric improves by less than
