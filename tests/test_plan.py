@@ -44,14 +44,15 @@ PROFILE = "profile_z3_gas1_tmbspg1_rbs1e7_pfbs1e7_mlp1e7"
 def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
     assert plan.model_info_source == "autotuning.model_info"
-    # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower) and
-    # bisects below the best; ZeRO-1 has no more headroom, so one probe at mbs 8, a tie under the oracle's
-    # assumed metric: a losing probe is re-measured with the point it lost to (replicas _r2) before the
-    # stage is given up; then gas doubles once at the best mbs (the global batch is free)
+    # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower); ZeRO-1 has
+    # no more headroom, so one probe at mbs 8, a tie under the oracle's assumed metric: a losing probe is
+    # re-measured with the point it lost to (replicas _r2) before the stage is given up; then the fine pass
+    # bisects below ZeRO-0's best, the best stage (6, 7), and gas doubles once at the best mbs (the global
+    # batch is free)
     assert [e.name for e in plan.experiments] == [
-        PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z0_gas1_tmbspg6", "z0_gas1_tmbspg7",
-        "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2", "z0_gas1_tmbspg8_r2", "z0_gas2_tmbspg8"]
-    z1 = plan.experiments[5]
+        PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z1_gas1_tmbspg8_rbs2e7", "z1_gas1_tmbspg8_rbs2e7_r2",
+        "z0_gas1_tmbspg8_r2", "z0_gas1_tmbspg6", "z0_gas1_tmbspg7", "z0_gas2_tmbspg8"]
+    z1 = plan.experiments[3]
     assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 8, 1, {})
     # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + the
     # reduction's flat copy 4*min(2e7, Ψ) + activations, less the copy (made after the backward, without
@@ -107,8 +108,8 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
-    # 8 re-measured with the probe; then gas 2 at 8
-    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(8, 1), (4, 1), (6, 1), (7, 1), (8, 1), (8, 2)]
+    # 8 re-measured with the probe, then the fine pass (6, 7); then gas 2 at 8
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(8, 1), (4, 1), (8, 1), (6, 1), (7, 1), (8, 2)]
     assert "unknown until the profile run" in plan.header()
 
 

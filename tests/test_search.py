@@ -301,11 +301,13 @@ def test_a_probe_that_wins_within_the_noise_is_re_measured_before_its_stage_is_s
 
 
 def test_a_probe_that_loses_within_the_noise_to_a_lucky_best_re_measures_that_best_too():
-    # stage 0's single run at mbs 7 read 6% high (95.0, truly 87.5); stage 1 (truly 5% faster) is probed at its
-    # largest mbs, 9, OOMs, and runs at 8: 93.3, within the noise of the lucky 95.0. Re-measuring only stage 0's
-    # mbs 8 (the equal-mbs point) would leave the lucky 95.0 as the bar; its best point is re-measured as well
+    # stage 0's single run at mbs 4 read 15% high (92.0, truly 80.0), 3.5% over its mbs 8 (88.9): the search goes
+    # down to it. Stage 1 (truly 5% faster) is probed at its largest mbs, 9, OOMs, and runs halfway back to the
+    # best's mbs, at 6: 90.0, within the noise of the lucky 92.0. Stage 0 never ran 6, so there is no equal-mbs
+    # point: the lucky best itself is re-measured (pooled 80.0), and stage 0's best is its 8 again, which the
+    # probe beats: stage 1 is searched, and as the best stage it alone gets the fine pass (7)
     flat = lambda m: 100 * m / (m + 1)  # noqa: E731
-    lucky = {(0, 7): 95.0}
+    lucky = {(0, 4): 92.0}
     calls, confirmed = [], []
 
     def evaluate(stage, ms):
@@ -319,11 +321,25 @@ def test_a_probe_that_loses_within_the_noise_to_a_lucky_best_re_measures_that_be
 
     results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 9)], lo=1, hi=9, objective=THROUGHPUT,
                              num_fine=3, confirm=confirm)
-    assert calls[:calls.index((1, 9))] == [(0, 8), (0, 9), (0, 4), (0, 6), (0, 7)]  # stage 0: 7 reads best
-    assert calls[calls.index((1, 9)):][:2] == [(1, 9), (1, 8)]
-    assert confirmed[:3] == [(1, 8), (0, 7), (0, 8)]  # the probe, then the best and the equal-mbs point
+    assert calls == [(0, 8), (0, 9), (0, 4), (0, 2), (1, 9), (1, 6), (1, 8), (1, 7)]  # stage 0: 4 reads best
+    assert confirmed == [(1, 6), (0, 4)]  # the probe, then the best it lost to
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
-    assert results[1].reason == "probe at mbs=8 beat the best (93.33 > 88.89)"
+    assert results[1].reason == "probe at mbs=6 beat the best (90 > 88.89)"
+
+
+def test_only_the_best_stage_gets_the_fine_pass_after_every_stage_is_searched():
+    # stage 0 peaks at 20 (100), stage 1 at 40 (120: its memory headroom); stage 0's coarse search (32; 64, 48 and
+    # 40 fail; 36 loses; halving: 16 wins, 8 loses) leaves the gaps next to 16 a fine pass would bisect, but stage 1
+    # beats it: the fine pass runs once, last, on stage 1 only, between 22 and its best 44: 33, then 38 (until
+    # session 13 each explored stage got its own fine pass before the next stage's probe)
+    hump = lambda top, at: (lambda m: top - abs(m - at))  # noqa: E731
+    evaluate, calls = stages({0: (hump(100, 20), 36), 1: (hump(120, 40), 44)})
+    results = explore_stages(evaluate, [StagePlan(0, 32), StagePlan(1, 44)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=2)
+    stage0 = [m for s, m in calls if s == 0]
+    assert stage0 == [32, 64, 48, 40, 36, 16, 8]
+    assert calls[len(stage0):] == [(1, 44), (1, 64), (1, 54), (1, 49), (1, 46), (1, 45), (1, 22), (1, 33), (1, 38)]
+    assert results[1].trace.best(THROUGHPUT).mbs == 38
 
 
 def test_a_headroom_probe_that_ooms_is_probed_again_halfway_and_searched_from_there():
@@ -406,13 +422,13 @@ def test_a_precise_tie_with_a_best_at_the_memory_boundary_is_no_plateau():
 
 
 def test_no_headroom_where_the_best_stage_already_ran_a_larger_mbs():
-    peak = lambda scale: (lambda m: scale * (100 - abs(m - 28) * 0.5))  # noqa: E731  (best at 28, not the cap)
+    peak = lambda scale: (lambda m: scale * (100 - abs(m - 16) * 0.5))  # noqa: E731  (best at 16, not the cap)
     evaluate, calls = stages({0: (peak(1.0), 32), 1: (peak(0.9), 32), 2: (peak(0.9), 32), 3: (peak(0.8), 32)})
     results = explore_stages(evaluate, [StagePlan(s, 32) for s in range(4)], lo=1, hi=32, objective=THROUGHPUT,
                              num_fine=3)
-    # stage 0 ran 32 and was slower there than at 28: stage 1 reaching 32 is no headroom, so it is probed at
-    # equal mbs (28), loses, and stages 2 and 3 are skipped
-    assert calls == [(0, 32), (0, 16), (0, 24), (0, 28), (0, 30), (1, 28)]
+    # stage 0 ran 32 and was slower there than at 16 (and 8): stage 1 reaching 32 is no headroom, so it is probed
+    # at equal mbs (16), loses, and stages 2 and 3 are skipped; then the fine pass refines stage 0, the best
+    assert calls == [(0, 32), (0, 16), (0, 8), (1, 16), (0, 24), (0, 12), (0, 20)]
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.PROBED, StageDecision.SKIPPED,
                                              StageDecision.SKIPPED]
     assert results[2].reason == ("cannot beat: a lower stage was already slower at the same mbs, and this one "

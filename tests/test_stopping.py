@@ -278,8 +278,7 @@ def test_simulated_adaptive_tuning_ends_runs_early_with_the_same_answer(tmp_path
     # what the corrected memory model put over the budget is in the strategy's record as OOM, never launched
     launched = {e.name for e in tuner.scheduler.history}
     predicted = [(e.stage, e.mbs, e.status.value) for e in tuner.result.experiments if e.name not in launched]
-    assert predicted == [(0, 15, "oom"), (1, 18, "oom"), (1, 17, "oom"), (2, 19, "oom"), (2, 18, "oom"), (2, 17, "oom"),
-                         (3, 18, "oom")]
+    assert predicted == [(1, 18, "oom"), (1, 17, "oom"), (2, 19, "oom"), (2, 18, "oom"), (2, 17, "oom"), (3, 18, "oom")]
     assert all("per rank estimated, over the" in e.error and e.error.endswith("budget: not launched")
                for e in tuner.result.experiments if e.name not in launched)
 
@@ -301,23 +300,23 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 
 
 # SIMULATED scenario 4 (GPT-350M on 8 A100-40GB, 1% noise): the same launches and answer as without the
-# stop rule; each run ends once precise to 2%; the OOMs end on their own. ZeRO-0 runs out of memory at mbs 16, and
-# the memory model corrected from that OOM puts mbs 15 and each higher stage's largest mbs over the budget, so
-# they are not launched (until 2026-11-25 they were: 15 ran and ended "cannot beat", the three higher stages
-# ran out of memory at 18-19). ZeRO-0's best, 14, sits at that boundary, so its tie with 12 is bisected (13).
+# stop rule; each run ends once precise to 2%; the OOMs end on their own. ZeRO-0 runs out of memory at mbs 16;
+# the memory model corrected from that OOM puts each higher stage's largest mbs over the budget, so they are not
+# launched (until 2026-11-25 they were, and ran out of memory at 18-19). ZeRO-0 halves to 8 and bisects to 12.
 # Stage 1 wins its probe at 15 and is searched: its best, 16, ran at 0.95 of the device memory, near capacity,
 # so the search looks below at the largest mbs the memory model puts under 0.9 of it, 14 (until session 13 it
 # halved to 7). ZeRO-2's probe at 16 wins within the noise at equal mbs and is re-measured with ZeRO-1's 14 and
-# 16 before it is searched (14, 15). ZeRO-3 is probed at 16, then at the best's mbs, 14, where it loses.
+# 16 before it is searched (14). ZeRO-3 is probed at 16, then at the best's mbs, 14, where it loses. The fine
+# pass runs last, on ZeRO-2 only (15; until session 13 ZeRO-0 got one too, 14 and 13, before ZeRO-1's probe).
 # No gas phase: ZeRO-2 spends under 1% of its step once per optimizer step. The runs are start-up bound, so
-# ending them a step or two early saves 2.5% of the GPU time. The answer, ZeRO-2 mbs 14, is 0.997 of the optimum
+# ending them a step or two early saves 2.6% of the GPU time. The answer, ZeRO-2 mbs 14, is 0.997 of the optimum
 # (ZeRO-2 mbs 15, the answer until session 13; until session 10 ZeRO-0 mbs 14, 0.984).
 # (Scenario 0 was pinned here until the memory model's session-6 changes, when its adaptive and plain runs came
 # to answers 1.3% apart.)
 PINNED_ADAPTIVE = [
-    (0, 16, "oom", "exited"), (0, 8, "ok", "precise"), (0, 12, "ok", "precise"), (0, 14, "ok", "precise"),
-    (0, 13, "ok", "precise"), (1, 15, "ok", "precise"), (1, 16, "ok", "precise"), (1, 14, "ok", "precise"),
-    (2, 16, "ok", "precise"), (2, 16, "ok", "precise"), (1, 14, "ok", "precise"), (1, 16, "ok", "precise"),
-    (2, 14, "ok", "precise"), (2, 15, "ok", "precise"), (3, 16, "ok", "precise"), (3, 14, "ok", "precise"),
+    (0, 16, "oom", "exited"), (0, 8, "ok", "precise"), (0, 12, "ok", "precise"), (1, 15, "ok", "precise"),
+    (1, 16, "ok", "precise"), (1, 14, "ok", "precise"), (2, 16, "ok", "precise"), (2, 16, "ok", "precise"),
+    (1, 14, "ok", "precise"), (1, 16, "ok", "precise"), (2, 14, "ok", "precise"), (3, 16, "ok", "precise"),
+    (3, 14, "ok", "precise"), (2, 15, "ok", "precise"),
 ]
-PINNED_GPU_RATIO = 0.975
+PINNED_GPU_RATIO = 0.974

@@ -22,7 +22,8 @@ callable and learns from the outcomes (``Status`` and metric). Why it stopped is
   ``threshold``; the short step onto the memory estimate is not tested, it only positions the
   ladder).
 
-Then a fine pass bisects around the best mbs. The search moves over a sorted set of allowed mbs
+Then a fine pass bisects around the best mbs (``num_fine``; :func:`refine_mbs` runs it alone, as the
+stage exploration does once the stages are compared). The search moves over a sorted set of allowed mbs
 values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the divisors that
 keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
 "bisecting" pick from that set.
@@ -153,12 +154,7 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
         trace.stop = StopReason.INFEASIBLE
         return trace
 
-    def run(batch: Sequence[int]) -> list[Point]:
-        todo = [m for m in batch if trace.get(m) is None]
-        if todo:
-            trace.points.extend(evaluate(todo))
-        return [trace.get(m) for m in batch]
-
+    run = _runner(trace, evaluate)
     if objective.higher_is_better:
         _top_down(run, trace, values, estimate, objective, threshold, confirm)
         if trace.stop is not StopReason.INFEASIBLE:
@@ -176,6 +172,26 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
     trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm)
     _fine_pass(run, trace, values, objective, num_fine, threshold, precision)
     return trace
+
+
+def _runner(trace: MbsTrace, evaluate: Evaluate) -> Callable[[Sequence[int]], list[Point]]:
+    """``run(batch)``: the points of ``trace`` at these mbs values, evaluating (and recording) those not
+    measured yet."""
+    def run(batch: Sequence[int]) -> list[Point]:
+        todo = [m for m in batch if trace.get(m) is None]
+        if todo:
+            trace.points.extend(evaluate(todo))
+        return [trace.get(m) for m in batch]
+    return run
+
+
+def refine_mbs(evaluate: Evaluate, trace: MbsTrace, *, lo: int, hi: int, objective: Objective, num_fine: int,
+               threshold: float = 0.01, allowed: Sequence[int] | None = None, precision: float | None = None) -> None:
+    """The fine pass alone, on a trace :func:`search_mbs` left with ``num_fine=0``: bisect the gaps next to
+    its best mbs, up to ``num_fine`` experiments (recorded in ``trace``). Arguments as in :func:`search_mbs`."""
+    if trace.best(objective) is not None:
+        _fine_pass(_runner(trace, evaluate), trace, allowed_values(lo, hi, allowed), objective, num_fine, threshold,
+                   precision)
 
 
 def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int, objective: Objective,
