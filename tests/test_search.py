@@ -188,6 +188,29 @@ def test_a_headroom_probe_slowed_at_its_memory_boundary_is_probed_again_at_the_b
     assert results[1].reason == "probe at mbs=12: ok 60 not better than ZeRO stage 0's 120 at mbs=12"
 
 
+def test_a_headroom_probe_near_capacity_is_probed_again_at_its_calm_mbs():
+    # as above, but the runs report their peaks: stage 1's probe at 20 ran at 0.98 of the budget (near capacity),
+    # and the memory model puts mbs 17 at most under 0.9 of it: the second probe is at 17, not at the best's 12
+    # (a stage compared where it runs unslowed keeps some of its headroom); 17 wins (187 > 120) and is searched
+    calls = []
+
+    def evaluate(stage, ms):
+        calls.extend((stage, m) for m in ms)
+        limit, slope, calm = (12, 0.08, 11) if stage == 0 else (20, 0.049, 17)
+        return [Point(m, Status.OOM) if m > limit else
+                Point(m, Status.OK, (10.0 if stage == 0 else 11.0) * m * (0.5 if (stage, m) == (1, 20) else 1.0),
+                      memory_fraction=slope * m, calm_mbs=calm) for m in ms]
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 20)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    # stage 0: 12 (0.96 of the budget) runs, 24 fails, the bisection finds nothing between; the look below goes
+    # to its calm mbs, 11, which loses. Stage 1's search climbs from 20 (40, 30, 25, 22, 21 fail); its best, 17,
+    # ran at 0.83 of the budget: no look below it
+    assert calls == [(0, 12), (0, 24), (0, 18), (0, 15), (0, 13), (0, 11), (1, 20), (1, 17),
+                     (1, 40), (1, 30), (1, 25), (1, 22), (1, 21)]
+    assert results[1].reason == "probe at mbs=17 beat the best (187 > 120)"
+    assert results[1].trace.best(THROUGHPUT).mbs == 17
+
+
 def test_higher_stage_that_measures_faster_is_explored_from_its_probe():
     evaluate, calls = stages({0: (lambda m: 100 * m / (m + 1), 1000), 1: (lambda m: 120 * m / (m + 1), 1000)})
     results = explore_stages(evaluate, [StagePlan(0, 4), StagePlan(1, 4)], lo=1, hi=4, objective=THROUGHPUT,
