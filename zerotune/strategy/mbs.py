@@ -43,6 +43,7 @@ NEAR_CAPACITY = 0.9
 """A run whose measured peak is at least this fraction of the per-device budget runs near the device's
 capacity, where a caching allocator flushes and retries and a step can be slower than at a smaller mbs."""
 
+
 class StopReason(str, enum.Enum):
     """Why :func:`search_mbs` stopped climbing."""
 
@@ -229,8 +230,8 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     goes down only while a smaller mbs is better by ``threshold`` and by more than the noise
     (:func:`within_noise`). On the SIMULATED clusters (6 noise draws, benchmarks/README.md, session 13)
     looking below only near the capacity, at the calm mbs, cut the GPU-hours from 0.80x to 0.70x
-    DeepSpeed's at 1% noise and from 0.94x to 0.87x at 5%, with more answers within 1% of the optimum
-    (187 -> 199 and 120 -> 143 of 216) and the same worst case."""
+    DeepSpeed's at 1% noise and from 0.94x to 0.86x at 5%, with more answers within 1% of the optimum
+    (187 -> 198 and 120 -> 144 of 216) and the same worst case."""
     known_ok = [p.mbs for p in trace.ok_points]
     start = max([m for m in values if m <= estimate] or [values[0]])
     start = max(start, *known_ok) if known_ok else start

@@ -391,8 +391,8 @@ class Strategy:
             """A point's measured peak over the budget, and the largest mbs the memory model (as corrected so
             far) puts under NEAR_CAPACITY of it: where the mbs search looks below a best near capacity. None of
             either on CPU ranks: a CPU's caches can make a smaller micro-batch faster far from any memory limit
-            (on this project's machine ZeRO-0 at mbs 16 and 32 read within 0.7% of each other, and mbs 16 at gas
-            2 beat both by 4%, benchmarks/README.md), so there the search keeps its halving look below."""
+            (on this project's machine, with 23.5 GiB per rank, ZeRO-0 read 36.7 samples/s at mbs 32 and 40.2 at
+            16: benchmarks/README.md, session 13), so there the search keeps its halving look below."""
             if self.job.cpu:
                 return {}
             budget, memory = self.job.device_memory_bytes, self.result.memory
