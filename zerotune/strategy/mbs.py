@@ -255,17 +255,17 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
         trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm)  # above the estimate
     best = trace.best(objective)
     while True:  # below: only from near the device's capacity, and only while it clearly pays
+        below = [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]  # a halving
         if best.memory_fraction is None:  # unknown: one halving below, where nothing below was measured
             if any(q.mbs < best.mbs for q in trace.ok_points):
                 break
-            below = [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]
         elif best.memory_fraction < NEAR_CAPACITY or (best.calm_mbs is not None and best.mbs <= best.calm_mbs):
             break  # throughput rises with mbs away from the device's capacity: nothing below can win
         else:  # near capacity: the largest mbs the memory model puts under it, unless one ran there
             calm = [m for m in values if best.calm_mbs is not None and m <= best.calm_mbs and m < best.mbs]
-            below = calm[-1:] or [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]
-            if not below or any(q.mbs <= below[-1] or (q.memory_fraction or 1.0) < NEAR_CAPACITY
-                                for q in trace.ok_points if q.mbs < best.mbs):
+            below = calm[-1:] or below
+            if below and any(q.mbs <= below[-1] or (q.memory_fraction or 1.0) < NEAR_CAPACITY
+                             for q in trace.ok_points if q.mbs < best.mbs):
                 break
         if not below:
             break
