@@ -243,7 +243,7 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
         if known_below:  # one ran below already (a stage probe): bisect from it
             start = max(known_below)
             break
-        below = [m for m in values if m <= start // 2] or [m for m in values if m < start][-1:]
+        below = _halving(values, start)
         if not below:
             trace.stop = StopReason.INFEASIBLE
             return
@@ -255,7 +255,7 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
         trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm)  # above the estimate
     best = trace.best(objective)
     while True:  # below: only from near the device's capacity, and only while it clearly pays
-        below = [m for m in values if m <= best.mbs // 2] or [m for m in values if m < best.mbs][-1:]  # a halving
+        below = _halving(values, best.mbs)
         if best.memory_fraction is None:  # unknown: one halving below, where nothing below was measured
             if any(q.mbs < best.mbs for q in trace.ok_points):
                 break
@@ -274,6 +274,12 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
         if gain is None or gain < threshold or within_noise(gain, p, best, threshold):
             break  # a larger mbs is the prior for throughput: going down takes more than noise
         best = p
+
+
+def _halving(values: Sequence[int], mbs: int) -> list[int]:
+    """The allowed values at most half of ``mbs`` (the last is the halving), or else the one just below it;
+    empty when none is below ``mbs``."""
+    return [m for m in values if m <= mbs // 2] or [m for m in values if m < mbs][-1:]
 
 
 def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:
