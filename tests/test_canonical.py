@@ -116,6 +116,10 @@ def test_lossy_value_adds_hash():
     derived = {MBS: 4, "train_batch_size": 32, Z: {"stage": 0}}
     assert canonical_name(derived) == f"z0_gas-_tmbspg4_tbs32_h{h8(derived)}"
     assert canonical_name({MBS: 4, Z: {"stage": 7}}) == f"z-_gas1_tmbspg4_h{h8({MBS: 4, Z: {'stage': 7}})}"
+    # a huge integral number (1e142 is read as an int of 143 digits): cut to 24 digits, the hash names it
+    huge = {MBS: 1, Z: {"stage": 3}, "fp16": {"enabled": 1e142}}
+    assert canonical_name(huge) == f"z3_gas1_tmbspg1_fp{int(1e142)!s:.24}_h{h8(huge)}"
+    assert canonical_name({**huge, "fp16": {"enabled": 1e143}}) != canonical_name(huge)
 
 
 def test_extra_keys_add_hash():

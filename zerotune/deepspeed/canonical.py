@@ -192,7 +192,10 @@ def _format_value(value: Any, kind: str) -> tuple[str, bool]:
     if isinstance(value, bool):
         return ("1" if value else "0"), kind == "bool"
     if isinstance(value, int):
-        return _format_int(value), kind == "int"
+        text = _format_int(value)
+        if len(text) > _MAX_VALUE_TEXT:  # e.g. 1e142 read as an int: its digits, cut; the hash identifies it
+            return text[:_MAX_VALUE_TEXT], False
+        return text, kind == "int"
     if isinstance(value, float):
         return _format_float(value), False
     if isinstance(value, str):
