@@ -361,10 +361,10 @@ def _above_may_pay(trace: MbsTrace, best: Point, mid: int | None, threshold: flo
 
     Not when the affine step time through the best and the nearest runnable point below it that ran away
     from the device's capacity (:func:`affine_gain`) predicts there a gain under ``threshold``, or one within
-    the noise of the two points it comes from (:func:`within_noise`): a straight step-time line cannot put a
-    peak between two measured points, so the gap pays only through what the line leaves out (the
-    allocator's flushes near capacity slowing the point above) or a gain the measurements resolve. With no
-    such point below, or no prediction, it may. On the SIMULATED clusters (6 noise draws) this cut the
+    the noise of the two points it comes from (:func:`within_noise`). Extended above the best, that line is
+    what the step's fixed work still has to amortize; the allocator's flushes near capacity only slow a step,
+    so the gap gains more only where a step's efficiency still grows with mbs, and then by what two runs can
+    hardly tell. With no such point below, or no prediction, it may. On the SIMULATED clusters (6 noise draws) this cut the
     GPU-hours from 0.64x to 0.58x DeepSpeed's at 1% noise and from 0.79x to 0.72x at 5%, for the same worst
     case (benchmarks/README.md, session 14); on this machine's CPU curve, flat from mbs 8 to 28, it skips the
     two fine-pass runs (mbs 24 and 20) that bought nothing in session 13."""
