@@ -22,8 +22,8 @@ from zerotune.strategy.tuning import Strategy
 GiB = 2**30
 
 
-def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True) -> Job:
-    """A job tuning ZeRO stage 0 only, mbs 1..max_mbs, on 2 CPU ranks with 8 GiB each."""
+def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True, cpu: bool = True) -> Job:
+    """A job tuning ZeRO stage 0 only, mbs 1..max_mbs, on 2 ranks (CPU ranks unless ``cpu`` is False) with 8 GiB each."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
@@ -31,7 +31,7 @@ def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True)
                                   "autotuning": {"enabled": True, "fast": fast,
                                                  "max_train_micro_batch_size_per_gpu": max_mbs}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
-                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
 
 
 def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=None,
@@ -226,6 +226,34 @@ def test_precise_finalists_are_re_measured_once_the_runs_show_a_run_to_run_noise
     assert ran[4:] == ["z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
     answer = best_experiment(strategy.result.experiments, strategy.job.objective)
     assert answer.name == "z0_gas1_tmbspg32" and strategy.pooled(answer.name).value == 102.0
+
+
+def test_a_smaller_mbs_of_the_answers_config_away_from_capacity_is_not_re_measured(tmp_path):
+    # GPU ranks, 8 GiB each; the run-to-run noise reads 4.0% (mbs 8: 80, then 88), so mbs 32 (103) and mbs 16 (100)
+    # tie within the noise, and neither is known to +-2%
+    values = {"z0_gas1_tmbspg32": 103.0, "z0_gas1_tmbspg16": 100.0, "z0_gas1_tmbspg8": 80.0,
+              "z0_gas1_tmbspg8_r2": 88.0, "z0_gas1_tmbspg32_r2": 101.0, "z0_gas1_tmbspg16_r2": 100.0}
+
+    def run(path, peak_of_32):
+        ran = []
+
+        def evaluate(exps):
+            for exp in exps:
+                ran.append(exp.name)
+                exp.status, exp.metric, exp.metric_rel_half_width = Status.OK, values[exp.name], 0.01
+                exp.peak_memory_bytes = peak_of_32 if exp.mbs == 32 else 4 * GiB
+            return exps
+        strategy = Strategy(make_job(path, cpu=False), evaluate)
+        strategy.evaluate([strategy.builder.mbs_experiment(0, m) for m in (32, 16, 8)])
+        strategy.remeasure([strategy.result.experiments[-1]])
+        assert strategy.result.run_noise.sigma == pytest.approx(0.0397, abs=1e-4)
+        strategy.confirm_answer()
+        return ran[4:]
+    # both ran away from the capacity (7 GiB and 4 GiB of 8: under 0.9): the readings put the larger mbs first, as
+    # throughput rises with mbs there; mbs 16 is not re-measured, and nothing else ties: no re-measure at all
+    assert run(tmp_path / "calm", 7 * GiB) == []
+    # mbs 32 ran at 0.95 of the budget, where the allocator's flushes can slow a step: both are re-measured
+    assert run(tmp_path / "near", int(0.95 * 8 * GiB)) == ["z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
 
 
 def saturating(mbs: int, gas: int) -> float:
