@@ -325,15 +325,25 @@ class Strategy:
         capacity (measured peaks under :data:`~zerotune.strategy.mbs.NEAR_CAPACITY` of the budget): there a step's
         fixed work is amortized over more samples at the larger mbs, so throughput rises with mbs, and the
         readings, which put ``top`` first, agree with it; re-measuring ``e`` could only move the answer against
-        both. False on CPU ranks (their caches can favour a smaller micro-batch anywhere) and for latency. On the
+        both. False on CPU ranks (no :meth:`memory_fraction`) and for latency. On the
         SIMULATED clusters (6 noise draws, 5% noise) leaving such finalists out of :meth:`confirm_answer` cut the
         GPU-hours from 0.72x to 0.69x DeepSpeed's, with 152 answers within 1% of the optimum against 151 and the
         same worst case (benchmarks/README.md, session 14); at 1% noise nothing moved."""
-        if self.job.cpu or not self.job.objective.higher_is_better:
+        if not self.job.objective.higher_is_better:
             return False
+        fractions = [self.memory_fraction(x) for x in (e, top)]
+        return ((e.stage, e.gas, e.knobs) == (top.stage, top.gas, top.knobs) and e.mbs < top.mbs
+                and all(f is not None and f < NEAR_CAPACITY for f in fractions))
+
+    def memory_fraction(self, exp: Experiment) -> float | None:
+        """``exp``'s measured peak over the per-device budget (where it ran against the device's capacity); None
+        without a measured peak or budget, and on CPU ranks: a CPU's caches can make a smaller micro-batch faster
+        far from any memory limit (on this project's machine, with 23.5 GiB per rank, ZeRO-0 read 36.7 samples/s
+        at mbs 32 and 40.2 at 16: benchmarks/README.md, session 13), so no rule that reads capacity applies there."""
         budget = self.job.device_memory_bytes
-        return ((e.stage, e.gas, e.knobs) == (top.stage, top.gas, top.knobs) and e.mbs < top.mbs and bool(budget)
-                and all(x.peak_memory_bytes and x.peak_memory_bytes < NEAR_CAPACITY * budget for x in (e, top)))
+        if self.job.cpu or not exp.peak_memory_bytes or not budget:
+            return None
+        return exp.peak_memory_bytes / budget
 
     def measure_answer_twice(self) -> None:
         """``"fast": false`` (and ``"fast": true`` where :meth:`answer_stands_out`): the answer is reported
@@ -404,17 +414,15 @@ class Strategy:
                          f"does not fit ({why}): pruned"))
 
         def memory_terms(stage: int, exp: Experiment) -> dict:
-            """A point's measured peak over the budget, and the largest mbs the memory model (as corrected so
-            far) puts under NEAR_CAPACITY of it: where the mbs search looks below a best near capacity. None of
-            either on CPU ranks: a CPU's caches can make a smaller micro-batch faster far from any memory limit
-            (on this project's machine, with 23.5 GiB per rank, ZeRO-0 read 36.7 samples/s at mbs 32 and 40.2 at
-            16: benchmarks/README.md, session 13), so there the search keeps its halving look below."""
+            """A point's measured peak over the budget (:meth:`memory_fraction`), and the largest mbs the memory
+            model (as corrected so far) puts under NEAR_CAPACITY of it: where the mbs search looks below a best
+            near capacity. None of either on CPU ranks, where the search keeps its halving look below."""
             if self.job.cpu:
                 return {}
             budget, memory = self.job.device_memory_bytes, self.result.memory
             calm = None if memory is None else memory.max_mbs(self.builder.config(stage, lo),
                                                               int(NEAR_CAPACITY * budget), cap=hi)
-            return {"memory_fraction": exp.peak_memory_bytes / budget if exp.peak_memory_bytes and budget else None,
+            return {"memory_fraction": self.memory_fraction(exp),
                     "calm_mbs": calm if calm is not None and calm >= lo else None}
 
         def evaluate(stage: int, mbs_values: Sequence[int]) -> list[Point]:
