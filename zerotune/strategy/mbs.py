@@ -356,7 +356,7 @@ def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
     return (mbs / step) / best.metric - 1
 
 
-def _above_may_pay(trace: MbsTrace, best: Point, mid: int | None, threshold: float) -> bool:
+def _above_may_pay(trace: MbsTrace, best: Point, mid: int, threshold: float) -> bool:
     """Whether the gap above the best (throughput) may hold a better mbs at its middle ``mid``.
 
     Not when the affine step time through the best and the nearest runnable point below it that ran away
@@ -364,12 +364,10 @@ def _above_may_pay(trace: MbsTrace, best: Point, mid: int | None, threshold: flo
     the noise of the two points it comes from (:func:`within_noise`). Extended above the best, that line is
     what the step's fixed work still has to amortize; the allocator's flushes near capacity only slow a step,
     so the gap gains more only where a step's efficiency still grows with mbs, and then by what two runs can
-    hardly tell. With no such point below, or no prediction, it may. On the SIMULATED clusters (6 noise draws) this cut the
-    GPU-hours from 0.64x to 0.58x DeepSpeed's at 1% noise and from 0.79x to 0.72x at 5%, for the same worst
-    case (benchmarks/README.md, session 14); on this machine's CPU curve, flat from mbs 8 to 28, it skips the
-    two fine-pass runs (mbs 24 and 20) that bought nothing in session 13."""
-    if mid is None:
-        return False
+    hardly tell. With no such point below, or no prediction, it may. On the SIMULATED clusters (6 noise draws)
+    this cut the GPU-hours from 0.64x to 0.58x DeepSpeed's at 1% noise and from 0.79x to 0.72x at 5%, for the
+    same worst case (benchmarks/README.md, session 14); on this machine's CPU curve, flat from mbs 8 to 28, it
+    skips the two fine-pass runs (mbs 24 and 20) that bought nothing in session 13."""
     lows = [p for p in trace.ok_points if p.mbs < best.mbs and (p.memory_fraction or 0.0) < NEAR_CAPACITY]
     if not lows:
         return True
@@ -401,7 +399,7 @@ def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective
         candidates = []
         up = _middle(values, best.mbs, min(above)) if above else None
         gated = objective.higher_is_better  # throughput: a gap is bisected only where it may pay
-        if above and (not gated or _above_may_pay(trace, best, up, threshold)):
+        if up is not None and (not gated or _above_may_pay(trace, best, up, threshold)):
             candidates.append(up)
         at_boundary = bool(above) and not trace.get(min(above)).ok and up is None
         if (below and (at_boundary or not _plateau(trace.get(max(below)), best, threshold, precision))
