@@ -70,6 +70,16 @@ def test_finish_of_the_profile_run_adds_the_probes_saved_activations_per_sample(
     assert ModelInfo.from_metrics(info, mbs=2).activation_mem_per_gpu == 27_252_736  # DeepSpeed's, over 2 samples
 
 
+def test_with_activation_checkpointing_the_per_sample_bytes_add_the_largest_recomputed_region(tmp_path):
+    # what the backward pass holds at its peak: every region's saved input, plus the region it recomputes
+    info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 9_000_000}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "activations.json", '{"saved_bytes": 1048576, "recompute_bytes": 5767168, "recompute_regions": 4, '
+                                         '"micro_batch_size": 2}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics == {**info, "activation_saved_bytes": 3_407_872}  # (1048576 + 5767168) / 2
+
+
 def test_finish_of_the_profile_run_adds_the_probes_model_shapes(tmp_path):
     info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 54_505_472}
     write(tmp_path / "model_info.json", json.dumps(info))
@@ -105,7 +115,8 @@ def test_on_cpu_the_profile_record_carries_rank_0s_vmdata_peak_to_the_calibratio
 
 
 @pytest.mark.parametrize("record", ['{"saved_bytes": -1}', '{"saved_bytes": 5, "micro_batch_size": 0}',
-                                    '{"saved_bytes": true}', '[1]', 'not json'])
+                                    '{"saved_bytes": true}', '{"saved_bytes": 5, "recompute_bytes": -1}',
+                                    '[1]', 'not json'])
 def test_a_bad_activations_record_is_ignored(tmp_path, record):
     info = {"num_params": 10, "activation_mem_per_gpu": 4}
     write(tmp_path / "model_info.json", json.dumps(info))

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ SCRIPT = str(ROOT / "examples" / "train_hf.py")
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--seq_len", "32", "--vocab_size", "256",
         "--num_samples", "512"]
 TRAINER = ["--output_dir", "out", "--max_steps", "8", "--report_to", "none", "--save_strategy", "no",
-           "--log_level", "info", "--disable_tqdm", "true"]
+           "--log_level", "info", "--disable_tqdm", "true", "--gradient_checkpointing", "true"]
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +46,12 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
     profile = next(r for r in records if r["kind"] == "profile")
     engine = json.loads((results / "exps" / profile["name"] / "engine_config.json").read_text())
     assert engine["hidden_size"] == 64  # the model as the engine saw it; the Trainer's buckets follow
+    # with gradient checkpointing (non-reentrant, the Trainer's default) the forward saves the layer's input
+    # only; the probe also counted the layer's recomputation, on ZeRO-3 across 2 ranks exactly as in process
+    # (test_probe_activations: with the forward's saved bytes, what the forward saves without checkpointing)
+    counted = json.loads((results / "exps" / profile["name"] / "activations.json").read_text())
+    assert counted["recompute_regions"] == 1  # --n_layer 1
+    assert counted["recompute_bytes"] == tiny_gpt2_counted(counted["micro_batch_size"])["recompute_bytes"]
     # the mbs search at the script's gas 2; the gas phase (gas mapped, so searched) doubles it at the best mbs
     assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1"} == {2}
     assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1_gas"} <= {4}
@@ -78,6 +85,14 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
     assert "trained 8 steps" in run.stdout
     assert f"Instantaneous batch size per device = {optimal['train_micro_batch_size_per_gpu']}" in (
         run.stdout + run.stderr)
+
+
+def tiny_gpt2_counted(mbs: int) -> dict:
+    """The probe's record for examples/train_hf.py's TINY model at ``mbs``, with gradient checkpointing,
+    counted in process (test_probe_activations.counted_gpt2)."""
+    from test_probe_activations import counted_gpt2
+    return counted_gpt2(Path(tempfile.mkdtemp()), mbs, checkpointing=True, layers=1, hidden=64, heads=2, seq_len=32,
+                        vocab=256)
 
 
 def engine_of(exp_dir: Path) -> dict:

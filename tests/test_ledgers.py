@@ -131,6 +131,13 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # only from a best near capacity (zerotune.strategy.mbs._above_may_pay, _below_may_pay): scenario 21 no longer runs
 # ZeRO-3 mbs 44 and 42 (and re-measures its answer, 41, instead), 33 no
 # longer runs mbs 16; the same answers.
+# Then (session 15): the profile's activations count the layer that activation checkpointing recomputes in the
+# backward pass (zerotune's probe runs each checkpointed region once more; the simulator writes the probe's record,
+# and writes both records at the profile run's own mbs, where DeepSpeed's figure had been one sample's whatever the
+# mbs): scenarios 21 and 33 (checkpointed) start at smaller estimates that still run out of memory (the simulator
+# adds a CUDA context and fragmentation that no profile peak calibrates there); 21 answers ZeRO-3 mbs 42 (was 41)
+# in 3 launches more, 33 keeps mbs 15. The mbs-and-gas-lists case (profile at mbs 2) no longer launches ZeRO-0 at
+# mbs 6, which its activations, no longer halved, put over the budget.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -192,27 +199,30 @@ PINS = {
     (21, True, 'all'): {
         'ledger': [
             ('profile', 3, 1, 1, 'ok'),
-            (1, 44, 1, 'oom'),
-            (1, 22, 1, 'ok'),
-            (1, 33, 1, 'ok'),
-            (2, 38, 1, 'ok'),
-            (2, 41, 1, 'ok'),
+            (1, 36, 1, 'oom'),
+            (1, 18, 1, 'ok'),
+            (1, 27, 1, 'ok'),
+            (1, 31, 1, 'ok'),
             (2, 35, 1, 'ok'),
-            (3, 35, 1, 'ok'),
-            (3, 48, 1, 'ok'),
-            (3, 41, 1, 'ok'),
-            (3, 41, 1, 'ok'),
+            (2, 35, 1, 'ok'),
+            (1, 27, 1, 'ok'),
+            (2, 39, 1, 'ok'),
+            (3, 43, 1, 'ok'),
+            (3, 47, 1, 'ok'),
+            (3, 42, 1, 'ok'),
+            (3, 43, 1, 'ok'),
+            (3, 42, 1, 'ok'),
         ],
-        'decisions': [(0, 'pruned', ''), (1, 'explored', 'plateau'), (2, 'explored', 'plateau'), (3, 'explored', 'cap')],
-        'answer': (3, 41, 1, {'stage': 3}),
+        'decisions': [(0, 'pruned', ''), (1, 'explored', 'plateau'), (2, 'explored', 'plateau'), (3, 'explored', 'plateau')],
+        'answer': (3, 42, 1, {'stage': 3}),
     },
     (33, True, 'all'): {
         'ledger': [
             ('profile', 3, 1, 1, 'ok'),
-            (3, 24, 1, 'oom'),
-            (3, 12, 1, 'ok'),
-            (3, 18, 1, 'ok'),
+            (3, 20, 1, 'oom'),
+            (3, 10, 1, 'ok'),
             (3, 15, 1, 'ok'),
+            (3, 17, 1, 'ok'),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau')],
         'answer': (3, 15, 1, {'stage': 3}),
@@ -334,9 +344,8 @@ BATCH_PINS = {
         'overrides': {'train_micro_batch_size_per_gpu': [2, 4, 6], 'gradient_accumulation_steps': [1, 2]},
         'ledger': [
             ('profile', 3, 2, 1, 'ok'),
-            (0, 6, 1, 'oom'),
-            (0, 2, 1, 'ok'),
             (0, 4, 1, 'ok'),
+            (0, 2, 1, 'ok'),
             (1, 6, 1, 'ok'),
             (2, 6, 1, 'ok'),
             (2, 6, 1, 'ok'),

@@ -4,10 +4,13 @@ In process, on a stand-in engine class (the probe wraps whatever ``DeepSpeedEngi
 module defines), so no launcher runs.
 """
 import json
+import os
 import types
 
+import pytest
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as bound_checkpoint
 
 from zerotune.probe import read_saved_activations
 from zerotune.probe import sitecustomize as probe_module
@@ -28,7 +31,7 @@ class Scaled(nn.Module):
         return self.fc2(nn.functional.gelu(self.fc1(x)) * self.scale)
 
 
-def engine_module(profile: bool):
+def engine_module(profile: bool, mbs: int = 3):
     class DeepSpeedEngine:  # the methods the probe calls, and DeepSpeed's exit in the profile forward
         def __init__(self, module):
             self.module, self.global_rank, self._config = module, 0, None
@@ -37,7 +40,7 @@ def engine_module(profile: bool):
             return profile
 
         def train_micro_batch_size_per_gpu(self):
-            return 3
+            return mbs
 
         def gradient_accumulation_steps(self):
             return 1
@@ -104,3 +107,147 @@ def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):
     loss.backward()
     assert engine.module.fc1.weight.grad.shape == (16, 8)
     assert not (tmp_path / "activations.json").exists() and read_saved_activations(tmp_path) is None
+
+
+class Checkpointed(nn.Module):
+    """Two blocks, each Linear(8, 16) -> GELU -> Linear(16, 8), each checkpointed through a ``checkpoint``
+    bound at import (as ``transformers.modeling_utils`` binds it)."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = bound_checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return x
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_a_checkpointed_region_is_counted_once_more_with_gradients_as_its_recomputation(tmp_path, use_reentrant):
+    module = engine_module(profile=True)
+    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    torch.manual_seed(0)
+    engine = module.DeepSpeedEngine(Checkpointed(use_reentrant))
+    try:
+        engine.forward(torch.randn(3, 8, requires_grad=True))
+    except SystemExit:
+        pass
+    record = json.loads((tmp_path / "activations.json").read_text())
+    # fp32, mbs 3: the forward saves each block's input only, 3x8 (96 B) twice; recomputing one block saves
+    # fc1's output (GELU's input) and GELU's output (fc2's input), 3x16 each (192 B), its input not counted
+    # again: 384 B, the most of the 2 regions
+    assert {k: record[k] for k in ("saved_bytes", "saved_storages", "recompute_bytes", "recompute_regions")} == \
+        {"saved_bytes": 192, "saved_storages": 2, "recompute_bytes": 384, "recompute_regions": 2}
+    assert read_saved_activations(tmp_path) == (192 + 384) // 3  # per sample, at the backward's peak
+    # the entry points are restored once the profile forward has exited
+    assert torch.utils.checkpoint.CheckpointFunction.__module__ == "torch.utils.checkpoint"
+    assert torch.utils.checkpoint._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"
+
+
+def test_outside_the_profile_forward_checkpointing_runs_as_before(tmp_path):
+    module = engine_module(profile=False)
+    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    torch.manual_seed(0)
+    model = Checkpointed(use_reentrant=True)
+    engine = module.DeepSpeedEngine(model)
+    engine.forward(torch.randn(3, 8, requires_grad=True)).backward()
+    assert model.blocks[0][0].weight.grad.shape == (16, 8)
+    assert not (tmp_path / "activations.json").exists()
+
+
+def counted_gpt2(directory, mbs: int, checkpointing: bool, layers: int = 2, hidden: int = 64, heads: int = 2,
+                 seq_len: int = 32, vocab: int = 256) -> dict:
+    """The probe's profile record of a Hugging Face GPT-2 (built from a config) whose forward is the loss on
+    ``mbs`` sequences as their own labels, with or without the model's gradient checkpointing."""
+    transformers = pytest.importorskip("transformers")
+
+    class LossOf(nn.Module):  # what the Trainer asks of the model: the loss on the labels
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, labels=ids).loss
+    directory.mkdir(parents=True, exist_ok=True)
+    module = engine_module(profile=True, mbs=mbs)
+    probe_module._install(module, probe_module._Probe(str(directory)))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=vocab)
+    model = transformers.GPT2LMHeadModel(config)
+    if checkpointing:
+        model.gradient_checkpointing_enable()  # non-reentrant, transformers' default
+    try:
+        module.DeepSpeedEngine(LossOf(model)).forward(torch.zeros(mbs, seq_len, dtype=torch.long))
+    except SystemExit:
+        pass
+    return json.loads((directory / "activations.json").read_text())
+
+
+def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tmp_path):
+    plain = counted_gpt2(tmp_path / "plain", 3, checkpointing=False, layers=1)
+    checkpointed = counted_gpt2(tmp_path / "checkpointed", 3, checkpointing=True, layers=1)
+    # one layer: the forward keeps its input and the rest of the model (embeddings, head, loss); the layer's
+    # recomputation saves the rest of what the plain forward saves, to the byte
+    assert checkpointed["saved_bytes"] + checkpointed["recompute_bytes"] == plain["saved_bytes"]
+    assert checkpointed["recompute_regions"] == 1 and "recompute_bytes" not in plain
+    # two layers: two regions of the same size; the plain forward saves a second layer's whole activations,
+    # the checkpointed one only its input (fp32 3 x 32 x 64: 24,576 bytes)
+    plain2 = counted_gpt2(tmp_path / "plain2", 3, checkpointing=False, layers=2)
+    checkpointed2 = counted_gpt2(tmp_path / "checkpointed2", 3, checkpointing=True, layers=2)
+    layer = plain2["saved_bytes"] - plain["saved_bytes"]
+    assert checkpointed2["recompute_bytes"] == checkpointed["recompute_bytes"] == layer - 24_576
+    assert checkpointed2["saved_bytes"] == checkpointed["saved_bytes"] + 24_576
+    assert checkpointed2["recompute_regions"] == 2
+
+
+DEEPSPEED_CHECKPOINTED = """
+import json, os, sys, torch, torch.nn as nn
+import deepspeed
+from deepspeed.runtime.activation_checkpointing import checkpointing
+sys.path.insert(0, {tests!r})
+from test_probe_activations import engine_module
+from zerotune.probe import sitecustomize as probe_module
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False, contiguous_checkpointing=False)
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = deepspeed.checkpointing.checkpoint(block, x)
+        return x
+
+module = engine_module(profile=True)
+probe_module._install(module, probe_module._Probe({directory!r}))
+try:
+    module.DeepSpeedEngine(Blocks()).forward(torch.randn(3, 8, requires_grad=True))
+except SystemExit:
+    pass
+"""
+
+
+@pytest.mark.e2e
+def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
+    # Megatron-style deepspeed.checkpointing keeps a region's inputs outside autograd's saved tensors: the
+    # probe counts them as kept; the same blocks as Checkpointed, the same bytes (a process of its own, as
+    # DeepSpeed's checkpointing needs a process group)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zerotune.deepspeed.launcher import free_port
+    tests = str(Path(__file__).resolve().parent)
+    script = DEEPSPEED_CHECKPOINTED.format(tests=tests, port=str(free_port()), directory=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": str(Path(tests).parent)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "activations.json").read_text())
+    assert {k: record[k] for k in ("saved_bytes", "saved_storages", "recompute_bytes", "recompute_regions")} == \
+        {"saved_bytes": 192, "saved_storages": 2, "recompute_bytes": 384, "recompute_regions": 2}

@@ -6,7 +6,7 @@ experiment's ``ds_config.json`` (with the ``autotuning`` section a real run gets
 writes a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and ``stderr.log`` (a CUDA OOM traceback line
 when the config does not fit), and the file DeepSpeed's engine would write: ``model_info.json``
 for the profile run (``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``, as
-``engine.forward`` writes it) or ``metrics.json`` (``latency`` in microseconds, ``throughput`` in
+``engine.forward`` writes it, with zerotune's probe's ``activations.json`` beside it) or ``metrics.json`` (``latency`` in microseconds, ``throughput`` in
 samples/s, ``FLOPS_per_gpu``, as ``engine._autotuning_exit`` writes it). The outcome is then read
 and classified from those files by zerotune's own :func:`zerotune.deepspeed.expdir.finish`,
 exactly as for a real run, and ``wall_s`` is the SIMULATED duration (nothing sleeps). The
@@ -29,7 +29,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atom
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed import expdir
-from zerotune.probe import stream_name
+from zerotune.probe import ACTIVATIONS_RECORD, stream_name
 from zerotune.run.backends.base import Backend
 from zerotune.run.slots import Reservation
 
@@ -105,8 +105,11 @@ class SimulatedBackend(Backend):
         (exp_dir / expdir.STDERR_LOG).write_text(stderr)
         (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {duration:.1f} s\n")
         if outcome.ok and ended is None:  # what DeepSpeed's engine would write: model_info.json or metrics.json
-            result = self.sim.model_info() if profile else self.sim.metrics(outcome)
+            mbs = int(exp.ds_config.get("train_micro_batch_size_per_gpu", 1))
+            result = self.sim.model_info(mbs) if profile else self.sim.metrics(outcome)
             write_json_atomic(expdir.result_path(exp, exp_dir), result)
+            if profile:  # what zerotune's probe would write in the profile run
+                write_json_atomic(exp_dir / ACTIVATIONS_RECORD, self.sim.probe_activations(mbs))
         for rank, records in streams.items():  # what zerotune's step probe would write
             (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
 

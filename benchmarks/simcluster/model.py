@@ -28,7 +28,8 @@ Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s
 bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
 checkpointing a layer keeps only its fp16 input (``2·s·h``) and one layer is recomputed at a time
 in the backward pass (its full activations are live then, and are NOT seen by DeepSpeed's profile,
-which measures the forward pass only). On top: the CUDA context and NCCL buffers
+which measures the forward pass only; zerotune's probe runs each checkpointed region once more with
+gradients in its profile run and counts them: :meth:`Simulator.probe_activations`). On top: the CUDA context and NCCL buffers
 (:attr:`Cluster.context_bytes`) and allocator fragmentation (:data:`FRAGMENTATION` of activations
 and buffers). A config whose total exceeds the device memory fails as an OOM.
 
@@ -615,8 +616,18 @@ class Simulator:
         return {"latency": latency * 1e6, "throughput": step.samples / latency,
                 "FLOPS_per_gpu": step.flops_per_sample * step.samples / step.num_gpus / latency}
 
-    def model_info(self) -> dict[str, int]:
-        """``model_info.json`` as DeepSpeed's engine writes it in the profile run."""
+    def model_info(self, mbs: int = 1) -> dict[str, int]:
+        """``model_info.json`` as DeepSpeed's engine writes it in a profile run at micro batch size ``mbs``."""
         psi = self.model.num_params
         return {"num_params": psi, "trainable_num_params": psi,
-                "activation_mem_per_gpu": self.model.forward_activation_bytes, "rank": 0}
+                "activation_mem_per_gpu": self.model.forward_activation_bytes * mbs, "rank": 0}
+
+    def probe_activations(self, mbs: int = 1) -> dict[str, int]:
+        """The ``activations.json`` zerotune's probe writes in a profile run at micro batch size ``mbs``
+        (:mod:`zerotune.probe.sitecustomize`): the bytes the forward saves for the backward pass and, with
+        activation checkpointing, the most one checkpointed region (a layer) saves as it is recomputed."""
+        m = self.model
+        record = {"saved_bytes": m.forward_activation_bytes * mbs, "micro_batch_size": mbs}
+        if m.activation_checkpointing:
+            record.update(recompute_bytes=m.layer_activation_bytes * mbs, recompute_regions=m.num_layers)
+        return record

@@ -32,7 +32,8 @@ class ModelInfo:
         num_params: parameters of the model over all model-parallel ranks.
         trainable_num_params: those with ``requires_grad``.
         activation_mem_per_gpu: activation bytes per device per sample: the probe's bytes saved for
-            the backward pass (:data:`SAVED_ACTIVATIONS_KEY`) when recorded, else DeepSpeed's change in
+            the backward pass (:data:`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
+            activation checkpointing: :func:`zerotune.probe.read_saved_activations`) when recorded, else DeepSpeed's change in
             device memory across the first forward pass at the profile's mbs (on CPU in resident
             memory, see the module docstring), i.e. at mbs=1.
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:

@@ -100,19 +100,22 @@ def clear_streams(exp_dir: Path) -> None:
 
 
 def read_saved_activations(exp_dir: Path) -> int | None:
-    """Bytes per sample that the profile run's first forward saved for the backward pass (the probe's
-    :data:`ACTIVATIONS_RECORD`: ``saved_bytes`` over ``micro_batch_size``), or None when the probe
-    wrote no valid record (not a profile run, an older probe, a run that died before its forward)."""
+    """Bytes per sample that a training step holds for the backward pass at its peak, from the profile
+    run's first forward (the probe's :data:`ACTIVATIONS_RECORD`): ``saved_bytes``, what that forward saved,
+    plus ``recompute_bytes``, the most one activation-checkpointed region saves while the backward pass
+    recomputes it (absent: no checkpointing), over ``micro_batch_size``. None when the probe wrote no valid
+    record (not a profile run, an older probe, a run that died before its forward)."""
     try:
         record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
         saved, mbs = record["saved_bytes"], record.get("micro_batch_size", 1)
-    except (OSError, ValueError, TypeError, KeyError):
+        recompute = record.get("recompute_bytes", 0)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
-    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (saved, recompute)):
         return None
     if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
         return None
-    return saved // mbs
+    return (saved + recompute) // mbs
 
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:

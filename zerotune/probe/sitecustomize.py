@@ -59,6 +59,11 @@ storage once, less parameters, views of parameters and module buffers::
     {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1,
      "largest_layer_params": 4194304, "persistent_params": 9216}
 
+Under activation checkpointing that forward saves only each checkpointed region's input; the record then
+also holds ``recompute_bytes``, the most one region saves beyond its input when it runs with gradients
+(what the backward pass holds while it recomputes that region), and ``recompute_regions``, how many were
+counted (:class:`_SavedActivations` says how).
+
 ``largest_layer_params``: the most parameters any one module holds directly (its own, not its
 children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
 elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
@@ -91,6 +96,7 @@ after the script ended, with every step it recorded measured (:func:`zerotune.pr
 A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
 Only this file and ``__init__.py`` are in this directory, since it is on the ranks' import path.
 """
+import contextlib
 import os
 import sys
 
@@ -409,8 +415,22 @@ def _record_engine(probe: _Probe, engine) -> None:
 
 class _SavedActivations:
     """Counts the bytes autograd saves for the backward pass during the profile run's first forward
-    (rank 0), and writes :data:`ACTIVATIONS_RECORD`. The pack hook returns the tensor itself: nothing
-    is copied, the forward runs as it would."""
+    (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself: nothing
+    is copied, the forward runs as it would.
+
+    Activation checkpointing: a checkpointed region's forward saves only its inputs (the reentrant
+    variant runs it under ``no_grad``, the non-reentrant one under its own saved-tensor hooks, which
+    take precedence), and its activations are live again, one region at a time, while the backward
+    pass recomputes it. To see them, while the counted forward runs, the entry points of
+    ``torch.utils.checkpoint`` (``CheckpointFunction.apply`` and
+    ``_checkpoint_without_reentrant_generator``, looked up when ``checkpoint`` is called, so a script that
+    bound ``checkpoint`` itself is covered) and of DeepSpeed's ``deepspeed.checkpointing``
+    (``CheckpointFunction.apply``) are wrapped: each region runs once more before the checkpoint's own
+    run, with gradients and this counter's hooks, its output dropped at once; the most one region saves
+    beyond its inputs is ``recompute_bytes``. The profile run exits at the end of that forward, so the
+    extra run changes nothing the tuning measures."""
+
+    CHECKPOINT_MODULES = ("torch.utils.checkpoint", "deepspeed.runtime.activation_checkpointing.checkpointing")
 
     def __init__(self, probe: _Probe, engine, torch):
         self.probe, self.engine, self.torch = probe, engine, torch
@@ -419,6 +439,7 @@ class _SavedActivations:
         self.resident = {t.untyped_storage().data_ptr() for t in tensors}  # parameters and buffers
         self.storages: dict[int, int] = {}  # data_ptr -> bytes
         self.shapes = self._shapes(module) if module is not None else {}
+        self.recompute_bytes, self.regions, self.measuring = 0, 0, True
 
     @staticmethod
     def _shapes(module) -> dict:
@@ -433,31 +454,107 @@ class _SavedActivations:
     def for_profile(cls, probe: _Probe, engine) -> "_SavedActivations | None":
         torch = sys.modules.get("torch")
         try:
-            if torch is None or _rank(engine) != 0 or not engine.autotuning_profile_model_info():
+            if torch is None or not engine.autotuning_profile_model_info():
                 return None
             return cls(probe, engine, torch)
         except Exception as e:  # noqa: BLE001 - the probe never breaks training
             print(f"zerotune probe: counting activations failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             return None
 
-    def pack(self, tensor):
+    def _count(self, storages: dict, tensor, exclude=frozenset()) -> None:
+        """Add ``tensor``'s storage to ``storages`` unless it is a parameter's, a view of one, a module
+        buffer's or in ``exclude``."""
         try:
             parameter = self.torch.nn.Parameter
             if not (isinstance(tensor, parameter) or isinstance(tensor._base, parameter)):
                 storage = tensor.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr not in self.resident:
-                    self.storages[ptr] = storage.nbytes()
+                if ptr not in self.resident and ptr not in exclude:
+                    storages[ptr] = storage.nbytes()
         except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, meta): not counted
             pass
+
+    def pack(self, tensor):
+        self._count(self.storages, tensor)
         return tensor
 
+    def region(self, function, args, kwargs) -> None:
+        """Run one checkpointed region (``function(*args, **kwargs)``) with gradients and count what it
+        saves beyond its inputs; the output is dropped. A failure is printed once and ends the counting
+        of regions; the checkpoint's own run goes on."""
+        if not self.measuring:
+            return
+        torch = self.torch
+        try:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for tensor in tensors:  # kept until the backward pass recomputes the region (DeepSpeed's checkpoint
+                self._count(self.storages, tensor)  # keeps them outside autograd's saved tensors)
+            inputs = {a.untyped_storage().data_ptr() for a in tensors}
+            saved: dict[int, int] = {}
+
+            def pack(tensor):
+                self._count(saved, tensor, inputs)
+                return tensor
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                out = function(*args, **kwargs)
+            del out
+            self.recompute_bytes = max(self.recompute_bytes, sum(saved.values()))
+            self.regions += 1
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.measuring = False
+            print(f"zerotune probe: counting a checkpointed region failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+
+    def _wrapped_checkpoints(self) -> list:
+        """``(module, name, wrapper)`` for each checkpoint entry point of :data:`CHECKPOINT_MODULES` loaded
+        in this process (see the class docstring)."""
+        import inspect
+        counter, wrapped = self, []
+        for name in self.CHECKPOINT_MODULES:
+            module = sys.modules.get(name)
+            function_cls = getattr(module, "CheckpointFunction", None)
+            if function_cls is not None:  # apply(function, preserve_rng_state or all_outputs, *args)
+                def apply(function, flag, *args, _apply=function_cls.apply):
+                    counter.region(function, args, {})
+                    return _apply(function, flag, *args)
+                wrapped.append((module, "CheckpointFunction", type("CheckpointFunction", (), {"apply": staticmethod(apply)})))
+            generator = getattr(module, "_checkpoint_without_reentrant_generator", None)
+            if generator is not None:  # (fn, preserve_rng_state, context_fn, ..., *args, **kwargs)
+                named = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(generator).parameters.values())
+
+                def regions(fn, *rest, _generator=generator, _named=named, **kwargs):
+                    counter.region(fn, rest[_named - 1:], kwargs)
+                    return _generator(fn, *rest, **kwargs)
+                wrapped.append((module, "_checkpoint_without_reentrant_generator", regions))
+        return wrapped
+
+    @contextlib.contextmanager
     def hooks(self):
-        return self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+        """The counting hooks and, where checkpointing is loaded, the wrapped entry points, restored on exit
+        (DeepSpeed's profile ``exit()`` included)."""
+        try:
+            wrapped = self._wrapped_checkpoints()
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            wrapped = []
+            print(f"zerotune probe: wrapping checkpointing failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        originals = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
+        try:
+            for module, name, wrapper in wrapped:
+                setattr(module, name, wrapper)
+            with self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+                yield
+        finally:
+            for module, name, original in originals:
+                setattr(module, name, original)
 
     def write(self) -> None:
+        """Rank 0 writes :data:`ACTIVATIONS_RECORD`; every rank counts, so that every rank runs the
+        checkpointed regions once more and ZeRO-3's parameter gathers stay matched across the ranks."""
+        if _rank(self.engine) != 0:
+            return
         _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {
             "saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
+            **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions} if self.regions else {}),
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
             **_device_peak(self.torch, self.engine), **_data_peak()}, "recording activations")
 
