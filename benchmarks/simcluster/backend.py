@@ -6,11 +6,11 @@ experiment's ``ds_config.json`` (with the ``autotuning`` section a real run gets
 writes a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and ``stderr.log`` (a CUDA OOM traceback line
 when the config does not fit), and the file DeepSpeed's engine would write: ``model_info.json``
 for the profile run (``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``, as
-``engine.forward`` writes it, with zerotune's probe's ``activations.json`` beside it) or ``metrics.json`` (``latency`` in microseconds, ``throughput`` in
-samples/s, ``FLOPS_per_gpu``, as ``engine._autotuning_exit`` writes it). The outcome is then read
-and classified from those files by zerotune's own :func:`zerotune.deepspeed.expdir.finish`,
-exactly as for a real run, and ``wall_s`` is the SIMULATED duration (nothing sleeps). The
-scheduler writes ``exp.json``.
+``engine.forward`` writes it, with zerotune's probe's ``activations.json`` beside it) or
+``metrics.json`` (``latency`` in microseconds, ``throughput`` in samples/s, ``FLOPS_per_gpu``, as
+``engine._autotuning_exit`` writes it). The outcome is then read and classified from those files by
+zerotune's own :func:`zerotune.deepspeed.expdir.finish`, exactly as for a real run, and ``wall_s`` is
+the SIMULATED duration (nothing sleeps). The scheduler writes ``exp.json``.
 
 Adaptive experiments are simulated as the local backend runs them: with a stop rule, the probe
 streams are offered to :meth:`zerotune.core.stopping.StopRule.check` one step at a time, as a real

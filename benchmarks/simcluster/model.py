@@ -29,9 +29,9 @@ bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V
 checkpointing a layer keeps only its fp16 input (``2·s·h``) and one layer is recomputed at a time
 in the backward pass (its full activations are live then, and are NOT seen by DeepSpeed's profile,
 which measures the forward pass only; zerotune's probe runs each checkpointed region once more with
-gradients in its profile run and counts them: :meth:`Simulator.probe_activations`). On top: the CUDA context and NCCL buffers
-(:attr:`Cluster.context_bytes`) and allocator fragmentation (:data:`FRAGMENTATION` of activations
-and buffers). A config whose total exceeds the device memory fails as an OOM.
+gradients in its profile run and counts them: :meth:`Simulator.probe_activations`). On top: the CUDA
+context and NCCL buffers (:attr:`Cluster.context_bytes`) and allocator fragmentation
+(:data:`FRAGMENTATION` of activations and buffers). A config whose total exceeds the device memory fails as an OOM.
 
 Step time (:meth:`Simulator.step`), for ``gas`` micro-steps of ``mbs`` samples:
 

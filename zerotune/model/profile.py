@@ -33,8 +33,8 @@ class ModelInfo:
         trainable_num_params: those with ``requires_grad``.
         activation_mem_per_gpu: activation bytes per device per sample: the probe's bytes saved for
             the backward pass (:data:`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
-            activation checkpointing: :func:`zerotune.probe.read_saved_activations`) when recorded, else DeepSpeed's change in
-            device memory across the first forward pass at the profile's mbs (on CPU in resident
+            activation checkpointing: :func:`zerotune.probe.read_saved_activations`) when recorded, else
+            DeepSpeed's change in device memory across the first forward pass at the profile's mbs (on CPU in resident
             memory, see the module docstring), i.e. at mbs=1.
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
             the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only

@@ -415,8 +415,8 @@ def _record_engine(probe: _Probe, engine) -> None:
 
 class _SavedActivations:
     """Counts the bytes autograd saves for the backward pass during the profile run's first forward
-    (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself: nothing
-    is copied, the forward runs as it would.
+    (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
+    nothing is copied, the forward runs as it would.
 
     Activation checkpointing: a checkpointed region's forward saves only its inputs (the reentrant
     variant runs it under ``no_grad``, the non-reentrant one under its own saved-tensor hooks, which
@@ -517,10 +517,12 @@ class _SavedActivations:
                 def apply(function, flag, *args, _apply=function_cls.apply):
                     counter.region(function, args, {})
                     return _apply(function, flag, *args)
-                wrapped.append((module, "CheckpointFunction", type("CheckpointFunction", (), {"apply": staticmethod(apply)})))
+                stand_in = type("CheckpointFunction", (), {"apply": staticmethod(apply)})
+                wrapped.append((module, "CheckpointFunction", stand_in))
             generator = getattr(module, "_checkpoint_without_reentrant_generator", None)
             if generator is not None:  # (fn, preserve_rng_state, context_fn, ..., *args, **kwargs)
-                named = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(generator).parameters.values())
+                parameters = inspect.signature(generator).parameters.values()
+                named = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters)
 
                 def regions(fn, *rest, _generator=generator, _named=named, **kwargs):
                     counter.region(fn, rest[_named - 1:], kwargs)
@@ -536,7 +538,8 @@ class _SavedActivations:
             wrapped = self._wrapped_checkpoints()
         except Exception as e:  # noqa: BLE001 - the probe never breaks training
             wrapped = []
-            print(f"zerotune probe: wrapping checkpointing failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"zerotune probe: wrapping checkpointing failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
         originals = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
         try:
             for module, name, wrapper in wrapped:
@@ -554,7 +557,8 @@ class _SavedActivations:
             return
         _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {
             "saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
-            **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions} if self.regions else {}),
+            **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions}
+               if self.regions else {}),
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
             **_device_peak(self.torch, self.engine), **_data_peak()}, "recording activations")
 
