@@ -4,7 +4,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -51,7 +50,8 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
     # (test_probe_activations: with the forward's saved bytes, what the forward saves without checkpointing)
     counted = json.loads((results / "exps" / profile["name"] / "activations.json").read_text())
     assert counted["recompute_regions"] == 1  # --n_layer 1
-    assert counted["recompute_bytes"] == tiny_gpt2_counted(counted["micro_batch_size"])["recompute_bytes"]
+    in_process = tiny_gpt2_counted(tmp_path / "in_process", counted["micro_batch_size"])
+    assert counted["recompute_bytes"] == in_process["recompute_bytes"]
     # the mbs search at the script's gas 2; the gas phase (gas mapped, so searched) doubles it at the best mbs
     assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1"} == {2}
     assert {r["ds_config"]["gradient_accumulation_steps"] for r in ran if r["space"] == "z1_gas"} <= {4}
@@ -87,12 +87,11 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
         run.stdout + run.stderr)
 
 
-def tiny_gpt2_counted(mbs: int) -> dict:
+def tiny_gpt2_counted(directory: Path, mbs: int) -> dict:
     """The probe's record for examples/train_hf.py's TINY model at ``mbs``, with gradient checkpointing,
-    counted in process (test_probe_activations.counted_gpt2)."""
+    counted in process in ``directory`` (test_probe_activations.counted_gpt2)."""
     from test_probe_activations import counted_gpt2
-    return counted_gpt2(Path(tempfile.mkdtemp()), mbs, checkpointing=True, layers=1, hidden=64, heads=2, seq_len=32,
-                        vocab=256)
+    return counted_gpt2(directory, mbs, checkpointing=True, layers=1, hidden=64, heads=2, seq_len=32, vocab=256)
 
 
 def engine_of(exp_dir: Path) -> dict:

@@ -6,6 +6,7 @@ module defines), so no launcher runs.
 import json
 import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,16 +61,21 @@ def engine_module(profile: bool, mbs: int = 3):
     return types.SimpleNamespace(DeepSpeedEngine=DeepSpeedEngine)
 
 
-def test_the_profile_forward_records_the_saved_storages_less_parameters_and_buffers(tmp_path):
-    module = engine_module(profile=True)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
-    torch.manual_seed(0)
-    engine = module.DeepSpeedEngine(Scaled())
+def profile_record(directory, model: nn.Module, inputs: torch.Tensor, mbs: int = 3) -> dict:
+    """The probe's ``activations.json`` after the profile run's first forward of ``model`` on ``inputs``
+    (DeepSpeed's exit in it caught), on a stand-in engine at micro batch size ``mbs``."""
+    module = engine_module(profile=True, mbs=mbs)
+    probe_module._install(module, probe_module._Probe(str(directory)))
     try:
-        engine.forward(torch.randn(3, 8))
+        module.DeepSpeedEngine(model).forward(inputs)
     except SystemExit:
         pass
-    record = json.loads((tmp_path / "activations.json").read_text())
+    return json.loads((Path(directory) / "activations.json").read_text())
+
+
+def test_the_profile_forward_records_the_saved_storages_less_parameters_and_buffers(tmp_path):
+    torch.manual_seed(0)
+    record = profile_record(tmp_path, Scaled(), torch.randn(3, 8))
     # fp32, mbs 3: input 3x8 (96 B), fc1 output 3x16 (192 B, GELU's input), product 3x16 (192 B,
     # fc2's input): 480 B in 3 storages
     # fc1 holds 8*16 + 16 = 144 parameters, the most of any module; no ZeRO-3 here, so none persistent
@@ -110,31 +116,24 @@ def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):
 
 
 class Checkpointed(nn.Module):
-    """Two blocks, each Linear(8, 16) -> GELU -> Linear(16, 8), each checkpointed through a ``checkpoint``
-    bound at import (as ``transformers.modeling_utils`` binds it)."""
+    """Two blocks, each Linear(8, 16) -> GELU -> Linear(16, 8), each run through ``checkpoint(block, x)``:
+    by default torch's, bound at import (as ``transformers.modeling_utils`` binds it)."""
 
-    def __init__(self, use_reentrant: bool):
+    def __init__(self, use_reentrant: bool = True, checkpoint=None):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
-        self.use_reentrant = use_reentrant
+        self.checkpoint = checkpoint or (lambda block, x: bound_checkpoint(block, x, use_reentrant=use_reentrant))
 
     def forward(self, x):
         for block in self.blocks:
-            x = bound_checkpoint(block, x, use_reentrant=self.use_reentrant)
+            x = self.checkpoint(block, x)
         return x
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_a_checkpointed_region_is_counted_once_more_with_gradients_as_its_recomputation(tmp_path, use_reentrant):
-    module = engine_module(profile=True)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
     torch.manual_seed(0)
-    engine = module.DeepSpeedEngine(Checkpointed(use_reentrant))
-    try:
-        engine.forward(torch.randn(3, 8, requires_grad=True))
-    except SystemExit:
-        pass
-    record = json.loads((tmp_path / "activations.json").read_text())
+    record = profile_record(tmp_path, Checkpointed(use_reentrant), torch.randn(3, 8, requires_grad=True))
     # fp32, mbs 3: the forward saves each block's input only, 3x8 (96 B) twice; recomputing one block saves
     # fc1's output (GELU's input) and GELU's output (fc2's input), 3x16 each (192 B), its input not counted
     # again: 384 B, the most of the 2 regions
@@ -171,18 +170,12 @@ def counted_gpt2(directory, mbs: int, checkpointing: bool, layers: int = 2, hidd
         def forward(self, ids):
             return self.model(input_ids=ids, labels=ids).loss
     directory.mkdir(parents=True, exist_ok=True)
-    module = engine_module(profile=True, mbs=mbs)
-    probe_module._install(module, probe_module._Probe(str(directory)))
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=vocab)
     model = transformers.GPT2LMHeadModel(config)
     if checkpointing:
         model.gradient_checkpointing_enable()  # non-reentrant, transformers' default
-    try:
-        module.DeepSpeedEngine(LossOf(model)).forward(torch.zeros(mbs, seq_len, dtype=torch.long))
-    except SystemExit:
-        pass
-    return json.loads((directory / "activations.json").read_text())
+    return profile_record(directory, LossOf(model), torch.zeros(mbs, seq_len, dtype=torch.long), mbs=mbs)
 
 
 def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tmp_path):
@@ -203,32 +196,16 @@ def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tm
 
 
 DEEPSPEED_CHECKPOINTED = """
-import json, os, sys, torch, torch.nn as nn
+import os, sys, torch
 import deepspeed
 from deepspeed.runtime.activation_checkpointing import checkpointing
 sys.path.insert(0, {tests!r})
-from test_probe_activations import engine_module
-from zerotune.probe import sitecustomize as probe_module
+from test_probe_activations import Checkpointed, profile_record
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
 checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False, contiguous_checkpointing=False)
-
-class Blocks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = deepspeed.checkpointing.checkpoint(block, x)
-        return x
-
-module = engine_module(profile=True)
-probe_module._install(module, probe_module._Probe({directory!r}))
-try:
-    module.DeepSpeedEngine(Blocks()).forward(torch.randn(3, 8, requires_grad=True))
-except SystemExit:
-    pass
+profile_record({directory!r}, Checkpointed(checkpoint=deepspeed.checkpointing.checkpoint),
+               torch.randn(3, 8, requires_grad=True))
 """
 
 
@@ -239,7 +216,6 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     # DeepSpeed's checkpointing needs a process group)
     import subprocess
     import sys
-    from pathlib import Path
 
     from zerotune.deepspeed.launcher import free_port
     tests = str(Path(__file__).resolve().parent)

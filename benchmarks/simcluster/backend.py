@@ -105,11 +105,10 @@ class SimulatedBackend(Backend):
         (exp_dir / expdir.STDERR_LOG).write_text(stderr)
         (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {duration:.1f} s\n")
         if outcome.ok and ended is None:  # what DeepSpeed's engine would write: model_info.json or metrics.json
-            mbs = int(exp.ds_config.get("train_micro_batch_size_per_gpu", 1))
-            result = self.sim.model_info(mbs) if profile else self.sim.metrics(outcome)
+            result = self.sim.model_info(exp.mbs) if profile else self.sim.metrics(outcome)
             write_json_atomic(expdir.result_path(exp, exp_dir), result)
             if profile:  # what zerotune's probe would write in the profile run
-                write_json_atomic(exp_dir / ACTIVATIONS_RECORD, self.sim.probe_activations(mbs))
+                write_json_atomic(exp_dir / ACTIVATIONS_RECORD, self.sim.probe_activations(exp.mbs))
         for rank, records in streams.items():  # what zerotune's step probe would write
             (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
 
