@@ -188,6 +188,42 @@ def test_a_headroom_probe_slowed_at_its_memory_boundary_is_probed_again_at_the_b
     assert results[1].reason == "probe at mbs=12: ok 60 not better than ZeRO stage 0's 120 at mbs=12"
 
 
+def test_a_first_stage_out_of_memory_at_its_estimate_is_deferred_to_a_stage_with_more_headroom():
+    # stage 0 is estimated to fit 12 but runs out of memory above 11; stage 1 fits 64 and runs faster there
+    evaluate, calls = stages({0: (lambda m: 1.0 * m, 11), 1: (lambda m: 0.9 * m, 64)})
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 64)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    # stage 0's first run, at its estimate, fails: stage 1 goes first (its estimate, 64, runs: the cap; one
+    # halving below); stage 0 comes back capped at 11 and is probed there (its cap is below stage 1's best mbs)
+    assert calls == [(0, 12), (1, 64), (1, 32), (0, 11)]
+    assert [r.decision for r in results] == [StageDecision.PROBED, StageDecision.EXPLORED]
+    assert results[0].reason == ("its estimate mbs=12 ran out of memory, deferred; probe at mbs=11: ok 11 not better "
+                                 "than ZeRO stage 1's 57.6 at mbs=64")
+    assert results[1].reason == "first stage searched: ZeRO stage 0 deferred"
+    # where the deferred stage is the faster one, its probe wins and it is searched below its cap
+    evaluate, calls = stages({0: (lambda m: 100.0, 11), 1: (lambda m: 1.0 * m, 64)})
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 64)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    assert calls == [(0, 12), (1, 64), (1, 32), (0, 11), (0, 5)]  # 11 is its cap; the halving below ties
+    assert results[0].reason == "its estimate mbs=12 ran out of memory, deferred; probe at mbs=11 beat the best (100 > 64)"
+    assert results[0].decision is StageDecision.EXPLORED and results[0].trace.best(THROUGHPUT).mbs == 11
+    # where no other stage runs at all, the deferred stage is searched as the first stage would have been: from
+    # the failure at its estimate (not run again), halving to 6, bisecting up to the boundary (9 and 7 fail)
+    evaluate, calls = stages({0: (lambda m: 1.0 * m, 6), 1: (lambda m: 1.0 * m, 0)})
+    results = explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 64)], lo=1, hi=64, objective=THROUGHPUT,
+                             num_fine=0)
+    assert calls == [(0, 12), (1, 64), (1, 32), (1, 16), (1, 8), (1, 4), (1, 2), (1, 1), (0, 6), (0, 9), (0, 7), (0, 3)]
+    assert results[0].reason == "its estimate mbs=12 ran out of memory, deferred; searched: no other stage ran"
+    assert results[0].trace.best(THROUGHPUT).mbs == 6
+    # no deferral without a later stage of a larger estimate, nor for latency (its search starts at the smallest mbs)
+    evaluate, calls = stages({0: (lambda m: 1.0 * m, 11), 1: (lambda m: 0.9 * m, 12)})
+    explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 12)], lo=1, hi=64, objective=THROUGHPUT, num_fine=0)
+    assert calls[:2] == [(0, 12), (0, 6)]
+    evaluate, calls = stages({0: (lambda m: 1.0 / m, 11), 1: (lambda m: 0.9 / m, 64)})
+    explore_stages(evaluate, [StagePlan(0, 12), StagePlan(1, 64)], lo=1, hi=64, objective=LATENCY, num_fine=0)
+    assert calls[0] == (0, 1)
+
+
 def test_a_headroom_probe_near_capacity_is_probed_again_at_its_calm_mbs():
     # as above, but the runs report their peaks: stage 1's probe at 20 ran at 0.98 of the budget (near capacity),
     # and the memory model puts mbs 17 at most under 0.9 of it: the second probe is at 17, not at the best's 12

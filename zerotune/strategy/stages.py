@@ -1,8 +1,8 @@
 """Progressive ZeRO-stage exploration: which stages get an mbs search, a single probe, or nothing.
 
-One loop over the candidate ZeRO stages, lowest first. The first stage that fits is searched. A
-higher stage that the memory model says fits gets one probe, and a full mbs search only when the
-probe measures faster than the best so far:
+One loop over the candidate ZeRO stages, lowest first. The first stage that fits is searched (unless
+deferred, below). A higher stage that the memory model says fits gets one probe, and a full mbs search
+only when the probe measures faster than the best so far:
 
 - where its memory headroom lets it run a larger mbs than the best stage ran at all (higher
   stages partition more of the model states), the probe is at its own largest fitting mbs: a
@@ -17,7 +17,24 @@ partitioned optimizer step as stages 1-2 and all-gathers the parameters on top (
 communication per step against 2 Psi: the ZeRO paper, Rajbhandari et al. 2020, section 7.2), so it
 cannot beat them. An OOM probe is no evidence of slowness: it caps the stage below
 that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's
-largest runnable mbs below it). A probe that loses within the runs' noise is re-measured with the
+largest runnable mbs below it).
+
+**Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate
+(its first run, where its search would start) and a later stage's estimate is larger, that stage is
+deferred: the later stage, which partitions more and fits a larger batch, goes first. Searching the
+deferred stage now (halving from the OOM, bisecting back up: three or four runs) would only set a bar
+for the stage with more headroom, and that stage wins most often: on the SIMULATED clusters, where the
+first run at the estimate runs out of memory in most draws (an allocator's fragmentation no profile
+sees), a lower stage searched that way lost to ZeRO-3 in 67 of 216 outcomes at 5% noise, 0.06x of
+DeepSpeed's GPU-hours. The deferred stage comes back once the others are decided, capped below its OOM:
+a probe at the best's mbs or its own cap, whichever is smaller, compared like any probe (without the skip
+for a stage slower at equal mbs, which assumes a higher stage's extra communication), and searched if it
+wins; where nothing else ran, it is searched as the first stage would have been. Deferring cut the
+GPU-hours (12 noise draws) from 0.67x to 0.59x DeepSpeed's at 5% noise, with answers within 1% of the
+optimum 299 of 432 (298) and under 0.97 27 (30), the worst 0.926 (0.936); and from 0.54x to 0.48x at 1%,
+where answers within 1% went from 406 to 394: the later stage starts from an estimate that no earlier run
+has corrected, runs out of memory in turn, and on a flat curve its bisection from the halving ends on a
+plateau up to 1.7% short of the optimum (benchmarks/README.md, session 16). A probe that loses within the runs' noise is re-measured with the
 best point (and the best stage's point at the probe's mbs) before the stage is given up; so is one at
 equal mbs that wins within the noise, before the stage is searched: at equal mbs a higher stage can
 only gain on the once-per-step work, and a one-run win inside the noise would buy a whole mbs search on
@@ -110,22 +127,36 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
     best: tuple[int, Point] | None = None  # (stage, point)
     slower_seen = False
     partitioned_lost = False  # a stage 1 or 2 probe at the best's mbs did not beat it
-    for plan in plans:
+    queue: list[tuple[StagePlan, StageResult | None]] = [(plan, None) for plan in plans]
+    deferred: dict[int, int] = {}  # stage -> the mbs of its first run, at its estimate, that ran out of memory
+    while queue:
+        plan, came_back = queue.pop(0)
         stage = plan.stage
-        result = StageResult(stage, None, "", estimate=plan.max_mbs_estimate)
-        results.append(result)
-        cap = hi
+        result = came_back or StageResult(stage, None, "", estimate=plan.max_mbs_estimate)
+        if came_back is None:
+            results.append(result)
+        cap = deferred[stage] - 1 if came_back is not None and best is not None else hi
+        note = f"its estimate mbs={deferred[stage]} ran out of memory, deferred; " if came_back is not None else ""
         if not values or plan.max_mbs_estimate < values[0]:
             result.decision, result.reason = StageDecision.PRUNED, f"memory model: mbs={lo} does not fit"
             continue
+        if best is None and came_back is None and objective.higher_is_better:
+            start = max([m for m in values if m <= plan.max_mbs_estimate], default=values[0])
+            if start > values[0] and any(q.max_mbs_estimate > start for q, _ in queue):
+                (first,) = evaluate(stage, [start])
+                result.trace.points.append(first)
+                if first.status is Status.OOM:  # deferred: a stage with more headroom goes first
+                    deferred[stage] = start
+                    queue.append((plan, result))
+                    continue
         if best is not None:
             best_trace = next(r.trace for r in results if r.stage == best[0])
-            own = max([m for m in values if m <= plan.max_mbs_estimate], default=values[0])
+            own = max([m for m in values if m <= min(plan.max_mbs_estimate, cap)], default=values[0])
             # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
             # best mbs: where the best stage ran larger and was slower, a larger batch is no advantage)
             reach = max(p.mbs for p in best_trace.ok_points)
             headroom = own > reach
-            if not headroom and slower_seen:
+            if not headroom and slower_seen and came_back is None:  # a deferred stage is a lower one
                 result.decision = StageDecision.SKIPPED
                 result.reason = (f"cannot beat: a lower stage was already slower at the same mbs, and this one "
                                  f"reaches no larger mbs than {reach}")
@@ -184,7 +215,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                 same = best_trace.get(probe_mbs) if probe.ok else None
                 same = same if same is not None and same.ok else None
                 reference = same or best[1]
-                result.reason = (f"probe at mbs={probe_mbs}: {probe.status.value} "
+                result.reason = (f"{note}probe at mbs={probe_mbs}: {probe.status.value} "
                                  f"{'' if probe.metric is None else f'{probe.metric:.4g} '}"
                                  f"not better than ZeRO stage {best[0]}'s {reference.metric:.4g} at "
                                  f"mbs={reference.mbs}")
@@ -195,9 +226,11 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                                               and objective.gain(probe.metric, same.metric) <= -threshold)
                 partitioned_lost = partitioned_lost or (stage in (1, 2) and same is not None)
                 continue
-            result.reason = f"probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best[1].metric:.4g})"
+            result.reason = f"{note}probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best[1].metric:.4g})"
         else:
-            result.reason = "first feasible stage"
+            result.reason = (f"{note}searched: no other stage ran" if note else
+                             "first stage searched: ZeRO stage " + ", ".join(map(str, deferred)) + " deferred"
+                             if deferred else "first feasible stage")
         result.decision = StageDecision.EXPLORED
         result.trace = search_mbs(lambda ms, s=stage: evaluate(s, ms), lo=lo, hi=min(hi, cap),
                                   estimate=min(plan.max_mbs_estimate, cap), objective=objective, threshold=threshold,
