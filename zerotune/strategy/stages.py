@@ -17,24 +17,7 @@ partitioned optimizer step as stages 1-2 and all-gathers the parameters on top (
 communication per step against 2 Psi: the ZeRO paper, Rajbhandari et al. 2020, section 7.2), so it
 cannot beat them. An OOM probe is no evidence of slowness: it caps the stage below
 that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's
-largest runnable mbs below it).
-
-**Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate
-(its first run, where its search would start) and a later stage's estimate is larger, that stage is
-deferred: the later stage, which partitions more and fits a larger batch, goes first. Searching the
-deferred stage now (halving from the OOM, bisecting back up: three or four runs) would only set a bar
-for the stage with more headroom, and that stage wins most often: on the SIMULATED clusters, where the
-first run at the estimate runs out of memory in most draws (an allocator's fragmentation no profile
-sees), a lower stage searched that way lost to ZeRO-3 in 67 of 216 outcomes at 5% noise, 0.06x of
-DeepSpeed's GPU-hours. The deferred stage comes back once the others are decided, capped below its OOM:
-a probe at the best's mbs or its own cap, whichever is smaller, compared like any probe (without the skip
-for a stage slower at equal mbs, which assumes a higher stage's extra communication), and searched if it
-wins; where nothing else ran, it is searched as the first stage would have been. Deferring cut the
-GPU-hours (12 noise draws) from 0.67x to 0.59x DeepSpeed's at 5% noise, with answers within 1% of the
-optimum 299 of 432 (298) and under 0.97 27 (30), the worst 0.926 (0.936); and from 0.54x to 0.48x at 1%,
-where answers within 1% went from 406 to 394: the later stage starts from an estimate that no earlier run
-has corrected, runs out of memory in turn, and on a flat curve its bisection from the halving ends on a
-plateau up to 1.7% short of the optimum (benchmarks/README.md, session 16). A probe that loses within the runs' noise is re-measured with the
+largest runnable mbs below it). A probe that loses within the runs' noise is re-measured with the
 best point (and the best stage's point at the probe's mbs) before the stage is given up; so is one at
 equal mbs that wins within the noise, before the stage is searched: at equal mbs a higher stage can
 only gain on the once-per-step work, and a one-run win inside the noise would buy a whole mbs search on
@@ -51,6 +34,23 @@ capacity (:data:`~zerotune.strategy.mbs.NEAR_CAPACITY`), the second probe is at 
 model puts under it, if that is still above the best's mbs: the stage compared where it runs unslowed,
 with some of its headroom (12 noise draws at 5%: answers under 0.95 of the optimum 20 -> 16 of 432, at
 the same GPU-hours). Each stage's outcome is a :class:`StageDecision` with a human reason beside it.
+
+**Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate
+(its first run, where its search would start) and a later stage's estimate is larger, that stage is
+deferred: the later stage, which partitions more and fits a larger batch, goes first. Searching the
+deferred stage now (halving from the OOM, bisecting back up: three or four runs) would only set a bar
+for the stage with more headroom, and that stage wins most often: on the SIMULATED clusters, where the
+first run at the estimate runs out of memory in most draws (an allocator's fragmentation no profile
+sees), 67 lower-stage searches that way over 216 outcomes at 5% noise ended with ZeRO-3 the answer:
+0.06x of DeepSpeed's GPU-hours. The deferred stage comes back once the others are decided, capped below its OOM:
+a probe at the best's mbs or its own cap, whichever is smaller, compared like any probe (without the skip
+for a stage slower at equal mbs, which assumes a higher stage's extra communication), and searched if it
+wins; where nothing else ran, it is searched as the first stage would have been. Deferring cut the
+GPU-hours (12 noise draws) from 0.67x to 0.59x DeepSpeed's at 5% noise, with answers within 1% of the
+optimum 299 of 432 (298) and under 0.97 27 (30), the worst 0.926 (0.936); and from 0.54x to 0.48x at 1%,
+where answers within 1% went from 406 to 394: the later stage starts from an estimate that no earlier run
+has corrected, runs out of memory in turn, and on a flat curve its bisection from the halving ends on a
+plateau up to 1.7% short of the optimum (benchmarks/README.md, session 16).
 
 A stage's mbs search is coarse (no fine pass) while the stages are compared: the fine pass, the few
 bisections around a stage's best mbs that move its metric by a percent or two, runs once every stage
