@@ -236,7 +236,7 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     DeepSpeed's at 1% noise and from 0.94x to 0.86x at 5%, with more answers within 1% of the optimum
     (187 -> 198 and 120 -> 144 of 216) and the same worst case."""
     known_ok = [p.mbs for p in trace.ok_points]
-    start = max([m for m in values if m <= estimate] or [values[0]])
+    start = largest_within(values, estimate)
     start = max(start, *known_ok) if known_ok else start
     (p,) = run([start])
     fail = None
@@ -283,6 +283,11 @@ def _halving(values: Sequence[int], mbs: int) -> list[int]:
     """The allowed values at most half of ``mbs`` (the last is the halving), or else the one just below it;
     empty when none is below ``mbs``."""
     return [m for m in values if m <= mbs // 2] or [m for m in values if m < mbs][-1:]
+
+
+def largest_within(values: Sequence[int], bound: int) -> int:
+    """The largest of the sorted, non-empty ``values`` at most ``bound`` (the smallest value when none is)."""
+    return max([m for m in values if m <= bound], default=values[0])
 
 
 def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:

@@ -67,7 +67,8 @@ from typing import Callable, Sequence
 
 from zerotune.core.objective import Objective
 from zerotune.core.experiment import Status
-from zerotune.strategy.mbs import NEAR_CAPACITY, MbsTrace, Point, allowed_values, refine_mbs, search_mbs, within_noise
+from zerotune.strategy.mbs import (NEAR_CAPACITY, MbsTrace, Point, allowed_values, largest_within, refine_mbs,
+                                   search_mbs, within_noise)
 
 
 class StageDecision(str, enum.Enum):
@@ -141,7 +142,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
             result.decision, result.reason = StageDecision.PRUNED, f"memory model: mbs={lo} does not fit"
             continue
         if best is None and came_back is None and objective.higher_is_better:
-            start = max([m for m in values if m <= plan.max_mbs_estimate], default=values[0])
+            start = largest_within(values, plan.max_mbs_estimate)
             if start > values[0] and any(q.max_mbs_estimate > start for q, _ in queue):
                 (first,) = evaluate(stage, [start])
                 result.trace.points.append(first)
@@ -151,7 +152,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                     continue
         if best is not None:
             best_trace = next(r.trace for r in results if r.stage == best[0])
-            own = max([m for m in values if m <= min(plan.max_mbs_estimate, cap)], default=values[0])
+            own = largest_within(values, min(plan.max_mbs_estimate, cap))
             # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
             # best mbs: where the best stage ran larger and was slower, a larger batch is no advantage)
             reach = max(p.mbs for p in best_trace.ok_points)
@@ -168,7 +169,7 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
                                  f"2 Psi, ZeRO paper section 7.2); " + (f"ZeRO stage {best[0]} is the best"
                                  if best[0] in (1, 2) else "a stage 1-2 probe at that mbs did not beat the best"))
                 continue
-            probe_mbs = own if headroom else max([m for m in values if m <= min(best[1].mbs, own)], default=values[0])
+            probe_mbs = own if headroom else largest_within(values, min(best[1].mbs, own))
             (probe,) = evaluate(stage, [probe_mbs])
             result.trace.points.append(probe)
             if probe.status is Status.OOM:  # no evidence of slowness: probe below it
