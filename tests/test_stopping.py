@@ -305,9 +305,8 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # estimate, mbs 16, and is deferred (session 16): ZeRO-1 to 3 are estimated to fit 19. ZeRO-1 runs out of memory
 # at 19, halves to 9 and bisects to 14 and 16 (a plateau). The corrected memory model puts ZeRO-2's 19 over the
 # budget (not launched); its probe halfway back to ZeRO-1's best, 14, at 16, loses within the noise and is
-# re-measured with ZeRO-1's 14 and 16, then
-# probed again at 15 (16 ran near capacity), where it wins, and is searched (17: a plateau). ZeRO-3 (17, then
-# 15) loses. ZeRO-0 comes back capped at 15, which the corrected model puts over the budget: not launched. The
+# re-measured with ZeRO-1's 14 and 16, then probed again at 15 (16 ran near capacity), where it wins, and is
+# searched (17: a plateau). ZeRO-3 (17, then 15) loses. ZeRO-0 comes back capped at 15, which the corrected model puts over the budget: not launched. The
 # fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step is once per step). The answer, ZeRO-2
 # mbs 15, is 1.000 of the optimum (ZeRO-1 mbs 15). The runs are start-up bound, so ending them early saves 2.3%
 # of the GPU time. (Scenario 4 was pinned here until session 16, when deferring its ZeRO-0 and ZeRO-1 made its

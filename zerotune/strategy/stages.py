@@ -42,10 +42,10 @@ deferred stage now (halving from the OOM, bisecting back up: three or four runs)
 for the stage with more headroom, and that stage wins most often: on the SIMULATED clusters, where the
 first run at the estimate runs out of memory in most draws (an allocator's fragmentation no profile
 sees), 67 lower-stage searches that way over 216 outcomes at 5% noise ended with ZeRO-3 the answer:
-0.06x of DeepSpeed's GPU-hours. The deferred stage comes back once the others are decided, capped below its OOM:
-a probe at the best's mbs or its own cap, whichever is smaller, compared like any probe (without the skip
-for a stage slower at equal mbs, which assumes a higher stage's extra communication), and searched if it
-wins; where nothing else ran, it is searched as the first stage would have been. Deferring cut the
+0.06x of DeepSpeed's GPU-hours. The deferred stage comes back once the others are decided, capped below
+its OOM: a probe at the best's mbs or its own cap, whichever is smaller, compared like any probe (without
+the skip for a stage slower at equal mbs, which assumes a higher stage's extra communication), and
+searched if it wins; where nothing else ran, it is searched as the first stage would have been. Deferring cut the
 GPU-hours (12 noise draws) from 0.67x to 0.59x DeepSpeed's at 5% noise, with answers within 1% of the
 optimum 299 of 432 (298) and under 0.97 27 (30), the worst 0.926 (0.936); and from 0.54x to 0.48x at 1%,
 where answers within 1% went from 406 to 394: the later stage starts from an estimate that no earlier run
