@@ -60,6 +60,45 @@ def test_the_answer_is_the_best_pooled_metric_over_re_measurements():
     assert "12.6 (2 runs, spread 2%)" in text and "z1_gas1_tmbspg2 *" in text
 
 
+GIB = 2 ** 30
+BUDGET = 80 * GIB
+
+
+def gpu_run(stage, mbs, metric, hw, peak_gib, gas=1):
+    e = Experiment(f"z{stage}_gas{gas}_tmbspg{mbs}", {"train_micro_batch_size_per_gpu": mbs,
+                                                      "gradient_accumulation_steps": gas,
+                                                      "zero_optimization": {"stage": stage}},
+                   num_nodes=1, num_slots=8, kind=ExperimentKind.MBS, space=f"z{stage}", status=Status.OK,
+                   metric=metric, wall_s=100.0)
+    e.metric_rel_half_width, e.peak_memory_bytes = hw, int(peak_gib * GIB)
+    return e
+
+
+def test_a_larger_calm_mbs_that_ties_within_the_noise_is_the_answer_on_gpu_ranks():
+    # mbs 15 reads 0.35% under mbs 10; their noise is sqrt(1.5% ** 2 + 0.5% ** 2 + 2 * (2 x 1%) ** 2) = 3.2%, and
+    # both peaked under 0.9 of the budget (0.53 and 0.75): throughput rises with mbs there, so 15 is the answer.
+    # mbs 20 ties too (1.9% under) but peaked at 0.95 of the budget, where allocator flushes can slow a step.
+    small, large, near = gpu_run(3, 10, 402.7, 0.005, 42), gpu_run(3, 15, 401.3, 0.015, 60), gpu_run(3, 20, 395.0, 0.01, 76)
+    runs = [small, large, near]
+    assert best_experiment(runs, THROUGHPUT, BUDGET) is large
+    assert best_experiment(runs, THROUGHPUT) is small  # CPU ranks (no budget to read capacity against): the reading
+    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=3, budget_bytes=BUDGET))
+    z3 = next(line for line in text.splitlines() if line.startswith("│ z3 "))
+    assert z3.split("│")[-2].strip() == "z3_gas1_tmbspg15 *"  # the table stars the answer as its space's best
+
+
+def test_a_larger_mbs_beyond_the_noise_another_gas_or_latency_keeps_the_best_reading():
+    small = gpu_run(3, 10, 402.7, 0.005, 42)
+    slower = gpu_run(3, 15, 380.0, 0.005, 60)  # 5.6% under: noise sqrt(2 x 0.5% ** 2 + 2 x 2% ** 2) = 2.9%
+    other_gas = gpu_run(3, 16, 401.0, 0.005, 60, gas=2)  # ties, but another config
+    assert best_experiment([small, slower, other_gas], THROUGHPUT, BUDGET) is small
+    # the best itself at 0.91 of the budget is no calm end of a tie, whatever a larger mbs's (sampled) peak reads
+    near_best = gpu_run(3, 10, 402.7, 0.005, 73)
+    assert best_experiment([near_best, gpu_run(3, 15, 401.3, 0.015, 60)], THROUGHPUT, BUDGET) is near_best
+    fast, slow = gpu_run(3, 10, 1.000, 0.005, 42), gpu_run(3, 15, 1.003, 0.005, 60)  # seconds per step
+    assert best_experiment([fast, slow], Objective.named("latency"), BUDGET) is fast
+
+
 def test_the_answer_is_reported_with_the_run_to_run_noise_of_the_configs_run_twice():
     # z1 mbs 4 ran twice, 10 and 11: on the log scale the deviations are +-ln(1.1)/2; each run's own +-1%
     # explains (0.01 / 2) ** 2 of each, less a half for the pair's own mean: the runs give

@@ -233,12 +233,13 @@ class Autotuner:
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
         return results.write_results(self.job.results_dir, list(self.scheduler.history), self.job.objective,
-                                     self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes)
+                                     self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes,
+                                     self.job.capacity_bytes)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
         self.console.print(results.render_table(self.scheduler.history, self.job.objective, self.elapsed_s,
-                                                self.scheduler.launched, self._notes))
+                                                self.scheduler.launched, self._notes, self.job.capacity_bytes))
         if self.best is not None:
             self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
                                soft_wrap=True, markup=False)

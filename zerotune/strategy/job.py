@@ -223,6 +223,12 @@ class Job:
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The per-device budget against which a run's measured peak tells how near the device's capacity it
+        ran (bytes); None on CPU ranks, where caches, not an allocator's flushes, shape the curve in mbs."""
+        return None if self.cpu else self.device_memory_bytes
+
     def launch_spec(self) -> LaunchSpec:
         """How every experiment launches the script (the backends' input)."""
         return LaunchSpec(script=self.script, script_args=self.script_args, cpu=self.cpu,

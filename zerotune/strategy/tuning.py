@@ -23,8 +23,9 @@ measurement is never decided on one run where it matters: a plateau and a losing
 re-measured (a replica, ``<name>_r2``, run beside the point it is compared with) and decided on
 the pooled metrics (only where the difference is within the runs' noise), and before the answer
 the configs whose difference from the best is within their noise (at most :data:`FINAL_MARGIN`)
-are re-measured until each has two runs; the answer is the best pooled metric
-(:func:`zerotune.report.results.best_experiment`). With ``"fast": false`` the answer itself is
+are re-measured until each has two runs; the answer is the best pooled metric, or on GPU ranks a larger mbs of
+its config that ties with it within the noise where both ran away from the device's capacity, as throughput
+rises with mbs there (:func:`zerotune.report.results.best_experiment`). With ``"fast": false`` the answer itself is
 reported on at least two runs (:meth:`Strategy.measure_answer_twice`); with ``"fast": true`` only where
 its one run reads above its mbs neighbours by more than the noise (:meth:`Strategy.answer_stands_out`).
 """
@@ -152,7 +153,7 @@ class Strategy:
         of 216, for 2% more. False with fewer than two neighbours."""
         objective = self.job.objective
         pooled = pooled_metrics(self.result.experiments)
-        answer = best_experiment(self.result.experiments, objective)
+        answer = best_experiment(self.result.experiments, objective, self.job.capacity_bytes)
         if answer is None or pooled[answer.name].runs >= 2:
             return False
         same = [e for e in self.result.experiments
@@ -340,8 +341,8 @@ class Strategy:
         without a measured peak or budget, and on CPU ranks: a CPU's caches can make a smaller micro-batch faster
         far from any memory limit (on this project's machine, with 23.5 GiB per rank, ZeRO-0 read 36.7 samples/s
         at mbs 32 and 40.2 at 16: benchmarks/README.md, session 13), so no rule that reads capacity applies there."""
-        budget = self.job.device_memory_bytes
-        if self.job.cpu or not exp.peak_memory_bytes or not budget:
+        budget = self.job.capacity_bytes
+        if not exp.peak_memory_bytes or not budget:
             return None
         return exp.peak_memory_bytes / budget
 
@@ -354,7 +355,7 @@ class Strategy:
         where the pooled metric then puts another one-run config first, that one is re-measured too (at
         most :data:`FINAL_CANDIDATES` configs)."""
         for _ in range(FINAL_CANDIDATES):
-            answer = best_experiment(self.result.experiments, self.job.objective)
+            answer = best_experiment(self.result.experiments, self.job.objective, self.job.capacity_bytes)
             if answer is None or self.pooled(answer.name).runs >= 2:
                 return
             self.log(f"re-measuring the answer {answer.name}: one run does not show the run-to-run noise")
