@@ -144,12 +144,12 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
 # won, in 4 launches fewer (with "fast": false, 4 fewer too); the same answer, ZeRO-3 mbs 5. Scenario 21 starts
 # ZeRO-3 at its uncorrected estimate, 52, which runs out of memory; halving to 26 and bisecting, 39 reads within 1%:
 # a plateau, and it answers ZeRO-3 mbs 26 (was 42; noise-free 0.991 of the optimum, was 1.000) in 2 launches fewer.
-# Then (session 17): the answer is a larger mbs of the best's config that ties with it within the noise where both ran
-# away from the device's capacity (measured peaks under 0.9 of the budget; zerotune.report.results.larger_calm_tie):
-# throughput rises with mbs there. The same ledgers; scenario 21 answers ZeRO-3 mbs 39 (was 26; noise-free 0.999 of
-# the optimum, was 0.991), 33 ZeRO-3 mbs 17 (was 15; 1.000, was 0.996).
-# Then (session 17): the fine pass bisects next to that answer (zerotune.strategy.mbs.MbsTrace.answer): scenario 21
-# no longer bisects between ZeRO-3 mbs 26 and 39 (32, 29, 27: 3 launches fewer), the same answer.
+# Then (session 17): on GPU ranks a config's runs away from the device's capacity (measured peaks under 0.9 of the
+# budget) count as one curve rising with mbs, fitted by pooling adjacent readings that fall, worth the fit at its
+# largest mbs (zerotune.report.results.rising_answer): the same ledgers; scenario 21 answers ZeRO-3 mbs 39 (was 26;
+# noise-free 0.999 of the optimum, was 0.991), 33 ZeRO-3 mbs 17 (was 15; 1.000, was 0.996). The fine pass bisects
+# next to that answer (zerotune.strategy.mbs.MbsTrace.answer): scenario 21 no longer bisects between ZeRO-3 mbs 26
+# and 39 (32, 29, 27: 3 launches fewer), the same answer.
 PINS = {
     (0, True, 'all'): {
         'ledger': [

@@ -1,7 +1,8 @@
 """The search pinned to exact traces on known throughput curves."""
 from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
-from zerotune.strategy.mbs import MbsTrace, Point, StopReason, affine_gain, refine_mbs, search_mbs, within_noise
+from zerotune.strategy.mbs import (MbsTrace, Point, StopReason, affine_gain, refine_mbs, rising_top, search_mbs,
+                                   within_noise)
 from zerotune.strategy.stages import StageDecision, StagePlan, explore_stages
 
 THROUGHPUT = Objective.named("throughput")
@@ -93,21 +94,28 @@ def test_an_optimistic_estimate_halves_until_a_size_runs_then_bisects_up_to_the_
     assert trace.stop is StopReason.BOUNDARY and trace.best(THROUGHPUT).mbs == 13
 
 
-def test_the_fine_pass_bisects_next_to_a_larger_calm_mbs_that_ties_with_the_best_reading():
+def test_the_fine_pass_bisects_next_to_the_answer_a_rising_curve_puts_at_the_larger_calm_mbs():
     # Llama-70B on 1024 H100 (SIMULATED, 1% noise): the estimate 21 runs out of memory, the halving 10 runs, and the
     # bisection's 15 reads 0.35% under it: a plateau. Both ran away from the device's capacity (0.53 and 0.76 of
-    # 80 GiB), where throughput rises with mbs, and tie within the noise (3.2% for two runs of unknown interval):
-    # the answer is 15 (MbsTrace.answer), and the fine pass bisects next to it. Above it, the step-time line through
-    # 10 and 15 predicts no gain; below, nothing beats a calm 15: nothing runs. Without peaks (CPU ranks) the best
-    # is the reading's, 10: the search looks one halving below it (5), and the fine pass bisects there (7, 8).
+    # 80 GiB), where throughput rises with mbs: the fall is noise, the two runs are worth 402.0 at 15
+    # (MbsTrace.answer), and the fine pass bisects next to 15. Above it, the step-time line through 10 and 15
+    # predicts no gain; below, nothing beats a calm 15: nothing runs. Without peaks (CPU ranks) the best is the
+    # reading's, 10: the search looks one halving below it (5), and the fine pass bisects there (7, 8).
     reads = {10: 402.7, 15: 401.3}
     evaluate, calls = measured_curve(lambda m: reads.get(m, 400.0), 19, lambda m: (5 + 3.7 * m) * 2**30, 80 * 2**30)
     trace = search_mbs(evaluate, lo=1, hi=1024, estimate=21, objective=THROUGHPUT, num_fine=2)
     assert calls == [21, 10, 15] and trace.stop is StopReason.PLATEAU
-    assert (trace.best(THROUGHPUT).mbs, trace.answer(THROUGHPUT, 0.01).mbs) == (10, 15)
+    assert (trace.best(THROUGHPUT).mbs, trace.answer(THROUGHPUT).mbs) == (10, 15)
     evaluate, calls = curve(lambda m: reads.get(m, 400.0), max_ok=19)
     trace = search_mbs(evaluate, lo=1, hi=1024, estimate=21, objective=THROUGHPUT, num_fine=2)
-    assert calls == [21, 10, 15, 5, 7, 8] and trace.answer(THROUGHPUT, 0.01).mbs == 10
+    assert calls == [21, 10, 15, 5, 7, 8] and trace.answer(THROUGHPUT).mbs == 10
+
+
+def test_a_rising_fit_pools_adjacent_readings_that_fall():
+    assert rising_top([(402.7, 1), (401.3, 1)]) == 402.0
+    assert rising_top([(100.0, 1), (90.0, 1), (110.0, 2)]) == 110.0  # 100 and 90 pool to 95; 110 rises above it
+    assert rising_top([(100.0, 2), (90.0, 1), (93.0, 1)]) == (200.0 + 90.0 + 93.0) / 4  # runs weigh: 95.75
+    assert rising_top([]) is None
 
 
 def test_failure_boundary_above_a_cautious_estimate():

@@ -27,8 +27,9 @@ stage exploration does once the stages are compared). For throughput it bisects 
 pay: a step time affine in mbs (fixed per-step work plus compute per sample) puts no peak between two
 measured points, so the gap above is skipped where that line predicts no gain the runs can resolve, and
 the gap below unless the best ran near capacity. Its "best" is the one the answer rule picks
-(:meth:`MbsTrace.answer`): a larger mbs that ties with the best reading away from the capacity, where the
-points between the two hold nothing the larger does not beat. The search moves over a sorted set of allowed mbs
+(:meth:`MbsTrace.answer`): away from the capacity the readings count as one curve rising with mbs
+(:func:`rising_top`), whose value is at its largest mbs; the points between hold nothing that beats it.
+The search moves over a sorted set of allowed mbs
 values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the divisors that
 keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
 "bisecting" pick from that set.
@@ -47,6 +48,26 @@ from zerotune.core.objective import Objective
 NEAR_CAPACITY = 0.9
 """A run whose measured peak is at least this fraction of the per-device budget runs near the device's
 capacity, where a caching allocator flushes and retries and a step can be slower than at a smaller mbs."""
+
+
+def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
+    """The value at the last of ``readings`` of their run-weighted least-squares non-decreasing fit.
+
+    ``readings`` are (metric, runs) in ascending mbs order: one config's pooled metric at each mbs and how many
+    runs it pools. Pool adjacent violators (M. Ayer et al., "An empirical distribution function for sampling
+    with incomplete information", Ann. Math. Statist. 26, 1955): a block that reads above the next one is merged
+    with it into their run-weighted mean, until the means rise. Where throughput rises with mbs (away from the
+    device's capacity: a step time affine in mbs, the assumption that already keeps the search from looking
+    below a calm best, :func:`_below_may_pay`), a larger mbs that reads under a smaller one reads the noise, and
+    both runs count towards the larger one's value; where the readings rise, each keeps its own. None when empty.
+    """
+    blocks: list[tuple[float, int]] = []  # (mean, runs)
+    for value, runs in readings:
+        blocks.append((value, max(1, runs)))
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append(((m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2))
+    return blocks[-1][0] if blocks else None
 
 
 class StopReason(str, enum.Enum):
@@ -102,21 +123,20 @@ class MbsTrace:
         """The runnable point with the best metric (the first one on ties)."""
         return objective.best(self.ok_points, lambda p: p.metric)
 
-    def answer(self, objective: Objective, threshold: float) -> Point | None:
-        """The best point, or the largest mbs above it that ties with it within the noise (:func:`within_noise`)
-        where both ran away from the device's capacity (measured peaks under :data:`NEAR_CAPACITY` of the budget;
-        throughput only): throughput rises with mbs there, so the readings' order between them is the noise. The
-        rule that picks the answer (:func:`zerotune.report.results.larger_calm_tie`), on this stage's points."""
+    def answer(self, objective: Objective) -> Point | None:
+        """The point the answer rule picks among this stage's (:func:`zerotune.report.results.best_experiment`):
+        for throughput, the points that ran away from the device's capacity (measured peaks under
+        :data:`NEAR_CAPACITY` of the budget) count as one curve rising with mbs, worth :func:`rising_top` at the
+        largest of them; a point near the capacity (or of unknown peak) counts as its own reading; the best of
+        these. For latency, or without calm points, the best reading (:meth:`best`)."""
         best = self.best(objective)
-
-        def calm(p: Point) -> bool:
-            return p.memory_fraction is not None and p.memory_fraction < NEAR_CAPACITY
-
-        if best is None or not objective.higher_is_better or not calm(best):
+        calm = sorted((p for p in self.ok_points if p.memory_fraction is not None and p.memory_fraction < NEAR_CAPACITY),
+                      key=lambda p: p.mbs)
+        if best is None or not objective.higher_is_better or not calm:
             return best
-        ties = [p for p in self.ok_points if p.mbs > best.mbs and calm(p)
-                and within_noise(objective.gain(p.metric, best.metric), p, best, threshold)]
-        return max(ties, key=lambda p: p.mbs, default=best)
+        candidates = [(rising_top([(p.metric, p.runs) for p in calm]), calm[-1])]
+        candidates += [(p.metric, p) for p in self.ok_points if p not in calm]
+        return objective.best(candidates, lambda c: c[0])[1]
 
     def get(self, mbs: int) -> Point | None:
         return next((p for p in self.points if p.mbs == mbs), None)
@@ -408,19 +428,19 @@ def _below_may_pay(best: Point) -> bool:
 
 def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
                threshold: float = 0.01, precision: float | None = None) -> None:
-    """Bisect the gaps next to the best mbs (:meth:`MbsTrace.answer`: the best reading, or a larger calm mbs
-    that ties with it): above, and below unless the best and the point below it are a precise plateau
+    """Bisect the gaps next to the best mbs (:meth:`MbsTrace.answer`: the best reading, or the largest calm mbs
+    where the calm readings, fitted as a rising curve, beat it): above, and below unless the best and the point below it are a precise plateau
     (:func:`_plateau`); up to ``budget`` experiments. On the SIMULATED clusters (12 noise
-    draws, benchmarks/README.md, session 17) bisecting next to the tie's larger mbs instead of the best reading
-    cut the GPU-hours from 0.478x to 0.450x DeepSpeed's at 1% noise for the same answers, and from 0.590x to
-    0.565x at 5%, with 317 answers within 1% of the optimum of 432 against 320. A best at the memory
+    draws, benchmarks/README.md, session 17) bisecting next to that answer instead of the best reading cut the
+    GPU-hours from 0.477x to 0.450x DeepSpeed's at 1% noise and from 0.583x to 0.528x at 5%, for the same
+    answers (336 within 1% of the optimum of 432 at 5%, against 335). A best at the memory
     boundary (the next allowed mbs failed) is no end of a plateau: a step there can be slowed by the
     allocator's flushes near the device's capacity, so a tie with the point below hides a peak between.
     For throughput a gap is bisected only where it may pay: above, unless the affine step time predicts no
     gain the runs can tell (:func:`_above_may_pay`); below, only from a best near the capacity or of unknown
     peak (:func:`_below_may_pay`)."""
     while budget > 0:
-        best = trace.answer(objective, threshold)  # the gaps next to what the answer rule would pick
+        best = trace.answer(objective)  # the gaps next to what the answer rule would pick
         below = [p.mbs for p in trace.ok_points if p.mbs < best.mbs]
         above = [p.mbs for p in trace.points if p.mbs > best.mbs]
         candidates = []

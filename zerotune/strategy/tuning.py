@@ -23,9 +23,9 @@ measurement is never decided on one run where it matters: a plateau and a losing
 re-measured (a replica, ``<name>_r2``, run beside the point it is compared with) and decided on
 the pooled metrics (only where the difference is within the runs' noise), and before the answer
 the configs whose difference from the best is within their noise (at most :data:`FINAL_MARGIN`)
-are re-measured until each has two runs; the answer is the best pooled metric, or on GPU ranks a larger mbs of
-its config that ties with it within the noise where both ran away from the device's capacity, as throughput
-rises with mbs there (:func:`zerotune.report.results.best_experiment`). With ``"fast": false`` the answer itself is
+are re-measured until each has two runs; the answer is the best pooled metric, on GPU ranks with each config's
+runs away from the device's capacity fitted as a curve rising with mbs, whose value is at its largest mbs
+(:func:`zerotune.report.results.best_experiment`). With ``"fast": false`` the answer itself is
 reported on at least two runs (:meth:`Strategy.measure_answer_twice`); with ``"fast": true`` only where
 its one run reads above its mbs neighbours by more than the noise (:meth:`Strategy.answer_stands_out`).
 """
