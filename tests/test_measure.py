@@ -97,6 +97,13 @@ def test_peak_bytes_is_each_ranks_largest():
     assert peak_bytes({0: [{"step": 1}]}) == {}
 
 
+def test_on_cuda_the_peak_is_the_devices_not_the_allocated_bytes():
+    # what the budget limits: the reserved high-water mark plus the context, 13 GB, not the 7 GB allocated
+    cuda = [{"step": 1, "peak_bytes": 6 * 10**9, "device_peak_bytes": 12 * 10**9},
+            {"step": 2, "peak_bytes": 7 * 10**9, "peak_reserved_bytes": 9 * 10**9, "device_peak_bytes": 13 * 10**9}]
+    assert peak_bytes({0: cuda, 1: [{"step": 1, "peak_bytes": 5 * 10**9}]}) == {0: 13 * 10**9, 1: 5 * 10**9}
+
+
 def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrature():
     # two single runs known to 2% and 1%, 1% run-to-run noise each (2% at 95%): sqrt(4 + 1 + 4 + 4) %
     assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%

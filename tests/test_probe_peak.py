@@ -1,5 +1,5 @@
-"""The probe's CPU peak: the largest VmData (what RLIMIT_DATA limits), sampled every 5 ms in the rank
-until the end of optimizer step 2, then once per record."""
+"""The probe's peaks: on CPU the largest VmData (what RLIMIT_DATA limits), sampled every 5 ms in the rank
+until the end of optimizer step 2, then once per record; on CUDA the device's beside the allocator's."""
 import threading
 import time
 import types
@@ -65,3 +65,17 @@ def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it(mon
         assert peaks["peak_bytes"] <= probe_module._data_peak()["data_peak_bytes"]  # the profile record's figure
     finally:
         sampler.stop()
+
+
+def test_the_cuda_record_holds_the_devices_peak_beside_the_allocators(monkeypatch):
+    # a stand-in for a CUDA device (no GPU on this machine): 80 GB, 70 GB free, 6 GB reserved now, 9 GB at the
+    # reserved peak, 7 GB at the allocated peak; outside the allocator (context, NCCL): 80 - 70 - 6 = 4 GB
+    import torch
+    for name, value in (("is_available", True), ("max_memory_allocated", 7 * 10**9),
+                        ("max_memory_reserved", 9 * 10**9), ("memory_reserved", 6 * 10**9),
+                        ("mem_get_info", (70 * 10**9, 80 * 10**9))):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    engine = types.SimpleNamespace(device=torch.device("cuda", 0))
+    assert probe_module._peaks(engine) == {"peak_bytes": 7 * 10**9, "peak_reserved_bytes": 9 * 10**9,
+                                           "device_peak_bytes": 13 * 10**9}
+

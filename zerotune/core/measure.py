@@ -200,11 +200,15 @@ def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) 
 
 
 def peak_bytes(streams: Streams) -> dict[int, int]:
-    """rank -> the largest ``peak_bytes`` in its records (CUDA: allocated bytes; CPU: the largest
-    ``VmData``, sampled every 5 ms), bytes; ranks without one are absent."""
+    """rank -> the largest peak in its records, bytes: what the per-device budget limits. On CUDA the record's
+    ``device_peak_bytes`` (the caching allocator's reserved high-water mark plus what lies outside it: the CUDA
+    context, NCCL's buffers), where it holds one, not ``peak_bytes`` (allocated bytes, which leave both out:
+    a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
+    ``VmData``, sampled every 5 ms. Ranks without one are absent."""
     peaks = {}
     for rank, records in streams.items():
-        values = [int(r["peak_bytes"]) for r in records if _number(r.get("peak_bytes"))]
+        values = [int(r["device_peak_bytes"] if _number(r.get("device_peak_bytes")) else r["peak_bytes"])
+                  for r in records if _number(r.get("device_peak_bytes")) or _number(r.get("peak_bytes"))]
         if values:
             peaks[rank] = max(values)
     return peaks

@@ -19,7 +19,8 @@ experiment after it is another measurement of the same model, used two ways:
 
 A peak below the estimate never lowers an overhead: it may be a measurement that does not see
 everything the budget counts (on CPU the probe samples ``VmData`` every 5 ms and can miss a shorter
-peak; a GPU's ``max_memory_allocated`` leaves out the context and the allocator's reserve). Pure
+peak; on CUDA the memory outside the caching allocator, the context and NCCL's buffers, is read once per
+step, not at the peak). Pure
 functions of the model and the experiments; the strategy calls :func:`corrected` after each finished
 experiment (:meth:`zerotune.strategy.tuning.Strategy.correct_memory`).
 """

@@ -32,7 +32,8 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
   the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
 - ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
-  ``torch.cuda.max_memory_reserved()``); on CPU the largest ``VmData`` so far (what ``RLIMIT_DATA``,
+  ``torch.cuda.max_memory_reserved()``, and ``device_peak_bytes``, the device at its peak: the reserved
+  high-water mark plus what lies outside the allocator, :func:`_device_peak`); on CPU the largest ``VmData`` so far (what ``RLIMIT_DATA``,
   the per-rank budget, limits), sampled every 5 ms from the engine module's import to the end of
   step 2 and at each record after it (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident
   high-water mark (``ru_maxrss``), which leaves out pages allocated and never written; bytes.
@@ -213,7 +214,7 @@ def _peaks(engine) -> dict:
     device = getattr(engine, "device", None)
     if torch is not None and getattr(device, "type", device) == "cuda" and torch.cuda.is_available():
         return {"peak_bytes": int(torch.cuda.max_memory_allocated()),
-                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()), **_device_peak(torch, engine)}
     import resource
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     data = _DataPeak.running.peak() if _DataPeak.running is not None else 0
