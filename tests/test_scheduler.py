@@ -187,6 +187,24 @@ def test_two_half_pool_experiments_run_at_once_on_different_slots(stand_in, tmp_
     assert processes_of(str(stand_in)) == []
 
 
+@pytest.mark.e2e
+def test_the_ranks_sampled_memory_is_a_runs_peak_on_cpu_ranks_only(stand_in, tmp_path):
+    # on CPU ranks the budget limits their VmData, which the backend samples; on CUDA that is host memory, not the
+    # device's, so a run's peak comes from the probe's streams alone (none here: the stand-in writes no records).
+    # Until session 17 an OOM run on an H200 showed a 2.28 GiB host peak against a 137.90 GiB device estimate.
+    user_config = tmp_path / "ds_config.json"
+    user_config.write_text("{}")
+    peaks = {}
+    for cpu in (True, False):
+        launch = LaunchSpec(script=str(stand_in), script_args=("--deepspeed_config", str(user_config)), cpu=cpu,
+                            timeout_s=120)
+        scheduler = Scheduler(LocalBackend(launch), SlotPool(select_resources(local_slots=1)), tmp_path / f"exps_{cpu}")
+        (done,) = scheduler.run([stand_in_exp("a", mode="ok", sleep=1.0)])
+        assert done.status is Status.OK
+        peaks[cpu] = done.peak_memory_bytes
+    assert peaks[True] > 2**20 and peaks[False] is None
+
+
 # --- timeouts and hangs: the whole tree is killed, tuning goes on -----------------------------
 
 

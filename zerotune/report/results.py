@@ -211,7 +211,8 @@ def memory_table(experiments: Sequence[Experiment]) -> Table | None:
                       format_bytes(e.peak_memory_bytes), f"{e.memory_rel_error:+.1%}")
     errors = [abs(e.memory_rel_error) for e in rows]
     table.caption = (f"{len(errors)} runs: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
-                     "(on CPU the peak is the largest VmData, sampled every 5 ms: what the budget limits)")
+                     "(the peak is what the budget limits: on CUDA the device's at each step, the allocator's reserved "
+                     "high-water mark plus what lies outside it; on CPU the largest VmData, sampled every 5 ms)")
     table.caption_justify = "left"
     return table
 

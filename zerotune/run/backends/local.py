@@ -125,7 +125,9 @@ class LocalBackend(Backend):
                     self._running.pop(proc.pid, None)
                 release_port(port)
         exp.wall_s = round(time.monotonic() - start, 3)
-        exp.peak_memory_bytes = peak or None
+        # the ranks' sampled VmData is what the CPU budget limits; on CUDA it is host memory, not the device's: the
+        # device's peak comes from the probe's streams (expdir.finish), and a run without them (an OOM) has none
+        exp.peak_memory_bytes = (peak or None) if spec.cpu else None
         expdir.finish(exp, exp_dir, spec.objective, proc.returncode, timed_out, interrupted=self._cancelled.is_set(),
                       ended=ended)
         if teardown_crash and exp.status is Status.OK:
