@@ -138,3 +138,16 @@ def is_list_valued(path: str) -> bool:
         if path == rule:
             return True
     return False
+
+
+def candidate_lists(config: Any, path: str = "") -> list[tuple[str, list]]:
+    """(dotted key, list) of each list of candidates (a tuning-space key) in a ds_config, in order: every list but
+    the settings that are lists themselves (:func:`is_list_valued`), ``autotuning`` and the keys the search owns
+    (``zero_optimization.stage``, mbs, gas)."""
+    if isinstance(config, dict):
+        return [pair for key, value in config.items() if path or key != "autotuning"
+                for pair in candidate_lists(value, f"{path}.{key}" if path else str(key))]
+    if isinstance(config, list) and not is_list_valued(path) and path not in (f"{ZERO}.stage", MBS, GAS):
+        return [(path, config)]
+    return []
+

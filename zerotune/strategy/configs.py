@@ -25,7 +25,7 @@ from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.auto import (ENGINE_RECORD, MODEL_AUTO_KEYS, auto_paths, hidden_size_autos, read_engine_record,
                                      resolve)
-from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, is_list_valued
+from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, candidate_lists, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.job import Job
 from zerotune.strategy.space import Candidate, default_space, generate, merge
@@ -66,7 +66,7 @@ class ConfigBuilder:
         # not written into names, so configs that set them carry a hash in their name
         varying = [p for name, paths in placeholder_paths(job.user_config).items()
                    if len(job.variables.get(name, ())) > 1 for p in paths]
-        self._extra_keys = tuple(dict.fromkeys(k for k in [*_candidate_keys(job.user_config), *varying]
+        self._extra_keys = tuple(dict.fromkeys(k for k in [*(k for k, _ in candidate_lists(job.user_config)), *varying]
                                                if k not in ACRONYMS))
 
     def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None,
@@ -179,13 +179,3 @@ def first_candidates(config: Any, path: str = "") -> Any:
     if isinstance(config, list) and config and not is_list_valued(path):
         return copy.deepcopy(config[0])
     return copy.deepcopy(config)
-
-
-def _candidate_keys(config: Any, path: str = "") -> list[str]:
-    """Dotted keys of ``config`` that hold a list of candidates (``autotuning`` and the stage aside)."""
-    if isinstance(config, dict):
-        return [k for key, v in config.items() if (path or key != "autotuning")
-                for k in _candidate_keys(v, f"{path}.{key}" if path else key)]
-    if isinstance(config, list) and not is_list_valued(path) and path not in (f"{ZERO}.stage", MBS, GAS):
-        return [path]
-    return []

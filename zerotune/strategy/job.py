@@ -24,7 +24,7 @@ from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_d
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
-from zerotune.deepspeed.keys import GAS, MBS, TBS
+from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.auto import auto_paths, check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
@@ -165,6 +165,10 @@ class Job:
         script_args = tuple(script_args)
         _, config_path = find_config_arg(list(script_args))
         user = load_ds_config(config_path)
+        for key, candidates in candidate_lists(user):
+            if not candidates:
+                raise ConfigError(f"{config_path}: {key} = []: a list in the config is a list of candidates to tune; "
+                                  f"expected at least one")
         at = parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
