@@ -205,10 +205,13 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
     context, NCCL's buffers), where it holds one, not ``peak_bytes`` (allocated bytes, which leave both out:
     a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
     ``VmData``, sampled every 5 ms. Ranks without one are absent."""
+    def peak(record: Mapping[str, Any]) -> int | None:
+        key = next((k for k in ("device_peak_bytes", "peak_bytes") if _number(record.get(k))), None)
+        return None if key is None else int(record[key])
+
     peaks = {}
     for rank, records in streams.items():
-        values = [int(r["device_peak_bytes"] if _number(r.get("device_peak_bytes")) else r["peak_bytes"])
-                  for r in records if _number(r.get("device_peak_bytes")) or _number(r.get("peak_bytes"))]
+        values = [v for v in map(peak, records) if v is not None]
         if values:
             peaks[rank] = max(values)
     return peaks

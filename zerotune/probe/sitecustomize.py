@@ -33,10 +33,11 @@ line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
 - ``peak_bytes``: on CUDA ``torch.cuda.max_memory_allocated()`` (and ``peak_reserved_bytes``,
   ``torch.cuda.max_memory_reserved()``, and ``device_peak_bytes``, the device at its peak: the reserved
-  high-water mark plus what lies outside the allocator, :func:`_device_peak`); on CPU the largest ``VmData`` so far (what ``RLIMIT_DATA``,
-  the per-rank budget, limits), sampled every 5 ms from the engine module's import to the end of
-  step 2 and at each record after it (:class:`_DataPeak`), and ``rss_peak_bytes``, the resident
-  high-water mark (``ru_maxrss``), which leaves out pages allocated and never written; bytes.
+  high-water mark plus what lies outside the allocator, :func:`_device_peak`); on CPU the largest
+  ``VmData`` so far (what ``RLIMIT_DATA``, the per-rank budget, limits), sampled every 5 ms from the
+  engine module's import to the end of step 2 and at each record after it (:class:`_DataPeak`), and
+  ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which leaves out pages allocated
+  and never written; bytes.
 
 The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
 inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;

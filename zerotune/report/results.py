@@ -20,7 +20,7 @@ from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_n
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
-from zerotune.strategy.mbs import NEAR_CAPACITY, rising_top
+from zerotune.strategy.mbs import NEAR_CAPACITY, rising_candidates
 
 if TYPE_CHECKING:
     from zerotune.strategy.tuning import StrategyResult
@@ -49,8 +49,9 @@ def rising_answer(experiments: Sequence[Experiment], pooled: dict[str, Pooled], 
                   objective: Objective) -> Experiment | None:
     """The best throughput where each config's (stage, gas, knobs) runs away from the device's capacity (measured
     peaks under :data:`~zerotune.strategy.mbs.NEAR_CAPACITY` of ``budget_bytes``) count as one curve rising with
-    mbs: worth :func:`~zerotune.strategy.mbs.rising_top` of their pooled metrics, at the largest of those mbs.
-    A run near the capacity, or of unknown peak, counts as its own pooled metric. None without candidates.
+    mbs: worth :func:`~zerotune.strategy.mbs.rising_top` of their pooled metrics, at the largest of those mbs
+    (:func:`~zerotune.strategy.mbs.rising_candidates`). A run near the capacity, or of unknown peak, counts as its
+    own pooled metric. None without candidates.
 
     Away from the capacity a step's time is about affine in mbs (fixed per-step work plus compute per sample:
     the roofline view), so throughput rises with mbs: a larger mbs that reads under a smaller one reads the noise,
@@ -61,22 +62,15 @@ def rising_answer(experiments: Sequence[Experiment], pooled: dict[str, Pooled], 
     of 432 at 1% noise, and from 299 to 335 at 5%; with the fine pass bisecting next to this answer
     (:meth:`~zerotune.strategy.mbs.MbsTrace.answer`) the GPU-hours fell from 0.48x to 0.45x DeepSpeed's at 1% and
     from 0.59x to 0.53x at 5%."""
-    def calm(e: Experiment) -> bool:
-        return bool(e.peak_memory_bytes) and budget_bytes > 0 and e.peak_memory_bytes / budget_bytes < NEAR_CAPACITY
-
-    curves: dict[tuple, list[Experiment]] = {}
-    candidates: list[tuple[float, Experiment]] = []
+    configs: dict[tuple, list[Experiment]] = {}
     for e in experiments:
-        if e.replica_of is not None or e.name not in pooled:
-            continue
-        if calm(e):
-            curves.setdefault((e.stage, e.gas, repr(sorted(e.knobs.items()))), []).append(e)
-        else:
-            candidates.append((pooled[e.name].value, e))
-    for curve in curves.values():
-        curve.sort(key=lambda e: e.mbs)
-        candidates.append((rising_top([(pooled[e.name].value, pooled[e.name].runs) for e in curve]), curve[-1]))
-    top = objective.best(candidates, lambda c: c[0])
+        if e.replica_of is None and e.name in pooled:
+            configs.setdefault((e.stage, e.gas, repr(sorted(e.knobs.items()))), []).append(e)
+    pairs = [pair for runs in configs.values() for pair in rising_candidates(
+        runs, mbs=lambda e: e.mbs, value=lambda e: pooled[e.name].value, runs=lambda e: pooled[e.name].runs,
+        calm=lambda e: bool(e.peak_memory_bytes) and budget_bytes > 0
+        and e.peak_memory_bytes / budget_bytes < NEAR_CAPACITY)]
+    top = objective.best(pairs, lambda c: c[0])
     return None if top is None else top[1]
 
 

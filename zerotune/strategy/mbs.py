@@ -29,21 +29,22 @@ measured points, so the gap above is skipped where that line predicts no gain th
 the gap below unless the best ran near capacity. Its "best" is the one the answer rule picks
 (:meth:`MbsTrace.answer`): away from the capacity the readings count as one curve rising with mbs
 (:func:`rising_top`), whose value is at its largest mbs; the points between hold nothing that beats it.
-The search moves over a sorted set of allowed mbs
-values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the divisors that
-keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
-"bisecting" pick from that set.
+The search moves over a sorted set of allowed mbs values: every integer in ``lo..hi``, or fewer when the
+global batch is fixed (the divisors that keep ``mbs * gas * DP = train_batch_size``) or the user lists
+them; "doubling", "halving" and "bisecting" pick from that set.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from zerotune.core.experiment import Status
 from zerotune.core.measure import RUN_NOISE, comparison_noise
 from zerotune.core.objective import Objective
 
+
+T = TypeVar("T")
 
 NEAR_CAPACITY = 0.9
 """A run whose measured peak is at least this fraction of the per-device budget runs near the device's
@@ -68,6 +69,18 @@ def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
             (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
             blocks.append(((m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2))
     return blocks[-1][0] if blocks else None
+
+
+def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Callable[[T], float],
+                      runs: Callable[[T], int], calm: Callable[[T], bool]) -> list[tuple[float, T]]:
+    """(value, item) pairs an answer is chosen from among one config's measured mbs values (``items``): the calm
+    ones (away from the device's capacity) as one curve rising with mbs, worth :func:`rising_top` of their values
+    at the largest of them; each other one (near the capacity, or of unknown peak) at its own value."""
+    rising = sorted((i for i in items if calm(i)), key=mbs)
+    pairs = [(value(i), i) for i in items if not calm(i)]
+    if rising:
+        pairs.append((rising_top([(value(i), runs(i)) for i in rising]), rising[-1]))
+    return pairs
 
 
 class StopReason(str, enum.Enum):
@@ -130,13 +143,11 @@ class MbsTrace:
         largest of them; a point near the capacity (or of unknown peak) counts as its own reading; the best of
         these. For latency, or without calm points, the best reading (:meth:`best`)."""
         best = self.best(objective)
-        calm = sorted((p for p in self.ok_points if p.memory_fraction is not None and p.memory_fraction < NEAR_CAPACITY),
-                      key=lambda p: p.mbs)
-        if best is None or not objective.higher_is_better or not calm:
+        if best is None or not objective.higher_is_better:
             return best
-        candidates = [(rising_top([(p.metric, p.runs) for p in calm]), calm[-1])]
-        candidates += [(p.metric, p) for p in self.ok_points if p not in calm]
-        return objective.best(candidates, lambda c: c[0])[1]
+        pairs = rising_candidates(self.ok_points, mbs=lambda p: p.mbs, value=lambda p: p.metric, runs=lambda p: p.runs,
+                                  calm=lambda p: p.memory_fraction is not None and p.memory_fraction < NEAR_CAPACITY)
+        return objective.best(pairs, lambda c: c[0])[1]
 
     def get(self, mbs: int) -> Point | None:
         return next((p for p in self.points if p.mbs == mbs), None)
@@ -429,10 +440,10 @@ def _below_may_pay(best: Point) -> bool:
 def _fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
                threshold: float = 0.01, precision: float | None = None) -> None:
     """Bisect the gaps next to the best mbs (:meth:`MbsTrace.answer`: the best reading, or the largest calm mbs
-    where the calm readings, fitted as a rising curve, beat it): above, and below unless the best and the point below it are a precise plateau
-    (:func:`_plateau`); up to ``budget`` experiments. On the SIMULATED clusters (12 noise
-    draws, benchmarks/README.md, session 17) bisecting next to that answer instead of the best reading cut the
-    GPU-hours from 0.477x to 0.450x DeepSpeed's at 1% noise and from 0.583x to 0.528x at 5%, for the same
+    where the calm readings, fitted as a rising curve, beat it): above, and below unless the best and the point
+    below it are a precise plateau (:func:`_plateau`); up to ``budget`` experiments. On the SIMULATED clusters
+    (12 noise draws, benchmarks/README.md, session 17) bisecting next to that answer instead of the best reading
+    cut the GPU-hours from 0.477x to 0.450x DeepSpeed's at 1% noise and from 0.583x to 0.528x at 5%, for the same
     answers (336 within 1% of the optimum of 432 at 5%, against 335). A best at the memory
     boundary (the next allowed mbs failed) is no end of a plateau: a step there can be slowed by the
     allocator's flushes near the device's capacity, so a tie with the point below hides a peak between.
