@@ -13,8 +13,8 @@ import pytest
 
 from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.core.measure import RUN_NOISE
-from zerotune.report.results import best_experiment
 from zerotune.run.resources import select_resources
+from zerotune.strategy.answer import best_experiment
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.tuning import Strategy

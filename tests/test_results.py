@@ -6,7 +6,8 @@ import pytest
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
-from zerotune.report.results import answer_text, best_experiment, cost_line, device_seconds, render_table, table_text
+from zerotune.report.results import answer_text, cost_line, device_seconds, render_table, table_text
+from zerotune.strategy.answer import best_experiment
 
 THROUGHPUT = Objective.named("throughput")
 
@@ -41,7 +42,8 @@ def test_best_ignores_the_profile_and_failures():
 
 
 def test_summary_rows_carry_device_hours():
-    text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4))
+    text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4,
+                                   answer=best_experiment(RUNS, THROUGHPUT)))
     z1 = next(line for line in text.splitlines() if line.startswith("│ z1 "))
     assert [c.strip() for c in z1.split("│")[1:-1]] == ["z1", "3", "2", "1 oom", "4", "12", "z1_gas1_tmbspg2 *"]
     assert "tuning cost: 6 device-hours" in text
@@ -56,7 +58,8 @@ def test_the_answer_is_the_best_pooled_metric_over_re_measurements():
     steady_again.replica_of = steady.name
     runs = [lucky, again, steady, steady_again]
     assert best_experiment(runs, THROUGHPUT) is steady
-    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=1800.0, launched=4))
+    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=1800.0, launched=4,
+                                   answer=best_experiment(runs, THROUGHPUT)))
     assert "12.6 (2 runs, spread 2%)" in text and "z1_gas1_tmbspg2 *" in text
 
 
@@ -82,7 +85,8 @@ def test_on_gpu_ranks_a_calm_fall_in_mbs_is_noise_and_the_answer_is_the_larger_m
     runs = [small, large, near]
     assert best_experiment(runs, THROUGHPUT, BUDGET) is large
     assert best_experiment(runs, THROUGHPUT) is small  # CPU ranks (no budget to read capacity against): the reading
-    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=3, budget_bytes=BUDGET))
+    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=3,
+                                   answer=best_experiment(runs, THROUGHPUT, BUDGET)))
     z3 = next(line for line in text.splitlines() if line.startswith("│ z3 "))
     assert z3.split("│")[-2].strip() == "z3_gas1_tmbspg15 *"  # the table stars the answer as its space's best
     assert "Optimal: z3_gas1_tmbspg15 (ZeRO stage 3, mbs 15, gas 1), throughput 401.3" in answer_text(runs, large, THROUGHPUT)

@@ -1,9 +1,12 @@
 """The search pinned to exact traces on known throughput curves."""
 from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
-from zerotune.strategy.mbs import (MbsTrace, Point, StopReason, affine_gain, refine_mbs, rising_top, search_mbs,
-                                   within_noise)
-from zerotune.strategy.stages import StageDecision, StagePlan, explore_stages
+from zerotune.strategy.answer import rising_top
+from zerotune.strategy.fine import affine_gain, refine_mbs
+from zerotune.strategy.mbs import search_mbs
+from zerotune.strategy.points import MbsTrace, Point, StopReason, within_noise
+from zerotune.strategy.result import StageDecision, StagePlan
+from zerotune.strategy.stages import explore_stages
 
 THROUGHPUT = Objective.named("throughput")
 LATENCY = Objective.named("latency")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command
 from zerotune.report import results
+from zerotune.report.log import to_console
 from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
 from zerotune.run.backends import make_backend
@@ -37,9 +39,12 @@ from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
-from zerotune.strategy.tuning import Strategy, StrategyResult
+from zerotune.strategy.result import StrategyResult
+from zerotune.strategy.tuning import Strategy
 
 __all__ = ["Autotuner", "Interrupted", "TuneOptions"]
+
+logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """What Ctrl-C, Slurm's scancel, ``docker stop``, ``timeout``, Kubernetes and a closed terminal send."""
@@ -124,7 +129,7 @@ class Autotuner:
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
         self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update,
-                                   context=resume_context(job), log=self._log)
+                                   context=resume_context(job), log=logging.getLogger("zerotune.run.scheduler").info)
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
@@ -140,11 +145,7 @@ class Autotuner:
         return self.result.stages
 
     def _strategy(self, evaluate) -> Strategy:
-        return Strategy(self.job, evaluate, parallel=self.pool.capacity(self.job.num_nodes, self.job.slots_per_node),
-                        log=self._log)
-
-    def _log(self, line: str) -> None:
-        self.console.print(line, markup=False, highlight=False)
+        return Strategy(self.job, evaluate, parallel=self.pool.capacity(self.job.num_nodes, self.job.slots_per_node))
 
     def tune(self) -> Experiment:
         """Profile, search and write the results; return the best experiment.
@@ -160,7 +161,7 @@ class Autotuner:
             Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
-        with _stop_signals_interrupt(), ResultsLock(job.results_dir):
+        with to_console(self.console), _stop_signals_interrupt(), ResultsLock(job.results_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
             reap_orphans(job.exps_dir / RUNNING_DIR)
@@ -194,7 +195,7 @@ class Autotuner:
             self.best = self.write_optimal_config()
         except OSError as e:
             self.best = None
-            self._log(f"zerotune: cannot write the results: {e}")
+            logger.error(f"zerotune: cannot write the results: {e}")
             return e
         return None
 
@@ -212,13 +213,13 @@ class Autotuner:
         machine = extensions.default_root()
         for op in sorted(p.parent.name for p in machine.glob("*/build.ninja")
                          if not (ext / p.parent.name).exists() and not extensions.built_here(p.parent)):
-            self._log(f"note: {machine / op} was built by another install (its build.ninja names other paths): the "
+            logger.info(f"note: {machine / op} was built by another install (its build.ninja names other paths): the "
                       f"experiments build it again, once (about a minute), and zerotune keeps that build")
         for lock in extensions.remove_stale_locks(ext):
-            self._log(f"removed {lock}: a torch extension lock left by a killed process")
+            logger.info(f"removed {lock}: a torch extension lock left by a killed process")
         old = time.time() - extensions.BUILD_S
         for lock in extensions.stale_locks(extensions.default_root(), older_than=old):
-            self._log(f"note: {lock} is older than {extensions.BUILD_S / 60:g} min: DeepSpeed runs outside zerotune "
+            logger.warning(f"note: {lock} is older than {extensions.BUILD_S / 60:g} min: DeepSpeed runs outside zerotune "
                       f"that load this op wait on it forever; remove it if no build is running")
 
     def plan(self) -> Plan:
@@ -226,7 +227,8 @@ class Autotuner:
         (:mod:`zerotune.strategy.oracle`), with bytes per device and fits; nothing is launched
         or written."""
         oracle = MemoryOracle(self.job, self.scheduler.load)
-        result = self._strategy(oracle).run()
+        with to_console(self.console):
+            result = self._strategy(oracle).run()
         return Plan.from_experiments(result.experiments, oracle.model_info_source, self.job.device_memory_bytes,
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
 
@@ -234,12 +236,12 @@ class Autotuner:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
         return results.write_results(self.job.results_dir, list(self.scheduler.history), self.job.objective,
                                      self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes,
-                                     self.job.capacity_bytes)
+                                     answer=self.result.answer)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
         self.console.print(results.render_table(self.scheduler.history, self.job.objective, self.elapsed_s,
-                                                self.scheduler.launched, self._notes, self.job.capacity_bytes))
+                                                self.scheduler.launched, self._notes, answer=self.best))
         if self.best is not None:
             self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
                                soft_wrap=True, markup=False)

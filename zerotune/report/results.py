@@ -10,7 +10,7 @@ import copy
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -20,58 +20,9 @@ from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_n
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
-from zerotune.strategy.mbs import NEAR_CAPACITY, rising_candidates
 
 if TYPE_CHECKING:
-    from zerotune.strategy.tuning import StrategyResult
-
-
-def best_experiment(experiments: Iterable[Experiment], objective: Objective,
-                    budget_bytes: int | None = None) -> Experiment | None:
-    """The answer: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks read
-    with the shape of the throughput curve (:func:`rising_answer`). None when none succeeded. Failed, OOM and
-    timed-out runs are never candidates (they carry no metric).
-
-    Args:
-        budget_bytes: the per-device memory budget, bytes, against which a run's measured peak tells how near
-            the device's capacity it ran; None (CPU ranks, or unknown): the best pooled metric alone.
-    """
-    experiments = list(experiments)
-    pooled = pooled_metrics(experiments)
-    best = objective.best((e for e in experiments if e.replica_of is None and e.name in pooled),
-                          lambda e: pooled[e.name].value)
-    if best is None or budget_bytes is None or not objective.higher_is_better:
-        return best
-    return rising_answer(experiments, pooled, budget_bytes, objective) or best
-
-
-def rising_answer(experiments: Sequence[Experiment], pooled: dict[str, Pooled], budget_bytes: int,
-                  objective: Objective) -> Experiment | None:
-    """The best throughput where each config's (stage, gas, knobs) runs away from the device's capacity (measured
-    peaks under :data:`~zerotune.strategy.mbs.NEAR_CAPACITY` of ``budget_bytes``) count as one curve rising with
-    mbs: worth :func:`~zerotune.strategy.mbs.rising_top` of their pooled metrics, at the largest of those mbs
-    (:func:`~zerotune.strategy.mbs.rising_candidates`). A run near the capacity, or of unknown peak, counts as its
-    own pooled metric. None without candidates.
-
-    Away from the capacity a step's time is about affine in mbs (fixed per-step work plus compute per sample:
-    the roofline view), so throughput rises with mbs: a larger mbs that reads under a smaller one reads the noise,
-    and the two readings together tell the curve's level better than the higher one alone (the best of several
-    noisy runs reads high: the winner's curse). Near the capacity a caching allocator's flushes can slow a step,
-    so those runs stand alone. The answer is reported with its own runs' metric. On the SIMULATED clusters
-    (12 noise draws, benchmarks/README.md, session 17) the answers within 1% of the optimum went from 394 to 415
-    of 432 at 1% noise, and from 299 to 335 at 5%; with the fine pass bisecting next to this answer
-    (:meth:`~zerotune.strategy.mbs.MbsTrace.answer`) the GPU-hours fell from 0.48x to 0.45x DeepSpeed's at 1% and
-    from 0.59x to 0.53x at 5%."""
-    configs: dict[tuple, list[Experiment]] = {}
-    for e in experiments:
-        if e.replica_of is None and e.name in pooled:
-            configs.setdefault((e.stage, e.gas, repr(sorted(e.knobs.items()))), []).append(e)
-    pairs = [pair for runs in configs.values() for pair in rising_candidates(
-        runs, mbs=lambda e: e.mbs, value=lambda e: pooled[e.name].value, runs=lambda e: pooled[e.name].runs,
-        calm=lambda e: bool(e.peak_memory_bytes) and budget_bytes > 0
-        and e.peak_memory_bytes / budget_bytes < NEAR_CAPACITY)]
-    top = objective.best(pairs, lambda c: c[0])
-    return None if top is None else top[1]
+    from zerotune.strategy.result import StrategyResult
 
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
@@ -143,11 +94,12 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
 
 
 def render_table(experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
-                 launched: int, notes: Sequence[str] = (), budget_bytes: int | None = None) -> Table:
-    """The summary as a rich table (also written as text to ``summary.txt``); the answer
-    (:func:`best_experiment` with ``budget_bytes``) is starred, shown as its tuning space's best."""
+                 launched: int, notes: Sequence[str] = (), *, answer: Experiment | None) -> Table:
+    """The summary as a rich table (also written as text to ``summary.txt``); the ``answer`` (the strategy's,
+    :attr:`StrategyResult.answer <zerotune.strategy.result.StrategyResult.answer>`) is starred, shown as its
+    tuning space's best."""
     unit = objective.unit
-    overall = best_experiment(experiments, objective, budget_bytes)
+    overall = answer
     pooled = pooled_metrics(experiments)
     table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
                         f"tuning time {elapsed_s:.1f} s", title_justify="left")
@@ -156,7 +108,7 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
         table.add_column(col)
     for row in summarize(experiments, objective):
         if overall is not None and overall.space == row.space:
-            row.best = overall  # the answer, which the curve's shape may put at another mbs (rising_answer)
+            row.best = overall  # the answer, which the curve's shape may put at another mbs
         failed = ", ".join(f"{n} {s}" for s, n in sorted(row.failed.items())) or "-"
         best = "-" if row.best is None else _metric_text(pooled[row.best.name], row.best)
         name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
@@ -218,21 +170,21 @@ def table_text(table: Table) -> str:
 
 
 def write_results(results_dir: Path, experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
-                  launched: int, command_for: callable, notes: Sequence[str] = (),
-                  budget_bytes: int | None = None) -> Experiment | None:
+                  launched: int, command_for: callable, notes: Sequence[str] = (), *,
+                  answer: Experiment | None) -> Experiment | None:
     """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
 
     Args:
         command_for: ``command_for(config_path) -> str``, the paste-able launcher command.
-        budget_bytes: the per-device memory budget on GPU ranks (None on CPU ranks): :func:`best_experiment`.
+        answer: the optimal experiment (the strategy's answer; None: none succeeded).
 
     Returns:
         The best experiment, or None (then no optimal files are written, and stale ones are removed).
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    table = render_table(experiments, objective, elapsed_s, launched, notes, budget_bytes)
-    best = best_experiment(experiments, objective, budget_bytes)
+    table = render_table(experiments, objective, elapsed_s, launched, notes, answer=answer)
+    best = answer
     text = table_text(table)
     config_path = results_dir / "ds_config_optimal.json"
     cmd_path = results_dir / "cmd_optimal.txt"

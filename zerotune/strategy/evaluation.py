@@ -1,0 +1,150 @@
+"""Evaluating experiments for the strategy's phases: the one place that launches (through ``evaluate``).
+
+An :class:`Evaluator` hands batches to the world's ``evaluate`` callable (the scheduler, or the dry run's
+memory oracle) and records every outcome in the ledger. It never evaluates a name twice (a config already
+run is reused: the knob-space candidate that is the mbs search's own config), never launches a config the
+memory model, as corrected by the runs so far, puts over the per-device budget (recorded as out of memory,
+not launched), sets the bar a new run races against, and runs re-measurements. The phases decide what to
+evaluate; this module only evaluates it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import Pooled
+from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
+from zerotune.core.units import format_bytes
+from zerotune.model.online import corrected
+from zerotune.strategy.capacity import memory_fraction
+from zerotune.strategy.configs import ConfigBuilder
+from zerotune.strategy.job import Job
+from zerotune.strategy.result import StrategyResult
+
+logger = logging.getLogger(__name__)
+
+PLATEAU_THRESHOLD = 0.01
+"""A step that improves the best metric by less than this fraction is a plateau (1%)."""
+
+Evaluate = Callable[[Sequence[Experiment]], Sequence[Experiment]]
+"""Runs a batch of experiments (possibly at once) and returns them, in order, with their outcomes."""
+
+
+class Evaluator:
+    """Evaluates the strategy's experiments against ``evaluate`` and records them in ``result``'s ledger.
+
+    Args:
+        job: the resolved job.
+        evaluate: runs batches of experiments.
+        result: where the ledger and the (online-corrected) memory model live.
+    """
+
+    def __init__(self, job: Job, evaluate: Evaluate, result: StrategyResult):
+        self.job = job
+        self.builder = ConfigBuilder(job)
+        self.result = result
+        self.ledger = result.ledger
+        self._evaluate = evaluate
+
+    def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
+                 bar: float | None = None) -> list[Experiment]:
+        """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes.
+
+        With ``race`` each new experiment races the incumbent (``bar``, by default :meth:`bar`): a
+        backend with a stop rule may end it once it cannot beat it. Re-measurements do not race: they
+        are run for precision. Returns the experiments' outcomes, in order.
+        """
+        memory = self.result.memory
+        bar = (bar if bar is not None else self.bar()) if race else None
+        todo: dict[str, Experiment] = {}
+        for exp in experiments:
+            if exp.name not in self.ledger and exp.name not in todo:
+                if memory is not None:
+                    exp.memory_bytes = memory.bytes_per_device(exp.ds_config)
+                if exp.kind is not ExperimentKind.PROFILE:
+                    exp.must_beat = bar
+                    if exp.memory_bytes is not None and exp.memory_bytes > self.job.device_memory_bytes:
+                        self._not_launched(exp)  # the online-corrected model knows it runs out of memory
+                        continue
+                todo[exp.name] = exp
+        for exp in self._evaluate(list(todo.values())) if todo else []:
+            self.ledger.add(exp)
+            self._correct_memory(exp)
+        if todo:
+            before, now = self.ledger.update_run_noise()
+            if now.df != before.df and round(now.sigma, 3) != round(before.sigma, 3):
+                logger.info(now.describe())
+        return [self.ledger[e.name] for e in experiments]
+
+    def _not_launched(self, exp: Experiment) -> None:
+        """Record ``exp`` as out of memory without launching it: its estimate, from the memory model as
+        corrected by the runs so far, is over the per-device budget. A stage's largest mbs is planned from
+        the profile run before any of its runs; a later run that measures more (a steeper activation slope,
+        a stage's own overhead) would otherwise see the plan launched into an OOM it already predicts."""
+        exp.status, exp.metric = Status.OOM, None
+        exp.error = (f"memory model: {format_bytes(exp.memory_bytes)} per rank estimated, over the "
+                     f"{format_bytes(self.job.device_memory_bytes)} budget: not launched")
+        logger.info(f"{exp.name}: {exp.error}")
+        self.ledger.add(exp)
+
+    def _correct_memory(self, exp: Experiment) -> None:
+        """Online correction of the memory model from a finished experiment (:func:`zerotune.model.online.corrected`:
+        the activation slope between two runs of a config, and the stage's overhead after an OOM under a fitting
+        estimate or a peak above it), so a near-boundary estimate is not repeated."""
+        if self.result.memory is not None:
+            earlier = [e for e in self.ledger.experiments if e is not exp]
+            self.result.memory, why = corrected(self.result.memory, exp, self.job.device_memory_bytes, earlier)
+            if why:
+                logger.info(why)
+
+    @property
+    def precision(self) -> float:
+        """The target precision of a run's metric (relative 95% half-width): ``--precision``, which
+        also ends runs early when they are adaptive; :data:`DEFAULT_PRECISION` with ``--no-adaptive``."""
+        return self.job.stop_rule.precision if self.job.stop_rule is not None else DEFAULT_PRECISION
+
+    def bar(self) -> float | None:
+        """The bar a new experiment must beat (:func:`zerotune.core.stopping.must_beat`): the pessimistic
+        bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
+        run without an interval: :data:`PLATEAU_THRESHOLD`); None before any experiment ran ok."""
+        objective = self.job.objective
+        pooled = self.ledger.pooled()
+        best = objective.best(pooled, lambda name: pooled[name].value)
+        if best is None:
+            return None
+        hw = self.ledger[best].metric_rel_half_width if pooled[best].runs == 1 else None
+        return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs,
+                         run_noise=self.ledger.run_noise.sigma)
+
+    def known_to_precision(self, exp: Experiment) -> bool:
+        """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`): its
+        interval is that narrow, and the run-to-run noise it cannot show (``2 * sigma`` at 95%) is no wider."""
+        return (exp.metric_rel_half_width is not None and exp.metric_rel_half_width <= self.precision
+                and 2 * self.ledger.run_noise.sigma <= self.precision * (1 + 1e-9))
+
+    def pooled(self, name: str) -> Pooled | None:
+        """The metric of experiment ``name`` pooled over its ok runs (None: none ran ok)."""
+        return self.ledger.pooled().get(name)
+
+    def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
+        """Run each experiment once more (replicas ``<name>_r<k>``, one batch, so they interleave with
+        each other) and return each one's pooled metric."""
+        replicas = []
+        for base in experiments:
+            replica = self.builder.experiment(base.ds_config, base.kind, base.knobs)
+            replica.name, replica.replica_of = f"{base.name}_r{len(self.ledger.runs_of(base.name)) + 1}", base.name
+            replicas.append(replica)
+        self.evaluate(replicas, race=False)
+        return [self.pooled(base.name) for base in experiments]
+
+    def memory_fraction(self, exp: Experiment) -> float | None:
+        """``exp``'s measured peak over the per-device budget (:func:`~zerotune.strategy.capacity.memory_fraction`);
+        None without a peak, and on CPU ranks (no capacity to read against)."""
+        return memory_fraction(exp.peak_memory_bytes, self.job.capacity_bytes)
+
+    def host_fits(self, ds_config: dict) -> bool:
+        """Whether what ``ds_config`` offloads to the host fits each node's host memory
+        (:meth:`zerotune.model.memory.MemoryModel.host_fits`; True when the model or the host memory is unknown)."""
+        memory = self.result.memory
+        return memory is None or memory.host_fits(ds_config, self.job.host_memory_bytes, self.job.slots_per_node)

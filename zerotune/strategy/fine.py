@@ -1,0 +1,99 @@
+"""The fine pass of the mbs search: a few bisections next to a stage's best mbs, only where they may pay.
+
+It bisects the gaps next to the best mbs, as the answer rule picks it (:meth:`MbsTrace.answer
+<zerotune.strategy.points.MbsTrace.answer>`: away from the capacity the readings count as one curve rising
+with mbs, whose value is at its largest mbs), up to a budget of runs. For throughput a gap is bisected only
+where it may pay: a step time affine in mbs (fixed per-step work plus compute per sample, the roofline view)
+puts no peak between two measured points, so the gap above is skipped where that line predicts no gain the
+runs can resolve (:func:`_above_may_pay`), and the gap below unless the best ran near capacity or of
+unknown capacity (:func:`_below_may_pay`). The gap below is skipped, too, where the best and the point below
+it are a precise plateau (:func:`_plateau`), except at the memory boundary, where the allocator's flushes
+near the capacity can slow a step and a tie hides a peak between. The evidence is in docs/decisions.md, D105.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from zerotune.core.objective import Objective
+from zerotune.strategy.capacity import Capacity
+from zerotune.strategy.points import Evaluate, MbsTrace, Point, allowed_values, middle, runner, within_noise
+
+
+def refine_mbs(evaluate: Evaluate, trace: MbsTrace, *, lo: int, hi: int, objective: Objective, num_fine: int,
+               threshold: float = 0.01, allowed: Sequence[int] | None = None, precision: float | None = None) -> None:
+    """The fine pass alone, on a trace :func:`~zerotune.strategy.mbs.search_mbs` left with ``num_fine=0``:
+    bisect the gaps next to its best mbs, up to ``num_fine`` experiments (recorded in ``trace``). Arguments as
+    in :func:`~zerotune.strategy.mbs.search_mbs`."""
+    if trace.best(objective) is not None:
+        fine_pass(runner(trace, evaluate), trace, allowed_values(lo, hi, allowed), objective, num_fine, threshold,
+                  precision)
+
+
+def fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
+              threshold: float = 0.01, precision: float | None = None) -> None:
+    """Bisect the gaps next to the best mbs (the module docstring), up to ``budget`` experiments."""
+    while budget > 0:
+        best = trace.answer(objective)  # the gaps next to what the answer rule would pick
+        below = [p.mbs for p in trace.ok_points if p.mbs < best.mbs]
+        above = [p.mbs for p in trace.points if p.mbs > best.mbs]
+        candidates = []
+        up = middle(values, best.mbs, min(above)) if above else None
+        gated = objective.higher_is_better  # throughput: a gap is bisected only where it may pay
+        if up is not None and (not gated or _above_may_pay(trace, best, up, threshold)):
+            candidates.append(up)
+        at_boundary = bool(above) and not trace.get(min(above)).ok and up is None
+        if (below and (at_boundary or not _plateau(trace.get(max(below)), best, threshold, precision))
+                and (not gated or _below_may_pay(best))):
+            candidates.append(middle(values, max(below), best.mbs))
+        candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
+        if not candidates:
+            return
+        budget -= len(candidates)
+        run(candidates)
+
+
+def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -> bool:
+    """True when the measured point ``a`` and ``best`` are both known to ``precision`` (their runs'
+    interval half-widths; None: never) and tie within their noise (:func:`within_noise`): the curve is
+    flat between them, so the gap between them holds no mbs better by more than one run can tell.
+    A tie of imprecise points is ignorance, not a plateau."""
+    if precision is None or not a.ok:
+        return False
+    precise = all(p.rel_half_width is not None and p.rel_half_width <= precision for p in (a, best))
+    return precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
+
+
+def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
+    """The relative throughput gain over ``best`` that an affine step time predicts at ``mbs``: the step
+    time per micro-batch (``mbs / throughput``, up to the constant DP x gas) taken as ``a + b * mbs`` through
+    the measured ``low`` (a smaller mbs) and ``best``. None when they do not give one (``a + b * mbs`` not
+    positive at ``mbs``, or no metric)."""
+    if not (low.ok and best.ok and low.metric and best.metric and low.mbs < best.mbs):
+        return None
+    s_low, s_best = low.mbs / low.metric, best.mbs / best.metric
+    slope = (s_best - s_low) / (best.mbs - low.mbs)
+    step = s_best + slope * (mbs - best.mbs)
+    if step <= 0:
+        return None
+    return (mbs / step) / best.metric - 1
+
+
+def _above_may_pay(trace: MbsTrace, best: Point, mid: int, threshold: float) -> bool:
+    """Whether the gap above the best (throughput) may hold a better mbs at its middle ``mid``: not when the
+    affine step time through the best and the nearest runnable point below it not near the capacity
+    (:func:`affine_gain`) predicts there a gain under ``threshold``, or one within the noise of the two
+    points it comes from. Extended above the best, that line is what the step's fixed work still has to
+    amortize; the allocator's flushes near capacity only slow a step. With no such point below, or no
+    prediction, it may."""
+    lows = [p for p in trace.ok_points if p.mbs < best.mbs and p.capacity is not Capacity.NEAR]
+    if not lows:
+        return True
+    low = max(lows, key=lambda p: p.mbs)
+    gain = affine_gain(low, best, mid)
+    return gain is None or (gain >= threshold and not within_noise(gain, low, best, threshold))
+
+
+def _below_may_pay(best: Point) -> bool:
+    """Whether the gap below the best may hold a better mbs: not where the best ran calm (throughput rises with
+    mbs there, so nothing between a smaller runnable mbs and the best wins)."""
+    return best.capacity is not Capacity.CALM

@@ -1,0 +1,73 @@
+"""The ledger: every experiment the strategy was told the outcome of, the one record the report reads.
+
+Experiments enter through one door (:meth:`Ledger.add`), in the order the strategy asked for them, with
+their outcomes: runs, re-measurements (replicas, ``<name>_r<k>``), and configs the memory model kept from
+launching. Everything the strategy decides on is derived from it: a config's runs, their pooled metrics,
+the run-to-run noise and the answer (:func:`~zerotune.strategy.answer.best_experiment`), computed once per
+state of the ledger.
+"""
+from __future__ import annotations
+
+from zerotune.core.experiment import Experiment
+from zerotune.core.measure import Pooled, RunNoise, pooled_metrics, run_noise
+from zerotune.core.objective import Objective
+from zerotune.strategy.answer import best_experiment
+
+
+class Ledger:
+    """The experiments of one tuning, in the order asked, each name once (replicas have their own names).
+
+    Args:
+        objective: what the answer maximizes or minimizes (None: no answer is read, e.g. a bare ledger).
+        budget_bytes: the per-device budget the answer rule reads capacity against (None on CPU ranks).
+    """
+
+    def __init__(self, objective: Objective | None = None, budget_bytes: int | None = None):
+        self.objective = objective
+        self.budget_bytes = budget_bytes
+        self.experiments: list[Experiment] = []
+        self.run_noise: RunNoise = run_noise(())
+        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.measure.run_noise`),
+        updated by :meth:`update_run_noise` after every batch; every comparison of runs counts it."""
+        self._by_name: dict[str, Experiment] = {}
+        self._pooled: tuple[int, dict[str, Pooled]] = (0, {})
+        self._answer: tuple[int, Experiment | None] = (0, None)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __getitem__(self, name: str) -> Experiment:
+        return self._by_name[name]
+
+    def get(self, name: str) -> Experiment | None:
+        return self._by_name.get(name)
+
+    def add(self, exp: Experiment) -> None:
+        """Record ``exp`` with its outcome (the one door into the ledger)."""
+        self._by_name[exp.name] = exp
+        self.experiments.append(exp)
+
+    def runs_of(self, name: str) -> list[Experiment]:
+        """The experiment ``name`` and its replicas, in the order they ran."""
+        return [e for e in self.experiments if e.name == name or e.replica_of == name]
+
+    def pooled(self) -> dict[str, Pooled]:
+        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`)."""
+        if self._pooled[0] != len(self.experiments):
+            self._pooled = (len(self.experiments), pooled_metrics(self.experiments))
+        return self._pooled[1]
+
+    @property
+    def answer(self) -> Experiment | None:
+        """The answer so far (:func:`~zerotune.strategy.answer.best_experiment`); None before any ran ok."""
+        if self.objective is None:
+            return None
+        if self._answer[0] != len(self.experiments):
+            self._answer = (len(self.experiments), best_experiment(self.experiments, self.objective,
+                                                                   self.budget_bytes))
+        return self._answer[1]
+
+    def update_run_noise(self) -> tuple[RunNoise, RunNoise]:
+        """Re-estimate :attr:`run_noise` from the runs so far; (before, now)."""
+        before, self.run_noise = self.run_noise, run_noise(self.experiments)
+        return before, self.run_noise

@@ -1,0 +1,129 @@
+"""Measured micro batch sizes: a :class:`Point` per mbs, a stage's :class:`MbsTrace`, and the value helpers the
+mbs search (:mod:`~zerotune.strategy.mbs`) and its fine pass (:mod:`~zerotune.strategy.fine`) share.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from zerotune.core.experiment import Status
+from zerotune.core.measure import RUN_NOISE, comparison_noise
+from zerotune.core.objective import Objective
+from zerotune.strategy.answer import rising_candidates
+from zerotune.strategy.capacity import Capacity, capacity
+
+
+class StopReason(str, enum.Enum):
+    """Why :func:`search_mbs` stopped climbing."""
+
+    INFEASIBLE = "infeasible"  # the smallest mbs did not run
+    PLATEAU = "plateau"  # a step improved the best metric by less than the threshold
+    BOUNDARY = "boundary"  # the largest runnable mbs lies between a runnable and a failing one
+    CAP = "cap"  # reached the largest mbs allowed
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured micro batch size: its metric pooled over ``runs`` runs (re-measurements)."""
+
+    mbs: int
+    status: Status
+    metric: float | None = None
+    runs: int = 1
+    rel_half_width: float | None = None  # of one run's 95% interval (None: unknown, or pooled)
+    run_noise: float = RUN_NOISE  # the run-to-run noise (relative sigma) known when it was measured
+    memory_fraction: float | None = None  # its measured peak over the per-device budget (None: unknown)
+    calm_mbs: int | None = None  # the largest mbs the memory model puts under NEAR_CAPACITY (None: unknown)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == Status.OK
+
+    @property
+    def capacity(self) -> Capacity:
+        """How near the device's capacity it ran (:func:`~zerotune.strategy.capacity.capacity`)."""
+        return capacity(self.memory_fraction)
+
+
+def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
+    """Whether a relative difference ``gain`` between two measured points could be noise: smaller in
+    size than their :func:`~zerotune.core.measure.comparison_noise` (each point's interval, an unknown
+    or pooled one counting as ``threshold``, plus the run-to-run noise, less for pooled points; the
+    larger of the two points' ``run_noise``)."""
+    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold,
+                                        run_noise=max(a.run_noise, b.run_noise))
+
+
+@dataclass
+class MbsTrace:
+    """What :func:`search_mbs` tried, in order, and why it stopped (``stop`` is None until the search stops;
+    a probe-only trace keeps None)."""
+
+    points: list[Point] = field(default_factory=list)
+    stop: StopReason | None = None
+
+    @property
+    def ok_points(self) -> list[Point]:
+        return [p for p in self.points if p.ok]
+
+    def best(self, objective: Objective) -> Point | None:
+        """The runnable point with the best metric (the first one on ties)."""
+        return objective.best(self.ok_points, lambda p: p.metric)
+
+    def answer(self, objective: Objective) -> Point | None:
+        """The point the answer rule (:mod:`zerotune.strategy.answer`) picks among this stage's: for
+        throughput, the calm points as one curve rising with mbs, each other point on its own reading; for
+        latency, or without calm points, the best reading (:meth:`best`)."""
+        best = self.best(objective)
+        if best is None or not objective.higher_is_better:
+            return best
+        pairs = rising_candidates(self.ok_points, mbs=lambda p: p.mbs, value=lambda p: p.metric, runs=lambda p: p.runs,
+                                  calm=lambda p: p.capacity is Capacity.CALM)
+        return objective.best(pairs, lambda c: c[0])[1]
+
+    def get(self, mbs: int) -> Point | None:
+        return next((p for p in self.points if p.mbs == mbs), None)
+
+    def update(self, points: Sequence[Point]) -> None:
+        """Replace the points at these points' mbs (re-measured, pooled), keeping their order."""
+        new = {p.mbs: p for p in points}
+        self.points = [new.get(p.mbs, p) for p in self.points]
+
+
+Evaluate = Callable[[Sequence[int]], Sequence[Point]]
+"""Runs experiments at these mbs values (a batch, possibly in parallel) and returns their points."""
+
+Confirm = Callable[[Sequence[int]], Sequence[Point]]
+"""Re-measures these (already measured) mbs values once more, interleaved, and returns their points
+pooled over all their runs."""
+
+
+def runner(trace: MbsTrace, evaluate: Evaluate) -> Callable[[Sequence[int]], list[Point]]:
+    """``run(batch)``: the points of ``trace`` at these mbs values, evaluating (and recording) those not
+    measured yet."""
+    def run(batch: Sequence[int]) -> list[Point]:
+        todo = [m for m in batch if trace.get(m) is None]
+        if todo:
+            trace.points.extend(evaluate(todo))
+        return [trace.get(m) for m in batch]
+    return run
+
+
+def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:
+    """The sorted mbs values a search may try: ``allowed`` (or every integer) within ``lo..hi``."""
+    if allowed is None:
+        return list(range(lo, hi + 1))
+    return sorted({m for m in allowed if lo <= m <= hi})
+
+
+def largest_within(values: Sequence[int], bound: int) -> int:
+    """The largest of the sorted, non-empty ``values`` at most ``bound`` (the smallest value when none is)."""
+    return max([m for m in values if m <= bound], default=values[0])
+
+
+def middle(values: Sequence[int], low: int, high: int) -> int | None:
+    """The allowed value halfway strictly between ``low`` and ``high`` (``(low + high) // 2`` when
+    every integer is allowed); None when there is none."""
+    inside = [m for m in values if low < m < high]
+    return inside[(len(inside) - 1) // 2] if inside else None

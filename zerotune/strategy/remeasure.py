@@ -1,0 +1,129 @@
+"""The re-measurement policy before the answer: which configs get a second run, so the answer is not one
+lucky sample.
+
+- **Finalists** (:func:`confirm_answer`): the configs within the noise of the best (at most
+  :data:`FINAL_MARGIN`; at most :data:`FINAL_CANDIDATES`) are re-measured until each has two ok runs,
+  when one of them is not known to the target precision. A finalist that the readings and the curve both
+  put below the best (:func:`below_on_the_curve`) is left out; finalists each known to the precision that
+  tie within the run-to-run noise differ by about the precision the answer is promised to, so a second
+  run of each would cost two launches to move the answer by no more than that.
+- **The answer itself** (:func:`measure_answer_twice`) is reported on at least two runs with
+  ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
+  than the noise (:func:`answer_stands_out`): one run's interval sees only the jitter of its own steps,
+  not the run-to-run noise, and the answer is the run that read highest among many (the winner's curse).
+
+The evidence for each rule is in docs/decisions.md (D102, D103).
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from zerotune.core.experiment import Experiment, ExperimentKind
+from zerotune.core.measure import comparison_noise
+from zerotune.strategy.capacity import Capacity, capacity
+from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
+
+logger = logging.getLogger(__name__)
+
+FINAL_MARGIN = 0.05
+"""Before the answer, configs within the noise of the best, and within this fraction of it, are re-measured."""
+
+FINAL_CANDIDATES = 2
+"""At most this many configs (the best included) are re-measured before the answer."""
+
+
+def confirm_answer(ev: Evaluator) -> None:
+    """Re-measure the finalists (the module docstring) until each has two ok runs: the configs whose
+    difference from the best is within their :func:`~zerotune.core.measure.comparison_noise`, at most
+    :data:`FINAL_MARGIN`, the best :data:`FINAL_CANDIDATES` of them, when one is not known to the target
+    precision (its run ended without reaching ``--precision``, or gave no interval)."""
+    objective, ledger = ev.job.objective, ev.ledger
+    pooled = ledger.pooled()
+    bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
+    bases.sort(key=lambda e: pooled[e.name].value, reverse=objective.higher_is_better)
+    if not bases:
+        return
+    top = bases[0]
+
+    def within_noise_of_top(e: Experiment) -> bool:
+        gain = objective.gain(pooled[e.name].value, pooled[top.name].value)
+        noise = comparison_noise([e.metric_rel_half_width, top.metric_rel_half_width],
+                                 [pooled[e.name].runs, pooled[top.name].runs], floor=PLATEAU_THRESHOLD,
+                                 run_noise=ledger.run_noise.sigma)
+        return abs(gain) <= min(noise, FINAL_MARGIN)
+
+    close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e) and not below_on_the_curve(ev, e, top)]
+    todo = [e for e in close if pooled[e.name].runs < 2]
+    imprecise = [e for e in close if pooled[e.name].runs < 2 and not ev.known_to_precision(e)]
+    if len(close) > 1 and todo and imprecise:
+        logger.info(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
+                    + ", ".join(e.name for e in todo))
+        ev.remeasure(todo)
+
+
+def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
+    """Whether ``e`` is ``top``'s config (stage, gas, knobs) at a smaller mbs, both run calm
+    (:mod:`~zerotune.strategy.capacity`): there throughput rises with mbs, and the readings, which put
+    ``top`` first, agree with it; re-measuring ``e`` could only move the answer against both. False on CPU
+    ranks (no capacity) and for latency."""
+    if not ev.job.objective.higher_is_better:
+        return False
+    return ((e.stage, e.gas, e.knobs) == (top.stage, top.gas, top.knobs) and e.mbs < top.mbs
+            and all(capacity(ev.memory_fraction(x)) is Capacity.CALM for x in (e, top)))
+
+
+def answer_stands_out(ev: Evaluator) -> bool:
+    """Whether the answer, measured once, reads better than its mbs neighbours predict by more than the noise.
+
+    The neighbours are two configs of the same stage, gas and knobs that ran ok, the nearest smaller and
+    larger mbs (or, at an end of the curve, the two nearest on the side there is); the prediction is the
+    straight line through their pooled metrics, at the answer's mbs. Its noise is
+    :func:`~zerotune.core.measure.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
+    answer and of each neighbour times its weight in the line (an extrapolation weighs them more than 1).
+    Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
+    likely the best of many noisy runs reading high than a peak. False with fewer than two neighbours.
+    """
+    objective, ledger = ev.job.objective, ev.ledger
+    pooled = ledger.pooled()
+    answer = ledger.answer
+    if answer is None or pooled[answer.name].runs >= 2:
+        return False
+    same = [e for e in ledger.experiments
+            if e.replica_of is None and e.name in pooled and e.kind is not ExperimentKind.PROFILE
+            and (e.stage, e.gas, e.knobs) == (answer.stage, answer.gas, answer.knobs) and e.mbs != answer.mbs]
+    below = sorted((e for e in same if e.mbs < answer.mbs), key=lambda e: -e.mbs)
+    above = sorted((e for e in same if e.mbs > answer.mbs), key=lambda e: e.mbs)
+    pair = below[:1] + above[:1] if below and above else (below or above)[:2]
+    if len(pair) < 2:
+        return False
+    (a, va), (b, vb) = ((e, pooled[e.name].value) for e in pair)
+    w = (answer.mbs - a.mbs) / (b.mbs - a.mbs)  # the line: (1 - w) * va + w * vb
+    reference = (1 - w) * va + w * vb
+    if reference <= 0:
+        return False
+
+    def term(hw: float | None, runs: int) -> float:
+        return comparison_noise([hw], [runs], floor=PLATEAU_THRESHOLD, run_noise=ledger.run_noise.sigma) ** 2
+
+    noise = math.sqrt(term(answer.metric_rel_half_width, 1) + (1 - w) ** 2 * term(a.metric_rel_half_width,
+                      pooled[a.name].runs) + w ** 2 * term(b.metric_rel_half_width, pooled[b.name].runs))
+    gain = objective.gain(pooled[answer.name].value, reference)
+    if gain <= noise:
+        return False
+    logger.info(f"the answer {answer.name} reads {gain:.1%} better than mbs {a.mbs} and {b.mbs} predict "
+                f"({reference:.4g} on the line through them), beyond the noise ({noise:.1%}): the best of many "
+                f"runs reads high, so it is measured again")
+    return True
+
+
+def measure_answer_twice(ev: Evaluator) -> None:
+    """Report the answer on at least two runs: while it has one ok run, it is re-measured; where the pooled
+    metric then puts another one-run config first, that one is re-measured too (at most
+    :data:`FINAL_CANDIDATES` configs)."""
+    for _ in range(FINAL_CANDIDATES):
+        answer = ev.ledger.answer
+        if answer is None or ev.pooled(answer.name).runs >= 2:
+            return
+        logger.info(f"re-measuring the answer {answer.name}: one run does not show the run-to-run noise")
+        ev.remeasure([answer])

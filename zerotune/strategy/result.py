@@ -1,0 +1,87 @@
+"""What a tuning strategy learnt: the profile, the memory model, each ZeRO stage's decision, the knob phases,
+the ledger."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from zerotune.core.experiment import Experiment
+from zerotune.core.measure import RunNoise
+from zerotune.model.memory import MemoryModel
+from zerotune.model.profile import ModelInfo
+from zerotune.strategy.ledger import Ledger
+from zerotune.strategy.points import MbsTrace
+
+
+class StageDecision(str, enum.Enum):
+    """How :func:`explore_stages` handled a ZeRO stage."""
+
+    EXPLORED = "explored"  # a full mbs search
+    PROBED = "probed"  # one experiment (at its own largest mbs, or the best stage's), not better
+    PRUNED = "pruned"  # the memory model: cannot fit at the smallest mbs, never launched
+    SKIPPED = "skipped"  # no larger mbs than the best, and a lower stage already slower at equal mbs
+
+
+@dataclass
+class StageResult:
+    """How one ZeRO stage was handled (:class:`StageDecision`), why (human text), the memory
+    model's largest fitting mbs, and what its search tried."""
+
+    stage: int
+    decision: StageDecision | None
+    reason: str
+    estimate: int = 0
+    trace: MbsTrace = field(default_factory=MbsTrace)
+
+
+@dataclass
+class StagePlan:
+    """What the memory model says of a stage: the largest fitting mbs (0 = does not fit)."""
+
+    stage: int
+    max_mbs_estimate: int
+
+
+@dataclass
+class KnobPhase:
+    """One stage's knob phase: where it ran (ZeRO stage, mbs) and how many configs its space held and fit."""
+
+    stage: int
+    mbs: int
+    configs: int
+    fitting: int
+
+
+@dataclass
+class StrategyResult:
+    """What the strategy learnt.
+
+    Attributes:
+        model_info: the profile's measurements (None: unknown, e.g. a dry run without a profile).
+        memory: the memory model built from it, corrected online by the runs (None when the model size is
+            unknown).
+        stages: one :class:`StageResult` per candidate stage, ascending.
+        knob_phases: the knob phases run (``"fast": false``).
+        ledger: every distinct experiment evaluated, in the order asked, with its outcome.
+    """
+
+    model_info: ModelInfo | None = None
+    memory: MemoryModel | None = None
+    stages: list[StageResult] = field(default_factory=list)
+    knob_phases: list[KnobPhase] = field(default_factory=list)
+    ledger: Ledger = field(default_factory=Ledger)
+
+    @property
+    def experiments(self) -> list[Experiment]:
+        """The ledger's experiments, in the order asked."""
+        return self.ledger.experiments
+
+    @property
+    def run_noise(self) -> RunNoise:
+        """The run-to-run noise of the runs so far (:attr:`Ledger.run_noise`)."""
+        return self.ledger.run_noise
+
+    @property
+    def answer(self) -> Experiment | None:
+        """The answer over the ledger (:attr:`Ledger.answer`): the optimal config; None before any ran ok."""
+        return self.ledger.answer
