@@ -48,10 +48,10 @@ what DeepSpeed tunes or measures):
   any timed phase (a short plain training run), so neither tuner pays for a build and no other
   user's build or stale lock in the shared cache stalls an experiment.
 
-Run (about 35 minutes on 2 shared CPU cores with the defaults, after a one-time JIT build of a few
-minutes)::
+Run from the repository root (about 35 minutes on 2 shared CPU cores with the defaults, after a
+one-time JIT build of a few minutes)::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compare_deepspeed.py --fast both
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.compare_deepspeed --fast both
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fault matrix (issue 13): hostile inputs, rank faults, stop signals, a killed and resumed tuner,
 a full disk; how many zerotune survived, and what was lost, left behind or printed as a traceback.
 
-    OMP_NUM_THREADS=1 python benchmarks/fault_matrix.py [--json OUT]
+    OMP_NUM_THREADS=1 python -m benchmarks.fault_matrix [--json OUT]    # from the repository root
 
 Every case runs the real ``zerotune`` CLI in its own process: the hostile inputs as
 ``python -m zerotune tune ...`` (:data:`tests.test_faults.HOSTILE_INPUTS`), the others through
@@ -31,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT))
+from tests import test_faults as tf  # the cases and stand-ins live with the tests
 
-import test_faults as tf  # noqa: E402  (the cases and stand-ins live with the tests)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Case:

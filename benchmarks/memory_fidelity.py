@@ -30,11 +30,11 @@ match that run, and the default run is what ``RLIMIT_DATA`` (the CPU backend's b
 
 Raw measurements go to ``benchmarks/results/memory_fidelity.json`` (``memory_fidelity_mmap.json`` with
 the mmap threshold); ``--report`` recomputes the predictions from that file with the current memory
-model without running anything.
+model without running anything. Run from the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_fidelity.py            # ~10 min here
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_fidelity.py --malloc-mmap-threshold 65536
-    .venv/bin/python benchmarks/memory_fidelity.py --report [--malloc-mmap-threshold 65536]  # table only
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.memory_fidelity            # ~10 min here
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.memory_fidelity --malloc-mmap-threshold 65536
+    .venv/bin/python -m benchmarks.memory_fidelity --report [--malloc-mmap-threshold 65536]  # table only
 """
 from __future__ import annotations
 
@@ -51,19 +51,18 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.units import format_bytes
+from zerotune.model.memory import MemoryModel
+from zerotune.model.online import corrected
+from zerotune.model.profile import ModelInfo
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.processes import data_bytes
+from zerotune.run.slots import Node, Reservation
+from zerotune.strategy.configs import PROFILE_BUCKET_SIZE
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status  # noqa: E402
-from zerotune.core.units import format_bytes  # noqa: E402
-from zerotune.model.memory import MemoryModel  # noqa: E402
-from zerotune.model.online import corrected  # noqa: E402
-from zerotune.model.profile import ModelInfo  # noqa: E402
-from zerotune.run.backends.base import LaunchSpec  # noqa: E402
-from zerotune.run.backends.local import LocalBackend  # noqa: E402
-from zerotune.run.processes import data_bytes  # noqa: E402
-from zerotune.run.slots import Node, Reservation  # noqa: E402
-from zerotune.strategy.configs import PROFILE_BUCKET_SIZE  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks" / "results" / "memory_fidelity.json"
 MMAP_RESULTS = RESULTS.with_name("memory_fidelity_mmap.json")

@@ -14,9 +14,9 @@ log-normal sigma, per run and per step), configs 3-6% apart are told apart only 
 and any tuner that judges a config on its own runs pays that. zerotune's row is its actual result
 from the same file (adaptive runs, replicas only where the readings are close).
 
-Run: ``.venv/bin/python benchmarks/noise_bound.py [results.json] [--noise 0.05] [--runs 1 2 3 5 10]``
-(default ``benchmarks/results/simulated_cluster_seeds6.json``; about 10 s per noise level per 216
-outcomes).
+Run from the repository root: ``.venv/bin/python -m benchmarks.noise_bound [results.json] [--noise 0.05]
+[--runs 1 2 3 5 10]`` (default ``benchmarks/results/simulated_cluster_seeds6.json``; about 10 s per noise level
+per 216 outcomes).
 """
 from __future__ import annotations
 
@@ -26,12 +26,10 @@ import json
 import os
 import re
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from benchmarks.simcluster.model import Simulator  # noqa: E402

@@ -22,29 +22,26 @@ Cases:
 The exit time of a launched process is taken exactly (a thread blocked in
 ``os.waitid(..., WEXITED | WNOWAIT)``, which does not reap it), not when the backend polls.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scheduler_overhead.py`` (about a minute on 2
-cores; ``--n`` experiments per case).
+Run from the repository root: ``OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.scheduler_overhead`` (about
+a minute on 2 cores; ``--n`` experiments per case).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zerotune.run.backends import local as local_mod  # noqa: E402
-from zerotune.run.backends.base import Backend, LaunchSpec  # noqa: E402
-from zerotune.run.backends.local import LocalBackend  # noqa: E402
-from zerotune.core.experiment import Experiment, Status  # noqa: E402
-from zerotune.run.resources import select_resources  # noqa: E402
-from zerotune.run.scheduler import Scheduler  # noqa: E402
-from zerotune.run.slots import SlotPool  # noqa: E402
+from zerotune.run.backends import local as local_mod
+from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run.resources import select_resources
+from zerotune.run.scheduler import Scheduler
+from zerotune.run.slots import SlotPool
 
 # Writes the metrics.json DeepSpeed's engine would write (``autotuning.metric_path``) and exits.
 STAND_IN = '''\

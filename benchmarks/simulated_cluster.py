@@ -24,9 +24,9 @@ tuner the noise-free throughput of the config it chose as a fraction of the opti
 experiments it launched (the profile run included) and the SIMULATED GPU-hours they took
 (duration × GPUs).
 
-Run: ``.venv/bin/python benchmarks/simulated_cluster.py`` (under a minute; ``--only 1 5`` runs some; ``--seeds 6``
-pools six noise draws per scenario, the first the pinned one: one draw's worst case is one unlucky run); raw
-results go to ``benchmarks/results/simulated_cluster.json``.
+Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_cluster`` (under a minute; ``--only 1 5``
+runs some; ``--seeds 6`` pools six noise draws per scenario, the first the pinned one: one draw's worst case is one
+unlucky run); raw results go to ``benchmarks/results/simulated_cluster.json``.
 """
 from __future__ import annotations
 
@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed runs in-process for its autotuner only: no device
 
 from rich.console import Console  # noqa: E402

@@ -32,22 +32,18 @@ hardware. Its shape:
 
 The 2% criterion is judged on the noise-free value; the tuners only see noisy measurements.
 
-Run: ``python benchmarks/tuner_quality.py`` (about a minute on 2 cores).
+Run from the repository root: ``python -m benchmarks.tuner_quality`` (about a minute on 2 cores).
 """
 from __future__ import annotations
 
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from zerotune.core.experiment import Status  # noqa: E402
-from zerotune.strategy.space import Candidate, default_space, generate  # noqa: E402
-from zerotune.strategy.tuners import make_tuner  # noqa: E402
+from zerotune.core.experiment import Status
+from zerotune.strategy.space import Candidate, default_space, generate
+from zerotune.strategy.tuners import make_tuner
 
 GiB = 2**30
 SAMPLES_PER_STEP = 64

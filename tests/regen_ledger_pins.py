@@ -1,20 +1,20 @@
 """Regenerate tests/test_ledgers.py's PINS and BATCH_PINS from the current code (SIMULATED cluster).
 
-    python tests/regen_ledger_pins.py            # print which pins changed (case, launches before/after, answers)
-    python tests/regen_ledger_pins.py --write    # and rewrite the two dicts in tests/test_ledgers.py
+    python -m tests.regen_ledger_pins            # print which pins changed (case, launches before/after, answers)
+    python -m tests.regen_ledger_pins --write    # and rewrite the two dicts in tests/test_ledgers.py
 
 A change to what the tuner runs or how it decides moves the pins on purpose: regenerate, read the
 changed cases (more or fewer launches, another answer) and say why in test_ledgers' history comment.
+Run from the repository root (``tests`` and ``benchmarks`` are packages there).
 """
 import re
 import sys
 import tempfile
 from pathlib import Path
 
+from tests import test_ledgers as T
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-import test_ledgers as T  # noqa: E402
 
 def block(entries, indent):
     pad = " " * indent

@@ -90,7 +90,7 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
 def tiny_gpt2_counted(directory: Path, mbs: int) -> dict:
     """The probe's record for examples/train_hf.py's TINY model at ``mbs``, with gradient checkpointing,
     counted in process in ``directory`` (test_probe_activations.counted_gpt2)."""
-    from test_probe_activations import counted_gpt2
+    from tests.test_probe_activations import counted_gpt2
     return counted_gpt2(directory, mbs, checkpointing=True, layers=1, hidden=64, heads=2, seq_len=32, vocab=256)
 
 

@@ -11,20 +11,17 @@ regenerates the pins (``--write``) and lists the cases that moved.
 """
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
-from benchmarks.simcluster.model import Simulator  # noqa: E402
-from benchmarks.simcluster.scenarios import SCENARIOS  # noqa: E402
-from benchmarks.simulated_cluster import USER_CONFIG  # noqa: E402
-from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
-from zerotune.run.resources import select_resources  # noqa: E402
+from benchmarks.simcluster.backend import SimulatedBackend
+from benchmarks.simcluster.model import Simulator
+from benchmarks.simcluster.scenarios import SCENARIOS
+from benchmarks.simulated_cluster import USER_CONFIG
+from zerotune.autotuner import Autotuner, TuneOptions
+from zerotune.run.resources import select_resources
 
 
 def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: dict | None = None):

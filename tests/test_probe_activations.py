@@ -196,11 +196,10 @@ def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tm
 
 
 DEEPSPEED_CHECKPOINTED = """
-import os, sys, torch
+import os, torch
 import deepspeed
 from deepspeed.runtime.activation_checkpointing import checkpointing
-sys.path.insert(0, {tests!r})
-from test_probe_activations import Checkpointed, profile_record
+from tests.test_probe_activations import Checkpointed, profile_record
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
 checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False, contiguous_checkpointing=False)
@@ -218,11 +217,10 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     import sys
 
     from zerotune.deepspeed.launcher import free_port
-    tests = str(Path(__file__).resolve().parent)
-    script = DEEPSPEED_CHECKPOINTED.format(tests=tests, port=str(free_port()), directory=str(tmp_path))
+    root = str(Path(__file__).resolve().parents[1])  # the script imports tests.test_probe_activations
+    script = DEEPSPEED_CHECKPOINTED.format(port=str(free_port()), directory=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": str(Path(tests).parent)})
+                          env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "activations.json").read_text())
     assert {k: record[k] for k in ("saved_bytes", "saved_storages", "recompute_bytes", "recompute_regions")} == \

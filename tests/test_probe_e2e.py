@@ -14,7 +14,7 @@ from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
-from test_e2e import SCRIPT, TINY, one_thread_per_rank  # noqa: F401 (an autouse fixture: 1 thread per rank)
+from tests.test_e2e import SCRIPT, TINY, one_thread_per_rank  # noqa: F401 (an autouse fixture: 1 thread per rank)
 
 pytestmark = pytest.mark.e2e
 # mbs 1 on 2 ranks, 4 samples per optimizer step: 2 gradient accumulation steps

@@ -30,7 +30,7 @@ from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
 
-from test_e2e import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
+from tests.test_e2e import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 
 # Ray on loopback only (it otherwise replaces 127.0.0.1 by the machine's routable address), no
 # usage report, and no Ray out-of-memory killer: it kills workers when the whole machine is above

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_e2e import SCRIPT, TINY, best_pooled, write_config
+from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError

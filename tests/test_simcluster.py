@@ -1,20 +1,16 @@
 """The SIMULATED cluster of benchmarks/simcluster pinned to exact values (no process, no e2e)."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
-from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes  # noqa: E402
-from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE  # noqa: E402
-from zerotune.core.experiment import Experiment, ExperimentKind, Status  # noqa: E402
-from zerotune.core.measure import measure  # noqa: E402
-from zerotune.core.objective import Objective  # noqa: E402
-from zerotune.probe import read_streams  # noqa: E402
-from zerotune.run.slots import Node, Reservation  # noqa: E402
+from benchmarks.simcluster.backend import SimulatedBackend
+from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes
+from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import measure
+from zerotune.core.objective import Objective
+from zerotune.probe import read_streams
+from zerotune.run.slots import Node, Reservation
 
 ONE_NODE = Cluster(A100_40, num_nodes=1, interconnect=NONE)
 

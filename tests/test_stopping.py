@@ -238,8 +238,7 @@ def tune_simulated(tmp_path: Path, index: int, adaptive: bool, noise_level: floa
     """Tune SIMULATED scenario ``index`` (fast mode, all stages) at ``noise_level`` (per-step and run-to-run
     log-normal sigma); (experiments in order, answer, GPU-seconds, the tuner)."""
     import io
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
     from rich.console import Console
 
     from benchmarks.simcluster.backend import SimulatedBackend

@@ -159,12 +159,54 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+@dataclass(frozen=True)
+class _Model:
+    """The model as given: its description for the header, parameters, activation bytes per sample
+    (None: unknown) and the layer sizes the memory model takes as keyword arguments."""
+
+    source: str
+    num_params: int
+    trainable: int
+    activations: int | None
+    extra: dict[str, int]
+
+
+@dataclass(frozen=True)
+class _Hardware:
+    """The hardware and bounds as given: bytes per device and per node (None: not checked), devices."""
+
+    budget: int
+    host: int | None
+    overhead: int
+    gpus: int
+    nodes: int
+    mp: int
+    max_mbs: int
+    dp: int
+
+
 def estimate(args: argparse.Namespace) -> Estimate:
     """The estimate for parsed ``zerotune estimate`` arguments.
 
     Raises:
         ConfigError: bad or missing input, naming the argument.
     """
+    model_flag = _model_flag(args)
+    cfg = _ds_config(args)
+    prec = config_precision(cfg)
+    given = _model(args, model_flag, prec)
+    hw = _hardware(args)
+    model = MemoryModel(given.num_params, given.activations or 0, hw.dp, mp_size=hw.mp, overhead_bytes=hw.overhead,
+                        trainable_params=given.trainable, **given.extra)
+    rows = _rows(model, cfg, hw, given.activations)
+    return Estimate(given.source, given.num_params, given.trainable, given.activations, prec,
+                    str((cfg.get("optimizer") or {}).get("type", "adam")),
+                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows)
+
+
+def _model_flag(args: argparse.Namespace) -> str:
+    """The one flag that gives the model (``--profile``, ``--num-params`` or ``--hf-config``); the flags
+    that go with another one are refused."""
     sources = [name for name, value in (("--profile", args.profile), ("--num-params", args.num_params),
                                         ("--hf-config", args.hf_config)) if value is not None]
     if len(sources) != 1:
@@ -177,38 +219,54 @@ def estimate(args: argparse.Namespace) -> Estimate:
                                 ("--activation-checkpointing", args.activation_checkpointing or None, "--hf-config")):
         if value is not None and sources[0] != source:
             raise ConfigError(f"{flag} goes with {source}")
-    cfg = _ds_config(args)
-    prec = config_precision(cfg)
-    extra: dict[str, int] = {}
-    if args.profile is not None:
-        info = _read_profile(args.profile)
-        num_params = int(info["num_params"])
-        trainable = int(info.get("trainable_num_params", num_params))
-        model_info = ModelInfo.from_metrics(info)
-        activations: int | None = model_info.activation_mem_per_gpu
-        extra = {"largest_layer_params": model_info.largest_layer_params,
-                 "persistent_params": model_info.persistent_params}
-        source = f"profile run {args.profile}"
-    elif args.num_params is not None:
-        num_params = _count(args.num_params, "--num-params")
-        trainable = num_params if args.trainable_params is None else _count(args.trainable_params, "--trainable-params")
-        if trainable > num_params:
-            raise ConfigError(f"--trainable-params {args.trainable_params}: more than --num-params {args.num_params}")
-        activations = (parse_bytes(args.activation_bytes, "--activation-bytes")
-                       if args.activation_bytes is not None else None)
-        source = f"--num-params {args.num_params}"
-    else:
-        if args.seq_len is not None:
-            _positive(args.seq_len, "--seq-len")
-        arch = architecture(read_config(args.hf_config), seq_len=args.seq_len,
-                            bytes_per_activation=4 if prec == "fp32" else 2, flash_attention=args.flash_attention,
-                            checkpointing=args.activation_checkpointing, source=f"--hf-config {args.hf_config}")
-        num_params = trainable = arch.num_params
-        activations = arch.activation_bytes_per_sample
-        extra = {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params}
-        source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
-                  + (", flash attention" if args.flash_attention else "")
-                  + (", activation checkpointing" if args.activation_checkpointing else ""))
+    return sources[0]
+
+
+def _model(args: argparse.Namespace, flag: str, prec: str) -> _Model:
+    """The model from the flag that gives it (``prec``: the training precision, for a Hugging Face
+    config's activation bytes)."""
+    if flag == "--profile":
+        return _model_from_profile(args)
+    if flag == "--num-params":
+        return _model_from_num_params(args)
+    return _model_from_hf_config(args, prec)
+
+
+def _model_from_profile(args: argparse.Namespace) -> _Model:
+    info = _read_profile(args.profile)
+    num_params = int(info["num_params"])
+    trainable = int(info.get("trainable_num_params", num_params))
+    model_info = ModelInfo.from_metrics(info)
+    return _Model(f"profile run {args.profile}", num_params, trainable, model_info.activation_mem_per_gpu,
+                  {"largest_layer_params": model_info.largest_layer_params,
+                   "persistent_params": model_info.persistent_params})
+
+
+def _model_from_num_params(args: argparse.Namespace) -> _Model:
+    num_params = _count(args.num_params, "--num-params")
+    trainable = num_params if args.trainable_params is None else _count(args.trainable_params, "--trainable-params")
+    if trainable > num_params:
+        raise ConfigError(f"--trainable-params {args.trainable_params}: more than --num-params {args.num_params}")
+    activations = (parse_bytes(args.activation_bytes, "--activation-bytes")
+                   if args.activation_bytes is not None else None)
+    return _Model(f"--num-params {args.num_params}", num_params, trainable, activations, {})
+
+
+def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
+    if args.seq_len is not None:
+        _positive(args.seq_len, "--seq-len")
+    arch = architecture(read_config(args.hf_config), seq_len=args.seq_len,
+                        bytes_per_activation=4 if prec == "fp32" else 2, flash_attention=args.flash_attention,
+                        checkpointing=args.activation_checkpointing, source=f"--hf-config {args.hf_config}")
+    source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
+              + (", flash attention" if args.flash_attention else "")
+              + (", activation checkpointing" if args.activation_checkpointing else ""))
+    return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
+                  {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params})
+
+
+def _hardware(args: argparse.Namespace) -> _Hardware:
+    """The hardware options, parsed and checked (``--mp-size`` divides the devices)."""
     if args.device_memory is None:
         raise ConfigError("--device-memory is required: the memory of one device, e.g. 40GiB")
     budget = parse_bytes(args.device_memory, "--device-memory")
@@ -219,9 +277,11 @@ def estimate(args: argparse.Namespace) -> Estimate:
     max_mbs = _positive(args.max_mbs, "--max-mbs")
     if (gpus * nodes) % mp:
         raise ConfigError(f"--mp-size {mp} does not divide the {gpus * nodes} devices")
-    dp = gpus * nodes // mp
-    model = MemoryModel(num_params, activations or 0, dp, mp_size=mp, overhead_bytes=overhead,
-                        trainable_params=trainable, **extra)
+    return _Hardware(budget, host, overhead, gpus, nodes, mp, max_mbs, gpus * nodes // mp)
+
+
+def _rows(model: MemoryModel, cfg: dict[str, Any], hw: _Hardware, activations: int | None) -> list[Row]:
+    """One :class:`Row` per ZeRO stage and offload choice the stage allows (:data:`OFFLOADS`), in order."""
     rows = []
     for stage in range(4):
         for name, offload in OFFLOADS:
@@ -232,14 +292,14 @@ def estimate(args: argparse.Namespace) -> Estimate:
                 zero.pop(key, None)
             c = {**cfg, "zero_optimization": {**zero, **offload}}
             b = model.breakdown(c, mbs=1)
-            fit = model.max_mbs(c, budget, cap=max_mbs) if activations else (None if model.fits(c, budget, 1) else 0)
-            host_node = b.host * gpus
+            fit = (model.max_mbs(c, hw.budget, cap=hw.max_mbs) if activations
+                   else (None if model.fits(c, hw.budget, 1) else 0))
+            host_node = b.host * hw.gpus
             rows.append(Row(stage, name, b.parameters, b.gradients, b.optimizer_states, b.buffers, b.overhead,
                             b.activations if activations else None, b.total, fit,
                             (model.breakdown(c, mbs=fit).activations if activations and fit else None),
-                            host_node, None if host is None else host_node <= host))
-    return Estimate(source, num_params, trainable, activations, prec, str((cfg.get("optimizer") or {}).get("type", "adam")),
-                    nodes, gpus, mp, dp, budget, host, rows)
+                            host_node, None if hw.host is None else host_node <= hw.host))
+    return rows
 
 
 def render(est: Estimate) -> str:

@@ -5,11 +5,11 @@ A :class:`Job` is built by :meth:`Job.build` from what the ``deepspeed`` launche
 options (:class:`TuneOptions`), by the CLI and the Python API alike. It is frozen: the strategy,
 the config builder, the scheduler's launch spec and the results all read the same resolved
 values (DP world size, per-device memory budget, objective, mbs bounds, paths), and every bad
-input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch.
+input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch (the checks
+themselves are in :mod:`zerotune.strategy.job_checks`).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,13 +24,12 @@ from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_d
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
-from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.auto import auto_paths, check_trainer_batch, resolve, script_autos
 from zerotune.strategy.batch import BatchSemantics
+from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
+                                          check_untunable, given_model_info, mbs_bounds)
 from zerotune.strategy.variables import first_values, parse_variables, substitute
-
-BACKENDS = ("local", "ray")
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
 _SET_PER_EXPERIMENT = ("enabled", "metric_path", "model_info_path")
@@ -165,61 +164,33 @@ class Job:
         script_args = tuple(script_args)
         _, config_path = find_config_arg(list(script_args))
         user = load_ds_config(config_path)
-        for key, candidates in candidate_lists(user):
-            if not candidates:
-                raise ConfigError(f"{config_path}: {key} = []: a list in the config is a list of candidates to tune; "
-                                  f"expected at least one")
+        check_candidate_lists(user, config_path)
         at = parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
         variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
         autos = script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
-        notes = tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
-                      for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {})
-                      and not (key == "enabled" and at.enabled))  # "enabled": true is what zerotune does anyway
-        if not nodes:
-            raise ConfigError("no device slots selected")
-        num_nodes, slots_per_node = len(nodes), min(len(n.slots) for n in nodes)
+        notes = _unused_autotuning_notes(user, at)
+        num_nodes, slots_per_node = _slots_per_experiment(nodes)
         world_size = num_nodes * slots_per_node
-        if world_size % at.mp_size:
-            raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {at.mp_size} does not divide the "
-                              f"{world_size} ranks of each experiment")
-        dp = world_size // at.mp_size
-        # a Trainer script's gas is its own argument: searched only where it is mapped (or bounded on purpose)
-        search_gas = not auto_paths(user) or "gradient_accumulation_steps" in mappings
-        batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path,
-                                           search_gas=search_gas)
-        check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
+        dp = _dp_world_size(world_size, at.mp_size, config_path)
+        batch = _batch_semantics(user, autos, mappings, dp, at, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
-        memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
-        if memory is None:
-            raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
-        min_mbs, max_mbs, allowed = _mbs_bounds(at, batch, config_path)
-        if options.backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
-        if not 0 < options.precision < 1:
-            raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
-                              "e.g. 0.02 for ±2%")
-        for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
-            if value is not None and not value > 0:
-                raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
+        memory = _device_memory_bytes(options, cpu)
+        min_mbs, max_mbs, allowed = mbs_bounds(at, batch, config_path)
+        check_options(options)
         results_dir = Path(options.results_dir or at.results_dir)
-        notes += _check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
-        host_memory = options.host_memory_bytes
-        if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
-            host_memory = int(psutil.virtual_memory().total)
+        notes += check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
+        host_memory = _host_memory_bytes(options, cpu, nodes)
         if cpu:
-            _check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
-        for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
-                            results_dir),
-                           (f"{config_path}: 'autotuning.exps_dir'", None if options.results_dir else Path(at.exps_dir))):
-            _check_writable_dir(flag, path)
+            check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
+        check_output_dirs(options, at, config_path, results_dir)
         return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
                    autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
                    world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch,
                    stages=tuple(stage_candidates(user, source=config_path)), cpu=cpu, device_memory_bytes=memory,
                    objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs, allowed_mbs=allowed,
-                   model_info=_given_model_info(at, config_path), results_dir=results_dir,
+                   model_info=given_model_info(at, config_path), results_dir=results_dir,
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
@@ -251,103 +222,56 @@ class Job:
                 f"{self.batch.describe()}")
 
 
-def _mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:
-    """(smallest, largest, allowed) mbs: the per-GPU bounds narrowed by the train batch bounds
-    (train_batch_size = mbs * gas * DP world size) or a fixed train_batch_size, and the values
-    the batch semantics allow within them."""
-    lo = at.min_train_micro_batch_size_per_gpu
-    if batch.fixed_train_batch_size is None:
-        lo = max(lo, -(-at.min_train_batch_size // (batch.gas * batch.dp_world_size)))
-    hi = batch.max_mbs(at.max_train_micro_batch_size_per_gpu)
-    allowed = batch.allowed_mbs(lo, hi)
-    if hi < lo or allowed == ():
-        raise ConfigError(f"{source}: the autotuning bounds leave no micro batch size: mbs {lo}..{hi} "
-                          f"(min/max_train_micro_batch_size_per_gpu = {at.min_train_micro_batch_size_per_gpu}/"
-                          f"{at.max_train_micro_batch_size_per_gpu}, min/max_train_batch_size = "
-                          f"{at.min_train_batch_size}/{at.max_train_batch_size}; {batch.describe()})")
-    return (allowed[0], allowed[-1], allowed) if allowed else (lo, hi, None)
+def _unused_autotuning_notes(user: dict[str, Any], at: AutotuningConfig) -> tuple[str, ...]:
+    """A note for each ``autotuning`` key the user set that zerotune sets itself for every experiment
+    (``"enabled": true`` is what zerotune does anyway: no note)."""
+    return tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
+                 for key in _SET_PER_EXPERIMENT if key in (user.get("autotuning") or {})
+                 and not (key == "enabled" and at.enabled))
 
 
-def _given_model_info(at: AutotuningConfig, source: str) -> ModelInfo | None:
-    """``autotuning.model_info`` (``num_params``, optional ``activation_mem_per_gpu``) as a ModelInfo."""
-    given = at.model_info or {}
-    if "num_params" not in given:
-        return None
-    key = "autotuning.model_info"
-    num_params = _positive_int(given["num_params"], f"{key}.num_params", source)
-    activations = given.get("activation_mem_per_gpu", 0)
-    if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
-        raise ConfigError(f"{source}: '{key}.activation_mem_per_gpu' = {activations!r}: expected bytes per sample, "
-                          f"a non-negative integer")
-    trainable = _positive_int(given.get("trainable_num_params", num_params), f"{key}.trainable_num_params", source)
-    return ModelInfo(num_params, trainable, activations)
+def _slots_per_experiment(nodes: Sequence[Node]) -> tuple[int, int]:
+    """(nodes, slots per node) of every experiment: all the nodes, each with the smallest slot count."""
+    if not nodes:
+        raise ConfigError("no device slots selected")
+    return len(nodes), min(len(n.slots) for n in nodes)
 
 
-def _positive_int(value: Any, key: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
-    return value
+def _dp_world_size(world_size: int, mp_size: int, config_path: str) -> int:
+    """The data-parallel world size: ``world_size / mp_size``, which must divide."""
+    if world_size % mp_size:
+        raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {mp_size} does not divide the "
+                          f"{world_size} ranks of each experiment")
+    return world_size // mp_size
 
 
-MIN_CPU_RANK_BYTES = 256 * 2**20
-"""The smallest per-rank budget on CPU: a rank's Python with torch and DeepSpeed imported holds
-about 195 MiB of private data (``VmData``, what ``RLIMIT_DATA`` limits) before any model."""
+def _batch_semantics(user: dict[str, Any], autos: dict[str, Any], mappings: dict[str, str], dp: int,
+                     at: AutotuningConfig, config_path: str) -> BatchSemantics:
+    """How mbs, gas and train_batch_size relate, the script's ``"auto"`` values resolved; a Trainer
+    script's own batch arguments checked against it."""
+    # a Trainer script's gas is its own argument: searched only where it is mapped (or bounded on purpose)
+    search_gas = not auto_paths(user) or "gradient_accumulation_steps" in mappings
+    batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path,
+                                       search_gas=search_gas)
+    check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
+    return batch
 
 
-def _check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSemantics, min_mbs: int,
-                     source: str) -> tuple[str, ...]:
-    """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
-    gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
-    substituted; :func:`zerotune.strategy.variables.parse_variables` checks those).
-    Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
-    and gas (which the search then replaces) is said, never silently overwritten."""
-    dp, notes = batch.dp_world_size, []
-    tbs, mbs, gas = (user.get(k) for k in (TBS, MBS, GAS))
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in (tbs, mbs, gas)):
-        if tbs != mbs * gas * dp:
-            notes.append(f"{source}: '{TBS}' = {tbs} disagrees with {MBS} {mbs} x {GAS} {gas} x DP world size {dp} "
-                         f"= {mbs * gas * dp}: the train batch size is held fixed at {tbs}, so gas follows each "
-                         f"mbs tried ({tbs} = mbs x gas x {dp})")
-    if isinstance(tbs, int) and not isinstance(tbs, bool):
-        for key, bound, bad in (("max_train_batch_size", at.max_train_batch_size, lambda b: tbs > b),
-                                ("min_train_batch_size", at.min_train_batch_size, lambda b: tbs < b)):
-            if bound is not None and bad(bound):
-                raise ConfigError(f"{source}: '{TBS}' = {tbs} is outside 'autotuning.{key}' = {bound}")
-    if at.max_train_batch_size is not None:
-        for g in batch.gas_values:
-            if min_mbs * g * dp > at.max_train_batch_size:
-                raise ConfigError(f"{source}: '{GAS}' candidate {g} gives train_batch_size {min_mbs * g * dp} "
-                                  f"(mbs {min_mbs} x gas {g} x DP {dp}) above 'autotuning.max_train_batch_size' = "
-                                  f"{at.max_train_batch_size}")
-    return tuple(notes)
+def _device_memory_bytes(options: TuneOptions, cpu: bool) -> int:
+    """The per-device budget: ``--device-memory``, else the CUDA device's memory (required on CPU)."""
+    memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
+    if memory is None:
+        raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
+    return memory
 
 
-def _check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
-    """On CPU: a budget that can start a rank, and no more local ranks than this process may use
-    cores (``local_ranks`` 0: not a local run, not checked)."""
-    from zerotune.core.units import format_bytes
-    if budget_bytes < MIN_CPU_RANK_BYTES:
-        raise ConfigError(f"--device-memory {format_bytes(budget_bytes)}: too small to start a CPU rank (Python "
-                          f"with torch and DeepSpeed needs about 200 MiB before the model); at least "
-                          f"{format_bytes(MIN_CPU_RANK_BYTES)}")
-    cores = len(os.sched_getaffinity(0))
-    if local_ranks > cores:
-        raise ConfigError(f"--num_gpus {local_ranks}: on CPU each slot is one rank process, and this machine gives "
-                          f"zerotune {cores} core(s); at most {cores}")
-
-
-def _check_writable_dir(what: str, path: Path | None) -> None:
-    """``path`` is a directory or can be made one: neither it nor an ancestor is a file, and its
-    nearest existing ancestor is writable (checked, nothing created)."""
-    if path is None:
-        return
-    probe = path.absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"{what} {str(path)!r}: {probe} is a file, not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"{what} {str(path)!r}: {probe} is not writable")
+def _host_memory_bytes(options: TuneOptions, cpu: bool, nodes: Sequence[Node]) -> int | None:
+    """Host memory per node for offload: ``--host-memory``, else this machine's memory when every node is
+    this machine with CUDA devices and the local backend, else None (not checked)."""
+    host_memory = options.host_memory_bytes
+    if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
+        host_memory = int(psutil.virtual_memory().total)
+    return host_memory
 
 
 def cuda_available() -> bool:

@@ -12,7 +12,9 @@ the space (and of every variable), deep-merged over the base config, pruned of t
 ZeRO stage ignores, deduplicated, validated and given a canonical name. This module is pure logic:
 it never launches anything. What it knows of DeepSpeed's keys is in :mod:`zerotune.deepspeed.keys`,
 checks in :mod:`zerotune.deepspeed.validate`, identity and names in
-:mod:`zerotune.deepspeed.canonical`.
+:mod:`zerotune.deepspeed.canonical`; the ``$NAME`` placeholders are handled in
+:mod:`zerotune.strategy.placeholders`, and zerotune's default space per ZeRO stage is
+:mod:`zerotune.strategy.default_spaces`.
 
 Which lists are candidates
 --------------------------
@@ -42,8 +44,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -58,11 +58,13 @@ from zerotune.deepspeed.canonical import (
 )
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
+from zerotune.strategy.default_spaces import default_space
+from zerotune.strategy.placeholders import check_variables, collect_placeholders, replace_placeholders
+# zerotune.strategy.variables imports these two by their names from before the placeholders moved
+from zerotune.strategy.placeholders import PLACEHOLDER as _PLACEHOLDER  # noqa: F401
+from zerotune.strategy.placeholders import replace_placeholders as _substitute  # noqa: F401
 
 __all__ = ["Candidate", "default_space", "generate", "merge"]
-
-_PLACEHOLDER = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-_WHOLE_PLACEHOLDER = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
 @dataclass(frozen=True)
@@ -83,105 +85,6 @@ class Candidate:
     ds_config: dict[str, Any] = field(compare=False, repr=False)
     knobs: dict[str, Any] = field(compare=False)
     fits: bool = True
-
-
-# --------------------------------------------------------------------------------------------
-# Default spaces
-
-_BUCKETS = [5e7, 5e8, 1e9]  # elements; DeepSpeed's autotuning/constants.py
-
-
-def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
-    """zerotune's default tuning space for a ZeRO stage (the micro batch size is added by search).
-
-    Started from DeepSpeed's (autotuning/constants.py), keeping only knobs the stage reads:
-
-    - stage 0: nothing to tune (the micro batch size only).
-    - stage 1: reduce_bucket_size × allgather_bucket_size (9).
-    - stage 2: + overlap_comm, reduce_scatter, contiguous_gradients (72).
-    - stage 3: overlap_comm, reduce_scatter, reduce_bucket_size, stage3_prefetch_bucket_size,
-      stage3_param_persistence_threshold, stage3_max_live_parameters,
-      stage3_max_reuse_distance (288). DeepSpeed also tunes allgather_partitions and
-      allgather_bucket_size here, but stage 3 reads neither (they would only repeat experiments).
-
-    Args:
-        stage: ZeRO stage, 0..3.
-        offload: add ``offload_optimizer.device`` in [none, cpu] where the stage allows it
-            (1, 2, 3) and ``offload_param.device`` in [none, cpu] for stage 3 (×2 / ×4). Offload
-            needs an optimizer DeepSpeed can run on the CPU (:data:`OFFLOADABLE_OPTIMIZERS`);
-            :func:`generate` refuses the space otherwise.
-
-    Returns:
-        A new dict (safe to modify).
-    """
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise ConfigError(f"zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")
-    zero: dict[str, Any] = {"stage": stage}
-    if stage in (1, 2):
-        zero["reduce_bucket_size"] = list(_BUCKETS)
-        zero["allgather_bucket_size"] = list(_BUCKETS)
-    if stage == 2:
-        zero["overlap_comm"] = [True, False]
-        zero["reduce_scatter"] = [True, False]
-        zero["contiguous_gradients"] = [True, False]
-    if stage == 3:
-        zero["overlap_comm"] = [True, False]
-        zero["reduce_scatter"] = [True, False]
-        zero["reduce_bucket_size"] = list(_BUCKETS)
-        zero["stage3_prefetch_bucket_size"] = list(_BUCKETS)
-        zero["stage3_param_persistence_threshold"] = [1e5, 1e6]
-        zero["stage3_max_live_parameters"] = [1e8, 1e9]
-        zero["stage3_max_reuse_distance"] = [1e8, 1e9]
-    if offload and stage >= 1:
-        zero["offload_optimizer"] = {"device": ["none", "cpu"]}
-    if offload and stage == 3:
-        zero["offload_param"] = {"device": ["none", "cpu"]}
-    return {ZERO: zero}
-
-
-# --------------------------------------------------------------------------------------------
-# Variables
-
-
-def _variable_names(value: Any, path: str, out: dict[str, str]) -> None:
-    """Collect placeholder name -> first path where it occurs."""
-    if isinstance(value, str):
-        for m in _PLACEHOLDER.finditer(value):
-            name = m.group(2) or m.group(3)
-            if name:
-                out.setdefault(name, path)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _variable_names(v, f"{path}.{k}" if path else str(k), out)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _variable_names(v, f"{path}[{i}]", out)
-
-
-def _text(value: Any) -> str:
-    value = normalize(value)
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
-
-
-def _substitute(value: Any, env: dict[str, Any]) -> Any:
-    if isinstance(value, str):
-        whole = _WHOLE_PLACEHOLDER.fullmatch(value)
-        if whole:
-            return copy.deepcopy(env[whole.group(1) or whole.group(2)])
-
-        def repl(m: re.Match) -> str:
-            if m.group(1):
-                return "$"
-            return _text(env[m.group(2) or m.group(3)])
-
-        return _PLACEHOLDER.sub(repl, value)
-    if isinstance(value, dict):
-        return {k: _substitute(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, env) for v in value]
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +125,7 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def _names_batch(space: dict[str, Any], base: dict[str, Any]) -> tuple[bool, bool]:
     """(space sets mbs or gas, space sets train_batch_size), counting templated base values."""
     templated: dict[str, str] = {}
-    _variable_names(base, "", templated)
+    collect_placeholders(base, "", templated)
     templated_paths = {p.split("[")[0] for p in templated.values()}
 
     def named(key: str) -> bool:
@@ -273,6 +176,15 @@ def generate(
             :func:`~zerotune.deepspeed.validate.validate` (a bad space is an error, never a
             silent drop).
     """
+    base, space = _without_autotuning(base_config, space, stage)
+    env = check_variables(base, space, variables or {})
+    return _named_candidates(_expand(base, space, env, stage), dp_world_size, fits)
+
+
+def _without_autotuning(base_config: dict[str, Any], space: dict[str, Any] | None, stage: int
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(base, space): shallow copies without their ``autotuning`` sections, once ``stage`` is a ZeRO
+    stage and the space names no other one."""
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"stage = {stage!r}: expected 0, 1, 2 or 3")
     space = dict(space or {})
@@ -281,8 +193,13 @@ def generate(
     space_stage = space.get(ZERO, {}).get("stage", stage) if isinstance(space.get(ZERO), dict) else stage
     if space_stage != stage:
         raise ConfigError(f"tuning space {ZERO}.stage = {space_stage!r}, but generating stage {stage}")
+    return base, space
 
-    env = _check_variables(base, space, variables or {})
+
+def _expand(base: dict[str, Any], space: dict[str, Any], env: dict[str, list[Any]], stage: int
+            ) -> list[dict[str, Any]]:
+    """Every combination of the space's candidates and the variables' values (the documented order),
+    merged over ``base`` at ``stage``, pruned, normalized, and deduplicated by config hash."""
     dims: list[tuple[tuple[str, ...], list]] = []
     _dimensions(space, (), dims)
     dims += [(("$" + name,), values) for name, values in env.items()]
@@ -292,25 +209,43 @@ def generate(
     configs: list[dict[str, Any]] = []
     seen: set[str] = set()
     for combo in itertools.product(*(values for _, values in dims)):
-        choice = copy.deepcopy(space)
-        values = {}
-        for (path, _), value in zip(dims, combo):
-            if path[0].startswith("$"):
-                values[path[0][1:]] = value
-            else:
-                _set(choice, path, value)
-        cfg = _substitute(merge(base, choice), values)
-        if not isinstance(cfg.get(ZERO, {}), dict):
-            raise ConfigError(f"{ZERO} = {cfg[ZERO]!r}: expected an object such as {{\"stage\": 2}}")
-        cfg.setdefault(ZERO, {})["stage"] = stage
-        if sets_batch and not sets_tbs:
-            cfg.pop(TBS, None)
-        cfg = normalize(prune(cfg))
+        cfg = _combination(base, space, dims, combo, stage, drop_tbs=sets_batch and not sets_tbs)
         key = config_hash(cfg)
         if key not in seen:
             seen.add(key)
             configs.append(cfg)
+    return configs
 
+
+def _combination(base: dict[str, Any], space: dict[str, Any], dims: list[tuple[tuple[str, ...], list]],
+                 combo: tuple, stage: int, drop_tbs: bool) -> dict[str, Any]:
+    """The config of one combination (one value per dimension of ``dims``): the space with its
+    choices, merged over ``base``, placeholders replaced, at ``stage``, pruned and normalized;
+    ``drop_tbs``: without ``train_batch_size`` (DeepSpeed derives it)."""
+    choice = copy.deepcopy(space)
+    values = {}
+    for (path, _), value in zip(dims, combo):
+        if path[0].startswith("$"):
+            values[path[0][1:]] = value
+        else:
+            _set(choice, path, value)
+    cfg = replace_placeholders(merge(base, choice), values)
+    if not isinstance(cfg.get(ZERO, {}), dict):
+        raise ConfigError(f"{ZERO} = {cfg[ZERO]!r}: expected an object such as {{\"stage\": 2}}")
+    cfg.setdefault(ZERO, {})["stage"] = stage
+    if drop_tbs:
+        cfg.pop(TBS, None)
+    return normalize(prune(cfg))
+
+
+def _named_candidates(configs: list[dict[str, Any]], dp_world_size: int,
+                      fits: Callable[[dict[str, Any]], bool] | None) -> list[Candidate]:
+    """``configs`` validated and named, in order, their knobs being the settings that vary between them.
+
+    Raises:
+        ConfigError: a config that fails :func:`~zerotune.deepspeed.validate.validate`.
+        RuntimeError: two configs with the same canonical name.
+    """
     varying = _varying_paths(configs)
     named = {tuple(k.split(".")) for k in ACRONYMS}
     extra_keys = [".".join(p) for p in varying if p not in named]
@@ -328,32 +263,6 @@ def generate(
         names[name] = cfg
         candidates.append(Candidate(name, cfg, knobs, bool(fits(cfg)) if fits else True))
     return candidates
-
-
-def _check_variables(base: dict[str, Any], space: dict[str, Any], variables: dict[str, Any]
-                     ) -> dict[str, list[Any]]:
-    env: dict[str, list[Any]] = {}
-    for name, values in variables.items():
-        bare = name[1:] if name.startswith("$") else name
-        if bare in env:
-            raise ConfigError(f"variable ${bare} is given twice (as {bare!r} and {'$' + bare!r})")
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", bare):
-            raise ConfigError(f"variable {name!r}: expected a name of letters, digits and _")
-        if not isinstance(values, list) or not values:
-            raise ConfigError(f"variable ${bare} = {values!r}: expected a non-empty list of candidates")
-        env[bare] = values
-    used: dict[str, str] = {}
-    _variable_names(base, "", used)
-    _variable_names(space, "", used)
-    for name, path in used.items():
-        if name not in env:
-            raise ConfigError(f"unresolved variable ${name} at {path}: give its candidates in "
-                              f"variables (or write $$ for a literal $)")
-    for name in env:
-        if name not in used:
-            raise ConfigError(f"variable ${name} is not used by any $-placeholder in the config or "
-                              f"the tuning space")
-    return env
 
 
 def _varying_paths(configs: list[dict[str, Any]]) -> list[tuple[str, ...]]:

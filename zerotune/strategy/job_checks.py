@@ -1,0 +1,150 @@
+"""The checks :meth:`~zerotune.strategy.job.Job.build` runs on a tuning job's inputs before anything
+runs: each bad input is a :class:`~zerotune.core.errors.ConfigError` naming the flag or the config
+file and key, never a failed launch later.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.config import AutotuningConfig
+from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
+from zerotune.model.profile import ModelInfo
+from zerotune.strategy.batch import BatchSemantics
+
+__all__ = ["BACKENDS", "MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options",
+           "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "mbs_bounds"]
+
+BACKENDS = ("local", "ray")
+"""The backends :attr:`TuneOptions.backend <zerotune.strategy.job.TuneOptions.backend>` may name."""
+
+
+def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
+    """Every list of candidates in the user's ds_config holds at least one."""
+    for key, candidates in candidate_lists(user):
+        if not candidates:
+            raise ConfigError(f"{config_path}: {key} = []: a list in the config is a list of candidates to tune; "
+                              f"expected at least one")
+
+
+def check_options(options: Any) -> None:
+    """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
+    precision between 0 and 1, positive timeouts."""
+    if options.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
+    if not 0 < options.precision < 1:
+        raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
+                          "e.g. 0.02 for ±2%")
+    for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
+
+
+def mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:
+    """(smallest, largest, allowed) mbs: the per-GPU bounds narrowed by the train batch bounds
+    (train_batch_size = mbs * gas * DP world size) or a fixed train_batch_size, and the values
+    the batch semantics allow within them."""
+    lo = at.min_train_micro_batch_size_per_gpu
+    if batch.fixed_train_batch_size is None:
+        lo = max(lo, -(-at.min_train_batch_size // (batch.gas * batch.dp_world_size)))
+    hi = batch.max_mbs(at.max_train_micro_batch_size_per_gpu)
+    allowed = batch.allowed_mbs(lo, hi)
+    if hi < lo or allowed == ():
+        raise ConfigError(f"{source}: the autotuning bounds leave no micro batch size: mbs {lo}..{hi} "
+                          f"(min/max_train_micro_batch_size_per_gpu = {at.min_train_micro_batch_size_per_gpu}/"
+                          f"{at.max_train_micro_batch_size_per_gpu}, min/max_train_batch_size = "
+                          f"{at.min_train_batch_size}/{at.max_train_batch_size}; {batch.describe()})")
+    return (allowed[0], allowed[-1], allowed) if allowed else (lo, hi, None)
+
+
+def given_model_info(at: AutotuningConfig, source: str) -> ModelInfo | None:
+    """``autotuning.model_info`` (``num_params``, optional ``activation_mem_per_gpu``) as a ModelInfo."""
+    given = at.model_info or {}
+    if "num_params" not in given:
+        return None
+    key = "autotuning.model_info"
+    num_params = _positive_int(given["num_params"], f"{key}.num_params", source)
+    activations = given.get("activation_mem_per_gpu", 0)
+    if isinstance(activations, bool) or not isinstance(activations, int) or activations < 0:
+        raise ConfigError(f"{source}: '{key}.activation_mem_per_gpu' = {activations!r}: expected bytes per sample, "
+                          f"a non-negative integer")
+    trainable = _positive_int(given.get("trainable_num_params", num_params), f"{key}.trainable_num_params", source)
+    return ModelInfo(num_params, trainable, activations)
+
+
+def _positive_int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
+    return value
+
+
+MIN_CPU_RANK_BYTES = 256 * 2**20
+"""The smallest per-rank budget on CPU: a rank's Python with torch and DeepSpeed imported holds
+about 195 MiB of private data (``VmData``, what ``RLIMIT_DATA`` limits) before any model."""
+
+
+def check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSemantics, min_mbs: int,
+                     source: str) -> tuple[str, ...]:
+    """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
+    gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
+    substituted; :func:`zerotune.strategy.variables.parse_variables` checks those).
+    Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
+    and gas (which the search then replaces) is said, never silently overwritten."""
+    dp, notes = batch.dp_world_size, []
+    tbs, mbs, gas = (user.get(k) for k in (TBS, MBS, GAS))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (tbs, mbs, gas)):
+        if tbs != mbs * gas * dp:
+            notes.append(f"{source}: '{TBS}' = {tbs} disagrees with {MBS} {mbs} x {GAS} {gas} x DP world size {dp} "
+                         f"= {mbs * gas * dp}: the train batch size is held fixed at {tbs}, so gas follows each "
+                         f"mbs tried ({tbs} = mbs x gas x {dp})")
+    if isinstance(tbs, int) and not isinstance(tbs, bool):
+        for key, bound, bad in (("max_train_batch_size", at.max_train_batch_size, lambda b: tbs > b),
+                                ("min_train_batch_size", at.min_train_batch_size, lambda b: tbs < b)):
+            if bound is not None and bad(bound):
+                raise ConfigError(f"{source}: '{TBS}' = {tbs} is outside 'autotuning.{key}' = {bound}")
+    if at.max_train_batch_size is not None:
+        for g in batch.gas_values:
+            if min_mbs * g * dp > at.max_train_batch_size:
+                raise ConfigError(f"{source}: '{GAS}' candidate {g} gives train_batch_size {min_mbs * g * dp} "
+                                  f"(mbs {min_mbs} x gas {g} x DP {dp}) above 'autotuning.max_train_batch_size' = "
+                                  f"{at.max_train_batch_size}")
+    return tuple(notes)
+
+
+def check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
+    """On CPU: a budget that can start a rank, and no more local ranks than this process may use
+    cores (``local_ranks`` 0: not a local run, not checked)."""
+    from zerotune.core.units import format_bytes
+    if budget_bytes < MIN_CPU_RANK_BYTES:
+        raise ConfigError(f"--device-memory {format_bytes(budget_bytes)}: too small to start a CPU rank (Python "
+                          f"with torch and DeepSpeed needs about 200 MiB before the model); at least "
+                          f"{format_bytes(MIN_CPU_RANK_BYTES)}")
+    cores = len(os.sched_getaffinity(0))
+    if local_ranks > cores:
+        raise ConfigError(f"--num_gpus {local_ranks}: on CPU each slot is one rank process, and this machine gives "
+                          f"zerotune {cores} core(s); at most {cores}")
+
+
+def check_output_dirs(options: Any, at: AutotuningConfig, config_path: str, results_dir: Path) -> None:
+    """The results directory, and the experiments directory unless it lies inside it (``--results-dir``
+    given), can be made (:func:`check_writable_dir`), each named by the flag or key that set it."""
+    for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
+                        results_dir),
+                       (f"{config_path}: 'autotuning.exps_dir'", None if options.results_dir else Path(at.exps_dir))):
+        check_writable_dir(flag, path)
+
+
+def check_writable_dir(what: str, path: Path | None) -> None:
+    """``path`` is a directory or can be made one: neither it nor an ancestor is a file, and its
+    nearest existing ancestor is writable (checked, nothing created)."""
+    if path is None:
+        return
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{what} {str(path)!r}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(path)!r}: {probe} is not writable")
