@@ -60,9 +60,6 @@ from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.default_spaces import default_space
 from zerotune.strategy.placeholders import check_variables, collect_placeholders, replace_placeholders
-# zerotune.strategy.variables imports these two by their names from before the placeholders moved
-from zerotune.strategy.placeholders import PLACEHOLDER as _PLACEHOLDER  # noqa: F401
-from zerotune.strategy.placeholders import replace_placeholders as _substitute  # noqa: F401
 
 __all__ = ["Candidate", "default_space", "generate", "merge"]
 

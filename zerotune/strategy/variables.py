@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO
-from zerotune.strategy.space import _PLACEHOLDER, _substitute
+from zerotune.strategy.placeholders import PLACEHOLDER, replace_placeholders
 
 __all__ = ["first_values", "parse_cli_variable", "parse_variables", "placeholder_paths", "substitute"]
 
@@ -38,7 +38,7 @@ def placeholder_paths(config: Any, path: str = "") -> dict[str, list[str]]:
 
     def walk(value: Any, where: str) -> None:
         if isinstance(value, str):
-            for m in _PLACEHOLDER.finditer(value):
+            for m in PLACEHOLDER.finditer(value):
                 name = m.group(2) or m.group(3)
                 if name and where not in out.setdefault(name, []):
                     out[name].append(where)
@@ -121,4 +121,4 @@ def substitute(config: dict[str, Any], values: Mapping[str, Any]) -> dict[str, A
     (``config`` itself when there are none); the ``autotuning`` section is left as it is."""
     if not values:
         return config
-    return {k: v if k == "autotuning" else _substitute(v, dict(values)) for k, v in config.items()}
+    return {k: v if k == "autotuning" else replace_placeholders(v, dict(values)) for k, v in config.items()}
