@@ -1,12 +1,50 @@
 """zerotune: find the fastest DeepSpeed configuration for a model and cluster.
 
-The packages follow the data flow (the README's "How it works" draws it): ``core`` (the
-experiment record, the objective, errors, units) and ``deepspeed`` (DeepSpeed's config, keys,
-defaults, canonical names, validation, experiment directory, launcher) are the ground floor;
-``strategy`` turns a :class:`~zerotune.strategy.job.Job` into experiments (config builder, ZeRO
-stages, mbs search, knob spaces, tuners) using ``model`` (memory model, profile); ``run``
-schedules and runs them (slots, scheduler, processes, backends); ``report`` writes the answer.
-``autotuner.Autotuner`` is the Python API, ``cli`` the launcher-style command line.
+The public API is :data:`__all__`; everything else is internal and may change.
+
+- **Tune**: :class:`Autotuner` (shaped like DeepSpeed's own: ``tune()``, ``print_tuning_results()``,
+  ``write_optimal_config()``, ``run_after_tuning()``; ``plan()`` is the dry run) with :class:`TuneOptions`;
+  it raises :class:`ConfigError` on bad input, :class:`TuningFailed` when nothing ran ok, and
+  :class:`Interrupted` on a stop signal.
+- **Estimate**: :class:`MemoryModel`, the bytes per device of a ds_config (``bytes_per_device``,
+  ``breakdown``, ``max_mbs``), what ``zerotune estimate`` prints.
+- **Read results**: :class:`StrategyResult` (``Autotuner.result``: each ZeRO stage's decision, the ledger of
+  experiments, the answer), whose records are :class:`Experiment` with a :class:`Status`; on disk each
+  experiment's ``exp.json`` is ``Experiment.to_json()``.
+
+The packages follow the data flow (docs/how-it-works.md): ``core`` and ``deepspeed`` are the ground floor;
+``strategy`` turns a job into experiments using ``model``; ``run`` schedules and runs them; ``report``
+writes the answer; ``autotuner`` wires them, ``cli`` is the launcher-style command line. Names are
+imported on first use, so ``import zerotune`` stays light (the probe runs inside every training rank).
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "Autotuner": "zerotune.autotuner",
+    "Interrupted": "zerotune.autotuner",
+    "TuneOptions": "zerotune.strategy.job",
+    "ConfigError": "zerotune.core.errors",
+    "TuningFailed": "zerotune.core.errors",
+    "MemoryModel": "zerotune.model.memory",
+    "StrategyResult": "zerotune.strategy.result",
+    "Experiment": "zerotune.core.experiment",
+    "ExperimentKind": "zerotune.core.experiment",
+    "Status": "zerotune.core.experiment",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'zerotune' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

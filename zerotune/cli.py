@@ -22,6 +22,7 @@ from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.model import estimate
+from zerotune.report.log import set_verbosity
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="print every experiment the job may generate (name, stage, mbs, gas, knobs, memory per "
                             "device, fits) and exit without launching anything")
         z.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+        v = z.add_mutually_exclusive_group()
+        v.add_argument("--quiet", action="store_true", help="log warnings and errors only (not each decision)")
+        v.add_argument("--verbose", action="store_true", help="log debug lines too")
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     estimate.add_parser(sub)
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "estimate":
             return estimate.run(args)
+        set_verbosity(quiet=args.quiet, verbose=args.verbose)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
         cpu = args.cpu
