@@ -4,8 +4,8 @@ Everything here is text: building the command a backend starts (and writes to ``
 the line a person can paste. The line to paste is always the ``deepspeed`` runner's. An experiment on
 this machine alone starts DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) directly, with
 the arguments the runner would hand it (:func:`launch_command`, ``direct``): the runner is a Python
-process that imports DeepSpeed only to exec that launcher for a single-node run, about 1.7 s of every
-launch on this project's machine. Starting, supervising and stopping the process is the backends' job
+process that imports DeepSpeed only to exec that launcher for a single-node run, a second or two of
+every launch (docs/decisions.md, D14). Starting, supervising and stopping the process is the backends' job
 (:mod:`zerotune.run.backends.local`, :mod:`zerotune.run.processes`).
 """
 from __future__ import annotations

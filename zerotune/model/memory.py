@@ -106,7 +106,7 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
 
 Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
 optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
-glibc keeps freed heap chunks: see ``benchmarks/README.md``, Memory fidelity); these are what
+glibc keeps freed heap chunks, as ``benchmarks/memory_fidelity.py`` measures); these are what
 calibration and online correction absorb.
 """
 from __future__ import annotations

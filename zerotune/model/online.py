@@ -1,4 +1,4 @@
-"""Online correction: the memory model learns from each finished experiment (issue 10, part 6).
+"""Online correction: the memory model learns from each finished experiment.
 
 The profile run calibrates the fixed per-rank overhead once (:meth:`MemoryModel.calibrated`). Every
 experiment after it is another measurement of the same model, used two ways:
