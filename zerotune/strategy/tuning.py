@@ -38,10 +38,10 @@ from zerotune.strategy.job import Job
 from zerotune.strategy.knobs import tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.points import Point
-from zerotune.strategy.result import KnobPhase, StagePlan, StrategyResult
+from zerotune.strategy.result import StagePlan, StrategyResult
 from zerotune.strategy.stages import explore_stages
 
-__all__ = ["Evaluate", "KnobPhase", "Strategy", "StrategyResult"]
+__all__ = ["Strategy"]
 
 logger = logging.getLogger(__name__)
 
