@@ -28,7 +28,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
-from zerotune.probe import clean_exits, read_streams, stream_files
+from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)
@@ -160,7 +160,7 @@ class _StreamWatch:
         self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
         self.launched_at: float | None = None
         self._sizes: dict[int, int] = {}
-        self._streams: dict = {}
+        self._streams: dict[int, list[StepRecord]] = {}
 
     def check(self) -> EndReason | None:
         if self.rule is None:
@@ -174,9 +174,8 @@ class _StreamWatch:
 
     def startup_s(self) -> float | None:
         """Seconds from the launch to the start of the first step (None: not known yet)."""
-        firsts = [records[0] for records in self._streams.values() if records and isinstance(records[0], dict)]
-        starts = [r["t"] - r["step_s"] for r in firsts
-                  if isinstance(r.get("t"), (int, float)) and isinstance(r.get("step_s"), (int, float))]
+        firsts = [records[0] for records in self._streams.values() if records]
+        starts = [r.t - r.step_s for r in firsts if r.t is not None and r.step_s is not None]
         if self.launched_at is None or not starts:
             return None
         return max(0.0, min(starts) - self.launched_at)
@@ -186,10 +185,5 @@ class _StreamWatch:
         if self.rule is None:
             return False
         streams = read_streams(self.exp_dir)
-        return bool(streams) and all(any(isinstance(r, dict) and _int(r.get("step")) >= self.cap_step for r in records)
+        return bool(streams) and all(any(r.step is not None and r.step >= self.cap_step for r in records)
                                      for records in streams.values())
-
-
-def _int(value) -> int:
-    """A probe record's integer field, 0 when it is not an integer (a garbled stream)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
