@@ -1,7 +1,7 @@
 """The local backend: the real ``deepspeed`` launcher as a subprocess, one process group per run.
 
 The backend only starts, supervises and stops processes: the experiment directory (the config it
-ran, the result files, the outcome) is :mod:`zerotune.deepspeed.expdir`'s, the launcher command
+ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
 :mod:`zerotune.deepspeed.launcher`'s. It writes ``cmd.txt`` (a command a person can paste) and
 redirects the launcher's output into ``stdout.log`` and ``stderr.log``. The launcher is started in
 a new session so the whole tree (launcher and ranks) is killed as one process group on timeout,
@@ -26,9 +26,9 @@ import psutil
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
 from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
+from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)

@@ -31,7 +31,9 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
 =====================  =====================================================================
 
 A backend calls :func:`prepare` before it launches and :func:`finish` after the run's processes
-are gone; in between it only starts, supervises and stops processes. The outcome is decided from
+are gone; in between it only starts, supervises and stops processes. The scheduler writes and
+resumes from ``exp.json``. Hence this module's place in :mod:`zerotune.run`, beside its callers: it is
+zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is decided from
 facts (:func:`classify`), never from the word "error" in the logs.
 """
 from __future__ import annotations
@@ -155,7 +157,8 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     data, invalid = _read_object(path)
     profile = exp.kind is ExperimentKind.PROFILE
     streams = read_streams(exp_dir)
-    early = measure(streams, objective) if ended is not None and ended.by_rule and not profile else None
+    probed = None if profile else measure(streams, objective)  # measured once: the profile run has no metric
+    early = probed if ended is not None and ended.by_rule else None
     exp.exit_code = exit_code
     if early is not None:
         exp.status, exp.error = Status.OK, ""
@@ -173,7 +176,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
     exp.boundary_share = None
-    measured = early or (measure(streams, objective) if exp.metric is not None else None)
+    measured = probed if early is not None or exp.metric is not None else None
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
         exp.boundary_share = measured.boundary_share
