@@ -147,8 +147,8 @@ def _mser(x: Sequence[float]) -> int:
     ``d`` (at most half of ``x``) that minimises the standard error of the mean of what remains,
     ``sum((x_i - mean)^2) / (n - d)^2`` over ``i >= d`` (the Marginal Standard Error Rule, K. P. White,
     "An effective truncation heuristic for bias reduction in simulation output", Simulation 69(6),
-    1997). On this project's CPU runs steps 2-4 run 1.4x, 1.15x and 1.1x the steady step: under the
-    1.5x rule alone they counted as steady and widened the interval to about ±10%."""
+    1997). It catches the warm-up that decays too slowly for the :data:`WARMUP_FACTOR` rule
+    (docs/decisions.md, D200)."""
     best_d, best = 0, math.inf
     for d in range(len(x) // 2 + 1):
         rest = x[d:]
@@ -171,7 +171,8 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
 
     Returns:
         The measurement; None when the probe cannot give this objective (flops), or there is no
-        steady step on every rank (no streams: a SIMULATED run, a script with too few steps), or
+        steady step on every rank (no streams: the profile run, a run that failed before its first
+        step; a script with too few steps), or
         no ``train_batch_size`` for throughput. The caller then keeps DeepSpeed's metric.
     """
     if objective.name not in ("throughput", "latency"):

@@ -25,9 +25,9 @@ would: the steps past the cap may take at most the run's own start-up time (laun
 model and engine construction: what a re-measurement would spend again before its first step), and
 only while the interval can still reach the precision within that time (it narrows as the square
 root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The run then ends
-``step_cap`` at the cap or as soon as it is precise. On this machine a launch costs about 8 s
-before its first step and a step about 1 s, so a noisy run gets up to 8 more steps instead of a
-second run; a SIMULATED 70B model's 80 s steps get none.
+``step_cap`` at the cap or as soon as it is precise. Where a launch costs much more than a step, a noisy
+run gets more steps instead of a second run; where a step costs as much as a launch, it gets none
+(docs/decisions.md, D201).
 """
 from __future__ import annotations
 

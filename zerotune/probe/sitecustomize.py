@@ -227,10 +227,9 @@ class _DataPeak:
     ``RLIMIT_DATA``, the CPU backend's per-rank budget, limits), sampled every :attr:`period_s` by a
     daemon thread from ``/proc/self/status``. Linux keeps no high-water mark of it, and the peak of a
     training step lasts tens of milliseconds (the backward pass holds the activations, the gradients
-    and the reduction's flat copy at once): measured on a gpt-small ZeRO-0 rank, 457 MiB for about
-    20 ms, 415-435 MiB otherwise. The resident high-water mark (``ru_maxrss``) is no substitute: it
-    leaves out pages allocated and never written, such as most of a reduce bucket, which the budget
-    counts.
+    and the reduction's flat copy at once; docs/decisions.md, D202). The resident high-water mark
+    (``ru_maxrss``) is no substitute: it leaves out pages allocated and never written, such as most of
+    a reduce bucket, which the budget counts.
 
     The thread runs until the end of optimizer step :attr:`SAMPLED_STEPS` (:meth:`stop`), then each
     record samples once: by then every step's allocations have happened (the first step creates the
@@ -316,7 +315,7 @@ def _install(module, probe: _Probe) -> None:
     (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
     for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
     the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
-    5 ms for the whole run on the ranks' cores (measured: 3% fewer samples/s on 2 CPU ranks)."""
+    5 ms for the whole run on the ranks' cores, slowing them (docs/decisions.md, D203)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
         _DataPeak.start()
     engine_cls = module.DeepSpeedEngine

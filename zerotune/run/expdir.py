@@ -7,7 +7,7 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
                        ``autotuning`` section that makes DeepSpeed's engine measure and exit
                        (``enabled``, ``metric_path`` and ``model_info_path`` pointing into this
                        directory, ``start_profile_step``, ``end_profile_step``, ``metric``).
-``cmd.txt``            the backend: the launch command a person can paste (the SIMULATED
+``cmd.txt``            the backend: the launch command a person can paste (the simulated
                        backend writes a line saying that nothing was launched).
 ``stdout.log``,        the launcher and its ranks (the backend redirects their output here);
 ``stderr.log``         :func:`finish` reads their tails to classify a failure.
@@ -128,10 +128,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
 
     The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
     ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
-    ``boundary_share``)
-    for throughput and latency when the streams hold a steady step on every rank; otherwise
-    DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams as on the
-    SIMULATED backend, too few steps). When the streams record peaks, ``peak_memory_bytes``
+    ``boundary_share``) for throughput and latency when the streams hold a steady step on every rank;
+    otherwise DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams, too
+    few steps). When the streams record peaks, ``peak_memory_bytes``
     becomes the largest over the ranks; else the backend's value stays.
 
     Args:
