@@ -2,7 +2,7 @@
 
 import pytest
 
-from zerotune.deepspeed.expdir import classify
+from zerotune.run.expdir import classify
 from zerotune.deepspeed.config import (find_config_arg, parse_autotuning, replace_config_arg, stage_candidates,
                              load_ds_config)
 from zerotune.core.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Tests for zerotune.deepspeed.expdir: the experiment directory's files, read and written exactly."""
+"""Tests for zerotune.run.expdir: the experiment directory's files, read and written exactly."""
 import json
 import math
 import statistics
@@ -8,8 +8,8 @@ import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import OBJECTIVES
-from zerotune.deepspeed import expdir
 from zerotune.model.profile import ModelInfo
+from zerotune.run import expdir
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
 ALLOCATOR_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "

@@ -35,7 +35,8 @@ import pytest
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.deepspeed import expdir, extensions
+from zerotune.deepspeed import extensions
+from zerotune.run import expdir
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUN_TOKEN_ENV, RUNNING_DIR

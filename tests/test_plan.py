@@ -8,7 +8,7 @@ import pytest
 
 from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.experiment import Status
-from zerotune.deepspeed.expdir import write_record
+from zerotune.run.expdir import write_record
 from zerotune.model.memory import MemoryModel
 from zerotune.run.resources import select_resources
 from zerotune.run.resume import resume_context, resume_key

@@ -1,5 +1,5 @@
 """Adaptive experiments (zerotune.core.stopping): the stop rule on recorded streams, how a run that
-zerotune ended is recorded (zerotune.deepspeed.expdir), the SIMULATED backend's cut, the bar the
+zerotune ended is recorded (zerotune.run.expdir), the SIMULATED backend's cut, the bar the
 strategy sets, and a real launch that the local backend ends as soon as its metric is known."""
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from scipy.stats import t as student_t
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.stopping import EndReason, StopRule, must_beat
-from zerotune.deepspeed import expdir
 from zerotune.probe import stream_name
+from zerotune.run import expdir
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUN_TOKEN_ENV

@@ -28,7 +28,7 @@ from benchmarks.simcluster.model import Outcome, Simulator
 from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed import expdir
+from zerotune.run import expdir
 from zerotune.probe import ACTIVATIONS_RECORD, stream_name
 from zerotune.run.backends.base import Backend
 from zerotune.run.slots import Reservation

@@ -92,7 +92,7 @@ class Experiment:
     def memory_rel_error(self) -> float | None:
         """The memory model's error on this run, ``memory_bytes / peak_memory_bytes - 1`` (0.05: predicted
         5% over the measured peak); None without both. On CPU the peak is the probe's largest
-        ``VmData`` (sampled every 5 ms: what the budget, ``RLIMIT_DATA``, limits; see benchmarks/README.md)."""
+        ``VmData`` (sampled every 5 ms: what the budget, ``RLIMIT_DATA``, limits; docs/decisions.md, D11)."""
         if not self.memory_bytes or not self.peak_memory_bytes:
             return None
         return self.memory_bytes / self.peak_memory_bytes - 1

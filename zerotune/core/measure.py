@@ -44,6 +44,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
+from zerotune.probe import StepRecord, step_records
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
            "StepStats", "comparison_noise", "measure", "mean_half_width", "peak_bytes", "pool", "pooled_metrics",
@@ -63,7 +64,11 @@ RUN_NOISE_PRIOR_RUNS = 2
 """The weight of :data:`RUN_NOISE` in :func:`run_noise`'s estimate, in degrees of freedom (as many
 as three runs of one config would give)."""
 
-Streams = Mapping[int, Sequence[Mapping[str, Any]]]  # rank -> the probe's step records, in order
+Streams = Mapping[int, Sequence[StepRecord | Mapping[str, Any]]]
+"""rank -> the probe's step records, in order (:func:`zerotune.probe.read_streams`); records held as decoded
+JSON objects (a simulated run's) are validated on entry (:func:`zerotune.probe.step_records`)."""
+
+Records = Mapping[int, Sequence[StepRecord]]  # rank -> its validated step records, in order
 
 
 @dataclass(frozen=True)
@@ -120,9 +125,8 @@ class Measurement:
 def step_stats(streams: Streams) -> StepStats | None:
     """Align the ranks' streams on the step index and find the warm-up (steps 1 and 2 of the
     module's method). None when no step is present on every rank."""
-    per_rank = {rank: {int(r["step"]): float(r["step_s"]) for r in records
-                       if isinstance(r.get("step"), int) and _number(r.get("step_s"))}
-                for rank, records in streams.items()}
+    per_rank = {rank: {r.step: r.step_s for r in records if r.step is not None and r.step_s is not None}
+                for rank, records in step_records(streams).items()}
     if not per_rank:
         return None
     steps = sorted(set.intersection(*(set(times) for times in per_rank.values())))
@@ -143,8 +147,8 @@ def _mser(x: Sequence[float]) -> int:
     ``d`` (at most half of ``x``) that minimises the standard error of the mean of what remains,
     ``sum((x_i - mean)^2) / (n - d)^2`` over ``i >= d`` (the Marginal Standard Error Rule, K. P. White,
     "An effective truncation heuristic for bias reduction in simulation output", Simulation 69(6),
-    1997). On this project's CPU runs steps 2-4 run 1.4x, 1.15x and 1.1x the steady step: under the
-    1.5x rule alone they counted as steady and widened the interval to about ±10%."""
+    1997). It catches the warm-up that decays too slowly for the :data:`WARMUP_FACTOR` rule
+    (docs/decisions.md, D200)."""
     best_d, best = 0, math.inf
     for d in range(len(x) // 2 + 1):
         rest = x[d:]
@@ -167,11 +171,13 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
 
     Returns:
         The measurement; None when the probe cannot give this objective (flops), or there is no
-        steady step on every rank (no streams: a SIMULATED run, a script with too few steps), or
+        steady step on every rank (no streams: the profile run, a run that failed before its first
+        step; a script with too few steps), or
         no ``train_batch_size`` for throughput. The caller then keeps DeepSpeed's metric.
     """
     if objective.name not in ("throughput", "latency"):
         return None
+    streams = step_records(streams)
     stats = step_stats(streams)
     if stats is None or not stats.steady_s:
         return None
@@ -189,11 +195,11 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
                        boundary_share=_boundary_share(streams, stats.steps[stats.warmup_steps:], mean))
 
 
-def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) -> float | None:
+def _boundary_share(streams: Records, steps: Sequence[int], mean_step_s: float) -> float | None:
     """Mean over ``steps`` of the largest ``boundary_s`` among the ranks, over ``mean_step_s``; None
     when a step lacks it on a rank (a probe that did not record it)."""
-    per_rank = [{int(r["step"]): float(r["boundary_s"]) for r in records
-                 if isinstance(r.get("step"), int) and _number(r.get("boundary_s"))} for records in streams.values()]
+    per_rank = [{r.step: r.boundary_s for r in records if r.step is not None and r.boundary_s is not None}
+                for records in streams.values()]
     if not steps or not per_rank or any(step not in times for times in per_rank for step in steps):
         return None
     return statistics.fmean(max(times[step] for times in per_rank) for step in steps) / mean_step_s
@@ -204,14 +210,10 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
     ``device_peak_bytes`` (the caching allocator's reserved high-water mark plus what lies outside it: the CUDA
     context, NCCL's buffers), where it holds one, not ``peak_bytes`` (allocated bytes, which leave both out:
     a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
-    ``VmData``, sampled every 5 ms. Ranks without one are absent."""
-    def peak(record: Mapping[str, Any]) -> int | None:
-        key = next((k for k in ("device_peak_bytes", "peak_bytes") if _number(record.get(k))), None)
-        return None if key is None else int(record[key])
-
+    ``VmData``, sampled every 5 ms (:attr:`zerotune.probe.StepRecord.peak`). Ranks without one are absent."""
     peaks = {}
-    for rank, records in streams.items():
-        values = [v for v in map(peak, records) if v is not None]
+    for rank, records in step_records(streams).items():
+        values = [r.peak for r in records if r.peak is not None]
         if values:
             peaks[rank] = max(values)
     return peaks
@@ -237,16 +239,12 @@ def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
     return float(t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * statistics.stdev(steady) / math.sqrt(n) / mean
 
 
-def _train_batch_size(streams: Streams, step: int) -> int | None:
+def _train_batch_size(streams: Records, step: int) -> int | None:
     for rank in sorted(streams):
         for r in streams[rank]:
-            if r.get("step") == step and _number(r.get("train_batch_size")):
-                return int(r["train_batch_size"])
+            if r.step == step and r.train_batch_size is not None:
+                return r.train_batch_size
     return None
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)

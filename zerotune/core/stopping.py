@@ -25,9 +25,9 @@ would: the steps past the cap may take at most the run's own start-up time (laun
 model and engine construction: what a re-measurement would spend again before its first step), and
 only while the interval can still reach the precision within that time (it narrows as the square
 root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The run then ends
-``step_cap`` at the cap or as soon as it is precise. On this machine a launch costs about 8 s
-before its first step and a step about 1 s, so a noisy run gets up to 8 more steps instead of a
-second run; a SIMULATED 70B model's 80 s steps get none.
+``step_cap`` at the cap or as soon as it is precise. Where a launch costs much more than a step, a noisy
+run gets more steps instead of a second run; where a step costs as much as a launch, it gets none
+(docs/decisions.md, D201).
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ import enum
 import math
 from dataclasses import dataclass
 
-from zerotune.core.measure import RUN_NOISE, Streams, measure
+from zerotune.core.measure import RUN_NOISE, Measurement, Records, Streams, measure
 from zerotune.core.objective import Objective
+from zerotune.probe import step_records
 
 __all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule",
            "extended_end_step", "must_beat"]
@@ -116,6 +117,7 @@ class StopRule:
             :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` (the
             cap reached and an extension does not pay), or None to go on.
         """
+        streams = step_records(streams)
         m = measure(streams, self.objective)
         if m is not None and m.steady_steps >= self.min_steady_steps and m.rel_half_width is not None:
             if m.rel_half_width <= self.precision:
@@ -129,7 +131,8 @@ class StopRule:
             return None  # no measurement at the cap: the engine's own exit (or the script's end) ends it
         return None if self._extension_pays(streams, m, cap_step, startup_s) else EndReason.STEP_CAP
 
-    def _extension_pays(self, streams: Streams, m, cap_step: int, startup_s: float | None) -> bool:
+    def _extension_pays(self, streams: Records, m: Measurement | None, cap_step: int,
+                        startup_s: float | None) -> bool:
         """Past the cap: whether more steps can still make the metric precise within the budget
         (``startup_s`` of steps past the cap, see the module docstring)."""
         if not startup_s or startup_s <= 0 or self.precision <= 0 or m is None or not m.rel_half_width:
@@ -140,20 +143,17 @@ class StopRule:
         return 0 < needed <= left_steps
 
 
-def _last_step(streams: Streams) -> int:
+def _last_step(streams: Records) -> int:
     """The latest step every rank has recorded (0 before any)."""
     if not streams:
         return 0
-    return min(max((r["step"] for r in records if isinstance(r, dict) and isinstance(r.get("step"), int)),
-                   default=0)
-               for records in streams.values())
+    return min(max((r.step for r in records if r.step is not None), default=0) for records in streams.values())
 
 
-def _time_at(streams: Streams, step: int) -> float:
+def _time_at(streams: Records, step: int) -> float:
     """When step ``step`` ended on the slowest rank (the probe's ``t``, seconds)."""
-    return max((r["t"] for records in streams.values() for r in records
-                if isinstance(r, dict) and r.get("step") == step and isinstance(r.get("t"), (int, float))
-                and not isinstance(r.get("t"), bool)), default=0.0)
+    return max((r.t for records in streams.values() for r in records if r.step == step and r.t is not None),
+               default=0.0)
 
 
 def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1,

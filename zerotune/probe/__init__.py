@@ -3,7 +3,8 @@
 The probe itself is :mod:`zerotune.probe.sitecustomize`, which runs in the ranks (this directory
 first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
 it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
-directory. :func:`read_streams` reads them back for :func:`zerotune.core.measure.measure`; in the
+directory. :func:`read_streams` reads them back, each line parsed and validated once into a
+:class:`StepRecord`, for :mod:`zerotune.core.measure`, :mod:`zerotune.core.stopping` and the backends; in the
 profile run it also writes the bytes saved for the backward pass, which :func:`read_saved_activations`
 reads back. Each rank that stepped writes an exit record as Python finishes; :func:`clean_exits` tells
 from them a crash in the interpreter's teardown from a script that failed.
@@ -11,15 +12,17 @@ from them a crash in the interpreter's teardown from a script that failed.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV, STREAM_PREFIX,
                                           STREAM_SUFFIX, exit_name, stream_name)
 
 __all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS",
-           "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
-           "read_saved_activations", "read_streams",
+           "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
+           "read_saved_activations", "read_streams", "step_records",
            "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
@@ -71,25 +74,116 @@ def clean_exits(exp_dir: Path, world_size: int) -> bool:
         r.get("uncaught") is None and r.get("exit_status") in (None, 0) for r in exits.values())
 
 
-def read_streams(exp_dir: Path) -> dict[int, list[dict[str, Any]]]:
-    """Each rank's probe lines in ``exp_dir``, in file order: rank -> list of step records.
+@dataclass(frozen=True)
+class StepRecord:
+    """One line of a probe stream: one optimizer step of one rank (the fields
+    :mod:`zerotune.probe.sitecustomize` writes, same names and units), validated once (:meth:`from_dict`).
+
+    A field is None where the line lacks it or holds anything but a finite number that is not a bool
+    (for ``step`` and ``rank``, anything but an ``int``): the readers treat it as missing. Counts and
+    bytes are truncated to ``int``. A record without a valid ``step`` still carries its peaks.
+
+    Attributes:
+        rank: the rank that wrote it (the stream's file name says the same).
+        step: the optimizer step's index in the rank's process, from 1.
+        t: ``time.monotonic()`` when the step returned, seconds (one clock for every rank of a machine).
+        step_s: wall time from the end of the previous optimizer step to the end of this one, seconds.
+        boundary_s: the part of ``step_s`` spent in the work done once per optimizer step, seconds.
+        micro_steps: ``step()`` calls in this optimizer step (gradient accumulation steps).
+        train_batch_size: global samples per optimizer step.
+        peak_bytes: on CUDA the allocated high-water mark, on CPU the largest ``VmData`` so far, bytes.
+        peak_reserved_bytes: on CUDA the caching allocator's reserved high-water mark, bytes.
+        device_peak_bytes: on CUDA what the device held at its peak (reserved plus outside the allocator), bytes.
+        rss_peak_bytes: on CPU the resident high-water mark (``ru_maxrss``), bytes.
+    """
+
+    rank: int | None = None
+    step: int | None = None
+    t: float | None = None
+    step_s: float | None = None
+    boundary_s: float | None = None
+    micro_steps: int | None = None
+    train_batch_size: int | None = None
+    peak_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+
+    @property
+    def peak(self) -> int | None:
+        """The peak the per-device budget limits, bytes: ``device_peak_bytes`` where the record holds one
+        (CUDA: allocated bytes leave out the allocator's cache and the context), else ``peak_bytes``."""
+        return self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_bytes
+
+    def __getitem__(self, key: str) -> int | float | None:
+        """A field by its key on the stream line (``record["step_s"]``), validated as its attribute is: a
+        reader written against the line reads the record the same way. KeyError for a key that is not a
+        field."""
+        if key not in _FIELDS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    @classmethod
+    def parse(cls, line: str) -> StepRecord | None:
+        """The record on one stream line; None when the line is not a JSON object (a rank killed while
+        writing it)."""
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return None
+        return cls.from_dict(data) if isinstance(data, dict) else None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
+        """The record from a decoded line (or a simulated run's record, held in memory), each field
+        validated as the class docstring says."""
+        def integer(key: str) -> int | None:
+            value = data.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            return float(value) if _finite(value) else None
+
+        def count(key: str) -> int | None:
+            value = data.get(key)
+            return int(value) if _finite(value) else None
+
+        return cls(rank=integer("rank"), step=integer("step"), t=number("t"), step_s=number("step_s"),
+                   boundary_s=number("boundary_s"), micro_steps=count("micro_steps"),
+                   train_batch_size=count("train_batch_size"), peak_bytes=count("peak_bytes"),
+                   peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
+                   rss_peak_bytes=count("rss_peak_bytes"))
+
+
+_FIELDS = frozenset(f.name for f in fields(StepRecord))
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_streams(exp_dir: Path) -> dict[int, list[StepRecord]]:
+    """Each rank's probe lines in ``exp_dir``, in file order: rank -> its step records.
 
     A line that is not a JSON object (a rank killed while writing) is skipped. Ranks without a
-    file are absent; an empty dict when the probe wrote nothing (a SIMULATED run, the profile
-    run, a run that failed before its first optimizer step).
+    file are absent; an empty dict when the probe wrote nothing (the simulated backend's failed runs,
+    the profile run, a run that failed before its first optimizer step).
     """
     streams = {}
     for rank, path in sorted(stream_files(exp_dir).items()):
-        lines = []
-        for text in path.read_text(errors="replace").splitlines():
-            try:
-                line = json.loads(text)
-            except ValueError:
-                continue
-            if isinstance(line, dict):
-                lines.append(line)
-        streams[rank] = lines
+        records = (StepRecord.parse(text) for text in path.read_text(errors="replace").splitlines())
+        streams[rank] = [record for record in records if record is not None]
     return streams
+
+
+def step_records(streams: Mapping[int, Sequence[StepRecord | Mapping[str, Any]]]) -> dict[int, list[StepRecord]]:
+    """rank -> its records as :class:`StepRecord`: parsed records are kept, decoded JSON objects (a simulated
+    run's streams, held in memory) are validated with :meth:`StepRecord.from_dict`, anything else is skipped
+    as :func:`read_streams` skips a line that is not an object."""
+    return {rank: [r if isinstance(r, StepRecord) else StepRecord.from_dict(r) for r in records
+                   if isinstance(r, (StepRecord, Mapping))]
+            for rank, records in streams.items()}
 
 
 def clear_streams(exp_dir: Path) -> None:

@@ -227,10 +227,9 @@ class _DataPeak:
     ``RLIMIT_DATA``, the CPU backend's per-rank budget, limits), sampled every :attr:`period_s` by a
     daemon thread from ``/proc/self/status``. Linux keeps no high-water mark of it, and the peak of a
     training step lasts tens of milliseconds (the backward pass holds the activations, the gradients
-    and the reduction's flat copy at once): measured on a gpt-small ZeRO-0 rank, 457 MiB for about
-    20 ms, 415-435 MiB otherwise. The resident high-water mark (``ru_maxrss``) is no substitute: it
-    leaves out pages allocated and never written, such as most of a reduce bucket, which the budget
-    counts.
+    and the reduction's flat copy at once; docs/decisions.md, D202). The resident high-water mark
+    (``ru_maxrss``) is no substitute: it leaves out pages allocated and never written, such as most of
+    a reduce bucket, which the budget counts.
 
     The thread runs until the end of optimizer step :attr:`SAMPLED_STEPS` (:meth:`stop`), then each
     record samples once: by then every step's allocations have happened (the first step creates the
@@ -316,13 +315,24 @@ def _install(module, probe: _Probe) -> None:
     (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
     for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
     the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
-    5 ms for the whole run on the ranks' cores (measured: 3% fewer samples/s on 2 CPU ranks)."""
-    import functools
-    import time
+    5 ms for the whole run on the ranks' cores, slowing them (docs/decisions.md, D203)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
         _DataPeak.start()
     engine_cls = module.DeepSpeedEngine
     forward, step = engine_cls.forward, engine_cls.step
+    engine_cls.forward, engine_cls.step = _probed_forward(forward, probe), _probed_step(step, probe)
+    allreduce = getattr(engine_cls, "allreduce_gradients", None)
+    if allreduce is None:
+        return
+    engine_cls.allreduce_gradients = _probed_allreduce(allreduce, probe)
+
+
+def _probed_forward(forward, probe: _Probe):
+    """``DeepSpeedEngine.forward`` noting the first forward's time; before it, rank 0 records the engine
+    (:func:`_record_engine`), and in the profile run the forward's saved activations are counted
+    (:class:`_SavedActivations`)."""
+    import functools
+    import time
 
     @functools.wraps(forward)
     def probed_forward(self, *args, **kwargs):
@@ -337,6 +347,14 @@ def _install(module, probe: _Probe) -> None:
                 finally:  # DeepSpeed's profile exit() passes through here
                     counter.write()
         return forward(self, *args, **kwargs)
+    return probed_forward
+
+
+def _probed_step(step, probe: _Probe):
+    """``DeepSpeedEngine.step`` counting micro steps, timing the boundary's call (``boundary_s``) and
+    recording a line after the boundary's call returns, or as DeepSpeed's autotuning exit passes through."""
+    import functools
+    import time
 
     @functools.wraps(step)
     def probed_step(self, *args, **kwargs):
@@ -363,11 +381,14 @@ def _install(module, probe: _Probe) -> None:
         _end_step(state, boundary, start)
         _record(probe, self, state, boundary)
         return result
+    return probed_step
 
-    engine_cls.forward, engine_cls.step = probed_forward, probed_step
-    allreduce = getattr(engine_cls, "allreduce_gradients", None)
-    if allreduce is None:
-        return
+
+def _probed_allreduce(allreduce, probe: _Probe):
+    """``DeepSpeedEngine.allreduce_gradients`` adding its time to ``boundary_s`` when ``backward()`` calls
+    it at the boundary (inside ``step()`` it is timed with the step)."""
+    import functools
+    import time
 
     @functools.wraps(allreduce)
     def probed_allreduce(self, *args, **kwargs):
@@ -386,8 +407,7 @@ def _install(module, probe: _Probe) -> None:
         finally:
             if state is not None:
                 state["boundary"] += time.monotonic() - start
-
-    engine_cls.allreduce_gradients = probed_allreduce
+    return probed_allreduce
 
 
 def _end_step(state: dict | None, boundary: bool, start: float) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.experiment import write_json_atomic
-from zerotune.deepspeed.expdir import read_json
+from zerotune.run.expdir import read_json
 
 __all__ = [
     "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "data_bytes", "descendants", "kill_token", "kill_tree",

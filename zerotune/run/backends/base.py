@@ -3,7 +3,7 @@
 A backend knows how to start the ``deepspeed`` launcher somewhere (a subprocess here, a Ray
 placement group elsewhere), supervise it and stop it; it never decides what to run or when. The
 experiment directory (the config a run gets, its result files, its outcome) belongs to
-:mod:`zerotune.deepspeed.expdir`, which every backend calls before and after a run.
+:mod:`zerotune.run.expdir`, which every backend calls before and after a run.
 """
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ class Backend(abc.ABC):
 
         Returns the experiment with ``status``, ``metric``, ``metrics``, ``exit_code``, ``wall_s``
         and ``error`` filled in. Must leave no process of the experiment running. Implementations
-        call :func:`zerotune.deepspeed.expdir.prepare` before the launch and
-        :func:`zerotune.deepspeed.expdir.finish` once the run's processes are gone.
+        call :func:`zerotune.run.expdir.prepare` before the launch and
+        :func:`zerotune.run.expdir.finish` once the run's processes are gone.
         """
 
     def cancel_all(self) -> None:

@@ -1,7 +1,7 @@
 """The local backend: the real ``deepspeed`` launcher as a subprocess, one process group per run.
 
 The backend only starts, supervises and stops processes: the experiment directory (the config it
-ran, the result files, the outcome) is :mod:`zerotune.deepspeed.expdir`'s, the launcher command
+ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
 :mod:`zerotune.deepspeed.launcher`'s. It writes ``cmd.txt`` (a command a person can paste) and
 redirects the launcher's output into ``stdout.log`` and ``stderr.log``. The launcher is started in
 a new session so the whole tree (launcher and ranks) is killed as one process group on timeout,
@@ -20,15 +20,16 @@ import resource
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed import expdir
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
-from zerotune.probe import clean_exits, read_streams, stream_files
+from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
+from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
                                     reap_orphans, remove_shm_buffers, runs_script, write_running_record)
@@ -62,19 +63,10 @@ class LocalBackend(Backend):
         cmd = launch_command(spec, reservation, str(config_path), port, direct=True)
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
-        limit = spec.device_memory_bytes if spec.cpu else None
-
-        def limit_memory():  # runs in the child before exec; inherited by the launcher's ranks
-            if limit:
-                resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
-        script_name = Path(spec.script).name
+        limit_memory = _memory_limit(spec.device_memory_bytes if spec.cpu else None)
         token = new_run_token()
         record = write_running_record(running_dir, exp.name, token, port)
         start = time.monotonic()
-        timed_out = hung = teardown_crash = False
-        ended: EndReason | None = None
-        peak = 0
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
             try:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -87,36 +79,8 @@ class LocalBackend(Backend):
             with self._lock:
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
-            last_size, last_change = -1, start
-            watch.launched_at = start
             try:
-                while proc.poll() is None:
-                    now = time.monotonic()
-                    for child in descendants(proc.pid):
-                        known.setdefault(child.pid, child)
-                        if runs_script(child, script_name):  # not the launcher, nor a JIT compiler
-                            peak = max(peak, data_bytes(child.pid))
-                    size = expdir.output_bytes(exp_dir)
-                    if size != last_size:
-                        last_size, last_change = size, now
-                    if spec.timeout_s is not None and now - start > spec.timeout_s:
-                        timed_out = True
-                    elif spec.hang_timeout_s is not None and now - last_change > spec.hang_timeout_s:
-                        timed_out = hung = True
-                    if timed_out or self._cancelled.is_set():
-                        break
-                    if (ended := watch.check()) is not None:  # enough measured: the same clean stop as a timeout
-                        break
-                    try:  # returns as soon as the launcher exits (a plain sleep adds poll_s / 2 on average)
-                        proc.wait(timeout=self.poll_s)
-                    except subprocess.TimeoutExpired:
-                        pass
-                if ended is None and watch.reached_cap() and (
-                        proc.returncode == 0 or clean_exits(exp_dir, exp.num_nodes * exp.num_slots)):
-                    # the script ended past end_profile_step, before the extended exit (a non-zero exit after
-                    # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
-                    ended = EndReason.STEP_CAP
-                    teardown_crash = proc.returncode != 0
+                seen = self._supervise(proc, exp, exp_dir, watch, start, known)
             finally:
                 kill_tree(proc, known, token)
                 remove_shm_buffers(port)
@@ -124,17 +88,63 @@ class LocalBackend(Backend):
                 with self._lock:
                     self._running.pop(proc.pid, None)
                 release_port(port)
+        return self._finish(exp, exp_dir, proc.returncode, start, seen)
+
+    def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: _StreamWatch, start: float,
+                   known: dict[int, psutil.Process]) -> _Supervised:
+        """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it;
+        every process of its tree seen is added to ``known`` (for the kill that follows)."""
+        spec = self.spec
+        script_name = Path(spec.script).name
+        seen = _Supervised()
+        last_size, last_change = -1, start
+        watch.launched_at = start
+        while proc.poll() is None:
+            now = time.monotonic()
+            for child in descendants(proc.pid):
+                known.setdefault(child.pid, child)
+                if runs_script(child, script_name):  # not the launcher, nor a JIT compiler
+                    seen.peak = max(seen.peak, data_bytes(child.pid))
+            size = expdir.output_bytes(exp_dir)
+            if size != last_size:
+                last_size, last_change = size, now
+            if spec.timeout_s is not None and now - start > spec.timeout_s:
+                seen.timed_out = True
+            elif spec.hang_timeout_s is not None and now - last_change > spec.hang_timeout_s:
+                seen.timed_out = seen.hung = True
+            if seen.timed_out or self._cancelled.is_set():
+                break
+            seen.ended = watch.check()
+            if seen.ended is not None:  # enough measured: the same clean stop as a timeout
+                break
+            try:  # returns as soon as the launcher exits (a plain sleep adds poll_s / 2 on average)
+                proc.wait(timeout=self.poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+        if seen.ended is None and watch.reached_cap() and (
+                proc.returncode == 0 or clean_exits(exp_dir, exp.num_nodes * exp.num_slots)):
+            # the script ended past end_profile_step, before the extended exit (a non-zero exit after
+            # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
+            seen.ended = EndReason.STEP_CAP
+            seen.teardown_crash = proc.returncode != 0
+        return seen
+
+    def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,
+                seen: _Supervised) -> Experiment:
+        """Record the run's outcome in ``exp`` once its processes are gone (:func:`expdir.finish`), with the
+        backend's more precise reasons for a teardown crash, a timeout and a hang."""
+        spec = self.spec
         exp.wall_s = round(time.monotonic() - start, 3)
         # the ranks' sampled VmData is what the CPU budget limits; on CUDA it is host memory, not the device's: the
         # device's peak comes from the probe's streams (expdir.finish), and a run without them (an OOM) has none
-        exp.peak_memory_bytes = (peak or None) if spec.cpu else None
-        expdir.finish(exp, exp_dir, spec.objective, proc.returncode, timed_out, interrupted=self._cancelled.is_set(),
-                      ended=ended)
-        if teardown_crash and exp.status is Status.OK:
-            exp.error = (f"exit code {proc.returncode} after every rank's script ended cleanly (a crash in the "
+        exp.peak_memory_bytes = (seen.peak or None) if spec.cpu else None
+        expdir.finish(exp, exp_dir, spec.objective, exit_code, seen.timed_out, interrupted=self._cancelled.is_set(),
+                      ended=seen.ended)
+        if seen.teardown_crash and exp.status is Status.OK:
+            exp.error = (f"exit code {exit_code} after every rank's script ended cleanly (a crash in the "
                          f"interpreter's teardown): the steps measured count")
         if exp.status is Status.TIMEOUT:
-            exp.error = (f"no output for {spec.hang_timeout_s:g} s: killed as hung" if hung
+            exp.error = (f"no output for {spec.hang_timeout_s:g} s: killed as hung" if seen.hung
                          else f"killed after the {spec.timeout_s:g} s timeout")
         return exp
 
@@ -142,6 +152,26 @@ class LocalBackend(Backend):
         """Stop every running experiment: each run's supervising loop sees it within ``poll_s`` and
         kills its process tree; runs without a result are recorded as INTERRUPTED."""
         self._cancelled.set()
+
+
+@dataclass
+class _Supervised:
+    """What :meth:`LocalBackend._supervise` saw of a run."""
+
+    timed_out: bool = False  # killed for its timeout or a hang
+    hung: bool = False  # no output for hang_timeout_s
+    ended: EndReason | None = None  # the stop rule's answer, or STEP_CAP when the script ended past the cap
+    teardown_crash: bool = False  # a non-zero exit after every rank's clean exit record
+    peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
+
+
+def _memory_limit(limit: int | None):
+    """The child's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: no limit), inherited by the
+    launcher's ranks."""
+    def limit_memory():  # runs in the child before exec
+        if limit:
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    return limit_memory
 
 
 class _StreamWatch:
@@ -160,7 +190,7 @@ class _StreamWatch:
         self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
         self.launched_at: float | None = None
         self._sizes: dict[int, int] = {}
-        self._streams: dict = {}
+        self._streams: dict[int, list[StepRecord]] = {}
 
     def check(self) -> EndReason | None:
         if self.rule is None:
@@ -174,9 +204,8 @@ class _StreamWatch:
 
     def startup_s(self) -> float | None:
         """Seconds from the launch to the start of the first step (None: not known yet)."""
-        firsts = [records[0] for records in self._streams.values() if records and isinstance(records[0], dict)]
-        starts = [r["t"] - r["step_s"] for r in firsts
-                  if isinstance(r.get("t"), (int, float)) and isinstance(r.get("step_s"), (int, float))]
+        firsts = [records[0] for records in self._streams.values() if records]
+        starts = [r.t - r.step_s for r in firsts if r.t is not None and r.step_s is not None]
         if self.launched_at is None or not starts:
             return None
         return max(0.0, min(starts) - self.launched_at)
@@ -186,10 +215,5 @@ class _StreamWatch:
         if self.rule is None:
             return False
         streams = read_streams(self.exp_dir)
-        return bool(streams) and all(any(isinstance(r, dict) and _int(r.get("step")) >= self.cap_step for r in records)
+        return bool(streams) and all(any(r.step is not None and r.step >= self.cap_step for r in records)
                                      for records in streams.values())
-
-
-def _int(value) -> int:
-    """A probe record's integer field, 0 when it is not an integer (a garbled stream)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0

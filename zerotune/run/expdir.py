@@ -7,7 +7,7 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
                        ``autotuning`` section that makes DeepSpeed's engine measure and exit
                        (``enabled``, ``metric_path`` and ``model_info_path`` pointing into this
                        directory, ``start_profile_step``, ``end_profile_step``, ``metric``).
-``cmd.txt``            the backend: the launch command a person can paste (the SIMULATED
+``cmd.txt``            the backend: the launch command a person can paste (the simulated
                        backend writes a line saying that nothing was launched).
 ``stdout.log``,        the launcher and its ranks (the backend redirects their output here);
 ``stderr.log``         :func:`finish` reads their tails to classify a failure.
@@ -31,7 +31,9 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
 =====================  =====================================================================
 
 A backend calls :func:`prepare` before it launches and :func:`finish` after the run's processes
-are gone; in between it only starts, supervises and stops processes. The outcome is decided from
+are gone; in between it only starts, supervises and stops processes. The scheduler writes and
+resumes from ``exp.json``. Hence this module's place in :mod:`zerotune.run`, beside its callers: it is
+zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is decided from
 facts (:func:`classify`), never from the word "error" in the logs.
 """
 from __future__ import annotations
@@ -126,10 +128,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
 
     The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
     ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
-    ``boundary_share``)
-    for throughput and latency when the streams hold a steady step on every rank; otherwise
-    DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams as on the
-    SIMULATED backend, too few steps). When the streams record peaks, ``peak_memory_bytes``
+    ``boundary_share``) for throughput and latency when the streams hold a steady step on every rank;
+    otherwise DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams, too
+    few steps). When the streams record peaks, ``peak_memory_bytes``
     becomes the largest over the ranks; else the backend's value stays.
 
     Args:
@@ -155,7 +156,8 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     data, invalid = _read_object(path)
     profile = exp.kind is ExperimentKind.PROFILE
     streams = read_streams(exp_dir)
-    early = measure(streams, objective) if ended is not None and ended.by_rule and not profile else None
+    probed = None if profile else measure(streams, objective)  # measured once: the profile run has no metric
+    early = probed if ended is not None and ended.by_rule else None
     exp.exit_code = exit_code
     if early is not None:
         exp.status, exp.error = Status.OK, ""
@@ -173,7 +175,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
     exp.boundary_share = None
-    measured = early or (measure(streams, objective) if exp.metric is not None else None)
+    measured = probed if early is not None or exp.metric is not None else None
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
         exp.boundary_share = measured.boundary_share

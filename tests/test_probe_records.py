@@ -1,0 +1,53 @@
+"""zerotune.probe.StepRecord: a probe stream line, parsed and validated once, exactly."""
+import pytest
+
+from zerotune.probe import StepRecord, read_streams, step_records, stream_name
+
+LINE = ('{"rank": 1, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 2, '
+        '"train_batch_size": 8, "peak_bytes": 734003200, "rss_peak_bytes": 700000000}')
+
+
+def test_a_probe_line_parses_into_its_fields():
+    assert StepRecord.parse(LINE) == StepRecord(rank=1, step=3, t=12345.678, step_s=0.0412, boundary_s=0.0061,
+                                                micro_steps=2, train_batch_size=8, peak_bytes=734003200,
+                                                rss_peak_bytes=700000000)
+    assert StepRecord.parse(LINE).peak == 734003200
+    # read by the line's keys too, validated the same way
+    assert (StepRecord.parse(LINE)["step_s"], StepRecord.parse(LINE)["device_peak_bytes"]) == (0.0412, None)
+    with pytest.raises(KeyError):
+        StepRecord.parse(LINE)["peak"]
+
+
+def test_a_line_that_is_not_a_json_object_is_no_record():
+    assert StepRecord.parse('{"rank": 0, "step": 3, "t": 12') is None  # a rank killed while writing
+    assert StepRecord.parse("[1, 2]") is None
+    assert StepRecord.parse("") is None
+
+
+def test_a_value_that_is_not_a_finite_number_counts_as_missing():
+    record = StepRecord.parse('{"step": true, "t": NaN, "step_s": "0.5", "boundary_s": Infinity, '
+                              '"train_batch_size": false, "peak_bytes": null}')
+    assert record == StepRecord()
+    assert StepRecord.from_dict({"step": 2.0, "rank": 1.0}) == StepRecord()  # step and rank: integers only
+    # counts and bytes are truncated to integers, as the readers did
+    assert StepRecord.from_dict({"train_batch_size": 8.9, "peak_bytes": 1.5e9}) == StepRecord(
+        train_batch_size=8, peak_bytes=1_500_000_000)
+
+
+def test_on_cuda_the_peak_is_the_devices():
+    record = StepRecord.from_dict({"step": 1, "peak_bytes": 7 * 10**9, "peak_reserved_bytes": 9 * 10**9,
+                                   "device_peak_bytes": 13 * 10**9})
+    assert (record.peak, record.peak_reserved_bytes) == (13 * 10**9, 9 * 10**9)
+    assert StepRecord.from_dict({"step": 1, "device_peak_bytes": "13"}).peak is None
+
+
+def test_step_records_keeps_parsed_records_and_validates_objects():
+    parsed = StepRecord(step=1, step_s=0.5)
+    assert step_records({0: [parsed, {"step": 2, "step_s": 0.25}, "garbage"]}) == {
+        0: [parsed, StepRecord(step=2, step_s=0.25)]}
+
+
+def test_read_streams_skips_the_lines_that_are_not_objects(tmp_path):
+    (tmp_path / stream_name(0)).write_text(LINE + "\n" + "not json\n" + '{"step": 4}\n' + '{"step": 5, "t')
+    (tmp_path / stream_name(1)).write_text("")
+    assert read_streams(tmp_path) == {0: [StepRecord.parse(LINE), StepRecord(step=4)], 1: []}
