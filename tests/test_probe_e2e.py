@@ -37,16 +37,16 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
     assert sorted(streams) == [0, 1]
     for rank, lines in streams.items():
         # DeepSpeed exits inside the step after end_profile_step (global step 6): that step is recorded.
-        assert [ln["step"] for ln in lines] == [1, 2, 3, 4, 5, 6]
-        assert {(ln["rank"], ln["micro_steps"], ln["train_batch_size"]) for ln in lines} == {(rank, 2, 4)}
-        assert all(ln["step_s"] > 0 and ln["peak_bytes"] > 50 * 2**20 for ln in lines)
+        assert [ln.step for ln in lines] == [1, 2, 3, 4, 5, 6]
+        assert {(ln.rank, ln.micro_steps, ln.train_batch_size) for ln in lines} == {(rank, 2, 4)}
+        assert all(ln.step_s > 0 and ln.peak_bytes > 50 * 2**20 for ln in lines)
         # On CPU peak_bytes is the sampled VmData, what the budget (RLIMIT_DATA) limits: it counts ZeRO-1's
         # fp32 reduce bucket (reduce_bucket_size 5e8 by default: 2,000,000,000 bytes, almost none of it written
         # for this model), which the resident high-water mark beside it leaves out.
-        assert all(ln["peak_bytes"] >= ln["rss_peak_bytes"] + 1_500_000_000 for ln in lines), \
-            [(ln["peak_bytes"], ln["rss_peak_bytes"]) for ln in lines]
+        assert all(ln.peak_bytes >= ln.rss_peak_bytes + 1_500_000_000 for ln in lines), \
+            [(ln.peak_bytes, ln.rss_peak_bytes) for ln in lines]
     for lines in streams.values():  # ZeRO-1 without overlap_comm: the boundary's reduction and optimizer step
-        assert all(0 < ln["boundary_s"] < ln["step_s"] for ln in lines[1:]), lines
+        assert all(0 < ln.boundary_s < ln.step_s for ln in lines[1:]), lines
     measured = measure(streams, OBJECTIVES["throughput"])
     assert (done.metric, done.metric_source) == (measured.value, "probe")
     assert done.boundary_share == measured.boundary_share and 0 < measured.boundary_share < 1

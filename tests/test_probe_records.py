@@ -1,6 +1,4 @@
 """zerotune.probe.StepRecord: a probe stream line, parsed and validated once, exactly."""
-import pytest
-
 from zerotune.probe import StepRecord, read_streams, step_records, stream_name
 
 LINE = ('{"rank": 1, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 2, '
@@ -12,10 +10,6 @@ def test_a_probe_line_parses_into_its_fields():
                                                 micro_steps=2, train_batch_size=8, peak_bytes=734003200,
                                                 rss_peak_bytes=700000000)
     assert StepRecord.parse(LINE).peak == 734003200
-    # read by the line's keys too, validated the same way
-    assert (StepRecord.parse(LINE)["step_s"], StepRecord.parse(LINE)["device_peak_bytes"]) == (0.0412, None)
-    with pytest.raises(KeyError):
-        StepRecord.parse(LINE)["peak"]
 
 
 def test_a_line_that_is_not_a_json_object_is_no_record():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -115,14 +115,6 @@ class StepRecord:
         (CUDA: allocated bytes leave out the allocator's cache and the context), else ``peak_bytes``."""
         return self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_bytes
 
-    def __getitem__(self, key: str) -> int | float | None:
-        """A field by its key on the stream line (``record["step_s"]``), validated as its attribute is: a
-        reader written against the line reads the record the same way. KeyError for a key that is not a
-        field."""
-        if key not in _FIELDS:
-            raise KeyError(key)
-        return getattr(self, key)
-
     @classmethod
     def parse(cls, line: str) -> StepRecord | None:
         """The record on one stream line; None when the line is not a JSON object (a rank killed while
@@ -155,8 +147,6 @@ class StepRecord:
                    peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
                    rss_peak_bytes=count("rss_peak_bytes"))
 
-
-_FIELDS = frozenset(f.name for f in fields(StepRecord))
 
 
 def _finite(value: Any) -> bool:
