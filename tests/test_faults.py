@@ -21,6 +21,7 @@ Three parts:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -563,15 +564,14 @@ with open(config["autotuning"]["metric_path"], "w") as f:
 '''
 
 
-def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
+def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path, caplog):
     (tmp_path / "waiter.py").write_text(LOCK_WAITER)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "c.json").write_text("{}")
     spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
                       timeout_s=2.0)
-    lines = []
-    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps",
-                          log=lines.append)
+    caplog.set_level(logging.INFO, logger="zerotune.run.scheduler")
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
     ext = extensions.extensions_dir(tmp_path / "exps")
     import zerotune.deepspeed.launcher as launcher
     original = launcher.node_launcher
@@ -583,12 +583,13 @@ def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
         waiter = Experiment("waiter", {"stand_in": "waits"})
         scheduler.run([holder])  # leaves the lock (killed at its timeout)
         assert (ext / "fused_adam" / "lock").exists()
-        lines.clear()
+        caplog.clear()
         # the next batch: nothing runs, so the lock is stale: removed, said, and the run loads
         (after,) = scheduler.run([waiter])
     finally:
         launcher.node_launcher = original
     assert holder.status is Status.TIMEOUT
+    lines = caplog.messages  # the scheduler's log
     assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
     assert after.status is Status.OK and after.metric == 10.0
 

@@ -129,7 +129,7 @@ class Autotuner:
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
         self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update,
-                                   context=resume_context(job), log=logging.getLogger("zerotune.run.scheduler").info)
+                                   context=resume_context(job))
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0

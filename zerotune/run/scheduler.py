@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -27,6 +28,8 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.expdir import RECORD_FILE, load_record, write_record
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
+
+logger = logging.getLogger(__name__)
 
 
 class ResultsLock:
@@ -124,7 +127,6 @@ class Scheduler:
         context: what besides the config makes two experiments the same
             (:func:`zerotune.run.resume.resume_context`); recorded with every result and part of
             its resume key. None: ``{}`` (a scheduler built by hand, in tests).
-        log: called with a line for the person (a stale extension lock removed).
 
     .. note:: Every experiment directory is checked to be a direct child of ``exps_dir`` on its
        resolved path (:func:`experiment_dir`) before anything is read, created or removed; a batch
@@ -132,14 +134,12 @@ class Scheduler:
     """
 
     def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
-                 on_update: Callable[[Experiment, str], None] | None = None, context: dict | None = None,
-                 log: Callable[[str], None] | None = None):
+                 on_update: Callable[[Experiment, str], None] | None = None, context: dict | None = None):
         self.backend = backend
         self.pool = pool
         self.exps_dir = Path(exps_dir)
         self.on_update = on_update or (lambda exp, event: None)
         self.context = context or {}
-        self.log = log or (lambda line: None)
         self._seeded = False
         self.history: list[Experiment] = []
         self.launched = 0
@@ -204,7 +204,7 @@ class Scheduler:
                     exp = queue.popleft()
                     if not running:  # no experiment of this tuner loads ops now: a lock is a killed one's
                         for lock in remove_stale_locks(extensions_dir(self.exps_dir)):
-                            self.log(f"removed {lock}: a torch extension lock left by a killed process")
+                            logger.info(f"removed {lock}: a torch extension lock left by a killed process")
                 t = threading.Thread(target=self._run_one, args=(exp, reservation, results, index[id(exp)]),
                                      name=f"exp-{exp.name}", daemon=True)
                 threads.append(t)
