@@ -1,7 +1,7 @@
 """SIMULATED experiments behind zerotune's ``Backend`` interface: no process is launched.
 
 ``SimulatedBackend.run`` does what ``LocalBackend.run`` does around a real launch, with the
-launch replaced by :meth:`Simulator.run`: :func:`zerotune.deepspeed.expdir.prepare` writes the
+launch replaced by :meth:`Simulator.run`: :func:`zerotune.run.expdir.prepare` writes the
 experiment's ``ds_config.json`` (with the ``autotuning`` section a real run gets); this backend
 writes a ``cmd.txt`` saying SIMULATED, ``stdout.log`` and ``stderr.log`` (a CUDA OOM traceback line
 when the config does not fit), and the file DeepSpeed's engine would write: ``model_info.json``
@@ -9,7 +9,7 @@ for the profile run (``num_params``, ``trainable_num_params``, ``activation_mem_
 ``engine.forward`` writes it, with zerotune's probe's ``activations.json`` beside it) or
 ``metrics.json`` (``latency`` in microseconds, ``throughput`` in samples/s, ``FLOPS_per_gpu``, as
 ``engine._autotuning_exit`` writes it). The outcome is then read and classified from those files by
-zerotune's own :func:`zerotune.deepspeed.expdir.finish`, exactly as for a real run, and ``wall_s`` is
+zerotune's own :func:`zerotune.run.expdir.finish`, exactly as for a real run, and ``wall_s`` is
 the SIMULATED duration (nothing sleeps). The scheduler writes ``exp.json``.
 
 Adaptive experiments are simulated as the local backend runs them: with a stop rule, the probe

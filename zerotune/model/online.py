@@ -22,7 +22,7 @@ everything the budget counts (on CPU the probe samples ``VmData`` every 5 ms and
 peak; on CUDA the memory outside the caching allocator, the context and NCCL's buffers, is read once per
 step, not at the peak). Pure
 functions of the model and the experiments; the strategy calls :func:`corrected` after each finished
-experiment (:meth:`zerotune.strategy.tuning.Strategy.correct_memory`).
+experiment (:class:`zerotune.strategy.evaluation.Evaluator`).
 """
 from __future__ import annotations
 

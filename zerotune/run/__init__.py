@@ -1,1 +1,2 @@
-"""Where and how experiments run: device slots, the scheduler, process cleanup, backends."""
+"""Where and how experiments run: device slots, the scheduler, the experiment directory and its
+record, process cleanup, backends."""
