@@ -4,10 +4,25 @@ import statistics
 
 import pytest
 
-from zerotune.core.measure import comparison_noise, measure, peak_bytes, step_stats
+from zerotune.core import measure as core
+from zerotune.core.measure import comparison_noise
 from zerotune.core.objective import OBJECTIVES
+from zerotune.probe import step_records
 
 T_975_3 = 3.182446305284263  # Student t, 97.5% quantile, 3 degrees of freedom
+
+
+# The streams below are written as the probe's lines (JSON objects); zerotune reads them as validated records.
+def measure(lines, objective):
+    return core.measure(step_records(lines), objective)
+
+
+def peak_bytes(lines):
+    return core.peak_bytes(step_records(lines))
+
+
+def step_stats(lines):
+    return core.step_stats(step_records(lines))
 
 
 def stream(rank: int, step_s: list, train_batch_size: int = 16, peak: int = 2**30) -> list[dict]:

@@ -35,10 +35,9 @@ def test_on_cuda_the_peak_is_the_devices():
     assert StepRecord.from_dict({"step": 1, "device_peak_bytes": "13"}).peak is None
 
 
-def test_step_records_keeps_parsed_records_and_validates_objects():
-    parsed = StepRecord(step=1, step_s=0.5)
-    assert step_records({0: [parsed, {"step": 2, "step_s": 0.25}, "garbage"]}) == {
-        0: [parsed, StepRecord(step=2, step_s=0.25)]}
+def test_step_records_validates_each_decoded_line_as_a_read_stream_does():
+    assert step_records({0: [{"step": 2, "step_s": 0.25}, {"step": True, "t": "12"}], 1: []}) == {
+        0: [StepRecord(step=2, step_s=0.25), StepRecord()], 1: []}
 
 
 def test_read_streams_skips_the_lines_that_are_not_objects(tmp_path):

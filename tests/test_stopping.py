@@ -16,7 +16,7 @@ from scipy.stats import t as student_t
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.stopping import EndReason, StopRule, must_beat
-from zerotune.probe import stream_name
+from zerotune.probe import StepRecord, step_records, stream_name
 from zerotune.run import expdir
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
@@ -39,6 +39,11 @@ def streams_of(step_s: list[float], ranks: int = 2, batch: int = 8) -> dict[int,
     return out
 
 
+def records_of(step_s: list[float]) -> dict[int, list[StepRecord]]:
+    """:func:`streams_of` as the stop rule reads it: each line a validated record."""
+    return step_records(streams_of(step_s))
+
+
 def rel_half_width(steady: list[float]) -> float:
     n = len(steady)
     return student_t.ppf(0.975, n - 1) * statistics.stdev(steady) / math.sqrt(n) / statistics.fmean(steady)
@@ -47,7 +52,7 @@ def rel_half_width(steady: list[float]) -> float:
 def first_answer(rule: StopRule, step_s: list[float], bar: float | None = None) -> tuple[int, EndReason] | None:
     """The first number of steps after which ``rule`` answers, and its answer."""
     for k in range(1, len(step_s) + 1):
-        reason = rule.check(streams_of(step_s[:k]), bar)
+        reason = rule.check(records_of(step_s[:k]), bar)
         if reason is not None:
             return k, reason
     return None
@@ -99,15 +104,15 @@ def test_at_the_cap_a_noisy_run_goes_on_while_more_steps_can_make_it_precise_wit
     assert first_answer(rule, ALTERNATING[:7]) is None
     # start-up 8 s (what a new launch would cost again): the interval, ±6.4% on 6 steady steps, needs about
     # 6 * (6.4 / 2) ** 2 = 61 steady steps (30 s of steps): too many; the run ends at the cap
-    answers = [rule.check(streams_of(ALTERNATING[:k]), None, cap, 8.0) for k in range(1, 12)]
+    answers = [rule.check(records_of(ALTERNATING[:k]), None, cap, 8.0) for k in range(1, 12)]
     assert answers[:6] == [None] * 6 and answers[6] is EndReason.STEP_CAP
     # start-up 40 s: it goes on past the cap and ends once precise (within 2%)
     k, reason = next((k, r) for k in range(1, len(ALTERNATING) + 1)
-                     if (r := rule.check(streams_of(ALTERNATING[:k]), None, cap, 40.0)) is not None)
+                     if (r := rule.check(records_of(ALTERNATING[:k]), None, cap, 40.0)) is not None)
     assert (k, reason) == (39, EndReason.PRECISE)
     assert rel_half_width(ALTERNATING[1:k]) <= 0.02 < rel_half_width(ALTERNATING[1:k - 1])
     # a precise run never needs the extension; a run below the bar still cannot beat past the cap
-    assert rule.check(streams_of(STEADY), None, 6, 40.0) is EndReason.PRECISE
+    assert rule.check(records_of(STEADY), None, 6, 40.0) is EndReason.PRECISE
 
 
 def test_latency_races_downwards():

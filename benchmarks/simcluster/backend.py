@@ -29,7 +29,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atom
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.run import expdir
-from zerotune.probe import ACTIVATIONS_RECORD, stream_name
+from zerotune.probe import ACTIVATIONS_RECORD, step_records, stream_name
 from zerotune.run.backends.base import Backend
 from zerotune.run.slots import Reservation
 
@@ -123,10 +123,12 @@ class SimulatedBackend(Backend):
         """Offer the run's streams to the stop rule one step at a time: (streams up to where it
         ended, its SIMULATED duration, why) or the whole run when the rule never answers."""
         full = outcome.streams
+        typed = step_records(full)  # each line validated once, as read_streams does for a real run's files
         steps = min(len(records) for records in full.values())
         for k in range(1, steps + 1):
             prefix = {rank: records[:k] for rank, records in full.items()}
-            ended = self.stop_rule.check(prefix, exp.must_beat, self.end_profile_step + 1, self.sim.startup_s())
+            ended = self.stop_rule.check({rank: records[:k] for rank, records in typed.items()}, exp.must_beat,
+                                         self.end_profile_step + 1, self.sim.startup_s())
             if ended is not None:
                 elapsed = max(records[k - 1]["t"] for records in full.values())
                 return prefix, self.sim.startup_s() + elapsed, ended

@@ -40,11 +40,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
-from zerotune.probe import StepRecord, step_records
+from zerotune.probe import StepRecord
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
            "StepStats", "comparison_noise", "measure", "mean_half_width", "peak_bytes", "pool", "pooled_metrics",
@@ -64,11 +64,9 @@ RUN_NOISE_PRIOR_RUNS = 2
 """The weight of :data:`RUN_NOISE` in :func:`run_noise`'s estimate, in degrees of freedom (as many
 as three runs of one config would give)."""
 
-Streams = Mapping[int, Sequence[StepRecord | Mapping[str, Any]]]
-"""rank -> the probe's step records, in order (:func:`zerotune.probe.read_streams`); records held as decoded
-JSON objects (a simulated run's) are validated on entry (:func:`zerotune.probe.step_records`)."""
-
-Records = Mapping[int, Sequence[StepRecord]]  # rank -> its validated step records, in order
+Streams = Mapping[int, Sequence[StepRecord]]
+"""rank -> the probe's step records, in order, each parsed and validated once (:func:`zerotune.probe.read_streams`;
+records held in memory, a simulated run's, go through :func:`zerotune.probe.step_records`)."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,7 @@ def step_stats(streams: Streams) -> StepStats | None:
     """Align the ranks' streams on the step index and find the warm-up (steps 1 and 2 of the
     module's method). None when no step is present on every rank."""
     per_rank = {rank: {r.step: r.step_s for r in records if r.step is not None and r.step_s is not None}
-                for rank, records in step_records(streams).items()}
+                for rank, records in streams.items()}
     if not per_rank:
         return None
     steps = sorted(set.intersection(*(set(times) for times in per_rank.values())))
@@ -177,7 +175,6 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
     """
     if objective.name not in ("throughput", "latency"):
         return None
-    streams = step_records(streams)
     stats = step_stats(streams)
     if stats is None or not stats.steady_s:
         return None
@@ -195,7 +192,7 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
                        boundary_share=_boundary_share(streams, stats.steps[stats.warmup_steps:], mean))
 
 
-def _boundary_share(streams: Records, steps: Sequence[int], mean_step_s: float) -> float | None:
+def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) -> float | None:
     """Mean over ``steps`` of the largest ``boundary_s`` among the ranks, over ``mean_step_s``; None
     when a step lacks it on a rank (a probe that did not record it)."""
     per_rank = [{r.step: r.boundary_s for r in records if r.step is not None and r.boundary_s is not None}
@@ -212,7 +209,7 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
     a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
     ``VmData``, sampled every 5 ms (:attr:`zerotune.probe.StepRecord.peak`). Ranks without one are absent."""
     peaks = {}
-    for rank, records in step_records(streams).items():
+    for rank, records in streams.items():
         values = [r.peak for r in records if r.peak is not None]
         if values:
             peaks[rank] = max(values)
@@ -239,7 +236,7 @@ def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
     return float(t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * statistics.stdev(steady) / math.sqrt(n) / mean
 
 
-def _train_batch_size(streams: Records, step: int) -> int | None:
+def _train_batch_size(streams: Streams, step: int) -> int | None:
     for rank in sorted(streams):
         for r in streams[rank]:
             if r.step == step and r.train_batch_size is not None:

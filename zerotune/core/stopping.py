@@ -35,9 +35,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from zerotune.core.measure import RUN_NOISE, Measurement, Records, Streams, measure
+from zerotune.core.measure import RUN_NOISE, Measurement, Streams, measure
 from zerotune.core.objective import Objective
-from zerotune.probe import step_records
 
 __all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule",
            "extended_end_step", "must_beat"]
@@ -117,7 +116,6 @@ class StopRule:
             :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` (the
             cap reached and an extension does not pay), or None to go on.
         """
-        streams = step_records(streams)
         m = measure(streams, self.objective)
         if m is not None and m.steady_steps >= self.min_steady_steps and m.rel_half_width is not None:
             if m.rel_half_width <= self.precision:
@@ -131,7 +129,7 @@ class StopRule:
             return None  # no measurement at the cap: the engine's own exit (or the script's end) ends it
         return None if self._extension_pays(streams, m, cap_step, startup_s) else EndReason.STEP_CAP
 
-    def _extension_pays(self, streams: Records, m: Measurement | None, cap_step: int,
+    def _extension_pays(self, streams: Streams, m: Measurement | None, cap_step: int,
                         startup_s: float | None) -> bool:
         """Past the cap: whether more steps can still make the metric precise within the budget
         (``startup_s`` of steps past the cap, see the module docstring)."""
@@ -143,14 +141,14 @@ class StopRule:
         return 0 < needed <= left_steps
 
 
-def _last_step(streams: Records) -> int:
+def _last_step(streams: Streams) -> int:
     """The latest step every rank has recorded (0 before any)."""
     if not streams:
         return 0
     return min(max((r.step for r in records if r.step is not None), default=0) for records in streams.values())
 
 
-def _time_at(streams: Records, step: int) -> float:
+def _time_at(streams: Streams, step: int) -> float:
     """When step ``step`` ended on the slowest rank (the probe's ``t``, seconds)."""
     return max((r.t for records in streams.values() for r in records if r.step == step and r.t is not None),
                default=0.0)

@@ -167,13 +167,10 @@ def read_streams(exp_dir: Path) -> dict[int, list[StepRecord]]:
     return streams
 
 
-def step_records(streams: Mapping[int, Sequence[StepRecord | Mapping[str, Any]]]) -> dict[int, list[StepRecord]]:
-    """rank -> its records as :class:`StepRecord`: parsed records are kept, decoded JSON objects (a simulated
-    run's streams, held in memory) are validated with :meth:`StepRecord.from_dict`, anything else is skipped
-    as :func:`read_streams` skips a line that is not an object."""
-    return {rank: [r if isinstance(r, StepRecord) else StepRecord.from_dict(r) for r in records
-                   if isinstance(r, (StepRecord, Mapping))]
-            for rank, records in streams.items()}
+def step_records(streams: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int, list[StepRecord]]:
+    """rank -> its records: each decoded JSON object validated once (:meth:`StepRecord.from_dict`), as
+    :func:`read_streams` gives the same lines written to files. For streams held in memory (a simulated run's)."""
+    return {rank: [StepRecord.from_dict(r) for r in records] for rank, records in streams.items()}
 
 
 def clear_streams(exp_dir: Path) -> None:
