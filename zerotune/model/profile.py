@@ -9,11 +9,12 @@ experiment directory module reads the file into the experiment's ``metrics``, ad
 
 The activation term: DeepSpeed's ``activation_mem_per_gpu`` is the change of ``memory_allocated()``
 across the first forward (``runtime/engine.py:2994-3027``); on CPU that is the process's RSS
-(``accelerator/cpu_accelerator.py:140-154``), and the profile run is ZeRO-3, so the figure also holds
+(``accelerator/cpu_accelerator.py:140-154``), and a ZeRO-3 profile run's figure also holds
 the parameters gathered during that forward (the first iteration releases them per module,
 ``zero/partitioned_param_coordinator.py:498``, but the C heap keeps the pages) and whatever the forward
-allocates once. The probe's figure counts only the storages autograd saves for the backward pass
-(``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
+allocates once (the profile runs at ZeRO-3 where the job tunes stage 3, else at the highest stage it
+tunes: :meth:`~zerotune.strategy.configs.ConfigBuilder.profile_stage`). The probe's figure counts only
+the storages autograd saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
 are there, it is the one used.
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ class ModelInfo:
             peak (every rank, every 0.2 s) and the probe's ``data_peak_bytes`` (rank 0's ``VmData``,
             every 5 ms: the first forward's peak can be shorter than the backend's period); else None.
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
-        persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown).
+        persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown, or a profile
+            run below stage 3, which persists none: the job then tunes no stage that needs it).
     """
 
     num_params: int

@@ -37,6 +37,7 @@ so that the profile fits wherever any stage could, as DeepSpeed's own autotuner 
 minimum-memory config."""
 
 PROFILE_STAGE = 3
+"""The profile run's ZeRO stage where the job tunes it (:meth:`ConfigBuilder.profile_stage`)."""
 
 
 class ConfigBuilder:
@@ -130,15 +131,23 @@ class ConfigBuilder:
         return Experiment(name=name, ds_config=ds_config, num_nodes=self.job.num_nodes,
                           num_slots=self.job.slots_per_node, kind=kind, space=space, knobs=dict(knobs or {}))
 
+    def profile_stage(self) -> int:
+        """The profile run's ZeRO stage: :data:`PROFILE_STAGE` (3, the least memory, as DeepSpeed's own
+        autotuner profiles) when the job tunes it, else the highest stage the job tunes. A stage the job
+        excludes is never launched: the user's config may be one DeepSpeed refuses there (a client
+        optimizer ZeRO does not support runs at stage 0 only)."""
+        return PROFILE_STAGE if PROFILE_STAGE in self.job.stages else max(self.job.stages)
+
     def profile(self) -> Experiment:
-        """The profile run: ZeRO stage 3 at the smallest mbs with small buckets; DeepSpeed's engine
+        """The profile run: :meth:`profile_stage` at the smallest mbs with small buckets; DeepSpeed's engine
         writes ``model_info.json`` and exits in the first forward (``autotuning.model_info.profile``)."""
         small = {"reduce_bucket_size": PROFILE_BUCKET_SIZE, "stage3_prefetch_bucket_size": PROFILE_BUCKET_SIZE,
                  "stage3_max_live_parameters": PROFILE_BUCKET_SIZE}
+        stage = self.profile_stage()
         # the model's "auto" values are not known yet (this run records them): small buckets, and
         # DeepSpeed's default persistence threshold
-        before = {key: ZERO_DEFAULTS[PROFILE_STAGE][key.split(".")[-1]] for key in MODEL_AUTO_KEYS}
-        cfg = self._build(resolve(self._base, before), PROFILE_STAGE, self.job.min_mbs, {ZERO: small}, None)
+        before = {key: ZERO_DEFAULTS[stage][key.split(".")[-1]] for key in MODEL_AUTO_KEYS}
+        cfg = self._build(resolve(self._base, before), stage, self.job.min_mbs, {ZERO: small}, None)
         exp = self.experiment(cfg, ExperimentKind.PROFILE)
         exp.ds_config["autotuning"] = {"model_info": {"profile": True}}
         return exp
