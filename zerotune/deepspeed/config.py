@@ -94,13 +94,17 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
     """Read a ds_config JSON file.
 
     Raises:
-        ConfigError: missing file, invalid JSON (with line and column), or not a JSON object.
+        ConfigError: missing file, not UTF-8 (DeepSpeed reads it as UTF-8 JSON; the offset of the first bad
+            byte), invalid JSON (with line and column), or not a JSON object.
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read DeepSpeed config: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); a DeepSpeed "
+                          f"config is UTF-8 JSON (non-ASCII text may be written as \\uXXXX)") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from zerotune.run.slots import Reservation
 
 __all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "node_launcher", "paste_command",
-           "release_port"]
+           "release_port", "shell_word"]
 
 _port_lock = threading.Lock()
 _ports_in_use: set[int] = set()
@@ -131,6 +131,20 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
 
 
 def paste_command(env: dict[str, str], cmd: list[str]) -> str:
-    """A shell line a person can paste."""
-    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    return (prefix + " " if prefix else "") + shlex.join(cmd)
+    """A shell line a person can paste: each word as :func:`shell_word` quotes it, so the line is text (valid
+    UTF-8) whatever bytes the paths and arguments hold."""
+    prefix = " ".join(f"{k}={shell_word(v)}" for k, v in sorted(env.items()))
+    return (prefix + " " if prefix else "") + " ".join(shell_word(arg) for arg in cmd)
+
+
+def shell_word(word: str) -> str:
+    """``word`` quoted for the shell: :func:`shlex.quote` when it is text; when it holds bytes that are not
+    UTF-8 (Python's surrogate escapes, as ``sys.argv`` and :func:`os.fsdecode` give an undecodable file
+    name or argument), bash's ``$'...'`` with each byte outside printable ASCII as ``\\xNN``: the shell
+    gives the program the very bytes the user gave, and the line stays printable."""
+    try:
+        word.encode()
+    except UnicodeEncodeError:
+        return "$'" + "".join(chr(b) if 0x20 <= b < 0x7F and chr(b) not in "'\\" else f"\\x{b:02x}"
+                              for b in os.fsencode(word)) + "'"
+    return shlex.quote(word)
