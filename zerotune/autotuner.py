@@ -262,7 +262,9 @@ class Autotuner:
         return paste_command(*self._training_launch(config_path, master_port=29500))
 
     def run_after_tuning(self) -> int:
-        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); its exit code.
+        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit
+        status (negative: killed by that signal), which ``zerotune run`` turns into its own status 3 with a
+        line when it is not 0 (:func:`zerotune.cli.training_status`).
 
         A stop signal (SIGINT, SIGTERM, SIGHUP) is passed on to the launcher as SIGTERM (DeepSpeed's
         launcher then stops its ranks), which gets 30 s before its process group is killed; then

@@ -6,8 +6,8 @@
     zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB   # what-if, runs nothing
 
 Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
-or value), 130 interrupted by Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (results on disk are kept;
-rerun to resume).
+or value), 3 ``zerotune run``'s training failed (a line gives its own status), 130 interrupted by
+Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (results on disk are kept; rerun to resume).
 """
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ from zerotune.report.log import set_verbosity
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
+
+
+TRAINING_FAILED = 3
+"""``zerotune run``'s exit status when the training it launched with the optimal config failed: the
+training's own status (2, or 247 from DeepSpeed's launcher for a rank killed by SIGKILL) would read as
+zerotune's "bad input" or be lost; :func:`training_status` says it in a line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             if tuner.scheduler.history:
                 tuner.print_tuning_results()
         if args.command == "run":
-            return tuner.run_after_tuning()
+            return training_status(tuner.run_after_tuning(), tuner.job.results_dir)
         return 0
     except ConfigError as e:
         print(f"zerotune: error: {e}", file=sys.stderr)
@@ -143,6 +149,21 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
                       "rerun to resume[/]")
         return 128 + signum
+
+
+def training_status(code: int, results_dir) -> int:
+    """``zerotune run``'s exit status for the training's ``code`` (the launcher's exit status; negative:
+    killed by that signal): 0 when it is 0, else :data:`TRAINING_FAILED`, with a line on stderr giving
+    the training's own status and where the tuning's results are kept."""
+    if code == 0:
+        return 0
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    except ValueError:
+        how = f"exited with status {code}"
+    print(f"zerotune: training failed: the launcher {how}; the tuning's results are kept in {results_dir} "
+          f"(ds_config_optimal.json, cmd_optimal.txt)", file=sys.stderr)
+    return TRAINING_FAILED
 
 
 if __name__ == "__main__":
