@@ -197,22 +197,61 @@ def output_bytes(exp_dir: Path) -> int:
     return sum(file_size(Path(exp_dir) / name) for name in (STDOUT_LOG, STDERR_LOG))
 
 
-# The allocators' own out-of-memory messages (torch CPU and CUDA allocators, glibc/dlopen under
-# a memory limit, Python). Matching these, not the word "error", decides that a run was an OOM.
+# The allocators' own out-of-memory errors (torch's CPU and CUDA allocators, other devices', NCCL's CUDA
+# calls, C++ ``new``, Python, the kernel's ENOMEM, ``dlopen`` under a memory limit), matched only in the
+# exceptions the ranks raised (:func:`_raised_errors`), never in other log lines: "read 4096 samples out of
+# memory-mapped shards" is a log line, and a FileNotFoundError after it is no OOM.
 OOM_PATTERNS = re.compile(
-    r"DefaultCPUAllocator: can't allocate memory|CUDA out of memory|torch\.(cuda\.)?OutOfMemoryError|"
-    r"OutOfMemoryError|HIP out of memory|XPU out of memory|std::bad_alloc|\bMemoryError\b|"
-    r"Cannot allocate memory|failed to map segment from shared object|out of memory")
+    r"DefaultCPUAllocator: can't allocate memory|(CUDA|HIP|XPU|MPS)( backend)? out of memory|"
+    r"CUDA error: out of memory|Cuda failure '?out of memory|cudaErrorMemoryAllocation|"
+    r"(CUBLAS|CUDNN)_STATUS_ALLOC_FAILED|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|failed to map segment from shared object")
+# An exception's type that is itself an out-of-memory error (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError,
+# c10::OutOfMemoryError, Python's MemoryError).
+_OOM_TYPE = re.compile(r"(^|[.:])(OutOfMemoryError|MemoryError)$")
+# A line stating a raised exception, as Python prints an uncaught one (``Type: message``, or ``Type`` alone,
+# unindented, after an optional ``[rank0]:`` prefix), or as C++ reports one (``terminate called after throwing an
+# instance of 'Type'``, then ``what():  message``), or as the interpreter reports a fatal error.
+_RAISED = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))"
+                     r"(?::\s.*)?|terminate called after throwing an "
+                     r"instance of '(?P<cxx>[^']+)'.*|\s*what\(\):\s+.*|(?P<fatal>Fatal Python error): .*)\s*$")
+# What the deepspeed launcher raises when a rank exited non-zero: a report of the failure, not its cause.
+_LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "CalledProcessError")
+
+
+def _raised_errors(log_text: str) -> list[tuple[str, str]]:
+    """The exceptions the logs show raised, in order: ``(type, the line stating it)``; a C++ exception's
+    ``what()`` line has the type of the ``terminate`` line before it. The deepspeed launcher's own
+    ``CalledProcessError`` (a rank exited non-zero) is left out."""
+    raised, cxx = [], ""
+    for line in log_text.splitlines():
+        m = _RAISED.match(line)
+        if not m:
+            continue
+        kind = m.group("type") or m.group("cxx") or m.group("fatal") or cxx
+        cxx = m.group("cxx") or ""
+        if kind and kind not in _LAUNCHER_ERRORS:
+            raised.append((kind, line.strip()))
+    return raised
+
+
+def _is_oom(kind: str, line: str) -> bool:
+    """Whether a raised exception (:func:`_raised_errors`) is an allocator's out-of-memory error: its type
+    (``OutOfMemoryError``, ``MemoryError``) or its message (:data:`OOM_PATTERNS`) says so."""
+    return bool(_OOM_TYPE.search(kind) or OOM_PATTERNS.search(line))
 
 
 def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_text: str, timed_out: bool,
              result_file: str = METRICS_FILE, invalid: str = "") -> tuple[Status, str]:
-    """Decide an experiment's outcome from facts, never from the word "error" in stderr.
+    """Decide an experiment's outcome from facts, never from a word in the logs.
 
     Order: a positive finite ``metric_key`` in the result file is OK (whatever stderr says); a
-    timeout is TIMEOUT; an allocator OOM message (:data:`OOM_PATTERNS`) is OOM; anything else is
-    FAILED, with the reason a person needs: for exit code 0 what is wrong with the result file,
-    otherwise the exit code and the last error line of the logs.
+    timeout is TIMEOUT; a raised exception that is an allocator's out-of-memory error (:func:`_is_oom` on
+    :func:`_raised_errors`: torch's ``DefaultCPUAllocator: can't allocate memory``, ``torch.OutOfMemoryError:
+    CUDA out of memory``, ``std::bad_alloc``, ``MemoryError``, ...) is OOM, with that exception as the reason;
+    anything else is FAILED, with the reason a person needs: for exit code 0 what is wrong with the result file,
+    otherwise the exit code and the last exception a rank raised (else the last error line of the logs). A
+    log line that only mentions memory ("read 4096 samples out of memory-mapped shards") is never an OOM: an
+    OOM raises the budget the memory model puts on every config, and is reused on a rerun.
 
     Args:
         exit_code: the launcher's exit status.
@@ -231,17 +270,18 @@ def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_t
         return Status.OK, ""
     if timed_out:
         return Status.TIMEOUT, "killed after the timeout"
-    m = OOM_PATTERNS.search(log_text)
-    if m:
-        line = next((ln for ln in log_text.splitlines() if m.group(0) in ln), m.group(0))
-        return Status.OOM, line.strip()[-300:]
+    raised = _raised_errors(log_text)
+    oom = next((line for kind, line in raised if _is_oom(kind, line)), None)
+    if oom is not None:
+        return Status.OOM, oom[-300:]
     if exit_code == 0:
         if invalid:
             return Status.FAILED, f"{result_file} is invalid: {invalid}"
         if metrics is not None:
             return Status.FAILED, f"{result_file} has no positive '{metric_key}'"
         return Status.FAILED, f"exited 0 without writing {result_file} ({_MISSING_HINT.get(result_file, '')})"
-    return Status.FAILED, f"exit code {exit_code}: {_last_error_line(log_text)}"
+    cause = raised[-1][1][-300:] if raised else _last_error_line(log_text)
+    return Status.FAILED, f"exit code {exit_code}: {cause}"
 
 
 def config_digest(ds_config: dict) -> str:

@@ -1,10 +1,13 @@
 """The processes of a run: finding them, measuring them, killing every one of them, and cleaning up
 after a tuner that died while they ran.
 
-Every process of one run carries a token in its environment (:data:`RUN_TOKEN_ENV`, inherited by
-the launcher's ranks and anything they start), so a process that left the process group and its
-parent (``setsid`` and a double fork) is still found and killed when the run ends
-(:func:`kill_tree`). While a run is alive, ``<exps_dir>/.zerotune-running/<name>.json``
+Every process of one run is found when the run ends (:func:`kill_tree`) by three marks, any one of which
+suffices: its tree (the launcher is made a child subreaper, :func:`adopt_orphans`, so a process orphaned by a
+double fork is reparented to the launcher, not to init, and stays in the tree the backend watches), its
+session and process group (the launcher leads both; a process that moved to another group stays in the
+session), and a token in its environment (:data:`RUN_TOKEN_ENV`, inherited by the launcher's ranks and
+anything they start, found even outside the tree). A helper a rank starts with a cleared environment in a
+session of its own is found by the tree; one that keeps the environment, by the token. While a run is alive, ``<exps_dir>/.zerotune-running/<name>.json``
 (:func:`write_running_record`) names its token and the tuner's pid: if the tuner itself is killed
 (SIGKILL, OOM killer), its experiments outlive it; the next run on the same exps dir kills the
 processes of every record whose tuner is gone before it launches (:func:`reap_orphans`), and
@@ -15,10 +18,12 @@ by name: nothing else on the machine is touched.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,13 +34,15 @@ from zerotune.core.experiment import write_json_atomic
 from zerotune.run.expdir import read_json
 
 __all__ = [
-    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "data_bytes", "descendants", "kill_token", "kill_tree",
+    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token", "kill_tree",
     "new_run_token", "reap_orphans", "remove_shm_buffers", "runs_script", "write_running_record",
 ]
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
 RUNNING_DIR = ".zerotune-running"  # under the exps dir: one record per experiment being run
 SHM_DIR = Path("/dev/shm")
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
 
 def new_run_token() -> str:
@@ -49,6 +56,15 @@ def descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
         return []
+
+
+def adopt_orphans() -> None:
+    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``; elsewhere nothing): a
+    descendant orphaned by its parent's exit (a double-forked daemon) is reparented to this process instead of
+    init, so it stays in this process's tree. Called in the launcher's process between fork and exec (the
+    attribute survives ``execve``)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def runs_script(proc: psutil.Process, script_name: str) -> bool:
@@ -72,11 +88,13 @@ def data_bytes(pid: int) -> int:
     return 0
 
 
-def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: str) -> None:
+def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: str,
+              since: float | None = None) -> None:
     """Stop a run: the launcher's process group (TERM, then KILL after 10 s), any descendant seen
-    on the way (``known``, pid -> process, added to here), and any other process carrying the run's
-    ``token`` (one that left the group and its parent). Returns once they have exited (:func:`_exited`:
-    gone, or zombies that no longer hold anything)."""
+    on the way (``known``, pid -> process, added to here), and any other process of the run
+    (:func:`kill_token`: its token, its session or group, their descendants; ``since``: the launch's
+    ``time.time()``). Returns once they have exited (:func:`_exited`: gone, or zombies that no longer hold
+    anything)."""
     for child in descendants(proc.pid):
         known.setdefault(child.pid, child)
     if proc.poll() is None:
@@ -95,7 +113,7 @@ def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: s
         except psutil.Error:
             pass
     _wait_exited(list(known.values()), timeout_s=5)
-    kill_token(token)
+    kill_token(token, proc.pid, since)
 
 
 def _exited(proc: psutil.Process) -> bool:
@@ -117,9 +135,12 @@ def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def kill_token(token: str) -> int:
-    """SIGKILL every process of this user carrying ``token`` and wait for them; the number killed."""
-    procs = _with_token(token)
+def kill_token(token: str, leader: int | None = None, since: float | None = None) -> int:
+    """SIGKILL every process of a run and wait for them; the number killed. A process of the run carries
+    ``token``, or is in the session or process group ``leader`` (the launcher's pid, with ``since``, the launch's
+    ``time.time()``: only processes started since then, so that a recycled id matches nothing), or descends from
+    one of those."""
+    procs = _of_run(token, leader, since)
     for p in procs:
         try:
             p.kill()
@@ -129,13 +150,16 @@ def kill_token(token: str) -> int:
     return len(procs)
 
 
-def write_running_record(running_dir: Path, name: str, token: str, master_port: int) -> Path:
-    """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``
-    (see the module doc); the caller removes the returned file when the run's processes are gone."""
+def write_running_record(running_dir: Path, name: str, token: str, master_port: int, leader: int | None = None,
+                         since: float | None = None) -> Path:
+    """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
+    ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the
+    module doc); the caller removes the returned file when the run's processes are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
     write_json_atomic(path, {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
-                             "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time()})
+                             "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time(),
+                             "leader": leader, "since": since})
     return path
 
 
@@ -158,7 +182,9 @@ def reap_orphans(running_dir: Path) -> list[str]:
                 or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
             continue
         if data.get("token"):
-            kill_token(str(data["token"]))
+            leader, since = data.get("leader"), data.get("since")
+            kill_token(str(data["token"]), leader if isinstance(leader, int) else None,
+                       since if isinstance(since, (int, float)) else None)
         if isinstance(data.get("master_port"), int):
             remove_shm_buffers(data["master_port"])
         path.unlink(missing_ok=True)
@@ -184,16 +210,25 @@ def remove_shm_buffers(master_port: int) -> list[Path]:
     return removed
 
 
-def _with_token(token: str) -> list[psutil.Process]:
-    """Live processes of this user whose environment carries ``token`` (zombies excluded)."""
-    found = []
+def _of_run(token: str, leader: int | None, since: float | None) -> list[psutil.Process]:
+    """Live processes of this user (zombies excluded) whose environment carries ``token``, or that are in the
+    session or process group ``leader`` and started at ``since`` or later, and the descendants of them all."""
+    found: dict[int, psutil.Process] = {}
+    uid = os.getuid()
     for p in psutil.process_iter():
         try:
-            if p.environ().get(RUN_TOKEN_ENV) == token and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:  # gone, a zombie, or another user's
+            if p.status() == psutil.STATUS_ZOMBIE or p.uids().real != uid:
+                continue
+            if p.environ().get(RUN_TOKEN_ENV) == token or (
+                    leader is not None and since is not None and p.create_time() >= since - 1  # clock ticks
+                    and leader in (os.getsid(p.pid), os.getpgid(p.pid))):
+                found[p.pid] = p
+        except (psutil.Error, OSError):  # gone, a zombie, or another user's
             pass
-    return found
+    for p in list(found.values()):
+        for child in descendants(p.pid):
+            found.setdefault(child.pid, child)
+    return list(found.values())
 
 
 def _alive(pid, create_time) -> bool:

@@ -4,9 +4,15 @@ The backend only starts, supervises and stops processes: the experiment director
 ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
 :mod:`zerotune.deepspeed.launcher`'s. It writes ``cmd.txt`` (a command a person can paste) and
 redirects the launcher's output into ``stdout.log`` and ``stderr.log``. The launcher is started in
-a new session so the whole tree (launcher and ranks) is killed as one process group on timeout,
-hang or Ctrl-C, and any straggler, found by the run's token, is killed after it exits
-(:mod:`zerotune.run.processes`). Multi-node reservations go through the launcher's own hostfile
+a new session, as a child subreaper, so the whole tree (launcher and ranks, and any process they orphan) is
+killed as one process group on timeout, hang or Ctrl-C, and any straggler, found by the run's session, group
+or token, is killed after it exits (:mod:`zerotune.run.processes`).
+
+Every run has a timeout, ``--timeout`` or a default derived from the profile run
+(:mod:`zerotune.run.backends.timeout`). With ``--hang-timeout`` a run that makes no progress for that long is
+killed as hung: progress is a step recorded in the probe's streams, and, before the first step (start-up, JIT
+builds, the profile run), output; once a run has recorded a step, output alone (a heartbeat, a warning printed
+in a loop) is no progress, and silence between steps is no hang. Multi-node reservations go through the launcher's own hostfile
 mechanism (``--hostfile``, ``--force_multi``), never a blanket pkill.
 
 While a run goes, the backend reads its step probe's streams as they grow and, when the launch
@@ -31,8 +37,10 @@ from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, p
 from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec
-from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, data_bytes, descendants, kill_tree, new_run_token,
-                                    reap_orphans, remove_shm_buffers, runs_script, write_running_record)
+from zerotune.run.backends.timeout import Timeout, experiment_timeout
+from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, data_bytes, descendants, kill_tree,
+                                    new_run_token, reap_orphans, remove_shm_buffers, runs_script,
+                                    write_running_record)
 from zerotune.run.slots import Reservation
 
 __all__ = ["LocalBackend"]
@@ -63,15 +71,16 @@ class LocalBackend(Backend):
         cmd = launch_command(spec, reservation, str(config_path), port, direct=True)
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
-        limit_memory = _memory_limit(spec.device_memory_bytes if spec.cpu else None)
+        child_setup = _child_setup(spec.device_memory_bytes if spec.cpu else None)
         token = new_run_token()
         record = write_running_record(running_dir, exp.name, token, port)
-        start = time.monotonic()
+        seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
+        start, since = time.monotonic(), time.time()
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
             try:
                 proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                         env={**os.environ, **env, RUN_TOKEN_ENV: token}, start_new_session=True,
-                                        preexec_fn=limit_memory)
+                                        preexec_fn=child_setup)
             except BaseException:
                 record.unlink(missing_ok=True)
                 release_port(port)
@@ -80,9 +89,10 @@ class LocalBackend(Backend):
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
             try:
-                seen = self._supervise(proc, exp, exp_dir, watch, start, known)
+                write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since)
+                self._supervise(proc, exp, exp_dir, watch, start, known, seen)
             finally:
-                kill_tree(proc, known, token)
+                kill_tree(proc, known, token, since)
                 remove_shm_buffers(port)
                 record.unlink(missing_ok=True)
                 with self._lock:
@@ -91,13 +101,13 @@ class LocalBackend(Backend):
         return self._finish(exp, exp_dir, proc.returncode, start, seen)
 
     def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: _StreamWatch, start: float,
-                   known: dict[int, psutil.Process]) -> _Supervised:
-        """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it;
-        every process of its tree seen is added to ``known`` (for the kill that follows)."""
+                   known: dict[int, psutil.Process], seen: _Supervised) -> None:
+        """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
+        noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
+        follows)."""
         spec = self.spec
         script_name = Path(spec.script).name
-        seen = _Supervised()
-        last_size, last_change = -1, start
+        progress = _Progress(exp_dir, start)
         watch.launched_at = start
         while proc.poll() is None:
             now = time.monotonic()
@@ -105,13 +115,11 @@ class LocalBackend(Backend):
                 known.setdefault(child.pid, child)
                 if runs_script(child, script_name):  # not the launcher, nor a JIT compiler
                     seen.peak = max(seen.peak, data_bytes(child.pid))
-            size = expdir.output_bytes(exp_dir)
-            if size != last_size:
-                last_size, last_change = size, now
-            if spec.timeout_s is not None and now - start > spec.timeout_s:
+            idle_s = progress.idle_s(now)
+            if now - start > seen.timeout.seconds:
                 seen.timed_out = True
-            elif spec.hang_timeout_s is not None and now - last_change > spec.hang_timeout_s:
-                seen.timed_out = seen.hung = True
+            elif spec.hang_timeout_s is not None and idle_s > spec.hang_timeout_s:
+                seen.timed_out, seen.hung, seen.stepped = True, True, progress.stepped
             if seen.timed_out or self._cancelled.is_set():
                 break
             seen.ended = watch.check()
@@ -127,7 +135,6 @@ class LocalBackend(Backend):
             # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
             seen.ended = EndReason.STEP_CAP
             seen.teardown_crash = proc.returncode != 0
-        return seen
 
     def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,
                 seen: _Supervised) -> Experiment:
@@ -143,9 +150,11 @@ class LocalBackend(Backend):
         if seen.teardown_crash and exp.status is Status.OK:
             exp.error = (f"exit code {exit_code} after every rank's script ended cleanly (a crash in the "
                          f"interpreter's teardown): the steps measured count")
-        if exp.status is Status.TIMEOUT:
-            exp.error = (f"no output for {spec.hang_timeout_s:g} s: killed as hung" if seen.hung
-                         else f"killed after the {spec.timeout_s:g} s timeout")
+        if exp.status is Status.TIMEOUT and seen.hung:
+            exp.error = (f"no new step for {spec.hang_timeout_s:g} s: killed as hung" if seen.stepped
+                         else f"no output for {spec.hang_timeout_s:g} s: killed as hung")
+        elif exp.status is Status.TIMEOUT:
+            exp.error = seen.timeout.reason()
         return exp
 
     def cancel_all(self) -> None:
@@ -158,20 +167,50 @@ class LocalBackend(Backend):
 class _Supervised:
     """What :meth:`LocalBackend._supervise` saw of a run."""
 
+    timeout: Timeout = Timeout(float("inf"))  # the run's wall-clock bound
     timed_out: bool = False  # killed for its timeout or a hang
-    hung: bool = False  # no output for hang_timeout_s
+    hung: bool = False  # no progress for hang_timeout_s
+    stepped: bool = False  # with hung: steps were recorded (no new step for hang_timeout_s)
     ended: EndReason | None = None  # the stop rule's answer, or STEP_CAP when the script ended past the cap
     teardown_crash: bool = False  # a non-zero exit after every rank's clean exit record
     peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
 
 
-def _memory_limit(limit: int | None):
-    """The child's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: no limit), inherited by the
-    launcher's ranks."""
-    def limit_memory():  # runs in the child before exec
+def _child_setup(limit: int | None):
+    """The launcher's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: no limit), inherited by the
+    launcher's ranks, and the launcher made a child subreaper (:func:`~zerotune.run.processes.adopt_orphans`:
+    what its ranks orphan stays in its tree)."""
+    def setup():  # runs in the child before exec
         if limit:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    return limit_memory
+        adopt_orphans()
+    return setup
+
+
+class _Progress:
+    """When a run last made progress: a step recorded in its probe streams (their bytes grew), or, before its
+    first step, output (``stdout.log`` and ``stderr.log`` grew). Once a step is recorded, output alone is no
+    progress (a hung collective's heartbeat or a warning printed in a loop is not a step)."""
+
+    def __init__(self, exp_dir: Path, start: float):
+        self.exp_dir, self.last_change = exp_dir, start
+        self._steps, self._output = 0, -1
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the run has recorded a step."""
+        return self._steps > 0
+
+    def idle_s(self, now: float) -> float:
+        """Seconds since the last progress, at ``now`` (``time.monotonic()``)."""
+        steps = sum(expdir.file_size(path) for path in stream_files(self.exp_dir).values())
+        if steps != self._steps:
+            self._steps, self.last_change = steps, now
+        elif not steps:
+            output = expdir.output_bytes(self.exp_dir)
+            if output != self._output:
+                self._output, self.last_change = output, now
+        return now - self.last_change
 
 
 class _StreamWatch:

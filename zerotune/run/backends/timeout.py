@@ -1,0 +1,80 @@
+"""Every experiment's wall-clock bound: ``--timeout``, or a default derived from the profile run's wall time.
+
+Every experiment has one, so a rank stopped by SIGSTOP, a collective that never returns or a deadlocked data
+loader ends the experiment (TIMEOUT), never the tuning. ``--timeout`` (``LaunchSpec.timeout_s``) sets it for
+every experiment, the profile run included. Without it:
+
+- the profile run, and any run while no profile run is recorded in the exps dir, gets
+  :data:`UNKNOWN_STARTUP_TIMEOUT_S`: its start-up (imports, the model's construction or first download,
+  DeepSpeed's JIT ops, about a minute each to build) is not known yet;
+- every other experiment gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile run's wall
+  time)``: a measured run repeats the profile run's start-up, runs ``end_profile_step`` steps and extends by at
+  most its start-up time again (:mod:`zerotune.core.stopping`); the factor and the floor leave room for the
+  steps of micro batches larger than the profile run's and for an op the profile run did not build.
+
+The profile run's wall time is read from its record (``exp.json`` of kind ``profile``, ok) in the exps dir, so
+a resumed tuning whose profile run was reused gets the same bound, and so does the Ray backend's node, which
+runs each experiment in a fresh :class:`~zerotune.run.backends.local.LocalBackend`. With several such records
+(one exps dir shared by several jobs) the longest counts: a longer bound never kills a healthy run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.run.expdir import RECORD_FILE, read_json
+
+__all__ = ["DEFAULT_TIMEOUT_FACTOR", "DEFAULT_TIMEOUT_FLOOR_S", "Timeout", "UNKNOWN_STARTUP_TIMEOUT_S",
+           "experiment_timeout"]
+
+DEFAULT_TIMEOUT_FLOOR_S = 600.0
+"""The least default timeout of an experiment after the profile run, seconds."""
+
+DEFAULT_TIMEOUT_FACTOR = 10.0
+"""The default timeout of an experiment after the profile run, in profile run wall times."""
+
+UNKNOWN_STARTUP_TIMEOUT_S = 1800.0
+"""The default timeout of the profile run, and of any run while no profile run is recorded, seconds."""
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """An experiment's wall-clock bound.
+
+    Attributes:
+        seconds: the bound, seconds from the launch.
+        rule: how it was set, for the experiment's error: ``""`` (``--timeout``), else the default's rule.
+    """
+
+    seconds: float
+    rule: str = ""
+
+    def reason(self) -> str:
+        """The error of an experiment killed at this bound."""
+        return f"killed after the {self.seconds:g} s {self.rule or 'timeout'}"
+
+
+def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path) -> Timeout:
+    """The bound of ``exp``, launched in ``exps_dir``: ``timeout_s`` (``--timeout``) when given, else the
+    default of the module docstring."""
+    if timeout_s is not None:
+        return Timeout(timeout_s)
+    profile_s = None if exp.kind is ExperimentKind.PROFILE else profile_wall_s(exps_dir)
+    if profile_s is None:
+        return Timeout(UNKNOWN_STARTUP_TIMEOUT_S, "timeout for a run whose start-up time is unknown (the profile "
+                                                  "run's; --timeout sets another)")
+    seconds = round(max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR * profile_s), 1)
+    return Timeout(seconds, f"default timeout ({DEFAULT_TIMEOUT_FACTOR:g} x the profile run's {profile_s:g} s, at "
+                            f"least {DEFAULT_TIMEOUT_FLOOR_S:g} s; --timeout sets another)")
+
+
+def profile_wall_s(exps_dir: Path) -> float | None:
+    """The longest wall time of an ok profile run recorded in ``exps_dir``, seconds (None: none recorded)."""
+    walls = []
+    for path in Path(exps_dir).glob(f"*/{RECORD_FILE}"):
+        data = read_json(path)
+        if (data and data.get("kind") == ExperimentKind.PROFILE.value and data.get("status") == Status.OK.value
+                and isinstance(data.get("wall_s"), (int, float)) and data["wall_s"] > 0):
+            walls.append(float(data["wall_s"]))
+    return max(walls, default=None)
