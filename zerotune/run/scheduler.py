@@ -25,7 +25,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, seed, stale_locks
 from zerotune.run.backends.base import Backend
-from zerotune.run.expdir import RECORD_FILE, load_record, write_record
+from zerotune.run.expdir import load_record, not_own, write_record
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
 
@@ -78,12 +78,14 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 def experiment_dir(exps_dir: Path, name: str) -> Path:
     """The directory of experiment ``name``: a direct child of ``exps_dir``, checked on the resolved
-    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), so that
-    nothing is created or removed outside the results tree whatever a config's keys say.
+    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), and never a
+    symlink, even to a directory inside the exps dir (zerotune would write its record into the
+    target, and remove it on ``--overwrite``), so that nothing is created or removed outside the
+    results tree or through a link, whatever a config's keys say.
 
     Raises:
         ConfigError: ``name`` is not ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` (200 characters at most), or its
-            directory resolves outside ``exps_dir``.
+            directory resolves outside ``exps_dir``, or is a symlink.
     """
     if not _SAFE_NAME.fullmatch(name):
         raise ConfigError(f"experiment name {name!r}: expected letters, digits, '.', '_' and '-' (not starting "
@@ -92,24 +94,48 @@ def experiment_dir(exps_dir: Path, name: str) -> Path:
     if path.resolve().parent != Path(exps_dir).resolve():
         raise ConfigError(f"experiment directory {path} resolves to {path.resolve()}, outside the exps dir "
                           f"{Path(exps_dir).resolve()}: zerotune creates and removes directories only inside it")
+    if path.is_symlink():
+        raise ConfigError(f"experiment directory {path} is a symlink (to {os.readlink(path)}): zerotune never writes "
+                          f"or removes through one; move it away or choose another exps dir")
     return path
 
 
 def clear_experiments(exps_dir: Path) -> list[str]:
-    """``--overwrite``: remove the experiment directories in ``exps_dir`` (each a direct child holding
-    an ``exp.json``, not a symlink), nothing else, so an exps dir that holds other files (a config's
-    ``exps_dir`` may name any directory) keeps them. Returns the names removed."""
+    """``--overwrite``: remove the experiment directories in ``exps_dir``, those zerotune can prove its
+    own by their record's content (:func:`~zerotune.run.expdir.not_own`: a real directory whose
+    ``exp.json`` is zerotune's record of it), nothing else: a config's ``exps_dir`` may name any
+    directory, and a user's ``exp.json`` beside their checkpoint stays. Returns the names removed."""
     removed = []
     try:
         children = sorted(Path(exps_dir).iterdir())
     except OSError:
         return removed
     for child in children:
-        if child.is_dir() and not child.is_symlink() and (child / RECORD_FILE).is_file() \
-                and _SAFE_NAME.fullmatch(child.name):
+        if _SAFE_NAME.fullmatch(child.name) and not not_own(child):
             shutil.rmtree(experiment_dir(exps_dir, child.name))
             removed.append(child.name)
     return removed
+
+
+def make_way(exp_dir: Path) -> None:
+    """Make way for a fresh run in ``exp_dir`` (checked by :func:`experiment_dir`): zerotune's own earlier
+    attempt there (interrupted, failed, under another key, or its record not trusted) is removed, an
+    empty directory too; anything else (a user's directory, DeepSpeed's autotuner's, an ``exp.json``
+    that is not zerotune's record) is moved aside whole, to ``<name>.kept-<n>``, and said in the log."""
+    if not os.path.lexists(exp_dir):
+        return
+    why = not_own(exp_dir)
+    if not why:
+        shutil.rmtree(exp_dir)
+    elif exp_dir.is_dir() and not exp_dir.is_symlink() and not any(exp_dir.iterdir()):
+        exp_dir.rmdir()
+    else:
+        n = 1
+        while os.path.lexists(aside := exp_dir.with_name(f"{exp_dir.name}.kept-{n}")):
+            n += 1
+        os.rename(exp_dir, aside)
+        logger.warning(f"{exp_dir}: {why}, so it is not zerotune's: moved to {aside.name}, whole, and the "
+                       f"experiment runs afresh")
 
 
 class Scheduler:
@@ -223,8 +249,7 @@ class Scheduler:
         started = time.time()
         try:
             exp_dir = experiment_dir(self.exps_dir, exp.name)
-            if exp_dir.exists():
-                shutil.rmtree(exp_dir)  # an attempt not reused: interrupted, failed, or under another key
+            make_way(exp_dir)  # an attempt not reused; never what zerotune cannot prove its own
             exp_dir.mkdir(parents=True)
             exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
             self._record(exp, exp_dir)
