@@ -35,7 +35,7 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
 from zerotune.run.resources import Node, Reservation, SlotPool
 from zerotune.run.resume import resume_context
-from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
+from zerotune.run.scheduler import Scheduler, clear_experiments, tuning_locks
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
@@ -155,13 +155,17 @@ class Autotuner:
         finished results and the summary are written, and :class:`Interrupted` (a
         KeyboardInterrupt naming the signal) is raised; a rerun resumes.
 
+        It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.scheduler.tuning_locks`)
+        throughout: one tuner per directory.
+
         Raises:
             TuningFailed: the profile run or every experiment failed (the summary says so).
-            ConfigError: the results or exps dir cannot be created, or is in use by another tuner.
+            ConfigError: the results or exps dir cannot be created, or is in use by another tuner; an
+                experiment's directory is a symlink.
             Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
-        with to_console(self.console), _stop_signals_interrupt(), ResultsLock(job.results_dir):
+        with to_console(self.console), _stop_signals_interrupt(), tuning_locks(job.results_dir, job.exps_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
             reap_orphans(job.exps_dir / RUNNING_DIR)

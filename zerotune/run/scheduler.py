@@ -11,6 +11,7 @@ The scheduler never decides what to try next: the search hands it batches.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import logging
 import os
@@ -19,7 +20,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
@@ -32,37 +33,42 @@ from zerotune.run.slots import SlotPool
 logger = logging.getLogger(__name__)
 
 
-class ResultsLock:
-    """An exclusive lock on a results dir, so two tuners never share one (``fcntl.flock``).
+class DirLock:
+    """An exclusive lock on a directory, so two tuners never share one: ``fcntl.flock`` on
+    ``<dir>/.zerotune.lock`` (opened without following a symlink), which the kernel drops when its
+    holder dies. A subclass names the directory and what to do instead.
 
     Raises:
-        ConfigError: another process holds the lock (its pid is named).
+        ConfigError: another process holds the lock (its pid is named), or the lock file cannot be made.
     """
 
-    def __init__(self, results_dir: Path):
-        self.path = Path(results_dir) / ".zerotune.lock"
+    what = "directory"
+    instead = "choose another one"
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / ".zerotune.lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> "ResultsLock":
+    def __enter__(self) -> "DirLock":
+        where = self.path.parent.absolute()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise ConfigError(f"results dir {self.path.parent}: cannot create it or its lock file: "
-                              f"{e.strerror or e}") from None
+            raise ConfigError(f"{self.what} {where}: cannot create it or its lock file: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise ConfigError(f"results dir {self.path.parent} is in use by another zerotune (pid {holder}); "
-                              f"wait for it or choose another --results-dir") from None
+            raise ConfigError(f"{self.what} {where} is in use by another zerotune (pid {holder}); "
+                              f"wait for it or {self.instead}") from None
         try:
             os.ftruncate(fd, 0)
             os.write(fd, str(os.getpid()).encode())
         except OSError as e:  # a full disk
             os.close(fd)
-            raise ConfigError(f"results dir {self.path.parent}: cannot write its lock file: {e.strerror or e}") from None
+            raise ConfigError(f"{self.what} {where}: cannot write its lock file: {e.strerror or e}") from None
         self._fd = fd
         return self
 
@@ -71,6 +77,37 @@ class ResultsLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+class ResultsLock(DirLock):
+    """The results dir's lock (:class:`DirLock`): one tuner writes its summary and answer."""
+
+    what = "results dir"
+    instead = "choose another --results-dir"
+
+
+class ExpsLock(DirLock):
+    """The exps dir's lock (:class:`DirLock`): one tuner runs, resumes and removes its experiments. Two
+    configs that differ only in ``results_dir`` share the default ``autotuning_exps``."""
+
+    what = "exps dir"
+    instead = "give each tuning its own 'autotuning.exps_dir' (or --results-dir)"
+
+
+@contextlib.contextmanager
+def tuning_locks(results_dir: Path, exps_dir: Path) -> Iterator[None]:
+    """What a tuning holds from start to end: its results dir's lock, then its exps dir's (one lock
+    where they are the same directory).
+
+    Raises:
+        ConfigError: another tuner holds either; the results dir is tried first, so nothing is created
+            under the exps dir when it is held.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ResultsLock(results_dir))
+        if Path(exps_dir).resolve() != Path(results_dir).resolve():
+            stack.enter_context(ExpsLock(exps_dir))
+        yield
 
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
