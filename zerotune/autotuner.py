@@ -84,6 +84,30 @@ def _stop_signals_interrupt():
             signal.signal(sig, old)
 
 
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """While the results are written, a stop signal (:data:`STOP_SIGNALS`) waits until they are whole,
+    then is handled as it would have been (under :func:`_stop_signals_interrupt`: :class:`Interrupted`,
+    unless one is already in flight). So a signal leaves the old answer or the new one, never a new
+    config beside an old summary. Off the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            handler = previous[arrived[0]]
+            if callable(handler):
+                handler(arrived[0], None)
+            else:
+                signal.raise_signal(arrived[0])  # its default action, as if it arrived now
+
+
 def _check_stage_configs(job: Job) -> None:
     """The user's config at every ZeRO stage to explore, at the smallest mbs, built and validated as
     an experiment's would be, so a bad setting (``reduce_bucket_size: 0``) is exit 2 before the
@@ -153,7 +177,8 @@ class Autotuner:
         SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (when called from the main thread): the
         running experiments are killed with all their processes and recorded as interrupted, the
         finished results and the summary are written, and :class:`Interrupted` (a
-        KeyboardInterrupt naming the signal) is raised; a rerun resumes.
+        KeyboardInterrupt naming the signal) is raised; a rerun resumes. A signal while the results
+        are written waits until they are whole.
 
         It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.scheduler.tuning_locks`)
         throughout: one tuner per directory.
@@ -182,9 +207,10 @@ class Autotuner:
                 strategy.run()
                 extensions.publish(extensions.extensions_dir(job.exps_dir))  # built once per install, not per dir
             finally:
-                self.progress.stop()
-                self.elapsed_s = time.monotonic() - started
-                unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
+                with _stop_signals_deferred():  # the old answer or the new one, whole
+                    self.progress.stop()
+                    self.elapsed_s = time.monotonic() - started
+                    unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
         if unwritten is not None:
             raise TuningFailed(f"cannot write the results: {unwritten}; the experiments' records under "
                                f"{job.exps_dir} are kept: free some space and rerun to resume")
