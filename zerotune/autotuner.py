@@ -35,7 +35,7 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
 from zerotune.run.resources import Node, Reservation, SlotPool
 from zerotune.run.resume import resume_context
-from zerotune.run.scheduler import ResultsLock, Scheduler, clear_experiments
+from zerotune.run.scheduler import Scheduler, clear_experiments, tuning_locks
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
@@ -82,6 +82,30 @@ def _stop_signals_interrupt():
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """While the results are written, a stop signal (:data:`STOP_SIGNALS`) waits until they are whole,
+    then is handled as it would have been (under :func:`_stop_signals_interrupt`: :class:`Interrupted`,
+    unless one is already in flight). So a signal leaves the old answer or the new one, never a new
+    config beside an old summary. Off the main thread nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if arrived:
+            handler = previous[arrived[0]]
+            if callable(handler):
+                handler(arrived[0], None)
+            else:
+                signal.raise_signal(arrived[0])  # its default action, as if it arrived now
 
 
 def _check_stage_configs(job: Job) -> None:
@@ -153,15 +177,20 @@ class Autotuner:
         SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (when called from the main thread): the
         running experiments are killed with all their processes and recorded as interrupted, the
         finished results and the summary are written, and :class:`Interrupted` (a
-        KeyboardInterrupt naming the signal) is raised; a rerun resumes.
+        KeyboardInterrupt naming the signal) is raised; a rerun resumes. A signal while the results
+        are written waits until they are whole.
+
+        It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.scheduler.tuning_locks`)
+        throughout: one tuner per directory.
 
         Raises:
             TuningFailed: the profile run or every experiment failed (the summary says so).
-            ConfigError: the results or exps dir cannot be created, or is in use by another tuner.
+            ConfigError: the results or exps dir cannot be created, or is in use by another tuner; an
+                experiment's directory is a symlink.
             Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
-        with to_console(self.console), _stop_signals_interrupt(), ResultsLock(job.results_dir):
+        with to_console(self.console), _stop_signals_interrupt(), tuning_locks(job.results_dir, job.exps_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
             reap_orphans(job.exps_dir / RUNNING_DIR)
@@ -178,9 +207,10 @@ class Autotuner:
                 strategy.run()
                 extensions.publish(extensions.extensions_dir(job.exps_dir))  # built once per install, not per dir
             finally:
-                self.progress.stop()
-                self.elapsed_s = time.monotonic() - started
-                unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
+                with _stop_signals_deferred():  # the old answer or the new one, whole
+                    self.progress.stop()
+                    self.elapsed_s = time.monotonic() - started
+                    unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
         if unwritten is not None:
             raise TuningFailed(f"cannot write the results: {unwritten}; the experiments' records under "
                                f"{job.exps_dir} are kept: free some space and rerun to resume")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.core.experiment import Experiment, Status, write_json_atomic
+from zerotune.core.experiment import Experiment, Status, write_json_atomic, write_text_atomic
 from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
@@ -174,6 +174,11 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
                   answer: Experiment | None) -> Experiment | None:
     """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
 
+    Each file is written whole or not at all (:func:`~zerotune.core.experiment.write_text_atomic`: a temp
+    file, fsync, rename), every text made before the first is written; the config first, the summary
+    last. The caller keeps a stop signal from landing between them
+    (:meth:`zerotune.autotuner.Autotuner.tune`), so the three agree.
+
     Args:
         command_for: ``command_for(config_path) -> str``, the paste-able launcher command.
         answer: the optimal experiment (the strategy's answer; None: none succeeded).
@@ -190,14 +195,17 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
     cmd_path = results_dir / "cmd_optimal.txt"
     if best is None:
         text += "\nNo experiment succeeded: there is no optimal configuration.\n"
-        config_path.unlink(missing_ok=True)
-        cmd_path.unlink(missing_ok=True)
     else:
         text += answer_text(experiments, best, objective)
-        write_json_atomic(config_path, optimal_config(best))
-        cmd_path.write_text(command_for(str(config_path.resolve())) + "\n")
+        command = command_for(str(results_dir.resolve() / config_path.name)) + "\n"  # the file, not a link's target
     memory = memory_table(experiments)
     if memory is not None:
         text += "\n" + table_text(memory)
-    (results_dir / "summary.txt").write_text(text)
+    if best is None:
+        config_path.unlink(missing_ok=True)
+        cmd_path.unlink(missing_ok=True)
+    else:
+        write_json_atomic(config_path, optimal_config(best))
+        write_text_atomic(cmd_path, command)
+    write_text_atomic(results_dir / "summary.txt", text)
     return best

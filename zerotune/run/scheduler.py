@@ -11,6 +11,7 @@ The scheduler never decides what to try next: the search hands it batches.
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import logging
 import os
@@ -19,50 +20,55 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, seed, stale_locks
 from zerotune.run.backends.base import Backend
-from zerotune.run.expdir import RECORD_FILE, load_record, write_record
+from zerotune.run.expdir import load_record, not_own, write_record
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
 
 logger = logging.getLogger(__name__)
 
 
-class ResultsLock:
-    """An exclusive lock on a results dir, so two tuners never share one (``fcntl.flock``).
+class DirLock:
+    """An exclusive lock on a directory, so two tuners never share one: ``fcntl.flock`` on
+    ``<dir>/.zerotune.lock`` (opened without following a symlink), which the kernel drops when its
+    holder dies. A subclass names the directory and what to do instead.
 
     Raises:
-        ConfigError: another process holds the lock (its pid is named).
+        ConfigError: another process holds the lock (its pid is named), or the lock file cannot be made.
     """
 
-    def __init__(self, results_dir: Path):
-        self.path = Path(results_dir) / ".zerotune.lock"
+    what = "directory"
+    instead = "choose another one"
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / ".zerotune.lock"
         self._fd: int | None = None
 
-    def __enter__(self) -> "ResultsLock":
+    def __enter__(self) -> "DirLock":
+        where = self.path.parent.absolute()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
-            raise ConfigError(f"results dir {self.path.parent}: cannot create it or its lock file: "
-                              f"{e.strerror or e}") from None
+            raise ConfigError(f"{self.what} {where}: cannot create it or its lock file: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise ConfigError(f"results dir {self.path.parent} is in use by another zerotune (pid {holder}); "
-                              f"wait for it or choose another --results-dir") from None
+            raise ConfigError(f"{self.what} {where} is in use by another zerotune (pid {holder}); "
+                              f"wait for it or {self.instead}") from None
         try:
             os.ftruncate(fd, 0)
             os.write(fd, str(os.getpid()).encode())
         except OSError as e:  # a full disk
             os.close(fd)
-            raise ConfigError(f"results dir {self.path.parent}: cannot write its lock file: {e.strerror or e}") from None
+            raise ConfigError(f"{self.what} {where}: cannot write its lock file: {e.strerror or e}") from None
         self._fd = fd
         return self
 
@@ -73,17 +79,50 @@ class ResultsLock:
             self._fd = None
 
 
+class ResultsLock(DirLock):
+    """The results dir's lock (:class:`DirLock`): one tuner writes its summary and answer."""
+
+    what = "results dir"
+    instead = "choose another --results-dir"
+
+
+class ExpsLock(DirLock):
+    """The exps dir's lock (:class:`DirLock`): one tuner runs, resumes and removes its experiments. Two
+    configs that differ only in ``results_dir`` share the default ``autotuning_exps``."""
+
+    what = "exps dir"
+    instead = "give each tuning its own 'autotuning.exps_dir' (or --results-dir)"
+
+
+@contextlib.contextmanager
+def tuning_locks(results_dir: Path, exps_dir: Path) -> Iterator[None]:
+    """What a tuning holds from start to end: its results dir's lock, then its exps dir's (one lock
+    where they are the same directory).
+
+    Raises:
+        ConfigError: another tuner holds either; the results dir is tried first, so nothing is created
+            under the exps dir when it is held.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ResultsLock(results_dir))
+        if Path(exps_dir).resolve() != Path(results_dir).resolve():
+            stack.enter_context(ExpsLock(exps_dir))
+        yield
+
+
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
 def experiment_dir(exps_dir: Path, name: str) -> Path:
     """The directory of experiment ``name``: a direct child of ``exps_dir``, checked on the resolved
-    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), so that
-    nothing is created or removed outside the results tree whatever a config's keys say.
+    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), and never a
+    symlink, even to a directory inside the exps dir (zerotune would write its record into the
+    target, and remove it on ``--overwrite``), so that nothing is created or removed outside the
+    results tree or through a link, whatever a config's keys say.
 
     Raises:
         ConfigError: ``name`` is not ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` (200 characters at most), or its
-            directory resolves outside ``exps_dir``.
+            directory resolves outside ``exps_dir``, or is a symlink.
     """
     if not _SAFE_NAME.fullmatch(name):
         raise ConfigError(f"experiment name {name!r}: expected letters, digits, '.', '_' and '-' (not starting "
@@ -92,24 +131,48 @@ def experiment_dir(exps_dir: Path, name: str) -> Path:
     if path.resolve().parent != Path(exps_dir).resolve():
         raise ConfigError(f"experiment directory {path} resolves to {path.resolve()}, outside the exps dir "
                           f"{Path(exps_dir).resolve()}: zerotune creates and removes directories only inside it")
+    if path.is_symlink():
+        raise ConfigError(f"experiment directory {path} is a symlink (to {os.readlink(path)}): zerotune never writes "
+                          f"or removes through one; move it away or choose another exps dir")
     return path
 
 
 def clear_experiments(exps_dir: Path) -> list[str]:
-    """``--overwrite``: remove the experiment directories in ``exps_dir`` (each a direct child holding
-    an ``exp.json``, not a symlink), nothing else, so an exps dir that holds other files (a config's
-    ``exps_dir`` may name any directory) keeps them. Returns the names removed."""
+    """``--overwrite``: remove the experiment directories in ``exps_dir``, those zerotune can prove its
+    own by their record's content (:func:`~zerotune.run.expdir.not_own`: a real directory whose
+    ``exp.json`` is zerotune's record of it), nothing else: a config's ``exps_dir`` may name any
+    directory, and a user's ``exp.json`` beside their checkpoint stays. Returns the names removed."""
     removed = []
     try:
         children = sorted(Path(exps_dir).iterdir())
     except OSError:
         return removed
     for child in children:
-        if child.is_dir() and not child.is_symlink() and (child / RECORD_FILE).is_file() \
-                and _SAFE_NAME.fullmatch(child.name):
+        if _SAFE_NAME.fullmatch(child.name) and not not_own(child):
             shutil.rmtree(experiment_dir(exps_dir, child.name))
             removed.append(child.name)
     return removed
+
+
+def make_way(exp_dir: Path) -> None:
+    """Make way for a fresh run in ``exp_dir`` (checked by :func:`experiment_dir`): zerotune's own earlier
+    attempt there (interrupted, failed, under another key, or its record not trusted) is removed, an
+    empty directory too; anything else (a user's directory, DeepSpeed's autotuner's, an ``exp.json``
+    that is not zerotune's record) is moved aside whole, to ``<name>.kept-<n>``, and said in the log."""
+    if not os.path.lexists(exp_dir):
+        return
+    why = not_own(exp_dir)
+    if not why:
+        shutil.rmtree(exp_dir)
+    elif exp_dir.is_dir() and not exp_dir.is_symlink() and not any(exp_dir.iterdir()):
+        exp_dir.rmdir()
+    else:
+        n = 1
+        while os.path.lexists(aside := exp_dir.with_name(f"{exp_dir.name}.kept-{n}")):
+            n += 1
+        os.rename(exp_dir, aside)
+        logger.warning(f"{exp_dir}: {why}, so it is not zerotune's: moved to {aside.name}, whole, and the "
+                       f"experiment runs afresh")
 
 
 class Scheduler:
@@ -223,8 +286,7 @@ class Scheduler:
         started = time.time()
         try:
             exp_dir = experiment_dir(self.exps_dir, exp.name)
-            if exp_dir.exists():
-                shutil.rmtree(exp_dir)  # an attempt not reused: interrupted, failed, or under another key
+            make_way(exp_dir)  # an attempt not reused; never what zerotune cannot prove its own
             exp_dir.mkdir(parents=True)
             exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
             self._record(exp, exp_dir)
