@@ -166,6 +166,19 @@ def test_profile_exit_leaves_out_what_the_first_step_allocates():
     assert MODEL.calibrated(plain, MODEL.bytes_per_device(plain, 1) + 5).overhead_bytes == 5
 
 
+def test_below_stage_3_the_profile_exit_holds_the_parameters_and_the_fp32_master_only():
+    # a job that does not tune stage 3 profiles at its highest stage: DeepSpeed's engine exits in the first
+    # forward, before any gradient (param.grad, the fp32 partition's, freed at initialization), the reduction
+    # buckets (made in the backward) and torch's lazily created optimizer states; the parameters, the fp32
+    # master copy (fp16/bf16 at stage 0, the fp32 partitions at stages 1-2) and the activations are there
+    for stage, precision, expected in ((0, None, 4 * PSI + 1_000), (0, BF16, 2 * PSI + 4 * PSI + 1_000),
+                                       (1, None, 4 * PSI + 4 * PSI // N + 1_000),
+                                       (2, BF16, 2 * PSI + 4 * PSI // N + 1_000)):
+        prof = cfg(stage, precision, reduce_bucket_size=10_000_000, overlap_comm=True)
+        prof["autotuning"] = {"model_info": {"profile": True}}
+        assert MODEL.profile_exit_bytes(prof, 1) == expected, (stage, precision)
+
+
 # -- DeepSpeed's own estimators ---------------------------------------------------------------------
 def _ds_zero2(total_params, gpus, cpu_offload):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs

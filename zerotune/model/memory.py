@@ -387,7 +387,9 @@ class MemoryModel:
         creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
         ``4*T/N`` are left out (on the device only: offloaded ones are on the host). The first forward
         records the stage-3 trace (module docstring): ``b*min(Psi, L + persistent)`` gathered and
-        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and :meth:`gather_copy_bytes`."""
+        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and :meth:`gather_copy_bytes`. Below stage
+        3 (a job that does not tune stage 3 profiles at its highest stage) the gradients, the optimizer states
+        and the reduction buckets are left out: the parameters and the fp32 master copy remain."""
         full = self.breakdown(ds_config, mbs)
         zero = ds_config.get("zero_optimization") or {}
         full_total = full.total + full.apart - self.reduction_copy_bytes(ds_config)  # made in the backward pass
@@ -403,6 +405,15 @@ class MemoryModel:
             return full_total
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
         k = optimizer_state_bytes(ds_config)
+        stage = int(_number(zero.get("stage"), 0))
+        if stage < 3:
+            # Below stage 3 only the parameters and the fp32 master copy exist at the first forward: the
+            # gradients come in the backward (param.grad; the fp32 partition's gradient is freed at
+            # initialization, stage_1_and_2.py:949-951), and so do the reduction buckets (setup_buckets,
+            # stage_1_and_2.py:3256-3280); torch's optimizers create their states at the first step.
+            buckets = full.buffers - self.reduction_copy_bytes(ds_config) - self.gather_copy_bytes(ds_config)
+            states = k * t / (1 if stage == 0 else self.dp_world_size)
+            return int(full_total - full.gradients - states - buckets)
         return int(full_total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
 
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1) -> "MemoryModel":
