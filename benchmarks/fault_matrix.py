@@ -1,5 +1,6 @@
-"""The fault matrix (issue 13): hostile inputs, rank faults, stop signals, a killed and resumed tuner,
-a full disk; how many zerotune survived, and what was lost, left behind or printed as a traceback.
+"""The fault matrix: hostile inputs, rank faults, stop signals, a killed and resumed tuner, a full disk,
+and round two's records, runs and inputs; how many zerotune survived, and what was lost, left behind or
+printed as a traceback.
 
     OMP_NUM_THREADS=1 python -m benchmarks.fault_matrix [--json OUT]    # from the repository root
 
@@ -10,7 +11,8 @@ stand-in ranks (so a case takes seconds, not minutes; the process tree, signals,
 ``/dev/shm`` files are real). A case **survived** when the tuner ended with the expected exit status
 and the expected outcome, with no traceback, no process of its run left (found by the run token in
 the process environment, and by the stand-ins' paths), no ``/dev/shm`` file of its runs left, and no
-finished result lost or changed. Figures:
+finished result lost or changed. Round two's cases (``matrix_cases`` of tests/test_hostile_records.py,
+test_hostile_runs.py and test_hostile_inputs.py) run the same checks with their tests' own code. Figures:
 
 - cases tried / survived;
 - results lost: finished (ok or oom) ``exp.json`` records that a later step changed or removed;
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 from tests import test_faults as tf  # the cases and stand-ins live with the tests
+from tests import test_hostile_inputs, test_hostile_records, test_hostile_runs  # round two (issue 28)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,6 +218,25 @@ def stale_lock(root: Path) -> Case:
     return case
 
 
+def round_two(root: Path, kind: str, name: str, run) -> Case:
+    """A round-two case (tests/test_hostile_*.py ``matrix_cases``): ``run(root)`` plays it with the real CLI and
+    reports what was not survived, the results lost, the processes left and the tracebacks (counts or lists)."""
+    case = Case(kind, name)
+    try:
+        out = run(root)
+    except Exception as e:  # the scenario's own harness failed: not survived, said
+        out = {"why": [f"scenario error: {type(e).__name__}: {e}"]}
+
+    def count(key: str) -> int:
+        value = out.get(key, 0)
+        return value if isinstance(value, int) else len(value)
+
+    case.lost, case.left, case.tracebacks = count("lost"), count("left"), count("tracebacks")
+    for why in out.get("why", []):
+        case.fail(why)
+    return case
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="also write the cases as JSON here")
@@ -228,7 +250,9 @@ def main() -> int:
                  + [lambda s=s: rank_fault(root, s) for s in tf.RANK_FAULTS]
                  + [lambda s=s: stop_signal(root, s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                                                 signal.SIGKILL)]
-                 + [lambda: run_stopped_while_training(root), lambda: full_disk(root), lambda: stale_lock(root)])
+                 + [lambda: run_stopped_while_training(root), lambda: full_disk(root), lambda: stale_lock(root)]
+                 + [lambda c=c: round_two(root, *c) for module in (test_hostile_records, test_hostile_runs,
+                                                                   test_hostile_inputs) for c in module.matrix_cases()])
         for step in steps:
             case = step()
             cases.append(case)
