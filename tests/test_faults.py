@@ -564,13 +564,33 @@ with open(config["autotuning"]["metric_path"], "w") as f:
 '''
 
 
-def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path, caplog):
+class LogLines(logging.Handler):
+    """The messages one zerotune logger gives while attached (the matrix calls the test below outside pytest)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.logger, self.lines = logging.getLogger(name), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> list[str]:
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self.lines
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
     (tmp_path / "waiter.py").write_text(LOCK_WAITER)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "c.json").write_text("{}")
     spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
                       timeout_s=2.0)
-    caplog.set_level(logging.INFO, logger="zerotune.run.scheduler")
     scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
     ext = extensions.extensions_dir(tmp_path / "exps")
     import zerotune.deepspeed.launcher as launcher
@@ -583,13 +603,12 @@ def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path, caplog):
         waiter = Experiment("waiter", {"stand_in": "waits"})
         scheduler.run([holder])  # leaves the lock (killed at its timeout)
         assert (ext / "fused_adam" / "lock").exists()
-        caplog.clear()
-        # the next batch: nothing runs, so the lock is stale: removed, said, and the run loads
-        (after,) = scheduler.run([waiter])
+        # the next batch: nothing runs, so the lock is stale: removed, said (the scheduler's log), and the run loads
+        with LogLines("zerotune.run.scheduler") as lines:
+            (after,) = scheduler.run([waiter])
     finally:
         launcher.node_launcher = original
     assert holder.status is Status.TIMEOUT
-    lines = caplog.messages  # the scheduler's log
     assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
     assert after.status is Status.OK and after.metric == 10.0
 
