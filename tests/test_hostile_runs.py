@@ -263,7 +263,7 @@ def stopped_profile(root: Path) -> dict:
     """Without ``--timeout``: a SIGSTOPped profile run is killed at the bound for an unknown start-up, and the
     tuning fails saying so (exit 1), with nothing left running."""
     work = make_work(root / "stopped_profile")
-    report = tune(work, untimed_argv(work), {"z3": "sigstop"}, STANDIN_UNKNOWN_STARTUP_TIMEOUT_S="3")
+    report = tune(work, untimed_argv(work), {"profile": "sigstop"}, STANDIN_UNKNOWN_STARTUP_TIMEOUT_S="3")
     expect(report, report["code"] == 1, f"exit status {report['code']}, not 1: {report['err'][-500:]}")
     expect(report, "the profile run failed (timeout: killed after the 3 s timeout for a run whose start-up time "
            "is unknown" in report["err"], f"the tuner does not say the profile timed out: {report['err'][-500:]}")
