@@ -1,4 +1,5 @@
-"""The package's shape, held: small functions, small strategy modules, no import cycle, no sys.path hacks.
+"""The project's shape, held: small functions, small strategy modules, no import cycle, no sys.path hacks, short
+READMEs.
 
 What docs/how-it-works.md draws stays readable only while these hold (docs/decisions.md, D100).
 """
@@ -94,3 +95,10 @@ def test_tests_and_benchmarks_import_as_packages_without_sys_path_edits():
              if p.name != Path(__file__).name
              for i, line in enumerate(p.read_text().splitlines(), start=1) if "sys.path.insert" in line]
     assert edits == []
+
+
+def test_the_readmes_stay_front_pages():
+    """README.md says what zerotune does and links into docs/; benchmarks/README.md holds today's tables only
+    (their history is docs/decisions.md)."""
+    lines = {name: len((ROOT / name).read_text().splitlines()) for name in ("README.md", "benchmarks/README.md")}
+    assert lines["README.md"] <= 150 and lines["benchmarks/README.md"] <= 300, lines
