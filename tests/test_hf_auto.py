@@ -175,3 +175,7 @@ def test_the_optimal_command_and_zerotune_run_pass_the_optimal_configs_values(tm
     command = tuner.optimal_command(str(optimal))
     assert command.endswith(f"train.py --per_device_train_batch_size 12 --deepspeed {optimal} --bf16 "
                             f"--gradient_accumulation_steps 3")
+    # the results are written after every text is made: the command of a config not written yet maps its values
+    unwritten = tmp_path / "not_yet.json"
+    assert tuner.optimal_command(str(unwritten), json.loads(optimal.read_text())) == command.replace(
+        str(optimal), str(unwritten))

@@ -278,18 +278,22 @@ class Autotuner:
             self.console.print(f"optimal config: {self.job.results_dir / 'ds_config_optimal.json'}\n"
                                f"command:        {(self.job.results_dir / 'cmd_optimal.txt').read_text().strip()}")
 
-    def _training_launch(self, config_path: str, master_port: int) -> tuple[dict[str, str], list[str]]:
-        """The launcher's environment additions and command to train on all selected slots."""
+    def _training_launch(self, config_path: str, master_port: int,
+                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
+        """The launcher's environment additions and command to train on all selected slots (``ds_config``: the
+        content of ``config_path`` where it is not written yet)."""
         every_slot = Reservation(tuple(Node(n.host, n.slots[:self.job.slots_per_node]) for n in self.job.nodes))
         # absolute paths: the command works from any directory
         spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
         config_path = str(Path(config_path).absolute())
-        return launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port)
+        return launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port,
+                                                            ds_config=ds_config)
 
-    def optimal_command(self, config_path: str) -> str:
-        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the
-        script and the config by absolute path)."""
-        return paste_command(*self._training_launch(config_path, master_port=29500))
+    def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
+        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the script and the
+        config by absolute path); ``ds_config``: that file's content, where it is not written yet (the results are
+        written after every text is made: :func:`zerotune.report.results.write_results`)."""
+        return paste_command(*self._training_launch(config_path, master_port=29500, ds_config=ds_config))
 
     def run_after_tuning(self) -> int:
         """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit

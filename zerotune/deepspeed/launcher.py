@@ -103,7 +103,7 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
 
 
 def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
-                   direct: bool = False) -> list[str]:
+                   direct: bool = False, ds_config: dict | None = None) -> list[str]:
     """The ``deepspeed`` launcher command for a config on a reservation.
 
     Multi-node reservations (a hostfile and a host other than ``localhost``) go through the
@@ -112,8 +112,8 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
     (``--world_info``: base64 of the JSON ``{"localhost": [slots]}``, ``--master_addr 127.0.0.1``,
     ``--master_port``); otherwise the runner with ``--include``. The script's ds_config argument is
     replaced by ``config_path``, and with ``spec.arg_mappings`` the mapped values of the config at
-    ``config_path`` (written before the launch) are passed as the script's arguments
-    (:func:`zerotune.deepspeed.args.apply_arg_mappings`).
+    ``config_path`` (written before the launch; ``ds_config``, that file's content, where it is not written yet)
+    are passed as the script's arguments (:func:`zerotune.deepspeed.args.apply_arg_mappings`).
     """
     if direct and [n.host for n in reservation.nodes] == ["localhost"]:  # this machine alone
         world = json.dumps({"localhost": list(reservation.nodes[0].slots)}).encode()
@@ -126,7 +126,8 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
         cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
     args = replace_config_arg(list(spec.script_args), config_path)
     if spec.arg_mappings:
-        args = apply_arg_mappings(args, dict(spec.arg_mappings), json.loads(Path(config_path).read_text()))
+        config = json.loads(Path(config_path).read_text()) if ds_config is None else ds_config
+        args = apply_arg_mappings(args, dict(spec.arg_mappings), config)
     return cmd + args
 
 

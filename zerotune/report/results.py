@@ -180,7 +180,8 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
     (:meth:`zerotune.autotuner.Autotuner.tune`), so the three agree.
 
     Args:
-        command_for: ``command_for(config_path) -> str``, the paste-able launcher command.
+        command_for: ``command_for(config_path, ds_config) -> str``, the paste-able launcher command for the
+            config that will be written at ``config_path`` (not written yet when it is called).
         answer: the optimal experiment (the strategy's answer; None: none succeeded).
 
     Returns:
@@ -197,7 +198,9 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         text += "\nNo experiment succeeded: there is no optimal configuration.\n"
     else:
         text += answer_text(experiments, best, objective)
-        command = command_for(str(results_dir.resolve() / config_path.name)) + "\n"  # the file, not a link's target
+        config = optimal_config(best)
+        # the command names the file (not a link's target) and maps the config's values it will hold
+        command = command_for(str(results_dir.resolve() / config_path.name), config) + "\n"
     memory = memory_table(experiments)
     if memory is not None:
         text += "\n" + table_text(memory)
@@ -205,7 +208,7 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         config_path.unlink(missing_ok=True)
         cmd_path.unlink(missing_ok=True)
     else:
-        write_json_atomic(config_path, optimal_config(best))
+        write_json_atomic(config_path, config)
         write_text_atomic(cmd_path, command)
     write_text_atomic(results_dir / "summary.txt", text)
     return best
