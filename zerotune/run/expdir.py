@@ -193,7 +193,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
         exp.ended = EndReason.STEP_CAP.value
     else:
         exp.ended = (EndReason.STOPPED if timed_out or exp.status is Status.INTERRUPTED else EndReason.EXITED).value
-    peaks = peak_bytes(streams)
+    peaks = probed.peak_bytes if probed is not None else peak_bytes(streams)  # the measurement holds them
     if peaks:
         exp.peak_memory_bytes = max(peaks.values())
     return exp
