@@ -24,6 +24,7 @@ class Status(str, enum.Enum):
     FAILED = "failed"  # non-zero exit or no metrics, for a reason other than memory
     TIMEOUT = "timeout"  # killed after the per-experiment timeout or a hang
     INTERRUPTED = "interrupted"  # the tuner stopped while it ran; re-run on resume
+    SKIPPED = "skipped"  # not launched: the throughput model says it cannot beat the best (never on disk)
 
     @property
     def reusable(self) -> bool:

@@ -15,7 +15,10 @@ experiment after it is another measurement of the same model, used two ways:
   (``estimate <= budget``), the stage's estimate becomes just over the budget (its overhead rises by
   ``budget + 1 - estimate``); after an OK run whose peak is above the estimate, it rises by the
   shortfall. Per stage, since what the structural terms miss (communication buffers, allocator
-  slack) differs by stage.
+  slack) differs by stage; but a stage with no run of its own yet gets the same raise: what one stage
+  missed (the allocator's fragmentation, the CUDA context, an activation undercount) the others
+  likely miss too, and its first run would otherwise be launched into the same out-of-memory error
+  (docs/decisions.md, D108).
 
 A peak below the estimate never lowers an overhead: it may be a measurement that does not see
 everything the budget counts (on CPU the probe samples ``VmData`` every 5 ms and can miss a shorter
@@ -93,6 +96,10 @@ def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
     if raise_by:
         extra = list(memory.stage_overhead_bytes)
         extra[stage] += raise_by
+        ran = {min(max(e.stage, 0), 3) for e in earlier
+               if e.kind is not ExperimentKind.PROFILE and e.status in (Status.OK, Status.OOM)}
+        for other in sorted(set(range(4)) - ran - {stage}):  # what one stage missed, the others likely miss too
+            extra[other] += raise_by
         memory = dataclasses.replace(memory, stage_overhead_bytes=tuple(extra))
         notes.append(f"ZeRO stage {stage} overhead +{format_bytes(raise_by)}")
     return memory, ("memory model corrected: " + "; ".join(notes)) if notes else None

@@ -26,10 +26,17 @@ if TYPE_CHECKING:
 
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
-    """The summary's caption: each ZeRO stage's decision and why, and the memory model's inputs."""
+    """The summary's caption: each ZeRO stage's decision and why, each candidate the throughput model kept from
+    launching and its prediction, the re-measurements, and the memory model's inputs."""
     notes = [f"ZeRO stage {r.stage}: {r.decision.value} - {r.reason}"
              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
              for r in result.stages if r.decision is not None]
+    notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
+    replicas = [e for e in result.experiments if e.replica_of]
+    if replicas:
+        configs = sorted({e.replica_of for e in replicas})
+        notes.append(f"re-measurements: {len(replicas)} run(s) of {', '.join(configs)} (each where one run could not "
+                     f"tell configs apart by more than the target precision)")
     memory = result.memory
     if memory is not None:
         notes.append(f"memory model: {memory.num_params:,} params, {format_bytes(memory.activation_bytes_per_sample)}"

@@ -4,8 +4,10 @@ An :class:`Evaluator` hands batches to the world's ``evaluate`` callable (the sc
 memory oracle) and records every outcome in the ledger. It never evaluates a name twice (a config already
 run is reused: the knob-space candidate that is the mbs search's own config), never launches a config the
 memory model, as corrected by the runs so far, puts over the per-device budget (recorded as out of memory,
-not launched), sets the bar a new run races against, and runs re-measurements. The phases decide what to
-evaluate; this module only evaluates it.
+not launched), never launches a candidate the throughput model says cannot beat the best by more than the
+target precision (:mod:`~zerotune.strategy.prediction`: recorded as skipped, with the prediction), sets the
+bar a new run races against, and runs re-measurements. The phases decide what to evaluate; this module only
+evaluates it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from zerotune.model.online import corrected
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
+from zerotune.strategy.prediction import predict, readings
 from zerotune.strategy.result import StrategyResult
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class Evaluator:
                     if exp.memory_bytes is not None and exp.memory_bytes > self.job.device_memory_bytes:
                         self._not_launched(exp)  # the online-corrected model knows it runs out of memory
                         continue
+                    if race and self._skipped(exp):
+                        continue
                 todo[exp.name] = exp
         for exp in self._evaluate(list(todo.values())) if todo else []:
             self.ledger.add(exp)
@@ -87,6 +92,26 @@ class Evaluator:
                      f"{format_bytes(self.job.device_memory_bytes)} budget: not launched")
         logger.info(f"{exp.name}: {exp.error}")
         self.ledger.add(exp)
+
+    def _skipped(self, exp: Experiment) -> bool:
+        """Record ``exp`` as skipped without launching it when the throughput model, fitted on the runs so
+        far, says it cannot beat the best by more than the target precision (:func:`~zerotune.strategy.prediction.predict`)."""
+        objective = self.job.objective
+        if not objective.higher_is_better:
+            return False
+        pooled = self.ledger.pooled()
+        best = objective.best(pooled, lambda name: pooled[name].value)
+        if best is None:
+            return False
+        families = readings(self.ledger.experiments, pooled, self.ledger.run_noise.sigma, self.job.capacity_bytes)
+        prediction = predict(exp, families, (best, pooled[best].value), self.precision)
+        if prediction is None:
+            return False
+        exp.status, exp.metric, exp.error = Status.SKIPPED, None, prediction.reason
+        logger.info(f"{exp.name}: {exp.error}")
+        self.ledger.add(exp)
+        self.result.predictions.append(prediction)
+        return True
 
     def _correct_memory(self, exp: Experiment) -> None:
         """Online correction of the memory model from a finished experiment (:func:`zerotune.model.online.corrected`:

@@ -22,7 +22,7 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.strategy.batch import doubling_gain_bound
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.knobs import knob_stages
-from zerotune.strategy.points import Point, within_noise
+from zerotune.strategy.points import Point, tie, within_noise
 from zerotune.strategy.result import StageResult
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class GasPhase:
         """Run ``mbs`` at ``gas`` for ``stage`` against the phase's ``best`` so far; (the better of the two,
         the candidate's gain over ``best`` on their pooled metrics; None: it did not run ok).
 
-        A difference within the runs' noise where a one-run side is not known to the target precision is
-        not decided on that run: the one-run side(s) are re-measured and the pooled metrics decide. With
+        A difference within the runs' noise where a one-run side is not known to the target precision, and
+        larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are re-measured and the pooled metrics decide. With
         ``larger_batch`` (a rung of the ladder) only a win is re-measured, and the run races ``best``'s own
         metric, not its pessimistic bound. A win is recorded in :attr:`best_batch`.
         """
@@ -162,4 +162,5 @@ class GasPhase:
         gain = ev.job.objective.gain(a.value, b.value)
         single = [e for e, p in ((exp, a), (best, b)) if p.runs < 2]
         imprecise = any(p.runs < 2 and not ev.known_to_precision(e) for e, p in ((exp, a), (best, b)))
-        return gain, single if imprecise and within_noise(gain, *points, PLATEAU_THRESHOLD) else []
+        decide = imprecise and within_noise(gain, *points, PLATEAU_THRESHOLD) and not tie(gain, ev.precision)
+        return gain, single if decide else []

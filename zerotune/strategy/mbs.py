@@ -22,17 +22,20 @@ after the metric's:
 Then the fine pass (:mod:`~zerotune.strategy.fine`) bisects around the best mbs. The search moves over a
 sorted set of allowed mbs values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the
 divisors that keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
-"bisecting" pick from that set.
+"bisecting" pick from that set. A step the throughput model keeps from launching (``Status.SKIPPED``,
+:mod:`~zerotune.strategy.prediction`) ends the climb: its upper bound rises with mbs, so no mbs between the
+best and it can win either.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import fine_pass
 from zerotune.strategy.points import (Confirm, Evaluate, MbsTrace, Point, StopReason, allowed_values, largest_within,
-                                      middle, runner, within_noise)
+                                      middle, runner, tie, within_noise)
 
 __all__ = ["next_mbs", "search_mbs"]
 
@@ -79,7 +82,7 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
 
     run = runner(trace, evaluate)
     if objective.higher_is_better:
-        _top_down(run, trace, values, estimate, objective, threshold, confirm)
+        _top_down(run, trace, values, estimate, objective, threshold, confirm, precision)
         if trace.stop is not StopReason.INFEASIBLE:
             fine_pass(run, trace, values, objective, num_fine, threshold, precision)
         return trace
@@ -92,16 +95,17 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.stop = StopReason.INFEASIBLE
             return trace
         prev = values[0]
-    trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm)
+    trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm, precision)
     fine_pass(run, trace, values, objective, num_fine, threshold, precision)
     return trace
 
 
 def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int, objective: Objective,
-           threshold: float, confirm: Confirm | None) -> StopReason:
+           threshold: float, confirm: Confirm | None, precision: float | None = None) -> StopReason:
     """Climb from the runnable ``prev`` by :func:`next_mbs` steps until the cap, a failure (then
     :func:`_bisect` to the boundary) or a plateau (a step gaining less than ``threshold``; not the
-    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given)."""
+    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, unless
+    it is within ``precision``: a tie, :func:`~zerotune.strategy.points.tie`)."""
     best = trace.best(objective)
     while True:
         step = next_mbs(prev, estimate, values)
@@ -109,11 +113,13 @@ def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int
             return StopReason.CAP
         nxt, landing = step
         (p,) = run([nxt])
+        if p.status is Status.SKIPPED:  # its upper bound rises with mbs: nothing below it can win either
+            return StopReason.PREDICTED
         if not p.ok:
             return _bisect(run, trace, values, prev, nxt, objective, threshold)
         improved = objective.gain(p.metric, best.metric)
         if (improved < threshold and not landing and confirm is not None and min(p.runs, best.runs) < 2
-                and within_noise(improved, p, best, threshold)):
+                and within_noise(improved, p, best, threshold) and not tie(improved, precision)):
             trace.update(confirm(sorted({nxt, best.mbs})))  # a plateau is not decided on one sample
             p, best = trace.get(nxt), trace.get(best.mbs)
             improved = objective.gain(p.metric, best.metric)
@@ -125,7 +131,7 @@ def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int
 
 
 def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, objective: Objective, threshold: float,
-              confirm: Confirm | None) -> None:
+              confirm: Confirm | None, precision: float | None = None) -> None:
     """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
     (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
     (a failure: bisect to the boundary), then look below (:func:`_look_below`). Evidence: docs/decisions.md,
@@ -134,6 +140,9 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     start = largest_within(values, estimate)
     start = max(start, *known_ok) if known_ok else start
     (p,) = run([start])
+    if p.status is Status.SKIPPED:
+        trace.stop = StopReason.PREDICTED
+        return
     fail = None
     while not p.ok:  # the estimate was optimistic: halve until a size runs, then bisect up to the failure
         fail = start
@@ -150,7 +159,8 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
     if fail is not None:
         trace.stop = _bisect(run, trace, values, start, fail, objective, threshold)
     else:
-        trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm)  # above the estimate
+        trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm,  # above the estimate
+                            precision)
     _look_below(run, trace, values, objective, threshold)
 
 
@@ -210,6 +220,8 @@ def _bisect(run, trace: MbsTrace, values: Sequence[int], ok: int, fail: int, obj
     while (mid := middle(values, ok, fail)) is not None:
         best = trace.best(objective)
         (p,) = run([mid])
+        if p.status is Status.SKIPPED:
+            return StopReason.PREDICTED
         if p.ok:
             ok = mid
             if objective.gain(p.metric, best.metric) < threshold:

@@ -21,6 +21,7 @@ class StopReason(str, enum.Enum):
     PLATEAU = "plateau"  # a step improved the best metric by less than the threshold
     BOUNDARY = "boundary"  # the largest runnable mbs lies between a runnable and a failing one
     CAP = "cap"  # reached the largest mbs allowed
+    PREDICTED = "predicted"  # the throughput model: no larger mbs can beat the best by the precision
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,12 @@ def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
     larger of the two points' ``run_noise``)."""
     return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold,
                                         run_noise=max(a.run_noise, b.run_noise))
+
+
+def tie(gain: float, precision: float | None) -> bool:
+    """Whether a relative difference ``gain`` is within the target ``precision`` (None: never): a tie, which no
+    re-measurement is run to break, since either side moves the answer by no more than the precision promised."""
+    return precision is not None and abs(gain) < precision
 
 
 @dataclass

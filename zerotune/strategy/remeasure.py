@@ -6,7 +6,8 @@ lucky sample.
   when one of them is not known to the target precision. A finalist that the readings and the curve both
   put below the best (:func:`below_on_the_curve`) is left out; finalists each known to the precision that
   tie within the run-to-run noise differ by about the precision the answer is promised to, so a second
-  run of each would cost two launches to move the answer by no more than that.
+  run of each would cost two launches to move the answer by no more than that. A finalist within the target
+  precision of the best is a tie (:func:`~zerotune.strategy.points.tie`): the answer may take either.
 - **The answer itself** (:func:`measure_answer_twice`) is reported on at least two runs with
   ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
   than the noise (:func:`answer_stands_out`): one run's interval sees only the jitter of its own steps,
@@ -23,6 +24,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.measure import comparison_noise
 from zerotune.strategy.capacity import Capacity, capacity
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
+from zerotune.strategy.points import tie
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,7 @@ def confirm_answer(ev: Evaluator) -> None:
         noise = comparison_noise([e.metric_rel_half_width, top.metric_rel_half_width],
                                  [pooled[e.name].runs, pooled[top.name].runs], floor=PLATEAU_THRESHOLD,
                                  run_noise=ledger.run_noise.sigma)
-        return abs(gain) <= min(noise, FINAL_MARGIN)
+        return abs(gain) <= min(noise, FINAL_MARGIN) and (e is top or not tie(gain, ev.precision))
 
     close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e) and not below_on_the_curve(ev, e, top)]
     todo = [e for e in close if pooled[e.name].runs < 2]

@@ -11,6 +11,7 @@ from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.points import MbsTrace
+from zerotune.strategy.prediction import Prediction
 
 
 class StageDecision(str, enum.Enum):
@@ -63,6 +64,7 @@ class StrategyResult:
         stages: one :class:`StageResult` per candidate stage, ascending.
         knob_phases: the knob phases run (``"fast": false``).
         ledger: every distinct experiment evaluated, in the order asked, with its outcome.
+        predictions: the candidates the throughput model kept from launching, with their bounds and why.
     """
 
     model_info: ModelInfo | None = None
@@ -70,6 +72,7 @@ class StrategyResult:
     stages: list[StageResult] = field(default_factory=list)
     knob_phases: list[KnobPhase] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
+    predictions: list[Prediction] = field(default_factory=list)
 
     @property
     def experiments(self) -> list[Experiment]:

@@ -21,7 +21,8 @@ probed again (halfway back to the best's mbs, or at the best stage's largest run
 that loses within the runs' noise, or wins within it at equal mbs, is re-measured with the best point (and
 the best stage's point at the probe's mbs) before the stage is given up or searched: at equal mbs a higher
 stage can only gain on the once-per-step work, and a one-run win inside the noise would buy a whole mbs
-search on a coin toss. A headroom probe's win is not re-measured: a larger batch is a real way to win. A
+search on a coin toss. A difference within the target precision is a tie (:func:`~zerotune.strategy.points.tie`):
+never re-measured, and at equal mbs not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A
 headroom probe that loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory
 boundary, where a caching allocator flushes and retries and a step can be slower than just below it; where
 it ran near the capacity (:mod:`~zerotune.strategy.capacity`), the second probe is at the largest mbs the
@@ -52,7 +53,7 @@ from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, allowed_values, largest_within, within_noise
+from zerotune.strategy.points import MbsTrace, Point, allowed_values, largest_within, tie, within_noise
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 
 
@@ -198,6 +199,10 @@ class StageExplorer:
         probe_mbs = own if headroom else largest_within(self.values, min(self.best.point.mbs, own))
         (probe,) = self.evaluate(stage, [probe_mbs])
         result.trace.points.append(probe)
+        if probe.status is Status.SKIPPED:
+            result.decision = StageDecision.SKIPPED
+            result.reason = f"{note}cannot beat: the throughput model bounds its probe at mbs={probe_mbs} below the best plus the precision"
+            return None
         if probe.status is Status.OOM:  # no evidence of slowness: probe below it
             probe_mbs, probe, cap = self._below_oom(stage, result, probe, probe_mbs, headroom)
         probe = self._confirm_probe(stage, result, probe, probe_mbs, headroom)
@@ -205,8 +210,9 @@ class StageExplorer:
         if (headroom and probe.ok and not objective.better(probe.metric, best.metric)
                 and best.mbs < probe_mbs and result.trace.get(best.mbs) is None):
             probe_mbs, probe = self._second_probe(stage, result, probe, probe_mbs)
-        if not (probe.ok and objective.better(probe.metric, best.metric)):
-            self._lose(result, probe, probe_mbs, note)
+        if not (probe.ok and objective.better(probe.metric, best.metric)) or (
+                not headroom and tie(objective.gain(probe.metric, best.metric), self.precision)):
+            self._lose(result, probe, probe_mbs, note)  # a win within the precision at equal mbs is a tie
             return None
         result.reason = f"{note}probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best.metric:.4g})"
         return cap
@@ -236,8 +242,9 @@ class StageExplorer:
         stage's point at the probe's mbs where that ran ok) re-measured; the probe's point, :attr:`best` updated."""
         objective, best = self.objective, self.best
         won = probe.ok and objective.better(probe.metric, best.point.metric)
-        if not (self.confirm is not None and probe.ok and (not won or not headroom) and within_noise(
-                objective.gain(probe.metric, best.point.metric), probe, best.point, self.threshold)):
+        gain = objective.gain(probe.metric, best.point.metric) if probe.ok else 0.0
+        if not (self.confirm is not None and probe.ok and (not won or not headroom)
+                and within_noise(gain, probe, best.point, self.threshold) and not tie(gain, self.precision)):
             return probe
         at_same = best.trace.get(probe_mbs)
         refs = sorted({best.point.mbs} | ({probe_mbs} if at_same is not None and at_same.ok else set()))

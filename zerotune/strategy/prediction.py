@@ -1,0 +1,96 @@
+"""The skip rule: a candidate is launched only where the throughput model says it can beat the best.
+
+Before a micro-batch or gas experiment is launched (:class:`~zerotune.strategy.evaluation.Evaluator`), the
+throughput model (:mod:`zerotune.model.throughput`) bounds its throughput from the runs so far:
+
+- **its own family** (the same config but for mbs: same ZeRO stage, gas and knobs) when one of its configs
+  ran ok: :func:`~zerotune.model.throughput.bounds` at its mbs;
+- else **any family** with two or more such runs at different mbs: the compute roofline
+  (:func:`~zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
+  per-step work; the tightest such ceiling.
+
+Each reading's half-width is what a run of that config gives (:func:`~zerotune.core.measure.mean_half_width`:
+the runs' own intervals and the run-to-run noise). Readings near the device's capacity
+(:data:`~zerotune.strategy.capacity.NEAR_CAPACITY`) are left out: an allocator slows steps there, off the
+affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
+the best pooled metric by more than the target precision (``--precision``): within it, it is a tie the
+answer would not move for. Throughput only (a latency search is not gated), and never a re-measurement.
+docs/decisions.md, D108.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import Pooled, mean_half_width
+from zerotune.model.throughput import Reading, bounds, can_beat, ceiling
+from zerotune.strategy.capacity import NEAR_CAPACITY
+
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
+GATED_KINDS = (ExperimentKind.MBS, ExperimentKind.GAS)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Why a candidate was not launched: its predicted throughput bounds (samples/s), the best's pooled
+    metric it had to beat by ``precision``, and where the bounds came from."""
+
+    name: str
+    low: float
+    high: float
+    best: float
+    best_name: str
+    precision: float
+    source: str
+
+    @property
+    def reason(self) -> str:
+        return (f"throughput model: {self.low:.4g}-{self.high:.4g} samples/s predicted ({self.source}); cannot beat "
+                f"{self.best_name}'s {self.best:.4g} by more than the precision ({self.precision:.0%}): not launched")
+
+
+def family_key(ds_config: dict) -> str:
+    """The config without its mbs and train batch size: equal for the members of one family."""
+    import json
+    return json.dumps({k: v for k, v in ds_config.items() if k not in _BATCH_KEYS}, sort_keys=True, default=str)
+
+
+def readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], sigma: float,
+             budget_bytes: int | None) -> dict[str, list[Reading]]:
+    """Family key -> its readings: each config that ran ok (pooled over its runs), calm or of unknown capacity."""
+    out: dict[str, list[Reading]] = {}
+    for exp in experiments:
+        p = pooled.get(exp.name)
+        if exp.replica_of or p is None or not p.value or p.value <= 0 or not isinstance(exp.mbs, int):
+            continue
+        if budget_bytes and exp.peak_memory_bytes and exp.peak_memory_bytes >= NEAR_CAPACITY * budget_bytes:
+            continue
+        runs = [e.metric_rel_half_width for e in experiments
+                if (e.name == exp.name or e.replica_of == exp.name) and e.status is Status.OK]
+        out.setdefault(family_key(exp.ds_config), []).append(
+            Reading(exp.mbs, p.value, mean_half_width(runs or [None], sigma)))
+    return out
+
+
+def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
+            precision: float) -> Prediction | None:
+    """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no reading
+    that bounds it, readings no affine curve fits, or an upper bound beating the best by more than
+    ``precision``)."""
+    if best is None or exp.kind not in GATED_KINDS or not isinstance(exp.mbs, int):
+        return None
+    own = families.get(family_key(exp.ds_config))
+    if own:
+        b = bounds(own, exp.mbs)
+        if b is None:
+            return None
+        low, high, source = b.low, b.high, f"{len(own)} run(s) of its family, affine step time"
+    else:
+        ceilings = [c for rs in families.values() if len({r.mbs for r in rs}) >= 2 and (c := ceiling(rs)) is not None]
+        if not ceilings:
+            return None
+        low, high, source = 0.0, min(ceilings), "the compute roofline of a measured family"
+    if can_beat(high, best[1], precision):
+        return None
+    return Prediction(exp.name, low, high, best[1], best[0], precision, source)
