@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from rich.table import Table
 
-from zerotune.core.experiment import Experiment, ExperimentKind
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
 
 
@@ -33,6 +33,8 @@ class PlannedExperiment:
         memory_bytes: the memory model's bytes per device, None when the model size is unknown.
         fits: whether ``memory_bytes`` is within the per-device budget (None: unknown).
         ds_config: the config it would run.
+        skipped: why the throughput model would not launch it (its prediction, under the oracle's assumed
+            metric: :mod:`zerotune.strategy.prediction`); None: launched, or pruned by memory (``fits``).
     """
 
     name: str
@@ -44,6 +46,7 @@ class PlannedExperiment:
     memory_bytes: int | None = None
     fits: bool | None = None
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
+    skipped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Plan:
         ``skip_profile``: its result is already on disk)."""
         rows = [PlannedExperiment(e.name, e.kind.value, e.stage, e.mbs, e.gas, dict(e.knobs), e.memory_bytes,
                                   None if e.memory_bytes is None else e.memory_bytes <= device_memory_bytes,
-                                  e.ds_config)
+                                  e.ds_config, e.error if e.status is Status.SKIPPED else None)
                 for e in experiments if not (skip_profile and e.kind is ExperimentKind.PROFILE)]
         return cls(rows, model_info_source, device_memory_bytes, dp_world_size)
 
@@ -82,18 +85,22 @@ class Plan:
         return json.dumps(self.to_json(), indent=2, sort_keys=False)
 
     def header(self) -> str:
-        """One line: how many experiments, how many fit, where the model size comes from."""
+        """One line: how many experiments, how many fit, how many the throughput model would not launch, where the
+        model size comes from."""
         if self.model_info_source is None:
             verdict = ("memory per device unknown until the profile run (or give autotuning.model_info.num_params "
                        "and activation_mem_per_gpu)")
         else:
             verdict = (f"{sum(e.fits is True for e in self.experiments)} fit "
                        f"{format_bytes(self.device_memory_bytes)} per device (model size from {self.model_info_source})")
+        skipped = sum(e.skipped is not None for e in self.experiments)
+        verdict += f"; {skipped} not launched by the throughput model" if skipped else ""
         return (f"zerotune dry run: {len(self.experiments)} experiments may be generated, {verdict}; "
                 f"DP world size {self.dp_world_size}")
 
     def table(self) -> Table:
-        """One row per experiment: name, phase, stage, mbs, gas, knobs, bytes per device, fits."""
+        """One row per experiment: name, phase, stage, mbs, gas, knobs, bytes per device, fits; a candidate the
+        throughput model would not launch says so in its ``fits`` cell, with its prediction below the table."""
         table = Table()
         for col in ("experiment", "phase", "stage", "mbs", "gas", "knobs that differ", "memory/device", "fits"):
             table.add_column(col, justify="right" if col in ("stage", "mbs", "gas", "memory/device") else "left",
@@ -102,7 +109,12 @@ class Plan:
             knobs = " ".join(f"{k.removeprefix('zero_optimization.')}={_value(v)}" for k, v in e.knobs.items()) or "-"
             memory = "?" if e.memory_bytes is None else format_bytes(e.memory_bytes)
             fits = "?" if e.fits is None else ("yes" if e.fits else "no")
-            table.add_row(e.name, e.phase, str(e.stage), str(e.mbs), str(e.gas), knobs, memory, fits)
+            table.add_row(e.name, e.phase, str(e.stage), str(e.mbs), str(e.gas), knobs, memory,
+                          fits + (", not launched" if e.skipped else ""))
+        skipped = [f"{e.name}: {e.skipped}" for e in self.experiments if e.skipped]
+        if skipped:
+            table.caption = "\n".join(skipped)
+            table.caption_justify = "left"
         return table
 
 
