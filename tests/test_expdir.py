@@ -230,3 +230,20 @@ def test_an_interrupted_record_is_not_loaded(tmp_path):
     e.status = Status.INTERRUPTED
     expdir.write_record(e, tmp_path)
     assert expdir.load_record(tmp_path, CONFIG) is None
+
+
+def test_on_cuda_the_profile_record_carries_the_steps_growth_and_a_run_its_own_slope(tmp_path):
+    write(tmp_path / "p" / "model_info.json", '{"num_params": 1000}')
+    write(tmp_path / "p" / "activations.json", '{"saved_bytes": 10, "micro_batch_size": 2, "step_growth_bytes": 900, '
+                                               '"forward_growth_bytes": 700}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path / "p", OBJECTIVES["throughput"], exit_code=0)
+    assert (done.metrics["step_growth_bytes"], done.metrics["forward_growth_bytes"]) == (900, 700)
+    assert done.activation_slope_bytes is None  # the profile run has no steps
+    write(tmp_path / "r" / "metrics.json", '{"throughput": 10.0, "latency": 1000}')
+    mbs = CONFIG["train_micro_batch_size_per_gpu"]
+    for rank, peak in ((0, 7_000), (1, 9_000)):  # rank 1's step 2 grew the most: (9,000 - 1,000) / mbs
+        lines = [{"rank": rank, "step": i, "t": 10.0 + i, "step_s": 0.1, "micro_steps": 1, "train_batch_size": 4,
+                  "peak_bytes": peak, "base_bytes": 100 if i == 1 else 1_000} for i in (1, 2)]
+        write(tmp_path / "r" / f"probe.rank{rank}.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
+    run = expdir.finish(exp(), tmp_path / "r", OBJECTIVES["throughput"], exit_code=0)
+    assert run.activation_slope_bytes == 8_000 // mbs and Experiment.from_json(run.to_json()) == run

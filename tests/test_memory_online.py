@@ -1,7 +1,10 @@
 """The memory model checked on every run: online correction, exp.json's error, the summary's memory table."""
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import activation_slope_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import corrected
+from zerotune.model.profile import ModelInfo
+from zerotune.probe import step_records
 from zerotune.report.results import memory_table, table_text
 
 MODEL = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4, overhead_bytes=100)
@@ -77,3 +80,60 @@ def test_the_activation_slope_comes_from_two_runs_of_one_config_and_keeps_the_ca
     other = Experiment("z0_mbs4_b", {**CFG, "train_micro_batch_size_per_gpu": 4, "zero_optimization":
                                      {"stage": 0, "reduce_bucket_size": 1}}, status=Status.OK, peak_memory_bytes=1)
     assert corrected(b, other, 10**12, runs)[0].activation_bytes_per_sample == 1_500_000
+
+
+# Measured on one H200, GPT-2 124M (vocab 50257, seq 1024, bf16; docs/decisions.md, D204): the first forward
+# saves 759 MiB per sample, the whole step grows by 1.12 GiB per sample, plus, at ZeRO-3, the 38.6M-parameter
+# embedding gathered and its gradient: 2 * 2 bytes * 38,597,376 = 154,389,504 bytes whatever the mbs.
+SAVED = 759 * 2**20  # 795,869,184
+GROWTH = 1_202_590_843  # 1.12 GiB
+EMBEDDING = 50257 * 768
+GATHERED = 2 * 2 * EMBEDDING
+GPT2 = {"num_params": 124_439_808, "trainable_num_params": 124_439_808, "activation_mem_per_gpu": 3 * 10**9,
+        "activation_saved_bytes": SAVED, "largest_layer_params": EMBEDDING}
+BF16_Z3 = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
+
+
+def test_on_cuda_the_activation_term_is_the_steps_growth_less_the_gathered_module():
+    assert GATHERED == 154_389_504
+    info = ModelInfo.from_metrics({**GPT2, "step_growth_bytes": GROWTH + GATHERED}, mbs=1, ds_config=BF16_Z3)
+    assert info.activation_mem_per_gpu == 1_202_590_843
+    at2 = ModelInfo.from_metrics({**GPT2, "step_growth_bytes": 2 * GROWTH + GATHERED}, mbs=2, ds_config=BF16_Z3)
+    assert at2.activation_mem_per_gpu == 1_202_590_843
+    # below stage 3 the constant is the gradient of every trainable parameter: 2 bytes * 124,439,808
+    z0 = {**BF16_Z3, "zero_optimization": {"stage": 0}}
+    info = ModelInfo.from_metrics({**GPT2, "step_growth_bytes": GROWTH + 248_879_616}, mbs=1, ds_config=z0)
+    assert info.activation_mem_per_gpu == 1_202_590_843
+    # a growth below the saved storages (a failed measurement) never lowers the term
+    assert ModelInfo.from_metrics({**GPT2, "step_growth_bytes": 10}, ds_config=BF16_Z3).activation_mem_per_gpu == SAVED
+
+
+def test_a_cpu_profile_record_without_the_steps_growth_gives_the_saved_bytes_as_before():
+    assert ModelInfo.from_metrics(GPT2, mbs=4).activation_mem_per_gpu == SAVED
+    assert ModelInfo.from_metrics(GPT2, mbs=4, ds_config=BF16_Z3).activation_mem_per_gpu == SAVED
+    old = {"num_params": 1000, "activation_mem_per_gpu": 4000}  # DeepSpeed's figure alone, at mbs 4
+    assert ModelInfo.from_metrics(old, mbs=4).activation_mem_per_gpu == 1000
+
+
+def test_a_cuda_runs_own_slope_raises_the_activation_term_and_the_estimate_at_another_mbs():
+    base, mbs = 3_000_000_000, 8
+    streams = step_records({0: [{"step": 1, "base_bytes": 500_000_000, "peak_bytes": base + 11 * 10**9},
+                                {"step": 2, "base_bytes": base, "peak_bytes": base + mbs * GROWTH + GATHERED},
+                                {"step": 3, "base_bytes": base, "peak_bytes": base + mbs * GROWTH + GATHERED}],
+                            1: [{"step": 2, "base_bytes": base, "peak_bytes": base + mbs * GROWTH}]})
+    slope = activation_slope_bytes(streams, mbs)
+    assert slope == 1_202_590_843 + 19_298_688  # rank 0's last step: the gathered constant over 8 samples
+    assert activation_slope_bytes(step_records({0: [{"step": 2, "peak_bytes": 9}]}), mbs) is None  # CPU: no base
+    model = MemoryModel(124_439_808, SAVED, 1, largest_layer_params=EMBEDDING)
+    cfg = {**BF16_Z3, "train_micro_batch_size_per_gpu": mbs}
+    run = Experiment("z3_mbs8", cfg, status=Status.OK, peak_memory_bytes=1, activation_slope_bytes=slope)
+    new, why = corrected(model, run, 10**12)
+    assert new.activation_bytes_per_sample == 1_221_889_531 and "own step" in why
+    at32 = {**cfg, "train_micro_batch_size_per_gpu": 32}
+    assert new.bytes_per_device(at32) - model.bytes_per_device(at32) == 32 * (1_221_889_531 - SAVED)
+    # the states and buffers (4,086,555,392 B at ZeRO-3 bf16 on one rank), less the reduction's copy made apart
+    # from the activations (248,879,616 B), plus 32 samples at the run's own slope
+    assert new.bytes_per_device(at32) == 4_086_555_392 - 248_879_616 + 32 * 1_221_889_531 == 42_938_140_768
+    # a later run's smaller slope never lowers it: the largest measured so far
+    run.activation_slope_bytes = GROWTH
+    assert corrected(new, run, 10**12) == (new, None)

@@ -50,7 +50,8 @@ def engine_module(profile: bool, mbs: int = 3):
             return 6
 
         def forward(self, x):
-            loss = self.module(x).sum()
+            out = self.module(x)
+            loss = out.sum() if isinstance(out, torch.Tensor) else out  # a model that returns its loss: as is
             if profile:
                 exit()  # engine.py:3030
             return loss
@@ -225,3 +226,125 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     record = json.loads((tmp_path / "activations.json").read_text())
     assert {k: record[k] for k in ("saved_bytes", "saved_storages", "recompute_bytes", "recompute_regions")} == \
         {"saved_bytes": 192, "saved_storages": 2, "recompute_bytes": 384, "recompute_regions": 2}
+
+
+class FakeCuda:
+    """A stand-in for ``torch.cuda`` (no GPU here): the allocator's counters, set by the test."""
+
+    def __init__(self, allocated: int):
+        self.allocated, self.peak, self.resets = allocated, allocated + 7, 0
+
+    def is_available(self):
+        return True
+
+    def reset_peak_memory_stats(self):
+        self.peak, self.resets = self.allocated, self.resets + 1
+
+    def memory_allocated(self):
+        return self.allocated
+
+    def max_memory_allocated(self):
+        return self.peak
+
+    def memory_reserved(self):
+        return 6 * 10**9
+
+    def max_memory_reserved(self):
+        return 9 * 10**9
+
+    def mem_get_info(self):
+        return 70 * 10**9, 80 * 10**9
+
+
+class Lossy(nn.Module):
+    """Scaled, then a scalar loss, returned as ``kind`` says: a tensor, a dict's "loss", a (loss, output) tuple."""
+
+    def __init__(self, kind: str = "tensor"):
+        super().__init__()
+        self.inner, self.kind = Scaled(), kind
+
+    def forward(self, x):
+        out = self.inner(x)
+        loss = out.pow(2).mean()
+        return {"tensor": loss, "dict": {"loss": loss, "logits": out}, "tuple": (loss, out), "none": out}[self.kind]
+
+
+def test_find_loss_takes_the_scalar_that_requires_grad():
+    loss, logits = torch.ones(1, requires_grad=True) * 2, torch.ones(3, requires_grad=True) * 2
+    assert probe_module.find_loss(loss, torch.Tensor) is loss
+    assert probe_module.find_loss({"loss": loss, "logits": logits}, torch.Tensor) is loss
+    assert probe_module.find_loss(types.SimpleNamespace(loss=loss), torch.Tensor) is loss
+    assert probe_module.find_loss((loss, logits), torch.Tensor) is loss
+    assert probe_module.find_loss(logits, torch.Tensor) is None  # not a scalar
+    assert probe_module.find_loss(torch.ones(1), torch.Tensor) is None  # no graph
+    assert probe_module.find_loss({"logits": logits}, torch.Tensor) is None
+    assert probe_module.find_loss((), torch.Tensor) is None and probe_module.find_loss(None, torch.Tensor) is None
+    assert probe_module.growth_bytes(1_500, 1_000) == 500 and probe_module.growth_bytes(900, 1_000) == 0
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", "tuple"])
+def test_on_cuda_the_profile_exit_runs_the_backward_and_records_the_steps_growth(tmp_path, monkeypatch, kind):
+    cuda = FakeCuda(allocated=1_000_000)
+    fake_torch = types.SimpleNamespace(cuda=cuda, Tensor=torch.Tensor)
+    model = Lossy(kind)
+    grads = []
+
+    def in_backward(grad):  # the backward allocates: the allocator's peak rises to 1.9 MB above the start
+        cuda.peak = max(cuda.peak, 2_900_000)
+        grads.append(grad.shape)
+    model.inner.fc1.weight.register_hook(in_backward)
+
+    def for_profile(engine):  # the stand-in engine on a CUDA device, seen through the fake torch.cuda
+        engine.device = torch.device("cuda", 0)
+        growth = probe_module._StepGrowth(fake_torch, engine)
+        real_forward = engine.module.forward
+
+        def forward(x):  # the forward's own peak: 1.4 MB above the start
+            out = real_forward(x)
+            cuda.peak = max(cuda.peak, 2_400_000)
+            return out
+        engine.module.forward = forward
+        return growth
+    monkeypatch.setattr(probe_module._StepGrowth, "for_profile", staticmethod(for_profile))
+    torch.manual_seed(0)
+    record = profile_record(tmp_path, model, torch.randn(3, 8), mbs=3)
+    assert cuda.resets == 1 and grads == [(16, 8)]  # the backward ran once, to the first layer
+    assert record["forward_growth_bytes"] == 1_400_000 and record["step_growth_bytes"] == 1_900_000
+    # the device's peak as the forward ended, reserved high-water mark (kept across the reset) plus the outside
+    assert record["device_peak_bytes"] == 13 * 10**9 and record["micro_batch_size"] == 3
+    assert read_saved_activations(tmp_path) is not None
+    assert not model._forward_hooks  # the hook is gone
+
+
+def test_without_a_scalar_loss_only_the_forwards_growth_is_recorded_and_the_exit_goes_on(tmp_path, monkeypatch,
+                                                                                         capsys):
+    cuda = FakeCuda(allocated=1_000)
+    monkeypatch.setattr(probe_module._StepGrowth, "for_profile", staticmethod(
+        lambda engine: probe_module._StepGrowth(types.SimpleNamespace(cuda=cuda, Tensor=torch.Tensor), engine)))
+    module = engine_module(profile=True)
+    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    engine = module.DeepSpeedEngine(Lossy("none"))
+    engine.device = torch.device("cuda", 0)
+    with pytest.raises(SystemExit):
+        engine.forward(torch.randn(3, 8))
+    record = json.loads((tmp_path / "activations.json").read_text())
+    assert record["forward_growth_bytes"] == 0 and "step_growth_bytes" not in record
+    assert "measuring the backward's growth failed" in capsys.readouterr().err
+
+
+def test_on_cuda_each_step_records_the_allocated_bytes_before_its_first_forward(tmp_path, monkeypatch):
+    allocated = iter([100, 5_000, 5_000])  # before step 1 (no optimizer states yet), before step 2, ...
+    for name, value in (("is_available", lambda: True), ("memory_allocated", lambda: next(allocated)), ("max_memory_allocated", lambda: 9_000),
+                        ("max_memory_reserved", lambda: 10_000), ("memory_reserved", lambda: 10_000),
+                        ("mem_get_info", lambda: (0, 10_000))):
+        monkeypatch.setattr(torch.cuda, name, value)
+    module = engine_module(profile=False)
+    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    engine = module.DeepSpeedEngine(Scaled())
+    engine.device, engine.is_gradient_accumulation_boundary = torch.device("cuda", 0), lambda: True
+    for _ in range(2):
+        engine.forward(torch.randn(3, 8))
+        engine.forward(torch.randn(3, 8))  # a second forward in the step: the base stays the first's
+        engine.step()
+    lines = [json.loads(line) for line in (tmp_path / "probe.rank0.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["base_bytes"], r["peak_bytes"]) for r in lines] == [(1, 100, 9_000), (2, 5_000, 9_000)]

@@ -85,6 +85,7 @@ class Experiment:
     must_beat: float | None = None  # the bar set by the strategy: ended early once its interval is below it
     ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
+    activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
 
     @property
     def stage(self) -> int:

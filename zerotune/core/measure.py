@@ -47,7 +47,7 @@ from zerotune.core.objective import Objective
 from zerotune.probe import StepRecord
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
-           "StepStats", "comparison_noise", "measure", "mean_half_width", "peak_bytes", "pool", "pooled_metrics",
+           "StepStats", "activation_slope_bytes", "comparison_noise", "measure", "mean_half_width", "peak_bytes", "pool", "pooled_metrics",
            "run_noise", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
@@ -214,6 +214,23 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
         if values:
             peaks[rank] = max(values)
     return peaks
+
+
+def activation_slope_bytes(streams: Streams, mbs: int) -> int | None:
+    """What a run's own step adds per sample on CUDA, bytes: ``(peak_bytes - base_bytes) / mbs`` from the
+    last record of each rank after the first optimizer step (``base_bytes`` is then the model states:
+    parameters, gradients, optimizer states; ``peak_bytes`` the allocated high-water mark), the largest over
+    the ranks. None where no such record holds both (CPU ranks: no ``base_bytes``), or the figure is not
+    positive. The step's constants (the reduction's copy, ZeRO-3's gathered module) are in it, over mbs."""
+    if mbs < 1:
+        return None
+    slopes = []
+    for records in streams.values():
+        last = [r for r in records if r.step is not None and r.step >= 2 and r.base_bytes is not None
+                and r.peak_bytes is not None]
+        if last:
+            slopes.append((last[-1].peak_bytes - last[-1].base_bytes) // mbs)
+    return max(slopes) if slopes and max(slopes) > 0 else None
 
 
 def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int] = (), floor: float = RUN_NOISE,

@@ -94,7 +94,8 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   :mod:`zerotune.model.profile`); else DeepSpeed's ``model_info.activation_mem_per_gpu`` (the change
   in ``memory_allocated`` over the first forward, ``engine.py:2994-3027``), or
   :mod:`zerotune.model.hf_config` from the architecture. What the backward pass allocates on top
-  (gradients of activations, e.g. of the logits) is not counted.
+  (gradients of activations, e.g. of the logits) is counted on CUDA only, where the profile measures
+  the whole step's growth and each run its own slope (docs/decisions.md, D204).
 - **The profile run** exits in its first forward, which records the stage-3 trace: no prefetch
   (``zero/partitioned_param_coordinator.py:422``) and each module's parameters released when it is
   done (``:498``), so it holds L + persistent gathered parameters, one module's all-gather copy, no

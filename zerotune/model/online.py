@@ -11,6 +11,12 @@ experiment after it is another measurement of the same model, used two ways:
   activation term, then the largest slope measured so far is kept (stages and precisions differ a
   little, and the step's high-water marks are noisy), and the overhead is recalibrated on the
   profile's peak (:meth:`MemoryModel.with_activations`).
+- **A CUDA run's own slope.** On CUDA the probe notes the allocated bytes before each step's first
+  forward, so one run measures what its step adds per sample, ``(peak - base) / mbs``
+  (``Experiment.activation_slope_bytes``, :func:`zerotune.core.measure.activation_slope_bytes`). Where
+  a run has it, it replaces the activation term when the term is below it (so the term is the largest
+  measured so far) and the two-run slope is not used; CPU ranks record no base, and keep the two-run
+  slope. It holds the step's constants over mbs too, so it errs high, never into an OOM.
 - **The stage's own overhead**, only ever raised: after an OOM although the estimate fit
   (``estimate <= budget``), the stage's estimate becomes just over the budget (its overhead rises by
   ``budget + 1 - estimate``); after an OK run whose peak is above the estimate, it rises by the
@@ -62,6 +68,17 @@ def activation_slope(exp: Experiment, earlier: Sequence[Experiment]) -> int | No
     return int(slope) if slope > 0 else None
 
 
+def _slope(memory: MemoryModel, exp: Experiment, earlier: Sequence[Experiment]) -> tuple[int | None, str]:
+    """The activation term ``exp`` teaches (None: none) and how it was measured (module docstring)."""
+    own = exp.activation_slope_bytes if _measured(exp) else None
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return (own if own > memory.activation_bytes_per_sample else None), f"measured by {exp.name}'s own step"
+    slope = activation_slope(exp, earlier)
+    if slope is not None and memory.activations_measured:
+        slope = max(slope, memory.activation_bytes_per_sample)  # the largest slope measured so far
+    return slope, f"measured between mbs {exp.mbs} and an earlier run"
+
+
 def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
               earlier: Sequence[Experiment] = ()) -> tuple[MemoryModel, str | None]:
     """The memory model after ``exp``'s outcome, and a line for the log saying what changed (None: nothing).
@@ -76,12 +93,10 @@ def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
     if exp.kind is ExperimentKind.PROFILE or not isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int):
         return memory, None
     notes = []
-    slope = activation_slope(exp, earlier)
-    if slope is not None and memory.activations_measured:
-        slope = max(slope, memory.activation_bytes_per_sample)  # the largest slope measured so far
+    slope, how = _slope(memory, exp, earlier)
     if slope is not None and slope != memory.activation_bytes_per_sample:
         notes.append(f"activations {format_bytes(slope)} per sample (was {format_bytes(memory.activation_bytes_per_sample)}"
-                     f", measured between mbs {exp.mbs} and an earlier run)")
+                     f", {how})")
         memory = memory.with_activations(slope)
     stage = min(max(exp.stage, 0), 3)
     estimate = memory.bytes_per_device(exp.ds_config)

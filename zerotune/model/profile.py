@@ -15,14 +15,19 @@ the parameters gathered during that forward (the first iteration releases them p
 allocates once (the profile runs at ZeRO-3 where the job tunes stage 3, else at the highest stage it
 tunes: :meth:`~zerotune.strategy.configs.ConfigBuilder.profile_stage`). The probe's figure counts only
 the storages autograd saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
-are there, it is the one used.
+are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
+backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
+(the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from zerotune.deepspeed.config import precision
+
 SAVED_ACTIVATIONS_KEY = "activation_saved_bytes"  # bytes per sample, from the probe (per sample already)
+STEP_GROWTH_KEY = "step_growth_bytes"  # bytes at the profile's mbs, from the probe on CUDA (zerotune.probe.GROWTH_KEYS)
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class ModelInfo:
             the backward pass (:data:`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
             activation checkpointing: :func:`zerotune.probe.read_saved_activations`) when recorded, else
             DeepSpeed's change in device memory across the first forward pass at the profile's mbs (on CPU in resident
-            memory, see the module docstring), i.e. at mbs=1.
+            memory, see the module docstring), i.e. at mbs=1. On CUDA, where the record has the step's growth,
+            the larger of the saved bytes and that growth less its constant part (:func:`step_activations`).
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
             the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
             on CUDA), which wins over the backend's figure: the local backend samples the ranks' host
@@ -56,18 +62,26 @@ class ModelInfo:
     persistent_params: int = 0
 
     @classmethod
-    def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1) -> "ModelInfo":
+    def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1,
+                     ds_config: dict[str, Any] | None = None) -> "ModelInfo":
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
-        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
+        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present; with
+        :data:`STEP_GROWTH_KEY` (CUDA) the term is :func:`step_activations` of the two, the profile's
+        ``ds_config`` giving its ZeRO stage and precision (None: an fp32 run below stage 3).
 
         Raises:
             KeyError, ValueError: ``num_params`` is missing or a field is not a number.
         """
+        activations = (max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
+                       else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs)
+        if SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None:
+            activations = step_activations(activations, int(data[STEP_GROWTH_KEY]), mbs, ds_config or {},
+                                           int(data.get("largest_layer_params", 0)),
+                                           int(data.get("trainable_num_params", data["num_params"])))
         return cls(num_params=int(data["num_params"]),
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
-                   activation_mem_per_gpu=(max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
-                                           else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs),
+                   activation_mem_per_gpu=activations,
                    peak_memory_bytes=(int(data["device_peak_bytes"]) if data.get("device_peak_bytes")
                                       else max(peak_memory_bytes or 0, int(data.get("data_peak_bytes") or 0))
                                       or None),
@@ -78,3 +92,25 @@ class ModelInfo:
         """The ``model_info.json`` content DeepSpeed would write for this model at micro batch size ``mbs``."""
         return {"num_params": self.num_params, "trainable_num_params": self.trainable_num_params,
                 "activation_mem_per_gpu": self.activation_mem_per_gpu * mbs}
+
+
+def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds_config: dict[str, Any],
+                     largest_layer_params: int, trainable_params: int) -> int:
+    """The activation term per sample on CUDA, bytes: ``max(saved, (step_growth - constant) / mbs)``.
+
+    ``saved_per_sample`` is the probe's :data:`SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
+    ``step_growth_bytes`` (the allocated high-water mark over the profile's forward and ``loss.backward()``
+    less what was allocated before, at micro batch size ``mbs``). ``constant`` is what that growth holds
+    whatever the mbs: at ZeRO-3 the largest module's parameters, gathered to run it, and their gradient,
+    ``2 * b * largest_layer_params``; below stage 3, the gradients of every trainable parameter, which the
+    backward allocates before any reduction, ``b * trainable_params`` (an over-count at stage 2, whose
+    buckets hold fewer, and under model parallelism: the figure then falls back towards ``saved``, which
+    the runs' own slopes raise, never the other way). ``b`` is the element size of the profile's
+    precision (``zerotune.deepspeed.config.precision`` of ``ds_config``: 4 in fp32, else 2, as the memory
+    model's). The constant is never more than the growth."""
+    zero = ds_config.get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else 0
+    b = 4 if precision(ds_config) == "fp32" else 2
+    constant = 2 * b * largest_layer_params if stage == 3 else b * trainable_params
+    grown = max(0, step_growth_bytes - constant) // max(1, mbs)
+    return max(saved_per_sample, grown)

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV, STREAM_PREFIX,
                                           STREAM_SUFFIX, exit_name, stream_name)
 
-__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS",
+__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS",
            "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
            "read_saved_activations", "read_streams", "step_records",
            "stream_files", "stream_name"]
@@ -29,6 +29,7 @@ PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPA
 SHAPE_KEYS = ("largest_layer_params", "persistent_params")  # elements, in ACTIVATIONS_RECORD
 DEVICE_PEAK_KEY = "device_peak_bytes"  # in ACTIVATIONS_RECORD on CUDA
 DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's largest VmData, sampled every 5 ms
+GROWTH_KEYS = ("step_growth_bytes", "forward_growth_bytes")  # in ACTIVATIONS_RECORD on CUDA, bytes at its mbs
 
 
 def stream_files(exp_dir: Path) -> dict[int, Path]:
@@ -95,6 +96,8 @@ class StepRecord:
         peak_reserved_bytes: on CUDA the caching allocator's reserved high-water mark, bytes.
         device_peak_bytes: on CUDA what the device held at its peak (reserved plus outside the allocator), bytes.
         rss_peak_bytes: on CPU the resident high-water mark (``ru_maxrss``), bytes.
+        base_bytes: on CUDA the allocated bytes just before the step's first forward (from step 2 on: the
+            model states), bytes.
     """
 
     rank: int | None = None
@@ -108,6 +111,7 @@ class StepRecord:
     peak_reserved_bytes: int | None = None
     device_peak_bytes: int | None = None
     rss_peak_bytes: int | None = None
+    base_bytes: int | None = None
 
     @property
     def peak(self) -> int | None:
@@ -145,7 +149,7 @@ class StepRecord:
                    boundary_s=number("boundary_s"), micro_steps=count("micro_steps"),
                    train_batch_size=count("train_batch_size"), peak_bytes=count("peak_bytes"),
                    peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
-                   rss_peak_bytes=count("rss_peak_bytes"))
+                   rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"))
 
 
 
@@ -202,13 +206,15 @@ def read_saved_activations(exp_dir: Path) -> int | None:
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     """The profile run's :data:`SHAPE_KEYS` from the probe's :data:`ACTIVATIONS_RECORD`: the most
     parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
-    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes. A key whose value is missing or not a non-negative integer is left
-    out (an empty dict without a valid record)."""
+    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes; on CUDA :data:`GROWTH_KEYS`, what the
+    allocated memory grew by at its peak over the first forward and over the whole step (forward and
+    backward) at the record's ``micro_batch_size``, bytes. A key whose value is missing or not a
+    non-negative integer is left out (an empty dict without a valid record)."""
     try:
         record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
     except (OSError, ValueError):
         return {}
     if not isinstance(record, dict):
         return {}
-    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY)
+    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS)
             if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0}

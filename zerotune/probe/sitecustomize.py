@@ -13,7 +13,7 @@ is asked before the original ``step`` runs; after a boundary step returns, the r
 line to ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` and flushes it::
 
     {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 1,
-     "train_batch_size": 8, "peak_bytes": 734003200}
+     "train_batch_size": 8, "peak_bytes": 734003200, "base_bytes": 524288000}
 
 - ``step``: the optimizer step's index in this process, from 1.
 - ``t``: ``time.monotonic()`` when the step returned, seconds.
@@ -76,6 +76,15 @@ the peak, the caching allocator's reserved high-water mark plus what lies outsid
 context, NCCL's buffers), from which the tuner calibrates the memory model's fixed overhead per
 device, as the backend's sampled peak does on CPU.
 
+On CUDA the profile run also measures the whole step's growth (:class:`_StepGrowth`): the autograd-saved
+storages miss what the backward pass allocates on top (the gradient of the logits, of the fp32 loss), a
+third of what grows with mbs on GPT-2. Before the first forward the allocator's peak is reset; as
+DeepSpeed's ``exit()`` passes through, every rank runs ``loss.backward()`` on the module's output (caught
+by a forward hook), and the record gains ``forward_growth_bytes`` and ``step_growth_bytes``: the
+allocated high-water mark at the end of the forward, and over the forward and the backward, less what
+was allocated before the forward, bytes, for the record's ``micro_batch_size``. No loss found or a
+failed backward: only ``forward_growth_bytes``; the ``SystemExit`` always goes on.
+
 That is what a device holds per micro batch for the backward pass, whatever the allocator does.
 DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
 (``accelerator/cpu_accelerator.py:140-154``): in the ZeRO-3 profile run it also holds the parameters
@@ -127,7 +136,7 @@ class _Probe:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file"}
+        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file", "base"}
         self.first_forward: float | None = None
         self.failed = False
         self.exit_rank: int | None = None  # set with the first step record: this process writes an exit record
@@ -143,7 +152,7 @@ class _Probe:
         s = self.engines.get(id(engine))
         if s is None:
             s = self.engines[id(engine)] = {"step": 0, "micro": 0, "boundary": 0.0, "in_step": False,
-                                            "last": self.first_forward, "file": None}
+                                            "last": self.first_forward, "file": None, "base": None}
         return s
 
     def record(self, engine, state: dict) -> None:
@@ -155,9 +164,11 @@ class _Probe:
                 "boundary_s": state["boundary"], "micro_steps": state["micro"],
                 "train_batch_size": int(engine.train_batch_size())}
         line.update(_peaks(engine))
+        if state.get("base") is not None:
+            line["base_bytes"] = state["base"]
         if line["step"] >= _DataPeak.SAMPLED_STEPS and _DataPeak.running is not None:
             _DataPeak.running.stop()
-        state["last"], state["micro"], state["boundary"] = t, 0, 0.0
+        state["last"], state["micro"], state["boundary"], state["base"] = t, 0, 0.0, None
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
             self.watch_exit(line["rank"])
@@ -212,8 +223,7 @@ def _rank(engine) -> int:
 
 def _peaks(engine) -> dict:
     torch = sys.modules.get("torch")
-    device = getattr(engine, "device", None)
-    if torch is not None and getattr(device, "type", device) == "cuda" and torch.cuda.is_available():
+    if _on_cuda(torch, engine):
         return {"peak_bytes": int(torch.cuda.max_memory_allocated()),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved()), **_device_peak(torch, engine)}
     import resource
@@ -297,16 +307,32 @@ def _data_peak() -> dict:
     return {"data_peak_bytes": _DataPeak.running.peak()} if _DataPeak.running is not None else {}
 
 
-def _device_peak(torch, engine) -> dict:
-    """On CUDA, ``{"device_peak_bytes": n}``: ``torch.cuda.max_memory_reserved()`` plus what the device
-    holds outside the caching allocator now (``mem_get_info``'s total - free, less
-    ``memory_reserved()``: the CUDA context, NCCL, other processes). Elsewhere ``{}``."""
+def _on_cuda(torch, engine) -> bool:
+    """Whether ``engine`` runs on a CUDA device that ``torch`` (None: not imported) sees."""
     device = getattr(engine, "device", None)
-    if torch is None or getattr(device, "type", device) != "cuda" or not torch.cuda.is_available():
+    return torch is not None and getattr(device, "type", device) == "cuda" and bool(torch.cuda.is_available())
+
+
+def _device_peak(torch, engine, reserved_floor: int = 0) -> dict:
+    """On CUDA, ``{"device_peak_bytes": n}``: ``torch.cuda.max_memory_reserved()`` (at least
+    ``reserved_floor``, the high-water mark before a reset of the peaks) plus what the device holds outside
+    the caching allocator now (``mem_get_info``'s total - free, less ``memory_reserved()``: the CUDA
+    context, NCCL, other processes). Elsewhere ``{}``."""
+    if not _on_cuda(torch, engine):
         return {}
     free, total = torch.cuda.mem_get_info()
     outside = max(0, int(total) - int(free) - int(torch.cuda.memory_reserved()))
-    return {"device_peak_bytes": int(torch.cuda.max_memory_reserved()) + outside}
+    return {"device_peak_bytes": max(int(torch.cuda.max_memory_reserved()), int(reserved_floor)) + outside}
+
+
+def _note_base(probe: _Probe, engine) -> None:
+    """On CUDA, the allocated bytes before the step's first forward (``base_bytes``, noted once per step)."""
+    torch = sys.modules.get("torch")
+    if probe.failed or not _on_cuda(torch, engine):
+        return
+    state = probe.state(engine)
+    if state["base"] is None:
+        state["base"] = int(torch.cuda.memory_allocated())
 
 
 def _install(module, probe: _Probe) -> None:
@@ -341,11 +367,22 @@ def _probed_forward(forward, probe: _Probe):
             _record_engine(probe, self)
             counter = _SavedActivations.for_profile(probe, self)
             if counter is not None:
+                growth = _StepGrowth.for_profile(self)
                 try:
                     with counter.hooks():
                         return forward(self, *args, **kwargs)
-                finally:  # DeepSpeed's profile exit() passes through here
-                    counter.write()
+                except SystemExit:  # DeepSpeed's profile exit(): measure the backward, then exit
+                    if growth is not None:
+                        growth.at_exit(self)
+                    raise
+                finally:
+                    counter.write(growth.figures() if growth is not None else {})
+                    if growth is not None:
+                        growth.close()
+        try:
+            _note_base(probe, self)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            probe.fail("reading the allocated memory before a forward", e)
         return forward(self, *args, **kwargs)
     return probed_forward
 
@@ -572,9 +609,11 @@ class _SavedActivations:
             for module, name, original in originals:
                 setattr(module, name, original)
 
-    def write(self) -> None:
-        """Rank 0 writes :data:`ACTIVATIONS_RECORD`; every rank counts, so that every rank runs the
-        checkpointed regions once more and ZeRO-3's parameter gathers stay matched across the ranks."""
+    def write(self, growth: dict | None = None) -> None:
+        """Rank 0 writes :data:`ACTIVATIONS_RECORD`, with ``growth`` (:meth:`_StepGrowth.figures`: on CUDA
+        the step's growth and the device's peak at the end of the forward) over the keys it shares; every
+        rank counts, so that every rank runs the checkpointed regions once more and ZeRO-3's parameter
+        gathers stay matched across the ranks."""
         if _rank(self.engine) != 0:
             return
         _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {
@@ -582,7 +621,84 @@ class _SavedActivations:
             **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions}
                if self.regions else {}),
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
-            **_device_peak(self.torch, self.engine), **_data_peak()}, "recording activations")
+            **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {})}, "recording activations")
+
+
+def find_loss(output, tensor_type):
+    """The scalar loss in a module's output: the output itself when it is a ``tensor_type`` of one element
+    that requires grad, else the same test on its ``loss`` (a Hugging Face ``ModelOutput`` or a dict's
+    ``"loss"``), else on the first element of a tuple or list; None when there is none."""
+    for _ in range(8):  # nested at most this deep
+        if isinstance(output, tensor_type):
+            return output if output.numel() == 1 and output.requires_grad else None
+        if isinstance(output, dict):  # a ModelOutput is an OrderedDict
+            output = output.get("loss")
+        elif hasattr(output, "loss"):
+            output = output.loss
+        elif isinstance(output, (tuple, list)) and output:
+            output = output[0]
+        else:
+            return None
+    return None
+
+
+def growth_bytes(peak_bytes: int, before_bytes: int) -> int:
+    """What a stretch of work added to the allocated memory at its peak: ``peak - before``, never below 0."""
+    return max(0, int(peak_bytes) - int(before_bytes))
+
+
+class _StepGrowth:
+    """On CUDA, in the profile run: the allocated high-water mark over the first forward and over that
+    forward plus ``loss.backward()``, less what was allocated before the forward (the module docstring).
+    Every rank runs the backward (ZeRO's gradient hooks reduce across the ranks); a failure is printed and
+    leaves the forward's figure. ``torch`` is the module or a stand-in with its ``cuda`` functions."""
+
+    def __init__(self, torch, engine):
+        self.torch = torch
+        self.reserved_floor = int(torch.cuda.max_memory_reserved())  # the reset below clears it
+        torch.cuda.reset_peak_memory_stats()
+        self.before = int(torch.cuda.memory_allocated())
+        self.output, self.forward_end = None, {}
+        self.handle = engine.module.register_forward_hook(self._keep)
+
+    @classmethod
+    def for_profile(cls, engine) -> "_StepGrowth | None":
+        torch = sys.modules.get("torch")
+        try:
+            return cls(torch, engine) if _on_cuda(torch, engine) else None
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: measuring the step's growth failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+            return None
+
+    def _keep(self, module, args, output) -> None:
+        self.output = output
+
+    def at_exit(self, engine) -> None:
+        """As DeepSpeed's profile ``exit()`` passes: note the forward's figures, then run the backward."""
+        torch = self.torch
+        try:
+            self.forward_end = {"forward_growth_bytes": growth_bytes(torch.cuda.max_memory_allocated(), self.before),
+                                **_device_peak(torch, engine, self.reserved_floor)}
+            loss, self.output = find_loss(self.output, torch.Tensor), None
+            if loss is None:
+                raise ValueError("no scalar loss that requires grad in the module's output")
+            loss.backward()
+            self.forward_end["step_growth_bytes"] = growth_bytes(torch.cuda.max_memory_allocated(), self.before)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: measuring the backward's growth failed, the forward's kept: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def figures(self) -> dict:
+        """The record's keys measured so far (``{}`` before :meth:`at_exit`)."""
+        return dict(self.forward_end)
+
+    def close(self) -> None:
+        self.output = None
+        try:
+            self.handle.remove()
+        except Exception:  # noqa: BLE001 - the probe never breaks training
+            pass
 
 
 def _hidden_size(module) -> int | None:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
-from zerotune.core.measure import measure, peak_bytes
+from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.canonical import config_hash
@@ -139,7 +139,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     ``boundary_share``) for throughput and latency when the streams hold a steady step on every rank;
     otherwise DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams, too
     few steps). When the streams record peaks, ``peak_memory_bytes``
-    becomes the largest over the ranks; else the backend's value stays.
+    becomes the largest over the ranks; else the backend's value stays. On CUDA, where the streams
+    record the allocated bytes before each step, ``activation_slope_bytes`` is the run's own growth per
+    sample (:func:`zerotune.core.measure.activation_slope_bytes`); else None.
 
     Args:
         exp: the experiment, updated in place.
@@ -196,6 +198,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     peaks = probed.peak_bytes if probed is not None else peak_bytes(streams)  # the measurement holds them
     if peaks:
         exp.peak_memory_bytes = max(peaks.values())
+    mbs = exp.ds_config.get("train_micro_batch_size_per_gpu")
+    exp.activation_slope_bytes = (activation_slope_bytes(streams, mbs) if isinstance(mbs, int) and not profile
+                                  else None)
     return exp
 
 

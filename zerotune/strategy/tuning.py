@@ -121,7 +121,8 @@ class Strategy:
         if not exp.metrics:
             logger.info("profile: model size unknown, so the memory model prunes nothing")
             return
-        info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs)
+        info = self.result.model_info = ModelInfo.from_metrics(exp.metrics, exp.peak_memory_bytes, mbs=exp.mbs,
+                                                                ds_config=exp.ds_config)
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
                              trainable_params=info.trainable_num_params,
                              largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params,
