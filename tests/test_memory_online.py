@@ -17,22 +17,50 @@ def exp(status, peak=None, kind=ExperimentKind.MBS):
     return Experiment("z0_mbs2", CFG, num_slots=4, kind=kind, status=status, peak_memory_bytes=peak)
 
 
+def ran_at(stage, status, kind=ExperimentKind.MBS):
+    """An earlier run of ZeRO ``stage`` (mbs 2) that finished with ``status``."""
+    return Experiment(f"z{stage}_mbs2", {**CFG, "zero_optimization": {"stage": stage}}, num_slots=4, kind=kind,
+                      status=status)
+
+
+def at_stage(stage):
+    return {**CFG, "zero_optimization": {"stage": stage}}
+
+
 def test_an_oom_under_a_fitting_estimate_raises_it_just_over_the_budget():
     assert MODEL.bytes_per_device(CFG) == ESTIMATE
     budget = ESTIMATE + 500
     new, why = corrected(MODEL, exp(Status.OOM), budget)
-    assert new.stage_overhead_bytes == (501, 0, 0, 0) and new.bytes_per_device(CFG) == budget + 1
-    assert new.bytes_per_device({**CFG, "zero_optimization": {"stage": 1}}) == \
-        MODEL.bytes_per_device({**CFG, "zero_optimization": {"stage": 1}})  # per stage
+    # no stage ran before: every stage gets the same raise (what one stage missed, the others likely miss too;
+    # docs/decisions.md, D108), 501 bytes each
+    assert new.stage_overhead_bytes == (501, 501, 501, 501) and new.bytes_per_device(CFG) == budget + 1
+    assert new.bytes_per_device(at_stage(1)) == MODEL.bytes_per_device(at_stage(1)) + 501
     assert not new.fits(CFG, budget) and "ran out of memory" in why
+    # a stage with a run of its own (ok or out of memory) keeps its overhead: per stage once measured; the profile
+    # and a failed run are no run of a stage's own
+    earlier = [ran_at(1, Status.OK), ran_at(2, Status.OOM), ran_at(3, Status.FAILED),
+               ran_at(3, Status.OK, kind=ExperimentKind.PROFILE)]
+    new, _ = corrected(MODEL, exp(Status.OOM), budget, earlier)
+    assert new.stage_overhead_bytes == (501, 0, 0, 501)
+    assert new.bytes_per_device(at_stage(1)) == MODEL.bytes_per_device(at_stage(1))
+    assert new.bytes_per_device(at_stage(3)) == MODEL.bytes_per_device(at_stage(3)) + 501
+    # the stage that ran out of memory rises even where it ran before
+    new, _ = corrected(MODEL, exp(Status.OOM), budget, [ran_at(0, Status.OK)])
+    assert new.stage_overhead_bytes == (501, 501, 501, 501)
     # an OOM the model predicted teaches nothing
     assert corrected(MODEL, exp(Status.OOM), ESTIMATE - 1) == (MODEL, None)
 
 
 def test_a_peak_above_the_estimate_raises_the_overhead_and_one_below_never_lowers_it():
     new, why = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12)
-    assert new.stage_overhead_bytes == (12_345, 0, 0, 0) and new.bytes_per_device(CFG) == ESTIMATE + 12_345
+    # no stage ran before: the same raise for every stage
+    assert new.stage_overhead_bytes == (12_345,) * 4 and new.bytes_per_device(CFG) == ESTIMATE + 12_345
     assert "peaked at" in why
+    # stages 2 and 3 ran: only stage 0 (the run's) and stage 1 (no run yet) rise
+    new, _ = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12,
+                       [ran_at(2, Status.OK), ran_at(3, Status.OOM)])
+    assert new.stage_overhead_bytes == (12_345, 12_345, 0, 0)
+    assert new.bytes_per_device(at_stage(2)) == MODEL.bytes_per_device(at_stage(2))
     assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE - 10**6), 10**12) == (MODEL, None)
     assert corrected(MODEL, exp(Status.OK, peak=None), 10**12) == (MODEL, None)
     # the profile run is the calibration itself, not a correction

@@ -277,49 +277,49 @@ def test_simulated_adaptive_tuning_ends_runs_early_with_the_same_answer(tmp_path
     assert all(e.ended in ("step_cap", "exited") for e in plain)
     # every raced run got the bar of the best so far; re-measurements (replicas) are not raced
     assert all(e.must_beat is None for e in exps if e.replica_of)
-    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (2, 15)
+    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (1, 14)
     assert round(gpu_s / plain_gpu_s, 3) == PINNED_GPU_RATIO
     # what the corrected memory model put over the budget is in the strategy's record as OOM, never launched
     launched = {e.name for e in tuner.scheduler.history}
     predicted = [(e.stage, e.mbs, e.status.value) for e in tuner.result.experiments if e.name not in launched]
-    assert predicted == [(2, 19, "oom"), (2, 18, "oom"), (3, 19, "oom"), (0, 15, "oom")]
+    assert predicted == [(1, 19, "oom"), (2, 19, "oom"), (3, 19, "oom")]
     assert all("per rank estimated, over the" in e.error and e.error.endswith("budget: not launched")
                for e in tuner.result.experiments if e.name not in launched)
 
 
 def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_precision(tmp_path):
     # 1% noise: every finalist ended precise (within 2%), so the answer comes without a re-measurement
-    # (above); 5% noise: 5 steps rarely reach 2%, and the two finalists tied within the noise get a second run
-    # (SIMULATED scenario 30, OPT-30B on 256 A100-40GB; until session 15 scenario 25, whose finalist below the
-    # answer is now left out as below it on the curve, and until session 8 scenario 3, whose finalists are now both
-    # known to 2% after its gas phase re-measured its imprecise ties)
+    # (above); 5% noise: 5 steps rarely reach 2%, yet two finalists within the target precision (2%) of each other
+    # are a tie, never re-measured: either answer is within the precision promised (SIMULATED scenario 30, OPT-30B
+    # on 256 A100-40GB; until the skip rule's session it had them re-measured; the re-measurement of imprecise
+    # finalists further apart than the precision is pinned in test_gas_phase's larger-batch tests)
     exps, best, _, _ = tune_simulated(tmp_path / "noisy", 30, adaptive=True, noise_level=0.05)
     # ZeRO-3 only (the lower stages do not fit): 14 runs out of memory, 7 runs, then 10, 12 and 11 (the fine pass);
     # no gas phase (ZeRO-3 spends a negligible share of its step once per optimizer step)
-    assert [e.name for e in exps[-3:]] == ["z3_gas1_tmbspg11_fp1", "z3_gas1_tmbspg11_fp1_r2", "z3_gas1_tmbspg12_fp1_r2"]
-    originals = {e.name: e for e in exps if not e.replica_of}
-    assert [round(originals[e.replica_of].metric_rel_half_width, 3) for e in exps[-2:]] == [0.048, 0.093]
-    # mbs 11's one run read 86.2 (±4.8%) and 12's 85.1 (±9.3%, at 0.90 of the device memory: near capacity, so 11
-    # is not below it on the curve); pooled, 11 reads 83.69 and 12 83.70, and 12 is the answer
-    assert (best.stage, best.mbs, best.gas) == (3, 12, 1)
+    assert [e.name for e in exps] == ["z3_gas1_tmbspg14_fp1", "z3_gas1_tmbspg7_fp1", "z3_gas1_tmbspg10_fp1",
+                                      "z3_gas1_tmbspg12_fp1", "z3_gas1_tmbspg11_fp1"]
+    assert [round(e.metric_rel_half_width, 3) for e in exps[-2:]] == [0.093, 0.048]  # neither known to 2%
+    # mbs 11's one run read 86.16 (±4.8%) and 12's 85.13 (±9.3%): 1.2% apart, within the precision: a tie, and
+    # neither is re-measured; 11 is the answer (0.996 of the noise-free optimum, ZeRO-3 mbs 12)
+    assert round(exps[-2].metric / exps[-1].metric - 1, 3) == -0.012
+    assert (best.stage, best.mbs, best.gas) == (3, 11, 1)
 
 
 # SIMULATED scenario 7 (GPT-350M on 256 A100-40GB, 1% noise): the same launches and answer as without the
 # stop rule; each run ends once precise to 2%; the OOMs end on their own. ZeRO-0 runs out of memory at its
-# estimate, mbs 16, and is deferred (session 16): ZeRO-1 to 3 are estimated to fit 19. ZeRO-1 runs out of memory
-# at 19, halves to 9 and bisects to 14 and 16 (a plateau). The corrected memory model puts ZeRO-2's 19 over the
-# budget (not launched); its probe halfway back to ZeRO-1's best, 14, at 16, loses within the noise and is
-# re-measured with ZeRO-1's 14 and 16, then probed again at 15 (16 ran near capacity), where it wins, and is
-# searched (17: a plateau). ZeRO-3 (17, then 15) loses. ZeRO-0 comes back capped at 15, which the corrected model puts over the budget: not launched. The
-# fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step is once per step). The answer, ZeRO-2
-# mbs 15, is 1.000 of the optimum (ZeRO-1 mbs 15). The runs are start-up bound, so ending them early saves 2.3%
-# of the GPU time. (Scenario 4 was pinned here until session 16, when deferring its ZeRO-0 and ZeRO-1 made its
-# adaptive and plain runs answer ZeRO-1 and ZeRO-3 at mbs 15, both within 1% of the optimum; scenario 0 until
-# the memory model's session-6 changes.)
+# estimate, mbs 16, and is deferred (session 16): the corrected memory model raises the overhead of every stage
+# with no run of its own yet by the same amount (D108), so ZeRO-1 to 3's estimate of 19 is over the budget (not
+# launched). ZeRO-1 halves to 9 and bisects to 14 and 16 (a plateau). ZeRO-2's probe at 16, then at 14, loses;
+# so does ZeRO-3's (16, then 14). ZeRO-0 comes back capped at 14, loses within the noise and is re-measured with
+# ZeRO-1's 14. The throughput model keeps nothing from launching here. The fine pass finds nothing to bisect; no
+# gas phase (0.5% of ZeRO-2's step is once per step). The answer, ZeRO-1 mbs 14, is 0.996 of the optimum (ZeRO-1
+# mbs 15; until the shared memory raise the answer was ZeRO-2 mbs 15, 1.000, found with two more launches). The
+# runs are start-up bound, so ending them early saves 2.2% of the GPU time. (Scenario 4 was pinned here until
+# session 16, when deferring its ZeRO-0 and ZeRO-1 made its adaptive and plain runs answer ZeRO-1 and ZeRO-3 at
+# mbs 15, both within 1% of the optimum; scenario 0 until the memory model's session-6 changes.)
 PINNED_ADAPTIVE = [
-    (0, 16, "oom", "exited"), (1, 19, "oom", "exited"), (1, 9, "ok", "precise"), (1, 14, "ok", "precise"),
-    (1, 16, "ok", "precise"), (2, 16, "ok", "precise"), (2, 16, "ok", "precise"), (1, 14, "ok", "precise"),
-    (1, 16, "ok", "precise"), (2, 15, "ok", "precise"), (2, 17, "ok", "precise"), (3, 17, "ok", "precise"),
-    (3, 15, "ok", "precise"),
+    (0, 16, "oom", "exited"), (1, 9, "ok", "precise"), (1, 14, "ok", "precise"), (1, 16, "ok", "precise"),
+    (2, 16, "ok", "precise"), (2, 14, "ok", "precise"), (3, 16, "ok", "precise"), (3, 14, "ok", "precise"),
+    (0, 14, "ok", "precise"), (0, 14, "ok", "precise"), (1, 14, "ok", "precise"),
 ]
-PINNED_GPU_RATIO = 0.977
+PINNED_GPU_RATIO = 0.978
