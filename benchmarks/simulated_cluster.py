@@ -22,7 +22,9 @@ Per scenario: the exhaustive optimum over the space both tuners search (ZeRO sta
 tuner ran outside it, such as DeepSpeed's gas > 1, are included when they are better), then per
 tuner the noise-free throughput of the config it chose as a fraction of the optimum, the
 experiments it launched (the profile run included) and the SIMULATED GPU-hours they took
-(duration × GPUs).
+(duration × GPUs). Launches (experiments started: here every experiment, nothing is pruned into or reused
+from a ledger) and the SIMULATED tuning time are set beside "the ideal" (``ideal_tuner``: the profile, one run
+per ZeRO stage within the noise level of the best, one more where the optimum has gas > 1; D28).
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_cluster`` (under a minute; ``--only 1 5``
 runs some; ``--seeds 6`` pools six noise draws per scenario, the first the pinned one: one draw's worst case is one
@@ -48,7 +50,7 @@ from rich.console import Console  # noqa: E402
 
 from benchmarks.simcluster.backend import LedgerEntry, SimulatedBackend  # noqa: E402
 from benchmarks.simcluster.deepspeed_harness import run_deepspeed_autotuner  # noqa: E402
-from benchmarks.simcluster.model import NOISE_LEVEL, GiB, Simulator, ZeroSettings  # noqa: E402
+from benchmarks.simcluster.model import NOISE_LEVEL, WARMUP_STEP_FACTOR, GiB, Simulator, ZeroSettings  # noqa: E402
 from benchmarks.simcluster.scenarios import SCENARIOS, Scenario  # noqa: E402
 from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
 from zerotune.core.errors import TuningFailed  # noqa: E402
@@ -76,18 +78,47 @@ def space_config(stage: int, mbs: int, gas: int = 1) -> dict[str, Any]:
             "gradient_accumulation_steps": gas}
 
 
-def exhaustive_optimum(sim: Simulator) -> tuple[dict[str, Any], float, int]:
-    """(config, noise-free samples/s, configs that fit) of the best config in the space."""
-    best, best_value, fitting = None, 0.0, 0
+def stage_optima(sim: Simulator) -> tuple[dict[int, tuple[dict[str, Any], float]], int]:
+    """({stage: (its best config, noise-free samples/s)} for the stages where some mbs fits, configs that fit)."""
+    bests: dict[int, tuple[dict[str, Any], float]] = {}
+    fitting = 0
     for stage in range(4):
         for mbs in range(1, MAX_MBS + 1):
             value = sim.throughput(space_config(stage, mbs))
             if value is None:
                 break  # memory grows with mbs
             fitting += 1
-            if value > best_value:
-                best, best_value = space_config(stage, mbs), value
-    return best, best_value, fitting
+            if value > bests.get(stage, (None, 0.0))[1]:
+                bests[stage] = (space_config(stage, mbs), value)
+    return bests, fitting
+
+
+def full_run_s(sim: Simulator, cfg: dict[str, Any]) -> float:
+    """SIMULATED seconds of one noise-free run of ``cfg`` to ``end_profile_step`` (:meth:`Simulator.run`'s
+    duration with every noise factor 1: start-up, the warm-up step, the profiled steps, the exit)."""
+    latency = sim.step(cfg).latency_s
+    return sim.startup_s() + latency * (WARMUP_STEP_FACTOR + sim.end_profile_step + 1)
+
+
+def ideal_tuner(sim: Simulator, stage_bests: dict[int, tuple[dict[str, Any], float]], optimum_cfg: dict[str, Any],
+                profile_s: float) -> dict[str, Any]:
+    """The launches a tuner needs that knows every noise-free figure but cannot see through the noise (D28).
+
+    ``launches = 1 + W + G``: the profile run; one run of the best config of each ZeRO stage that can win,
+    W = the stages whose best noise-free throughput over the space (gas 1) is within the noise level of the
+    space's best (``>= (1 - sigma) x best``, sigma the log-normal sigma of the run-to-run factor: one run
+    cannot rank configs closer than that, so each must be measured; W >= 1); and G = 1 when the optimum
+    (``optimum_cfg``) has gas > 1 (a config a tuner found beyond the space: one more run). No re-measure is
+    counted: it is a lower bound, not a tuner. ``simulated_hours`` adds the noise-free durations of those
+    runs (:func:`full_run_s`) to ``profile_s`` (zerotune's profile run).
+    """
+    threshold = (1 - sim.noise_level) * max(value for _, value in stage_bests.values())
+    winning = sorted(s for s, (_, value) in stage_bests.items() if value >= threshold)
+    gas = ZeroSettings.from_config(optimum_cfg).gas > 1
+    runs = [stage_bests[s][0] for s in winning] + ([optimum_cfg] if gas else [])
+    return {"launches": 1 + len(winning) + int(gas), "winning_stages": winning, "gas": gas,
+            "threshold_fraction": 1 - sim.noise_level,
+            "simulated_hours": (profile_s + sum(full_run_s(sim, cfg) for cfg in runs)) / 3600}
 
 
 def describe(cfg: dict[str, Any] | None) -> str:
@@ -159,7 +190,8 @@ def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL, 
     sim = Simulator(sc.model, sc.cluster, seed=sc.seed + SEED_STRIDE * seed_offset, end_profile_step=5,
                     noise_level=noise_level)
     hosts = [f"sim-node-{i}" for i in range(sc.cluster.num_nodes)]
-    best_cfg, best_value, fitting = exhaustive_optimum(sim)
+    stage_bests, fitting = stage_optima(sim)
+    best_cfg, best_value = max(stage_bests.values(), key=lambda cv: cv[1])  # max keeps the lower stage on a tie
     with tempfile.TemporaryDirectory(dir=tmp_root) as zt_dir, tempfile.TemporaryDirectory(dir=tmp_root) as ds_dir:
         zt = run_zerotune(sim, Path(zt_dir), hosts)
         sim.reset_runs()  # DeepSpeed's first run of a config draws what zerotune's first run of it drew
@@ -170,6 +202,9 @@ def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL, 
         value = None if e.profile or e.status != "ok" else sim.throughput(e.ds_config)
         if value is not None and value > best_value:
             best_cfg, best_value, beyond = e.ds_config, value, e.name
+    profile_s = next((e.duration_s for e in zt["ledger"] + ds["ledger"] if e.profile), sim.startup_s())
+    ideal = ideal_tuner(sim, stage_bests, best_cfg, profile_s)
+    zt_summary, ds_summary = summarize_tuner(sim, zt, best_value), summarize_tuner(sim, ds, best_value)
     c = sc.cluster
     return {
         "scenario": sc.name + (f" (seed +{seed_offset})" if seed_offset else ""), "model": sc.model.name,
@@ -181,8 +216,12 @@ def run_scenario(sc: Scenario, tmp_root: str, noise_level: float = NOISE_LEVEL, 
                     "mbs": ZeroSettings.from_config(best_cfg).mbs, "throughput": best_value,
                     "space_configs_that_fit": fitting,
                     "outside_space": beyond},
-        "zerotune": summarize_tuner(sim, zt, best_value),
-        "deepspeed": summarize_tuner(sim, ds, best_value),
+        "zerotune": zt_summary,
+        "deepspeed": ds_summary,
+        "ideal": ideal,
+        # launches = experiments started (the profile counts; nothing is pruned or reused into a ledger here)
+        "launches": {"zerotune": zt_summary["experiments"], "deepspeed": ds_summary["experiments"],
+                     "ideal": ideal["launches"]},
     }
 
 
@@ -208,14 +247,18 @@ def ratio(a: float, b: float) -> float:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = (f"{'#':>2} {'scenario (SIMULATED)':<44} {'optimum':<14} {'samples/s':>9} | "
-            f"{'zerotune':<13} {'frac':>5} {'exps':>4} {'GPU-h':>7} | {'DeepSpeed':<14} {'frac':>5} {'exps':>4} {'GPU-h':>7}")
+            f"{'zerotune':<13} {'frac':>5} {'exps':>4} {'GPU-h':>7} | {'DeepSpeed':<14} {'frac':>5} {'exps':>4} {'GPU-h':>7}"
+            f" | {'launches zt/DS/ideal':>20} {'hours zt/DS/ideal':>17}")
     print(head)
     print("-" * len(head))
     for i, r in enumerate(rows, 1):
         z, d = r["zerotune"], r["deepspeed"]
+        n, ideal = r["launches"], r["ideal"]
         print(f"{i:>2} {r['scenario']:<44} {r['optimum']['config']:<14} {r['optimum']['throughput']:>9.1f} | "
               f"{z['chosen']:<13} {z['fraction']:>5.3f} {z['experiments']:>4} {z['gpu_hours']:>7.1f} | "
-              f"{d['chosen']:<14} {d['fraction']:>5.3f} {d['experiments']:>4} {d['gpu_hours']:>7.1f}"
+              f"{d['chosen']:<14} {d['fraction']:>5.3f} {d['experiments']:>4} {d['gpu_hours']:>7.1f} | "
+              f"{n['zerotune']:>10}/{n['deepspeed']:>3}/{n['ideal']:<5} "
+              f"{z['simulated_hours']:>5.2f}/{d['simulated_hours']:>5.2f}/{ideal['simulated_hours']:<5.2f}"
               + (f"  [DS error: {d['error'][:60]}]" if d["error"] else ""))
 
 
@@ -239,6 +282,8 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return {"median": statistics.median(errors), "worst": max(errors, key=abs)}
 
     costlier = [r for r in rows if r["zerotune"]["gpu_hours"] > r["deepspeed"]["gpu_hours"]]
+    launches = {t: [r["launches"][t] for r in rows] for t in ("zerotune", "deepspeed", "ideal")}
+    hours = {t: [r[t]["simulated_hours"] for r in rows] for t in ("zerotune", "deepspeed", "ideal")}
     return {
         "scenarios": len(rows),
         "zerotune_fraction_median": statistics.median(zf), "zerotune_fraction_worst": min(zf),
@@ -252,6 +297,16 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "report_error": {"zerotune": report_error("zerotune"), "deepspeed": report_error("deepspeed")},
         "zerotune_loses": [r["scenario"] for r in losses],
         "zerotune_costlier": [r["scenario"] for r in costlier],
+        # launches = experiments started (the profile included); the ideal's definition: ideal_tuner
+        "launches_total": {t: sum(v) for t, v in launches.items()},
+        "launches_median": {t: statistics.median(v) for t, v in launches.items()},
+        "launches_ratio": {
+            "zerotune_deepspeed": {"total": ratio(sum(launches["zerotune"]), sum(launches["deepspeed"])),
+                                   "median": statistics.median(map(ratio, launches["zerotune"], launches["deepspeed"]))},
+            "zerotune_ideal": {"total": ratio(sum(launches["zerotune"]), sum(launches["ideal"])),
+                               "median": statistics.median(map(ratio, launches["zerotune"], launches["ideal"]))}},
+        "simulated_tuning_hours_ideal_total": sum(hours["ideal"]),
+        "simulated_tuning_hours_median": {t: statistics.median(v) for t, v in hours.items()},
     }
 
 
@@ -276,6 +331,15 @@ def print_summary(s: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     t = s["simulated_tuning_hours_total"]
     print(f"  SIMULATED tuning time (experiments run one after another): zerotune {t['zerotune']:.1f} h, DeepSpeed "
           f"{t['deepspeed']:.1f} h: ratio {t['ratio']:.2f}")
+    n, m, q = s["launches_total"], s["launches_median"], s["launches_ratio"]
+    print(f"  launches (experiments started, the profile included): total zerotune {n['zerotune']}, DeepSpeed "
+          f"{n['deepspeed']}, ideal {n['ideal']}; median {m['zerotune']:g}, {m['deepspeed']:g}, {m['ideal']:g}; "
+          f"zerotune/DeepSpeed {q['zerotune_deepspeed']['total']:.2f} (median {q['zerotune_deepspeed']['median']:.2f}), "
+          f"zerotune/ideal {q['zerotune_ideal']['total']:.2f} (median {q['zerotune_ideal']['median']:.2f})")
+    hm = s["simulated_tuning_hours_median"]
+    print(f"  SIMULATED tuning time of the ideal (profile + one noise-free run per stage within "
+          f"{rows[0]['ideal']['threshold_fraction']:.2f} of the optimum + gas): {s['simulated_tuning_hours_ideal_total']:.1f} h; "
+          f"median per scenario zerotune {hm['zerotune']:.2f} h, DeepSpeed {hm['deepspeed']:.2f} h, ideal {hm['ideal']:.2f} h")
     print(f"  zerotune below DeepSpeed by more than {LOSS_TOLERANCE:.1%}: {len(losses)} scenario(s)")
     for r in losses:
         z, d = r["zerotune"], r["deepspeed"]

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# zerotune against DeepSpeed's autotuner (`deepspeed --autotuning tune`) on one CUDA GPU: GPT-2 124M
+# (examples/train_gpt.py, vocab 50257, seq 1024, d_model 768, 12 layers, 12 heads), bf16, torch AdamW, ZeRO stages
+# 0-3, mbs 1..256, fast mode, metric throughput (benchmarks/gpu_gpt2_ds_config.json). zerotune first (ZT_S s, default
+# 270), then DeepSpeed's autotuner (DS_S s, default 200), each in a fresh results dir; the whole script ends within
+# BUDGET_S (default 540) s. Report (benchmarks/gpu_compare.py): per tuner launches, OOM launches, OOMs after a
+# stage's first launch, wall time, the answer and its samples/s; per zerotune experiment the memory model's estimate
+# against the probe's device peak. Run from the repository root:
+#   OUT=/tmp/out bash benchmarks/gpu_compare.sh
+# Where pip cannot reach PyPI, carry the wheels in .whl/ (benchmarks/gpu_check.sh's header says how to build them);
+# they are installed into /tmp/site. Files under $OUT (8, flat): env.txt report.txt report.json zt.log ds.log
+# zt_exps.tgz ds_exps.tgz results.tgz.
+set -u
+T_START=$(date +%s)
+BUDGET_S=${BUDGET_S:-540}
+OUT=${OUT:-/tmp/gpu_compare_out}
+PY=${PY:-python3}
+W=/tmp/gpucmp.$$  # every process of this run has this path in its command line (the sweep below relies on it)
+mkdir -p "$OUT" "$W/bin" "$W/zt" "$W/ds" "$W/ext"
+left() { echo $(( BUDGET_S - ($(date +%s) - T_START) )); }
+say() { echo "[$(( $(date +%s) - T_START ))s] $*" | tee -a "$OUT/report.txt"; }
+min() { if [ "$1" -lt "$2" ]; then echo "$1"; else echo "$2"; fi; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  timeout 150 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl > "$W/pip.log" 2>&1 || { say "wheel install failed"; tail -20 "$W/pip.log" | tee -a "$OUT/report.txt"; exit 3; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$W/ext}
+# DeepSpeed's scheduler launches a bare `deepspeed` and runs `pdsh -w HOSTS pkill -f EXP` after each experiment
+# (compare_deepspeed.py, D2): a runner wrapper and a no-op pdsh first on PATH.
+printf '#!/bin/sh\nexec %s -m deepspeed.launcher.runner "$@"\n' "$PY" > "$W/bin/deepspeed"
+printf '#!/bin/sh\necho "$(date +%%s) pdsh $*" >> %s/pdsh_calls.log\nexit 0\n' "$W" > "$W/bin/pdsh"
+chmod +x "$W/bin/deepspeed" "$W/bin/pdsh"
+export PATH=$W/bin:$PATH
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  timeout 90 "$PY" -c "import deepspeed, torch, pydantic, hjson, tabulate; print('deepspeed', deepspeed.__version__,
+'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'pydantic', pydantic.__version__)" 2>&1 | grep -v WARNING
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+MODEL=(--vocab 50257 --seq-len 1024 --d-model 768 --n-layer 12 --n-head 12 --steps 30 ${MODEL_ARGS:-})
+
+gpu_idle() {  # wait (30 s at most) until no process holds the GPU
+  for _ in $(seq 30); do
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return 0
+    sleep 1
+  done
+  say "the GPU is still held: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | tr '\n' ' ')"
+}
+
+run_tuner() {  # NAME LIMIT_S CMD...: SIGTERM to its process group at LIMIT_S, SIGKILL 10 s later; sets RC WALL T0
+  local name=$1 limit=$2; shift 2
+  T0=$(date +%s.%N)
+  timeout -s TERM -k 10 "$limit" "$@" > "$W/$name.log" 2>&1 &
+  local pid=$!  # timeout leads its own process group
+  wait "$pid"; RC=$?
+  WALL=$(awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+  kill -KILL -- "-$pid" 2>/dev/null
+  local left_over; left_over=$(pgrep -f -- "$W/" | grep -vx "$$" | tr '\n' ' ')
+  if [ -n "$left_over" ]; then say "$name: killing what it left: $left_over"; kill -KILL $left_over 2>/dev/null; fi
+  gpu_idle
+  say "$name: exit $RC after $WALL s (limit $limit s)"
+}
+
+"$PY" -m benchmarks.gpu_compare config benchmarks/gpu_gpt2_ds_config.json "$W/zt/ds_config.json" "$W/zt/results" "$W/zt/exps"
+"$PY" -m benchmarks.gpu_compare config benchmarks/gpu_gpt2_ds_config.json "$W/ds/ds_config.json" "$W/ds/results" "$W/ds/exps"
+
+ZT_LIMIT=$(min "${ZT_S:-270}" $(( $(left) - 250 )))
+say "zerotune: limit $ZT_LIMIT s"
+run_tuner zt "$ZT_LIMIT" "$PY" -m zerotune tune --num_gpus 1 --timeout 100 ${ZT_ARGS:-} examples/train_gpt.py "${MODEL[@]}" \
+  --deepspeed_config "$W/zt/ds_config.json"
+ZT_RC=$RC ZT_WALL=$WALL ZT_T0=$T0
+
+DS_LIMIT=$(min "${DS_S:-200}" $(( $(left) - 40 )))
+say "DeepSpeed's autotuner: limit $DS_LIMIT s"
+(cd "$W/ds" && run_tuner ds "$DS_LIMIT" deepspeed --autotuning tune --num_gpus 1 --master_port 29700 \
+  "$OLDPWD/examples/train_gpt.py" "${MODEL[@]}" --deepspeed_config "$W/ds/ds_config.json"; \
+  echo "$RC $WALL $T0" > "$W/ds.rc")
+read -r DS_RC DS_WALL DS_T0 < "$W/ds.rc"
+
+timeout 30 "$PY" -m benchmarks.gpu_compare report --zt "$W/zt" --zt-wall "$ZT_WALL" --zt-rc "$ZT_RC" --zt-t0 "$ZT_T0" \
+  --ds "$W/ds" --ds-wall "$DS_WALL" --ds-rc "$DS_RC" --ds-t0 "$DS_T0" --json "$OUT/report.json" 2>&1 \
+  | grep -v "WARNING.*accelerator" | tee -a "$OUT/report.txt"
+tail -c 60000 "$W/zt.log" > "$OUT/zt.log"
+{ tail -c 40000 "$W/ds.log"; for d in "$W"/ds/results/*/; do echo "== $d stderr (tail)"; tail -5 "$d/stderr.log" 2>/dev/null; done
+  echo "== pdsh calls"; cat "$W/pdsh_calls.log" 2>/dev/null; } | tail -c 80000 > "$OUT/ds.log"
+tar czf "$OUT/zt_exps.tgz" -C "$W/zt" --exclude='stdout.log' exps 2>/dev/null
+tar czf "$OUT/ds_exps.tgz" -C "$W/ds" --exclude='*.log' results exps 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$W/zt" results 2>/dev/null
+say "done in $(( $(date +%s) - T_START )) s; files in $OUT"
+rm -rf "$W"
