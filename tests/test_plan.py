@@ -33,10 +33,10 @@ def write_config(path: Path, *, fast=True, model_info=True, **zero) -> Path:
     return path
 
 
-def tuner(tmp_path: Path, config: Path, budget: int = int(2.5 * GiB)) -> Autotuner:
+def tuner(tmp_path: Path, config: Path, budget: int = int(2.5 * GiB), cpu: bool = True) -> Autotuner:
     nodes = select_resources(None, "", "", -1, -1, 2)
     return Autotuner(SCRIPT, ["--deepspeed_config", str(config)], nodes,
-                     TuneOptions(device_memory_bytes=budget, results_dir=str(tmp_path / "results"), cpu=True))
+                     TuneOptions(device_memory_bytes=budget, results_dir=str(tmp_path / "results"), cpu=cpu))
 
 
 PROFILE = "profile_z1_gas1_tmbspg1_rbs1e7"  # the job tunes stages 0-1: the profile runs at 1
@@ -45,17 +45,15 @@ PROFILE = "profile_z1_gas1_tmbspg1_rbs1e7"  # the job tunes stages 0-1: the prof
 def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
     assert plan.model_info_source == "autotuning.model_info"
-    # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8); its halving (4) is not launched: under the
-    # oracle's assumed metric (perfect scaling) the throughput model bounds mbs 4 by mbs 8's reading, which it cannot
-    # beat by more than the precision. ZeRO-1 has no more headroom: one probe at mbs 8, a tie within the precision
-    # (never re-measured, and at equal mbs not a win); no fine pass below the best (nothing ran below it), and gas
-    # doubles once at the best mbs (the global batch is free)
+    # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower); ZeRO-1 has
+    # no more headroom, so one probe at mbs 8, a tie within the precision under the oracle's assumed metric (never
+    # re-measured, and at equal mbs not a win); then the fine pass bisects below ZeRO-0's best, the best stage
+    # (6, 7: on CPU ranks the throughput model gates no mbs below its family's largest), and gas doubles once at
+    # the best mbs (the global batch is free)
     assert [e.name for e in plan.experiments] == [
-        PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z1_gas1_tmbspg8_rbs2e7", "z0_gas2_tmbspg8"]
-    skipped = plan.experiments[2]
-    assert skipped.skipped.startswith("throughput model: ") and "not launched" in skipped.skipped
-    assert [e.name for e in plan.experiments if e.skipped] == ["z0_gas1_tmbspg4"]
-    assert "z0_gas1_tmbspg4: throughput model" in table_text(plan.table())
+        PROFILE, "z0_gas1_tmbspg8", "z0_gas1_tmbspg4", "z1_gas1_tmbspg8_rbs2e7", "z0_gas1_tmbspg6", "z0_gas1_tmbspg7",
+        "z0_gas2_tmbspg8"]
+    assert not any(e.skipped for e in plan.experiments)
     z1 = plan.experiments[3]
     assert (z1.phase, z1.stage, z1.mbs, z1.gas, z1.knobs) == ("mbs", 1, 8, 1, {})
     # fp32 AdamW, ZeRO-1, N=2: params 4Ψ + grads (4Ψ + 4Ψ/2) + optimizer (8+4)Ψ/2 + bucket 4*2e7 + the
@@ -75,17 +73,28 @@ def test_plan_follows_the_search_to_the_memory_boundary(tmp_path):
     # ZeRO-1 (fixed 185.7 MB with the same copy) to mbs 3
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
     rows = {e.name: e for e in plan.experiments}
-    # the search starts on the estimate 5, tries one step above it (8: OOM), bisects (6: OOM), and its halving (2)
-    # is not launched (the throughput model bounds it under mbs 5); ZeRO-1 is probed at its own largest mbs, 3, and
-    # does not beat ZeRO-0 there; gas doubles at the best mbs
-    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(5, 1), (8, 1), (6, 1), (2, 1), (5, 2)]
+    # the search starts on the estimate 5, tries one step above it (8: OOM), bisects (6: OOM), halves once
+    # (2: slower), then the fine pass tries 3 and 4; ZeRO-1 is probed at its own largest mbs, 3, and does not
+    # beat ZeRO-0 there; gas doubles at the best mbs
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [
+        (5, 1), (8, 1), (6, 1), (2, 1), (3, 1), (4, 1), (5, 2)]
     assert [rows[f"z0_gas1_tmbspg{m}"].fits for m in (5, 8, 6)] == [True, False, False]
     assert rows["z0_gas1_tmbspg5"].memory_bytes == 20 * PARAMS - 4 * PARAMS + 5 * ACTIVATIONS
     assert [n for n in rows if n.startswith("z1")] == ["z1_gas1_tmbspg3_rbs2e7"]
-    # 5, 2 (fits, not launched) and 5 at gas 2 of ZeRO-0, 3 of ZeRO-1
-    assert "4 fit 300.00 MiB per device (model size from autotuning.model_info); 1 not launched by the throughput " \
-           "model" in plan.header()
+    assert "6 fit 300.00 MiB per device" in plan.header()  # 5, 2, 3, 4 and 5 at gas 2 of ZeRO-0, 3 of ZeRO-1
 
+
+def test_plan_on_gpu_ranks_shows_what_the_throughput_model_would_not_launch(tmp_path):
+    # the same search on GPU ranks (300 MiB devices): the halving below the best (2) is bounded by mbs 5's reading
+    # under the oracle's assumed metric (perfect scaling), which it cannot beat by more than the precision: not
+    # launched, and neither is the fine pass below it (nothing below the best ran)
+    plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20, cpu=False).plan()
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(5, 1), (8, 1), (6, 1), (2, 1), (5, 2)]
+    assert [e.name for e in plan.experiments if e.skipped] == ["z0_gas1_tmbspg2"]
+    (skipped,) = [e for e in plan.experiments if e.skipped]
+    assert skipped.skipped.startswith("throughput model: ") and skipped.skipped.endswith("not launched")
+    assert "z0_gas1_tmbspg2: throughput model" in table_text(plan.table())
+    assert "; 1 not launched by the throughput model" in plan.header()
 
 def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path):
     path = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
@@ -113,9 +122,8 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
     plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
-    # 4 not launched (the throughput model bounds it under 8), the probe a tie (not re-measured); then gas 2 at 8
-    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(8, 1), (4, 1), (8, 2)]
-    assert [e.name for e in plan.experiments if e.skipped] == ["z0_gas1_tmbspg4"]
+    # the probe a tie (not re-measured), then the fine pass (6, 7); then gas 2 at 8
+    assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(8, 1), (4, 1), (6, 1), (7, 1), (8, 2)]
     assert "unknown until the profile run" in plan.header()
 
 

@@ -91,8 +91,8 @@ def test_a_tie_is_a_difference_strictly_within_the_precision():
     assert not tie(0.0, None)  # no precision: never a tie
 
 
-def make_job(tmp_path: Path, metric: str = "throughput") -> Job:
-    """ZeRO stage 0 only, mbs 1..32, 2 CPU ranks of 8 GiB, tuning ``metric``."""
+def make_job(tmp_path: Path, metric: str = "throughput", cpu: bool = False) -> Job:
+    """ZeRO stage 0 only, mbs 1..32, 2 ranks of 8 GiB (GPU ranks unless ``cpu``), tuning ``metric``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config_file = tmp_path / "ds.json"
     config_file.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -101,10 +101,10 @@ def make_job(tmp_path: Path, metric: str = "throughput") -> Job:
                                                       "max_train_micro_batch_size_per_gpu": 32}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config_file)],
                      select_resources(local_slots=2),
-                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=True))
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
 
 
-def tune(tmp_path: Path, curve, metric: str = "throughput") -> Strategy:
+def tune(tmp_path: Path, curve, metric: str = "throughput", cpu: bool = False) -> Strategy:
     """The Strategy with ``curve(mbs, gas)`` as every run's metric, known to +-1%."""
     def evaluate(exps):
         for exp in exps:
@@ -113,7 +113,7 @@ def tune(tmp_path: Path, curve, metric: str = "throughput") -> Strategy:
                 exp.metric, exp.metric_rel_half_width = curve(exp.mbs, exp.gas), 0.01
         return exps
 
-    strategy = Strategy(make_job(tmp_path, metric), evaluate)
+    strategy = Strategy(make_job(tmp_path, metric, cpu), evaluate)
     strategy.run()
     return strategy
 
@@ -132,6 +132,10 @@ def test_the_strategy_launches_only_what_the_throughput_model_cannot_rule_out(tm
         "throughput model: 234.6-245.4 samples/s predicted (2 run(s) of its family, affine step time); cannot beat "
         "z0_gas1_tmbspg32's 320 by more than the precision (2%): not launched")
     assert strategy.best_batch == {0: (32, 2)}
+    # on CPU ranks a smaller mbs than the family's largest is never gated (caches can make it faster): mbs 24 runs
+    on_cpu = tune(tmp_path / "cpu", lambda mbs, gas: 10.0 * mbs * (1.02 if gas == 2 else 1.0), cpu=True)
+    assert ("z0_gas1_tmbspg24", "ok") in [(e.name, e.status.value) for e in on_cpu.result.experiments]
+    assert on_cpu.result.predictions == []
 
 
 def test_a_latency_search_is_never_gated(tmp_path):

@@ -101,16 +101,18 @@ def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds
     ``saved_per_sample`` is the probe's :data:`SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
     ``step_growth_bytes`` (the allocated high-water mark over the profile's forward and ``loss.backward()``
     less what was allocated before, at micro batch size ``mbs``). ``constant`` is what that growth holds
-    whatever the mbs: at ZeRO-3 the largest module's parameters, gathered to run it, and their gradient,
-    ``2 * b * largest_layer_params``; below stage 3, the gradients of every trainable parameter, which the
-    backward allocates before any reduction, ``b * trainable_params`` (an over-count at stage 2, whose
-    buckets hold fewer, and under model parallelism: the figure then falls back towards ``saved``, which
-    the runs' own slopes raise, never the other way). ``b`` is the element size of the profile's
-    precision (``zerotune.deepspeed.config.precision`` of ``ds_config``: 4 in fp32, else 2, as the memory
-    model's). The constant is never more than the growth."""
+    whatever the mbs and the term should not: at ZeRO-3, nothing (the modules ZeRO-3 gathers are released
+    before the step's peak, or were gathered before the baseline: on an H100 a GPT-2 profile's growth at mbs 1
+    was 6% above the slope its runs measured at mbs 80-125, not the 25% a gathered embedding and its gradient
+    would add; docs/decisions.md, D204); below stage 3, the gradients of every trainable parameter, which the
+    backward allocates before any reduction, ``b * trainable_params`` (an over-count at stage 2, whose buckets
+    hold fewer, and under model parallelism: the figure then falls back towards ``saved``, which the runs'
+    own slopes raise, never the other way). ``b`` is the element size of the profile's precision
+    (``zerotune.deepspeed.config.precision`` of ``ds_config``: 4 in fp32, else 2, as the memory model's). The
+    constant is never more than the growth. ``largest_layer_params`` is kept for callers; unused at ZeRO-3."""
     zero = ds_config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else 0
     b = 4 if precision(ds_config) == "fp32" else 2
-    constant = 2 * b * largest_layer_params if stage == 3 else b * trainable_params
+    constant = 0 if stage == 3 else b * trainable_params
     grown = max(0, step_growth_bytes - constant) // max(1, mbs)
     return max(saved_per_sample, grown)

@@ -104,7 +104,7 @@ class Evaluator:
         if best is None:
             return False
         families = readings(self.ledger.experiments, pooled, self.ledger.run_noise.sigma, self.job.capacity_bytes)
-        prediction = predict(exp, families, (best, pooled[best].value), self.precision)
+        prediction = predict(exp, families, (best, pooled[best].value), self.precision, cpu=self.job.cpu)
         if prediction is None:
             return False
         exp.status, exp.metric, exp.error = Status.SKIPPED, None, prediction.reason

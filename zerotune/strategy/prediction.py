@@ -14,7 +14,8 @@ the runs' own intervals and the run-to-run noise). Readings near the device's ca
 (:data:`~zerotune.strategy.capacity.NEAR_CAPACITY`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
 the best pooled metric by more than the target precision (``--precision``): within it, it is a tie the
-answer would not move for. Throughput only (a latency search is not gated), and never a re-measurement.
+answer would not move for. Throughput only (a latency search is not gated), and never a re-measurement; on
+CPU ranks only an mbs above its family's readings (:func:`predict`).
 docs/decisions.md, D108.
 """
 from __future__ import annotations
@@ -74,13 +75,17 @@ def readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], sigma
 
 
 def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
-            precision: float) -> Prediction | None:
+            precision: float, cpu: bool = False) -> Prediction | None:
     """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no reading
     that bounds it, readings no affine curve fits, or an upper bound beating the best by more than
-    ``precision``)."""
+    ``precision``). On CPU ranks (``cpu``) only an mbs above every reading of its family is gated: there
+    caches, not a fixed per-step cost, shape the curve, so a smaller micro-batch can be faster and the per-sample
+    compute is no floor for another config (docs/decisions.md, D104)."""
     if best is None or exp.kind not in GATED_KINDS or not isinstance(exp.mbs, int):
         return None
     own = families.get(family_key(exp.ds_config))
+    if cpu and not (own and exp.mbs > max(r.mbs for r in own)):
+        return None
     if own:
         b = bounds(own, exp.mbs)
         if b is None:
