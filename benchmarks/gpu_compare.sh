@@ -68,18 +68,25 @@ run_tuner() {  # NAME LIMIT_S CMD...: SIGTERM to its process group at LIMIT_S, S
 "$PY" -m benchmarks.gpu_compare config benchmarks/gpu_gpt2_ds_config.json "$W/zt/ds_config.json" "$W/zt/results" "$W/zt/exps"
 "$PY" -m benchmarks.gpu_compare config benchmarks/gpu_gpt2_ds_config.json "$W/ds/ds_config.json" "$W/ds/results" "$W/ds/exps"
 
-ZT_LIMIT=$(min "${ZT_S:-270}" $(( $(left) - 250 )))
+RESERVE=250  # DeepSpeed's turn and the report; SKIP_DS=1 (zerotune alone, e.g. to re-check a change) keeps 20
+[ "${SKIP_DS:-0}" = 1 ] && RESERVE=20
+ZT_LIMIT=$(min "${ZT_S:-270}" $(( $(left) - RESERVE )))
 say "zerotune: limit $ZT_LIMIT s"
 run_tuner zt "$ZT_LIMIT" "$PY" -m zerotune tune --num_gpus 1 --timeout 100 ${ZT_ARGS:-} examples/train_gpt.py "${MODEL[@]}" \
   --deepspeed_config "$W/zt/ds_config.json"
 ZT_RC=$RC ZT_WALL=$WALL ZT_T0=$T0
 
 DS_LIMIT=$(min "${DS_S:-200}" $(( $(left) - 40 )))
-say "DeepSpeed's autotuner: limit $DS_LIMIT s"
-(cd "$W/ds" && run_tuner ds "$DS_LIMIT" deepspeed --autotuning tune --num_gpus 1 --master_port 29700 \
-  "$OLDPWD/examples/train_gpt.py" "${MODEL[@]}" --deepspeed_config "$W/ds/ds_config.json"; \
-  echo "$RC $WALL $T0" > "$W/ds.rc")
-read -r DS_RC DS_WALL DS_T0 < "$W/ds.rc"
+if [ "${SKIP_DS:-0}" = 1 ]; then
+  say "DeepSpeed's autotuner: skipped (SKIP_DS=1)"
+  DS_RC=0 DS_WALL=0 DS_T0=$(date +%s.%N)
+else
+  say "DeepSpeed's autotuner: limit $DS_LIMIT s"
+  (cd "$W/ds" && run_tuner ds "$DS_LIMIT" deepspeed --autotuning tune --num_gpus 1 --master_port 29700 \
+    "$OLDPWD/examples/train_gpt.py" "${MODEL[@]}" --deepspeed_config "$W/ds/ds_config.json"; \
+    echo "$RC $WALL $T0" > "$W/ds.rc")
+  read -r DS_RC DS_WALL DS_T0 < "$W/ds.rc"
+fi
 
 timeout 30 "$PY" -m benchmarks.gpu_compare report --zt "$W/zt" --zt-wall "$ZT_WALL" --zt-rc "$ZT_RC" --zt-t0 "$ZT_T0" \
   --ds "$W/ds" --ds-wall "$DS_WALL" --ds-rc "$DS_RC" --ds-t0 "$DS_T0" --json "$OUT/report.json" 2>&1 \
