@@ -140,3 +140,28 @@ def test_the_run_to_run_noise_is_assumed_until_a_config_runs_twice_and_never_bel
     assert mean_half_width([0.01, 0.03], 0.01) == pytest.approx(math.sqrt((0.0005 + 0.0004) / 2))
     with pytest.raises(ValueError):
         mean_half_width([], 0.01)
+
+
+def test_the_notes_say_what_was_not_launched_and_what_the_re_measurements_changed():
+    from zerotune.report.results import strategy_notes
+    from zerotune.strategy.ledger import Ledger
+    from zerotune.strategy.prediction import Prediction
+    from zerotune.strategy.result import StrategyResult
+
+    def run(name, stage, metric, replica_of=None):
+        cfg = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage}}
+        return Experiment(name, cfg, status=Status.OK, metric=metric, replica_of=replica_of)
+
+    ledger = Ledger(Objective.named("throughput"))
+    # z1 reads 2% above z0 on its first run; its second run reads 6% under: pooled 98, z0 is the answer
+    for exp in (run("z0", 0, 100.0), run("z1", 1, 102.0), run("z1_r2", 1, 94.0, replica_of="z1")):
+        ledger.add(exp)
+    result = StrategyResult(ledger=ledger)
+    result.predictions.append(Prediction("z0_mbs4", 49.0, 51.0, 100.0, "z0", 0.02, "1 run(s) of its family"))
+    notes = strategy_notes(result, 2**30, 1)
+    assert notes[0] == ("not launched: z0_mbs4: throughput model: 49-51 samples/s predicted (1 run(s) of its "
+                        "family); cannot beat z0's 100 by more than the precision (2%): not launched")
+    assert notes[1] == ("re-measurements: 1 run(s) of z1 (where one run could not tell configs apart by more than "
+                        "the target precision); they changed the answer from z1 to z0")
+    ledger.add(run("z0_r2", 0, 90.0, replica_of="z0"))  # z0 pooled 95 < z1's 98: the first runs' answer again
+    assert strategy_notes(result, 2**30, 1)[1].endswith("; the first runs alone give the same answer")

@@ -35,8 +35,12 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:
         configs = sorted({e.replica_of for e in replicas})
-        notes.append(f"re-measurements: {len(replicas)} run(s) of {', '.join(configs)} (each where one run could not "
-                     f"tell configs apart by more than the target precision)")
+        first, answer = result.ledger.first_run_answer, result.ledger.answer
+        changed = (f"they changed the answer from {first.name} to {answer.name}"
+                   if first is not None and answer is not None and first.name != answer.name
+                   else "the first runs alone give the same answer")
+        notes.append(f"re-measurements: {len(replicas)} run(s) of {', '.join(configs)} (where one run could not tell "
+                     f"configs apart by more than the target precision); {changed}")
     memory = result.memory
     if memory is not None:
         notes.append(f"memory model: {memory.num_params:,} params, {format_bytes(memory.activation_bytes_per_sample)}"

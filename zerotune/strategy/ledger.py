@@ -67,6 +67,15 @@ class Ledger:
                                                                    self.budget_bytes))
         return self._answer[1]
 
+    @property
+    def first_run_answer(self) -> Experiment | None:
+        """The answer the first runs alone give (every replica left out): what the re-measurements changed,
+        where it differs from :attr:`answer`; None before any ran ok or without an objective."""
+        if self.objective is None:
+            return None
+        return best_experiment([e for e in self.experiments if e.replica_of is None], self.objective,
+                               self.budget_bytes)
+
     def update_run_noise(self) -> tuple[RunNoise, RunNoise]:
         """Re-estimate :attr:`run_noise` from the runs so far; (before, now)."""
         before, self.run_noise = self.run_noise, run_noise(self.experiments)
