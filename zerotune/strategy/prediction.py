@@ -20,6 +20,7 @@ docs/decisions.md, D108.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,7 +54,6 @@ class Prediction:
 
 def family_key(ds_config: dict) -> str:
     """The config without its mbs and train batch size: equal for the members of one family."""
-    import json
     return json.dumps({k: v for k, v in ds_config.items() if k not in _BATCH_KEYS}, sort_keys=True, default=str)
 
 
