@@ -97,7 +97,7 @@ class Evaluator:
         """Record ``exp`` as skipped without launching it when the throughput model, fitted on the runs so
         far, says it cannot beat the best by more than the target precision (:func:`~zerotune.strategy.prediction.predict`)."""
         objective = self.job.objective
-        if not objective.higher_is_better:
+        if objective.name != "throughput":  # the throughput model's unit, samples/s
             return False
         pooled = self.ledger.pooled()
         best = objective.best(pooled, lambda name: pooled[name].value)

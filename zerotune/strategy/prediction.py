@@ -14,8 +14,8 @@ the runs' own intervals and the run-to-run noise). Readings near the device's ca
 (:data:`~zerotune.strategy.capacity.NEAR_CAPACITY`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
 the best pooled metric by more than the target precision (``--precision``): within it, it is a tie the
-answer would not move for. Throughput only (a latency search is not gated), and never a re-measurement; on
-CPU ranks only an mbs above its family's readings (:func:`predict`).
+answer would not move for. Throughput only (a latency or FLOP/s search is not gated), and never a
+re-measurement; on CPU ranks only an mbs above its family's readings (:func:`predict`).
 docs/decisions.md, D108.
 """
 from __future__ import annotations
