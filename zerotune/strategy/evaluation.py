@@ -95,7 +95,8 @@ class Evaluator:
 
     def _skipped(self, exp: Experiment) -> bool:
         """Record ``exp`` as skipped without launching it when the throughput model, fitted on the runs so
-        far, says it cannot beat the best by more than the target precision (:func:`~zerotune.strategy.prediction.predict`)."""
+        far, says it cannot beat the best by more than the target precision
+        (:func:`~zerotune.strategy.prediction.predict`)."""
         objective = self.job.objective
         if objective.name != "throughput":  # the throughput model's unit, samples/s
             return False

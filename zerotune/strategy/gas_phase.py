@@ -133,9 +133,10 @@ class GasPhase:
         the candidate's gain over ``best`` on their pooled metrics; None: it did not run ok).
 
         A difference within the runs' noise where a one-run side is not known to the target precision, and
-        larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are re-measured and the pooled metrics decide. With
-        ``larger_batch`` (a rung of the ladder) only a win is re-measured, and the run races ``best``'s own
-        metric, not its pessimistic bound. A win is recorded in :attr:`best_batch`.
+        larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are
+        re-measured and the pooled metrics decide. With ``larger_batch`` (a rung of the ladder) only a win is
+        re-measured, and the run races ``best``'s own metric, not its pessimistic bound. A win is recorded in
+        :attr:`best_batch`.
         """
         ev = self.ev
         bar = ev.pooled(best.name).value if larger_batch else None

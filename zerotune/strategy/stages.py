@@ -21,10 +21,11 @@ probed again (halfway back to the best's mbs, or at the best stage's largest run
 that loses within the runs' noise, or wins within it at equal mbs, is re-measured with the best point (and
 the best stage's point at the probe's mbs) before the stage is given up or searched: at equal mbs a higher
 stage can only gain on the once-per-step work, and a one-run win inside the noise would buy a whole mbs
-search on a coin toss. A difference within the target precision is a tie (:func:`~zerotune.strategy.points.tie`):
-never re-measured, and at equal mbs not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A
-headroom probe that loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory
-boundary, where a caching allocator flushes and retries and a step can be slower than just below it; where
+search on a coin toss. A difference within the target precision is a tie
+(:func:`~zerotune.strategy.points.tie`): never re-measured, and at equal mbs not a win. A headroom probe's win
+is not re-measured: a larger batch is a real way to win. A headroom probe that loses is followed by one at the
+best's mbs: its largest fitting mbs sits at the memory boundary, where a caching allocator flushes and retries
+and a step can be slower than just below it; where
 it ran near the capacity (:mod:`~zerotune.strategy.capacity`), the second probe is at the largest mbs the
 memory model puts under it, if that is still above the best's mbs.
 
@@ -201,7 +202,8 @@ class StageExplorer:
         result.trace.points.append(probe)
         if probe.status is Status.SKIPPED:
             result.decision = StageDecision.SKIPPED
-            result.reason = f"{note}cannot beat: the throughput model bounds its probe at mbs={probe_mbs} below the best plus the precision"
+            result.reason = (f"{note}cannot beat: the throughput model bounds its probe at mbs={probe_mbs} below the "
+                             f"best plus the precision")
             return None
         if probe.status is Status.OOM:  # no evidence of slowness: probe below it
             probe_mbs, probe, cap = self._below_oom(stage, result, probe, probe_mbs, headroom)
