@@ -348,3 +348,58 @@ def test_on_cuda_each_step_records_the_allocated_bytes_before_its_first_forward(
         engine.step()
     lines = [json.loads(line) for line in (tmp_path / "probe.rank0.jsonl").read_text().splitlines()]
     assert [(r["step"], r["base_bytes"], r["peak_bytes"]) for r in lines] == [(1, 100, 9_000), (2, 5_000, 9_000)]
+
+
+class _Cuda:
+    """A stand-in for torch.cuda's memory functions: a 80,000-byte device, 1,000 held outside the allocator."""
+
+    def __init__(self, reserved: int = 4_000):
+        self.reserved, self.fractions = reserved, []
+
+    def mem_get_info(self, device):
+        return 80_000 - 1_000 - self.reserved, 80_000  # (free, total)
+
+    def memory_reserved(self, device):
+        return self.reserved
+
+    def set_per_process_memory_fraction(self, fraction, device):
+        self.fractions.append((fraction, device))
+
+
+def test_on_cuda_a_budget_caps_the_caching_allocator_less_what_lies_outside_it():
+    cuda = _Cuda()
+    # a 41,000-byte budget on an 80,000-byte device with 1,000 bytes outside the allocator: (41,000 - 1,000) / 80,000
+    assert probe_module.cap_allocator(cuda, 1, 41_000) == 0.5
+    assert cuda.fractions == [(0.5, 1)]
+    # a budget of the whole device leaves the allocator alone
+    assert probe_module.cap_allocator(cuda, 0, 81_000) is None and cuda.fractions == [(0.5, 1)]
+
+
+def test_the_probe_caps_the_engines_device_before_the_first_forward_only_with_a_budget(tmp_path, monkeypatch, capsys):
+    cuda = _Cuda()
+    for name in ("mem_get_info", "memory_reserved", "set_per_process_memory_fraction"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    for name, value in (("is_available", lambda: True), ("memory_allocated", lambda: 0),
+                        ("max_memory_allocated", lambda: 0), ("max_memory_reserved", lambda: 0)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    module = engine_module(profile=False)
+    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    engine = module.DeepSpeedEngine(Scaled())
+    engine.device, engine.is_gradient_accumulation_boundary = torch.device("cuda", 3), lambda: True
+    monkeypatch.setenv(probe_module.BUDGET_ENV, "21000")
+    engine.forward(torch.randn(3, 8))
+    engine.forward(torch.randn(3, 8))  # once, before the first forward
+    assert cuda.fractions == [(0.25, 3)]
+    assert "device 3's caching allocator capped at 0.2500 of the device (budget 21000 bytes)" in capsys.readouterr().err
+
+
+def test_an_experiment_on_cuda_ranks_carries_its_budget_and_a_training_command_does_not(tmp_path):
+    from zerotune.deepspeed.launcher import launch_env
+    from zerotune.run.backends.base import LaunchSpec
+    from zerotune.run.slots import Node, Reservation
+    one = Reservation((Node("localhost", (0,)),))
+    gpu = LaunchSpec("x.py", (), cpu=False, device_memory_bytes=24 * 2**30)
+    assert launch_env(gpu, one, probe_dir=tmp_path / "z0")[probe_module.BUDGET_ENV] == "25769803776"
+    assert probe_module.BUDGET_ENV not in launch_env(gpu, one)  # cmd_optimal.txt, zerotune run: no cap
+    cpu = LaunchSpec("x.py", (), cpu=True, device_memory_bytes=24 * 2**30)  # RLIMIT_DATA enforces it there
+    assert probe_module.BUDGET_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")

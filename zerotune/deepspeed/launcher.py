@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from zerotune.deepspeed.args import apply_arg_mappings
 from zerotune.deepspeed.config import replace_config_arg
 from zerotune.deepspeed.extensions import extensions_dir
-from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH
+from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH
 
 if TYPE_CHECKING:
     from zerotune.run.backends.base import LaunchSpec
@@ -84,7 +84,9 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         reservation: the slots it runs on.
         probe_dir: for an experiment, its directory: the step probe (:mod:`zerotune.probe`) is put
             first on the ranks' ``PYTHONPATH`` and writes its streams there
-            (``PYTHON_ZEROTUNE_PROBE_DIR``). None (the optimal command, ``zerotune run``): no probe.
+            (``PYTHON_ZEROTUNE_PROBE_DIR``); on CUDA ranks with a budget, the probe caps each device's
+            caching allocator at it (``PYTHON_ZEROTUNE_DEVICE_BUDGET``, bytes). None (the optimal command,
+            ``zerotune run``): no probe, no cap.
     """
     env = dict(spec.extra_env)
     if probe_dir is not None:
@@ -95,6 +97,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         own = extensions_dir(Path(probe_dir).resolve().parent)
         if own.is_dir():
             env["TORCH_EXTENSIONS_DIR"] = str(own)
+        if not spec.cpu and spec.device_memory_bytes:  # the probe caps each CUDA device's allocator at it
+            env[BUDGET_ENV] = str(int(spec.device_memory_bytes))
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.

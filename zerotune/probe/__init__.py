@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV, STREAM_PREFIX,
-                                          STREAM_SUFFIX, exit_name, stream_name)
+from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV,
+                                          STREAM_PREFIX, STREAM_SUFFIX, exit_name, stream_name)
 
-__all__ = ["ACTIVATIONS_RECORD", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS",
-           "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
+__all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
+           "PROBE_PATH", "SHAPE_KEYS", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
            "read_saved_activations", "read_streams", "step_records",
            "stream_files", "stream_name"]
 

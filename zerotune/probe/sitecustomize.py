@@ -114,6 +114,7 @@ import sys
 # The name starts with PYTHON so that DeepSpeed's multi-node runner forwards it to the other nodes' ranks
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
+BUDGET_ENV = "PYTHON_ZEROTUNE_DEVICE_BUDGET"  # bytes per device, on CUDA ranks (:func:`cap_allocator`)
 STREAM_PREFIX, STREAM_SUFFIX = "probe.rank", ".jsonl"
 ENGINE_RECORD = "engine_config.json"
 ACTIVATIONS_RECORD = "activations.json"
@@ -136,7 +137,8 @@ class _Probe:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file", "base"}
+        self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file",
+        #                                      "base"}
         self.first_forward: float | None = None
         self.failed = False
         self.exit_rank: int | None = None  # set with the first step record: this process writes an exit record
@@ -325,6 +327,41 @@ def _device_peak(torch, engine, reserved_floor: int = 0) -> dict:
     return {"device_peak_bytes": max(int(torch.cuda.max_memory_reserved()), int(reserved_floor)) + outside}
 
 
+def cap_allocator(cuda, device: int, budget_bytes: int) -> float | None:
+    """Cap the caching allocator of CUDA device ``device`` so that what the device holds stays within
+    ``budget_bytes``: ``set_per_process_memory_fraction((budget - outside) / total)``, where ``outside`` is
+    what lies outside the allocator now (``mem_get_info``'s total - free, less ``memory_reserved``: the CUDA
+    context, NCCL, other processes). An allocation past it raises CUDA's own out-of-memory error, as a
+    smaller device would. ``cuda`` is ``torch.cuda`` (or a stand-in with those functions). Returns the
+    fraction set; None when the budget leaves the allocator the whole device (nothing set)."""
+    free, total = cuda.mem_get_info(device)
+    outside = max(0, int(total) - int(free) - int(cuda.memory_reserved(device)))
+    fraction = max(0.0, (int(budget_bytes) - outside) / int(total))
+    if fraction >= 1.0:
+        return None
+    cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
+def _cap_device(engine) -> None:
+    """On a CUDA rank with a budget (:data:`BUDGET_ENV`, set by zerotune for its experiments), cap the caching
+    allocator of the engine's device at it (:func:`cap_allocator`), before the first forward: the budget is a
+    limit, not advice, as ``RLIMIT_DATA`` makes it on CPU ranks. A failure is printed; training goes on."""
+    torch = sys.modules.get("torch")
+    budget = os.environ.get(BUDGET_ENV)
+    if not budget or not _on_cuda(torch, engine):
+        return
+    try:
+        device = engine.device.index if engine.device.index is not None else torch.cuda.current_device()
+        fraction = cap_allocator(torch.cuda, device, int(budget))
+        if fraction is not None:
+            print(f"zerotune probe: device {device}'s caching allocator capped at {fraction:.4f} of the device "
+                  f"(budget {int(budget)} bytes)", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the probe never breaks training
+        print(f"zerotune probe: capping the device at its budget failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+
+
 def _note_base(probe: _Probe, engine) -> None:
     """On CUDA, the allocated bytes before the step's first forward (``base_bytes``, noted once per step)."""
     torch = sys.modules.get("torch")
@@ -364,6 +401,7 @@ def _probed_forward(forward, probe: _Probe):
     def probed_forward(self, *args, **kwargs):
         if probe.first_forward is None:
             probe.first_forward = time.monotonic()
+            _cap_device(self)
             _record_engine(probe, self)
             counter = _SavedActivations.for_profile(probe, self)
             if counter is not None:

@@ -26,8 +26,9 @@ class LaunchSpec:
         script_args: its arguments, including the ds_config flag (the path is replaced per
             experiment).
         cpu: run DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
-        device_memory_bytes: per-rank memory budget. On CPU it is enforced for real with
-            ``RLIMIT_DATA`` on every rank, so an over-budget config fails as a GPU OOM does.
+        device_memory_bytes: per-rank memory budget, enforced for real: on CPU with ``RLIMIT_DATA`` on every
+            rank, so an over-budget config fails as a GPU OOM does; on CUDA by the probe, which caps each
+            device's caching allocator at it (:func:`zerotune.probe.sitecustomize.cap_allocator`).
         timeout_s: wall-clock limit per experiment (None: no limit).
         hang_timeout_s: kill an experiment whose logs have not grown for this long (None: off).
         hostfile: passed to the launcher for multi-node reservations.
