@@ -47,8 +47,8 @@ from zerotune.core.objective import Objective
 from zerotune.probe import StepRecord
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
-           "StepStats", "activation_slope_bytes", "comparison_noise", "measure", "mean_half_width", "peak_bytes", "pool", "pooled_metrics",
-           "run_noise", "step_stats"]
+           "StepStats", "activation_slope_bytes", "comparison_noise", "measure", "mean_half_width", "peak_bytes",
+           "pool", "pooled_metrics", "run_noise", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95

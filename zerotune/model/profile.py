@@ -77,7 +77,6 @@ class ModelInfo:
                        else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs)
         if SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None:
             activations = step_activations(activations, int(data[STEP_GROWTH_KEY]), mbs, ds_config or {},
-                                           int(data.get("largest_layer_params", 0)),
                                            int(data.get("trainable_num_params", data["num_params"])))
         return cls(num_params=int(data["num_params"]),
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
@@ -95,7 +94,7 @@ class ModelInfo:
 
 
 def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds_config: dict[str, Any],
-                     largest_layer_params: int, trainable_params: int) -> int:
+                     trainable_params: int) -> int:
     """The activation term per sample on CUDA, bytes: ``max(saved, (step_growth - constant) / mbs)``.
 
     ``saved_per_sample`` is the probe's :data:`SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
@@ -109,7 +108,7 @@ def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds
     hold fewer, and under model parallelism: the figure then falls back towards ``saved``, which the runs'
     own slopes raise, never the other way). ``b`` is the element size of the profile's precision
     (``zerotune.deepspeed.config.precision`` of ``ds_config``: 4 in fp32, else 2, as the memory model's). The
-    constant is never more than the growth. ``largest_layer_params`` is kept for callers; unused at ZeRO-3."""
+    constant is never more than the growth."""
     zero = ds_config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else 0
     b = 4 if precision(ds_config) == "fp32" else 2

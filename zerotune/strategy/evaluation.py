@@ -104,7 +104,7 @@ class Evaluator:
         best = objective.best(pooled, lambda name: pooled[name].value)
         if best is None:
             return False
-        families = readings(self.ledger.experiments, pooled, self.ledger.run_noise.sigma, self.job.capacity_bytes)
+        families = readings(self.ledger, self.job.capacity_bytes)
         prediction = predict(exp, families, (best, pooled[best].value), self.precision, cpu=self.job.cpu)
         if prediction is None:
             return False

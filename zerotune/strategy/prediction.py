@@ -11,7 +11,7 @@ throughput model (:mod:`zerotune.model.throughput`) bounds its throughput from t
 
 Each reading's half-width is what a run of that config gives (:func:`~zerotune.core.measure.mean_half_width`:
 the runs' own intervals and the run-to-run noise). Readings near the device's capacity
-(:data:`~zerotune.strategy.capacity.NEAR_CAPACITY`) are left out: an allocator slows steps there, off the
+(``Capacity.NEAR``, :mod:`~zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
 the best pooled metric by more than the target precision (``--precision``): within it, it is a tie the
 answer would not move for. Throughput only (a latency or FLOP/s search is not gated), and never a
@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, mean_half_width
+from zerotune.core.measure import mean_half_width
 from zerotune.model.throughput import Reading, bounds, can_beat, ceiling
-from zerotune.strategy.capacity import NEAR_CAPACITY
+from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
+from zerotune.strategy.ledger import Ledger
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
 GATED_KINDS = (ExperimentKind.MBS, ExperimentKind.GAS)
@@ -57,18 +58,18 @@ def family_key(ds_config: dict) -> str:
     return json.dumps({k: v for k, v in ds_config.items() if k not in _BATCH_KEYS}, sort_keys=True, default=str)
 
 
-def readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], sigma: float,
-             budget_bytes: int | None) -> dict[str, list[Reading]]:
-    """Family key -> its readings: each config that ran ok (pooled over its runs), calm or of unknown capacity."""
+def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
+    """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
+    noise), calm or of unknown capacity (:mod:`~zerotune.strategy.capacity`)."""
+    pooled, sigma = ledger.pooled(), ledger.run_noise.sigma
     out: dict[str, list[Reading]] = {}
-    for exp in experiments:
+    for exp in ledger.experiments:
         p = pooled.get(exp.name)
         if exp.replica_of or p is None or not p.value or p.value <= 0 or not isinstance(exp.mbs, int):
             continue
-        if budget_bytes and exp.peak_memory_bytes and exp.peak_memory_bytes >= NEAR_CAPACITY * budget_bytes:
+        if capacity(memory_fraction(exp.peak_memory_bytes, budget_bytes)) is Capacity.NEAR:
             continue
-        runs = [e.metric_rel_half_width for e in experiments
-                if (e.name == exp.name or e.replica_of == exp.name) and e.status is Status.OK]
+        runs = [e.metric_rel_half_width for e in ledger.runs_of(exp.name) if e.status is Status.OK]
         out.setdefault(family_key(exp.ds_config), []).append(
             Reading(exp.mbs, p.value, mean_half_width(runs or [None], sigma)))
     return out
