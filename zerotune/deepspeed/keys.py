@@ -15,6 +15,12 @@ ZERO = "zero_optimization"
 MBS = "train_micro_batch_size_per_gpu"
 GAS = "gradient_accumulation_steps"
 TBS = "train_batch_size"
+CHECKPOINTING = "gradient_checkpointing"
+"""zerotune's own top-level key (DeepSpeed reads no such key and ignores it): whether the script recomputes
+activations (a Hugging Face ``Trainer``'s ``--gradient_checkpointing``, passed by ``autotuning.arg_mappings``).
+True: every checkpointable layer keeps only its input for the backward pass; absent or False: the script's
+own default. The memory model prices it (:mod:`zerotune.model.memory`), the savers phase tunes it
+(:mod:`zerotune.strategy.savers`)."""
 
 # Keys whose DeepSpeed value is itself a list: a flat list there is the setting, a list of lists is
 # a list of candidates. Dotted paths; a trailing ".*" covers a whole section.
