@@ -54,7 +54,7 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
             return ("profile",) + head
         return head + ((zero,) if zero else ())
 
-    decisions = [(r.stage, getattr(r.decision, "value", r.decision), getattr(r.trace.stop, "value", r.trace.stop) or "")
+    decisions = [(r.key, getattr(r.decision, "value", r.decision), getattr(r.trace.stop, "value", r.trace.stop) or "")
                  for r in tuner.stage_results]
     answer = (best.stage, best.mbs, best.gas, best.ds_config["zero_optimization"])
     return [row(e) for e in backend.ledger], decisions, answer
@@ -182,8 +182,10 @@ PINS = {
             (2, 8, 1, 'ok'),
             (3, 8, 1, 'ok'),
             (3, 7, 1, 'ok'),
+            (3, 9, 1, 'ok', {'offload_optimizer': {'device': 'cpu'}}),
+            (3, 8, 1, 'ok'),
         ],
-        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap'), ('3+offload optimizer', 'probed', ''), ('3+offload optimizer+params', 'skipped', '')],
         'answer': (3, 8, 1, {'stage': 3}),
     },
     (16, True, 'all'): {
@@ -195,7 +197,7 @@ PINS = {
             (3, 5, 1, 'ok'),
             (1, 4, 1, 'ok'),
         ],
-        'decisions': [(0, 'pruned', ''), (1, 'probed', ''), (2, 'explored', 'boundary'), (3, 'explored', 'cap')],
+        'decisions': [(0, 'pruned', ''), (1, 'probed', ''), (2, 'explored', 'boundary'), (3, 'explored', 'cap'), ('3+offload optimizer', 'skipped', ''), ('3+offload optimizer+params', 'skipped', '')],
         'answer': (3, 5, 1, {'stage': 3}),
     },
     (21, True, 'all'): {
@@ -219,7 +221,7 @@ PINS = {
             (3, 15, 1, 'ok'),
             (3, 17, 1, 'ok'),
         ],
-        'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau')],
+        'decisions': [(0, 'pruned', ''), (1, 'pruned', ''), (2, 'pruned', ''), (3, 'explored', 'plateau'), ('1+offload optimizer', 'pruned', ''), ('2+offload optimizer', 'pruned', '')],
         'answer': (3, 17, 1, {'stage': 3}),
     },
     (11, False, (1, 2)): {
@@ -232,6 +234,7 @@ PINS = {
             (1, 8, 1, 'ok'),
             (2, 8, 1, 'ok'),
             (2, 7, 1, 'ok'),
+            (2, 9, 1, 'ok', {'offload_optimizer': {'device': 'cpu'}}),
             (2, 4, 2, 'ok'),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': True, 'contiguous_gradients': True}),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': True, 'reduce_scatter': False, 'contiguous_gradients': True}),
@@ -251,7 +254,7 @@ PINS = {
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 1000000000}),
             (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
         ],
-        'decisions': [(1, 'explored', 'plateau'), (2, 'explored', 'cap')],
+        'decisions': [(1, 'explored', 'plateau'), (2, 'explored', 'cap'), ('2+offload optimizer', 'probed', '')],
         'answer': (2, 8, 1, {'stage': 2, 'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
     },
     (16, False, 'all'): {
@@ -272,7 +275,7 @@ PINS = {
             (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
             (3, 5, 1, 'ok'),
         ],
-        'decisions': [(0, 'pruned', ''), (1, 'probed', ''), (2, 'explored', 'boundary'), (3, 'explored', 'cap')],
+        'decisions': [(0, 'pruned', ''), (1, 'probed', ''), (2, 'explored', 'boundary'), (3, 'explored', 'cap'), ('3+offload optimizer', 'skipped', ''), ('3+offload optimizer+params', 'skipped', '')],
         'answer': (3, 5, 1, {'stage': 3}),
     },
 }
@@ -318,8 +321,10 @@ BATCH_PINS = {
             (2, 8, 1, 'ok'),
             (3, 8, 1, 'ok'),
             (3, 7, 1, 'ok'),
+            (3, 9, 1, 'ok', {'offload_optimizer': {'device': 'cpu'}}),
+            (3, 8, 1, 'ok'),
         ],
-        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap')],
+        'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap'), ('3+offload optimizer', 'probed', ''), ('3+offload optimizer+params', 'skipped', '')],
         'answer': (3, 8, 1, {'stage': 3}),
     },
     'mbs and gas lists': {

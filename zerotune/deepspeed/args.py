@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import CONFIG_FLAGS
+from zerotune.deepspeed.keys import CHECKPOINTING
 
 __all__ = ["apply_arg_mappings", "arg_text", "check_mapped_keys", "flag_value", "mapped_value", "parse_arg_mappings"]
 
@@ -146,8 +147,9 @@ def flag_value(script_args: Sequence[str], flag: str) -> str | None:
 
 
 ZEROTUNE_SET = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-                "zero_optimization.stage", "stage")
-"""Keys every experiment's config holds whatever the user's config says (zerotune sets them)."""
+                "zero_optimization.stage", "stage", CHECKPOINTING)
+"""Keys zerotune sets in experiments' configs whatever the user's config says (the batch and the stage in every
+one; :data:`~zerotune.deepspeed.keys.CHECKPOINTING` in those of the savers phase)."""
 
 
 def check_mapped_keys(mappings: Mapping[str, str], ds_config: Mapping[str, Any], source: str = "ds_config") -> None:

@@ -41,11 +41,11 @@ from typing import Any, Mapping, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.args import flag_value
-from zerotune.deepspeed.keys import GAS, MBS, ZERO
+from zerotune.deepspeed.keys import CHECKPOINTING, GAS, MBS, ZERO
 from zerotune.probe.sitecustomize import ENGINE_RECORD
 
-__all__ = ["AUTO", "ENGINE_RECORD", "MODEL_AUTO_KEYS", "TRAINER_FLAGS", "auto_paths", "check_trainer_batch",
-           "hidden_size_autos",
+__all__ = ["AUTO", "ENGINE_RECORD", "MODEL_AUTO_KEYS", "TRAINER_CHECKPOINTING_FLAG", "TRAINER_FLAGS", "auto_paths",
+           "check_trainer_batch", "checkpointing_flag", "hidden_size_autos",
            "read_engine_record", "resolve", "script_autos"]
 
 AUTO = "auto"
@@ -175,3 +175,26 @@ def check_trainer_batch(config: Mapping[str, Any], mappings: Mapping[str, str], 
                               f"'autotuning.arg_mappings' for '{key}', e.g. {{\"{key}\": \"{TRAINER_FLAGS[key]}\"}}: "
                               f"the Trainer checks each experiment's {key} against its {TRAINER_FLAGS[key]} and "
                               f"raises on a mismatch")
+
+
+TRAINER_CHECKPOINTING_FLAG = "--gradient_checkpointing"
+"""The Hugging Face ``Trainer``'s switch for activation checkpointing (``TrainingArguments.gradient_checkpointing``;
+``--gradient_checkpointing True`` turns it on)."""
+
+
+def checkpointing_flag(user: dict[str, Any], script_args: Sequence[str], mappings: dict[str, str]) -> bool:
+    """Whether the job may tune activation checkpointing (:data:`~zerotune.deepspeed.keys.CHECKPOINTING`), given
+    the user's ds_config, the script's arguments and ``autotuning.arg_mappings``:
+
+    - the user mapped ``gradient_checkpointing`` to a flag and the config does not set the key: yes, through
+      that flag;
+    - a Hugging Face Trainer config (it holds ``"auto"`` values) whose arguments do not set
+      :data:`TRAINER_CHECKPOINTING_FLAG` and whose config does not set the key: yes, through that flag (the
+      caller adds the mapping);
+    - otherwise no: the user's own choice (the flag in the arguments, the key in the config) stands.
+    """
+    if CHECKPOINTING in user:
+        return False
+    if CHECKPOINTING in mappings:
+        return True
+    return bool(auto_paths(user)) and flag_value(script_args, TRAINER_CHECKPOINTING_FLAG) is None

@@ -28,9 +28,13 @@ if TYPE_CHECKING:
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
     """The summary's caption: each ZeRO stage's decision and why, each candidate the throughput model kept from
     launching and its prediction, the re-measurements, and the memory model's inputs."""
-    notes = [f"ZeRO stage {r.stage}: {r.decision.value} - {r.reason}"
+    notes = [f"{r.label}: {r.decision.value} - {r.reason}"
              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
              for r in result.stages if r.decision is not None]
+    if result.memory is not None and result.stages and not any(r.saver for r in result.stages):
+        notes.append("memory savers (activation checkpointing, offload): not tried: memory bound no stage (the best "
+                     "stage's best mbs is below its largest runnable one or at the largest allowed, and every "
+                     "stage with no run was skipped by the stage rules)")
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:
@@ -141,7 +145,9 @@ def answer_text(experiments: Sequence[Experiment], best: Experiment, objective: 
             and e.status == Status.OK and e.metric is not None]
     pooled = pooled_metrics(experiments)[best.name]
     half_width = mean_half_width([e.metric_rel_half_width for e in runs], noise.sigma)
-    return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}, mbs {best.mbs}, gas {best.gas}), "
+    from zerotune.strategy.savers import saver_names
+    savers = "".join(f", {name}" for name in saver_names(best.ds_config))
+    return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}{savers}, mbs {best.mbs}, gas {best.gas}), "
             f"{objective.name} {pooled.value:.4g} ±{half_width:.1%} {objective.unit} (95%, mean of {pooled.runs} "
             f"run(s): each run's own interval and the run-to-run noise)\n{noise.describe()}\n")
 

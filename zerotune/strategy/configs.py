@@ -152,13 +152,15 @@ class ConfigBuilder:
         exp.ds_config["autotuning"] = {"model_info": {"profile": True}}
         return exp
 
-    def mbs_experiment(self, stage: int, mbs: int, gas: int | None = None) -> Experiment:
+    def mbs_experiment(self, stage: int, mbs: int, gas: int | None = None,
+                       settings: dict[str, Any] | None = None) -> Experiment:
         """The mbs phase's experiment (the gas phase's with ``gas``): the user's config at ``stage``
-        and ``mbs``."""
-        return self.experiment(self.config(stage, mbs, gas=gas), ExperimentKind.GAS if gas else ExperimentKind.MBS)
+        and ``mbs``, with ``settings`` (a memory saver's, :mod:`zerotune.strategy.savers`) merged over it."""
+        return self.experiment(self.config(stage, mbs, settings, gas=gas),
+                               ExperimentKind.GAS if gas else ExperimentKind.MBS)
 
     def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None,
-                   gas: int | None = None) -> list[Candidate]:
+                   gas: int | None = None, settings: dict[str, Any] | None = None) -> list[Candidate]:
         """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
         stage (:func:`zerotune.strategy.space.default_space`) with the user's own settings, and the
         user's lists of candidates and ``$VAR`` variables (:mod:`zerotune.strategy.variables`), over it;
@@ -166,6 +168,7 @@ class ConfigBuilder:
 
         Args:
             fits: the memory model's predicate; a candidate it rejects keeps ``fits=False``.
+            settings: a memory saver's settings, merged over the base config (the space never names them).
         """
         resolved = resolve(self._template, self.model_autos())
         user = {k: v for k, v in resolved.items() if k not in ("autotuning", MBS, GAS, TBS)}
@@ -173,7 +176,7 @@ class ConfigBuilder:
         space = default_space(stage)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
-        candidates = generate(self.config(stage, mbs, gas=gas), space, stage=stage, dp_world_size=self.job.dp_world_size,
+        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage, dp_world_size=self.job.dp_world_size,
                               variables=self.job.variables or None, fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 

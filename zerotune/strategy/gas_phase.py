@@ -35,19 +35,21 @@ class GasPhase:
     def __init__(self, ev: Evaluator, stages: list[StageResult]):
         self.ev = ev
         self.stages = stages
-        self.best_batch: dict[int, tuple[int, int]] = {}
+        self.best_batch: dict[int | str, tuple[int, int]] = {}  # StageResult.key -> (mbs, gas)
+        self.top: StageResult | None = None  # the stage (and saver) the phase runs on
 
-    def run(self) -> dict[int, tuple[int, int]]:
+    def run(self) -> dict[int | str, tuple[int, int]]:
         """Run the phase (the module docstring) and return :attr:`best_batch`."""
         ev, batch = self.ev, self.ev.job.batch
         tops = knob_stages(self.stages, ev.job.objective)[:1]
         if not tops:
             return self.best_batch
-        stage, point = tops[0]
+        self.top, point = tops[0]
+        stage = self.top.stage
         split = batch.gas_split(point.mbs, lo=ev.job.min_mbs)
         ladder = batch.gas_ladder(point.mbs)
         if split or ladder:
-            logger.info(f"gas phase ZeRO stage {stage} at mbs={point.mbs}: "
+            logger.info(f"gas phase {self.top.label} at mbs={point.mbs}: "
                         + "; ".join(([f"mbs {split[0]} at gas {split[1]} (the same global batch)"] if split else [])
                                     + ([f"gas {ladder}"] if ladder else [])))
         evidence = self.split_evidence(stage, split[0], point) if split else None
@@ -58,11 +60,11 @@ class GasPhase:
             split = None
         if split and self.split_cannot_pay(stage, *split, evidence):
             split = None
-        best = ev.ledger[ev.builder.mbs_experiment(stage, point.mbs).name]  # the mbs search's best config
+        best = ev.ledger[self._experiment(stage, point.mbs).name]  # the mbs search's best config
         if split:
             best, _ = self.candidate(stage, *split, best)
         for gas in ladder:
-            base = ev.ledger.get(ev.builder.mbs_experiment(stage, point.mbs, gas // 2).name)
+            base = ev.ledger.get(self._experiment(stage, point.mbs, gas // 2).name)
             if batch.gas_doubling and base is not None and self.rung_cannot_pay(base, gas):
                 break
             best, gain = self.candidate(stage, point.mbs, gas, best, larger_batch=True)
@@ -70,12 +72,16 @@ class GasPhase:
                 break
         return self.best_batch
 
+    def _experiment(self, stage: int, mbs: int, gas: int | None = None) -> Experiment:
+        """The top stage's experiment at ``mbs`` (and ``gas``), with its memory saver's settings."""
+        return self.ev.builder.mbs_experiment(stage, mbs, gas, settings=self.top.settings if self.top else None)
+
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
         """The measured point that makes the split worth a run, or None: the smallest point in ``[half,
         point.mbs)`` where it is no faster than ``point`` or ties it within the runs' noise
         (:func:`~zerotune.strategy.mbs.within_noise`)."""
         objective = self.ev.job.objective
-        trace = next(r.trace for r in self.stages if r.stage == stage)
+        trace = self.top.trace if self.top is not None else next(r.trace for r in self.stages if r.stage == stage)
         between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
         bound = min(between, key=lambda p: p.mbs, default=None)
         if bound is not None and (not objective.better(point.metric, bound.metric) or within_noise(
@@ -88,7 +94,7 @@ class GasPhase:
         ``evidence`` (:meth:`split_evidence`), and it gains over them at most what its doubled gas amortizes.
         The share at ``half`` is at most ``evidence``'s measured share times ``evidence.mbs / half`` (the
         once-per-step time is the same, and a micro-step's time falls no faster than its mbs)."""
-        base = self.ev.ledger.get(self.ev.builder.mbs_experiment(stage, evidence.mbs).name)
+        base = self.ev.ledger.get(self._experiment(stage, evidence.mbs).name)
         share = self.boundary_share(base) if base is not None else None
         share = None if share is None else min(1.0, share * evidence.mbs / half)
         bound = self.bound_under_threshold(share, base)
@@ -140,7 +146,7 @@ class GasPhase:
         """
         ev = self.ev
         bar = ev.pooled(best.name).value if larger_batch else None
-        (exp,) = ev.evaluate([ev.builder.mbs_experiment(stage, mbs, gas)], bar=bar)
+        (exp,) = ev.evaluate([self._experiment(stage, mbs, gas)], bar=bar)
         if exp.status != Status.OK or exp.metric is None:
             return best, None
         gain, single = self._compare(exp, best)
@@ -148,7 +154,7 @@ class GasPhase:
             ev.remeasure(single)
             gain, _ = self._compare(exp, best)
         if gain > 0:
-            self.best_batch[stage] = (mbs, gas)
+            self.best_batch[self.top.key if self.top is not None else stage] = (mbs, gas)
             return exp, gain
         return best, gain
 

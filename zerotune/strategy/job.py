@@ -25,7 +25,9 @@ from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
-from zerotune.deepspeed.auto import auto_paths, check_trainer_batch, resolve, script_autos
+from zerotune.deepspeed.keys import CHECKPOINTING
+from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, check_trainer_batch, checkpointing_flag,
+                                     resolve, script_autos)
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
                                           check_untunable, given_model_info, mbs_bounds)
@@ -112,6 +114,8 @@ class Job:
         notes: what zerotune accepted but does not act on, for the log (never silent).
         host_memory_bytes: host memory per node that offload must fit in, bytes (None: not checked;
             see :class:`TuneOptions`).
+        checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
+            script takes it through ``arg_mappings[CHECKPOINTING]``.
     """
 
     script: str
@@ -148,6 +152,7 @@ class Job:
     script_autos: dict[str, Any] = field(default_factory=dict)
     variables: dict[str, list[Any]] = field(default_factory=dict)
     host_memory_bytes: int | None = None
+    checkpointing: bool = False
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -168,6 +173,9 @@ class Job:
         at = parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
+        checkpointing = checkpointing_flag(user, script_args, mappings)
+        if checkpointing and CHECKPOINTING not in mappings:
+            mappings[CHECKPOINTING] = TRAINER_CHECKPOINTING_FLAG
         variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
         autos = script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
         notes = _unused_autotuning_notes(user, at)
@@ -195,7 +203,7 @@ class Job:
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
-                   script_autos=autos, variables=variables, host_memory_bytes=host_memory,
+                   script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     @property

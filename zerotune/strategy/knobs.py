@@ -23,10 +23,10 @@ KNOB_STAGE_MARGIN = 0.05
 """A second stage's knobs are tuned too when its best metric is within this fraction of the best."""
 
 
-def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tuple[int, Point]]:
-    """Stages whose knobs are tuned, with their best point: the best explored stage, and the next best when
-    within :data:`KNOB_STAGE_MARGIN` of it. The first is the gas phase's stage too."""
-    tops = [(r.stage, r.trace.best(objective)) for r in stages if r.decision is StageDecision.EXPLORED]
+def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tuple[StageResult, Point]]:
+    """Stages (each with its memory saver, if any) whose knobs are tuned, with their best point: the best explored
+    stage, and the next best when within :data:`KNOB_STAGE_MARGIN` of it. The first is the gas phase's stage too."""
+    tops = [(r, r.trace.best(objective)) for r in stages if r.decision is StageDecision.EXPLORED]
     tops = [(s, p) for s, p in tops if p is not None]
     if not tops:
         return []
@@ -35,18 +35,19 @@ def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tup
     return [tops[0]] + [(s, p) for s, p in tops[1:2] if abs(objective.gain(p.metric, best)) <= KNOB_STAGE_MARGIN]
 
 
-def tune_knobs(ev: Evaluator, parallel: int, best_batch: dict[int, tuple[int, int]]) -> None:
+def tune_knobs(ev: Evaluator, parallel: int, best_batch: dict[int | str, tuple[int, int]]) -> None:
     """Walk each knob stage's space (the module docstring), at the (mbs, gas) of ``best_batch`` where it has
-    the stage; record each phase in the result's ``knob_phases``."""
+    the stage (by :attr:`StageResult.key`); record each phase in the result's ``knob_phases``."""
     job, memory = ev.job, ev.result.memory
     at = job.autotuning
     fits = None if memory is None else (lambda c: memory.fits(c, job.device_memory_bytes) and ev.host_fits(c))
-    for stage, point in knob_stages(ev.result.stages, job.objective):
-        mbs, gas = best_batch.get(stage, (point.mbs, None))
-        candidates = ev.builder.knob_space(stage, mbs, fits, gas=gas)
+    for top, point in knob_stages(ev.result.stages, job.objective):
+        stage = top.stage
+        mbs, gas = best_batch.get(top.key, (point.mbs, None))
+        candidates = ev.builder.knob_space(stage, mbs, fits, gas=gas, settings=top.settings)
         fitting = sum(c.fits for c in candidates)
         ev.result.knob_phases.append(KnobPhase(stage, mbs, len(candidates), fitting))
-        logger.info(f"knob phase ZeRO stage {stage} at mbs={mbs}" + (f", gas={gas}" if gas else "")
+        logger.info(f"knob phase {top.label} at mbs={mbs}" + (f", gas={gas}" if gas else "")
                     + f": {len(candidates)} configs, {fitting} fit the "
                     f"memory model; tuner {at.tuner_type}, at most {at.tuner_num_trials} trials")
         tuner = make_tuner(at.tuner_type, candidates, objective=job.objective, num_trials=at.tuner_num_trials,

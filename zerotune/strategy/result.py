@@ -23,16 +23,42 @@ class StageDecision(str, enum.Enum):
     SKIPPED = "skipped"  # no larger mbs than the best, and a lower stage already slower at equal mbs
 
 
+@dataclass(frozen=True)
+class Saver:
+    """A memory saver tried on top of a ZeRO stage (:mod:`zerotune.strategy.savers`): its name
+    (``"checkpointing"``, ``"offload optimizer"``...) and the ds_config settings deep-merged over the stage's
+    config (``{"gradient_checkpointing": True}``, ``{"zero_optimization": {"offload_optimizer": ...}}``)."""
+
+    name: str
+    settings: dict = field(hash=False, compare=False)
+
+
 @dataclass
 class StageResult:
-    """How one ZeRO stage was handled (:class:`StageDecision`), why (human text), the memory
-    model's largest fitting mbs, and what its search tried."""
+    """How one ZeRO stage, or one stage with a memory :class:`Saver`, was handled (:class:`StageDecision`), why
+    (human text), the memory model's largest fitting mbs, and what its search tried."""
 
     stage: int
     decision: StageDecision | None
     reason: str
     estimate: int = 0
     trace: MbsTrace = field(default_factory=MbsTrace)
+    saver: Saver | None = None
+
+    @property
+    def settings(self) -> dict:
+        """The ds_config settings over the stage's config: the saver's (empty without one)."""
+        return self.saver.settings if self.saver is not None else {}
+
+    @property
+    def key(self) -> int | str:
+        """The stage (an int) without a saver; ``"<stage>+<saver>"`` with one: what keys per-variant records."""
+        return self.stage if self.saver is None else f"{self.stage}+{self.saver.name}"
+
+    @property
+    def label(self) -> str:
+        """``ZeRO stage 3``, or ``ZeRO stage 3 + checkpointing``: for the log and the summary."""
+        return f"ZeRO stage {self.stage}" + (f" + {self.saver.name}" if self.saver is not None else "")
 
 
 @dataclass

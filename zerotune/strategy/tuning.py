@@ -10,10 +10,12 @@ outcomes it is told, in phases:
    calibrated to the run's peak.
 2. **Stages and mbs** (:meth:`Strategy.explore`, :mod:`~zerotune.strategy.stages`): per stage, the memory
    model's largest fitting mbs, then the progressive stage rule and the mbs search.
-3. **Gas** (:mod:`~zerotune.strategy.gas_phase`): at the best stage's best mbs, where the batch semantics
-   allow it.
-4. **Knobs** (``"fast": false``, :mod:`~zerotune.strategy.knobs`).
-5. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists and the
+3. **Savers** (:mod:`~zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
+   stage (the best one, or one that could not run) and the throughput model says its larger mbs can win.
+4. **Gas** (:mod:`~zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
+   semantics allow it.
+5. **Knobs** (``"fast": false``, :mod:`~zerotune.strategy.knobs`).
+6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists and the
    answer re-measured where one run cannot tell them; the answer is the ledger's
    (:attr:`StrategyResult.answer`).
 
@@ -39,6 +41,7 @@ from zerotune.strategy.knobs import tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.points import Point
 from zerotune.strategy.result import StagePlan, StrategyResult
+from zerotune.strategy.savers import SaverPhase
 from zerotune.strategy.stages import explore_stages
 
 __all__ = ["Strategy"]
@@ -61,10 +64,12 @@ class Strategy:
         self.result = StrategyResult(ledger=Ledger(job.objective, job.capacity_bytes))
         self.ev = Evaluator(job, evaluate, self.result)
         self.builder = self.ev.builder
-        self.best_batch: dict[int, tuple[int, int]] = {}  # stage -> (mbs, gas) better than its mbs search's best
+        # StageResult.key (the stage, or "<stage>+<saver>") -> (mbs, gas) better than its mbs search's best
+        self.best_batch: dict[int | str, tuple[int, int]] = {}
 
     def run(self) -> StrategyResult:
-        """Profile, explore the stages and mbs, tune gas, (``"fast": false``) tune the knobs, settle the answer.
+        """Profile, explore the stages and mbs, try the memory savers, tune gas, (``"fast": false``) tune the
+        knobs, settle the answer.
 
         Raises:
             TuningFailed: the profile run failed (nothing can be estimated without it).
@@ -72,6 +77,7 @@ class Strategy:
         """
         self.profile()
         self.explore()
+        self.savers()
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
         if not self.job.autotuning.fast:
             tune_knobs(self.ev, self.parallel, self.best_batch)
@@ -173,23 +179,35 @@ class Strategy:
             logger.info(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                         + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
 
-    def _points(self, stage: int, mbs_values: Sequence[int]) -> list[Point]:
-        """Evaluate ``stage`` at each mbs; their points for the mbs search."""
-        done = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
+    # -- 3. memory savers ------------------------------------------------------------------------------
+    def savers(self) -> None:
+        """Try activation checkpointing and offload where memory binds a stage
+        (:class:`~zerotune.strategy.savers.SaverPhase`)."""
+        SaverPhase(self.ev, self._points, self._confirmed_points,
+                   num_fine=self.job.autotuning.num_tuning_micro_batch_sizes).run()
+
+    def _points(self, stage: int, *args) -> list[Point]:
+        """Evaluate ``stage`` at each mbs (``_points(stage, mbs_values)``, or ``_points(stage, settings,
+        mbs_values)`` with a memory saver's settings); their points for the mbs search."""
+        settings, mbs_values = args if len(args) == 2 else ({}, args[0])
+        done = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         sigma = self.result.run_noise.sigma
         return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma,
-                      **self._memory_terms(stage, e)) for m, e in zip(mbs_values, done)]
+                      **self._memory_terms(stage, e, settings)) for m, e in zip(mbs_values, done)]
 
-    def _confirmed_points(self, stage: int, mbs_values: Sequence[int]) -> list[Point]:
-        """Re-measure ``stage`` at each (measured) mbs once more; their points pooled over their runs."""
-        bases = self.evaluate([self.builder.mbs_experiment(stage, m) for m in mbs_values])
+    def _confirmed_points(self, stage: int, *args) -> list[Point]:
+        """Re-measure ``stage`` at each (measured) mbs once more (arguments as :meth:`_points`); their points
+        pooled over their runs."""
+        settings, mbs_values = args if len(args) == 2 else ({}, args[0])
+        bases = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         pooled = self.remeasure(bases)
         sigma = self.result.run_noise.sigma
-        return [Point(m, e.status, e.metric, run_noise=sigma, **self._memory_terms(stage, e)) if p is None
-                else Point(m, Status.OK, p.value, p.runs, run_noise=sigma, **self._memory_terms(stage, e))
-                for m, e, p in zip(mbs_values, bases, pooled)]
+        terms = [self._memory_terms(stage, e, settings) for e in bases]
+        return [Point(m, e.status, e.metric, run_noise=sigma, **t) if p is None
+                else Point(m, Status.OK, p.value, p.runs, run_noise=sigma, **t)
+                for m, e, p, t in zip(mbs_values, bases, pooled, terms)]
 
-    def _memory_terms(self, stage: int, exp: Experiment) -> dict:
+    def _memory_terms(self, stage: int, exp: Experiment, settings: dict | None = None) -> dict:
         """A point's measured peak over the budget, and the largest mbs the memory model (as corrected so far)
         puts under :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of it: where the mbs search looks below a
         best near capacity. None of either on CPU ranks, where the search keeps its halving look below."""
@@ -197,7 +215,7 @@ class Strategy:
             return {}
         lo, hi = self.job.min_mbs, self.job.max_mbs
         budget, memory = self.job.device_memory_bytes, self.result.memory
-        calm = None if memory is None else memory.max_mbs(self.builder.config(stage, lo),
+        calm = None if memory is None else memory.max_mbs(self.builder.config(stage, lo, settings),
                                                           int(NEAR_CAPACITY * budget), cap=hi)
         return {"memory_fraction": self.ev.memory_fraction(exp),
                 "calm_mbs": calm if calm is not None and calm >= lo else None}

@@ -1,0 +1,132 @@
+"""The savers phase (zerotune.strategy.savers) inside the whole Strategy, on known curves (no launch).
+
+A scripted ``evaluate`` answers each experiment from a known memory model (out of memory above the budget) and a
+known step time per (mbs, saver), so the exact launches and each saver's decision and reason are asserted.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerotune.core.experiment import ExperimentKind, Status
+from zerotune.deepspeed.keys import CHECKPOINTING
+from zerotune.run.resources import select_resources
+from zerotune.strategy.job import Job, TuneOptions
+from zerotune.strategy.result import StageDecision
+from zerotune.strategy.savers import savers_for
+from zerotune.strategy.tuning import Strategy
+
+GiB, MiB = 2**30, 2**20
+PSI = 300_000_000  # fp32, Adam, 2 ranks, 8 GiB each: ZeRO-3 fits mbs 5, with the optimizer offloaded 17,
+ACTIVATIONS = 256 * MiB  # with the parameters offloaded too 19 (MemoryModel, DeepSpeed's default buckets)
+
+
+def make_job(tmp_path: Path, cpu: bool = False) -> Job:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                                  "zero_optimization": {"stage": 3},
+                                  "autotuning": {"enabled": True, "fast": True,
+                                                 "max_train_micro_batch_size_per_gpu": 32}}))
+    return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
+
+
+def saver_of(ds_config: dict) -> str:
+    zero = ds_config["zero_optimization"]
+    name = "+".join(k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "cpu")
+    return ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
+
+
+def tune(tmp_path: Path, step_s, cpu: bool = False) -> tuple[list[tuple[int, str, str]], Strategy]:
+    """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
+    per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
+    estimate is over the budget; ([(mbs, saver, status)] in launch order, the strategy)."""
+    ran = []
+
+    def evaluate(exps):
+        for exp in exps:
+            if exp.kind is ExperimentKind.PROFILE:
+                exp.status = Status.OK
+                exp.metrics = {"num_params": PSI, "trainable_num_params": PSI, "activation_mem_per_gpu": ACTIVATIONS}
+                continue
+            saver = saver_of(exp.ds_config)
+            fits = strategy.result.memory.bytes_per_device(exp.ds_config) <= 8 * GiB
+            exp.status = Status.OK if fits else Status.OOM
+            ran.append((exp.mbs, saver, exp.status.value))
+            if fits:
+                exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
+        return exps
+
+    strategy = Strategy(make_job(tmp_path, cpu), evaluate)
+    strategy.run()
+    return ran, strategy
+
+
+def decisions(strategy: Strategy) -> list[tuple[str, str, int]]:
+    return [(r.label, r.decision.value, r.estimate) for r in strategy.result.stages]
+
+
+def test_each_stage_has_its_savers_cheapest_first():
+    assert [s.name for s in savers_for(0, False)] == []
+    assert [s.name for s in savers_for(0, True)] == ["checkpointing"]
+    assert [s.name for s in savers_for(2, False)] == ["offload optimizer"]
+    assert [s.name for s in savers_for(3, True)] == [
+        "checkpointing", "offload optimizer", "checkpointing + offload optimizer", "offload optimizer+params",
+        "checkpointing + offload optimizer+params"]
+    assert savers_for(3, True)[2].settings == {CHECKPOINTING: True,
+                                               "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+
+
+OFFLOAD_PAYS = {"": 0.0, "offload_optimizer": 0.5, "offload_optimizer+offload_param": 1.0}
+OFFLOAD_COSTS = {"": 0.0, "offload_optimizer": 3.0, "offload_optimizer+offload_param": 3.5}
+
+
+def test_where_memory_binds_the_best_stage_offload_runs_its_larger_mbs_and_wins(tmp_path):
+    # step = 1 s + 0.1 s per sample (+0.5 s with the optimizer offloaded, +1 s with the parameters too). ZeRO-3
+    # fits mbs 5 (its search: 5, 2): 6.667 samples/s. Offloading the optimizer fits 17: 2*17/3.2 = 10.62, a win,
+    # so it is searched (17, then 8 below it) and becomes the best; the parameters too fit 19: 9.744, a loss.
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver])
+    assert ran[:5] == [(5, "", "ok"), (2, "", "ok"), (17, "offload_optimizer", "ok"), (8, "offload_optimizer", "ok"),
+                       (19, "offload_optimizer+offload_param", "ok")]
+    assert decisions(strategy) == [("ZeRO stage 3", "explored", 5), ("ZeRO stage 3 + offload optimizer", "explored", 17),
+                                   ("ZeRO stage 3 + offload optimizer+params", "probed", 19)]
+    assert [r.reason for r in strategy.result.stages[1:]] == [
+        "memory model: largest mbs 17 (without it: 5); probe at mbs=17 beat the best (10.62 > 6.667, ZeRO stage 3)",
+        "memory model: largest mbs 19 (without it: 5); probe at mbs=19: ok 9.744, not better than ZeRO stage 3 + "
+        "offload optimizer's 10.62 at mbs=17"]
+    assert strategy.result.answer.name == "z3_gas1_tmbspg17_oocpu"
+
+
+def test_offload_that_costs_more_than_its_larger_mbs_gains_is_probed_and_lost(tmp_path):
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_COSTS[saver])
+    assert ran[:4] == [(5, "", "ok"), (2, "", "ok"), (17, "offload_optimizer", "ok"),
+                       (19, "offload_optimizer+offload_param", "ok")]
+    assert [(label, d) for label, d, _ in decisions(strategy)] == [
+        ("ZeRO stage 3", "explored"), ("ZeRO stage 3 + offload optimizer", "probed"),
+        ("ZeRO stage 3 + offload optimizer+params", "probed")]
+    assert strategy.result.stages[1].reason == ("memory model: largest mbs 17 (without it: 5); probe at mbs=17: ok "
+                                                "5.965, not better than ZeRO stage 3's 6.667 at mbs=5")
+    assert strategy.result.answer.name == "z3_gas1_tmbspg5"
+
+
+def test_on_cpu_ranks_offload_saves_no_memory_and_is_never_launched(tmp_path):
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver], cpu=True)
+    assert all(saver == "" for _, saver, _ in ran)
+    assert decisions(strategy)[1:] == [("ZeRO stage 3 + offload optimizer", "skipped", 5),
+                                       ("ZeRO stage 3 + offload optimizer+params", "skipped", 5)]
+    assert strategy.result.stages[1].reason == (
+        "memory model: largest mbs 5 (without it: 5) (on CPU ranks what offload moves to the host stays in the "
+        "rank): no larger than mbs=5, which already ran; a saver adds work per sample and pays only through a "
+        "larger micro-batch")
+
+
+def test_a_stage_whose_best_is_below_its_largest_runnable_mbs_tries_no_saver(tmp_path):
+    # a step of 0.01 s + 0.5 s per sample, 5% more per sample from mbs 3: mbs 2 (3.96 samples/s) beats mbs 5
+    # (3.80), so memory does not bind ZeRO-3 and no saver is visited
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 0.01 + 0.5 * mbs * (1.05 if mbs >= 3 else 1.0)
+                         + OFFLOAD_PAYS[saver])
+    assert ran == [(5, "", "ok"), (2, "", "ok")]
+    assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
+    assert strategy.result.answer.name == "z3_gas1_tmbspg2"

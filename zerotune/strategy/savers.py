@@ -1,0 +1,251 @@
+"""The savers phase: activation checkpointing and offload, tried where memory binds a stage.
+
+A memory saver trades work for memory: activation checkpointing (zerotune's ``gradient_checkpointing`` key,
+passed to a Trainer script as ``--gradient_checkpointing``) recomputes each layer's forward in the backward
+pass and keeps only its input; ``offload_optimizer`` (ZeRO stages 1-3) moves the fp32 master, the optimizer
+states and the fp32 gradients to the host, where the optimizer step runs; ``offload_param`` (stage 3) the
+parameter partition. A saver never makes a step faster at the same mbs: it pays only through the larger
+micro-batch (or the first one) it lets fit. The phase runs once the stages are explored (:mod:`stages`), on:
+
+- **the best stage**, where its best point is its largest runnable mbs below the largest allowed (its
+  search was stopped by memory, not by a plateau);
+- **every stage with no run** (pruned by the memory model, or every run out of memory).
+
+Each stage's savers (:func:`savers_for`) are visited cheapest first, each decided as a stage is:
+
+1. **Pruned** where the memory model (its offload and checkpointing terms, :mod:`zerotune.model.memory`) fits
+   no mbs, or the host cannot hold what it offloads.
+2. **Skipped** where its largest fitting mbs is no larger than what already ran: the best's largest runnable
+   mbs, and any variant of the same stage (its plain run or a cheaper saver). On CPU ranks offload saves
+   nothing (the host is the rank), so offload never passes this test there.
+3. **Skipped** where the throughput model bounds it below the best plus the precision: the stage's own
+   runs without the saver bound its throughput at the saver's mbs from above
+   (:func:`~zerotune.model.throughput.bounds`; a saver only adds work per sample).
+4. **Probed** at its largest fitting mbs (after an out-of-memory probe, once halfway back to what ran), and
+   **searched** (:func:`~zerotune.strategy.mbs.search_mbs`) when the probe beats the best by more than the
+   precision, or when nothing has run at all; it may become the best, and then gets the fine pass
+   (:func:`~zerotune.strategy.fine.refine_mbs`).
+
+Every visited saver is a :class:`~zerotune.strategy.result.StageResult` with a ``saver``, its decision and a
+reason that says what the memory model predicted and what was measured; the gas and knob phases then run on
+the best stage with its saver. docs/decisions.md, D109.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Status
+from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
+from zerotune.model.throughput import bounds, can_beat
+from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
+from zerotune.strategy.fine import refine_mbs
+from zerotune.strategy.mbs import search_mbs
+from zerotune.strategy.points import Point, allowed_values, largest_within, tie
+from zerotune.strategy.prediction import family_key, readings
+from zerotune.strategy.result import Saver, StageDecision, StageResult
+
+__all__ = ["SaverPhase", "saver_names", "savers_for"]
+
+logger = logging.getLogger(__name__)
+
+VariantPoints = Callable[[int, dict, Sequence[int]], list[Point]]
+"""``points(stage, settings, [mbs, ...]) -> [Point, ...]``: runs a stage with a saver's settings at each mbs."""
+
+_OFFLOAD_OPTIMIZER = {ZERO: {"offload_optimizer": {"device": "cpu"}}}
+_OFFLOAD_BOTH = {ZERO: {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+_CHECKPOINTING = {CHECKPOINTING: True}
+
+
+def savers_for(stage: int, checkpointing: bool) -> list[Saver]:
+    """The memory savers of a ZeRO stage, cheapest first: checkpointing (where the job tunes it), offloading the
+    optimizer (stages 1-3), both, then offloading the parameters too (stage 3), and that with checkpointing."""
+    out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
+    if stage >= 1:
+        out.append(Saver("offload optimizer", _OFFLOAD_OPTIMIZER))
+        if checkpointing:
+            out.append(Saver("checkpointing + offload optimizer", {**_CHECKPOINTING, **_OFFLOAD_OPTIMIZER}))
+    if stage == 3:
+        out.append(Saver("offload optimizer+params", _OFFLOAD_BOTH))
+        if checkpointing:
+            out.append(Saver("checkpointing + offload optimizer+params", {**_CHECKPOINTING, **_OFFLOAD_BOTH}))
+    return out
+
+
+def saver_names(ds_config: dict) -> list[str]:
+    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer
+    (cpu)``, ``offload params (nvme)``."""
+    zero = ds_config.get(ZERO) if isinstance(ds_config.get(ZERO), dict) else {}
+    names = ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
+    for key, name in (("offload_optimizer", "offload optimizer"), ("offload_param", "offload params")):
+        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
+        if device not in ("none", None):
+            names.append(f"{name} ({device})")
+    return names
+
+
+class SaverPhase:
+    """One savers phase over ``ev``'s result (the module docstring).
+
+    Args:
+        ev: the strategy's evaluator (job, builder, ledger, memory model).
+        points: runs a stage with a saver's settings (:data:`VariantPoints`).
+        confirm: re-measures measured points once more, pooled (as ``points``), for the mbs search; or None.
+        num_fine: experiments of the fine pass, where a saver becomes the best.
+    """
+
+    def __init__(self, ev: Evaluator, points: VariantPoints, confirm: VariantPoints | None = None,
+                 num_fine: int = 0):
+        self.ev, self.points, self.confirm, self.num_fine = ev, points, confirm, num_fine
+        job = ev.job
+        self.lo, self.hi = job.min_mbs, job.max_mbs
+        self.values = allowed_values(self.lo, self.hi, job.allowed_mbs)
+        self.objective = job.objective
+        self.best: StageResult | None = None
+        self.best_point: Point | None = None
+
+    def run(self) -> None:
+        """Visit the savers of each stage that memory binds (the module docstring)."""
+        ev, stages = self.ev, self.ev.result.stages
+        if ev.result.memory is None or not self.values:
+            return
+        self._update_best()
+        bound = [r for r in list(stages) if r.saver is None and self._memory_bound(r)]
+        won = False
+        for plain in bound:
+            for saver in savers_for(plain.stage, ev.job.checkpointing):
+                won = self._visit(plain, saver) or won
+        if won and self.num_fine > 0 and self.best is not None:
+            top = self.best
+            refine_mbs(lambda ms: self.points(top.stage, top.settings, ms), top.trace, lo=self.lo, hi=self.hi,
+                       objective=self.objective, num_fine=self.num_fine, threshold=PLATEAU_THRESHOLD,
+                       allowed=self.ev.job.allowed_mbs, precision=self.ev.precision)
+
+    def _update_best(self) -> None:
+        """The best variant so far and its best point (None: nothing ran ok)."""
+        for r in self.ev.result.stages:
+            top = r.trace.best(self.objective)
+            if top is not None and (self.best_point is None or self.objective.better(top.metric,
+                                                                                     self.best_point.metric)):
+                self.best, self.best_point = r, top
+
+    def _memory_bound(self, r: StageResult) -> bool:
+        """Whether memory, not a plateau, limits stage ``r``: no run of it ran ok (pruned, out of memory), or it is
+        the best stage and its best point is its largest runnable mbs, below the largest allowed."""
+        ok = r.trace.ok_points
+        if not ok:
+            return r.decision is not StageDecision.SKIPPED
+        top = r.trace.best(self.objective)
+        return r is self.best and top is not None and top.mbs == max(p.mbs for p in ok) and top.mbs < self.values[-1]
+
+    def _visit(self, plain: StageResult, saver: Saver) -> bool:
+        """Decide one stage with one saver; True when it became the best."""
+        ev, stage, lo = self.ev, plain.stage, self.lo
+        try:
+            config = ev.builder.config(stage, lo, saver.settings)
+        except ConfigError as e:
+            logger.info(f"savers: ZeRO stage {stage} + {saver.name}: not valid here ({e})")
+            return False
+        if ev.builder.name(config) == ev.builder.name(ev.builder.config(stage, lo)):
+            return False  # the user's config already holds it
+        memory = ev.result.memory
+        host_ok = ev.host_fits(config)
+        est = memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.hi) if host_ok else lo - 1
+        result = StageResult(stage, None, "", estimate=est, saver=saver)
+        ev.result.stages.append(result)
+        plain_est = f"{plain.estimate}" if plain.estimate >= lo else "none"
+        predicted = f"memory model: largest mbs {est} (without it: {plain_est})"
+        if est < lo:
+            result.decision = StageDecision.PRUNED
+            result.reason = (f"memory model: mbs={lo} does not fit" if host_ok else
+                             "memory model: the host memory cannot hold what it offloads")
+            return self._logged(result)
+        own = largest_within(self.values, est)
+        reach = self._reach(stage)
+        if own <= reach:
+            result.decision = StageDecision.SKIPPED
+            cpu = (" (on CPU ranks what offload moves to the host stays in the rank)"
+                   if ev.job.cpu and CHECKPOINTING not in saver.settings else "")
+            result.reason = (f"{predicted}{cpu}: no larger than mbs={reach}, which already ran; a saver adds work "
+                             f"per sample and pays only through a larger micro-batch")
+            return self._logged(result)
+        cannot = self._bounded(plain, own)
+        if cannot is not None:
+            result.decision, result.reason = StageDecision.SKIPPED, f"{predicted}; {cannot}"
+            return self._logged(result)
+        probe_mbs, probe = self._probe(result, own, reach)
+        return self._after_probe(result, predicted, probe_mbs, probe)
+
+    def _after_probe(self, result: StageResult, predicted: str, probe_mbs: int, probe: Point) -> bool:
+        """Decide a probed saver: skipped by the throughput model, lost, or searched (the module's rule 4); True
+        when it became the best."""
+        ev, stage, saver, best = self.ev, result.stage, result.saver, self.best_point
+        if probe.status is Status.SKIPPED:
+            result.decision = StageDecision.SKIPPED
+            result.reason = (f"{predicted}; the throughput model bounds its probe at mbs={probe_mbs} below the best "
+                             f"plus the precision")
+            return self._logged(result)
+        wins = probe.ok and (best is None or (self.objective.better(probe.metric, best.metric) and not tie(
+            self.objective.gain(probe.metric, best.metric), ev.precision)))
+        if not wins:
+            result.decision = StageDecision.PROBED
+            measured = f"{probe.status.value}" + ("" if probe.metric is None else f" {probe.metric:.4g}")
+            result.reason = (f"{predicted}; probe at mbs={probe_mbs}: {measured}, not better than "
+                             f"{self.best.label}'s {best.metric:.4g} at mbs={best.mbs}" if best is not None else
+                             f"{predicted}; probe at mbs={probe_mbs}: {measured}")
+            return self._logged(result)
+        cap = max((p.mbs for p in result.trace.points if p.status is Status.OOM), default=self.hi + 1) - 1
+        result.decision = StageDecision.EXPLORED
+        result.reason = (f"{predicted}; probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > "
+                         f"{best.metric:.4g}, {self.best.label})" if best is not None else
+                         f"{predicted}; searched: no config without a saver ran")
+        confirm = self.confirm
+        result.trace = search_mbs(lambda ms: self.points(stage, saver.settings, ms), lo=self.lo,
+                                  hi=min(self.hi, cap), estimate=min(result.estimate, cap), objective=self.objective, threshold=PLATEAU_THRESHOLD,
+                                  num_fine=0, known=result.trace.points, allowed=ev.job.allowed_mbs,
+                                  precision=ev.precision,
+                                  confirm=None if confirm is None else (lambda ms: confirm(stage, saver.settings, ms)))
+        before = self.best
+        self._update_best()
+        self._logged(result)
+        return self.best is result and before is not result
+
+    def _reach(self, stage: int) -> int:
+        """The largest mbs that ran ok in the best variant or in any variant of ``stage`` (``lo - 1``: none)."""
+        runs = [p.mbs for r in self.ev.result.stages if r is self.best or r.stage == stage for p in r.trace.ok_points]
+        return max(runs, default=self.lo - 1)
+
+    def _bounded(self, plain: StageResult, mbs: int) -> str | None:
+        """Why the stage's own runs without a saver rule a saver at ``mbs`` out (the module's rule 3); None: they
+        do not (no best, no such runs, or a bound that can beat the best)."""
+        ev, best = self.ev, self.best_point
+        if best is None or not self.objective.higher_is_better:
+            return None
+        families = readings(ev.ledger, ev.job.capacity_bytes)
+        own = families.get(family_key(ev.builder.config(plain.stage, self.lo)))
+        b = bounds(own, mbs) if own else None
+        if b is None or can_beat(b.high, best.metric, ev.precision):
+            return None
+        return (f"cannot beat: its stage's {len(own)} run(s) without it bound mbs={mbs} at {b.high:.4g} samples/s "
+                f"(affine step time), and a saver only adds work; the best is {best.metric:.4g} "
+                f"({self.best.label}, mbs={best.mbs}), precision {ev.precision:.0%}")
+
+    def _probe(self, result: StageResult, own: int, reach: int) -> tuple[int, Point]:
+        """The saver at its largest fitting mbs, and after an out-of-memory run once halfway back to ``reach``:
+        (the last probe's mbs, its point)."""
+        stage, settings = result.stage, result.settings
+        (probe,) = self.points(stage, settings, [own])
+        result.trace.points.append(probe)
+        if probe.status is Status.OOM:
+            halfway = [m for m in self.values if reach < m <= (reach + own) // 2][-1:]
+            if halfway:
+                own = halfway[0]
+                (probe,) = self.points(stage, settings, [own])
+                result.trace.points.append(probe)
+        return own, probe
+
+    @staticmethod
+    def _logged(result: StageResult) -> bool:
+        logger.info(f"{result.label}: {result.decision.value} ({result.reason})")
+        return False
