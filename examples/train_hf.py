@@ -25,6 +25,7 @@ class ModelArguments:
     n_embd: int = 128
     n_head: int = 4
     seq_len: int = 64
+    n_positions: int = 0  # position embeddings (0: seq_len); more is parameters with no work per sample
     vocab_size: int = 1024
     num_samples: int = 8192
 
@@ -46,7 +47,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
 def main() -> None:
     model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
     config = GPT2Config(n_layer=model_args.n_layer, n_embd=model_args.n_embd, n_head=model_args.n_head,
-                        n_positions=model_args.seq_len, vocab_size=model_args.vocab_size)
+                        n_positions=model_args.n_positions or model_args.seq_len, vocab_size=model_args.vocab_size)
     model = GPT2LMHeadModel(config)
     data = SyntheticTokens(model_args.num_samples, model_args.seq_len, model_args.vocab_size)
     trainer = Trainer(model=model, args=args, train_dataset=data)
