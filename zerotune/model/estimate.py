@@ -25,8 +25,8 @@ from zerotune.core.units import format_bytes, parse_bytes
 from zerotune.deepspeed.config import precision as config_precision
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
-from zerotune.model.profile import SAVED_ACTIVATIONS_KEY, ModelInfo
-from zerotune.probe import read_model_shapes, read_saved_activations
+from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY, ModelInfo
+from zerotune.probe import read_checkpointed_activations, read_model_shapes, read_saved_activations
 
 OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
             ("optimizer+params cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
@@ -138,6 +138,9 @@ def _read_profile(path: str) -> dict[str, Any]:
     if saved is not None:
         data[SAVED_ACTIVATIONS_KEY] = saved
     data.update(read_model_shapes(p.parent))
+    checkpointed = read_checkpointed_activations(p.parent)
+    if checkpointed is not None:
+        data[CHECKPOINTED_ACTIVATIONS_KEY] = checkpointed
     return data
 
 
