@@ -329,6 +329,51 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
         {"saved_bytes": 192, "saved_storages": 2, "recompute_bytes": 384, "recompute_regions": 2}
 
 
+ZERO3_PROFILE = """
+import os, sys, torch, transformers, deepspeed
+from tests.test_probe_activations import LabelsLoss
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32,
+                                                             vocab_size=256))
+if {checkpointing!r}:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+config = {{"train_micro_batch_size_per_gpu": 3, "zero_optimization": {{"stage": 3}},
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+          "autotuning": {{"enabled": True, "model_info": {{"profile": True}},
+                         "model_info_path": {directory!r} + "/model_info.json"}}}}
+engine, *_ = deepspeed.initialize(model=LabelsLoss(model), config=config, model_parameters=model.parameters())
+engine(torch.zeros(3, 32, dtype=torch.long))
+"""
+
+
+@pytest.mark.e2e
+def test_deepspeeds_zero3_profile_prices_checkpointing_as_its_checkpointed_profile_counts_it(tmp_path):
+    # the real engine, hooked by the probe at start-up as in a launched rank, at ZeRO-3 (its parameters gathered
+    # by its own module hooks): the plain profile's checkpointed_bytes is the checkpointed profile's saved_bytes
+    # plus recompute_bytes, to the byte
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from zerotune.deepspeed.launcher import free_port
+    root = str(Path(__file__).resolve().parents[1])
+    records = {}
+    for checkpointing in (False, True):
+        directory = tmp_path / str(checkpointing)
+        directory.mkdir()
+        script = ZERO3_PROFILE.format(port=str(free_port()), checkpointing=checkpointing, directory=str(directory))
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={
+            **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", probe_module.PROBE_DIR_ENV: str(directory),
+            "PYTHONPATH": os.pathsep.join([str(Path(probe_module.__file__).parent), root])})
+        assert proc.returncode == 0 and "zerotune probe" not in proc.stderr, proc.stderr[-3000:]
+        records[checkpointing] = json.loads((directory / "activations.json").read_text())
+    plain, checkpointed = records[False], records[True]
+    assert plain["checkpointed_bytes"] == checkpointed["saved_bytes"] + checkpointed["recompute_bytes"]
+    assert plain["checkpoint_layers"] == checkpointed["recompute_regions"] == 2
+
+
 class FakeCuda:
     """A stand-in for ``torch.cuda`` (no GPU here): the allocator's counters, set by the test."""
 
