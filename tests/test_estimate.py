@@ -130,3 +130,55 @@ def test_estimate_hf_config_without_sizes_names_the_key(tmp_path, capsys):
     cfg.write_text(json.dumps({"model_type": "resnet"}))
     code, _, err = run(capsys, "--hf-config", str(cfg), "--device-memory", "1GiB")
     assert code == 2 and "no hidden size" in err
+
+
+def test_estimate_hf_config_rows_with_activation_checkpointing_off_and_on(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(GPT2))
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000", "--json")
+    est = json.loads(out)
+    # bf16, s = 128: per layer 278,528 + 327,680 bytes, 2 layers, logits 6*s*V = 768,000: 1,980,416; checkpointed,
+    # each layer's input 2*s*h = 16,384 twice, one layer recomputed, the logits: 1,406,976
+    assert (est["activation_bytes_per_sample"], est["checkpointed_activation_bytes_per_sample"]) == \
+        (1_980_416, 1_406_976)
+    rows = {(r["stage"], r["offload"], r["checkpointing"]): r for r in est["rows"]}
+    assert len(rows) == 16 and [r["checkpointing"] for r in est["rows"][:2]] == [False, True]
+    off, on = rows[(0, "none", False)], rows[(0, "none", True)]
+    # stage 0 bf16, Psi = 172,288: params 2*Psi, grads 6*Psi, AdamW and master 12*Psi, the flat copy 2*Psi:
+    # 3,790,336 fixed; the activations share the copy's 344,576 bytes (reduced after the backward), so the room
+    # is 40,000,000 - 3,790,336 + 344,576 = 36,554,240 bytes: 18 samples of 1,980,416, 25 of 1,406,976
+    assert (off["activations_mbs1"], off["max_mbs"], off["activations_max_mbs"]) == (1_980_416, 18, 18 * 1_980_416)
+    assert (on["activations_mbs1"], on["max_mbs"], on["activations_max_mbs"]) == (1_406_976, 25, 25 * 1_406_976)
+    # at mbs 1 the activations, larger than the copy, take its place: 3,790,336 - 344,576 + activations
+    assert (off["total_mbs1"], on["total_mbs1"]) == (3_445_760 + 1_980_416, 3_445_760 + 1_406_976)
+    # --activation-checkpointing: the checkpointed rows only
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000",
+                       "--activation-checkpointing", "--json")
+    rows = json.loads(out)["rows"]
+    assert len(rows) == 8 and all(r["checkpointing"] for r in rows) and rows[0]["max_mbs"] == 25
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000")
+    table = [line.split()[:3] for line in out.splitlines()[3:6]]
+    assert "1.89 MiB per sample (1.34 MiB with activation checkpointing)" in out
+    assert table == [["stage", "offload", "ckpt"], ["0", "none", "off"], ["0", "none", "on"]]
+
+
+def test_estimate_from_a_profile_run_that_priced_checkpointing(tmp_path, capsys):
+    prof = tmp_path / "profile"
+    prof.mkdir()
+    (prof / "model_info.json").write_text(json.dumps({"num_params": 1_000_000, "activation_mem_per_gpu": 9_999_999}))
+    (prof / "activations.json").write_text(json.dumps({"saved_bytes": 2_000_000, "checkpointed_bytes": 600_000,
+                                                       "checkpoint_layers": 4, "micro_batch_size": 2}))
+    code, out, _ = run(capsys, "--profile", str(prof), "--num_gpus", "2", "--device-memory", "1GB", "--json")
+    est = json.loads(out)
+    assert (est["activation_bytes_per_sample"], est["checkpointed_activation_bytes_per_sample"]) == (1_000_000, 300_000)
+    z0 = [r for r in est["rows"] if r["stage"] == 0]
+    # bf16 stage 0: 2 + 6 + 12 bytes a parameter and the 2*Psi flat copy, 22,000,000 fixed; the activations share
+    # the copy's 2,000,000 bytes: (1,000,000,000 - 20,000,000) // 1,000,000 = 980, // 300,000 = 3,266
+    assert [(r["checkpointing"], r["activations_mbs1"], r["max_mbs"]) for r in z0] == \
+        [(False, 1_000_000, 980), (True, 300_000, 1024)]  # the cap
+    (prof / "activations.json").write_text(json.dumps({"saved_bytes": 2_000_000, "micro_batch_size": 2}))
+    code, _, err = run(capsys, "--profile", str(prof), "--num_gpus", "2", "--device-memory", "1GB",
+                       "--activation-checkpointing")
+    assert code == 2 and "did not price activation checkpointing" in err
+    code, _, err = run(capsys, "--num-params", "1e9", "--device-memory", "40GiB", "--activation-checkpointing")
+    assert code == 2 and "--activation-checkpointing goes with --hf-config or --profile" in err

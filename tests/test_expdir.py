@@ -80,6 +80,26 @@ def test_with_activation_checkpointing_the_per_sample_bytes_add_the_largest_reco
     assert done.metrics == {**info, "activation_saved_bytes": 3_407_872}  # (1048576 + 5767168) / 2
 
 
+def test_the_profile_run_carries_the_probes_price_of_checkpointing_per_sample(tmp_path):
+    info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 54_505_472}
+    write(tmp_path / "model_info.json", json.dumps(info))
+    write(tmp_path / "activations.json", '{"saved_bytes": 13122584, "checkpointed_bytes": 4000001, '
+                                         '"checkpoint_layers": 6, "micro_batch_size": 2}')
+    done = expdir.finish(exp(ExperimentKind.PROFILE), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert done.metrics == {**info, "activation_saved_bytes": 6_561_292, "activation_checkpointed_bytes": 2_000_000}
+    model = ModelInfo.from_metrics(done.metrics, mbs=2)
+    assert (model.activation_mem_per_gpu, model.checkpointed_activation_mem_per_gpu) == (6_561_292, 2_000_000)
+    # on CUDA the step's growth raises the plain term to 7,000,000 bytes a sample: the 438,708 bytes the backward
+    # allocates on top of the saved ones (at ZeRO-3 no constant) are there with checkpointing too
+    cuda = ModelInfo.from_metrics({**done.metrics, "step_growth_bytes": 14_000_000}, mbs=2,
+                                  ds_config={"zero_optimization": {"stage": 3}})
+    assert (cuda.activation_mem_per_gpu, cuda.checkpointed_activation_mem_per_gpu) == (7_000_000, 2_438_708)
+    assert ModelInfo.from_metrics(info).checkpointed_activation_mem_per_gpu is None
+    write(tmp_path / "activations.json", '{"saved_bytes": 100, "checkpointed_bytes": -1, "micro_batch_size": 1}')
+    assert "activation_checkpointed_bytes" not in expdir.finish(exp(ExperimentKind.PROFILE), tmp_path,
+                                                                OBJECTIVES["throughput"], exit_code=0).metrics
+
+
 def test_finish_of_the_profile_run_adds_the_probes_model_shapes(tmp_path):
     info = {"num_params": 14_727_168, "trainable_num_params": 14_727_168, "activation_mem_per_gpu": 54_505_472}
     write(tmp_path / "model_info.json", json.dumps(info))

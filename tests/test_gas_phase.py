@@ -295,3 +295,17 @@ def test_an_answer_at_the_end_of_the_curve_is_compared_with_the_line_through_its
     assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2), (0, 32, 1)], ran
     ran, _ = run_strategy(tmp_path / "within", saturating, first_runs={(32, 1): 84.0})
     assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2)], ran
+
+
+def test_the_profile_gives_the_memory_model_the_checkpointed_activation_term(tmp_path):
+    def evaluate(exps):
+        for exp in exps:  # the profile run: the probe priced checkpointing at 300 bytes a sample
+            exp.status, exp.metrics = Status.OK, {"num_params": 1_000_000, "activation_mem_per_gpu": 5_000,
+                                                  "activation_saved_bytes": 1_000,
+                                                  "activation_checkpointed_bytes": 300}
+        return exps
+    strategy = Strategy(make_job(tmp_path), evaluate)
+    strategy.profile()
+    memory = strategy.result.memory
+    assert (memory.activation_bytes_per_sample, memory.checkpointed_activation_bytes_per_sample) == (1_000, 300)
+    assert strategy.result.model_info.checkpointed_activation_mem_per_gpu == 300

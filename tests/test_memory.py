@@ -89,3 +89,59 @@ def test_calibration_sets_overhead_from_a_measured_peak():
 def test_optimizer_state_bytes(opt, expected):
     c = {"optimizer": {"type": opt}, "zero_optimization": {"stage": 1}}
     assert MODEL.breakdown(c).optimizer_states == expected * 1_000_000 // 4
+
+
+def test_offload_moves_the_optimizer_and_the_parameters_to_the_host():
+    # fp16, Psi = T = 1,000,000, N = 4, Adam (K = 8), mbs 1; host bytes are per rank
+    b = MODEL.breakdown({**cfg(2, offload_optimizer={"device": "cpu"}), **FP16}, mbs=1)
+    # stage 2, optimizer on the host: the device keeps the fp16 parameters 2*Psi = 2,000,000 and no gradient
+    # partition (accumulated into the host's); buffers: one 5e8-element bucket 2*5e8 = 1,000,000,000 plus the
+    # reduction's flat copy 2*min(5e8, T) = 2,000,000. Host: fp32 gradient 4*T/N = 1,000,000, Adam 8*T/N =
+    # 2,000,000, fp32 master 4*T/N = 1,000,000
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers, b.host) == \
+        (2_000_000, 0, 0, 1_002_000_000, 4_000_000)
+    # the bucket holds all of T: reduced after the backward, the 1,000 bytes of activations apart
+    assert (b.activations, b.apart, b.total) == (1_000, 1_000, 1_004_000_000)
+    both = {**cfg(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}), **FP16}
+    b = MODEL.breakdown(both, mbs=1)
+    # stage 3, both on the host: the device holds the gathered parameters 2*G = 2*Psi = 2,000,000 (G = Psi under
+    # DeepSpeed's 1e9 limits); buffers: the bucket 1,000,000,000, the reduce-scatter's copy 2*min(5e8, T) =
+    # 2,000,000 and the all-gather buffer 2*min(G, 5e7) = 2,000,000. Host: parameter partition 2*Psi/N = 500,000,
+    # gradient partition 2*T/N = 500,000, fp32 gradient 1,000,000, Adam 2,000,000, master 1,000,000
+    assert (b.parameters, b.gradients, b.optimizer_states, b.buffers, b.host) == \
+        (2_000_000, 0, 0, 1_004_000_000, 5_000_000)
+    assert b.total == 1_006_000_000
+    # on CPU ranks the host is the rank's own process: its 5,000,000 bytes count against the device budget
+    on_cpu = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4, host_on_device=True)
+    assert on_cpu.bytes_per_device(both, mbs=1) == 1_011_000_000
+
+
+CHECKPOINTED = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4,
+                           checkpointed_activation_bytes_per_sample=300)
+
+
+def test_a_config_with_checkpointing_uses_the_checkpointed_activation_term():
+    # fp16 stage 2, overlap_comm, a 5e5-element bucket (less than T: reduced in the backward, nothing apart):
+    # params 2*Psi = 2,000,000, grads 2*T/N + 4*T/N = 1,500,000, Adam and master 12*T/N = 3,000,000, two buckets
+    # 2*2*5e5 = 2,000,000 and the flat copy 2*5e5 = 1,000,000: 9,500,000 fixed
+    z2 = {**cfg(2, overlap_comm=True, reduce_bucket_size=500_000), **FP16}
+    on = {**z2, "gradient_checkpointing": True}
+    assert CHECKPOINTED.breakdown(on, mbs=4).activations == 4 * 300
+    assert CHECKPOINTED.bytes_per_device(on, mbs=4) == 9_500_000 + 1_200
+    assert CHECKPOINTED.bytes_per_device(z2, mbs=4) == 9_500_000 + 4 * 1_000  # absent: the plain term
+    assert CHECKPOINTED.bytes_per_device({**z2, "gradient_checkpointing": False}, mbs=4) == 9_504_000
+    # a term not priced: the plain one
+    assert MODEL.breakdown({**on, **FP16}, mbs=4).activations == 4_000
+    # 30,000 bytes over the fixed part: 100 samples of 300 bytes, 30 of 1,000
+    assert (CHECKPOINTED.max_mbs(on, 9_530_000), CHECKPOINTED.max_mbs(z2, 9_530_000)) == (100, 30)
+
+
+def test_a_measured_activation_term_scales_the_other_choice_by_the_same_ratio():
+    z2 = {**cfg(2), **FP16}
+    plain = CHECKPOINTED.with_activations(2_000)  # a plain run measured twice the profile's 1,000 bytes
+    assert (plain.activation_bytes_per_sample, plain.checkpointed_activation_bytes_per_sample) == (2_000, 600)
+    checkpointed = CHECKPOINTED.with_activations(450, {**z2, "gradient_checkpointing": True})  # 1.5 x 300
+    assert (checkpointed.activation_bytes_per_sample, checkpointed.checkpointed_activation_bytes_per_sample) == \
+        (1_500, 450)
+    assert checkpointed.with_activations(3_000, z2).checkpointed_activation_bytes_per_sample == 900  # 2 x 1,500
+    assert MODEL.with_activations(2_000).checkpointed_activation_bytes_per_sample is None

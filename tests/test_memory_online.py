@@ -174,3 +174,17 @@ def test_a_cuda_runs_own_slope_raises_the_activation_term_and_the_estimate_at_an
     # a later run's smaller slope never lowers it: the largest measured so far
     run.activation_slope_bytes = GROWTH
     assert corrected(new, run, 10**12) == (new, None)
+
+
+def test_a_checkpointed_runs_own_slope_corrects_the_checkpointed_term_and_scales_the_plain_one():
+    model = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4,
+                        checkpointed_activation_bytes_per_sample=300)
+    cfg = {**CFG, "gradient_checkpointing": True}
+    run = Experiment("z0_gck_mbs2", cfg, num_slots=4, status=Status.OK, peak_memory_bytes=1, activation_slope_bytes=360)
+    new, why = corrected(model, run, 10**12)
+    # 360 bytes a sample measured with checkpointing, 1.2 x the modelled 300: the plain term follows, 1,200
+    assert (new.checkpointed_activation_bytes_per_sample, new.activation_bytes_per_sample) == (360, 1_200)
+    assert "checkpointed activations 360 B per sample (was 300 B" in why
+    # below the checkpointed term (not the plain one): nothing learnt
+    run.activation_slope_bytes = 350
+    assert corrected(new, run, 10**12) == (new, None)

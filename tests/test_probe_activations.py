@@ -65,6 +65,7 @@ def engine_module(profile: bool, mbs: int = 3):
 def profile_record(directory, model: nn.Module, inputs: torch.Tensor, mbs: int = 3) -> dict:
     """The probe's ``activations.json`` after the profile run's first forward of ``model`` on ``inputs``
     (DeepSpeed's exit in it caught), on a stand-in engine at micro batch size ``mbs``."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
     module = engine_module(profile=True, mbs=mbs)
     probe_module._install(module, probe_module._Probe(str(directory)))
     try:
@@ -157,26 +158,28 @@ def test_outside_the_profile_forward_checkpointing_runs_as_before(tmp_path):
     assert not (tmp_path / "activations.json").exists()
 
 
+class LabelsLoss(nn.Module):
+    """What the Trainer asks of a Hugging Face model: the loss on the input ids as their own labels."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids).loss
+
+
 def counted_gpt2(directory, mbs: int, checkpointing: bool, layers: int = 2, hidden: int = 64, heads: int = 2,
                  seq_len: int = 32, vocab: int = 256) -> dict:
     """The probe's profile record of a Hugging Face GPT-2 (built from a config) whose forward is the loss on
     ``mbs`` sequences as their own labels, with or without the model's gradient checkpointing."""
     transformers = pytest.importorskip("transformers")
-
-    class LossOf(nn.Module):  # what the Trainer asks of the model: the loss on the labels
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids):
-            return self.model(input_ids=ids, labels=ids).loss
-    directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=vocab)
     model = transformers.GPT2LMHeadModel(config)
     if checkpointing:
-        model.gradient_checkpointing_enable()  # non-reentrant, transformers' default
-    return profile_record(directory, LossOf(model), torch.zeros(mbs, seq_len, dtype=torch.long), mbs=mbs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return profile_record(directory, LabelsLoss(model), torch.zeros(mbs, seq_len, dtype=torch.long), mbs=mbs)
 
 
 def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tmp_path):
@@ -194,6 +197,104 @@ def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tm
     assert checkpointed2["recompute_bytes"] == checkpointed["recompute_bytes"] == layer - 24_576
     assert checkpointed2["saved_bytes"] == checkpointed["saved_bytes"] + 24_576
     assert checkpointed2["recompute_regions"] == 2
+
+
+class GradientCheckpointingLayer(nn.Module):
+    """A stand-in for transformers' ``modeling_layers.GradientCheckpointingLayer``: the probe knows the class by
+    its name."""
+
+    gradient_checkpointing = False
+
+
+class Layer(GradientCheckpointingLayer):
+    """Linear(8, 16) -> GELU -> Linear(16, 8), times a ``scale`` given as a keyword argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x, scale=None):
+        return self.fc2(nn.functional.gelu(self.fc1(x))) * scale
+
+
+class Layered(nn.Module):
+    """Two :class:`Layer` calls sharing one scale, then a Linear(8, 4) head outside any layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers, self.head = nn.ModuleList([Layer(), Layer()]), nn.Linear(8, 4)
+
+    def forward(self, x):
+        scale = torch.full((8,), 0.5)
+        for layer in self.layers:
+            x = layer(x, scale=scale)
+        return self.head(x)
+
+
+def test_checkpointable_layers_price_checkpointing_from_the_plain_forward(tmp_path):
+    torch.manual_seed(0)
+    model = Layered()
+    record = profile_record(tmp_path, model, torch.randn(3, 8))
+    # fp32, mbs 3. Each layer saves its input x (3x8, 96 B), fc1's output (3x16, 192 B), GELU's output (192 B) and
+    # the scale (8, 32 B, for the product's gradient); the head saves the second layer's output (96 B):
+    # 96 + 192 + 192 + 32 + 96 + 192 + 192 + 96 = 1,088 B, the scale once.
+    # Checkpointed: outside any layer the head's input (96 B); the layers' inputs, the input (96 B), the first
+    # layer's output (96 B) and the scale (32 B, a keyword argument); the most one layer saves beyond its inputs,
+    # 192 + 192 B: 96 + 96 + 96 + 32 + 384 = 704 B
+    assert {k: record[k] for k in ("saved_bytes", "checkpointed_bytes", "checkpoint_layers")} == \
+        {"saved_bytes": 1_088, "checkpointed_bytes": 704, "checkpoint_layers": 2}
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # removed at exit
+    for layer in model.layers:  # checkpointed already: nothing to price
+        layer.gradient_checkpointing = True
+    record = profile_record(tmp_path / "checkpointed", model, torch.randn(3, 8))
+    assert record["saved_bytes"] == 1_088 and "checkpointed_bytes" not in record
+
+
+def test_a_failure_in_the_layer_counting_is_printed_once_and_leaves_the_rest(tmp_path, monkeypatch, capsys):
+    def failing(module, count):
+        def count_or_fail(storages, tensor, exclude=frozenset()):
+            raise RuntimeError("no storage")
+        return probe_module._LayerCheckpointing([m for m in module.modules() if isinstance(m, Layer)], count_or_fail)
+    monkeypatch.setattr(probe_module._LayerCheckpointing, "for_module", staticmethod(failing))
+    torch.manual_seed(0)
+    record = profile_record(tmp_path, Layered(), torch.randn(3, 8))
+    assert record["saved_bytes"] == 1_088 and "checkpointed_bytes" not in record
+    assert capsys.readouterr().err.count("checkpointing not priced") == 1
+
+
+def test_a_plain_gpt2_prices_its_checkpointing_as_the_checkpointed_forward_counts_it(tmp_path):
+    # the plain forward's checkpointed_bytes is what the same model saves with non-reentrant checkpointing of
+    # every block (saved_bytes) plus the block its backward recomputes (recompute_bytes), to the byte
+    for layers in (1, 3):
+        plain = counted_gpt2(tmp_path / f"plain{layers}", 3, checkpointing=False, layers=layers)
+        checkpointed = counted_gpt2(tmp_path / f"checkpointed{layers}", 3, checkpointing=True, layers=layers)
+        assert plain["checkpointed_bytes"] == checkpointed["saved_bytes"] + checkpointed["recompute_bytes"]
+        assert plain["checkpoint_layers"] == checkpointed["recompute_regions"] == layers
+        assert "checkpointed_bytes" not in checkpointed  # its blocks are checkpointed
+    # each block more keeps its input only: fp32 3 x 32 x 64, 24,576 bytes
+    assert plain["checkpointed_bytes"] - counted_gpt2(tmp_path / "plain2", 3, checkpointing=False, layers=2)[
+        "checkpointed_bytes"] == 24_576
+
+
+def test_a_plain_llama_prices_the_keyword_inputs_its_checkpoint_keeps(tmp_path):
+    # Llama's decoder layer gets position_ids as a keyword argument (1 x 32 int64, 256 bytes), which
+    # transformers binds into the checkpointed function (modeling_layers.py, partial(forward, self, **kwargs)):
+    # the checkpoint keeps it, and the checkpointed forward's count, which sees the checkpoint's positional
+    # inputs only, misses it. Exactly that much apart.
+    transformers = pytest.importorskip("transformers")
+
+    def record(name: str, checkpointing: bool) -> dict:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                          max_position_embeddings=32)
+        model = transformers.LlamaForCausalLM(config)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return profile_record(tmp_path / name, LabelsLoss(model), torch.zeros(3, 32, dtype=torch.long), mbs=3)
+    plain, checkpointed = record("plain", False), record("checkpointed", True)
+    assert plain["checkpointed_bytes"] == checkpointed["saved_bytes"] + checkpointed["recompute_bytes"] + 256
+    assert plain["checkpoint_layers"] == checkpointed["recompute_regions"] == 2
 
 
 DEEPSPEED_CHECKPOINTED = """
@@ -226,6 +327,51 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     record = json.loads((tmp_path / "activations.json").read_text())
     assert {k: record[k] for k in ("saved_bytes", "saved_storages", "recompute_bytes", "recompute_regions")} == \
         {"saved_bytes": 192, "saved_storages": 2, "recompute_bytes": 384, "recompute_regions": 2}
+
+
+ZERO3_PROFILE = """
+import os, sys, torch, transformers, deepspeed
+from tests.test_probe_activations import LabelsLoss
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32,
+                                                             vocab_size=256))
+if {checkpointing!r}:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})
+config = {{"train_micro_batch_size_per_gpu": 3, "zero_optimization": {{"stage": 3}},
+          "optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+          "autotuning": {{"enabled": True, "model_info": {{"profile": True}},
+                         "model_info_path": {directory!r} + "/model_info.json"}}}}
+engine, *_ = deepspeed.initialize(model=LabelsLoss(model), config=config, model_parameters=model.parameters())
+engine(torch.zeros(3, 32, dtype=torch.long))
+"""
+
+
+@pytest.mark.e2e
+def test_deepspeeds_zero3_profile_prices_checkpointing_as_its_checkpointed_profile_counts_it(tmp_path):
+    # the real engine, hooked by the probe at start-up as in a launched rank, at ZeRO-3 (its parameters gathered
+    # by its own module hooks): the plain profile's checkpointed_bytes is the checkpointed profile's saved_bytes
+    # plus recompute_bytes, to the byte
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    from zerotune.deepspeed.launcher import free_port
+    root = str(Path(__file__).resolve().parents[1])
+    records = {}
+    for checkpointing in (False, True):
+        directory = tmp_path / str(checkpointing)
+        directory.mkdir()
+        script = ZERO3_PROFILE.format(port=str(free_port()), checkpointing=checkpointing, directory=str(directory))
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={
+            **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", probe_module.PROBE_DIR_ENV: str(directory),
+            "PYTHONPATH": os.pathsep.join([str(Path(probe_module.__file__).parent), root])})
+        assert proc.returncode == 0 and "zerotune probe" not in proc.stderr, proc.stderr[-3000:]
+        records[checkpointing] = json.loads((directory / "activations.json").read_text())
+    plain, checkpointed = records[False], records[True]
+    assert plain["checkpointed_bytes"] == checkpointed["saved_bytes"] + checkpointed["recompute_bytes"]
+    assert plain["checkpoint_layers"] == checkpointed["recompute_regions"] == 2
 
 
 class FakeCuda:

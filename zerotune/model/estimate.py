@@ -2,19 +2,24 @@
 
 For a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging
 Face ``config.json``) and hardware (devices per node, nodes, device memory, host memory), the
-memory model's bytes per device by component for each ZeRO stage and offload choice, the
-activations at mbs 1 and at the largest mbs that fits, and that mbs; as a table or JSON::
+memory model's bytes per device by component for each ZeRO stage, offload choice and, where the model's
+activations with checkpointing are known (``--hf-config``; a profile run whose probe priced it), activation
+checkpointing off and on, the activations at mbs 1 and at the largest mbs that fits, and that mbs; as a
+table or JSON::
 
     zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB
     zerotune estimate --hf-config config.json --seq-len 2048 --num_gpus 8 --device-memory 80GiB --host-memory 1TiB
     zerotune estimate --profile autotuning_exps/profile_z3_gas1_tmbspg1 --num_gpus 4 --device-memory 24GiB
 
-The hardware options carry the launcher's names (``--num_gpus``, ``--num_nodes``) as ``tune`` uses
+A checkpointing row's config carries zerotune's ``gradient_checkpointing: true``
+(:data:`~zerotune.deepspeed.keys.CHECKPOINTING`), so its bytes are the ones the tuner's memory model gives
+that config; ``--activation-checkpointing`` keeps only those rows. The hardware options carry the launcher's names (``--num_gpus``, ``--num_nodes``) as ``tune`` uses
 them. Bad input raises :class:`~zerotune.core.errors.ConfigError` naming the argument (exit 2).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,10 +28,11 @@ from typing import Any
 from zerotune.core.errors import ConfigError
 from zerotune.core.units import format_bytes, parse_bytes
 from zerotune.deepspeed.config import precision as config_precision
+from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
-from zerotune.model.profile import SAVED_ACTIVATIONS_KEY, ModelInfo
-from zerotune.probe import read_model_shapes, read_saved_activations
+from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY, ModelInfo
+from zerotune.probe import read_checkpointed_activations, read_model_shapes, read_saved_activations
 
 OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
             ("optimizer+params cpu", {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}))
@@ -35,11 +41,12 @@ OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cp
 
 @dataclass
 class Row:
-    """One ZeRO stage and offload choice: bytes per device by component at mbs 1, the largest mbs
-    that fits (0: none, None: activations unknown) and host bytes per node."""
+    """One ZeRO stage, offload choice and activation checkpointing choice: bytes per device by component at
+    mbs 1, the largest mbs that fits (0: none, None: activations unknown) and host bytes per node."""
 
     stage: int
     offload: str
+    checkpointing: bool
     parameters: int
     gradients: int
     optimizer_states: int
@@ -55,12 +62,15 @@ class Row:
 
 @dataclass
 class Estimate:
-    """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage and offload."""
+    """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage, offload and checkpointing
+    choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
+    only rows without it)."""
 
     model_source: str
     num_params: int
     trainable_params: int
     activation_bytes_per_sample: int | None
+    checkpointed_activation_bytes_per_sample: int | None
     precision: str
     optimizer: str
     num_nodes: int
@@ -74,8 +84,8 @@ class Estimate:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register the ``estimate`` subcommand on the CLI's subparsers."""
-    p = sub.add_parser("estimate", help="bytes per device for each ZeRO stage and offload, for hardware you "
-                                        "don't have (runs nothing)")
+    p = sub.add_parser("estimate", help="bytes per device for each ZeRO stage, offload and activation "
+                                        "checkpointing, for hardware you don't have (runs nothing)")
     m = p.add_argument_group("the model (one of)")
     m.add_argument("--profile", default=None, help="a profile run on disk: its directory (model_info.json) or the file")
     m.add_argument("--num-params", default=None, help="parameters, e.g. 13e9")
@@ -89,7 +99,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                               "maximum positions)")
     m.add_argument("--flash-attention", action="store_true", help="with --hf-config: attention scores not stored")
     m.add_argument("--activation-checkpointing", action="store_true",
-                   help="with --hf-config: every layer checkpointed (keeps its input, recomputes in backward)")
+                   help="with --hf-config or --profile: only the rows with every layer checkpointed (keeps its "
+                        "input, recomputes in backward); without it both, where the checkpointed term is known")
     h = p.add_argument_group("the hardware (the launcher's names)")
     h.add_argument("--num_gpus", "--num_accelerators", type=int, default=1, help="devices per node (default 1)")
     h.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
@@ -138,6 +149,9 @@ def _read_profile(path: str) -> dict[str, Any]:
     if saved is not None:
         data[SAVED_ACTIVATIONS_KEY] = saved
     data.update(read_model_shapes(p.parent))
+    checkpointed = read_checkpointed_activations(p.parent)
+    if checkpointed is not None:
+        data[CHECKPOINTED_ACTIVATIONS_KEY] = checkpointed
     return data
 
 
@@ -162,13 +176,15 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
 @dataclass(frozen=True)
 class _Model:
     """The model as given: its description for the header, parameters, activation bytes per sample
-    (None: unknown) and the layer sizes the memory model takes as keyword arguments."""
+    (None: unknown), with activation checkpointing (None: unknown) and the layer sizes the memory model takes
+    as keyword arguments."""
 
     source: str
     num_params: int
     trainable: int
     activations: int | None
     extra: dict[str, int]
+    checkpointed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -197,9 +213,14 @@ def estimate(args: argparse.Namespace) -> Estimate:
     given = _model(args, model_flag, prec)
     hw = _hardware(args)
     model = MemoryModel(given.num_params, given.activations or 0, hw.dp, mp_size=hw.mp, overhead_bytes=hw.overhead,
-                        trainable_params=given.trainable, **given.extra)
-    rows = _rows(model, cfg, hw, given.activations)
-    return Estimate(given.source, given.num_params, given.trainable, given.activations, prec,
+                        trainable_params=given.trainable, checkpointed_activation_bytes_per_sample=given.checkpointed,
+                        **given.extra)
+    if args.activation_checkpointing and given.checkpointed is None:
+        raise ConfigError(f"--activation-checkpointing: the profile run {args.profile} did not price activation "
+                          "checkpointing (no checkpointable layer without it, or an older probe)")
+    choices = (True,) if args.activation_checkpointing else (False, True) if given.checkpointed is not None else (False,)
+    rows = _rows(model, cfg, hw, given.activations, choices)
+    return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
                     hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows)
 
@@ -216,8 +237,9 @@ def _model_flag(args: argparse.Namespace) -> str:
                                 ("--activation-bytes", args.activation_bytes, "--num-params"),
                                 ("--seq-len", args.seq_len, "--hf-config"),
                                 ("--flash-attention", args.flash_attention or None, "--hf-config"),
-                                ("--activation-checkpointing", args.activation_checkpointing or None, "--hf-config")):
-        if value is not None and sources[0] != source:
+                                ("--activation-checkpointing", args.activation_checkpointing or None,
+                                 "--hf-config or --profile")):
+        if value is not None and sources[0] not in source.split(" or "):
             raise ConfigError(f"{flag} goes with {source}")
     return sources[0]
 
@@ -239,7 +261,7 @@ def _model_from_profile(args: argparse.Namespace) -> _Model:
     model_info = ModelInfo.from_metrics(info)
     return _Model(f"profile run {args.profile}", num_params, trainable, model_info.activation_mem_per_gpu,
                   {"largest_layer_params": model_info.largest_layer_params,
-                   "persistent_params": model_info.persistent_params})
+                   "persistent_params": model_info.persistent_params}, model_info.checkpointed_activation_mem_per_gpu)
 
 
 def _model_from_num_params(args: argparse.Namespace) -> _Model:
@@ -255,14 +277,15 @@ def _model_from_num_params(args: argparse.Namespace) -> _Model:
 def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
     if args.seq_len is not None:
         _positive(args.seq_len, "--seq-len")
-    arch = architecture(read_config(args.hf_config), seq_len=args.seq_len,
-                        bytes_per_activation=4 if prec == "fp32" else 2, flash_attention=args.flash_attention,
-                        checkpointing=args.activation_checkpointing, source=f"--hf-config {args.hf_config}")
+    config = read_config(args.hf_config)
+    arch, checkpointed = (architecture(config, seq_len=args.seq_len, bytes_per_activation=4 if prec == "fp32" else 2,
+                                       flash_attention=args.flash_attention, checkpointing=checkpointing,
+                                       source=f"--hf-config {args.hf_config}") for checkpointing in (False, True))
     source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
-              + (", flash attention" if args.flash_attention else "")
-              + (", activation checkpointing" if args.activation_checkpointing else ""))
+              + (", flash attention" if args.flash_attention else ""))
     return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
-                  {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params})
+                  {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params},
+                  checkpointed.activation_bytes_per_sample)
 
 
 def _hardware(args: argparse.Namespace) -> _Hardware:
@@ -280,38 +303,43 @@ def _hardware(args: argparse.Namespace) -> _Hardware:
     return _Hardware(budget, host, overhead, gpus, nodes, mp, max_mbs, gpus * nodes // mp)
 
 
-def _rows(model: MemoryModel, cfg: dict[str, Any], hw: _Hardware, activations: int | None) -> list[Row]:
-    """One :class:`Row` per ZeRO stage and offload choice the stage allows (:data:`OFFLOADS`), in order."""
+def _rows(model: MemoryModel, cfg: dict[str, Any], hw: _Hardware, activations: int | None,
+          checkpointing: tuple[bool, ...] = (False,)) -> list[Row]:
+    """One :class:`Row` per ZeRO stage, offload choice the stage allows (:data:`OFFLOADS`) and activation
+    checkpointing choice in ``checkpointing`` (True: the config carries ``gradient_checkpointing: true``), in
+    order."""
     rows = []
-    for stage in range(4):
-        for name, offload in OFFLOADS:
-            if (stage == 0 and offload) or (stage < 3 and "offload_param" in offload):
-                continue
-            zero = {**(cfg.get("zero_optimization") or {}), "stage": stage}
-            for key in ("offload_optimizer", "offload_param"):
-                zero.pop(key, None)
-            c = {**cfg, "zero_optimization": {**zero, **offload}}
-            b = model.breakdown(c, mbs=1)
-            fit = (model.max_mbs(c, hw.budget, cap=hw.max_mbs) if activations
-                   else (None if model.fits(c, hw.budget, 1) else 0))
-            host_node = b.host * hw.gpus
-            rows.append(Row(stage, name, b.parameters, b.gradients, b.optimizer_states, b.buffers, b.overhead,
-                            b.activations if activations else None, b.total, fit,
-                            (model.breakdown(c, mbs=fit).activations if activations and fit else None),
-                            host_node, None if hw.host is None else host_node <= hw.host))
+    for stage, (name, offload), checkpointed in itertools.product(range(4), OFFLOADS, checkpointing):
+        if (stage == 0 and offload) or (stage < 3 and "offload_param" in offload):
+            continue
+        zero = {**(cfg.get("zero_optimization") or {}), "stage": stage}
+        for key in ("offload_optimizer", "offload_param"):
+            zero.pop(key, None)
+        c = {**{k: v for k, v in cfg.items() if k != CHECKPOINTING}, "zero_optimization": {**zero, **offload},
+             **({CHECKPOINTING: True} if checkpointed else {})}
+        b = model.breakdown(c, mbs=1)
+        fit = (model.max_mbs(c, hw.budget, cap=hw.max_mbs) if activations
+               else (None if model.fits(c, hw.budget, 1) else 0))
+        host_node = b.host * hw.gpus
+        rows.append(Row(stage, name, checkpointed, b.parameters, b.gradients, b.optimizer_states, b.buffers,
+                        b.overhead, b.activations if activations else None, b.total, fit,
+                        (model.breakdown(c, mbs=fit).activations if activations and fit else None),
+                        host_node, None if hw.host is None else host_node <= hw.host))
     return rows
 
 
 def render(est: Estimate) -> str:
     """The estimate as a text table with a header and notes."""
     act = "unknown" if not est.activation_bytes_per_sample else format_bytes(est.activation_bytes_per_sample)
+    act += " per sample" + (f" ({format_bytes(est.checkpointed_activation_bytes_per_sample)} with activation "
+                            "checkpointing)" if est.checkpointed_activation_bytes_per_sample is not None else "")
     lines = [f"model: {est.model_source}: {est.num_params:,} parameters ({est.trainable_params:,} trainable), "
-             f"activations {act} per sample; {est.precision}, {est.optimizer}",
+             f"activations {act}; {est.precision}, {est.optimizer}",
              f"hardware: {est.num_nodes} node(s) x {est.gpus_per_node} device(s), {format_bytes(est.device_memory_bytes)}"
              f" per device" + (f", {format_bytes(est.host_memory_bytes)} host memory per node" if est.host_memory_bytes
                                else "") + f"; DP world size {est.dp_world_size}, MP size {est.mp_size}",
              ""]
-    head = ("stage", "offload", "params", "grads", "optimizer", "buffers", "act@mbs1", "total@mbs1", "max mbs",
+    head = ("stage", "offload", "ckpt", "params", "grads", "optimizer", "buffers", "act@mbs1", "total@mbs1", "max mbs",
             "act@max", "host/node")
     table = [head]
     for r in est.rows:
@@ -319,13 +347,13 @@ def render(est: Estimate) -> str:
         host = format_bytes(r.host_per_node) if r.host_per_node else "-"
         if r.fits_host is False:
             host += " (over)"
-        table.append((str(r.stage), r.offload, format_bytes(r.parameters), format_bytes(r.gradients),
-                      format_bytes(r.optimizer_states), format_bytes(r.buffers),
+        table.append((str(r.stage), r.offload, "on" if r.checkpointing else "off", format_bytes(r.parameters),
+                      format_bytes(r.gradients), format_bytes(r.optimizer_states), format_bytes(r.buffers),
                       "?" if r.activations_mbs1 is None else format_bytes(r.activations_mbs1), format_bytes(r.total_mbs1),
                       max_mbs, "-" if r.activations_max_mbs is None else format_bytes(r.activations_max_mbs), host))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
-        lines.append("  ".join(cell.rjust(w) if i > 1 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        lines.append("  ".join(cell.rjust(w) if i > 2 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     lines += ["", "Bytes per device (the memory model, zerotune/model/memory.py). Not counted: "
               + ("the fixed per-device overhead (CUDA context, NCCL; --overhead), " if not any(r.overhead for r in est.rows)
                  else "") + "allocator fragmentation."]

@@ -12,7 +12,8 @@ the loss, ``6*s*V`` (V = vocabulary). Of the 34: attention 11, the two layer nor
 at 2 bytes); with another MLP width ffn the layer stores ``s*h*(18 + 4*ffn/h)`` (34 at ffn = 4h).
 A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate. With activation
 checkpointing (``checkpointing=True``, sec. 5: full recomputation) a layer keeps only its input,
-``2*s*h``, and one layer's activations are live again while it is recomputed in the backward pass.
+``2*s*h``, and one layer's activations are live again while it is recomputed in the backward pass
+(``zerotune estimate`` computes both, for the memory model's plain and checkpointed terms).
 fp32 activations are twice the bytes.
 
 Read: ``hidden_size``/``n_embd``/``d_model``, ``num_hidden_layers``/``n_layer``/``num_layers``,

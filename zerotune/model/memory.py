@@ -96,6 +96,16 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   :mod:`zerotune.model.hf_config` from the architecture. What the backward pass allocates on top
   (gradients of activations, e.g. of the logits) is counted on CUDA only, where the profile measures
   the whole step's growth and each run its own slope (docs/decisions.md, D204).
+- **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, :data:`~zerotune.deepspeed.keys.CHECKPOINTING`,
+  True: every checkpointable layer recomputed): ``checkpointed_activation_bytes_per_sample`` times mbs instead
+  (:meth:`MemoryModel.activation_bytes`). ``torch.utils.checkpoint`` with ``use_reentrant=False`` (the
+  Trainer's default in transformers 5) keeps a checkpointed layer's inputs for the backward pass and saves
+  nothing inside it (``_checkpoint_without_reentrant_generator``'s saved-tensor hooks); the backward pass
+  recomputes one layer at a time, holding what that layer saves. So the term is what the forward saves
+  outside the layers, the layers' inputs, and the most one layer saves beyond its inputs: the profile run,
+  which runs without checkpointing, prices it (``checkpointed_bytes``, :mod:`zerotune.probe.sitecustomize`),
+  or :mod:`zerotune.model.hf_config` from the architecture. Unknown (None): a config with checkpointing
+  gets the plain term, an overestimate.
 - **The profile run** exits in its first forward, which records the stage-3 trace: no prefetch
   (``zero/partitioned_param_coordinator.py:422``) and each module's parameters released when it is
   done (``:498``), so it holds L + persistent gathered parameters, one module's all-gather copy, no
@@ -117,6 +127,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.deepspeed.config import precision
+from zerotune.deepspeed.keys import CHECKPOINTING
 
 # DeepSpeed defaults (deepspeed/runtime/zero/config.py:113,222,228,245,251; engine.py:151).
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
@@ -209,6 +220,9 @@ class MemoryModel:
         host_on_device: the devices are CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the
             host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
             counts it), so :attr:`MemoryBreakdown.total` includes ``host``.
+        checkpointed_activation_bytes_per_sample: the activation term of a config with activation
+            checkpointing (``ds_config[CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
+            such a config uses ``activation_bytes_per_sample`` (:meth:`activation_bytes`).
     """
 
     num_params: int
@@ -224,6 +238,19 @@ class MemoryModel:
                                                                          repr=False)
     activations_measured: bool = False
     host_on_device: bool = False
+    checkpointed_activation_bytes_per_sample: int | None = None
+
+    def checkpointed(self, ds_config: dict[str, Any]) -> bool:
+        """Whether ``ds_config`` gets the checkpointed activation term: its
+        :data:`~zerotune.deepspeed.keys.CHECKPOINTING` is True and the term is known."""
+        return ds_config.get(CHECKPOINTING) is True and self.checkpointed_activation_bytes_per_sample is not None
+
+    def activation_bytes(self, ds_config: dict[str, Any]) -> int:
+        """The activation term of ``ds_config``, bytes per sample: ``checkpointed_activation_bytes_per_sample``
+        where :meth:`checkpointed`, else ``activation_bytes_per_sample``."""
+        if self.checkpointed(ds_config):
+            return int(self.checkpointed_activation_bytes_per_sample)
+        return int(self.activation_bytes_per_sample)
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
         """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
@@ -284,7 +311,7 @@ class MemoryModel:
                 overlap = bool(overlap) if isinstance(overlap, bool) else False  # config.py:384-386: off below stage 3
                 buffers = b * bucket * (2 if overlap else 1) if contiguous else 0
             buffers += self.reduction_copy_bytes(ds_config) + self.gather_copy_bytes(ds_config)
-        activations = int(self.activation_bytes_per_sample * mbs)
+        activations = int(self.activation_bytes(ds_config) * mbs)
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=activations,
                                overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
@@ -373,11 +400,12 @@ class MemoryModel:
         fixed = self.bytes_per_device(ds_config, mbs=0)
         if fixed > budget_bytes:
             return 0
-        if self.activation_bytes_per_sample <= 0:
+        per_sample = self.activation_bytes(ds_config)
+        if per_sample <= 0:
             return cap
         # the activations share their room with the copy made after the backward pass (MemoryBreakdown.apart)
         room = budget_bytes - fixed + self.copy_after_backward_bytes(ds_config)
-        return int(min(cap, room // self.activation_bytes_per_sample))
+        return int(min(cap, room // per_sample))
 
     def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device when DeepSpeed's engine exits in its first forward
@@ -431,11 +459,26 @@ class MemoryModel:
         return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate),
                                    anchor=(ds_config, int(measured_peak_bytes), mbs))
 
-    def with_activations(self, activation_bytes_per_sample: int) -> "MemoryModel":
+    def with_activations(self, activation_bytes_per_sample: int,
+                         ds_config: dict[str, Any] | None = None) -> "MemoryModel":
         """A copy with a measured activation term, recalibrated on its :attr:`anchor` when it has one
-        (the calibration's measured peak stays explained; the per-stage corrections are kept)."""
-        new = dataclasses.replace(self, activation_bytes_per_sample=int(activation_bytes_per_sample),
-                                  activations_measured=True)
+        (the calibration's measured peak stays explained; the per-stage corrections are kept).
+
+        The measurement is of ``ds_config``'s term (:meth:`activation_bytes`; None: the plain term). The other
+        term is scaled by the same ratio, measured over modelled, so that the two stay in the profile's
+        proportion: a run that measures more per sample than the profile saw (the backward's allocations, the
+        allocator's rounding) says the same of the other choice of checkpointing, which no run has measured
+        yet. A term of 0 gives no ratio: the other term is kept."""
+        measured = int(activation_bytes_per_sample)
+        plain, checkpointed = measured, self.checkpointed_activation_bytes_per_sample
+        if ds_config is not None and self.checkpointed(ds_config):
+            plain, checkpointed = self.activation_bytes_per_sample, measured
+            if self.checkpointed_activation_bytes_per_sample > 0:
+                plain = plain * measured // self.checkpointed_activation_bytes_per_sample
+        elif checkpointed is not None and self.activation_bytes_per_sample > 0:
+            checkpointed = checkpointed * measured // self.activation_bytes_per_sample
+        new = dataclasses.replace(self, activation_bytes_per_sample=int(plain), activations_measured=True,
+                                  checkpointed_activation_bytes_per_sample=checkpointed)
         if self.anchor is None:
             return new
         return dataclasses.replace(new.calibrated(*self.anchor), stage_overhead_bytes=self.stage_overhead_bytes)

@@ -17,6 +17,10 @@ experiment after it is another measurement of the same model, used two ways:
   a run has it, it replaces the activation term when the term is below it (so the term is the largest
   measured so far) and the two-run slope is not used; CPU ranks record no base, and keep the two-run
   slope. It holds the step's constants over mbs too, so it errs high, never into an OOM.
+- **Activation checkpointing.** A run measures the term of its own choice
+  (:meth:`MemoryModel.activation_bytes`: with checkpointing, the checkpointed term where the model has one);
+  :meth:`MemoryModel.with_activations` sets that term and scales the other by the same ratio, measured over
+  modelled, so that the two stay in the profile's proportion.
 - **The stage's own overhead**, only ever raised: after an OOM although the estimate fit
   (``estimate <= budget``), the stage's estimate becomes just over the budget (its overhead rises by
   ``budget + 1 - estimate``); after an OK run whose peak is above the estimate, it rises by the
@@ -71,11 +75,12 @@ def activation_slope(exp: Experiment, earlier: Sequence[Experiment]) -> int | No
 def _slope(memory: MemoryModel, exp: Experiment, earlier: Sequence[Experiment]) -> tuple[int | None, str]:
     """The activation term ``exp`` teaches (None: none) and how it was measured (module docstring)."""
     own = exp.activation_slope_bytes if _measured(exp) else None
+    term = memory.activation_bytes(exp.ds_config)  # the term of the run's own choice of checkpointing
     if isinstance(own, int) and not isinstance(own, bool) and own > 0:
-        return (own if own > memory.activation_bytes_per_sample else None), f"measured by {exp.name}'s own step"
+        return (own if own > term else None), f"measured by {exp.name}'s own step"
     slope = activation_slope(exp, earlier)
     if slope is not None and memory.activations_measured:
-        slope = max(slope, memory.activation_bytes_per_sample)  # the largest slope measured so far
+        slope = max(slope, term)  # the largest slope measured so far
     return slope, f"measured between mbs {exp.mbs} and an earlier run"
 
 
@@ -94,10 +99,11 @@ def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
         return memory, None
     notes = []
     slope, how = _slope(memory, exp, earlier)
-    if slope is not None and slope != memory.activation_bytes_per_sample:
-        notes.append(f"activations {format_bytes(slope)} per sample (was {format_bytes(memory.activation_bytes_per_sample)}"
-                     f", {how})")
-        memory = memory.with_activations(slope)
+    term = memory.activation_bytes(exp.ds_config)
+    if slope is not None and slope != term:
+        what = "checkpointed activations" if memory.checkpointed(exp.ds_config) else "activations"
+        notes.append(f"{what} {format_bytes(slope)} per sample (was {format_bytes(term)}, {how})")
+        memory = memory.with_activations(slope, exp.ds_config)
     stage = min(max(exp.stage, 0), 3)
     estimate = memory.bytes_per_device(exp.ds_config)
     raise_by = 0

@@ -18,6 +18,10 @@ the storages autograd saves for the backward pass (``torch.autograd.graph.saved_
 are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
 backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
 (the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204).
+
+Activation checkpointing: where the profile forward ran without it and the model has checkpointable layers,
+the probe also prices it (:data:`CHECKPOINTED_ACTIVATIONS_KEY`, :func:`zerotune.probe.read_checkpointed_activations`):
+what the same forward would hold with every such layer checkpointed, per sample.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from typing import Any
 from zerotune.deepspeed.config import precision
 
 SAVED_ACTIVATIONS_KEY = "activation_saved_bytes"  # bytes per sample, from the probe (per sample already)
+CHECKPOINTED_ACTIVATIONS_KEY = "activation_checkpointed_bytes"  # bytes per sample, from the probe (per sample)
 STEP_GROWTH_KEY = "step_growth_bytes"  # bytes at the profile's mbs, from the probe on CUDA (zerotune.probe.GROWTH_KEYS)
 
 
@@ -52,6 +57,10 @@ class ModelInfo:
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown, or a profile
             run below stage 3, which persists none: the job then tunes no stage that needs it).
+        checkpointed_activation_mem_per_gpu: activation bytes per device per sample with activation checkpointing
+            of every checkpointable layer (:data:`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth
+            adds to :attr:`activation_mem_per_gpu` over the saved bytes (what the backward allocates on top, the
+            gradient of the logits, is there with checkpointing too); None: not priced.
     """
 
     num_params: int
@@ -60,6 +69,7 @@ class ModelInfo:
     peak_memory_bytes: int | None = None
     largest_layer_params: int = 0
     persistent_params: int = 0
+    checkpointed_activation_mem_per_gpu: int | None = None
 
     @classmethod
     def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1,
@@ -69,6 +79,7 @@ class ModelInfo:
         :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present; with
         :data:`STEP_GROWTH_KEY` (CUDA) the term is :func:`step_activations` of the two, the profile's
         ``ds_config`` giving its ZeRO stage and precision (None: an fp32 run below stage 3).
+        :data:`CHECKPOINTED_ACTIVATIONS_KEY` gives :attr:`checkpointed_activation_mem_per_gpu`.
 
         Raises:
             KeyError, ValueError: ``num_params`` is missing or a field is not a number.
@@ -78,6 +89,10 @@ class ModelInfo:
         if SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None:
             activations = step_activations(activations, int(data[STEP_GROWTH_KEY]), mbs, ds_config or {},
                                            int(data.get("trainable_num_params", data["num_params"])))
+        checkpointed = None
+        if data.get(CHECKPOINTED_ACTIVATIONS_KEY) is not None:
+            on_top = activations - max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data else 0
+            checkpointed = max(0, int(data[CHECKPOINTED_ACTIVATIONS_KEY])) + max(0, on_top)
         return cls(num_params=int(data["num_params"]),
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=activations,
@@ -85,7 +100,8 @@ class ModelInfo:
                                       else max(peak_memory_bytes or 0, int(data.get("data_peak_bytes") or 0))
                                       or None),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
-                   persistent_params=max(0, int(data.get("persistent_params", 0))))
+                   persistent_params=max(0, int(data.get("persistent_params", 0))),
+                   checkpointed_activation_mem_per_gpu=checkpointed)
 
     def to_metrics(self, mbs: int = 1) -> dict[str, int]:
         """The ``model_info.json`` content DeepSpeed would write for this model at micro batch size ``mbs``."""

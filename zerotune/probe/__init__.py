@@ -6,7 +6,8 @@ it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the 
 directory. :func:`read_streams` reads them back, each line parsed and validated once into a
 :class:`StepRecord`, for :mod:`zerotune.core.measure`, :mod:`zerotune.core.stopping` and the backends; in the
 profile run it also writes the bytes saved for the backward pass, which :func:`read_saved_activations`
-reads back. Each rank that stepped writes an exit record as Python finishes; :func:`clean_exits` tells
+reads back, and what activation checkpointing would hold instead (:func:`read_checkpointed_activations`).
+Each rank that stepped writes an exit record as Python finishes; :func:`clean_exits` tells
 from them a crash in the interpreter's teardown from a script that failed.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_P
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
            "PROBE_PATH", "SHAPE_KEYS", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
-           "read_saved_activations", "read_streams", "step_records",
+           "read_checkpointed_activations", "read_saved_activations", "read_streams", "step_records",
            "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
@@ -201,6 +202,24 @@ def read_saved_activations(exp_dir: Path) -> int | None:
     if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
         return None
     return (saved + recompute) // mbs
+
+
+def read_checkpointed_activations(exp_dir: Path) -> int | None:
+    """Bytes per sample that a training step would hold for the backward pass with activation checkpointing of
+    every checkpointable layer, priced in a profile run without it (the probe's :data:`ACTIVATIONS_RECORD`:
+    ``checkpointed_bytes`` over ``micro_batch_size``; :class:`~zerotune.probe.sitecustomize._LayerCheckpointing`).
+    None when the record has no valid figure (no checkpointable layer, layers checkpointed already, an older
+    probe, not a profile run)."""
+    try:
+        record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
+        checkpointed, mbs = record["checkpointed_bytes"], record.get("micro_batch_size", 1)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if isinstance(checkpointed, bool) or not isinstance(checkpointed, int) or checkpointed < 0:
+        return None
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+        return None
+    return checkpointed // mbs
 
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:

@@ -66,6 +66,13 @@ also holds ``recompute_bytes``, the most one region saves beyond its input when 
 (what the backward pass holds while it recomputes that region), and ``recompute_regions``, how many were
 counted (:class:`_SavedActivations` says how).
 
+Without activation checkpointing, where the model has checkpointable layers (Hugging Face's
+``GradientCheckpointingLayer`` subclasses, such as GPT-2's and Llama's blocks), the record also prices it:
+``checkpointed_bytes``, what the same forward would hold with non-reentrant checkpointing of every such layer
+(the storages saved outside the layers and the layers' inputs, plus the most one layer saves beyond its inputs),
+at the record's ``micro_batch_size``, and ``checkpoint_layers``, the layer calls counted
+(:class:`_LayerCheckpointing`).
+
 ``largest_layer_params``: the most parameters any one module holds directly (its own, not its
 children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
 elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
@@ -510,6 +517,107 @@ def _record_engine(probe: _Probe, engine) -> None:
     _write_record(os.path.join(probe.directory, ENGINE_RECORD), record, "recording the engine's config")
 
 
+class _LayerCheckpointing:
+    """In the profile run's first forward, what the same forward would hold with non-reentrant activation
+    checkpointing of every checkpointable layer (``torch.utils.checkpoint``, ``use_reentrant=False``, the
+    Trainer's default in transformers 5): ``checkpointed_bytes`` and ``checkpoint_layers`` in
+    :data:`ACTIVATIONS_RECORD`.
+
+    The layers: modules whose class derives from one named :attr:`LAYER_CLASS` (transformers'
+    ``modeling_layers.GradientCheckpointingLayer``: GPT-2's, Llama's decoder layers) whose
+    ``gradient_checkpointing`` is not True. A forward pre-hook and an ``always_call`` forward hook (both
+    ``with_kwargs``) keep the stack of layer calls running; each storage saved for the backward pass
+    (:meth:`_SavedActivations.pack`) goes to the innermost running call, or outside any layer. A checkpointed
+    layer's forward saves nothing and keeps its inputs (the tensors among its args and kwargs: the
+    non-reentrant checkpoint holds them for the recomputation, ``torch/utils/checkpoint.py``,
+    ``_checkpoint_without_reentrant_generator``); the backward pass recomputes one layer at a time, holding what
+    it saves beyond its inputs. So ``checkpointed_bytes`` = the storages saved outside any layer together with
+    the layers' inputs, each storage once, plus the most one layer call saved beyond its own inputs (or a
+    checkpointed region's ``recompute_bytes``, if larger), at the record's micro batch size. Parameters and
+    buffers are never counted (:meth:`_SavedActivations._count`). A failure is printed once and ends the
+    counting: the record then has neither key."""
+
+    LAYER_CLASS = "GradientCheckpointingLayer"
+
+    def __init__(self, layers: list, count):
+        self.layers, self.count = layers, count  # count(storages, tensor, exclude): _SavedActivations._count
+        self.outside: dict[int, int] = {}  # data_ptr -> bytes, saved outside any layer call
+        self.inputs: dict[int, int] = {}  # the layers' input storages
+        self.stack: list[tuple[dict, frozenset]] = []  # (what the call saved beyond its inputs, its inputs)
+        self.most, self.calls, self.measuring, self.paused = 0, 0, True, False
+
+    @classmethod
+    def for_module(cls, module, count) -> "_LayerCheckpointing | None":
+        """The counter for ``module``'s checkpointable layers that are not checkpointed; None without any."""
+        layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is not True
+                  and any(c.__name__ == cls.LAYER_CLASS for c in type(m).__mro__)]
+        return cls(layers, count) if layers else None
+
+    def fail(self, what: str, error: BaseException) -> None:
+        if self.measuring:
+            self.measuring = False
+            print(f"zerotune probe: {what} failed, checkpointing not priced: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
+
+    def saved(self, tensor) -> None:
+        """A storage saved for the backward pass: the innermost running layer call's, or outside any."""
+        if not self.measuring:
+            return
+        try:
+            if self.stack:
+                saved, inputs = self.stack[-1]
+                self.count(saved, tensor, inputs)
+            else:
+                self.count(self.outside, tensor)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("attributing a saved tensor to a layer", e)
+
+    def _enter(self, module, args, kwargs) -> None:
+        if not self.measuring or self.paused:
+            return
+        try:
+            tensors: dict[int, int] = {}
+            for value in (*args, *kwargs.values()):
+                for tensor in (value if isinstance(value, (tuple, list)) else (value,)):  # Llama's (cos, sin)
+                    if hasattr(tensor, "untyped_storage"):
+                        self.count(tensors, tensor)
+            self.inputs.update(tensors)
+            self.stack.append(({}, frozenset(tensors)))
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("reading a layer's inputs", e)
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        if not self.measuring or self.paused or not self.stack:
+            return
+        saved, _ = self.stack.pop()
+        self.most, self.calls = max(self.most, sum(saved.values())), self.calls + 1
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """The layers' forward hooks, removed on exit."""
+        handles = []
+        try:
+            for layer in self.layers:
+                handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
+                handles.append(layer.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("hooking the checkpointable layers", e)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def figures(self, recompute_bytes: int = 0) -> dict:
+        """``checkpointed_bytes`` and ``checkpoint_layers`` (the class docstring); ``{}`` when no layer call was
+        counted or the counting failed."""
+        if not self.measuring or not self.calls or self.stack:
+            return {}
+        kept = {**self.outside, **self.inputs}
+        return {"checkpointed_bytes": int(sum(kept.values()) + max(self.most, recompute_bytes)),
+                "checkpoint_layers": self.calls}
+
+
 class _SavedActivations:
     """Counts the bytes autograd saves for the backward pass during the profile run's first forward
     (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
@@ -537,6 +645,7 @@ class _SavedActivations:
         self.storages: dict[int, int] = {}  # data_ptr -> bytes
         self.shapes = self._shapes(module) if module is not None else {}
         self.recompute_bytes, self.regions, self.measuring = 0, 0, True
+        self.layers = self._layers(module) if module is not None else None
 
     @staticmethod
     def _shapes(module) -> dict:
@@ -571,8 +680,18 @@ class _SavedActivations:
         except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, meta): not counted
             pass
 
+    def _layers(self, module) -> "_LayerCheckpointing | None":
+        try:
+            return _LayerCheckpointing.for_module(module, self._count)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: finding the checkpointable layers failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return None
+
     def pack(self, tensor):
         self._count(self.storages, tensor)
+        if self.layers is not None:
+            self.layers.saved(tensor)
         return tensor
 
     def region(self, function, args, kwargs) -> None:
@@ -586,14 +705,22 @@ class _SavedActivations:
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             for tensor in tensors:  # kept until the backward pass recomputes the region (DeepSpeed's checkpoint
                 self._count(self.storages, tensor)  # keeps them outside autograd's saved tensors)
+                if self.layers is not None:
+                    self.layers.saved(tensor)
             inputs = {a.untyped_storage().data_ptr() for a in tensors}
             saved: dict[int, int] = {}
 
             def pack(tensor):
                 self._count(saved, tensor, inputs)
                 return tensor
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                out = function(*args, **kwargs)
+            if self.layers is not None:  # a layer inside the region: its real run is the one counted
+                self.layers.paused = True
+            try:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    out = function(*args, **kwargs)
+            finally:
+                if self.layers is not None:
+                    self.layers.paused = False
             del out
             self.recompute_bytes = max(self.recompute_bytes, sum(saved.values()))
             self.regions += 1
@@ -629,8 +756,9 @@ class _SavedActivations:
 
     @contextlib.contextmanager
     def hooks(self):
-        """The counting hooks and, where checkpointing is loaded, the wrapped entry points, restored on exit
-        (DeepSpeed's profile ``exit()`` included)."""
+        """The counting hooks, the checkpointable layers' hooks (:class:`_LayerCheckpointing`) and, where
+        checkpointing is loaded, the wrapped entry points, all removed on exit (DeepSpeed's profile ``exit()``
+        included)."""
         try:
             wrapped = self._wrapped_checkpoints()
         except Exception as e:  # noqa: BLE001 - the probe never breaks training
@@ -641,7 +769,8 @@ class _SavedActivations:
         try:
             for module, name, wrapper in wrapped:
                 setattr(module, name, wrapper)
-            with self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+            layers = self.layers.hooks() if self.layers is not None else contextlib.nullcontext()
+            with layers, self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
                 yield
         finally:
             for module, name, original in originals:
@@ -658,6 +787,7 @@ class _SavedActivations:
             "saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
             **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions}
                if self.regions else {}),
+            **(self.layers.figures(self.recompute_bytes) if self.layers is not None else {}),
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
             **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {})}, "recording activations")
 

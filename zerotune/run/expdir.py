@@ -55,8 +55,9 @@ from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.canonical import config_hash
-from zerotune.model.profile import SAVED_ACTIVATIONS_KEY
-from zerotune.probe import clear_streams, read_model_shapes, read_saved_activations, read_streams
+from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
+from zerotune.probe import (clear_streams, read_checkpointed_activations, read_model_shapes, read_saved_activations,
+                            read_streams)
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
@@ -132,7 +133,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     Reads the result file (:func:`result_path`) and the tails of ``stderr.log`` and
     ``stdout.log``, and sets ``status`` and ``error`` (:func:`classify`), ``exit_code``,
     ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
-    info with the probe's ``activation_saved_bytes`` when it wrote them) and ``metric`` (in ``objective``'s unit; None unless OK, and None for the profile run).
+    info with the probe's ``activation_saved_bytes``, its shapes and, where it priced checkpointing,
+    ``activation_checkpointed_bytes``, when it wrote them) and ``metric`` (in ``objective``'s unit; None unless
+    OK, and None for the profile run).
 
     The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
     ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
@@ -182,6 +185,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
         exp.metrics[SAVED_ACTIVATIONS_KEY] = saved
     if profile and data:
         exp.metrics.update(read_model_shapes(exp_dir))
+        checkpointed = read_checkpointed_activations(exp_dir)
+        if checkpointed is not None:
+            exp.metrics[CHECKPOINTED_ACTIVATIONS_KEY] = checkpointed
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
     exp.boundary_share = None

@@ -132,12 +132,15 @@ class Strategy:
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
                              trainable_params=info.trainable_num_params,
                              largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params,
-                             host_on_device=self.job.cpu)
+                             host_on_device=self.job.cpu,
+                             checkpointed_activation_bytes_per_sample=info.checkpointed_activation_mem_per_gpu)
         if info.peak_memory_bytes:
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
         self.result.memory = memory
+        checkpointed = info.checkpointed_activation_mem_per_gpu
+        with_checkpointing = f" ({format_bytes(checkpointed)} with checkpointing)" if checkpointed is not None else ""
         logger.info(f"profile: {info.num_params:,} parameters, activations {format_bytes(info.activation_mem_per_gpu)} "
-                    f"per sample, per-rank overhead {format_bytes(memory.overhead_bytes)}, budget "
+                    f"per sample{with_checkpointing}, per-rank overhead {format_bytes(memory.overhead_bytes)}, budget "
                     f"{format_bytes(self.job.device_memory_bytes)} per rank")
 
     # -- 2. stages and micro batch sizes --------------------------------------------------------------
