@@ -48,8 +48,8 @@ over several steps is not. What is lost: a step in progress when the process is 
 
 Before the first forward, rank 0 also writes ``engine_config.json`` (:data:`ENGINE_RECORD`): the
 config the engine got (a Trainer script's ``"auto"`` values filled in), the model's hidden size as
-the Trainer reads it, and the engine's micro batch size, gradient accumulation steps and train
-batch size. The profile run's record resolves the hidden-size ``"auto"`` values
+the Trainer reads it, the engine's micro batch size, gradient accumulation steps and train
+batch size, and the memory savers it really runs with (:func:`_savers`: offload, checkpointing). The profile run's record resolves the hidden-size ``"auto"`` values
 (:mod:`zerotune.deepspeed.auto`); every experiment's shows what its engine ran with.
 
 In the profile run (the config's ``autotuning.model_info.profile``: DeepSpeed's engine measures
@@ -513,8 +513,24 @@ def _record_engine(probe: _Probe, engine) -> None:
                 "hidden_size": _hidden_size(getattr(engine, "module", None)),
                 "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
                 "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
-                "train_batch_size": int(engine.train_batch_size())}
+                "train_batch_size": int(engine.train_batch_size()), **_savers(engine)}
     _write_record(os.path.join(probe.directory, ENGINE_RECORD), record, "recording the engine's config")
+
+
+def _savers(engine) -> dict:
+    """What the engine and the model really run with, beyond the config: ``offload_optimizer`` (ZeRO 1-2's
+    ``cpu_offload``, ZeRO-3's ``offload_optimizer``, ``zero/stage_1_and_2.py:221``, ``zero/stage3.py:824``),
+    ``offload_param`` (``stage3.py:831``), and ``gradient_checkpointing`` (a Hugging Face model's
+    ``is_gradient_checkpointing``; absent for other models)."""
+    optimizer = getattr(engine, "optimizer", None)
+    module = getattr(engine, "module", None)
+    out = {"offload_optimizer": bool(getattr(optimizer, "cpu_offload", False)
+                                     or getattr(optimizer, "offload_optimizer", False)),
+           "offload_param": bool(getattr(optimizer, "offload_param", False))}
+    checkpointing = getattr(module, "is_gradient_checkpointing", None)
+    if isinstance(checkpointing, bool):
+        out["gradient_checkpointing"] = checkpointing
+    return out
 
 
 class _LayerCheckpointing:

@@ -47,8 +47,10 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
                      f"configs apart by more than the target precision); {changed}")
     memory = result.memory
     if memory is not None:
+        ckpt = memory.checkpointed_activation_bytes_per_sample
         notes.append(f"memory model: {memory.num_params:,} params, {format_bytes(memory.activation_bytes_per_sample)}"
-                     f" activations/sample, overhead {format_bytes(memory.overhead_bytes)}, budget "
+                     f" activations/sample" + (f" ({format_bytes(ckpt)} with checkpointing)" if ckpt else "")
+                     + f", overhead {format_bytes(memory.overhead_bytes)}, budget "
                      f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
     return notes
 

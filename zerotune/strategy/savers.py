@@ -15,8 +15,8 @@ Each stage's savers (:func:`savers_for`) are visited cheapest first, each decide
 
 1. **Pruned** where the memory model (its offload and checkpointing terms, :mod:`zerotune.model.memory`) fits
    no mbs, or the host cannot hold what it offloads.
-2. **Skipped** where its largest fitting mbs is no larger than what already ran: the best's largest runnable
-   mbs, and any variant of the same stage (its plain run or a cheaper saver). On CPU ranks offload saves
+2. **Skipped** where its largest fitting mbs is no larger than what already ran (the best's largest runnable
+   mbs, any run of the same stage) or than a cheaper saver of the same stage fits. On CPU ranks offload saves
    nothing (the host is the rank), so offload never passes this test there.
 3. **Skipped** where the throughput model bounds it below the best plus the precision: the stage's own
    runs without the saver bound its throughput at the saver's mbs from above
@@ -169,6 +169,13 @@ class SaverPhase:
                    if ev.job.cpu and CHECKPOINTING not in saver.settings else "")
             result.reason = (f"{predicted}{cpu}: no larger than mbs={reach}, which already ran; a saver adds work "
                              f"per sample and pays only through a larger micro-batch")
+            return self._logged(result)
+        cheaper = [r for r in ev.result.stages if r.stage == stage and r.saver is not None and r is not result
+                   and r.decision is not StageDecision.PRUNED and largest_within(self.values, r.estimate) >= own]
+        if cheaper:
+            result.decision = StageDecision.SKIPPED
+            result.reason = (f"{predicted}: no larger than {cheaper[0].saver.name}'s mbs="
+                             f"{largest_within(self.values, cheaper[0].estimate)}, which costs less")
             return self._logged(result)
         cannot = self._bounded(plain, own)
         if cannot is not None:
