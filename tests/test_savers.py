@@ -6,6 +6,8 @@ known step time per (mbs, saver), so the exact launches and each saver's decisio
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from zerotune.core.experiment import ExperimentKind, Status
@@ -21,7 +23,7 @@ PSI = 300_000_000  # fp32, Adam, 2 ranks, 8 GiB each: ZeRO-3 fits mbs 5, with th
 ACTIVATIONS = 256 * MiB  # with the parameters offloaded too 19 (MemoryModel, DeepSpeed's default buckets)
 
 
-def make_job(tmp_path: Path, cpu: bool = False) -> Job:
+def make_job(tmp_path: Path, cpu: bool = False, **options) -> Job:
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -30,16 +32,19 @@ def make_job(tmp_path: Path, cpu: bool = False) -> Job:
                                   "autotuning": {"enabled": True, "fast": True,
                                                  "max_train_micro_batch_size_per_gpu": 32}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
-                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu,
+                                 **options))
 
 
 def saver_of(ds_config: dict) -> str:
     zero = ds_config["zero_optimization"]
     name = "+".join(k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "cpu")
+    name = name or "+".join(f"{k}:nvme" for k in ("offload_optimizer", "offload_param")
+                            if (zero.get(k) or {}).get("device") == "nvme")
     return ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
 
 
-def tune(tmp_path: Path, step_s, cpu: bool = False) -> tuple[list[tuple[int, str, str]], Strategy]:
+def tune(tmp_path: Path, step_s, cpu: bool = False, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
     estimate is over the budget; ([(mbs, saver, status)] in launch order, the strategy)."""
@@ -59,7 +64,7 @@ def tune(tmp_path: Path, step_s, cpu: bool = False) -> tuple[list[tuple[int, str
                 exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
         return exps
 
-    strategy = Strategy(make_job(tmp_path, cpu), evaluate)
+    strategy = Strategy(make_job(tmp_path, cpu, **options), evaluate)
     strategy.run()
     return ran, strategy
 
@@ -130,3 +135,37 @@ def test_a_stage_whose_best_is_below_its_largest_runnable_mbs_tries_no_saver(tmp
     assert ran == [(5, "", "ok"), (2, "", "ok")]
     assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
     assert strategy.result.answer.name == "z3_gas1_tmbspg2"
+
+
+def test_with_no_savers_none_is_visited_and_the_summary_says_so(tmp_path):
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver], savers=False)
+    assert ran == [(5, "", "ok"), (2, "", "ok"), (5, "", "ok")]  # the answer re-measured
+    assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
+    assert strategy.result.savers_note == "memory savers (activation checkpointing, offload): off (--no-savers)"
+
+
+def test_nvme_offload_runs_where_the_host_cannot_hold_the_cpu_offload(tmp_path):
+    # 2 ranks per node offload 3.0e9 bytes each to the host (the optimizer) or 3.6e9 (with the parameters): a
+    # 4 GiB host holds neither, so both cpu offloads are pruned; to NVMe they fit the same mbs (17, 19) on the
+    # device and are launched (offload to NVMe: step + 2 s)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    costs = {"": 0.0, "offload_optimizer:nvme": 2.0, "offload_optimizer:nvme+offload_param:nvme": 2.5}
+    ran, strategy = tune(tmp_path / "t", lambda mbs, saver: 1 + 0.1 * mbs + costs[saver], host_memory_bytes=4 * GiB,
+                         nvme_path=str(nvme))
+    assert [(label, d) for label, d, _ in decisions(strategy)] == [
+        ("ZeRO stage 3", "explored"), ("ZeRO stage 3 + offload optimizer", "pruned"),
+        ("ZeRO stage 3 + offload optimizer+params", "pruned"), ("ZeRO stage 3 + offload optimizer (nvme)", "explored"),
+        ("ZeRO stage 3 + offload optimizer+params (nvme)", "probed")]
+    assert strategy.result.stages[1].reason == "memory model: the host memory cannot hold what it offloads"
+    assert ran[2] == (17, "offload_optimizer:nvme", "ok")
+    answer = strategy.result.answer.ds_config["zero_optimization"]["offload_optimizer"]
+    assert answer == {"device": "nvme", "nvme_path": str(nvme)}
+
+
+def test_an_nvme_path_that_is_not_a_directory_is_exit_2_naming_it(tmp_path):
+    make_job(tmp_path)  # writes ds.json
+    out = subprocess.run([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "8GiB",
+                          "--nvme-path", str(tmp_path / "missing"), "--dry-run", str(tmp_path / "train.py"),
+                          "--deepspeed_config", str(tmp_path / "ds.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"--nvme-path {tmp_path / 'missing'}: not a directory" in out.stderr, out.stderr

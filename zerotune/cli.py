@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="host memory per node that offloaded optimizer states and parameters must fit in, e.g. "
                             "512GiB (default: this machine's, when every node is this machine; on CPU ranks offload "
                             "counts against --device-memory)")
+        z.add_argument("--no-savers", dest="savers", action="store_false",
+                       help="never try activation checkpointing or offload beyond what the config says")
+        z.add_argument("--nvme-path", default=None, metavar="DIR",
+                       help="a directory on local NVMe: where the host cannot hold what offload moves, offload there")
         z.add_argument("--timeout", type=float, default=None, help="seconds per experiment before it is killed")
         z.add_argument("--hang-timeout", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
                               adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
-                              host_memory_bytes=host_memory)
+                              host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path)
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -31,10 +31,8 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     notes = [f"{r.label}: {r.decision.value} - {r.reason}"
              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
              for r in result.stages if r.decision is not None]
-    if result.memory is not None and result.stages and not any(r.saver for r in result.stages):
-        notes.append("memory savers (activation checkpointing, offload): not tried: memory bound no stage (the best "
-                     "stage's best mbs is below its largest runnable one or at the largest allowed, and every "
-                     "stage with no run was skipped by the stage rules)")
+    if result.savers_note:
+        notes.append(result.savers_note)
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:

@@ -61,6 +61,10 @@ class TuneOptions:
             parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
             memory when every node is this machine (the local backend), else not checked. On CPU
             ranks offload stays in the rank's own budget (:attr:`MemoryModel.host_on_device`).
+        savers: try activation checkpointing and offload where memory binds a stage
+            (:mod:`zerotune.strategy.savers`); False: only what the config says (``--no-savers``).
+        nvme_path: a directory on local NVMe (``--nvme-path``): the savers may offload there too, after the
+            host (where the host cannot hold what is offloaded).
     """
 
     device_memory_bytes: int | None = None
@@ -76,6 +80,8 @@ class TuneOptions:
     precision: float = DEFAULT_PRECISION
     adaptive: bool = True
     host_memory_bytes: int | None = None
+    savers: bool = True
+    nvme_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class Job:
             see :class:`TuneOptions`).
         checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
             script takes it through ``arg_mappings[CHECKPOINTING]``.
+        savers, nvme_path: see :class:`TuneOptions`.
     """
 
     script: str
@@ -153,6 +160,8 @@ class Job:
     variables: dict[str, list[Any]] = field(default_factory=dict)
     host_memory_bytes: int | None = None
     checkpointing: bool = False
+    savers: bool = True
+    nvme_path: str | None = None
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -173,7 +182,9 @@ class Job:
         at = parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
-        checkpointing = checkpointing_flag(user, script_args, mappings)
+        checkpointing = options.savers and checkpointing_flag(user, script_args, mappings)
+        if options.nvme_path is not None and not Path(options.nvme_path).is_dir():
+            raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")
         if checkpointing and CHECKPOINTING not in mappings:
             mappings[CHECKPOINTING] = TRAINER_CHECKPOINTING_FLAG
         variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
@@ -204,6 +215,7 @@ class Job:
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
+                   savers=options.savers, nvme_path=options.nvme_path,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     @property

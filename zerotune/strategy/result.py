@@ -91,6 +91,8 @@ class StrategyResult:
         knob_phases: the knob phases run (``"fast": false``).
         ledger: every distinct experiment evaluated, in the order asked, with its outcome.
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
+        savers_note: why no memory saver was visited (:mod:`zerotune.strategy.savers`; None: some were, or the
+            phase did not run).
     """
 
     model_info: ModelInfo | None = None
@@ -99,6 +101,7 @@ class StrategyResult:
     knob_phases: list[KnobPhase] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
     predictions: list[Prediction] = field(default_factory=list)
+    savers_note: str | None = None
 
     @property
     def experiments(self) -> list[Experiment]:

@@ -11,7 +11,8 @@ micro-batch (or the first one) it lets fit. The phase runs once the stages are e
   search was stopped by memory, not by a plateau);
 - **every stage with no run** (pruned by the memory model, or every run out of memory).
 
-Each stage's savers (:func:`savers_for`) are visited cheapest first, each decided as a stage is:
+Each stage's savers (:func:`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host) are
+visited cheapest first, each decided as a stage is (``--no-savers``: none is):
 
 1. **Pruned** where the memory model (its offload and checkpointing terms, :mod:`zerotune.model.memory`) fits
    no mbs, or the host cannot hold what it offloads.
@@ -53,23 +54,25 @@ logger = logging.getLogger(__name__)
 VariantPoints = Callable[[int, dict, Sequence[int]], list[Point]]
 """``points(stage, settings, [mbs, ...]) -> [Point, ...]``: runs a stage with a saver's settings at each mbs."""
 
-_OFFLOAD_OPTIMIZER = {ZERO: {"offload_optimizer": {"device": "cpu"}}}
-_OFFLOAD_BOTH = {ZERO: {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
 _CHECKPOINTING = {CHECKPOINTING: True}
 
 
-def savers_for(stage: int, checkpointing: bool) -> list[Saver]:
+def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None) -> list[Saver]:
     """The memory savers of a ZeRO stage, cheapest first: checkpointing (where the job tunes it), offloading the
-    optimizer (stages 1-3), both, then offloading the parameters too (stage 3), and that with checkpointing."""
+    optimizer (stages 1-3), that with checkpointing, then offloading the parameters too (stage 3), and that with
+    checkpointing; with ``nvme_path`` the same offloads to NVMe after them (they fit the same mbs on the device,
+    so they are launched only where the host cannot hold what the cpu ones move: :class:`SaverPhase`)."""
     out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
-    if stage >= 1:
-        out.append(Saver("offload optimizer", _OFFLOAD_OPTIMIZER))
-        if checkpointing:
-            out.append(Saver("checkpointing + offload optimizer", {**_CHECKPOINTING, **_OFFLOAD_OPTIMIZER}))
-    if stage == 3:
-        out.append(Saver("offload optimizer+params", _OFFLOAD_BOTH))
-        if checkpointing:
-            out.append(Saver("checkpointing + offload optimizer+params", {**_CHECKPOINTING, **_OFFLOAD_BOTH}))
+    for device in ("cpu", "nvme") if nvme_path else ("cpu",):
+        where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        suffix = "" if device == "cpu" else " (nvme)"
+        offloads = ([("offload optimizer", {ZERO: {"offload_optimizer": where}})] if stage >= 1 else []) + (
+            [("offload optimizer+params", {ZERO: {"offload_optimizer": where, "offload_param": dict(where)}})]
+            if stage == 3 else [])
+        for name, settings in offloads:
+            out.append(Saver(name + suffix, settings))
+            if checkpointing:
+                out.append(Saver(f"checkpointing + {name}{suffix}", {**_CHECKPOINTING, **settings}))
     return out
 
 
@@ -111,10 +114,17 @@ class SaverPhase:
         if ev.result.memory is None or not self.values:
             return
         self._update_best()
+        if not ev.job.savers:
+            ev.result.savers_note = "memory savers (activation checkpointing, offload): off (--no-savers)"
+            return
         bound = [r for r in list(stages) if r.saver is None and self._memory_bound(r)]
+        if not bound:
+            ev.result.savers_note = ("memory savers (activation checkpointing, offload): not tried: memory binds no "
+                                     "stage (the best stage's best mbs is below its largest runnable one or at the "
+                                     "largest allowed, and every stage without a run was skipped by the stage rules)")
         won = False
         for plain in bound:
-            for saver in savers_for(plain.stage, ev.job.checkpointing):
+            for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path):
                 won = self._visit(plain, saver) or won
         if won and self.num_fine > 0 and self.best is not None:
             top = self.best
