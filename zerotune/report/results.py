@@ -20,6 +20,7 @@ from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_n
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
+from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 
 if TYPE_CHECKING:
     from zerotune.strategy.result import StrategyResult
@@ -31,8 +32,7 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     notes = [f"{r.label}: {r.decision.value} - {r.reason}"
              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
              for r in result.stages if r.decision is not None]
-    if result.savers_note:
-        notes.append(result.savers_note)
+    notes += result.savers_notes
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:
@@ -51,6 +51,18 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
                      + f", overhead {format_bytes(memory.overhead_bytes)}, budget "
                      f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
     return notes
+
+
+def saver_names(ds_config: dict) -> list[str]:
+    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer
+    (cpu)``, ``offload params (nvme)``."""
+    zero = ds_config.get(ZERO) if isinstance(ds_config.get(ZERO), dict) else {}
+    names = ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
+    for key, name in (("offload_optimizer", "offload optimizer"), ("offload_param", "offload params")):
+        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
+        if device not in ("none", None):
+            names.append(f"{name} ({device})")
+    return names
 
 
 def optimal_config(exp: Experiment) -> dict:
@@ -145,7 +157,6 @@ def answer_text(experiments: Sequence[Experiment], best: Experiment, objective: 
             and e.status == Status.OK and e.metric is not None]
     pooled = pooled_metrics(experiments)[best.name]
     half_width = mean_half_width([e.metric_rel_half_width for e in runs], noise.sigma)
-    from zerotune.strategy.savers import saver_names
     savers = "".join(f", {name}" for name in saver_names(best.ds_config))
     return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}{savers}, mbs {best.mbs}, gas {best.gas}), "
             f"{objective.name} {pooled.value:.4g} ±{half_width:.1%} {objective.unit} (95%, mean of {pooled.runs} "

@@ -14,8 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import psutil
-
 from zerotune.core.errors import ConfigError
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, StopRule
@@ -30,7 +28,7 @@ from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, che
                                      resolve, script_autos)
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
-                                          check_untunable, given_model_info, mbs_bounds)
+                                          check_untunable, given_model_info, host_memory_bytes, mbs_bounds)
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
@@ -61,10 +59,9 @@ class TuneOptions:
             parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
             memory when every node is this machine (the local backend), else not checked. On CPU
             ranks offload stays in the rank's own budget (:attr:`MemoryModel.host_on_device`).
-        savers: try activation checkpointing and offload where memory binds a stage
-            (:mod:`zerotune.strategy.savers`); False: only what the config says (``--no-savers``).
-        nvme_path: a directory on local NVMe (``--nvme-path``): the savers may offload there too, after the
-            host (where the host cannot hold what is offloaded).
+        savers: try checkpointing and offload where memory binds a stage (:mod:`zerotune.strategy.savers`);
+            False: only what the config says (``--no-savers``). nvme_path: a directory on local NVMe
+            (``--nvme-path``): the savers may offload there too, after the host.
     """
 
     device_memory_bytes: int | None = None
@@ -183,8 +180,6 @@ class Job:
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
         checkpointing = options.savers and checkpointing_flag(user, script_args, mappings)
-        if options.nvme_path is not None and not Path(options.nvme_path).is_dir():
-            raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")
         if checkpointing and CHECKPOINTING not in mappings:
             mappings[CHECKPOINTING] = TRAINER_CHECKPOINTING_FLAG
         variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
@@ -200,7 +195,7 @@ class Job:
         check_options(options)
         results_dir = Path(options.results_dir or at.results_dir)
         notes += check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
-        host_memory = _host_memory_bytes(options, cpu, nodes)
+        host_memory = host_memory_bytes(options, cpu, nodes)
         if cpu:
             check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
         check_output_dirs(options, at, config_path, results_dir)
@@ -283,15 +278,6 @@ def _device_memory_bytes(options: TuneOptions, cpu: bool) -> int:
     if memory is None:
         raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
     return memory
-
-
-def _host_memory_bytes(options: TuneOptions, cpu: bool, nodes: Sequence[Node]) -> int | None:
-    """Host memory per node for offload: ``--host-memory``, else this machine's memory when every node is
-    this machine with CUDA devices and the local backend, else None (not checked)."""
-    host_memory = options.host_memory_bytes
-    if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
-        host_memory = int(psutil.virtual_memory().total)
-    return host_memory
 
 
 def cuda_available() -> bool:

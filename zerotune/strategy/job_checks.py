@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+import psutil
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import AutotuningConfig
@@ -15,7 +17,8 @@ from zerotune.model.profile import ModelInfo
 from zerotune.strategy.batch import BatchSemantics
 
 __all__ = ["BACKENDS", "MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options",
-           "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "mbs_bounds"]
+           "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes",
+           "mbs_bounds"]
 
 BACKENDS = ("local", "ray")
 """The backends :attr:`TuneOptions.backend <zerotune.strategy.job.TuneOptions.backend>` may name."""
@@ -31,7 +34,7 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
 
 def check_options(options: Any) -> None:
     """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
-    precision between 0 and 1, positive timeouts."""
+    precision between 0 and 1, positive timeouts, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
     if not 0 < options.precision < 1:
@@ -40,6 +43,8 @@ def check_options(options: Any) -> None:
     for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
         if value is not None and not value > 0:
             raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
+    if options.nvme_path is not None and not os.path.isdir(options.nvme_path):
+        raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")
 
 
 def mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:
@@ -148,3 +153,12 @@ def check_writable_dir(what: str, path: Path | None) -> None:
         raise ConfigError(f"{what} {str(path)!r}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {str(path)!r}: {probe} is not writable")
+
+
+def host_memory_bytes(options: Any, cpu: bool, nodes: Sequence[Any]) -> int | None:
+    """Host memory per node for offload: ``--host-memory``, else this machine's memory when every node is
+    this machine with CUDA devices and the local backend, else None (not checked)."""
+    host_memory = options.host_memory_bytes
+    if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
+        host_memory = int(psutil.virtual_memory().total)
+    return host_memory

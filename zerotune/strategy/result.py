@@ -91,8 +91,7 @@ class StrategyResult:
         knob_phases: the knob phases run (``"fast": false``).
         ledger: every distinct experiment evaluated, in the order asked, with its outcome.
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
-        savers_note: why no memory saver was visited (:mod:`zerotune.strategy.savers`; None: some were, or the
-            phase did not run).
+        savers_notes: what the savers phase did not try and why (:mod:`zerotune.strategy.savers`).
     """
 
     model_info: ModelInfo | None = None
@@ -101,7 +100,7 @@ class StrategyResult:
     knob_phases: list[KnobPhase] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)
     predictions: list[Prediction] = field(default_factory=list)
-    savers_note: str | None = None
+    savers_notes: list[str] = field(default_factory=list)
 
     @property
     def experiments(self) -> list[Experiment]:

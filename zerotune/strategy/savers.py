@@ -11,14 +11,14 @@ micro-batch (or the first one) it lets fit. The phase runs once the stages are e
   search was stopped by memory, not by a plateau);
 - **every stage with no run** (pruned by the memory model, or every run out of memory).
 
-Each stage's savers (:func:`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host) are
-visited cheapest first, each decided as a stage is (``--no-savers``: none is):
+Each stage's savers (:func:`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host; on CPU
+ranks no offload to the host, which is the rank itself) are visited cheapest first, each decided as a stage is
+(``--no-savers``: none is):
 
 1. **Pruned** where the memory model (its offload and checkpointing terms, :mod:`zerotune.model.memory`) fits
    no mbs, or the host cannot hold what it offloads.
 2. **Skipped** where its largest fitting mbs is no larger than what already ran (the best's largest runnable
-   mbs, any run of the same stage) or than a cheaper saver of the same stage fits. On CPU ranks offload saves
-   nothing (the host is the rank), so offload never passes this test there.
+   mbs, any run of the same stage) or than a cheaper saver of the same stage fits.
 3. **Skipped** where the throughput model bounds it below the best plus the precision: the stage's own
    runs without the saver bound its throughput at the saver's mbs from above
    (:func:`~zerotune.model.throughput.bounds`; a saver only adds work per sample).
@@ -47,7 +47,7 @@ from zerotune.strategy.points import Point, allowed_values, largest_within, tie
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 
-__all__ = ["SaverPhase", "saver_names", "savers_for"]
+__all__ = ["SaverPhase", "savers_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,14 @@ VariantPoints = Callable[[int, dict, Sequence[int]], list[Point]]
 _CHECKPOINTING = {CHECKPOINTING: True}
 
 
-def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None) -> list[Saver]:
+def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True) -> list[Saver]:
     """The memory savers of a ZeRO stage, cheapest first: checkpointing (where the job tunes it), offloading the
-    optimizer (stages 1-3), that with checkpointing, then offloading the parameters too (stage 3), and that with
-    checkpointing; with ``nvme_path`` the same offloads to NVMe after them (they fit the same mbs on the device,
-    so they are launched only where the host cannot hold what the cpu ones move: :class:`SaverPhase`)."""
+    optimizer to the host (stages 1-3; ``host`` False, on CPU ranks, not: the host is the rank), that with
+    checkpointing, then offloading the parameters too (stage 3), and that with checkpointing; with ``nvme_path``
+    the same offloads to NVMe after them (on GPUs they fit the same mbs on the device as the host ones, so they
+    are launched only where the host cannot hold what those move: :class:`SaverPhase`)."""
     out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
-    for device in ("cpu", "nvme") if nvme_path else ("cpu",):
+    for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
         suffix = "" if device == "cpu" else " (nvme)"
         offloads = ([("offload optimizer", {ZERO: {"offload_optimizer": where}})] if stage >= 1 else []) + (
@@ -74,18 +75,6 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None) ->
             if checkpointing:
                 out.append(Saver(f"checkpointing + {name}{suffix}", {**_CHECKPOINTING, **settings}))
     return out
-
-
-def saver_names(ds_config: dict) -> list[str]:
-    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer
-    (cpu)``, ``offload params (nvme)``."""
-    zero = ds_config.get(ZERO) if isinstance(ds_config.get(ZERO), dict) else {}
-    names = ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
-    for key, name in (("offload_optimizer", "offload optimizer"), ("offload_param", "offload params")):
-        device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
-        if device not in ("none", None):
-            names.append(f"{name} ({device})")
-    return names
 
 
 class SaverPhase:
@@ -114,17 +103,21 @@ class SaverPhase:
         if ev.result.memory is None or not self.values:
             return
         self._update_best()
+        notes = ev.result.savers_notes
         if not ev.job.savers:
-            ev.result.savers_note = "memory savers (activation checkpointing, offload): off (--no-savers)"
+            notes.append("memory savers (activation checkpointing, offload): off (--no-savers)")
             return
+        if ev.job.cpu:
+            notes.append("offload to the host: not tried on CPU ranks (the host is the rank: what it moves stays in "
+                         "the rank's budget)")
         bound = [r for r in list(stages) if r.saver is None and self._memory_bound(r)]
         if not bound:
-            ev.result.savers_note = ("memory savers (activation checkpointing, offload): not tried: memory binds no "
-                                     "stage (the best stage's best mbs is below its largest runnable one or at the "
-                                     "largest allowed, and every stage without a run was skipped by the stage rules)")
+            notes.append("memory savers (activation checkpointing, offload): not tried: memory binds no stage (the "
+                         "best stage's best mbs is below its largest runnable one or at the largest allowed, and "
+                         "every stage without a run was skipped by the stage rules)")
         won = False
         for plain in bound:
-            for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path):
+            for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu):
                 won = self._visit(plain, saver) or won
         if won and self.num_fine > 0 and self.best is not None:
             top = self.best
@@ -175,10 +168,8 @@ class SaverPhase:
         reach = self._reach(stage)
         if own <= reach:
             result.decision = StageDecision.SKIPPED
-            cpu = (" (on CPU ranks what offload moves to the host stays in the rank)"
-                   if ev.job.cpu and CHECKPOINTING not in saver.settings else "")
-            result.reason = (f"{predicted}{cpu}: no larger than mbs={reach}, which already ran; a saver adds work "
-                             f"per sample and pays only through a larger micro-batch")
+            result.reason = (f"{predicted}: no larger than mbs={reach}, which already ran; a saver adds work per "
+                             f"sample and pays only through a larger micro-batch")
             return self._logged(result)
         cheaper = [r for r in ev.result.stages if r.stage == stage and r.saver is not None and r is not result
                    and r.decision is not StageDecision.PRUNED and largest_within(self.values, r.estimate) >= own]
