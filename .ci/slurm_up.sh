@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for tests/test_slurm.py: Debian's munge, slurmctld and slurmd,
 # a minimal /etc/slurm/slurm.conf (this machine's CPUs and memory, as `slurmd -C` reads them), the daemons
-# started, and a wait until `sinfo` shows the node idle. Idempotent: a cluster already up is left as it is.
+# started, and a wait until `sinfo` shows the node up (idle, or running jobs). Idempotent: a cluster already up is left as it is.
 #
 # Needs root and apt-get; without them it says so and exits 0, so a developer's `make test` still runs
 # (the Slurm tests then skip, naming why). ZEROTUNE_NO_SLURM=1 skips it too.
@@ -13,8 +13,9 @@ if [[ -n "${ZEROTUNE_NO_SLURM:-}" ]]; then
     say "ZEROTUNE_NO_SLURM is set: not starting Slurm (the Slurm tests skip)"; exit 0
 fi
 node=$(hostname -s)
-if command -v sinfo >/dev/null && sinfo -h -n "$node" -o %T 2>/dev/null | grep -qx idle; then
-    say "Slurm is up ($node idle)"; exit 0
+up_states='idle|mixed|allocated|completing'  # up: free, or running jobs (a second `make test`)
+if command -v sinfo >/dev/null && state=$(sinfo -h -n "$node" -o %T 2>/dev/null) && [[ $state =~ ^($up_states)$ ]]; then
+    say "Slurm is up ($node $state)"; exit 0
 fi
 if [[ $(id -u) -ne 0 ]]; then
     say "not root: not installing or starting Slurm (the Slurm tests skip); run 'sudo $0' for them"; exit 0
@@ -92,7 +93,7 @@ alive /run/slurmd.pid || slurmd
 for _ in $(seq 60); do
     state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)
     case "$state" in
-        idle) say "Slurm is up ($node idle)"; exit 0 ;;
+        idle|mixed|allocated|completing) say "Slurm is up ($node $state)"; exit 0 ;;
         down*|drain*) scontrol update NodeName="$node" State=RESUME 2>/dev/null || true ;;
     esac
     sleep 1
