@@ -105,22 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         set_verbosity(quiet=args.quiet, verbose=args.verbose)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
-        cpu = args.cpu
-        if args.backend == "slurm":
-            cpu = bool(cpu) or not cuda_available()
-            nodes = _slurm_nodes(args, cpu)
-        else:
-            local_slots = None
-            if args.hostfile is None:
-                if cpu or not cuda_available():
-                    cpu = True
-                    if args.num_gpus < 1 and not args.include:
-                        raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU "
-                                          "ranks")
-                    # --include localhost:0,1 on CPU: enough slots to cover the ids
-                    local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
-            nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
-                                     args.num_gpus if args.hostfile or not cpu else -1, local_slots)
+        nodes, cpu = _resources(args)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
@@ -159,6 +144,26 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
                       "rerun to resume[/]")
         return 128 + signum
+
+
+def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
+    """The nodes with their device slots the launcher options select, and whether the ranks run on CPU (None:
+    the job decides, on CUDA with a hostfile)."""
+    cpu = args.cpu
+    if args.backend == "slurm":
+        cpu = bool(cpu) or not cuda_available()
+        return _slurm_nodes(args, cpu), cpu
+    local_slots = None
+    if args.hostfile is None:
+        if cpu or not cuda_available():
+            cpu = True
+            if args.num_gpus < 1 and not args.include:
+                raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
+            # --include localhost:0,1 on CPU: enough slots to cover the ids
+            local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
+    nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
+                             args.num_gpus if args.hostfile or not cpu else -1, local_slots)
+    return nodes, cpu
 
 
 def _slurm_nodes(args: argparse.Namespace, cpu: bool) -> list:

@@ -82,10 +82,8 @@ class Backend(abc.ABC):
         """Kill every running experiment (used on Ctrl-C); they are recorded as interrupted."""
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
-                        ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
+                        ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:
         """The environment additions and the command that train as ``spec`` says with ``config_path`` on
         ``reservation`` (``zerotune run`` starts it, ``cmd_optimal.txt`` shows it); ``ds_config``: that file's
-        content where it is not written yet. Here the ``deepspeed`` runner's line, without the probe."""
-        from zerotune.deepspeed.launcher import launch_command, launch_env
-        return (launch_env(spec, reservation),
-                launch_command(spec, reservation, config_path, master_port, ds_config=ds_config))
+        content where it is not written yet. None (here): the ``deepspeed`` runner's line, without the probe."""
+        return None
