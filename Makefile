@@ -28,7 +28,10 @@ demo: setup
 	    --results-dir demo_results --timeout 300 \
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
+# .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py (as root with apt; else a message, and
+# those tests skip)
 test: setup
+	bash .ci/slurm_up.sh
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-fast: setup

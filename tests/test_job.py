@@ -62,7 +62,7 @@ def test_keys_zerotune_sets_itself_are_logged(tmp_path):
 
 @pytest.mark.parametrize("options, message", [
     ({"timeout_s": -5.0}, r"--timeout -5: expected a positive number of seconds"),
-    ({"backend": "slurm"}, r"unknown backend 'slurm'"),
+    ({"backend": "pbs"}, r"unknown backend 'pbs': expected 'local', 'ray' or 'slurm'"),
     ({"device_memory_bytes": None}, r"--device-memory is required"),
 ])
 def test_bad_options_are_errors(tmp_path, options, message):

@@ -135,8 +135,9 @@ class Autotuner:
         script_args: its arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
         nodes: the device slots to use (``resources.select_resources``).
         options: see :class:`TuneOptions`.
-        backend: runs the experiments (default: the local ``deepspeed`` launcher, or Ray with
-            ``options.backend == "ray"``); any :class:`Backend`, e.g. a simulated cluster.
+        backend: runs the experiments (default: the local ``deepspeed`` launcher, Ray with
+            ``options.backend == "ray"``, Slurm job steps with ``"slurm"``); any :class:`Backend`, e.g. a simulated
+            cluster.
 
     Raises:
         ConfigError: any bad input (:meth:`Job.build`).
@@ -286,8 +287,9 @@ class Autotuner:
         # absolute paths: the command works from any directory
         spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
         config_path = str(Path(config_path).absolute())
-        return launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port,
-                                                            ds_config=ds_config)
+        own = self.backend.training_launch(spec, every_slot, config_path, master_port, ds_config=ds_config)
+        return own or (launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port,
+                                                                    ds_config=ds_config))
 
     def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
         """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the script and the

@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every experiment to end_profile_step (no early end when its metric is known or "
                             "cannot beat the best)")
         z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
-        z.add_argument("--backend", choices=("local", "ray"), default="local",
-                       help="where experiments run: 'local' (the deepspeed launcher here) or 'ray' (a Ray cluster, "
-                            "one placement group per experiment; pip install 'zerotune[ray]')")
+        z.add_argument("--backend", choices=("local", "ray", "slurm"), default="local",
+                       help="where experiments run: 'local' (the deepspeed launcher here), 'ray' (a Ray cluster, "
+                            "one placement group per experiment; pip install 'zerotune[ray]') or 'slurm' (inside "
+                            "salloc or an sbatch script: one srun job step per experiment on the allocation's nodes)")
         z.add_argument("--address", default=None,
                        help="with --backend ray: the Ray cluster address, e.g. 10.0.0.1:6379 or auto "
                             "(default: $RAY_ADDRESS, else a new Ray instance on this machine)")
@@ -104,17 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         set_verbosity(quiet=args.quiet, verbose=args.verbose)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
-        cpu = args.cpu
-        local_slots = None
-        if args.hostfile is None:
-            if cpu or not cuda_available():
-                cpu = True
-                if args.num_gpus < 1 and not args.include:
-                    raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
-                # --include localhost:0,1 on CPU: enough slots to cover the ids
-                local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
-        nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
-                                 args.num_gpus if args.hostfile or not cpu else -1, local_slots)
+        nodes, cpu = _resources(args)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
@@ -153,6 +144,37 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
                       "rerun to resume[/]")
         return 128 + signum
+
+
+def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
+    """The nodes with their device slots the launcher options select, and whether the ranks run on CPU (None:
+    the job decides, on CUDA with a hostfile)."""
+    cpu = args.cpu
+    if args.backend == "slurm":
+        cpu = bool(cpu) or not cuda_available()
+        return _slurm_nodes(args, cpu), cpu
+    local_slots = None
+    if args.hostfile is None:
+        if cpu or not cuda_available():
+            cpu = True
+            if args.num_gpus < 1 and not args.include:
+                raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
+            # --include localhost:0,1 on CPU: enough slots to cover the ids
+            local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
+    nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
+                             args.num_gpus if args.hostfile or not cpu else -1, local_slots)
+    return nodes, cpu
+
+
+def _slurm_nodes(args: argparse.Namespace, cpu: bool) -> list:
+    """``--backend slurm``'s nodes: the allocation's (:func:`zerotune.run.backends.slurm.slurm_nodes`), which
+    Slurm's own options choose, not a hostfile or a filter."""
+    for flag, value in (("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude)):
+        if value:
+            raise ConfigError(f"{flag} goes with the local backend: with --backend slurm the allocation names the "
+                              "nodes (salloc/sbatch --nodes, --nodelist, --exclude)")
+    from zerotune.run.backends.slurm import slurm_nodes
+    return slurm_nodes(cpu, args.num_gpus, args.num_nodes)
 
 
 def training_status(code: int, results_dir) -> int:

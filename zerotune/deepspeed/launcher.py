@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from zerotune.run.slots import Reservation
 
 __all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "node_launcher", "paste_command",
-           "release_port", "shell_word"]
+           "release_port", "script_arguments", "shell_word"]
 
 _port_lock = threading.Lock()
 _ports_in_use: set[int] = set()
@@ -128,11 +128,19 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
         if spec.hostfile and any(n.host != "localhost" for n in reservation.nodes):  # multi-node
             cmd += ["--hostfile", spec.hostfile, "--force_multi"]
         cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
+    return cmd + script_arguments(spec, config_path, ds_config)
+
+
+def script_arguments(spec: LaunchSpec, config_path: str, ds_config: dict | None = None) -> list[str]:
+    """The training script's arguments for one launch: ``spec.script_args`` with the ds_config argument replaced
+    by ``config_path`` and, with ``spec.arg_mappings``, the mapped values of that config (``ds_config``: its
+    content where it is not written yet) passed as the script's arguments
+    (:func:`zerotune.deepspeed.args.apply_arg_mappings`)."""
     args = replace_config_arg(list(spec.script_args), config_path)
     if spec.arg_mappings:
         config = json.loads(Path(config_path).read_text()) if ds_config is None else ds_config
         args = apply_arg_mappings(args, dict(spec.arg_mappings), config)
-    return cmd + args
+    return args
 
 
 def paste_command(env: dict[str, str], cmd: list[str]) -> str:

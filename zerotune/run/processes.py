@@ -35,7 +35,7 @@ from zerotune.run.expdir import read_json
 
 __all__ = [
     "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token", "kill_tree",
-    "new_run_token", "reap_orphans", "remove_shm_buffers", "runs_script", "write_running_record",
+    "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes", "runs_script", "write_running_record",
 ]
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
@@ -148,6 +148,13 @@ def kill_token(token: str, leader: int | None = None, since: float | None = None
             pass
     _wait_exited(procs, timeout_s=5)
     return len(procs)
+
+
+def run_processes(token: str) -> list[psutil.Process]:
+    """The live processes of this user on this machine whose environment carries ``token``, and their
+    descendants: a run's processes that are not the launcher's descendants (a Slurm step's ranks, started by
+    slurmd)."""
+    return _of_run(token, None, None)
 
 
 def write_running_record(running_dir: Path, name: str, token: str, master_port: int, leader: int | None = None,

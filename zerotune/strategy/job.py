@@ -47,7 +47,7 @@ class TuneOptions:
         overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
         hostfile: the launcher's hostfile, for multi-node experiments.
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
-        backend: ``local`` (the deepspeed launcher as a subprocess) or ``ray`` (a Ray cluster).
+        backend: ``local`` (the deepspeed launcher as a subprocess), ``ray`` (a Ray cluster) or ``slurm`` (srun).
         ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
         variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
             (:mod:`zerotune.strategy.variables`).

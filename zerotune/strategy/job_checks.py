@@ -20,7 +20,7 @@ __all__ = ["BACKENDS", "MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu
            "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes",
            "mbs_bounds"]
 
-BACKENDS = ("local", "ray")
+BACKENDS = ("local", "ray", "slurm")
 """The backends :attr:`TuneOptions.backend <zerotune.strategy.job.TuneOptions.backend>` may name."""
 
 
@@ -36,7 +36,7 @@ def check_options(options: Any) -> None:
     """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
     precision between 0 and 1, positive timeouts, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {options.backend!r}: expected 'local' or 'ray'")
+        raise ConfigError(f"unknown backend {options.backend!r}: expected 'local', 'ray' or 'slurm'")
     if not 0 < options.precision < 1:
         raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
                           "e.g. 0.02 for ±2%")

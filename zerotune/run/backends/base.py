@@ -8,6 +8,7 @@ experiment directory (the config a run gets, its result files, its outcome) belo
 from __future__ import annotations
 
 import abc
+import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,14 @@ class LaunchSpec:
     arg_mappings: tuple[tuple[str, str], ...] = ()
 
 
+def limit_data(limit: int | None) -> None:
+    """Limit this process (and what it execs or starts) to ``limit`` bytes of private data (``RLIMIT_DATA``; None
+    or 0: no limit): the CPU ranks' memory budget (:attr:`LaunchSpec.device_memory_bytes`), under which torch
+    raises ``DefaultCPUAllocator: can't allocate memory`` as a GPU run raises CUDA OOM."""
+    if limit:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
 class Backend(abc.ABC):
     """Runs experiments. Implementations must be safe to call from several threads at once."""
 
@@ -71,3 +80,10 @@ class Backend(abc.ABC):
 
     def cancel_all(self) -> None:
         """Kill every running experiment (used on Ctrl-C); they are recorded as interrupted."""
+
+    def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
+                        ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:
+        """The environment additions and the command that train as ``spec`` says with ``config_path`` on
+        ``reservation`` (``zerotune run`` starts it, ``cmd_optimal.txt`` shows it); ``ds_config``: that file's
+        content where it is not written yet. None (here): the ``deepspeed`` runner's line, without the probe."""
+        return None

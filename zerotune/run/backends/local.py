@@ -22,7 +22,6 @@ incumbent (adaptive experiments, :mod:`zerotune.core.stopping`), with the same p
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import threading
 import time
@@ -36,7 +35,7 @@ from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
 from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
 from zerotune.run import expdir
-from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.run.backends.base import Backend, LaunchSpec, limit_data
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
 from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, data_bytes, descendants, kill_tree,
                                     new_run_token, reap_orphans, remove_shm_buffers, runs_script,
@@ -67,12 +66,11 @@ class LocalBackend(Backend):
         config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, end_step)
 
         port = free_port()
-        env = launch_env(spec, reservation, probe_dir=exp_dir)
-        cmd = launch_command(spec, reservation, str(config_path), port, direct=True)
+        token = new_run_token()
+        env, cmd = self._launch(exp, reservation, exp_dir, str(config_path), port, token)
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
-        child_setup = _child_setup(spec.device_memory_bytes if spec.cpu else None)
-        token = new_run_token()
+        child_setup = _child_setup(self._data_limit())
         record = write_running_record(running_dir, exp.name, token, port)
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
         start, since = time.monotonic(), time.time()
@@ -90,9 +88,9 @@ class LocalBackend(Backend):
             known: dict[int, psutil.Process] = {}
             try:
                 write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since)
-                self._supervise(proc, exp, exp_dir, watch, start, known, seen)
+                self._supervise(proc, exp, exp_dir, watch, start, known, seen, token)
             finally:
-                kill_tree(proc, known, token, since)
+                self._stop(proc, known, token, since)
                 remove_shm_buffers(port)
                 record.unlink(missing_ok=True)
                 with self._lock:
@@ -100,8 +98,28 @@ class LocalBackend(Backend):
                 release_port(port)
         return self._finish(exp, exp_dir, proc.returncode, start, seen)
 
+    def _launch(self, exp: Experiment, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
+                token: str) -> tuple[dict[str, str], list[str]]:
+        """The environment additions (shown in ``cmd.txt``) and the command that start ``exp``'s ranks (the run's
+        ``token`` is added to the environment by the caller): here, DeepSpeed's launcher on ``reservation`` with
+        master port ``port``, the probe writing into ``exp_dir``."""
+        return (launch_env(self.spec, reservation, probe_dir=exp_dir),
+                launch_command(self.spec, reservation, config_path, port, direct=True))
+
+    def _data_limit(self) -> int | None:
+        """The ``RLIMIT_DATA`` the launched command gets, bytes, inherited by its ranks (None: none)."""
+        return self.spec.device_memory_bytes if self.spec.cpu else None
+
+    def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
+        """The processes of the run to watch (sampled for peak memory, killed at the end): the launcher's tree."""
+        return descendants(proc.pid)
+
+    def _stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
+        """Stop the run and return once every process of it is gone (:func:`~zerotune.run.processes.kill_tree`)."""
+        kill_tree(proc, known, token, since)
+
     def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: _StreamWatch, start: float,
-                   known: dict[int, psutil.Process], seen: _Supervised) -> None:
+                   known: dict[int, psutil.Process], seen: _Supervised, token: str) -> None:
         """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
         noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
         follows)."""
@@ -111,7 +129,7 @@ class LocalBackend(Backend):
         watch.launched_at = start
         while proc.poll() is None:
             now = time.monotonic()
-            for child in descendants(proc.pid):
+            for child in self._ranks(proc, token):
                 known.setdefault(child.pid, child)
                 if runs_script(child, script_name):  # not the launcher, nor a JIT compiler
                     seen.peak = max(seen.peak, data_bytes(child.pid))
@@ -181,8 +199,7 @@ def _child_setup(limit: int | None):
     launcher's ranks, and the launcher made a child subreaper (:func:`~zerotune.run.processes.adopt_orphans`:
     what its ranks orphan stays in its tree)."""
     def setup():  # runs in the child before exec
-        if limit:
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        limit_data(limit)
         adopt_orphans()
     return setup
 

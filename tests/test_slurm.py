@@ -1,0 +1,350 @@
+"""The Slurm backend: the rank wrapper's environment and the srun line (exact values, no Slurm needed), and,
+marked e2e, tunings through a real one-node Slurm cluster (``.ci/slurm_up.sh`` starts it as root; ``make test``
+runs that first) with real DeepSpeed on 2 CPU ranks.
+
+The e2e tests are skipped, saying why, when ``sinfo`` is absent or the cluster has no usable node.
+"""
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from zerotune import cli
+from zerotune.core.experiment import Experiment, Status
+from zerotune.core.errors import ConfigError
+from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
+from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
+from zerotune.run.scheduler import Scheduler
+from zerotune.run.slots import Node, Reservation, SlotPool
+
+from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
+from tests.test_ray import processes_running
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def spec_for(script: str = "train.py", **kw) -> LaunchSpec:
+    return LaunchSpec(script=script, script_args=("--steps", "6", "--deepspeed_config", "ds.json"), **kw)
+
+
+# -- the rank wrapper and the srun line, without Slurm ---------------------------------------------------------
+
+def test_counts_expand_as_slurm_compresses_them():
+    assert expand_counts("2(x3),1") == [2, 2, 2, 1]
+    assert expand_counts("8") == [8]
+
+
+def test_rank_env_is_what_deepspeeds_launcher_gives_the_second_rank_of_the_second_node():
+    task = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "4",
+            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2"}
+    assert rank_env(task) == {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_SIZE": "2",
+                              "CROSS_RANK": "1", "CROSS_SIZE": "2"}
+    # without the step's own variables (an older srun), the job's
+    job = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "3",
+           "SLURM_TASKS_PER_NODE": "3", "SLURM_NNODES": "1"}
+    assert rank_env(job) == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "LOCAL_SIZE": "3",
+                             "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+
+
+def test_the_wrapper_execs_the_script_with_local_rank_its_env_and_data_limit(tmp_path):
+    show = tmp_path / "show.py"
+    show.write_text("import json, os, resource, sys\n"
+                    "print(json.dumps({'argv': sys.argv, 'data': resource.getrlimit(resource.RLIMIT_DATA)[0],\n"
+                    "                  'env': {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE',\n"
+                    "                          'LOCAL_SIZE', 'CROSS_RANK', 'CROSS_SIZE', 'MASTER_ADDR')}}))\n")
+    task = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "1", "MASTER_ADDR": "node-a",
+            DATA_LIMIT_ENV: str(3 * 2**30), "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([PY, "-u", "-m", "zerotune.run.backends.slurm_rank", str(show), "--steps", "6"],
+                         env={**os.environ, **task}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)
+    assert seen["argv"] == [str(show), "--local_rank=1", "--steps", "6"]
+    assert seen["data"] == 3 * 2**30
+    assert seen["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
+                           "CROSS_SIZE": "1", "MASTER_ADDR": "node-a"}
+
+
+def test_the_wrapper_outside_a_step_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    run = subprocess.run([PY, "-m", "zerotune.run.backends.slurm_rank", "train.py"], env={**env, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "not a task of a Slurm step (KeyError: 'SLURM_NODEID'); it is started by srun" in run.stderr
+
+
+def test_srun_line_of_a_two_node_cpu_step():
+    two = Reservation((Node("node-a", (0, 1)), Node("node-b", (0, 1))))
+    assert srun_command(spec_for(cpu=True), two, "/exps/e/ds_config.json", 4, "zerotune-e-1234abcd") == [
+        "srun", "--nodes", "2", "--ntasks", "4", "--ntasks-per-node", "2", "--nodelist", "node-a,node-b",
+        "--kill-on-bad-exit=1", "--exact", "--cpus-per-task", "4", "--job-name", "zerotune-e-1234abcd",
+        "--export=ALL", PY, "-u", "-m", "zerotune.run.backends.slurm_rank", "train.py",
+        "--steps", "6", "--deepspeed_config", "/exps/e/ds_config.json"]
+
+
+def test_srun_line_on_cuda_asks_for_the_gpus_per_node():
+    one = Reservation((Node("gpu-7", (0, 1, 2, 3)),))
+    cmd = srun_command(spec_for(), one, "/exps/e/ds_config.json", 8, "zerotune-e-1")
+    assert cmd[:14] == ["srun", "--nodes", "1", "--ntasks", "4", "--ntasks-per-node", "4", "--nodelist", "gpu-7",
+                        "--kill-on-bad-exit=1", "--exact", "--cpus-per-task", "8", "--gpus-per-node"]
+    assert cmd[14] == "4"
+
+
+def test_step_env_injects_the_probe_as_the_local_backend_does(tmp_path):
+    exp_dir = tmp_path / "exps" / "z1_mbs1"
+    (tmp_path / "exps" / ".torch_extensions").mkdir(parents=True)
+    one = Reservation((Node("node-a", (0, 1)),))
+    env = step_env(spec_for(cpu=True, device_memory_bytes=3 * 2**30), one, 29611, probe_dir=exp_dir)
+    inherited = os.environ.get("PYTHONPATH", "")
+    assert env == {"PYTHONPATH": os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p),
+                   PROBE_DIR_ENV: str(exp_dir.resolve()),
+                   "TORCH_EXTENSIONS_DIR": str((tmp_path / "exps" / ".torch_extensions").resolve()),
+                   "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "MASTER_ADDR": "node-a", "MASTER_PORT": "29611",
+                   DATA_LIMIT_ENV: str(3 * 2**30)}
+    # on CUDA the probe caps the allocator instead; the training after tuning gets neither probe nor limit
+    cuda = step_env(spec_for(device_memory_bytes=40 * 2**30), one, 29611, probe_dir=exp_dir)
+    assert cuda[BUDGET_ENV] == str(40 * 2**30) and DATA_LIMIT_ENV not in cuda
+    assert step_env(spec_for(cpu=True, device_memory_bytes=3 * 2**30), one, 29500) == {
+        "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"}
+
+
+def test_slurm_nodes_come_from_the_allocation():
+    hosts = {"node-[1-2]": ["node-1", "node-2"]}.__getitem__
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node-[1-2]", "SLURM_JOB_CPUS_PER_NODE": "8(x2)",
+           "SLURM_NTASKS_PER_NODE": "2"}
+    assert slurm_nodes(True, environ=env, expand=hosts) == [Node("node-1", (0, 1)), Node("node-2", (0, 1))]
+    assert slurm_nodes(True, 3, 1, environ=env, expand=hosts) == [Node("node-1", (0, 1, 2))]
+    no_tasks = {k: v for k, v in env.items() if k != "SLURM_NTASKS_PER_NODE"}
+    assert slurm_nodes(True, environ=no_tasks, expand=hosts)[0].slots == tuple(range(8))
+    assert slurm_nodes(False, environ={**env, "SLURM_GPUS_ON_NODE": "4"}, expand=hosts)[1] == Node("node-2",
+                                                                                                 (0, 1, 2, 3))
+    with pytest.raises(ConfigError, match="the allocation has no GPU"):
+        slurm_nodes(False, environ=env, expand=hosts)
+    with pytest.raises(ConfigError, match="--num_nodes 3: the Slurm allocation has 2 node"):
+        slurm_nodes(True, num_nodes=3, environ=env, expand=hosts)
+    with pytest.raises(ConfigError, match=r"inside a Slurm allocation \(salloc, or an sbatch script\): "
+                                          "SLURM_JOB_NODELIST is not set"):
+        slurm_nodes(True, environ={}, expand=hosts)
+    assert SlurmBackend(spec_for(cpu=True), environ=env).cpus_per_task(Reservation((Node("node-1", (0, 1)),))) == 4
+
+
+def test_backend_slurm_outside_an_allocation_or_with_a_hostfile_is_exit_2(tmp_path, monkeypatch, capsys):
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    cfg = write_config(tmp_path / "ds.json")
+    base = ["tune", "--backend", "slurm", "--num_gpus", "2", "--device-memory", "3GiB", "--cpu"]
+    assert cli.main([*base, SCRIPT, "--deepspeed_config", str(cfg)]) == 2
+    assert "--backend slurm runs inside a Slurm allocation" in capsys.readouterr().err
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    assert cli.main([*base, "--hostfile", str(tmp_path / "hostfile"), SCRIPT, "--deepspeed_config", str(cfg)]) == 2
+    assert "--hostfile goes with the local backend" in capsys.readouterr().err
+
+
+# -- on a real Slurm ---------------------------------------------------------------------------------------------
+
+@functools.cache
+def _slurm_down() -> str:
+    """Why the e2e tests cannot run here ('' when a node is up); asked once."""
+    if shutil.which("sinfo") is None:
+        return "no Slurm here (sinfo not found); as root, .ci/slurm_up.sh starts a one-node cluster"
+    try:
+        run = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "Slurm is not up: sinfo did not answer in 30 s; .ci/slurm_up.sh starts it"
+    if run.returncode != 0 or not any(s.rstrip("*~#") in ("idle", "mixed", "allocated") for s in run.stdout.split()):
+        return f"Slurm is not up: sinfo says {(run.stdout + run.stderr).strip()[:200]!r}; .ci/slurm_up.sh starts it"
+    return ""
+
+
+@pytest.fixture
+def slurm():
+    """Skips the test, saying why, unless a Slurm cluster with a usable node answers here."""
+    if _slurm_down():
+        pytest.skip(_slurm_down())
+
+
+def steps_of(job: str) -> list[str]:
+    """The job's steps in ``squeue --steps`` (``id name``), the batch and extern steps left out."""
+    out = subprocess.run(["squeue", "--steps", "-h", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
+                         timeout=30).stdout
+    return [line for line in out.splitlines() if not re.match(r"\S+\.(batch|extern) ", line)]
+
+
+def job_gone(job: str, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def stage1_config(path: Path) -> Path:
+    """The tiny example's config, ZeRO stage 1 only, mbs up to 2, the global batch at most 4 (no gas phase): a
+    tuning of 3 runs (the profile run, mbs 2 and 1), 4 or 5 where the noise asks for a re-measurement."""
+    write_config(path, max_train_micro_batch_size_per_gpu=2, max_train_batch_size=4)
+    cfg = json.loads(path.read_text())
+    cfg["zero_optimization"]["stage"] = 1
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def tune_args(cfg: Path, results: Path) -> list[str]:
+    return [PY, "-m", "zerotune", "tune", "--backend", "slurm", "--num_gpus", "2", "--device-memory", "3GiB",
+            "--timeout", "240", "--results-dir", str(results), SCRIPT, *TINY, "--steps", "6",
+            "--deepspeed_config", str(cfg)]
+
+
+def run_env() -> dict[str, str]:
+    """srun exports this to the ranks: zerotune (this checkout) importable, one thread per rank."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), inherited) if p), "OMP_NUM_THREADS": "1"}
+
+
+def records_of(results: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")}
+
+
+@pytest.mark.e2e
+def test_tune_inside_salloc_runs_each_experiment_as_a_step(slurm, tmp_path):
+    cfg, results = stage1_config(tmp_path / "ds.json"), tmp_path / "results"
+    run = subprocess.run(["salloc", "-N1", "--ntasks-per-node=2", "-J", "zerotune-test-salloc",
+                          *tune_args(cfg, results)], cwd=tmp_path, env=run_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    records = records_of(results)
+    assert all(r["status"] == "ok" for r in records.values()), {n: r["error"] for n, r in records.items()}
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert optimal == best_pooled(list(records.values()))["ds_config"]
+    assert optimal["zero_optimization"]["stage"] == 1 and optimal["train_micro_batch_size_per_gpu"] in (1, 2)
+    host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+    for name, record in records.items():
+        exp_dir = results / "exps" / name
+        cmd = (exp_dir / "cmd.txt").read_text()
+        assert (f" srun --nodes 1 --ntasks 2 --ntasks-per-node 2 --nodelist {host} --kill-on-bad-exit=1 --exact "
+                f"--cpus-per-task 1 --job-name zerotune-{name}-") in cmd, cmd
+        assert f"MASTER_ADDR={host} " in cmd and " -m zerotune.run.backends.slurm_rank " in cmd
+        if record["kind"] != "profile":  # every rank's probe stream, read where the step wrote it
+            assert sorted(read_streams(exp_dir)) == [0, 1], name
+            assert record["metric_source"] == "probe" and record["peak_memory_bytes"] > 50 * 2**20
+    assert " srun --nodes 1 --ntasks 2 " in (results / "cmd_optimal.txt").read_text()
+    ports = [re.search(r"MASTER_PORT=(\d+)", (results / "exps" / n / "cmd.txt").read_text()).group(1) for n in records]
+    assert [f for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*") if f.name.split("_")[-2] in ports] == []
+    assert processes_running(str(tmp_path)) == []
+
+
+@pytest.fixture
+def allocation(slurm, monkeypatch):
+    """A 1-node, 2-task allocation held without a shell (``salloc --no-shell``), this process inside it (its
+    SLURM_* variables set, as salloc sets them for its command); cancelled at the end."""
+    run = subprocess.run(["salloc", "--no-shell", "-N1", "--ntasks-per-node=2", "-J", "zerotune-test-alloc"],
+                         capture_output=True, text=True, timeout=120)
+    match = re.search(r"Granted job allocation (\d+)", run.stderr)
+    assert match, run.stderr
+    job = match.group(1)
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+        nodelist = re.search(r" NodeList=(\S+)", shown).group(1)
+        for k, v in {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_CPUS_PER_NODE": "2",
+                     "SLURM_NTASKS_PER_NODE": "2", "OMP_NUM_THREADS": "1"}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("PYTHONPATH", run_env()["PYTHONPATH"])
+        yield job
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+        job_gone(job)
+
+
+@pytest.mark.e2e
+def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp_path):
+    out = tmp_path / "ranks"
+    out.mkdir()
+    sleeper = tmp_path / "sleeper.py"  # a rank that says what it was given, then hangs
+    sleeper.write_text("import json, os, sys, time\n"
+                       f"json.dump({{'argv': sys.argv[1:], 'env': {{k: os.environ.get(k) for k in ('RANK', "
+                       f"'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_SIZE', 'MASTER_ADDR', 'MASTER_PORT')}}}}, "
+                       f"open(os.path.join({str(out)!r}, 'rank' + os.environ['RANK'] + '.json'), 'w'))\n"
+                       "time.sleep(300)\n")
+    cfg = write_config(tmp_path / "ds.json")
+    spec = LaunchSpec(script=str(sleeper), script_args=("--deepspeed_config", str(cfg)), cpu=True,
+                      device_memory_bytes=3 * 2**30, timeout_s=8)
+    backend = SlurmBackend(spec)
+    scheduler = Scheduler(backend, SlotPool(slurm_nodes(True)), tmp_path / "exps")
+    exp = Experiment("hangs", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)
+    seen: list[list[str]] = []
+    watch = threading.Thread(target=lambda: [seen.append(steps_of(allocation)) or time.sleep(1) for _ in range(6)],
+                             daemon=True)
+    watch.start()
+    start = time.monotonic()
+    (done,) = scheduler.run([exp])
+    took = time.monotonic() - start
+
+    assert done.status == Status.TIMEOUT and done.error == "killed after the 8 s timeout", done.error
+    assert took < 8 + 20, took
+    assert any(any(" zerotune-hangs-" in line for line in lines) for lines in seen), seen  # it ran as a step
+    assert steps_of(allocation) == []
+    assert processes_running(str(sleeper)) == []
+    ranks = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
+    port = re.search(r"MASTER_PORT=(\d+)", (tmp_path / "exps" / "hangs" / "cmd.txt").read_text()).group(1)
+    host = os.environ["SLURM_JOB_NODELIST"]
+    assert ranks == {f"rank{r}.json": {"argv": [f"--local_rank={r}", "--deepspeed_config",
+                                                str(tmp_path / "exps" / "hangs" / "ds_config.json")],
+                                       "env": {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                               "LOCAL_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port}}
+                     for r in (0, 1)}
+
+
+@pytest.mark.e2e
+def test_a_tuning_job_cancelled_by_scancel_resumes_to_the_answer(slurm, tmp_path):
+    cfg, results = stage1_config(tmp_path / "ds.json"), tmp_path / "results"
+    batch = tmp_path / "tune.sbatch"
+    batch.write_text("#!/bin/bash\n#SBATCH -N1 --ntasks-per-node=2 -J zerotune-test-sbatch\n"
+                     f"#SBATCH -o {tmp_path}/slurm-%j.out\n"
+                     f"cd {tmp_path}\nexec {' '.join(tune_args(cfg, results))}\n")
+    job = subprocess.run(["sbatch", "--parsable", str(batch)], env=run_env(), capture_output=True, text=True,
+                         check=True).stdout.strip().split(";")[0]
+    try:  # cancel once a measured experiment has finished and the next one runs
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            records = records_of(results) if (results / "exps").is_dir() else {}
+            if (any(r["kind"] != "profile" and r["status"] == "ok" for r in records.values())
+                    and any(r["status"] == "interrupted" for r in records.values())):
+                break
+            assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(), \
+                (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
+            time.sleep(0.5)
+        time.sleep(2)  # into its step
+    finally:
+        subprocess.run(["scancel", job], check=True)
+    assert job_gone(job)
+    assert processes_running(str(tmp_path)) == []
+    first = {p.parent.name: p.read_text() for p in (results / "exps").glob("*/exp.json")}
+    statuses = {n: json.loads(t)["status"] for n, t in first.items()}
+    finished = {n for n, s in statuses.items() if s == "ok"}
+    assert len(finished) >= 2 and "interrupted" in statuses.values(), statuses
+
+    again = subprocess.run(["sbatch", "--wait", str(batch)], env=run_env(), capture_output=True, text=True,
+                           timeout=600)
+    log = "\n".join(p.read_text()[-2000:] for p in tmp_path.glob("slurm-*.out"))
+    assert again.returncode == 0, log
+    for name in finished:  # reused, not run again
+        assert (results / "exps" / name / "exp.json").read_text() == first[name], name
+    records = records_of(results)
+    assert all(r["status"] == "ok" for r in records.values()), {n: r["error"] for n, r in records.items()}
+    summary = (results / "summary.txt").read_text()
+    assert f"{len(records)} experiments ({len(records) - len(finished)} launched now)" in summary, summary
+    optimal = json.loads((results / "ds_config_optimal.json").read_text())
+    assert optimal == best_pooled(list(records.values()))["ds_config"]
+    assert processes_running(str(tmp_path)) == []

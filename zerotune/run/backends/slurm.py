@@ -1,0 +1,220 @@
+"""The Slurm backend: run inside an allocation (``salloc`` or an ``sbatch`` script), each experiment a job step.
+
+The nodes and the devices per node are the allocation's (:func:`slurm_nodes`, read from Slurm's environment).
+Each experiment is one ``srun`` on the nodes its reservation names (:func:`srun_command`)::
+
+    srun --nodes N --ntasks N*S --ntasks-per-node S --nodelist host-a,host-b --kill-on-bad-exit=1 --exact
+         --cpus-per-task C [--gpus-per-node S] --job-name zerotune-<experiment>-<id> --export=ALL
+         python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...
+
+srun starts every rank (no pdsh, no ssh, no DeepSpeed runner); :mod:`zerotune.run.backends.slurm_rank` gives
+each the variables DeepSpeed's launcher would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` ...)
+and execs the script with ``--local_rank``. ``MASTER_ADDR`` is the step's first node, ``MASTER_PORT`` a port
+free on this machine. The probe is injected as the local backend injects it
+(:func:`~zerotune.deepspeed.launcher.launch_env`: ``PYTHONPATH``, its variables, the exps dir's
+``TORCH_EXTENSIONS_DIR``), and on CPU ranks the wrapper sets each rank's ``RLIMIT_DATA`` to the budget. ``--exact`` with ``C`` CPUs per rank (the allocation's
+CPUs per node over S) lets two experiments share a node side by side, as the slot pool places them.
+
+Supervision, timeouts, hangs, adaptive stops and the experiment directory are the local backend's
+(:class:`~zerotune.run.backends.local.LocalBackend`, of which this is a subclass): srun is the supervised
+process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the step is cancelled by its id
+(``scancel JOB.STEP``, found by its unique name in ``squeue --steps``): Slurm signals every rank on every node
+(SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
+the run's token are killed (:func:`~zerotune.run.processes.kill_tree`), and the stop waits until the step has
+left ``squeue``.
+
+.. note:: The results dir, the script and zerotune must be at the same paths on every node of the allocation
+   (a shared filesystem); see docs/clusters.md. The master port is checked free on this machine only: with
+   several nodes, the step's first node is assumed as free (an experiment whose port is taken fails, and
+   a rerun retries it).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment
+from zerotune.deepspeed.launcher import launch_env, script_arguments
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
+from zerotune.run.processes import descendants, kill_tree, run_processes
+from zerotune.run.slots import Node, Reservation
+
+__all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
+
+RANK_MODULE = "zerotune.run.backends.slurm_rank"
+STEP_GONE_S = 30.0
+"""How long a stop waits for a cancelled step to leave ``squeue``, seconds (beyond Slurm's ``KillWait``)."""
+_SCAN_S = 1.0  # how often the ranks on this machine are looked up by token while a step runs, seconds
+
+
+def _allocation_env(environ: Mapping[str, str], name: str) -> str:
+    value = environ.get(name)
+    if not value:
+        raise ConfigError(f"--backend slurm runs inside a Slurm allocation (salloc, or an sbatch script): {name} "
+                          "is not set")
+    return value
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Slurm's node list expanded, ``node[1-2]`` -> ``["node1", "node2"]`` (``scontrol show hostnames``).
+
+    Raises:
+        ConfigError: scontrol is missing or refuses the list.
+    """
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(f"--backend slurm: cannot run 'scontrol show hostnames {nodelist}': {e}") from None
+    hosts = out.stdout.split()
+    if out.returncode != 0 or not hosts:
+        raise ConfigError(f"--backend slurm: 'scontrol show hostnames {nodelist}' failed: "
+                          f"{out.stderr.strip() or out.returncode}")
+    return hosts
+
+
+def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Mapping[str, str] = os.environ,
+                expand=hostnames) -> list[Node]:
+    """The allocation's nodes with their device slots, from Slurm's environment ``environ``.
+
+    Nodes: ``SLURM_JOB_NODELIST`` expanded (``expand``: :func:`hostnames`), the first ``num_nodes`` (-1: all).
+    Slots per node, ids ``0..S-1``: on CUDA, ``SLURM_GPUS_ON_NODE`` (``num_gpus``, when given, takes fewer);
+    on CPU ranks, ``num_gpus`` (``--num_gpus``), else ``SLURM_NTASKS_PER_NODE``, else the fewest of
+    ``SLURM_JOB_CPUS_PER_NODE``.
+
+    Raises:
+        ConfigError: not inside an allocation; no GPU on the nodes (CUDA); more nodes or devices asked for than
+            the allocation has.
+    """
+    hosts = expand(_allocation_env(environ, "SLURM_JOB_NODELIST"))
+    if num_nodes > len(hosts):
+        raise ConfigError(f"--num_nodes {num_nodes}: the Slurm allocation has {len(hosts)} node(s)")
+    hosts = hosts[:num_nodes] if num_nodes > 0 else hosts
+    if cpu:
+        slots = num_gpus if num_gpus > 0 else int(environ.get("SLURM_NTASKS_PER_NODE") or min(
+            expand_counts(_allocation_env(environ, "SLURM_JOB_CPUS_PER_NODE"))))
+    else:
+        have = int(environ.get("SLURM_GPUS_ON_NODE") or 0)
+        if have < 1:
+            raise ConfigError("--backend slurm on CUDA: the allocation has no GPU (SLURM_GPUS_ON_NODE is not set): "
+                              "ask salloc/sbatch for --gpus-per-node, or tune CPU ranks with --cpu")
+        if num_gpus > have:
+            raise ConfigError(f"--num_gpus {num_gpus}: the Slurm allocation has {have} GPU(s) per node")
+        slots = num_gpus if num_gpus > 0 else have
+    return [Node(host, tuple(range(slots))) for host in hosts]
+
+
+def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int,
+             probe_dir: Path | None = None) -> dict[str, str]:
+    """The environment a step adds to this process's (srun exports it to every rank): the local backend's
+    (:func:`~zerotune.deepspeed.launcher.launch_env`, the probe with ``probe_dir``), ``MASTER_ADDR`` (the
+    reservation's first node) and ``MASTER_PORT``, and on CPU ranks with a budget, each rank's
+    ``RLIMIT_DATA`` (:data:`~zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`) for an experiment (``probe_dir``
+    given; the training after tuning runs unlimited, as the local backend's)."""
+    env = launch_env(spec, reservation, probe_dir=probe_dir)
+    env.update(MASTER_ADDR=reservation.nodes[0].host, MASTER_PORT=str(master_port))
+    if probe_dir is not None and spec.cpu and spec.device_memory_bytes:
+        env[DATA_LIMIT_ENV] = str(int(spec.device_memory_bytes))
+    return env
+
+
+def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, cpus_per_task: int, name: str,
+                 ds_config: dict | None = None) -> list[str]:
+    """The ``srun`` line of one step (see the module docstring): ``reservation``'s nodes, one task per slot,
+    ``cpus_per_task`` CPUs each, on CUDA ``--gpus-per-node``, named ``name``; the script's arguments as for the
+    deepspeed launcher (:func:`~zerotune.deepspeed.launcher.script_arguments`)."""
+    nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
+    cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
+           "--nodelist", ",".join(n.host for n in reservation.nodes), "--kill-on-bad-exit=1", "--exact",
+           "--cpus-per-task", str(cpus_per_task)]
+    if not spec.cpu:
+        cmd += ["--gpus-per-node", str(per_node)]
+    cmd += ["--job-name", name, "--export=ALL", sys.executable, "-u", "-m", RANK_MODULE, spec.script]
+    return cmd + script_arguments(spec, config_path, ds_config)
+
+
+class SlurmBackend(LocalBackend):
+    """Runs each experiment as a job step of the allocation this process runs in (see the module docstring).
+
+    Args:
+        spec: how to launch the training script (as for :class:`LocalBackend`).
+        environ: Slurm's environment (``SLURM_JOB_ID``, ``SLURM_JOB_CPUS_PER_NODE``).
+
+    Raises:
+        ConfigError: not inside an allocation.
+    """
+
+    def __init__(self, spec: LaunchSpec, environ: Mapping[str, str] = os.environ):
+        super().__init__(spec)
+        self.job_id = _allocation_env(environ, "SLURM_JOB_ID")
+        self.cpus_per_node = min(expand_counts(_allocation_env(environ, "SLURM_JOB_CPUS_PER_NODE")))
+        self._steps: dict[str, str] = {}  # run token -> its step's name
+        self._scans: dict[str, tuple[float, list[psutil.Process]]] = {}  # run token -> (when, its processes here)
+
+    def cpus_per_task(self, reservation: Reservation) -> int:
+        """CPUs per rank: the allocation's CPUs per node (the fewest) over the ranks per node, at least 1."""
+        return max(1, self.cpus_per_node // reservation.nodes[0].num_slots)
+
+    def _launch(self, exp: Experiment, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
+                token: str) -> tuple[dict[str, str], list[str]]:
+        name = f"zerotune-{exp.name}-{token[-8:]}"
+        self._steps[token] = name
+        return (step_env(self.spec, reservation, port, probe_dir=exp_dir),
+                srun_command(self.spec, reservation, config_path, self.cpus_per_task(reservation), name))
+
+    def _data_limit(self) -> int | None:
+        return None  # each rank's, set by the rank wrapper: srun itself runs unlimited
+
+    def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
+        """srun's tree and, looked up by the run's token at most every second, its ranks on this machine
+        (started by slurmd, not by srun)."""
+        when, found = self._scans.get(token, (0.0, []))
+        if time.monotonic() - when > _SCAN_S:
+            found = run_processes(token)
+            self._scans[token] = (time.monotonic(), found)
+        return descendants(proc.pid) + [p for p in found if p.pid != proc.pid]
+
+    def _stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
+        """Cancel the run's step (``scancel JOB.STEP``) while srun runs, wait for srun to exit (Slurm's
+        ``KillWait`` and a margin), kill what is left on this machine, and wait until the step has left
+        ``squeue``."""
+        name = self._steps.pop(token, "")
+        self._scans.pop(token, None)
+        step = self.step_id(name) if proc.poll() is None else None
+        if step is not None:
+            subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
+            try:
+                proc.wait(timeout=STEP_GONE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_tree(proc, known, token, since)
+        deadline = time.monotonic() + STEP_GONE_S
+        while (step := self.step_id(name)) is not None and time.monotonic() < deadline:
+            subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
+            time.sleep(0.5)
+
+    def step_id(self, name: str) -> str | None:
+        """The id (``JOB.STEP``) of this allocation's step named ``name`` in ``squeue --steps``; None when there
+        is none (ended, or never created)."""
+        try:
+            out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", self.job_id, "--format", "%i %j"],
+                                 capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return next((line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]), None)
+
+    def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
+                        ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
+        """The environment additions and the ``srun`` line that train with ``config_path`` on ``reservation``
+        (``zerotune run``, ``cmd_optimal.txt``): one step, no probe."""
+        return (step_env(spec, reservation, master_port),
+                srun_command(spec, reservation, config_path, self.cpus_per_task(reservation), "zerotune-train",
+                             ds_config=ds_config))
