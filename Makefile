@@ -29,9 +29,9 @@ demo: setup
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
 # .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py (as root with apt; else a message, and
-# those tests skip)
+# those tests skip, naming why; a failed start says so and the rest of the suite still runs)
 test: setup
-	bash .ci/slurm_up.sh
+	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-fast: setup
