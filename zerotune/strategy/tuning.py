@@ -186,22 +186,20 @@ class Strategy:
     def savers(self) -> None:
         """Try activation checkpointing and offload where memory binds a stage
         (:class:`~zerotune.strategy.savers.SaverPhase`)."""
-        SaverPhase(self.ev, self._points, self._confirmed_points,
+        SaverPhase(self.ev, lambda stage, settings, ms: self._points(stage, ms, settings),
+                   lambda stage, settings, ms: self._confirmed_points(stage, ms, settings),
                    num_fine=self.job.autotuning.num_tuning_micro_batch_sizes).run()
 
-    def _points(self, stage: int, *args) -> list[Point]:
-        """Evaluate ``stage`` at each mbs (``_points(stage, mbs_values)``, or ``_points(stage, settings,
-        mbs_values)`` with a memory saver's settings); their points for the mbs search."""
-        settings, mbs_values = args if len(args) == 2 else ({}, args[0])
+    def _points(self, stage: int, mbs_values: Sequence[int], settings: dict | None = None) -> list[Point]:
+        """Evaluate ``stage`` at each mbs (with a memory saver's ``settings``); their points for the mbs search."""
         done = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         sigma = self.result.run_noise.sigma
         return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma,
                       **self._memory_terms(stage, e, settings)) for m, e in zip(mbs_values, done)]
 
-    def _confirmed_points(self, stage: int, *args) -> list[Point]:
-        """Re-measure ``stage`` at each (measured) mbs once more (arguments as :meth:`_points`); their points
+    def _confirmed_points(self, stage: int, mbs_values: Sequence[int], settings: dict | None = None) -> list[Point]:
+        """Re-measure ``stage`` at each (measured) mbs once more (with a memory saver's ``settings``); their points
         pooled over their runs."""
-        settings, mbs_values = args if len(args) == 2 else ({}, args[0])
         bases = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         pooled = self.remeasure(bases)
         sigma = self.result.run_noise.sigma
