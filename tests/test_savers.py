@@ -14,7 +14,6 @@ from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.run.resources import select_resources
 from zerotune.strategy.job import Job, TuneOptions
-from zerotune.strategy.result import StageDecision
 from zerotune.strategy.savers import savers_for
 from zerotune.strategy.tuning import Strategy
 
