@@ -102,8 +102,11 @@ of a small model.
 Once a rank has recorded its first step, it also writes :data:`EXIT_PREFIX` ``<RANK>.json`` as Python
 finishes (an ``atexit`` hook; :func:`exit_name`)::
 
-    {"rank": 0, "steps": 20, "uncaught": null, "exit_status": null}
+    {"rank": 0, "steps": 20, "uncaught": null, "exit_status": null, "host": "node-1", "address": "10.0.0.2"}
 
+``host``: the rank's hostname. ``address``: the IPv4 address this rank's machine reaches ``MASTER_ADDR`` from (the
+source address the kernel picks for it; no packet is sent), so ranks on different nodes have different
+addresses; null where it cannot be found.
 ``uncaught``: the uncaught exception that ended the script (``sys.last_value``, set by Python's
 top-level error printing), as ``"Type: message"``, or null. ``exit_status``: the argument of the
 last ``sys.exit`` call after the first step (null without one). ``atexit`` hooks run at the start of
@@ -206,8 +209,22 @@ class _Probe:
             last, status = getattr(sys, "last_value", None), self.exit_status
             return {"rank": self.exit_rank, "steps": sum(s["step"] for s in self.engines.values()),
                     "uncaught": f"{type(last).__name__}: {last}"[:300] if last is not None else None,
-                    "exit_status": status if status is None or isinstance(status, int) else str(status)[:300]}
+                    "exit_status": status if status is None or isinstance(status, int) else str(status)[:300],
+                    **_node()}
         _write_record(os.path.join(self.directory, exit_name(self.exit_rank)), record, "writing the exit record")
+
+
+def _node() -> dict:
+    """Where this rank runs: ``host`` and ``address`` (module docstring)."""
+    import socket
+    address = None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ.get("MASTER_ADDR") or "127.0.0.1", 9))  # a UDP connect routes, sends nothing
+            address = s.getsockname()[0]
+    except OSError:
+        pass
+    return {"host": socket.gethostname(), "address": address}
 
 
 def _write_record(path: str, make_record, what: str) -> None:
