@@ -25,7 +25,8 @@ from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
-from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command
+from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command
+from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
 from zerotune.report import results
 from zerotune.report.log import to_console
 from zerotune.report.plan import Plan
@@ -288,8 +289,12 @@ class Autotuner:
         spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
         config_path = str(Path(config_path).absolute())
         own = self.backend.training_launch(spec, every_slot, config_path, master_port, ds_config=ds_config)
-        return own or (launch_env(spec, every_slot), launch_command(spec, every_slot, config_path, master_port,
-                                                                    ds_config=ds_config))
+        if own is not None:
+            return own
+        env = launch_env(spec, every_slot)
+        if multi_node(spec, every_slot):  # the other nodes' ranks get the launch's environment from this file
+            env.update(runner_env_file(env, self.job.results_dir / RUNNER_ENV_FILE))
+        return env, launch_command(spec, every_slot, config_path, master_port, ds_config=ds_config)
 
     def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
         """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the script and the

@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING
 from zerotune.deepspeed.args import apply_arg_mappings
 from zerotune.deepspeed.config import replace_config_arg
 from zerotune.deepspeed.extensions import extensions_dir
+from zerotune.deepspeed.rank_env import passed_env
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH
 
 if TYPE_CHECKING:
     from zerotune.run.backends.base import LaunchSpec
     from zerotune.run.slots import Reservation
 
-__all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "node_launcher", "paste_command",
-           "release_port", "script_arguments", "shell_word"]
+__all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "multi_node", "node_launcher",
+           "paste_command", "release_port", "script_arguments", "shell_word"]
 
 _port_lock = threading.Lock()
 _ports_in_use: set[int] = set()
@@ -77,7 +78,9 @@ def node_launcher() -> list[str]:
 
 
 def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None) -> dict[str, str]:
-    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``).
+    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``): first the tuner's
+    communication settings that every rank gets (:func:`zerotune.deepspeed.rank_env.passed_env`: ``NCCL_*``,
+    ``GLOO_*`` ...), over them ``spec.extra_env``, then the launch's own.
 
     Args:
         spec: how the script is launched.
@@ -88,7 +91,7 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
             caching allocator at it (``PYTHON_ZEROTUNE_DEVICE_BUDGET``, bytes). None (the optimal command,
             ``zerotune run``): no probe, no cap.
     """
-    env = dict(spec.extra_env)
+    env = {**passed_env(), **spec.extra_env}
     if probe_dir is not None:
         inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p)
@@ -125,10 +128,16 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
                                  "127.0.0.1", "--master_port", str(master_port), spec.script]
     else:
         cmd = deepspeed_launcher()
-        if spec.hostfile and any(n.host != "localhost" for n in reservation.nodes):  # multi-node
+        if multi_node(spec, reservation):
             cmd += ["--hostfile", spec.hostfile, "--force_multi"]
         cmd += ["--include", reservation.include_arg(), "--master_port", str(master_port), spec.script]
     return cmd + script_arguments(spec, config_path, ds_config)
+
+
+def multi_node(spec: LaunchSpec, reservation: Reservation) -> bool:
+    """Whether the launch goes through the runner's multi-node path (``--hostfile --force_multi``): a hostfile
+    and a host other than ``localhost``."""
+    return bool(spec.hostfile) and any(n.host != "localhost" for n in reservation.nodes)
 
 
 def script_arguments(spec: LaunchSpec, config_path: str, ds_config: dict | None = None) -> list[str]:

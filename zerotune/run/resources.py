@@ -141,8 +141,10 @@ def slots_named(include: str) -> int:
     return max(ids) + 1 if ids else 1
 
 
-def _apply_filter(available: dict[str, list[int]], include: str, exclude: str) -> dict[str, list[int]]:
-    """The launcher's ``parse_resource_filter``: keep or drop hosts and slots; host order kept."""
+def _apply_filter(available: dict[str, list[int]], include: str, exclude: str,
+                  origin: str = "") -> dict[str, list[int]]:
+    """The launcher's ``parse_resource_filter``: keep or drop hosts and slots; host order kept. ``origin`` says
+    where the slots came from, in the message naming a slot that is not among them."""
     flag, value = ("--include", include) if include else ("--exclude", exclude)
     requested = _parse_filter(flag, value)
     for host, slots in requested.items():
@@ -153,7 +155,7 @@ def _apply_filter(available: dict[str, list[int]], include: str, exclude: str) -
         if missing:
             have = ",".join(str(s) for s in available[host])
             raise ConfigError(
-                f"{flag} {value!r}: host {host!r} has no slot {missing[0]} (its slots: {have})"
+                f"{flag} {value!r}: host {host!r} has no slot {missing[0]} (its slots: {have}{origin})"
             )
     if include:
         kept = {h: (requested[h] or available[h]) for h in available if h in requested}
@@ -171,8 +173,9 @@ def _apply_filter(available: dict[str, list[int]], include: str, exclude: str) -
     return kept
 
 
-def _local_slots() -> list[int]:
-    """Device ids on this machine when the caller did not say: CUDA devices, as the launcher sees them.
+def _local_slots() -> tuple[list[int], str]:
+    """Device ids on this machine when the caller did not say: CUDA devices, as the launcher sees them, and where
+    they came from (for messages: ", from CUDA_VISIBLE_DEVICES=2,3,5", or "").
 
     Like the launcher, a ``CUDA_VISIBLE_DEVICES`` list of integers names the usable device ids
     (the launcher turns it into ``--include localhost:<ids>`` and sets the variable itself for
@@ -181,7 +184,7 @@ def _local_slots() -> list[int]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     if visible:
         try:
-            return sorted(set(int(v) for v in visible.split(",")))
+            return sorted(set(int(v) for v in visible.split(","))), f", from CUDA_VISIBLE_DEVICES={visible}"
         except ValueError:
             raise ConfigError(
                 f"CUDA_VISIBLE_DEVICES={visible!r} is not a list of device ids; give the devices "
@@ -198,7 +201,7 @@ def _local_slots() -> list[int]:
             "no CUDA device found and no hostfile given: pass --num_gpus N "
             "(on CPU, the number of ranks to run)"
         )
-    return list(range(count))
+    return list(range(count)), ""
 
 
 def select_resources(
@@ -223,16 +226,27 @@ def select_resources(
         num_gpus: keep the first N slots of each host; -1 for all.
         local_slots: without a hostfile, the number of local slots (ids ``0..N-1``): the CUDA
             device count, or on CPU the number of ranks asked for. ``None`` detects CUDA devices,
-            honouring ``CUDA_VISIBLE_DEVICES`` ids like the launcher.
+            honouring ``CUDA_VISIBLE_DEVICES`` ids like the launcher (see the note).
 
     Returns:
         Nodes in hostfile order, each with its real device ids, e.g.
         ``--include worker-0:4,5`` -> ``[Node("worker-0", (4, 5))]``.
 
+    .. note:: ``CUDA_VISIBLE_DEVICES`` (integer ids), without a hostfile on CUDA, is the set of local slots,
+       by their physical ids, whatever else is given: ``CUDA_VISIBLE_DEVICES=2,3,5`` gives slots 2, 3 and 5;
+       ``--include localhost:3,5`` then keeps 3 and 5 (physical ids, as the launcher reads ``--include``),
+       ``--include localhost:1`` is an error, ``--num_gpus 2`` keeps 2 and 3. Each experiment names its
+       slots to the launcher (``--include``, ``--world_info``), which sets each rank's
+       ``CUDA_VISIBLE_DEVICES`` from them. DeepSpeed's runner instead ignores the variable (with a
+       warning) as soon as ``--include``, ``--exclude``, ``--num_gpus`` or ``--num_nodes`` is given, and
+       would run on a device it hides. With a hostfile the slots are the hostfile's on every node,
+       ``localhost`` included, as in the runner (docs/decisions.md, D300).
+
     Raises:
         ConfigError: bad hostfile (see ``parse_hostfile``); both include and exclude given;
             ``--num_nodes``/``--num_gpus`` given with include/exclude (the launcher refuses this
-            too) or not positive; an unknown host or slot in include/exclude; nothing left to run
+            too) or not positive; an unknown host or slot in include/exclude (a device
+            ``CUDA_VISIBLE_DEVICES`` hides, naming the variable); nothing left to run
             on; ``--num_nodes`` above the host count (above 1 without a hostfile); ``--num_gpus``
             above a host's slot count; no hostfile, no ``local_slots`` and no CUDA device.
     """
@@ -250,12 +264,13 @@ def select_resources(
                 "name the slots in the include/exclude string instead"
             )
 
+    origin = ""
     if hostfile is not None:
         available = {h: list(range(n)) for h, n in parse_hostfile(hostfile).items()}
         source = f"hostfile {hostfile}"
     else:
         if local_slots is None:
-            slots = _local_slots()
+            slots, origin = _local_slots()
         elif local_slots < 1:
             raise ConfigError(f"the number of local device slots must be positive, got {local_slots}")
         else:
@@ -264,7 +279,7 @@ def select_resources(
         source = "no hostfile (localhost only)"
 
     if include or exclude:
-        available = _apply_filter(available, include, exclude)
+        available = _apply_filter(available, include, exclude, origin)
 
     if num_nodes != -1:
         if num_nodes > len(available):
@@ -278,7 +293,7 @@ def select_resources(
         for host, slots in available.items():
             if num_gpus > len(slots):
                 raise ConfigError(
-                    f"--num_gpus {num_gpus} but host {host!r} has {len(slots)} slot(s) ({source})"
+                    f"--num_gpus {num_gpus} but host {host!r} has {len(slots)} slot(s) ({source}{origin})"
                 )
         available = {h: s[:num_gpus] for h, s in available.items()}
 

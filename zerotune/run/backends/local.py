@@ -32,7 +32,8 @@ import psutil
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, paste_command, release_port
+from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command, release_port
+from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
 from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec, limit_data
@@ -102,9 +103,13 @@ class LocalBackend(Backend):
                 token: str) -> tuple[dict[str, str], list[str]]:
         """The environment additions (shown in ``cmd.txt``) and the command that start ``exp``'s ranks (the run's
         ``token`` is added to the environment by the caller): here, DeepSpeed's launcher on ``reservation`` with
-        master port ``port``, the probe writing into ``exp_dir``."""
-        return (launch_env(self.spec, reservation, probe_dir=exp_dir),
-                launch_command(self.spec, reservation, config_path, port, direct=True))
+        master port ``port``, the probe writing into ``exp_dir``; on several nodes, the launch's environment
+        written into the runner's env file ``exp_dir/deepspeed_env`` for the other nodes' ranks
+        (:func:`~zerotune.deepspeed.rank_env.runner_env_file`)."""
+        env = launch_env(self.spec, reservation, probe_dir=exp_dir)
+        if multi_node(self.spec, reservation):
+            env.update(runner_env_file(env, exp_dir / RUNNER_ENV_FILE))
+        return env, launch_command(self.spec, reservation, config_path, port, direct=True)
 
     def _data_limit(self) -> int | None:
         """The ``RLIMIT_DATA`` the launched command gets, bytes, inherited by its ranks (None: none)."""

@@ -8,7 +8,8 @@ How one experiment runs (``RayBackend.run``):
 2. For several nodes, a short probe task in each other bundle reports its node's IP and the GPU
    ids Ray granted that bundle.
 3. An actor in bundle 0 (holding that bundle's GPUs and CPU) runs :class:`LocalBackend` on its
-   node: the same launcher command, environment, per-rank memory limit, timeouts, log files and
+   node, given the tuner's communication settings (``NCCL_*``, ``GLOO_*`` ...: :func:`node_spec`):
+   the same launcher command, environment, per-rank memory limit, timeouts, log files and
    outcome classification as the local backend. Its reservation is what Ray granted, not
    zerotune's slot names: ``localhost`` with the actor's GPU ids for one node; for several nodes
    the nodes' IPs and GPU ids, written to ``exp_dir/hostfile`` and given to the launcher with
@@ -45,6 +46,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,11 @@ import psutil
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.rank_env import passed_env
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run.slots import LOCALHOST, Node, Reservation
 
-__all__ = ["RayBackend", "import_ray", "require_ray"]
+__all__ = ["RayBackend", "import_ray", "node_spec", "require_ray"]
 
 DISPATCH_MARKER = ".zerotune_dispatch"  # written in exp_dir by the driver, checked by the node
 POLL_S = 0.5
@@ -182,7 +185,7 @@ class RayBackend(Backend):
             token = uuid.uuid4().hex
             (exp_dir / DISPATCH_MARKER).write_text(token)
             actor = launcher.options(num_cpus=1, num_gpus=float(reservation.nodes[0].num_slots),
-                                     scheduling_strategy=in_bundle(0)).remote(self.spec)
+                                     scheduling_strategy=in_bundle(0)).remote(node_spec(self.spec))
             with self._lock:
                 self._running[exp.name] = actor
             if self._cancelled.is_set():
@@ -234,6 +237,14 @@ class RayBackend(Backend):
             actors = list(self._running.values())
         for actor in actors:
             actor.cancel.remote()
+
+
+def node_spec(spec: LaunchSpec, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
+    """The launch spec shipped to an experiment's node: ``spec`` with the tuner's communication settings
+    (:func:`~zerotune.deepspeed.rank_env.passed_env` of ``environ``) under its ``extra_env``. The actor runs
+    with the raylet's environment, not the tuner's: without them a ``NCCL_SOCKET_IFNAME`` set where zerotune
+    runs would not reach the ranks."""
+    return dataclasses.replace(spec, extra_env={**passed_env(environ), **spec.extra_env})
 
 
 class NodeLauncher:

@@ -4,7 +4,7 @@ The nodes and the devices per node are the allocation's (:func:`slurm_nodes`, re
 Each experiment is one ``srun`` on the nodes its reservation names (:func:`srun_command`)::
 
     srun --nodes N --ntasks N*S --ntasks-per-node S --nodelist host-a,host-b --kill-on-bad-exit=1 --exact
-         --cpus-per-task C [--gpus-per-node S] --job-name zerotune-<experiment>-<id> --export=ALL
+         --cpus-per-task C [--gpus-per-node S --gpu-bind=none] --job-name zerotune-<experiment>-<id> --export=ALL
          python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...
 
 srun starts every rank (no pdsh, no ssh, no DeepSpeed runner); :mod:`zerotune.run.backends.slurm_rank` gives
@@ -129,14 +129,17 @@ def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int,
 def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, cpus_per_task: int, name: str,
                  ds_config: dict | None = None) -> list[str]:
     """The ``srun`` line of one step (see the module docstring): ``reservation``'s nodes, one task per slot,
-    ``cpus_per_task`` CPUs each, on CUDA ``--gpus-per-node``, named ``name``; the script's arguments as for the
+    ``cpus_per_task`` CPUs each, on CUDA ``--gpus-per-node`` and ``--gpu-bind=none`` (each rank sees the step's
+    GPUs on its node, whose ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the
+    ``LOCAL_RANK``-th: a binding of one GPU per task, from the cluster's defaults or an inherited
+    ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named ``name``; the script's arguments as for the
     deepspeed launcher (:func:`~zerotune.deepspeed.launcher.script_arguments`)."""
     nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
     cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
            "--nodelist", ",".join(n.host for n in reservation.nodes), "--kill-on-bad-exit=1", "--exact",
            "--cpus-per-task", str(cpus_per_task)]
-    if not spec.cpu:
-        cmd += ["--gpus-per-node", str(per_node)]
+    if not spec.cpu:  # every rank sees the step's GPUs on its node and takes the LOCAL_RANK-th, as under DeepSpeed's
+        cmd += ["--gpus-per-node", str(per_node), "--gpu-bind=none"]  # launcher; no per-task binding inherited
     cmd += ["--job-name", name, "--export=ALL", sys.executable, "-u", "-m", RANK_MODULE, spec.script]
     return cmd + script_arguments(spec, config_path, ds_config)
 

@@ -1,0 +1,87 @@
+"""What every rank gets from the tuner's environment, on every node and every backend: one rule.
+
+**The rule.** The variables of the tuner's environment whose names start with :data:`PASSED_PREFIXES` (the
+communication libraries' settings: ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_HCA``, ``NCCL_DEBUG``,
+``GLOO_SOCKET_IFNAME``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``FI_PROVIDER`` ...) reach every rank of every
+experiment and of the training after tuning, on every node, as they are set where ``zerotune`` runs.
+:func:`~zerotune.deepspeed.launcher.launch_env` adds them to each launch's environment (so ``cmd.txt`` and
+``cmd_optimal.txt`` show them), and each way ranks are started carries that environment to them:
+
+- one node (the local backend's direct launch, docs/decisions.md D14): the launcher's own environment, which
+  its ranks inherit;
+- several nodes through DeepSpeed's runner (a hostfile; the Ray backend's multi-node runs): the runner forwards
+  only names starting with its ``EXPORT_ENVS`` (``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, and ``NCCL`` on CUDA)
+  and the lines of its env file, so every other variable of the launch (``GLOO_*``, ``DS_ACCELERATOR``,
+  ``TORCH_EXTENSIONS_DIR`` ...) is written into an env file of the run (:func:`runner_env_file`), named to the
+  runner by ``DS_ENV_FILE``;
+- Ray: the actor on a node has the raylet's environment, not the tuner's: the backend puts the tuner's passed
+  variables into the launch spec it ships to the actor;
+- Slurm: ``srun --export=ALL`` exports the step's whole environment to every task.
+
+Variables of other names are left to each way's own habits (DeepSpeed's runner drops them on other nodes).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["ENV_FILE_VAR", "PASSED_PREFIXES", "RUNNER_ENV_FILE", "passed_env", "runner_env_file"]
+
+log = logging.getLogger(__name__)
+
+PASSED_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "UCX_", "FI_")
+"""Names starting with these are passed from the tuner's environment to every rank: NCCL's and Gloo's
+settings, torch.distributed's own (``TORCH_NCCL_*``, ``TORCH_DISTRIBUTED_DEBUG``), UCX's and libfabric's
+(``FI_*``: EFA, Slingshot)."""
+
+ENV_FILE_VAR = "DS_ENV_FILE"
+"""The variable that names DeepSpeed's runner env file (``deepspeed/launcher/runner.py``,
+``DEEPSPEED_ENVIRONMENT_NAME``; default ``.deepspeed_env``, looked for in ``~`` and the working directory)."""
+RUNNER_ENV_FILE = "deepspeed_env"
+"""A multi-node run's env file, in its experiment directory (the results dir for the training after tuning)."""
+_DEFAULT_ENV_FILE = ".deepspeed_env"
+_RUNNER_FORWARDS = "PYTHON"  # the runner forwards these itself, PYTHONPATH with its working directory first
+
+
+def passed_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables of ``environ`` whose names start with :data:`PASSED_PREFIXES`, sorted by name."""
+    return {k: environ[k] for k in sorted(environ) if k.startswith(PASSED_PREFIXES)}
+
+
+def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, str] = os.environ,
+                    cwd: Path | None = None) -> dict[str, str]:
+    """Write DeepSpeed's runner env file at ``path`` so that a multi-node launch's ranks on every node get ``env``,
+    the launch's environment additions; return the variable that names it to the runner (``{"DS_ENV_FILE": path}``,
+    absolute: the runner joins the name to its directories, and an absolute name stays itself).
+
+    The file holds one ``NAME=VALUE`` line per variable of ``env``, except those whose names start with ``PYTHON``
+    (the runner forwards them itself, ``PYTHONPATH`` with its working directory first) and those whose value holds
+    a line break (the format has none: logged and left out); then the lines of the env files the runner would have
+    read without ``path`` (``~/NAME`` and ``cwd/NAME``, ``NAME`` being ``environ``'s ``DS_ENV_FILE`` or
+    ``.deepspeed_env``), which win as they do in the runner.
+
+    Args:
+        env: the launch's environment additions (:func:`~zerotune.deepspeed.launcher.launch_env`).
+        path: where to write the file (the experiment's directory, or the results dir for the training).
+        environ: the tuner's environment.
+        cwd: the working directory the runner starts in (None: this process's).
+    """
+    lines = []
+    for name, value in env.items():
+        if name.startswith(_RUNNER_FORWARDS):
+            continue
+        if "\n" in value or "\r" in value:
+            log.warning("%s holds a line break: it is not passed to the ranks on other nodes", name)
+            continue
+        lines.append(f"{name}={value}\n")
+    own = environ.get(ENV_FILE_VAR, _DEFAULT_ENV_FILE)
+    folders = (Path.home(), Path(cwd) if cwd is not None else Path.cwd())
+    for user_file in dict.fromkeys((folder / own).resolve() for folder in folders):  # an absolute NAME: once
+        if user_file.is_file():
+            text = user_file.read_text()
+            lines.append(text if text.endswith("\n") or not text else text + "\n")
+    path = Path(path).absolute()
+    path.write_text("".join(lines))
+    return {ENV_FILE_VAR: str(path)}
