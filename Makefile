@@ -28,10 +28,12 @@ demo: setup
 	    --results-dir demo_results --timeout 300 \
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
-# .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py (as root with apt; else a message, and
-# those tests skip, naming why; a failed start says so and the rest of the suite still runs)
+# .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py; .ci/twonode_up.sh: two nodes in network
+# namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py. As root with apt; else a message,
+# and those tests skip, naming why; a failed start says so and the rest of the suite still runs.
 test: setup
 	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
+	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-fast: setup
