@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -22,8 +23,9 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
 from zerotune.run.backends.base import LaunchSpec
-from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
+from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env, step_id
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
+from zerotune.run.processes import reap_orphans
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
 
@@ -304,6 +306,33 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
                                        "env": {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
                                                "LOCAL_SIZE": "2", "MASTER_ADDR": host, "MASTER_PORT": port}}
                      for r in (0, 1)}
+
+
+@pytest.mark.e2e
+def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp_path):
+    """A tuner SIGKILLed mid-step leaves its running record; the next tuner's reap cancels the step by the job id
+    and step name recorded there (its ranks on other nodes have no process here to kill)."""
+    name = "zerotune-orphan-abcd1234"
+    srun = subprocess.Popen(["srun", "-n1", "--job-name", name, "sleep", "300"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while step_id(allocation, name) is None:
+            assert time.monotonic() < deadline and srun.poll() is None, "the step never started"
+            time.sleep(0.5)
+        running = tmp_path / "running"
+        running.mkdir()
+        (running / "orphan.json").write_text(json.dumps({
+            "name": "orphan", "token": "no-process-has-this-token", "master_port": 1, "host": socket.gethostname(),
+            "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None,
+            "slurm_job": allocation, "slurm_step_name": name}))
+        assert reap_orphans(running) == ["orphan"]  # its tuner (a pid above Linux's largest) is gone
+        assert step_id(allocation, name) is None and steps_of(allocation) == []
+        assert srun.wait(timeout=30) != 0  # srun ends with its cancelled step
+        assert list(running.iterdir()) == []
+    finally:
+        if srun.poll() is None:
+            srun.kill()
 
 
 @pytest.mark.e2e

@@ -158,15 +158,19 @@ def run_processes(token: str) -> list[psutil.Process]:
 
 
 def write_running_record(running_dir: Path, name: str, token: str, master_port: int, leader: int | None = None,
-                         since: float | None = None) -> Path:
+                         since: float | None = None, slurm_step: tuple[str, str] | None = None) -> Path:
     """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
     ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the
-    module doc); the caller removes the returned file when the run's processes are gone."""
+    module doc), as the Slurm job step ``slurm_step`` (job id, step name) where srun runs it; the caller removes
+    the returned file when the run's processes are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
-    write_json_atomic(path, {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
-                             "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time(),
-                             "leader": leader, "since": since})
+    record = {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
+              "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time(), "leader": leader,
+              "since": since}
+    if slurm_step is not None:
+        record["slurm_job"], record["slurm_step_name"] = slurm_step
+    write_json_atomic(path, record)
     return path
 
 
@@ -176,7 +180,8 @@ def reap_orphans(running_dir: Path) -> list[str]:
     are left alone. Returns the names reaped.
 
     Processes are found by the token in their environment, never by name, so nothing else is
-    touched.
+    touched. A run recorded as a Slurm job step is first cancelled by its job id and step name
+    (:func:`zerotune.run.backends.slurm.cancel_step`): its ranks on other nodes have no process here.
     """
     reaped = []
     try:
@@ -188,6 +193,9 @@ def reap_orphans(running_dir: Path) -> list[str]:
         if (data is None or data.get("host") != socket.gethostname()
                 or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
             continue
+        if isinstance(data.get("slurm_job"), str) and isinstance(data.get("slurm_step_name"), str):
+            from zerotune.run.backends.slurm import cancel_step  # the backends import this module
+            cancel_step(data["slurm_job"], data["slurm_step_name"])
         if data.get("token"):
             leader, since = data.get("leader"), data.get("since")
             kill_token(str(data["token"]), leader if isinstance(leader, int) else None,

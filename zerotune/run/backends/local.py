@@ -72,7 +72,7 @@ class LocalBackend(Backend):
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
         child_setup = _child_setup(self._data_limit())
-        record = write_running_record(running_dir, exp.name, token, port)
+        record = write_running_record(running_dir, exp.name, token, port, slurm_step=self._slurm_step(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
         start, since = time.monotonic(), time.time()
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
@@ -88,7 +88,8 @@ class LocalBackend(Backend):
                 self._running[proc.pid] = proc
             known: dict[int, psutil.Process] = {}
             try:
-                write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since)
+                write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since,
+                                     slurm_step=self._slurm_step(token))
                 self._supervise(proc, exp, exp_dir, watch, start, known, seen, token)
             finally:
                 self._stop(proc, known, token, since)
@@ -114,6 +115,10 @@ class LocalBackend(Backend):
     def _data_limit(self) -> int | None:
         """The ``RLIMIT_DATA`` the launched command gets, bytes, inherited by its ranks (None: none)."""
         return self.spec.device_memory_bytes if self.spec.cpu else None
+
+    def _slurm_step(self, token: str) -> tuple[str, str] | None:
+        """The run's Slurm job step (job id, step name) when srun runs it, for the running record; None here."""
+        return None
 
     def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
         """The processes of the run to watch (sampled for peak memory, killed at the end): the launcher's tree."""
