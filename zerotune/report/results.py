@@ -196,8 +196,9 @@ def table_text(table: Table) -> str:
     """The table as plain text for ``summary.txt``: 140 columns, or wider where the table needs it, so that no
     name is cut or wrapped."""
     with open(os.devnull, "w") as sink:
-        console = Console(width=140, record=True, file=sink, color_system=None)
-        console.print(table, width=max(140, natural_width(console, table)), crop=False)
+        width = max(140, natural_width(Console(width=140, file=sink), table))
+        console = Console(width=width, record=True, file=sink, color_system=None)
+        console.print(table)
     return console.export_text()
 
 
