@@ -10,6 +10,7 @@ import json
 import shutil
 import struct
 import subprocess
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -210,6 +211,7 @@ def test_every_plot_is_a_valid_plotly_figure(tuned):
     import plotly.graph_objects as go
 
     data = load(tuned[0])
+    assert (data.state, data.strategy_known, len(data.not_run)) == ("finished", True, 4)
     made = figures(data)
     assert list(made) == ["throughput", "memory", "timeline"]
     for fig in made.values():
@@ -231,7 +233,20 @@ def test_report_of_an_interrupted_or_running_tuning_shows_what_finished(tuned, t
     assert len(rows) == 13 and rows[-1]["name"] == running.name and rows[-1]["outcome"] == "interrupted"
     body = json.loads((results_dir / "results.json").read_text())
     assert body["answer"] == tuned[1].best.name and body["projection"]["steps"] == 1000
-    assert body["projection"]["samples"] == 1000 * 14 * 256 and "running" in (results_dir / "report.html").read_text()
+    assert body["projection"]["samples"] == 1000 * 14 * 256 and body["tuning"]["state"] == "running"
+    assert "Not known: the tuner records what it did not run" in (results_dir / "report.html").read_text()
+
+
+def test_a_record_without_a_start_time_starts_its_wall_time_before_it_was_recorded(tmp_path):
+    """Records of a zerotune before the report have no started_at: the timeline places them by recorded_at."""
+    exp = run("z1_mbs4", 1, 4, 100.0)
+    exp.started_at = None
+    (tmp_path / "exps" / exp.name).mkdir(parents=True)
+    write_record(exp, tmp_path / "exps" / exp.name, "k", {"objective": "throughput", "cpu": True})
+    record = json.loads((tmp_path / "exps" / exp.name / "exp.json").read_text())
+    data = load(tmp_path)
+    recorded = time.mktime(time.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S"))
+    assert [e.started_at for e in data.experiments] == [recorded - 60.0] and data.state == "running"
 
 
 def test_report_of_a_bad_dir_is_exit_2_naming_it(tmp_path, capsys):

@@ -133,6 +133,8 @@ class ReportData:
         not_run: stages, savers and candidates never launched, with why. notes: the tuner's other notes.
         state: one of :data:`STATES`. context: the runs' resume context (:func:`zerotune.run.resume.resume_context`).
         exps_dir: where the experiments' directories are. plan: the training run to project.
+        strategy_known: ``not_run`` and ``notes`` are the tuner's (False: read from a results dir without the
+            tuner's ``results.json``, where they are unknown).
         written_at: when this was gathered, seconds since the epoch.
     """
 
@@ -147,6 +149,7 @@ class ReportData:
     state: str = "running"
     context: dict[str, Any] = field(default_factory=dict)
     plan: TrainingPlan = field(default_factory=TrainingPlan)
+    strategy_known: bool = True
     written_at: float = field(default_factory=time.time)
 
     @classmethod
@@ -232,7 +235,8 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     names, else ``<results_dir>/exps``) of one tuning: those with the resume context ``results.json`` records,
     else the latest record's (an exps dir may hold runs of other inputs). A record that does not verify is left
     out. The objective and budget come from that context; the answer is recomputed from the runs
-    (:func:`~zerotune.strategy.answer.best_experiment`), so runs finished after the last ``results.json`` count.
+    (:func:`~zerotune.strategy.answer.best_experiment`), so runs finished after the last ``results.json`` count; the
+    state from the files (:func:`_state_on_disk`).
 
     Args:
         plan: the training run to project, over the one ``results.json`` records.
@@ -259,10 +263,28 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     budget = context.get("device_memory_bytes")
     capacity = None if context.get("cpu", True) else budget
     saved_plan = TrainingPlan(**{k: tuning.get(k) for k in ("train_samples", "train_steps", "cost_per_device_hour")})
-    return ReportData(runs, objective, budget, capacity, best_experiment(runs, objective, capacity), exps_dir,
+    answer = best_experiment(runs, objective, capacity)
+    return ReportData(runs, objective, budget, capacity, answer, exps_dir,
                       [NotRun(str(n.get("what", "")), str(n.get("reason", ""))) for n in tuning.get("not_run", [])],
-                      [str(n) for n in tuning.get("notes", [])], tuning.get("state", "running"), context,
-                      (plan or TrainingPlan()).over(saved_plan))
+                      [str(n) for n in tuning.get("notes", [])],
+                      _state_on_disk(results_dir, exps_dir, runs, answer), context,
+                      (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(tuning.get("strategy_known")))
+
+
+def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:
+    """The tuning's state, read from the files (a ``results.json``'s may be stale, or written by ``zerotune report``):
+    ended when ``summary.txt`` (written when a tuning ends, however it ends) is newer than every record, and then
+    interrupted, finished or failed by its runs; else running (or killed)."""
+    try:
+        summary = (results_dir / "summary.txt").stat().st_mtime
+        newest = max((p.stat().st_mtime for p in exps_dir.glob(f"*/{RECORD_FILE}")), default=0.0)
+    except OSError:
+        return "running"
+    if summary < newest:
+        return "running"
+    if any(e.status in (None, Status.INTERRUPTED) for e in runs):
+        return "interrupted"
+    return "finished" if answer is not None else "failed"
 
 
 def _records(exps_dir: Path) -> list[dict[str, Any]]:

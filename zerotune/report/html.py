@@ -115,7 +115,8 @@ def memory_figure(data: ReportData) -> dict[str, Any] | None:
         notes.append({"xref": "paper", "x": 1, "y": budget, "xanchor": "right", "yanchor": "bottom",
                       "text": f"budget {format_bytes(data.budget_bytes)} per device", "showarrow": False})
     figure = _figure(traces, "memory per device: the memory model's prediction against the measured peak",
-                     {"title": {"text": "experiment (launch order)"}, "type": "category", "tickangle": -40,
+                     {"title": {"text": "experiment (launch order)", "standoff": 12}, "type": "category",
+                      "tickangle": -30, "automargin": True,
                       "categoryorder": "array", "categoryarray": [e.name for e in runs]},
                      {"title": {"text": "memory per device (GiB)"}, "rangemode": "tozero"})
     figure["layout"].update(shapes=shapes, annotations=notes)
@@ -139,8 +140,9 @@ def timeline_figure(data: ReportData) -> dict[str, Any] | None:
         traces.append({"type": "bar", "orientation": "h", "name": name, "y": [e.name for e in bars],
                        "x": [max(e.wall_s or 0.0, 0.0) for e in bars], "base": [e.started_at - start for e in bars],
                        "text": [name] * len(bars), "textposition": "inside", "insidetextanchor": "start",
+                       "textfont": {"color": "black", "size": 12},
                        "marker": {"color": color, "pattern": {"shape": pattern, "fillmode": "overlay",
-                                                              "fgcolor": "white", "fgopacity": 0.7},
+                                                              "fgcolor": "white", "fgopacity": 0.5},
                                   "line": {"color": "black", "width": 0.5}},
                        "hovertemplate": "%{y}: from %{base:.1f} s for %{x:.1f} s<extra>%{fullData.name}</extra>"})
     figure = _figure(traces, "launches: when each ran, for how long, and how it ended",
@@ -237,6 +239,9 @@ def _cost(data: ReportData) -> str:
 
 
 def _not_run(data: ReportData) -> str:
+    if not data.strategy_known:
+        return ("<h2>Not run</h2><p>Not known: the tuner records what it did not run in results.json, and this "
+                "results dir has none from it.</p>\n")
     if not data.not_run:
         return "<h2>Not run</h2><p>Every stage and candidate the strategy considered was launched.</p>\n"
     return "<h2>Not run, and why</h2>" + _table(("stage or candidate", "reason"),

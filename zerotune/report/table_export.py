@@ -71,7 +71,8 @@ def json_text(data: ReportData) -> str:
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,
               "unit": data.objective.unit, "budget_bytes": data.budget_bytes, "exps_dir": str(data.exps_dir.resolve()),
               "context": data.context, **data.plan.to_json(),
-              "not_run": [{"what": n.what, "reason": n.reason} for n in data.not_run], "notes": data.notes}
+              "strategy_known": data.strategy_known, "not_run": [{"what": n.what, "reason": n.reason}
+                                                                for n in data.not_run], "notes": data.notes}
     body = {"schema_version": SCHEMA_VERSION, "tuning": tuning,
             "answer": data.answer.name if data.answer is not None else None,
             "answer_metric": data.pooled[data.answer.name].value if data.answer is not None else None,
