@@ -268,7 +268,8 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
                       [NotRun(str(n.get("what", "")), str(n.get("reason", ""))) for n in tuning.get("not_run", [])],
                       [str(n) for n in tuning.get("notes", [])],
                       _state_on_disk(results_dir, exps_dir, runs, answer), context,
-                      (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(tuning.get("strategy_known")))
+                      (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(
+                          tuning.get("strategy_known", "not_run" in tuning)))
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:

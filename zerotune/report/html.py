@@ -64,12 +64,13 @@ def throughput_figure(data: ReportData) -> dict[str, Any] | None:
     for i, (label, points) in enumerate(series.items()):
         points = sorted(points, key=lambda e: e.mbs)
         traces.append({"type": "scatter", "mode": "lines+markers", "name": label, "x": [e.mbs for e in points],
-                       "y": [e.metric for e in points], "text": [e.name for e in points],
+                       "y": [e.metric for e in points],
+                       "text": [f"{e.name} ±{e.metric_rel_half_width or 0:.1%}" for e in points],
                        "error_y": {"type": "data", "array": [e.metric * (e.metric_rel_half_width or 0) for e in points],
                                    "visible": True},
                        "marker": {"symbol": SYMBOLS[i % len(SYMBOLS)], "size": 9},
                        "line": {"dash": DASHES[i % len(DASHES)], "width": 1.5},
-                       "hovertemplate": "%{text}<br>mbs %{x}: %{y:.4g} ±%{error_y.array:.3g}<extra>%{fullData.name}</extra>"})
+                       "hovertemplate": "%{text}<br>mbs %{x}: %{y:.4g}<extra>%{fullData.name}</extra>"})
     floor = 0.95 * min((e.metric for points in series.values() for e in points), default=0.0)
     for name in OUTCOMES[2:]:
         failed = [e for e in runs if outcome(e) == name]
