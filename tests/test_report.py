@@ -293,3 +293,17 @@ def test_a_report_that_cannot_be_written_never_fails_the_tuning(tmp_path):
     ok = Refresher(tmp_path, lambda state: data, clock=lambda: 0.0)
     assert ok.refresh(force=True) is False and ok.failures == 1 and (tmp_path / "report.html").is_dir()
     assert not list(tmp_path.glob(".report.html.tmp*"))
+
+
+def test_a_damaged_results_json_is_read_as_far_as_it_is_right(tuned, tmp_path):
+    results_dir = tmp_path / "r"
+    shutil.copytree(tuned[0], results_dir)
+    body = json.loads((results_dir / "results.json").read_text())
+    body["tuning"].update(not_run=["not a row", {"what": "z9", "reason": "why"}], notes={"x": 1}, exps_dir=7,
+                          train_samples="many", context=None)
+    (results_dir / "results.json").write_text(json.dumps(body))
+    data = load(results_dir)
+    assert [(n.what, n.reason) for n in data.not_run] == [("z9", "why")] and data.notes == []
+    assert len(data.experiments) == 12 and data.plan == TrainingPlan(None, None, 2.5) and data.state == "finished"
+    (results_dir / "results.json").write_text("[1, 2")
+    assert load(results_dir).answer.name == tuned[1].best.name

@@ -249,18 +249,17 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     if not results_dir.is_dir():
         raise ConfigError(f"{results_dir}: not a directory: expected a zerotune results dir (autotuning.results_dir "
                           f"or --results-dir)")
-    saved = read_json(results_dir / RESULTS_JSON) or {}
-    tuning = saved.get("tuning") if isinstance(saved.get("tuning"), dict) else {}
+    tuning = _saved_tuning(results_dir / RESULTS_JSON)
     exps_dir = Path(exps_dir or tuning.get("exps_dir") or results_dir / "exps")
     records = _records(exps_dir)
     if not records and not tuning:
         raise ConfigError(f"{results_dir}: no {RESULTS_JSON} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
-    context = tuning.get("context") or (max(records, key=lambda r: r.get("recorded_at", ""))["resume_context"]
+    context = tuning.get("context") or (max(records, key=lambda r: str(r.get("recorded_at")))["resume_context"]
                                         if records else {})
     runs = sorted((_experiment(r) for r in records if r.get("resume_context") == context), key=_launch_order)
     objective = Objective.named(context.get("objective") or "throughput")
-    budget = context.get("device_memory_bytes")
+    budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
     saved_plan = TrainingPlan(**{k: tuning.get(k) for k in ("train_samples", "train_steps", "cost_per_device_hour")})
     answer = best_experiment(runs, objective, capacity)
@@ -286,6 +285,21 @@ def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], an
     if any(e.status in (None, Status.INTERRUPTED) for e in runs):
         return "interrupted"
     return "finished" if answer is not None else "failed"
+
+
+def _saved_tuning(path: Path) -> dict[str, Any]:
+    """The ``tuning`` section of a ``results.json``, each field kept only where it has the type zerotune writes (a
+    damaged or foreign file is read as far as it is right, never fatal); {} without one."""
+    tuning = (read_json(path) or {}).get("tuning")
+    if not isinstance(tuning, dict):
+        return {}
+    types = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list, "notes": list,
+             "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float)}
+    kept = {k: v for k, v in tuning.items() if k in types and isinstance(v, types[k]) and not isinstance(v, bool)
+            or k == "strategy_known" and isinstance(v, bool)}
+    if "not_run" in kept:
+        kept["not_run"] = [n for n in kept["not_run"] if isinstance(n, dict)]
+    return kept
 
 
 def _records(exps_dir: Path) -> list[dict[str, Any]]:
