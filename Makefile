@@ -22,18 +22,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # 2 CPU ranks with a 2.5 GiB budget each: ZeRO 1-3 with DeepSpeed's default buckets need a
-# 2,000,000,000-byte buffer per rank, so memory bounds their micro batch size.
+# 2,000,000,000-byte buffer per rank, so memory bounds their micro batch size. The tuning writes
+# demo_results/report.html (with the projection of a 10M-sample run at 2.5 per device-hour), results.csv and
+# results.json; `zerotune report demo_results` rewrites them.
 demo: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/zerotune tune --num_gpus 2 --device-memory 2.5GiB \
-	    --results-dir demo_results --timeout 300 \
+	    --results-dir demo_results --timeout 300 --train-samples 10000000 --cost-per-device-hour 2.5 \
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
 # .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py; .ci/twonode_up.sh: two nodes in network
-# namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py. As root with apt; else a message,
-# and those tests skip, naming why; a failed start says so and the rest of the suite still runs.
+# namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py; .ci/chromium_up.sh: Debian's
+# Chromium for tests/test_report.py (it renders report.html headless). As root with apt; else a message, and
+# those tests skip, naming why; a failed start says so and the rest of the suite still runs.
 test: setup
 	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
 	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"
+	bash .ci/chromium_up.sh || echo "chromium_up failed: the report's browser test skips"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 test-fast: setup

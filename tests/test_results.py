@@ -1,12 +1,14 @@
 """The answer files and the summary: best experiment, cost, optimal config."""
+import io
 import math
 
 import pytest
+from rich.console import Console
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
-from zerotune.report.results import answer_text, cost_line, device_seconds, render_table, table_text
+from zerotune.report.results import answer_text, cost_line, device_seconds, print_wide, render_table, table_text
 from zerotune.strategy.answer import best_experiment
 
 THROUGHPUT = Objective.named("throughput")
@@ -165,3 +167,19 @@ def test_the_notes_say_what_was_not_launched_and_what_the_re_measurements_change
                         "the target precision); they changed the answer from z1 to z0")
     ledger.add(run("z0_r2", 0, 90.0, replica_of="z0"))  # z0 pooled 95 < z1's 98: the first runs' answer again
     assert strategy_notes(result, 2**30, 1)[1].endswith("; the first runs alone give the same answer")
+
+
+LONG = "z1_gas1_tmbspg14_rbs500000000_agbs500000000_overlap_comm_true_contiguous_gradients_false_round_robin_true"
+
+
+def test_the_summary_is_whole_when_the_output_is_not_a_terminal():
+    """A CI log or `| tee` (rich assumes 80 columns there) and summary.txt get every name whole, on one line."""
+    runs = [exp("profile_z3", Status.OK, None, 900.0, ExperimentKind.PROFILE, "profile"),
+            exp(LONG, Status.OK, 12.0, 450.0, space="z1_knobs")]
+    table = render_table(runs, THROUGHPUT, elapsed_s=10.0, launched=2, answer=runs[1])
+    out = io.StringIO()
+    console = Console(file=out)
+    assert not console.is_terminal and console.width == 80
+    print_wide(console, table)
+    assert f" {LONG} * " in out.getvalue() and "…" not in out.getvalue()
+    assert f" {LONG} * " in table_text(table) and "…" not in table_text(table)

@@ -29,8 +29,10 @@ from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, m
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
 from zerotune.report import results
 from zerotune.report.log import to_console
+from zerotune.report.data import ReportData, TrainingPlan
 from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
+from zerotune.report.publish import Refresher
 from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
@@ -154,8 +156,11 @@ class Autotuner:
         self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))
         self.progress = Progress(self.console, job.objective)
-        self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self.progress.update,
+        self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self._on_update,
                                    context=resume_context(job))
+        options = options or TuneOptions()
+        self.training_plan = TrainingPlan(options.train_samples, options.train_steps, options.cost_per_device_hour)
+        self.report = Refresher(job.results_dir, self.report_data)
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
@@ -164,6 +169,21 @@ class Autotuner:
     def _notes(self) -> list[str]:
         return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
                 self.job.batch.describe()]
+
+    def _on_update(self, exp: Experiment, event: str) -> None:
+        """The scheduler's callback: the progress display, and the report refreshed as experiments finish."""
+        self.progress.update(exp, event)
+        if event in ("end", "cached"):
+            self.report.refresh()
+
+    def report_data(self, state: str = "running") -> ReportData:
+        """What ``report.html``, ``results.csv`` and ``results.json`` show of this tuning now
+        (:mod:`zerotune.report.data`); ``state``: one of :data:`~zerotune.report.data.STATES`."""
+        job = self.job
+        return ReportData.from_tuning(list(self.scheduler.history), self.result, objective=job.objective,
+                                      budget_bytes=job.device_memory_bytes, capacity_bytes=job.capacity_bytes,
+                                      exps_dir=job.exps_dir, context=self.scheduler.context, notes=self._notes,
+                                      state=state, plan=self.training_plan)
 
     @property
     def stage_results(self):
@@ -204,15 +224,21 @@ class Autotuner:
                 self.console.print(note, markup=False, highlight=False)
             strategy = self._strategy(self.scheduler.run)
             self.result = strategy.result  # filled in as it runs: a failure still reports what was learnt
+            interrupted = False
             try:
                 self.progress.start(started)
                 strategy.run()
                 extensions.publish(extensions.extensions_dir(job.exps_dir))  # built once per install, not per dir
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
             finally:
                 with _stop_signals_deferred():  # the old answer or the new one, whole
                     self.progress.stop()
                     self.elapsed_s = time.monotonic() - started
                     unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
+                    state = "interrupted" if interrupted else "finished" if self.best is not None else "failed"
+                    self.report.refresh(state, force=True)  # logs a failure, never raises
         if unwritten is not None:
             raise TuningFailed(f"cannot write the results: {unwritten}; the experiments' records under "
                                f"{job.exps_dir} are kept: free some space and rerun to resume")
@@ -272,11 +298,14 @@ class Autotuner:
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
-        self.console.print(results.render_table(self.scheduler.history, self.job.objective, self.elapsed_s,
-                                                self.scheduler.launched, self._notes, answer=self.best))
+        results.print_wide(self.console, results.render_table(self.scheduler.history, self.job.objective,
+                                                              self.elapsed_s, self.scheduler.launched, self._notes,
+                                                              answer=self.best))
         if self.best is not None:
             self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
                                soft_wrap=True, markup=False)
+            self.console.print(f"report:         {self.job.results_dir / 'report.html'}", soft_wrap=True,
+                               markup=False, highlight=False)
             self.console.print(f"optimal config: {self.job.results_dir / 'ds_config_optimal.json'}\n"
                                f"command:        {(self.job.results_dir / 'cmd_optimal.txt').read_text().strip()}")
 

@@ -4,6 +4,7 @@
     zerotune run  ...same...   # tune, then train with the winning config
     zerotune tune --dry-run [--json] ...   # list the experiments it may generate, launch nothing
     zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB   # what-if, runs nothing
+    zerotune report RESULTS_DIR [--train-samples N] [--cost-per-device-hour 2.5]   # report.html, results.csv/json
 
 Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
 or value), 3 ``zerotune run``'s training failed (a line gives its own status), 130 interrupted by
@@ -22,6 +23,7 @@ from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.model import estimate
+from zerotune.report import publish
 from zerotune.report.log import set_verbosity
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
@@ -41,15 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("tune", "tune and write the optimal config"),
                             ("run", "tune, then launch training with the optimal config")):
         p = sub.add_parser(name, help=help_text)
-        g = p.add_argument_group("launcher options (as the deepspeed launcher)")
-        g.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('worker-0 slots=8' per line)")
-        g.add_argument("--include", default="", help="e.g. 'worker-0:0,1@worker-1'")
-        g.add_argument("--exclude", default="", help="e.g. 'worker-1:0'")
-        g.add_argument("--num_nodes", type=int, default=-1)
-        g.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1,
-                       help="devices per node; on CPU the number of ranks")
-        g.add_argument("--master_port", type=int, default=None,
-                       help="accepted for compatibility; each experiment gets a free port")
+        _launcher_options(p)
         z = p.add_argument_group("zerotune options")
         z.add_argument("--results-dir", default=None, help="results dir (default: autotuning.results_dir)")
         z.add_argument("--device-memory", default=None,
@@ -90,10 +84,25 @@ def build_parser() -> argparse.ArgumentParser:
         v = z.add_mutually_exclusive_group()
         v.add_argument("--quiet", action="store_true", help="log warnings and errors only (not each decision)")
         v.add_argument("--verbose", action="store_true", help="log debug lines too")
+        publish.add_projection_options(p)
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     estimate.add_parser(sub)
+    publish.add_parser(sub)
     return parser
+
+
+def _launcher_options(p: argparse.ArgumentParser) -> None:
+    """The options ``tune`` and ``run`` share with the ``deepspeed`` launcher."""
+    g = p.add_argument_group("launcher options (as the deepspeed launcher)")
+    g.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('worker-0 slots=8' per line)")
+    g.add_argument("--include", default="", help="e.g. 'worker-0:0,1@worker-1'")
+    g.add_argument("--exclude", default="", help="e.g. 'worker-1:0'")
+    g.add_argument("--num_nodes", type=int, default=-1)
+    g.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1,
+                   help="devices per node; on CPU the number of ranks")
+    g.add_argument("--master_port", type=int, default=None,
+                   help="accepted for compatibility; each experiment gets a free port")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "estimate":
             return estimate.run(args)
+        if args.command == "report":
+            return publish.run(args)
         set_verbosity(quiet=args.quiet, verbose=args.verbose)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
@@ -110,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                               hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
                               adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
-                              host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path)
+                              host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,
+                              train_samples=args.train_samples, train_steps=args.train_steps,
+                              cost_per_device_hour=args.cost_per_device_hour)
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -86,6 +86,7 @@ class Experiment:
     ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
+    started_at: float | None = None  # when the scheduler launched it, seconds since the epoch (the report's timeline)
 
     @property
     def stage(self) -> int:

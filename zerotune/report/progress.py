@@ -111,7 +111,7 @@ class Progress:
                     self.best = exp
             line = None if event == "queued" else self.line(exp, event)
         if line is not None:
-            self.console.print(line, markup=False, highlight=False)
+            self.console.print(line, markup=False, highlight=False, soft_wrap=True)  # whole in a CI log too
         if self._live is not None:
             self._live.refresh()
 

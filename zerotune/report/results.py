@@ -7,6 +7,7 @@ command with the config path) and ``summary.txt`` (the table printed at the end)
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,9 +193,29 @@ def memory_table(experiments: Sequence[Experiment]) -> Table | None:
 
 
 def table_text(table: Table) -> str:
-    console = Console(width=140, record=True, file=open("/dev/null", "w"), color_system=None)
-    console.print(table)
+    """The table as plain text for ``summary.txt``: 140 columns, or wider where the table needs it, so that no
+    name is cut or wrapped."""
+    with open(os.devnull, "w") as sink:
+        width = max(140, natural_width(Console(width=140, file=sink), table))
+        console = Console(width=width, record=True, file=sink, color_system=None)
+        console.print(table)
     return console.export_text()
+
+
+def print_wide(console: Console, renderable) -> None:
+    """Print a table whole: on a terminal as rich fits it; elsewhere (a CI log, ``| tee``, a file), where rich
+    would assume 80 columns and cut names to "...", at its natural width."""
+    if console.is_terminal:
+        console.print(renderable)
+    else:
+        width = max(console.width, natural_width(console, renderable))  # rich caps print(width=) at its own
+        Console(file=console.file, width=width, color_system=console.color_system, no_color=console.no_color,
+                force_terminal=False).print(renderable, crop=False)
+
+
+def natural_width(console: Console, renderable) -> int:
+    """The columns ``renderable`` takes unconstrained (a table: every cell on one line)."""
+    return console.measure(renderable, options=console.options.update_width(10_000)).maximum
 
 
 def write_results(results_dir: Path, experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,

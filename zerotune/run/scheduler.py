@@ -289,6 +289,7 @@ class Scheduler:
             make_way(exp_dir)  # an attempt not reused; never what zerotune cannot prove its own
             exp_dir.mkdir(parents=True)
             exp.status = Status.INTERRUPTED  # what exp.json says if the tuner dies while this runs
+            exp.started_at = started
             self._record(exp, exp_dir)
             with self._cond:
                 self.launched += 1

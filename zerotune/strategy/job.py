@@ -62,6 +62,9 @@ class TuneOptions:
         savers: try checkpointing and offload where memory binds a stage (:mod:`zerotune.strategy.savers`);
             False: only what the config says (``--no-savers``). nvme_path: a directory on local NVMe
             (``--nvme-path``): the savers may offload there too, after the host.
+        train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
+            answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
+            device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
     """
 
     device_memory_bytes: int | None = None
@@ -79,6 +82,9 @@ class TuneOptions:
     host_memory_bytes: int | None = None
     savers: bool = True
     nvme_path: str | None = None
+    train_samples: int | None = None
+    train_steps: int | None = None
+    cost_per_device_hour: float | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,338 @@
+"""What the report shows, as data: the runs, the answer, the runner-up, what was not run, the cost, the projection.
+
+:class:`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
+it holds (:meth:`ReportData.from_tuning`, refreshed as experiments finish), or from a results dir on disk alone
+(:func:`load`, for ``zerotune report``), where the runs come from the experiments' verified records
+(``exp.json``, :func:`zerotune.run.expdir.untrusted`) and what only the tuner knew (the stages and candidates not
+run, its notes, its state) from the ``results.json`` it last wrote (:mod:`zerotune.report.table_export`).
+The HTML page (:mod:`zerotune.report.html`) and the tables for programs (:mod:`zerotune.report.table_export`)
+read this module only.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.measure import Pooled, comparison_noise, mean_half_width, pooled_metrics, run_noise
+from zerotune.core.objective import Objective
+from zerotune.core.stopping import EARLY_ENDS
+from zerotune.run.expdir import RECORD_FILE, read_json, untrusted
+from zerotune.strategy.answer import best_experiment
+
+if TYPE_CHECKING:
+    from zerotune.strategy.result import StrategyResult
+
+RESULTS_JSON = "results.json"
+
+OUTCOMES = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
+"""How a launch ended, as the report names it (:func:`outcome`), in the legend's order."""
+
+STATES = ("running", "finished", "interrupted", "failed")
+"""The tuning's state when the report was written: still running (or killed without a word), finished with an
+answer, stopped by a signal, or ended without an answer."""
+
+
+def outcome(exp: Experiment) -> str:
+    """How ``exp``'s launch ended, one of :data:`OUTCOMES`: ``stopped early`` is an ok run zerotune ended once
+    its metric was known or could not win (:data:`~zerotune.core.stopping.EARLY_ENDS`); ``interrupted`` a run the
+    tuner was stopped in (or, while the tuning runs, one still running)."""
+    status = exp.status or Status.INTERRUPTED
+    if status is Status.OK:
+        return "stopped early" if exp.ended in EARLY_ENDS else "ok"
+    return {Status.TIMEOUT: "timed out", Status.SKIPPED: "interrupted"}.get(status, status.value)
+
+
+@dataclass(frozen=True)
+class NotRun:
+    """A ZeRO stage, memory saver or candidate config that was never launched, and why (human text)."""
+
+    what: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """The full training run the report projects with the answer (``--train-samples``/``--train-steps``,
+    ``--cost-per-device-hour``); all None: no projection."""
+
+    train_samples: int | None = None
+    train_steps: int | None = None
+    cost_per_device_hour: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"train_samples": self.train_samples, "train_steps": self.train_steps,
+                "cost_per_device_hour": self.cost_per_device_hour}
+
+    def over(self, other: "TrainingPlan") -> "TrainingPlan":
+        """This plan where it says something, else ``other``'s (the command line's options over the tuner's)."""
+        samples, steps = (self.train_samples, self.train_steps) if (self.train_samples or self.train_steps) else (
+            other.train_samples, other.train_steps)
+        cost = self.cost_per_device_hour if self.cost_per_device_hour is not None else other.cost_per_device_hour
+        return TrainingPlan(samples, steps, cost)
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """The best config other than the answer, and how far the answer is from it.
+
+    Attributes:
+        name: its experiment name. value/answer_value: the two pooled metrics, in the objective's unit.
+        gain: the answer's relative improvement over it (0.05: 5% better; negative where the answer rule read
+            the curve's shape over a higher single reading, docs/decisions.md D101).
+        noise: how far apart two such readings can be by noise alone, relative, 95%
+            (:func:`~zerotune.core.measure.comparison_noise` with this tuning's run-to-run noise).
+    """
+
+    name: str
+    value: float
+    answer_value: float
+    gain: float
+    noise: float
+
+    @property
+    def beyond_noise(self) -> bool:
+        """True when the answer is better by more than the noise can explain."""
+        return self.gain > self.noise
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The full training run with the answer's config.
+
+    Attributes:
+        samples, steps: the run's length (one given, the other from the global batch).
+        seconds: its wall time, s; rel_half_width: the answer's 95% interval, relative, which the time carries.
+        devices: devices it holds; device_hours: ``seconds * devices / 3600``; cost: device-hours times the price
+            per device-hour (None without one).
+    """
+
+    samples: int
+    steps: int
+    seconds: float
+    rel_half_width: float
+    devices: int
+    device_hours: float
+    cost: float | None
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows.
+
+    Attributes:
+        experiments: the launches of this tuning (the profile run included), in launch order.
+        objective: the tuned metric. budget_bytes: the per-device memory budget, bytes.
+        capacity_bytes: the budget the answer rule reads capacity against (None on CPU ranks,
+            :attr:`zerotune.strategy.job.Job.capacity_bytes`).
+        answer: the optimal experiment (None: none ran ok yet).
+        not_run: stages, savers and candidates never launched, with why. notes: the tuner's other notes.
+        state: one of :data:`STATES`. context: the runs' resume context (:func:`zerotune.run.resume.resume_context`).
+        exps_dir: where the experiments' directories are. plan: the training run to project.
+        strategy_known: ``not_run`` and ``notes`` are the tuner's (False: read from a results dir without the
+            tuner's ``results.json``, where they are unknown).
+        written_at: when this was gathered, seconds since the epoch.
+    """
+
+    experiments: list[Experiment]
+    objective: Objective
+    budget_bytes: int | None
+    capacity_bytes: int | None
+    answer: Experiment | None
+    exps_dir: Path
+    not_run: list[NotRun] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    state: str = "running"
+    context: dict[str, Any] = field(default_factory=dict)
+    plan: TrainingPlan = field(default_factory=TrainingPlan)
+    strategy_known: bool = True
+    written_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_tuning(cls, experiments: list[Experiment], result: "StrategyResult", *, objective: Objective,
+                    budget_bytes: int | None, capacity_bytes: int | None, exps_dir: Path, context: dict[str, Any],
+                    notes: list[str], state: str, plan: TrainingPlan) -> "ReportData":
+        """The report of a tuning in progress or just ended: ``experiments`` is the scheduler's history (what was
+        launched or reused from disk), ``result`` the strategy's record (the answer and what it did not run)."""
+        launched = {e.name for e in experiments}
+        runs = sorted(experiments, key=_launch_order)
+        answer = result.answer if result.answer is not None and result.answer.name in launched else None
+        return cls(runs, objective, budget_bytes, capacity_bytes,
+                   answer or best_experiment(runs, objective, capacity_bytes), Path(exps_dir),
+                   not_run_of(result, launched), list(notes), state, dict(context), plan)
+
+    @property
+    def pooled(self) -> dict[str, Pooled]:
+        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`)."""
+        return pooled_metrics(self.experiments)
+
+    @property
+    def answer_half_width(self) -> float | None:
+        """The answer's 95% interval, relative, over its runs (:func:`~zerotune.core.measure.mean_half_width`)."""
+        if self.answer is None:
+            return None
+        runs = [e.metric_rel_half_width for e in self.experiments if e.status is Status.OK and e.metric is not None
+                and self.answer.name in (e.name, e.replica_of)]
+        return mean_half_width(runs, run_noise(self.experiments).sigma) if runs else None
+
+    def runner_up(self) -> RunnerUp | None:
+        """The best other config by pooled metric (:class:`RunnerUp`); None without an answer or another config."""
+        pooled, answer = self.pooled, self.answer
+        if answer is None or answer.name not in pooled:
+            return None
+        others = [e for e in self.experiments if e.replica_of is None and e.name in pooled and e.name != answer.name]
+        other = self.objective.best(others, lambda e: pooled[e.name].value)
+        if other is None:
+            return None
+        a, o = pooled[answer.name], pooled[other.name]
+        noise = comparison_noise([_own_half_width(answer, a), _own_half_width(other, o)], [a.runs, o.runs],
+                                 run_noise=run_noise(self.experiments).sigma)
+        return RunnerUp(other.name, o.value, a.value, self.objective.gain(a.value, o.value), noise)
+
+    def projection(self) -> Projection | None:
+        """The full training run with the answer (:class:`Projection`); None without an answer, a run length,
+        or a metric that gives time (throughput or latency)."""
+        answer, plan = self.answer, self.plan
+        if answer is None or not (plan.train_samples or plan.train_steps) or self.objective.name == "flops":
+            return None
+        value = self.pooled[answer.name].value
+        devices = answer.num_nodes * answer.num_slots
+        batch = int(answer.ds_config.get("train_batch_size") or answer.mbs * answer.gas * devices)
+        steps = plan.train_steps or math.ceil(plan.train_samples / batch)
+        samples = plan.train_samples or steps * batch
+        seconds = samples / value if self.objective.name == "throughput" else steps * value
+        device_hours = seconds * devices / 3600
+        cost = None if plan.cost_per_device_hour is None else device_hours * plan.cost_per_device_hour
+        return Projection(samples, steps, seconds, self.answer_half_width or 0.0, devices, device_hours, cost)
+
+    def tuning_start(self) -> float | None:
+        """When the first launch started, seconds since the epoch (None: no launch has a start time)."""
+        starts = [e.started_at for e in self.experiments if e.started_at is not None]
+        return min(starts) if starts else None
+
+
+def not_run_of(result: "StrategyResult", launched: set[str]) -> list[NotRun]:
+    """What the strategy never launched, with why: stages the memory model pruned or the strategy skipped, the
+    savers it did not try, candidates the memory model put over the budget, and those the throughput model said
+    could not win."""
+    rows = [NotRun(r.label, f"{r.decision.value}: {r.reason}") for r in result.stages
+            if r.decision is not None and r.decision.value in ("pruned", "skipped")]
+    rows += [NotRun("memory savers", note) for note in result.savers_notes]
+    rows += [NotRun(e.name, e.error or f"{e.status.value}: not launched") for e in result.experiments
+             if e.name not in launched and e.status is not None and e.status is not Status.SKIPPED]
+    rows += [NotRun(p.name, p.reason) for p in result.predictions if p.name not in launched]
+    return rows
+
+
+def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | None = None) -> ReportData:
+    """The report of the tuning whose results are in ``results_dir``, finished, running or interrupted, from disk.
+
+    The experiments are the verified records (``exp.json``) under ``exps_dir`` (default: the one ``results.json``
+    names, else ``<results_dir>/exps``) of one tuning: those with the resume context ``results.json`` records,
+    else the latest record's (an exps dir may hold runs of other inputs). A record that does not verify is left
+    out. The objective and budget come from that context; the answer is recomputed from the runs
+    (:func:`~zerotune.strategy.answer.best_experiment`), so runs finished after the last ``results.json`` count; the
+    state from the files (:func:`_state_on_disk`).
+
+    Args:
+        plan: the training run to project, over the one ``results.json`` records.
+
+    Raises:
+        ConfigError: ``results_dir`` is not a directory, or neither it nor ``exps_dir`` holds any zerotune result
+            (the message names the path and what was expected).
+    """
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise ConfigError(f"{results_dir}: not a directory: expected a zerotune results dir (autotuning.results_dir "
+                          f"or --results-dir)")
+    tuning = _saved_tuning(results_dir / RESULTS_JSON)
+    exps_dir = Path(exps_dir or tuning.get("exps_dir") or results_dir / "exps")
+    records = _records(exps_dir)
+    if not records and not tuning:
+        raise ConfigError(f"{results_dir}: no {RESULTS_JSON} and no experiment records under {exps_dir}: expected a "
+                          f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
+    context = tuning.get("context") or (max(records, key=lambda r: str(r.get("recorded_at")))["resume_context"]
+                                        if records else {})
+    runs = sorted((_experiment(r) for r in records if r.get("resume_context") == context), key=_launch_order)
+    objective = Objective.named(context.get("objective") or "throughput")
+    budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
+    capacity = None if context.get("cpu", True) else budget
+    saved_plan = TrainingPlan(**{k: tuning.get(k) for k in ("train_samples", "train_steps", "cost_per_device_hour")})
+    answer = best_experiment(runs, objective, capacity)
+    return ReportData(runs, objective, budget, capacity, answer, exps_dir,
+                      [NotRun(str(n.get("what", "")), str(n.get("reason", ""))) for n in tuning.get("not_run", [])],
+                      [str(n) for n in tuning.get("notes", [])],
+                      _state_on_disk(results_dir, exps_dir, runs, answer), context,
+                      (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(
+                          tuning.get("strategy_known", "not_run" in tuning)))
+
+
+def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:
+    """The tuning's state, read from the files (a ``results.json``'s may be stale, or written by ``zerotune report``):
+    ended when ``summary.txt`` (written when a tuning ends, however it ends) is newer than every record, and then
+    interrupted, finished or failed by its runs; else running (or killed)."""
+    try:
+        summary = (results_dir / "summary.txt").stat().st_mtime
+        newest = max((p.stat().st_mtime for p in exps_dir.glob(f"*/{RECORD_FILE}")), default=0.0)
+    except OSError:
+        return "running"
+    if summary < newest:
+        return "running"
+    if any(e.status in (None, Status.INTERRUPTED) for e in runs):
+        return "interrupted"
+    return "finished" if answer is not None else "failed"
+
+
+def _saved_tuning(path: Path) -> dict[str, Any]:
+    """The ``tuning`` section of a ``results.json``, each field kept only where it has the type zerotune writes (a
+    damaged or foreign file is read as far as it is right, never fatal); {} without one."""
+    tuning = (read_json(path) or {}).get("tuning")
+    if not isinstance(tuning, dict):
+        return {}
+    types = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list, "notes": list,
+             "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float)}
+    kept = {k: v for k, v in tuning.items() if k in types and isinstance(v, types[k]) and not isinstance(v, bool)
+            or k == "strategy_known" and isinstance(v, bool)}
+    if "not_run" in kept:
+        kept["not_run"] = [n for n in kept["not_run"] if isinstance(n, dict)]
+    return kept
+
+
+def _records(exps_dir: Path) -> list[dict[str, Any]]:
+    """The verified ``exp.json`` records directly under ``exps_dir`` (none when it is not a directory)."""
+    if not exps_dir.is_dir():
+        return []
+    records = []
+    for path in sorted(exps_dir.glob(f"*/{RECORD_FILE}")):
+        data = read_json(path)
+        if data is not None and not untrusted(data) and data.get("name") == path.parent.name:
+            records.append(data)
+    return records
+
+
+def _experiment(record: dict[str, Any]) -> Experiment:
+    """A record as an :class:`Experiment`; a record of a zerotune without ``started_at`` gets its end
+    (``recorded_at``, local time) less its wall time."""
+    exp = Experiment.from_json(record)
+    if exp.started_at is None and record.get("recorded_at"):
+        try:
+            ended = time.mktime(time.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S"))
+        except (TypeError, ValueError):
+            return exp
+        exp.started_at = ended - (exp.wall_s or 0.0)
+    return exp
+
+
+def _launch_order(exp: Experiment) -> tuple:
+    """Launch order: by start time; the profile run first among runs without one."""
+    return (exp.started_at is None, exp.started_at or 0.0, exp.kind is not ExperimentKind.PROFILE)
+
+
+def _own_half_width(exp: Experiment, pooled: Pooled) -> float | None:
+    """A single run's own interval half-width; None (the noise floor) for a pooled metric."""
+    return exp.metric_rel_half_width if pooled.runs == 1 else None
+
