@@ -3,7 +3,8 @@
 The case: ``examples/train_gpt.py`` (tiny), ZeRO stage 1, mbs up to 2, 2 CPU ranks on one node, 6 steps: the profile
 run and two experiments. Each tuning gets a fresh results dir; the Slurm one runs inside
 ``salloc -N1 --ntasks-per-node=2`` (.ci/slurm_up.sh's one-node cluster), so its wall includes the allocation. The
-overhead per launch is (Slurm wall - local wall) / launches, medians over ``--rounds``. A bare step, ``srun`` of
+overhead per launch is the difference of the medians over ``--rounds`` of wall / launches (a tuning's launches
+vary with the noise it meets). A bare step, ``srun`` of
 ``python -c pass`` on 2 tasks against the same two processes started directly, is timed too (median of 10).
 
 With ``--two-node`` it also times the two-node cluster (.ci/twonode_up.sh, one rank per node): the Slurm backend
@@ -82,12 +83,14 @@ def compare(name: str, a: tuple, b: tuple, rounds: int) -> dict:
         for label, prefix, backend, extra in (a, b):
             runs[label].append(tuning(prefix, backend, extra))
     walls = {label: statistics.median(w for w, _ in r) for label, r in runs.items()}
-    launches = {label: sorted({n for _, n in r}) for label, r in runs.items()}
-    per_launch = (walls[b[0]] - walls[a[0]]) / max(n for _, n in runs[b[0]])
+    per = {label: statistics.median(w / n for w, n in r) for label, r in runs.items()}  # s per launch
+    launches = {label: [n for _, n in r] for label, r in runs.items()}
+    per_launch = per[b[0]] - per[a[0]]
     print(f"{name}: {a[0]} {walls[a[0]]:.1f} s, {b[0]} {walls[b[0]]:.1f} s (medians of {rounds}; launches "
-          f"{launches}); {b[0]} - {a[0]}: {per_launch:+.2f} s per launch", flush=True)
+          f"{launches}); per launch {a[0]} {per[a[0]]:.2f} s, {b[0]} {per[b[0]]:.2f} s: {per_launch:+.2f} s",
+          flush=True)
     return {"case": name, "walls_s": {k: [round(w, 2) for w, _ in r] for k, r in runs.items()},
-            "median_s": walls, "launches": launches, "overhead_per_launch_s": round(per_launch, 3)}
+            "median_s": walls, "launches": launches, "median_s_per_launch": per, "overhead_per_launch_s": round(per_launch, 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
