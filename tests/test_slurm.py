@@ -23,9 +23,9 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
 from zerotune.run.backends.base import LaunchSpec
-from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env, step_id
+from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
-from zerotune.run.processes import reap_orphans
+from zerotune.run.processes import reap_orphans, slurm_step_id
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
 
@@ -317,7 +317,7 @@ def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
-        while step_id(allocation, name) is None:
+        while slurm_step_id(allocation, name) is None:
             assert time.monotonic() < deadline and srun.poll() is None, "the step never started"
             time.sleep(0.5)
         running = tmp_path / "running"
@@ -327,7 +327,7 @@ def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp
             "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None,
             "slurm_job": allocation, "slurm_step_name": name}))
         assert reap_orphans(running) == ["orphan"]  # its tuner (a pid above Linux's largest) is gone
-        assert step_id(allocation, name) is None and steps_of(allocation) == []
+        assert slurm_step_id(allocation, name) is None and steps_of(allocation) == []
         assert srun.wait(timeout=30) != 0  # srun ends with its cancelled step
         assert list(running.iterdir()) == []
     finally:

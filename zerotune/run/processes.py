@@ -34,13 +34,15 @@ from zerotune.core.experiment import write_json_atomic
 from zerotune.run.expdir import read_json
 
 __all__ = [
-    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token", "kill_tree",
-    "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes", "runs_script", "write_running_record",
+    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "SLURM_STEP_GONE_S", "adopt_orphans", "cancel_slurm_step", "data_bytes",
+    "descendants", "kill_token", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes",
+    "runs_script", "slurm_step_id", "write_running_record",
 ]
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
 RUNNING_DIR = ".zerotune-running"  # under the exps dir: one record per experiment being run
 SHM_DIR = Path("/dev/shm")
+SLURM_STEP_GONE_S = 30.0  # how long a cancelled Slurm step may take to leave squeue (KillWait and a margin), s
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
@@ -181,7 +183,7 @@ def reap_orphans(running_dir: Path) -> list[str]:
 
     Processes are found by the token in their environment, never by name, so nothing else is
     touched. A run recorded as a Slurm job step is first cancelled by its job id and step name
-    (:func:`zerotune.run.backends.slurm.cancel_step`): its ranks on other nodes have no process here.
+    (:func:`cancel_slurm_step`): its ranks on other nodes have no process here.
     """
     reaped = []
     try:
@@ -194,8 +196,7 @@ def reap_orphans(running_dir: Path) -> list[str]:
                 or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
             continue
         if isinstance(data.get("slurm_job"), str) and isinstance(data.get("slurm_step_name"), str):
-            from zerotune.run.backends.slurm import cancel_step  # the backends import this module
-            cancel_step(data["slurm_job"], data["slurm_step_name"])
+            cancel_slurm_step(data["slurm_job"], data["slurm_step_name"])
         if data.get("token"):
             leader, since = data.get("leader"), data.get("since")
             kill_token(str(data["token"]), leader if isinstance(leader, int) else None,
@@ -260,3 +261,26 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def slurm_step_id(job_id: str, name: str) -> str | None:
+    """The id (``JOB.STEP``) of job ``job_id``'s step named ``name`` in ``squeue --steps``; None when there is none
+    (ended, never created, or squeue did not answer)."""
+    try:
+        out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", job_id, "--format", "%i %j"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return next((line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]), None)
+
+
+def cancel_slurm_step(job_id: str, name: str, wait_s: float = SLURM_STEP_GONE_S) -> bool:
+    """``scancel`` job ``job_id``'s step named ``name`` (Slurm signals its ranks on every node) until it has left
+    ``squeue``, at most ``wait_s`` seconds. Returns whether it is gone (True also when there was none)."""
+    deadline = time.monotonic() + wait_s
+    while (step := slurm_step_id(job_id, name)) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
+        time.sleep(0.5)
+    return True

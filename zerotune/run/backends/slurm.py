@@ -22,7 +22,7 @@ process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the
 (SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
 the run's token are killed (:func:`~zerotune.run.processes.kill_tree`), and the stop waits until the step has
 left ``squeue``. The running record names the step (job id and name), so a rerun after the tuner itself was
-killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`).
+killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`, :func:`~zerotune.run.processes.cancel_slurm_step`).
 
 .. note:: The results dir, the script and zerotune must be at the same paths on every node of the allocation
    (a shared filesystem); see docs/clusters.md. The master port is checked free on this machine only: with
@@ -46,14 +46,13 @@ from zerotune.deepspeed.launcher import launch_env, script_arguments
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
-from zerotune.run.processes import descendants, kill_tree, run_processes
+from zerotune.run.processes import (SLURM_STEP_GONE_S, cancel_slurm_step, descendants, kill_tree, run_processes,
+                                    slurm_step_id)
 from zerotune.run.slots import Node, Reservation
 
-__all__ = ["SlurmBackend", "cancel_step", "slurm_nodes", "srun_command", "step_env", "step_id"]
+__all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
 
 RANK_MODULE = "zerotune.run.backends.slurm_rank"
-STEP_GONE_S = 30.0
-"""How long a stop waits for a cancelled step to leave ``squeue``, seconds (beyond Slurm's ``KillWait``)."""
 _SCAN_S = 1.0  # how often the ranks on this machine are looked up by token while a step runs, seconds
 
 
@@ -195,42 +194,15 @@ class SlurmBackend(LocalBackend):
         ``squeue``."""
         name = self._steps.pop(token, "")
         self._scans.pop(token, None)
-        step = step_id(self.job_id, name) if proc.poll() is None else None
+        step = slurm_step_id(self.job_id, name) if proc.poll() is None else None
         if step is not None:
             subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
             try:
-                proc.wait(timeout=STEP_GONE_S)
+                proc.wait(timeout=SLURM_STEP_GONE_S)
             except subprocess.TimeoutExpired:
                 pass
         kill_tree(proc, known, token, since)
-        cancel_step(self.job_id, name)
-
-    def step_id(self, name: str) -> str | None:
-        """The id (``JOB.STEP``) of this allocation's step named ``name``; None when there is none."""
-        return step_id(self.job_id, name)
-
-
-def step_id(job_id: str, name: str) -> str | None:
-    """The id (``JOB.STEP``) of job ``job_id``'s step named ``name`` in ``squeue --steps``; None when there is none
-    (ended, never created, or squeue did not answer)."""
-    try:
-        out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", job_id, "--format", "%i %j"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return next((line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]), None)
-
-
-def cancel_step(job_id: str, name: str, wait_s: float = STEP_GONE_S) -> bool:
-    """``scancel`` job ``job_id``'s step named ``name`` (Slurm signals its ranks on every node) until it has left
-    ``squeue``, at most ``wait_s`` seconds. Returns whether it is gone (True also when there was none)."""
-    deadline = time.monotonic() + wait_s
-    while (step := step_id(job_id, name)) is not None:
-        if time.monotonic() >= deadline:
-            return False
-        subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
-        time.sleep(0.5)
-    return True
+        cancel_slurm_step(self.job_id, name)
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
