@@ -8,6 +8,7 @@ Each test checks that every launched experiment's two ranks recorded different a
 records), the answer, and the launch line. They skip, naming why, when the cluster is not up (not root, or
 ``make test`` not run). ~1 minute each.
 """
+import base64
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ import pytest
 from zerotune.probe import read_exits
 
 from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
+from tests.test_ray import processes_running
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -163,3 +165,57 @@ def test_ray_places_an_experiment_on_both_ray_nodes(ray_two_nodes, tmp_path):
         # Ray's grant, by node address, in the experiment's own hostfile for DeepSpeed's multi-node runner
         assert sorted((exp_dir / "hostfile").read_text().splitlines()) == ["10.77.0.1 slots=1", "10.77.0.2 slots=1"]
         assert f" --hostfile {exp_dir / 'hostfile'} --force_multi " in (exp_dir / "cmd.txt").read_text()
+
+
+DRIVER = """
+import json, sys
+from zerotune.core.experiment import Experiment
+from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import LocalBackend
+from zerotune.run.resources import select_resources
+from zerotune.run.scheduler import Scheduler
+from zerotune.run.slots import SlotPool
+
+hostfile, sleeper, cfg, exps = sys.argv[1:5]
+spec = LaunchSpec(script=sleeper, script_args=("--deepspeed_config", cfg), cpu=True, hostfile=hostfile,
+                  device_memory_bytes=3 * 2**30, timeout_s=10)
+exp = Experiment("hangs", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_nodes=2, num_slots=1)
+(done,) = Scheduler(LocalBackend(spec), SlotPool(select_resources(hostfile)), exps).run([exp])
+print(json.dumps({"status": done.status.value, "error": done.error}))
+"""
+
+
+def test_a_stopped_multi_node_run_leaves_other_deepspeed_launchers_alone(two_nodes, tmp_path):
+    """The multi-node runner's own stop runs ``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host,
+    which would kill every DeepSpeed launcher there; zerotune stops the run by its token on each node instead. A
+    bystander launcher on node 0 (another experiment's, as the direct launch starts it) outlives the stop."""
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    sleeper = tmp_path / "sleeper.py"  # each rank notes its node, then hangs
+    sleeper.write_text("import os, socket, time\n"
+                       f"open(os.path.join({str(ranks)!r}, socket.gethostname()), 'w').close()\n"
+                       "time.sleep(300)\n")
+    bystander = tmp_path / "bystander" / "sleeper.py"
+    bystander.parent.mkdir()
+    bystander.write_text("import time\ntime.sleep(300)\n")
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0]}).encode()).decode()
+    other = subprocess.Popen([ON_NODE, "0", PY, "-u", "-m", "deepspeed.launcher.launch", "--world_info", world,
+                              "--master_addr", "127.0.0.1", "--master_port", "29731", str(bystander)],
+                             env=node_env(DS_ACCELERATOR="cpu", LOCAL_SIZE="1"), start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        (tmp_path / "driver.py").write_text(DRIVER)
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text("ztnode0 slots=1\nztnode1 slots=1\n")
+        run = subprocess.run([ON_NODE, "0", PY, str(tmp_path / "driver.py"), str(hostfile), str(sleeper),
+                              str(write_config(tmp_path / "ds.json")), str(tmp_path / "exps")],
+                             cwd=tmp_path, env=node_env(), capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(run.stdout.splitlines()[-1]) == {"status": "timeout",
+                                                            "error": "killed after the 10 s timeout"}
+        assert sorted(p.name for p in ranks.iterdir()) == ["ztnode0", "ztnode1"]  # it ran on both nodes
+        assert processes_running(str(sleeper)) == []  # and nothing of it is left on either
+        assert other.poll() is None and len(processes_running(str(bystander))) == 2  # launcher and rank
+    finally:
+        os.killpg(other.pid, 9)
+        other.wait()

@@ -14,12 +14,17 @@ processes of every record whose tuner is gone before it launches (:func:`reap_or
 removes their shared-memory buffers (:func:`remove_shm_buffers`).
 
 Processes are always found by that token or by descent from a process this tuner started, never
-by name: nothing else on the machine is touched.
+by name: nothing else on the machine is touched. A run over several nodes through DeepSpeed's multi-node runner
+carries the token to the other nodes' ranks in its env file, and is stopped there by the same token
+(:func:`kill_token_on`, over pdsh as the runner reached them); the runner's own stop is never used: it runs
+``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host, which kills every DeepSpeed launcher there,
+other experiments' included.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -35,7 +40,7 @@ from zerotune.run.expdir import read_json
 
 __all__ = [
     "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "SLURM_STEP_GONE_S", "adopt_orphans", "cancel_slurm_step", "data_bytes",
-    "descendants", "kill_token", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes",
+    "descendants", "kill_token", "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes",
     "runs_script", "slurm_step_id", "write_running_record",
 ]
 
@@ -150,6 +155,22 @@ def kill_token(token: str, leader: int | None = None, since: float | None = None
             pass
     _wait_exited(procs, timeout_s=5)
     return len(procs)
+
+
+def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool:
+    """SIGKILL the processes carrying ``token`` on each of ``hosts`` (:func:`kill_token` there), reached by pdsh over
+    ssh as DeepSpeed's runner reached them; zerotune must be importable at this path on every host (a shared
+    filesystem, as for the probe). Returns whether pdsh ran and exited 0 within ``timeout_s`` seconds; a failure
+    is not raised (the local kill goes on)."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory holding the zerotune package
+    remote = (f"PYTHONPATH={shlex.quote(root)} {shlex.quote(sys.executable)} -m zerotune.run.processes "
+              f"--kill-token {shlex.quote(token)}")
+    try:
+        run = subprocess.run(["pdsh", "-S", "-w", ",".join(hosts), remote], capture_output=True, timeout=timeout_s,
+                             env={**os.environ, "PDSH_RCMD_TYPE": "ssh"}, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return run.returncode == 0
 
 
 def run_processes(token: str) -> list[psutil.Process]:
@@ -284,3 +305,9 @@ def cancel_slurm_step(job_id: str, name: str, wait_s: float = SLURM_STEP_GONE_S)
         subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
         time.sleep(0.5)
     return True
+
+
+if __name__ == "__main__":  # python -m zerotune.run.processes --kill-token TOKEN: what kill_token_on runs on a node
+    if len(sys.argv) != 3 or sys.argv[1] != "--kill-token":
+        sys.exit("usage: python -m zerotune.run.processes --kill-token TOKEN")
+    print(f"{socket.gethostname()}: {kill_token(sys.argv[2])} process(es) of the run killed")

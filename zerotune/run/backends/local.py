@@ -13,7 +13,8 @@ Every run has a timeout, ``--timeout`` or a default derived from the profile run
 killed as hung: progress is a step recorded in the probe's streams, and, before the first step (start-up, JIT
 builds, the profile run), output; once a run has recorded a step, output alone (a heartbeat, a warning printed
 in a loop) is no progress, and silence between steps is no hang. Multi-node reservations go through the launcher's own hostfile
-mechanism (``--hostfile``, ``--force_multi``), never a blanket pkill.
+mechanism (``--hostfile``, ``--force_multi``) and are stopped by their run's token on every node
+(:func:`~zerotune.run.processes.kill_token_on`), never by the runner's own blanket pkill.
 
 While a run goes, the backend reads its step probe's streams as they grow and, when the launch
 spec has a stop rule, ends the run as soon as the rule says its metric is known or cannot beat the
@@ -38,8 +39,8 @@ from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec, limit_data
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
-from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, data_bytes, descendants, kill_tree,
-                                    new_run_token, reap_orphans, remove_shm_buffers, runs_script,
+from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, data_bytes, descendants, kill_token_on,
+                                    kill_tree, new_run_token, reap_orphans, remove_shm_buffers, runs_script,
                                     write_running_record)
 from zerotune.run.slots import Reservation
 
@@ -54,6 +55,7 @@ class LocalBackend(Backend):
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
         self._running: dict[int, subprocess.Popen] = {}
+        self._remote: dict[str, list[str]] = {}  # run token -> the hosts of a multi-node run
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
 
@@ -108,8 +110,10 @@ class LocalBackend(Backend):
         written into the runner's env file ``exp_dir/deepspeed_env`` for the other nodes' ranks
         (:func:`~zerotune.deepspeed.rank_env.runner_env_file`)."""
         env = launch_env(self.spec, reservation, probe_dir=exp_dir)
-        if multi_node(self.spec, reservation):
-            env.update(runner_env_file(env, exp_dir / RUNNER_ENV_FILE))
+        if multi_node(self.spec, reservation):  # the token too, so the other nodes' ranks are found by it
+            env.update(runner_env_file({**env, RUN_TOKEN_ENV: token}, exp_dir / RUNNER_ENV_FILE))
+            with self._lock:
+                self._remote[token] = [n.host for n in reservation.nodes]
         return env, launch_command(self.spec, reservation, config_path, port, direct=True)
 
     def _data_limit(self) -> int | None:
@@ -125,7 +129,16 @@ class LocalBackend(Backend):
         return descendants(proc.pid)
 
     def _stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
-        """Stop the run and return once every process of it is gone (:func:`~zerotune.run.processes.kill_tree`)."""
+        """Stop the run and return once every process of it is gone (:func:`~zerotune.run.processes.kill_tree`).
+        A multi-node run's runner is SIGKILLed first, alone (its own SIGTERM handler would pkill every DeepSpeed
+        launcher on its hosts), then the run's processes on every node are killed by its token
+        (:func:`~zerotune.run.processes.kill_token_on`)."""
+        with self._lock:
+            hosts = self._remote.pop(token, None)
+        if hosts is not None:
+            if proc.poll() is None:
+                proc.kill()
+            kill_token_on(hosts, token)
         kill_tree(proc, known, token, since)
 
     def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: _StreamWatch, start: float,

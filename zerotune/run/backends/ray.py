@@ -15,7 +15,8 @@ How one experiment runs (``RayBackend.run``):
    the nodes' IPs and GPU ids, written to ``exp_dir/hostfile`` and given to the launcher with
    ``--hostfile --force_multi``, so the launcher's own multi-node runner (pdsh by default, which
    needs passwordless ssh between the nodes as any multi-node DeepSpeed run does) starts the
-   other nodes' ranks, and the launcher's own SIGTERM handler stops them: zerotune never pkills.
+   other nodes' ranks; the local backend stops them by the run's token on each node (never by the
+   runner's own stop, a pkill of every DeepSpeed launcher on those hosts).
 4. The actor is killed and the placement group removed, whatever happened. Should Ray kill the
    actor mid-run (its out-of-memory killer, a crash), a reaper process stops the launcher's
    process group on the actor's node (see :class:`NodeLauncher` for what this leaves undone).
