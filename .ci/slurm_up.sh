@@ -8,6 +8,7 @@
 set -euo pipefail
 
 say() { echo "slurm_up: $*" >&2; }
+source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy
 
 if [[ -n "${ZEROTUNE_NO_SLURM:-}" ]]; then
     say "ZEROTUNE_NO_SLURM is set: not starting Slurm (the Slurm tests skip)"; exit 0
@@ -48,21 +49,7 @@ conf=$(cat <<EOF
 # written by zerotune's .ci/slurm_up.sh: a one-node test cluster
 ClusterName=$node
 SlurmctldHost=$node(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-ReturnToService=2
-SlurmctldTimeout=30
-SlurmdTimeout=30
-KillWait=5
-InactiveLimit=0
-MinJobAge=60
+$(slurm_policy)
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/slurmd
 SlurmctldPidFile=/run/slurmctld.pid

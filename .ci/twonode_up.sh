@@ -12,6 +12,7 @@
 set -euo pipefail
 
 say() { echo "twonode_up: $*" >&2; }
+source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy
 ETC=/etc/zerotune-twonode
 NS=(zt-node0 zt-node1)
 NAMES=(ztnode0 ztnode1)
@@ -86,21 +87,7 @@ conf=$(cat <<EOF
 # written by zerotune's .ci/twonode_up.sh: two nodes in network namespaces
 ClusterName=zt2
 SlurmctldHost=${NAMES[0]}(${ADDRS[0]})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-MpiDefault=none
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-ReturnToService=2
-SlurmctldTimeout=30
-SlurmdTimeout=30
-KillWait=5
-InactiveLimit=0
-MinJobAge=60
+$(slurm_policy)
 SlurmdParameters=config_overrides
 StateSaveLocation=/var/lib/slurm/zt2/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/zt2/slurmd-%n
