@@ -43,8 +43,8 @@ def _cluster_down() -> str:
     if os.geteuid() != 0 or shutil.which("nsenter") is None:
         return "entering the two nodes' namespaces needs root and nsenter"
     try:
-        run = subprocess.run([ON_NODE, "0", "sinfo", "-h", "-N", "-o", "%T"], env={**os.environ, "SLURM_CONF": SLURM_CONF},
-                             capture_output=True, text=True, timeout=30)
+        run = subprocess.run([ON_NODE, "0", "sinfo", "-h", "-N", "-o", "%T"],
+                             env={**os.environ, "SLURM_CONF": SLURM_CONF}, capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
         return "the two-node Slurm did not answer in 30 s; .ci/twonode_up.sh starts it"
     states = run.stdout.split()

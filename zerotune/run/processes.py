@@ -40,8 +40,8 @@ from zerotune.run.expdir import read_json
 
 __all__ = [
     "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "SLURM_STEP_GONE_S", "adopt_orphans", "cancel_slurm_step", "data_bytes",
-    "descendants", "kill_token", "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes",
-    "runs_script", "slurm_step_id", "write_running_record",
+    "descendants", "kill_token", "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers",
+    "run_processes", "runs_script", "slurm_step_id", "write_running_record",
 ]
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"

@@ -22,7 +22,8 @@ process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the
 (SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
 the run's token are killed (:func:`~zerotune.run.processes.kill_tree`), and the stop waits until the step has
 left ``squeue``. The running record names the step (job id and name), so a rerun after the tuner itself was
-killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`, :func:`~zerotune.run.processes.cancel_slurm_step`).
+killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`,
+:func:`~zerotune.run.processes.cancel_slurm_step`).
 
 .. note:: The results dir, the script and zerotune must be at the same paths on every node of the allocation
    (a shared filesystem); see docs/clusters.md. The master port is checked free on this machine only: with
