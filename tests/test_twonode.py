@@ -25,6 +25,7 @@ from zerotune.probe import read_exits
 
 from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
 from tests.test_ray import processes_running
+from tests.test_slurm import run_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -60,11 +61,9 @@ def two_nodes():
 
 
 def node_env(**extra: str) -> dict[str, str]:
-    """What the tuner and, through srun, Ray or pdsh, the ranks get: zerotune (this checkout) importable, one thread
-    per rank."""
-    inherited = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), inherited) if p),
-            "OMP_NUM_THREADS": "1", **extra}
+    """What the tuner and, through srun, Ray or pdsh, the ranks get: test_slurm's environment (zerotune, this
+    checkout, importable; one thread per rank) and ``extra``."""
+    return {**run_env(), **extra}
 
 
 def one_run_config(path: Path) -> Path:
