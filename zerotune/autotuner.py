@@ -233,6 +233,7 @@ class Autotuner:
                 interrupted = True
                 raise
             finally:
+                self.backend.close()  # the warm rank server ends with the tuning, however it ends
                 with _stop_signals_deferred():  # the old answer or the new one, whole
                     self.progress.stop()
                     self.elapsed_s = time.monotonic() - started

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--timeout", type=float, default=None, help="seconds per experiment before it is killed")
         z.add_argument("--hang-timeout", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
+        z.add_argument("--cold-launch", dest="warm", action="store_false",
+                       help="start every experiment's ranks through the deepspeed launcher, as a fresh process each "
+                            "(default: forked from a server that imported torch, DeepSpeed and the script's imports "
+                            "once per tuning, on the local backend's one node)")
         z.add_argument("--overwrite", action="store_true", default=None, help="discard earlier results and start fresh")
         z.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
                        help="candidates of the ds_config's $NAME placeholders, as JSON (a list is a list of candidates, "
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
         nodes, cpu = _resources(args)
         options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
-                              hang_timeout_s=args.hang_timeout, overwrite=args.overwrite, hostfile=args.hostfile,
+                              hang_timeout_s=args.hang_timeout, warm=args.warm, overwrite=args.overwrite, hostfile=args.hostfile,
                               cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
                               adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
                               host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,

@@ -35,6 +35,10 @@ class Status(str, enum.Enum):
         return self in (Status.OK, Status.OOM)
 
 
+LAUNCH_WARM = "warm"  # Experiment.launch: ranks forked from a preloaded server (zerotune.run.warm)
+LAUNCH_COLD = "cold"  # Experiment.launch: ranks started by DeepSpeed's launcher (or srun, or Ray's actor)
+
+
 class ExperimentKind(str, enum.Enum):
     """Why an experiment runs: which phase of the strategy asked for it."""
 
@@ -87,6 +91,10 @@ class Experiment:
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
     started_at: float | None = None  # when the scheduler launched it, seconds since the epoch (the report's timeline)
+    launch: str = ""  # how its ranks started: LAUNCH_WARM (forked from a warm server) or LAUNCH_COLD; "" not launched
+    launch_note: str = ""  # why a run of a warm tuning went cold ("" when it did not)
+    startup_s: float | None = None  # from the launch to the start of its first step, seconds (probe only)
+    measure_s: float | None = None  # from the start of its first step to the end of its last, seconds (probe only)
 
     @property
     def stage(self) -> int:

@@ -23,7 +23,7 @@ from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_P
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
            "PROBE_PATH", "SHAPE_KEYS", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
-           "read_checkpointed_activations", "read_saved_activations", "read_streams", "step_records",
+           "read_checkpointed_activations", "read_saved_activations", "read_streams", "run_phases", "step_records",
            "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
@@ -176,6 +176,23 @@ def step_records(streams: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int
     """rank -> its records: each decoded JSON object validated once (:meth:`StepRecord.from_dict`), as
     :func:`read_streams` gives the same lines written to files. For streams held in memory (a simulated run's)."""
     return {rank: [StepRecord.from_dict(r) for r in records] for rank, records in streams.items()}
+
+
+def run_phases(streams: Mapping[int, Sequence[StepRecord]], launched_at: float | None) -> tuple[float | None,
+                                                                                                 float | None]:
+    """A run's start-up and measuring seconds from its streams: ``(startup_s, measure_s)``, where ``startup_s`` is
+    from ``launched_at`` (``time.monotonic()`` at the launch; the probe's ``t`` is the same clock, the ranks run on
+    this machine) to the start of the first step of any rank (its ``t - step_s``: the engine's first forward), and
+    ``measure_s`` from there to the end of the last step recorded. Either is None where the streams cannot say
+    (no step; ``startup_s`` also without ``launched_at``)."""
+    starts = [r.t - r.step_s for records in streams.values() for r in records[:1]
+              if r.t is not None and r.step_s is not None]
+    ends = [r.t for records in streams.values() for r in records if r.t is not None]
+    if not starts:
+        return None, None
+    first = min(starts)
+    startup = None if launched_at is None else max(0.0, first - launched_at)
+    return startup, (max(0.0, max(ends) - first) if ends else None)
 
 
 def clear_streams(exp_dir: Path) -> None:

@@ -980,13 +980,25 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
+def install(directory: str) -> None:
+    """Install the probe writing into ``directory`` in this process: into the engine module if it is already
+    imported (a warm rank, forked from a server that preloaded DeepSpeed: :mod:`zerotune.run.warm.rank`), else by
+    the import hook that waits for it. A failure is printed; training goes on."""
+    try:
+        probe = _Probe(directory)
+        module = sys.modules.get(ENGINE_MODULE)
+        if module is not None and hasattr(module, "DeepSpeedEngine"):
+            _install(module, probe)
+        else:
+            sys.meta_path.insert(0, _EngineFinder(probe))
+    except Exception as e:  # noqa: BLE001
+        print(f"zerotune probe: not installed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
 def _main() -> None:
     directory = os.environ.get(PROBE_DIR_ENV)
     if directory:
-        try:
-            sys.meta_path.insert(0, _EngineFinder(_Probe(directory)))
-        except Exception as e:  # noqa: BLE001
-            print(f"zerotune probe: not installed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        install(directory)
     _chain()
 
 

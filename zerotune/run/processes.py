@@ -180,7 +180,7 @@ def run_processes(token: str) -> list[psutil.Process]:
     return _of_run(token, None, None)
 
 
-def write_running_record(running_dir: Path, name: str, token: str, master_port: int, leader: int | None = None,
+def write_running_record(running_dir: Path, name: str, token: str, master_port: int | None, leader: int | None = None,
                          since: float | None = None, slurm_step: tuple[str, str] | None = None) -> Path:
     """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
     ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the

@@ -28,7 +28,8 @@ from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, che
                                      resolve, script_autos)
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
-                                          check_untunable, given_model_info, host_memory_bytes, mbs_bounds)
+                                          check_untunable, device_memory_bytes, given_model_info, host_memory_bytes,
+                                          mbs_bounds)
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
@@ -44,6 +45,7 @@ class TuneOptions:
             device's memory).
         results_dir: overrides ``autotuning.results_dir``; experiments then go to ``<dir>/exps``.
         timeout_s, hang_timeout_s: per-experiment wall-clock limit and no-output limit, seconds.
+        warm: fork ranks from a preloaded server (:mod:`zerotune.run.warm`); False: ``--cold-launch``.
         overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
         hostfile: the launcher's hostfile, for multi-node experiments.
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
@@ -71,6 +73,7 @@ class TuneOptions:
     results_dir: str | None = None
     timeout_s: float | None = None
     hang_timeout_s: float | None = None
+    warm: bool = True
     overwrite: bool | None = None
     hostfile: str | None = None
     cpu: bool | None = None
@@ -165,6 +168,7 @@ class Job:
     checkpointing: bool = False
     savers: bool = True
     nvme_path: str | None = None
+    warm: bool = True
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -196,7 +200,7 @@ class Job:
         dp = _dp_world_size(world_size, at.mp_size, config_path)
         batch = _batch_semantics(user, autos, mappings, dp, at, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
-        memory = _device_memory_bytes(options, cpu)
+        memory = device_memory_bytes(options.device_memory_bytes, cpu)
         min_mbs, max_mbs, allowed = mbs_bounds(at, batch, config_path)
         check_options(options)
         results_dir = Path(options.results_dir or at.results_dir)
@@ -216,7 +220,7 @@ class Job:
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
-                   savers=options.savers, nvme_path=options.nvme_path,
+                   savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
 
     @property
@@ -229,7 +233,7 @@ class Job:
         """How every experiment launches the script (the backends' input)."""
         return LaunchSpec(script=self.script, script_args=self.script_args, cpu=self.cpu,
                           device_memory_bytes=self.device_memory_bytes, timeout_s=self.timeout_s,
-                          hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile,
+                          hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile, warm=self.warm,
                           start_profile_step=self.autotuning.start_profile_step,
                           end_profile_step=self.autotuning.end_profile_step, objective=self.objective,
                           stop_rule=self.stop_rule, arg_mappings=tuple(self.arg_mappings.items()))
@@ -278,14 +282,6 @@ def _batch_semantics(user: dict[str, Any], autos: dict[str, Any], mappings: dict
     return batch
 
 
-def _device_memory_bytes(options: TuneOptions, cpu: bool) -> int:
-    """The per-device budget: ``--device-memory``, else the CUDA device's memory (required on CPU)."""
-    memory = options.device_memory_bytes or (None if cpu else _cuda_memory())
-    if memory is None:
-        raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
-    return memory
-
-
 def cuda_available() -> bool:
     """True when torch sees a CUDA device (the one place zerotune decides CUDA or CPU)."""
     try:
@@ -293,8 +289,3 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:
         return False
-
-
-def _cuda_memory() -> int:
-    import torch
-    return int(torch.cuda.get_device_properties(0).total_memory)

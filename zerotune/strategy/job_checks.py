@@ -162,3 +162,17 @@ def host_memory_bytes(options: Any, cpu: bool, nodes: Sequence[Any]) -> int | No
     if host_memory is None and not cpu and options.backend == "local" and all(n.host == "localhost" for n in nodes):
         host_memory = int(psutil.virtual_memory().total)
     return host_memory
+
+
+def device_memory_bytes(given: int | None, cpu: bool) -> int:
+    """The per-device budget: ``given`` (``--device-memory``), else the CUDA device's memory.
+
+    Raises:
+        ConfigError: none is given on CPU ranks.
+    """
+    if given:
+        return given
+    if cpu:
+        raise ConfigError("--device-memory is required on a machine without CUDA (the per-rank budget, e.g. 3GiB)")
+    import torch
+    return int(torch.cuda.get_device_properties(0).total_memory)

@@ -40,6 +40,9 @@ class LaunchSpec:
             :mod:`zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
         arg_mappings: ``autotuning.arg_mappings`` as (ds_config key, script flag) pairs: each launch
             passes its config's values as these script arguments (:mod:`zerotune.deepspeed.args`).
+        warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports once
+            per tuning, where the backend can (:mod:`zerotune.run.warm`); False: every run through DeepSpeed's
+            launcher (``--cold-launch``).
     """
 
     script: str
@@ -55,6 +58,7 @@ class LaunchSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     stop_rule: StopRule | None = None
     arg_mappings: tuple[tuple[str, str], ...] = ()
+    warm: bool = True
 
 
 def limit_data(limit: int | None) -> None:
@@ -80,6 +84,10 @@ class Backend(abc.ABC):
 
     def cancel_all(self) -> None:
         """Kill every running experiment (used on Ctrl-C); they are recorded as interrupted."""
+
+    def close(self) -> None:
+        """Release what the backend keeps for the tuning's life (a warm rank server); called once the tuning ends,
+        however it ends. The backend may be used again after it (it starts afresh)."""
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:

@@ -26,16 +26,19 @@ import os
 import subprocess
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command, release_port
+from zerotune.deepspeed.launcher import (free_port, launch_command, launch_env, multi_node, paste_command, release_port,
+                                         script_arguments)
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
-from zerotune.probe import StepRecord, clean_exits, read_streams, stream_files
+from zerotune.probe import (BUDGET_ENV, PROBE_DIR_ENV, StepRecord, clean_exits, read_streams, run_phases,
+                            stream_files)
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, LaunchSpec, limit_data
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
@@ -43,6 +46,8 @@ from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, d
                                     kill_tree, new_run_token, reap_orphans, remove_shm_buffers, runs_script,
                                     write_running_record)
 from zerotune.run.slots import Reservation
+from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
+from zerotune.run.warm.rank import SETUP_FAILED
 
 __all__ = ["LocalBackend"]
 
@@ -58,8 +63,19 @@ class LocalBackend(Backend):
         self._remote: dict[str, list[str]] = {}  # run token -> the hosts of a multi-node run
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._warm: WarmServer | None = None
 
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
+        warm = self._warm_server(reservation, Path(exp_dir).parent / RUNNING_DIR)
+        exp = self._run(exp, reservation, exp_dir, warm)
+        if exp.launch == LAUNCH_WARM and exp.launch_note and not self._cancelled.is_set():
+            note = exp.launch_note  # not the script's failure: the warm start's; the run counts cold
+            exp = self._run(exp, reservation, exp_dir, None)
+            exp.launch_note = f"re-run cold: {note}"
+        return exp
+
+    def _run(self, exp: Experiment, reservation: Reservation, exp_dir: Path, warm: WarmServer | None) -> Experiment:
+        """Run ``exp`` once: forked from ``warm`` where it can launch it, else through DeepSpeed's launcher."""
         spec = self.spec
         exp_dir = Path(exp_dir)
         running_dir = exp_dir.parent / RUNNING_DIR
@@ -77,11 +93,22 @@ class LocalBackend(Backend):
         record = write_running_record(running_dir, exp.name, token, port, slurm_step=self._slurm_step(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
         start, since = time.monotonic(), time.time()
+        exp.launch, exp.launch_note = LAUNCH_COLD, ""
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
             try:
-                proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, **env, RUN_TOKEN_ENV: token}, start_new_session=True,
-                                        preexec_fn=child_setup)
+                proc = None
+                if warm is not None:
+                    try:
+                        proc = warm.launch(_warm_request(spec, reservation, exp_dir, str(config_path), port, token,
+                                                         {**os.environ, **env, RUN_TOKEN_ENV: token},
+                                                         self._data_limit()))
+                        exp.launch = LAUNCH_WARM
+                    except WarmUnavailable as e:
+                        exp.launch_note = f"launched cold: {e}"
+                if proc is None:
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, **env, RUN_TOKEN_ENV: token}, start_new_session=True,
+                                            preexec_fn=child_setup)
             except BaseException:
                 record.unlink(missing_ok=True)
                 release_port(port)
@@ -100,7 +127,34 @@ class LocalBackend(Backend):
                 with self._lock:
                     self._running.pop(proc.pid, None)
                 release_port(port)
-        return self._finish(exp, exp_dir, proc.returncode, start, seen)
+        exp = self._finish(exp, exp_dir, proc.returncode, start, seen)
+        if isinstance(proc, WarmRun) and (proc.lost or proc.returncode == SETUP_FAILED):
+            exp.launch_note = ("its warm server went away during the run" if proc.lost else
+                               "its warm ranks failed before the script started (stderr.log says why)")
+        return exp
+
+    def _warm_server(self, reservation: Reservation, running_dir: Path) -> WarmServer | None:
+        """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold: warm
+        launches are off, or the reservation is not this machine's alone)."""
+        if not self.spec.warm or [n.host for n in reservation.nodes] != ["localhost"] or multi_node(self.spec,
+                                                                                                  reservation):
+            return None
+        with self._lock:
+            if self._warm is None:
+                env = {**os.environ, **launch_env(self.spec, reservation, probe_dir=running_dir.parent)}
+                env.pop(PROBE_DIR_ENV, None)
+                env.pop(BUDGET_ENV, None)
+                self._warm = WarmServer(self.spec.script, env, running_dir)
+                self._warm.start()
+                weakref.finalize(self, self._warm.stop)  # a backend dropped without close() (the API, tests)
+            return self._warm
+
+    def close(self) -> None:
+        """Stop the warm rank server, if one was started (every run it launched ends with it)."""
+        with self._lock:
+            warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.stop()
 
     def _launch(self, exp: Experiment, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
                 token: str) -> tuple[dict[str, str], list[str]]:
@@ -154,7 +208,7 @@ class LocalBackend(Backend):
             now = time.monotonic()
             for child in self._ranks(proc, token):
                 known.setdefault(child.pid, child)
-                if runs_script(child, script_name):  # not the launcher, nor a JIT compiler
+                if _is_rank(proc, child, script_name):  # not the launcher, nor a JIT compiler
                     seen.peak = max(seen.peak, data_bytes(child.pid))
             idle_s = progress.idle_s(now)
             if now - start > seen.timeout.seconds:
@@ -188,6 +242,8 @@ class LocalBackend(Backend):
         exp.peak_memory_bytes = (seen.peak or None) if spec.cpu else None
         expdir.finish(exp, exp_dir, spec.objective, exit_code, seen.timed_out, interrupted=self._cancelled.is_set(),
                       ended=seen.ended)
+        exp.startup_s, exp.measure_s = (None if v is None else round(v, 3)
+                                        for v in run_phases(read_streams(exp_dir), start))
         if seen.teardown_crash and exp.status is Status.OK:
             exp.error = (f"exit code {exit_code} after every rank's script ended cleanly (a crash in the "
                          f"interpreter's teardown): the steps measured count")
@@ -215,6 +271,28 @@ class _Supervised:
     ended: EndReason | None = None  # the stop rule's answer, or STEP_CAP when the script ended past the cap
     teardown_crash: bool = False  # a non-zero exit after every rank's clean exit record
     peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
+
+
+def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_name: str) -> bool:
+    """Whether ``child``, a process of the run ``proc``, is one of its ranks: a cold rank runs the script
+    (:func:`~zerotune.run.processes.runs_script`); a warm rank, forked with the server's command line, is a child of
+    the run's launcher."""
+    if not isinstance(proc, WarmRun):
+        return runs_script(child, script_name)
+    try:
+        return child.ppid() == proc.pid
+    except psutil.Error:
+        return False
+
+
+def _warm_request(spec: LaunchSpec, reservation: Reservation, exp_dir: Path, config_path: str, port: int, token: str,
+                  env: dict[str, str], data_limit: int | None) -> dict:
+    """The warm server's launch request for a run on this machine alone (:mod:`zerotune.run.warm.server`): what the
+    direct launch's command line says (:func:`~zerotune.deepspeed.launcher.launch_command`), as data."""
+    return {"script": spec.script, "args": script_arguments(spec, config_path), "env": env, "cwd": os.getcwd(),
+            "slots": list(reservation.nodes[0].slots), "master_addr": "127.0.0.1", "master_port": port,
+            "stdout": str(exp_dir / expdir.STDOUT_LOG), "stderr": str(exp_dir / expdir.STDERR_LOG),
+            "data_limit": data_limit, "probe_dir": str(exp_dir.resolve()), "token": token}
 
 
 def _child_setup(limit: int | None):
@@ -283,11 +361,7 @@ class _StreamWatch:
 
     def startup_s(self) -> float | None:
         """Seconds from the launch to the start of the first step (None: not known yet)."""
-        firsts = [records[0] for records in self._streams.values() if records]
-        starts = [r.t - r.step_s for r in firsts if r.t is not None and r.step_s is not None]
-        if self.launched_at is None or not starts:
-            return None
-        return max(0.0, min(starts) - self.launched_at)
+        return run_phases(self._streams, self.launched_at)[0]
 
     def reached_cap(self) -> bool:
         """Whether every rank recorded ``end_profile_step``'s exiting step (read afresh)."""

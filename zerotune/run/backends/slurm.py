@@ -177,6 +177,10 @@ class SlurmBackend(LocalBackend):
     def _slurm_step(self, token: str) -> tuple[str, str] | None:
         return (self.job_id, self._steps[token]) if token in self._steps else None
 
+    def _warm_server(self, reservation: Reservation, running_dir: Path) -> None:
+        """None: every run is an srun step, cold (docs/decisions.md D304 says why)."""
+        return None
+
     def _data_limit(self) -> int | None:
         return None  # each rank's, set by the rank wrapper: srun itself runs unlimited
 

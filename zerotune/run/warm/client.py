@@ -1,0 +1,243 @@
+"""The tuner's side of a warm rank server: start it, ask it for runs, watch them as processes, stop it.
+
+:class:`WarmServer` starts ``python -m zerotune.run.warm.server`` once, in a session of its own (a terminal's Ctrl-C
+reaches the tuner, which stops the server itself) with the environment the ranks' imports need (the accelerator,
+``PYTHONPATH``, the OpenMP settings, ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) and a run token of its own, recorded under
+the exps dir's running records (:func:`zerotune.run.processes.write_running_record`), so that a rerun after a
+SIGKILLed tuner kills a server that outlived it (:func:`~zerotune.run.processes.reap_orphans`; the server also
+stops by itself once its parent is gone). Its Unix socket lives in a private temporary directory: the path of a
+socket is limited to 107 bytes, an exps dir's is not.
+
+:meth:`WarmServer.launch` returns a :class:`WarmRun`, which answers as much of :class:`subprocess.Popen` as the
+backends use (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``): its pid is the run's launcher, which leads a
+session of its own, so the backend stops it as it stops a cold launcher's process group. A run whose server went
+away before it ended is :attr:`WarmRun.lost`: its processes are killed and the backend runs it again cold, as it does
+a run whose ranks failed before the script started (:data:`~zerotune.run.warm.rank.SETUP_FAILED`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+from zerotune.run.processes import RUN_TOKEN_ENV, new_run_token, write_running_record
+
+__all__ = ["LOST", "WarmRun", "WarmServer", "WarmUnavailable"]
+
+log = logging.getLogger(__name__)
+
+LOST = -1000
+""":attr:`WarmRun.returncode` of a run whose server went away before it ended (no exit status is known)."""
+SERVER_RECORD = "warm-server"  # the running record's name, under the exps dir's running records
+READY_TIMEOUT_S = 300.0  # the preload's bound (transformers on a loaded 2-core machine takes ~10 s), s
+STOP_WAIT_S = 10.0  # SIGTERM, then SIGKILL after this long, s
+
+
+class WarmUnavailable(RuntimeError):
+    """The server cannot launch this run warm (it is not running, it refused, it is not fork-safe); the message
+    says why. The backend launches the run cold."""
+
+
+class WarmRun:
+    """A run launched by a warm server, seen as a process (the run's launcher, ``pid``)."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self.lost = False  # the server went away before the run ended
+        self._conn = conn
+        self._buf = b""
+
+    def _read(self, timeout: float | None) -> None:
+        """Read what the server sent within ``timeout`` seconds (None: until the run ends)."""
+        if self.returncode is not None:
+            return
+        ready, _, _ = select.select([self._conn], [], [], timeout)
+        if not ready:
+            return
+        try:
+            data = self._conn.recv(4096)
+        except OSError:
+            data = b""
+        if data:
+            self._buf += data
+            if b"\n" in self._buf:
+                line, _, self._buf = self._buf.partition(b"\n")
+                try:
+                    self.returncode = int(json.loads(line)["exit"])
+                except (ValueError, KeyError, TypeError):
+                    self._lose()
+                self._conn.close()
+            return
+        self._lose()
+
+    def _lose(self) -> None:
+        """The server is gone: kill the run's session (the launcher and its ranks) and wait for the launcher."""
+        self.lost = True
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            psutil.Process(self.pid).wait(timeout=10)
+        except (psutil.Error, psutil.TimeoutExpired):
+            pass
+        self.returncode = LOST
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        """The run's exit status once it ended (:data:`LOST` if its server went away), else None."""
+        self._read(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the run to end, at most ``timeout`` seconds.
+
+        Raises:
+            subprocess.TimeoutExpired: it had not ended by then.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"warm run {self.pid}", timeout)
+            self._read(left)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the run's launcher."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class WarmServer:
+    """One warm rank server on this machine for ``script`` (see the module doc). Thread-safe."""
+
+    def __init__(self, script: str, env: Mapping[str, str], running_dir: Path):
+        self.script, self.env, self.running_dir = script, dict(env), Path(running_dir)
+        self._dir = Path(tempfile.mkdtemp(prefix="zerotune-warm-"))
+        self.socket_path = self._dir / "server.sock"
+        self.log_path = self.running_dir.parent / ".zerotune-warm.log"
+        self.token = new_run_token()
+        self.proc: subprocess.Popen | None = None
+        self.unusable = ""  # why no run is launched warm ('' while it may be)
+        self.ping: dict = {}
+        self._lock = threading.Lock()
+        self._record: Path | None = None
+
+    def start(self) -> None:
+        """Start the server process (it preloads in the background; :meth:`launch` waits for it)."""
+        with self._lock:
+            if self.proc is not None:
+                return
+            self.running_dir.mkdir(parents=True, exist_ok=True)
+            self._record = write_running_record(self.running_dir, SERVER_RECORD, self.token, None)
+            env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "zerotune.run.warm.server", "--socket", str(self.socket_path),
+                     "--script", self.script], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                    start_new_session=True)
+
+    def _ready(self) -> None:
+        """Wait until the server accepts (its socket exists) and ask whether it can launch.
+
+        Raises:
+            WarmUnavailable: it exited or did not get ready within :data:`READY_TIMEOUT_S`, or it is not fork-safe.
+        """
+        if self.unusable:
+            raise WarmUnavailable(self.unusable)
+        if self.ping:
+            return
+        if self.proc is None:
+            self.start()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.socket_path.exists():
+            if self.proc.poll() is not None:
+                self.unusable = f"the warm server exited ({self.proc.returncode}) before it was ready: see {self.log_path}"
+                raise WarmUnavailable(self.unusable)
+            if time.monotonic() > deadline:
+                self.unusable = f"the warm server was not ready in {READY_TIMEOUT_S:g} s"
+                raise WarmUnavailable(self.unusable)
+            time.sleep(0.02)
+        answer = self._ask({"op": "ping"})
+        if answer.get("unsafe"):
+            self.unusable = f"the warm server is not fork-safe: {answer['unsafe']}"
+            raise WarmUnavailable(self.unusable)
+        self.ping = answer
+
+    def _ask(self, request: dict) -> dict:
+        conn = self._connect()
+        try:
+            conn.sendall((json.dumps(request) + "\n").encode())
+            return json.loads(conn.makefile("rb").readline() or b"{}")
+        except (OSError, ValueError) as e:
+            raise WarmUnavailable(f"the warm server did not answer: {e}") from e
+        finally:
+            conn.close()
+
+    def _connect(self) -> socket.socket:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(str(self.socket_path))
+        except OSError as e:
+            conn.close()
+            raise WarmUnavailable(f"the warm server is not reachable: {e}") from e
+        return conn
+
+    def launch(self, request: dict) -> WarmRun:
+        """Ask the server to launch a run (the request's fields: :mod:`zerotune.run.warm.server`).
+
+        Raises:
+            WarmUnavailable: the server cannot launch it; the message says why.
+        """
+        with self._lock:
+            self._ready()
+        conn = self._connect()
+        try:
+            conn.sendall((json.dumps({"op": "launch", **request}) + "\n").encode())
+            line = b""
+            while not line.endswith(b"\n"):
+                data = conn.recv(4096)
+                if not data:
+                    break
+                line += data
+            answer = json.loads(line or b"{}")
+        except (OSError, ValueError) as e:
+            conn.close()
+            raise WarmUnavailable(f"the warm server did not answer: {e}") from e
+        if "pid" not in answer:
+            conn.close()
+            raise WarmUnavailable(str(answer.get("error") or "the warm server did not launch the run"))
+        return WarmRun(conn, int(answer["pid"]))
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, SIGKILL after :data:`STOP_WAIT_S`): every run it launched is killed with it."""
+        with self._lock:
+            proc, self.proc = self.proc, None
+            self.unusable = self.unusable or "the warm server was stopped"
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._record is not None:
+            self._record.unlink(missing_ok=True)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,115 @@
+"""One warm rank: a process forked from the warm server that becomes ``python -u SCRIPT --local_rank=N ARGS...``.
+
+What DeepSpeed's per-node launcher gives a rank it starts (``deepspeed/launcher/launch.py``) is given here without an
+exec: the environment (the launch's, with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
+``CROSS_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and the accelerator's visible devices, set by
+:mod:`zerotune.run.warm.server`), ``sys.argv``, ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
+the working directory, unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's file descriptors (``-u``), default
+signal handlers, fresh random seeds (Python's ``random`` reseeds itself at fork; NumPy's global state is reseeded
+here), and the step probe installed into the already-imported engine module
+(:func:`zerotune.probe.sitecustomize.install`). The script then runs as ``__main__`` (:func:`runpy.run_path`) and the
+process ends as Python's would: non-daemon threads joined, ``atexit`` hooks run (the probe's exit record among them),
+the exit status of ``sys.exit`` or 1 after an uncaught exception printed with its traceback (``sys.last_value`` set,
+as the interpreter sets it), a ``KeyboardInterrupt`` re-raised as SIGINT.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+
+__all__ = ["SETUP_FAILED", "become_rank"]
+
+SETUP_FAILED = 121
+"""The exit status of a warm rank that failed before the script started (zerotune's fault, not the script's): the
+backend re-runs the experiment cold (:mod:`zerotune.run.warm.client`)."""
+SETUP_FAILED_LINE = "zerotune warm rank: setup failed before the script started"
+
+
+def _unbuffered(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=sys.stdout.encoding or "utf-8",
+                            errors=sys.stdout.errors or "strict", write_through=True)
+
+
+def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, probe_dir: str | None) -> None:
+    """Turn this freshly forked process into the rank that ``env`` describes and run ``script`` in it; never
+    returns (``os._exit``)."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.stdout = sys.__stdout__ = _unbuffered(1)
+        sys.stderr = sys.__stderr__ = _unbuffered(2)
+        sys.argv = [script, f"--local_rank={env['LOCAL_RANK']}", *args]
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
+        if probe_dir:
+            from zerotune.probe import sitecustomize as probe
+            probe.install(probe_dir)
+    except BaseException as e:  # noqa: BLE001 - reported as zerotune's failure, not the script's
+        os.write(2, f"{SETUP_FAILED_LINE}: {type(e).__name__}: {e}\n".encode(errors="replace"))
+        os._exit(SETUP_FAILED)
+    _exit(_run(script))
+
+
+def _run(script: str) -> int:
+    """Run ``script`` as ``__main__``; the exit status Python would give."""
+    import runpy
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        return _exit_status(e.code)
+    except KeyboardInterrupt:
+        _finalize()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
+    except BaseException as e:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+        sys.excepthook(type(e), e, e.__traceback__)
+        return 1
+    return 0
+
+
+def _exit_status(code) -> int:
+    """The process exit status of ``sys.exit(code)``, as the interpreter computes it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _finalize() -> None:
+    """What the interpreter does at exit before its C teardown: join non-daemon threads, run ``atexit`` hooks,
+    flush the standard streams."""
+    import atexit
+    import threading
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except Exception:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _exit(status: int) -> None:
+    _finalize()
+    os._exit(status)

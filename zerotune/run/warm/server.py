@@ -1,0 +1,282 @@
+"""The warm rank server: ``python -m zerotune.run.warm.server --socket PATH --script SCRIPT``, one per node for the
+life of a tuning.
+
+It preloads torch, DeepSpeed and the script's installed top-level imports (:mod:`zerotune.run.warm.preload`), then
+listens on a Unix socket and serves one request per connection, in a single thread (a fork copies only the calling
+thread: the server never starts another). The request is one JSON line; the server answers JSON lines::
+
+    -> {"op": "launch", "script": ..., "args": [...], "env": {...}, "cwd": ..., "slots": [0, 1],
+        "master_addr": "127.0.0.1", "master_port": 29500, "stdout": PATH, "stderr": PATH,
+        "data_limit": BYTES or null, "probe_dir": PATH or null}
+    <- {"pid": PID}          the run's launcher, forked; it leads a session of its own
+    <- {"exit": STATUS}      when it exits: its exit status (negative: killed by that signal)
+    -> {"op": "ping"}
+    <- {"pid": PID, "unsafe": REASON or null, "imported": [...], "skipped": {...}}
+
+The run's launcher does what DeepSpeed's per-node launcher does (``deepspeed/launcher/launch.py``) without an exec:
+it leads a new session as a child subreaper (so the backend stops the run as one process group, and what its ranks
+orphan stays in its tree), takes the per-rank data limit (``RLIMIT_DATA``, inherited by its ranks), sends its output
+to the experiment's logs, forks one rank per slot with DeepSpeed's rank environment
+(:func:`rank_environment`; :mod:`zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
+non-zero ends the run: the others get SIGTERM, then SIGKILL after 30 s, and the launcher exits with that rank's
+status, as DeepSpeed's launcher does; SIGTERM or SIGINT to the launcher stops its ranks the same way (exit 1).
+
+The server stops, killing every run it launched, on SIGTERM, SIGINT or SIGHUP, when its parent (the tuner) is gone
+(SIGKILL leaves it no other way to say so), or when the tuner closes a run's connection before the run ended.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+
+from zerotune.run.warm import rank as warm_rank
+from zerotune.run.warm.preload import fork_unsafe, preload
+
+__all__ = ["main", "rank_environment"]
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+PARENT_POLL_S = 0.2  # how often the server checks that the tuner is alive, s
+RANK_TERM_WAIT_S = 30.0  # DeepSpeed's launcher: terminate_process_tree waits 30 s before SIGKILL
+
+
+def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, master_addr: str,
+                     master_port: int) -> dict[str, str]:
+    """The environment DeepSpeed's per-node launcher gives local rank ``local_rank`` of a one-node run on ``slots``
+    (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices set to ``slots`` (DeepSpeed's
+    own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU), ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and ``LOCAL_RANK``."""
+    from deepspeed.accelerator import get_accelerator
+    out = dict(env)
+    get_accelerator().set_visible_devices_envs(out, slots)
+    out.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(len(slots)),
+                "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(len(slots)), "RANK": str(local_rank),
+                "LOCAL_RANK": str(local_rank)})
+    return out
+
+
+class _Stop(Exception):
+    """A stop signal reached the server."""
+
+
+def _subreaper() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_runs(runs: dict[int, socket.socket], sig: int = signal.SIGKILL) -> None:
+    for pid in runs:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall((json.dumps(message) + "\n").encode())
+    except OSError:
+        pass
+
+
+def _launcher(request: dict, close: list[socket.socket]) -> None:
+    """The forked run launcher (see the module doc); never returns."""
+    status = 1
+    try:
+        for s in close:
+            s.close()
+        os.setsid()
+        _subreaper()
+        if request.get("data_limit"):
+            import resource
+            limit = int(request["data_limit"])
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(out, fd)
+            os.close(out)
+        slots = [int(s) for s in request["slots"]]
+        ranks: list[int] = []
+
+        def stop(signum=None, frame=None, code: int = 1):
+            _stop_ranks(ranks)
+            os._exit(code)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        for local_rank in range(len(slots)):
+            env = rank_environment(request["env"], slots, local_rank, request["master_addr"],
+                                   int(request["master_port"]))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
+                                      request.get("probe_dir"))
+            ranks.append(pid)
+        alive = set(ranks)
+        status = 0
+        while alive:
+            try:
+                pid, wait_status = os.wait()
+            except ChildProcessError:
+                break
+            if pid not in alive:  # an orphan of a rank, adopted by this subreaper
+                continue
+            alive.discard(pid)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if code != 0:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                _stop_ranks([r for r in ranks if r in alive])
+                status = code & 0xFF
+                break
+    except BaseException as e:  # noqa: BLE001 - any failure here is the launch's, reported as a setup failure
+        try:
+            os.write(2, f"{warm_rank.SETUP_FAILED_LINE}: launcher: {type(e).__name__}: {e}\n".encode())
+        except OSError:
+            pass
+        status = warm_rank.SETUP_FAILED
+    os._exit(status)
+
+
+def _stop_ranks(ranks: list[int]) -> None:
+    """SIGTERM the ranks' trees, SIGKILL what is left after :data:`RANK_TERM_WAIT_S` (DeepSpeed's launcher's
+    ``terminate_process_tree``)."""
+    import psutil
+    procs = []
+    for pid in ranks:
+        try:
+            p = psutil.Process(pid)
+            procs += p.children(recursive=True) + [p]
+        except psutil.Error:
+            pass
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=RANK_TERM_WAIT_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def serve(socket_path: str, script: str) -> int:
+    """Preload for ``script``, then serve launches on ``socket_path`` until stopped (see the module doc)."""
+    started = time.monotonic()
+    done = preload(script)
+    unsafe = fork_unsafe()
+    print(f"zerotune warm server {os.getpid()}: preloaded {len(done.imported)} modules in "
+          f"{time.monotonic() - started:.2f} s: {', '.join(done.imported)}", file=sys.stderr, flush=True)
+    for module, why in done.skipped.items():
+        print(f"zerotune warm server: not preloaded: {module}: {why}", file=sys.stderr, flush=True)
+    if unsafe:
+        print(f"zerotune warm server: launches nothing warm: {unsafe}", file=sys.stderr, flush=True)
+
+    def on_signal(signum, frame):
+        raise _Stop(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    _Server(socket_path, unsafe, done).loop()
+    return 0
+
+
+class _Server:
+    """The serving loop's state: the listening socket, connections waiting for their request line, runs."""
+
+    def __init__(self, socket_path: str, unsafe: str | None, done):
+        self.socket_path, self.unsafe, self.done = socket_path, unsafe, done
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tmp = f"{socket_path}.{os.getpid()}.tmp"
+        self.listener.bind(tmp)
+        self.listener.listen(64)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ)
+        self.pending: dict[socket.socket, bytes] = {}
+        self.runs: dict[int, socket.socket] = {}
+        os.replace(tmp, socket_path)  # the path appears only once the server accepts: it is the readiness signal
+
+    def loop(self) -> None:
+        """Serve until a stop signal, or until the parent (the tuner) is gone; then kill every run."""
+        parent = os.getppid()
+        try:
+            while os.getppid() == parent:
+                for key, _ in self.sel.select(timeout=PARENT_POLL_S):
+                    self._readable(key.fileobj)
+                self._reap()
+        except _Stop:
+            pass
+        finally:
+            _kill_runs(self.runs)
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+
+    def _readable(self, conn: socket.socket) -> None:
+        if conn is self.listener:
+            client, _ = self.listener.accept()
+            self.pending[client] = b""
+            self.sel.register(client, selectors.EVENT_READ)
+            return
+        data = conn.recv(1 << 20)
+        if conn in self.pending:
+            self.pending[conn] += data
+            if data and b"\n" not in self.pending[conn]:
+                return
+            line = self.pending.pop(conn)
+            pid = _answer(conn, line, self.unsafe, self.done, self.listener,
+                          list(self.pending) + list(self.runs.values()))
+            if pid is None:
+                self._close(conn)
+            else:
+                self.runs[pid] = conn
+        elif not data:  # the tuner closed a run's connection before it ended: it gave the run up
+            pid = next(p for p, c in self.runs.items() if c is conn)
+            _kill_runs({pid: conn})
+            self.sel.unregister(conn)
+
+    def _reap(self) -> None:
+        """Send the exit status of every run launcher that ended."""
+        while self.runs:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.runs.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(wait_status)})
+                self._close(conn)
+
+    def _close(self, conn: socket.socket) -> None:
+        if self.sel.get_map().get(conn) is not None:
+            self.sel.unregister(conn)
+        conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zerotune.run.warm.server")
+    parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
+    parser.add_argument("--script", required=True, help="the training script whose imports are preloaded")
+    args = parser.parse_args(argv)
+    return serve(args.socket, args.script)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
