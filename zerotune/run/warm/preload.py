@@ -92,7 +92,7 @@ def preload(script: str | os.PathLike) -> Preloaded:
         wanted = [(m, ()) for m in ALWAYS]
     for module, names in wanted:
         top = module.partition(".")[0]
-        if module in done.imported or module in done.skipped:
+        if module in done.imported or module in done.skipped or top in sys.stdlib_module_names:
             continue
         if module not in ALWAYS and not _installed(top, script_dir):
             done.skipped[module] = "not an installed distribution's module"

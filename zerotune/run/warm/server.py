@@ -139,6 +139,9 @@ def _launcher(request: dict, close: list[socket.socket]) -> None:
             if code != 0:
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 _stop_ranks([r for r in ranks if r in alive])
+                if code < 0:  # a rank killed by a signal: the launcher dies by the same one (-9 reads as -9)
+                    signal.signal(-code, signal.SIG_DFL)
+                    os.kill(os.getpid(), -code)
                 status = code & 0xFF
                 break
     except BaseException as e:  # noqa: BLE001 - any failure here is the launch's, reported as a setup failure
@@ -268,6 +271,36 @@ class _Server:
         if self.sel.get_map().get(conn) is not None:
             self.sel.unregister(conn)
         conn.close()
+
+
+def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener: socket.socket,
+            others: list[socket.socket]) -> int | None:
+    """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None."""
+    try:
+        request = json.loads(line)
+    except ValueError as e:
+        _send(conn, {"error": f"not a JSON request: {e}"})
+        return None
+    if request.get("op") == "ping":
+        _send(conn, {"pid": os.getpid(), "unsafe": unsafe, "imported": done.imported, "skipped": done.skipped})
+        return None
+    if request.get("op") != "launch":
+        _send(conn, {"error": f"unknown op {request.get('op')!r}"})
+        return None
+    if unsafe:
+        _send(conn, {"error": f"the server launches nothing warm: {unsafe}"})
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        _send(conn, {"error": f"fork failed: {e}"})
+        return None
+    if pid == 0:
+        _launcher(request, [listener, conn, *others])
+    _send(conn, {"pid": pid})
+    return pid
 
 
 def main(argv: list[str] | None = None) -> int:
