@@ -178,7 +178,7 @@ class SlurmBackend(LocalBackend):
         return (self.job_id, self._steps[token]) if token in self._steps else None
 
     def _warm_server(self, reservation: Reservation, running_dir: Path) -> None:
-        """None: every run is an srun step, cold (docs/decisions.md D304 says why)."""
+        """None: every run is an srun step, cold (docs/decisions.md D303 says why)."""
         return None
 
     def _data_limit(self) -> int | None:

@@ -4,5 +4,5 @@ A cold launch pays Python's start-up in every experiment: DeepSpeed's launcher p
 A warm one forks its ranks from a server that did those imports once (:mod:`~zerotune.run.warm.server`), gives them
 DeepSpeed's launcher contract without an exec (:mod:`~zerotune.run.warm.rank`) and runs the script as ``__main__``;
 the tuner sees the run as one process group, as it sees a cold launcher's (:mod:`~zerotune.run.warm.client`). What
-is preloaded, and why it stays fork-safe: :mod:`~zerotune.run.warm.preload`. docs/decisions.md D304.
+is preloaded, and why it stays fork-safe: :mod:`~zerotune.run.warm.preload`. docs/decisions.md D303.
 """

@@ -6,10 +6,12 @@ of installed distributions are imported (:func:`importlib.metadata.packages_dist
 script's own directory (it may change between experiments, and importing it would run the user's code in the
 server), nor the standard library (cheap to import in the rank). ``from X import Y`` also fetches ``Y``, since
 packages such as transformers load a model's module only when its name is first asked for (GPT-2's: 1.7 s of a
-3.6 s preload, D304). A failing import is logged and skipped: the rank imports it again and meets the error as
+3.6 s preload, D303). A failing import is logged and skipped: the rank imports it again and meets the error as
 the script's own.
 
-The preload must leave the server fork-safe: no thread started (OpenMP's pool, a library's background thread), no
+DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too (:func:`preload_ops`), never built.
+
+The preload must leave the server fork-safe: no Python thread started (a library's background thread), no
 CUDA context (a CUDA context does not survive ``fork``; DeepSpeed's import asks ``torch.cuda`` questions that
 initialize it unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server sets). :func:`fork_unsafe` says what
 broke it; the server then launches nothing warm.
@@ -17,6 +19,7 @@ broke it; the server then launches nothing warm.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.metadata
 import logging
@@ -25,7 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ALWAYS", "Preloaded", "fork_unsafe", "preload", "script_imports"]
+__all__ = ["ALWAYS", "OPS", "Preloaded", "fork_unsafe", "learn", "learnable", "preload", "preload_ops",
+           "script_imports"]
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,19 @@ def script_imports(script: str | os.PathLike) -> list[tuple[str, tuple[str, ...]
     return [(module, tuple(names)) for module, names in found.items()]
 
 
+@functools.lru_cache(maxsize=None)
+def _distributions() -> frozenset[str]:
+    """The top-level module names of the installed distributions (a scan of every distribution: once)."""
+    return frozenset(importlib.metadata.packages_distributions())
+
+
+@functools.lru_cache(maxsize=4096)
 def _installed(top: str, script_dir: Path) -> bool:
     """Whether top-level module ``top`` belongs to an installed distribution and is not shadowed by a module of the
     script's own directory."""
     if (script_dir / f"{top}.py").exists() or (script_dir / top).is_dir():
         return False
-    return top in importlib.metadata.packages_distributions()
+    return top in _distributions()
 
 
 @dataclass
@@ -111,15 +122,108 @@ def preload(script: str | os.PathLike) -> Preloaded:
     return done
 
 
-def fork_unsafe() -> str | None:
-    """Why forking this process now would be unsafe (a thread besides the main one, a CUDA context), or None."""
+def learnable(modules: list[str], script: str | os.PathLike) -> list[str]:
+    """Of ``modules`` (names a warm rank imported after its fork, in import order), those :func:`learn` may import:
+    modules of installed distributions not shadowed by the script's directory, not the standard library, not yet
+    imported here."""
+    script_dir = Path(script).resolve().parent
+    return [m for m in modules if isinstance(m, str) and m not in sys.modules
+            and (top := m.partition(".")[0]) not in sys.stdlib_module_names and _installed(top, script_dir)]
+
+
+def learn(modules: list[str]) -> tuple[list[str], str | None]:
+    """Import ``modules`` (:func:`learnable`) into this process, so that the next ranks forked from it find them
+    imported: the modules a rank imports lazily after the script's top level (DeepSpeed's ``initialize`` imports
+    ``torch._dynamo`` and its Muon optimizer's module, about 2 s of a warm start-up here; a Trainer imports more).
+
+    They are first imported in a forked trial process, which reports whether it stayed fork-safe
+    (:func:`fork_unsafe`); only then here. Returns the modules imported and, where nothing was, why (None: all
+    went in, or there was nothing to learn); a module that fails to import is left out."""
+    if not modules:
+        return [], None
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the trial: import, then say whether forking would still be safe
+        os.close(read)
+        status = 1
+        try:
+            _import_all(modules)
+            os.write(write, (fork_unsafe() or "").encode(errors="replace"))
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        unsafe = pipe.read().decode(errors="replace")
+    _, wait_status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(wait_status) != 0:
+        return [], "the trial import failed"
+    if unsafe:
+        return [], unsafe
+    return _import_all(modules), None
+
+
+def _import_all(modules: list[str]) -> list[str]:
+    imported = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: BLE001 - the rank imports it itself
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            continue
+        imported.append(module)
+    return imported
+
+
+OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder")
+"""DeepSpeed's ops a rank loads most often (Adam and AdamW, offloaded Adam, CPU communication): each load of a JIT op
+takes its build lock and checks the build, about 2 s for fused Adam on this 2-core machine, in every rank of every
+cold launch."""
+
+
+def preload_ops() -> list[str]:
+    """Load the ops of :data:`OPS` that this accelerator has and that are already built in this process's torch
+    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`); an op not
+    built yet is left to the rank that needs it (the server never compiles). DeepSpeed keeps a loaded op in its
+    builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. Returns the ops loaded;
+    a failure is logged and skipped."""
+    loaded = []
     try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:
-        import threading
-        threads = threading.active_count()
-    if threads > 1:
-        return f"{threads} threads are running after the preload (a fork copies only the calling one)"
+        from deepspeed.accelerator import get_accelerator
+        from torch.utils.cpp_extension import _get_build_directory
+    except Exception as e:  # noqa: BLE001 - an optimisation only
+        log.warning("warm server: no op preloaded: %s: %s", type(e).__name__, e)
+        return loaded
+    for class_name in OPS:
+        try:
+            builder = get_accelerator().create_op_builder(class_name)
+            if builder is None or not builder.is_compatible(verbose=False):
+                continue
+            if not os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False),
+                                               f"{builder.name}.so")):
+                continue
+            builder.load(verbose=False)
+        except BaseException as e:  # noqa: BLE001 - the rank loads it again and meets the error as its own
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            log.warning("warm server: loading op %s failed, skipped: %s: %s", class_name, type(e).__name__, e)
+            continue
+        loaded.append(builder.name)
+    return loaded
+
+
+def fork_unsafe() -> str | None:
+    """Why forking this process now would be unsafe, or None: a Python thread besides the main one (a fork copies
+    only the calling thread, and the others' locks stay held in the child), or a CUDA context.
+
+    Native threads of libraries that stop them before a fork and restart them in the child are no obstacle:
+    NumPy's OpenBLAS starts its thread pool at import where more than one thread is allowed, and registers
+    ``pthread_atfork`` handlers for it."""
+    import threading
+    if threading.active_count() > 1:
+        return (f"{threading.active_count()} Python threads are running after the preload "
+                f"({', '.join(t.name for t in threading.enumerate())}): a fork copies only the calling one")
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():

@@ -32,9 +32,13 @@ def _unbuffered(fd: int) -> io.TextIOWrapper:
                             errors=sys.stdout.errors or "strict", write_through=True)
 
 
-def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, probe_dir: str | None) -> None:
+def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, probe_dir: str | None,
+                learn_path: str | None = None) -> None:
     """Turn this freshly forked process into the rank that ``env`` describes and run ``script`` in it; never
-    returns (``os._exit``)."""
+    returns (``os._exit``). With ``learn_path``, the names of the modules the rank imported (in import order) are
+    written there as JSON once the script ended, for the server to import before its next fork
+    (:func:`zerotune.run.warm.preload.learn`)."""
+    before = set(sys.modules)
     try:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
@@ -55,7 +59,21 @@ def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, pro
     except BaseException as e:  # noqa: BLE001 - reported as zerotune's failure, not the script's
         os.write(2, f"{SETUP_FAILED_LINE}: {type(e).__name__}: {e}\n".encode(errors="replace"))
         os._exit(SETUP_FAILED)
-    _exit(_run(script))
+    status = _run(script)
+    _finalize()
+    if learn_path:
+        _write_learned(learn_path, [m for m in list(sys.modules) if m not in before])
+    os._exit(status)
+
+
+def _write_learned(path: str, modules: list[str]) -> None:
+    try:
+        import json
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(modules, f)
+        os.replace(f"{path}.tmp", path)
+    except Exception:  # noqa: BLE001 - an optimisation only
+        pass
 
 
 def _run(script: str) -> int:
@@ -108,8 +126,3 @@ def _finalize() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
-
-
-def _exit(status: int) -> None:
-    _finalize()
-    os._exit(status)

@@ -37,7 +37,7 @@ import sys
 import time
 
 from zerotune.run.warm import rank as warm_rank
-from zerotune.run.warm.preload import fork_unsafe, preload
+from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, preload_ops
 
 __all__ = ["main", "rank_environment"]
 
@@ -87,8 +87,9 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass
 
 
-def _launcher(request: dict, close: list[socket.socket]) -> None:
-    """The forked run launcher (see the module doc); never returns."""
+def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None:
+    """The forked run launcher (see the module doc); never returns. Its local rank 0 writes the modules it imported
+    to ``learn_dir/<launcher pid>.json`` (:func:`zerotune.run.warm.preload.learn`)."""
     status = 1
     try:
         for s in close:
@@ -122,8 +123,9 @@ def _launcher(request: dict, close: list[socket.socket]) -> None:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
+                learn_path = os.path.join(learn_dir, f"{os.getppid()}.json") if local_rank == 0 else None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
-                                      request.get("probe_dir"))
+                                      request.get("probe_dir"), learn_path)
             ranks.append(pid)
         alive = set(ranks)
         status = 0
@@ -181,9 +183,10 @@ def serve(socket_path: str, script: str) -> int:
     """Preload for ``script``, then serve launches on ``socket_path`` until stopped (see the module doc)."""
     started = time.monotonic()
     done = preload(script)
+    ops = preload_ops()
     unsafe = fork_unsafe()
-    print(f"zerotune warm server {os.getpid()}: preloaded {len(done.imported)} modules in "
-          f"{time.monotonic() - started:.2f} s: {', '.join(done.imported)}", file=sys.stderr, flush=True)
+    print(f"zerotune warm server {os.getpid()}: preloaded {len(done.imported)} modules and {len(ops)} ops in "
+          f"{time.monotonic() - started:.2f} s: {', '.join(done.imported + ops)}", file=sys.stderr, flush=True)
     for module, why in done.skipped.items():
         print(f"zerotune warm server: not preloaded: {module}: {why}", file=sys.stderr, flush=True)
     if unsafe:
@@ -194,15 +197,16 @@ def serve(socket_path: str, script: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    _Server(socket_path, unsafe, done).loop()
+    _Server(socket_path, script, unsafe, done).loop()
     return 0
 
 
 class _Server:
     """The serving loop's state: the listening socket, connections waiting for their request line, runs."""
 
-    def __init__(self, socket_path: str, unsafe: str | None, done):
-        self.socket_path, self.unsafe, self.done = socket_path, unsafe, done
+    def __init__(self, socket_path: str, script: str, unsafe: str | None, done):
+        self.socket_path, self.script, self.unsafe, self.done = socket_path, script, unsafe, done
+        self.learn_dir = os.path.dirname(os.path.abspath(socket_path))
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         tmp = f"{socket_path}.{os.getpid()}.tmp"
         self.listener.bind(tmp)
@@ -243,7 +247,7 @@ class _Server:
                 return
             line = self.pending.pop(conn)
             pid = _answer(conn, line, self.unsafe, self.done, self.listener,
-                          list(self.pending) + list(self.runs.values()))
+                          list(self.pending) + list(self.runs.values()), self.learn_dir)
             if pid is None:
                 self._close(conn)
             else:
@@ -266,6 +270,24 @@ class _Server:
             if conn is not None:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(wait_status)})
                 self._close(conn)
+                self._learn(pid)
+
+    def _learn(self, pid: int) -> None:
+        """Import what run ``pid``'s rank 0 imported after its fork (:func:`~zerotune.run.warm.preload.learn`)."""
+        path = os.path.join(self.learn_dir, f"{pid}.json")
+        try:
+            with open(path) as f:
+                modules = json.load(f)
+            os.unlink(path)
+        except (OSError, ValueError):
+            return
+        wanted = learnable(modules if isinstance(modules, list) else [], self.script)
+        started = time.monotonic()
+        imported, why_not = learn(wanted)
+        if imported or why_not:
+            print(f"zerotune warm server: learnt {len(imported)} of {len(wanted)} modules run {pid} imported, in "
+                  f"{time.monotonic() - started:.2f} s" + (f"; none imported: {why_not}" if why_not else ""),
+                  file=sys.stderr, flush=True)
 
     def _close(self, conn: socket.socket) -> None:
         if self.sel.get_map().get(conn) is not None:
@@ -274,7 +296,7 @@ class _Server:
 
 
 def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener: socket.socket,
-            others: list[socket.socket]) -> int | None:
+            others: list[socket.socket], learn_dir: str) -> int | None:
     """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None."""
     try:
         request = json.loads(line)
@@ -298,7 +320,7 @@ def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener
         _send(conn, {"error": f"fork failed: {e}"})
         return None
     if pid == 0:
-        _launcher(request, [listener, conn, *others])
+        _launcher(request, [listener, conn, *others], learn_dir)
     _send(conn, {"pid": pid})
     return pid
 
