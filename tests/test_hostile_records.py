@@ -75,9 +75,11 @@ def write_config(work: Path, name: str, **autotuning) -> Path:
 
 
 def argv(work: Path, *extra: str, config: str = "ds.json") -> list[str]:
-    """``zerotune tune`` without ``--results-dir``: the config's ``results_dir`` and ``exps_dir`` hold."""
-    return ["tune", "--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "30", *extra, str(work / "rank.py"),
-            "--deepspeed_config", str(work / config)]
+    """``zerotune tune`` without ``--results-dir``: the config's ``results_dir`` and ``exps_dir`` hold. Cold: a warm
+    rank carries the torch its server imported (about 200 MiB of VmData), which these stand-ins, written against a
+    2 GiB budget that only a torch-free rank leaves room in beside ZeRO-1's 2 GB buffer, never import."""
+    return ["tune", "--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "30", "--cold-launch", *extra,
+            str(work / "rank.py"), "--deepspeed_config", str(work / config)]
 
 
 class Report:

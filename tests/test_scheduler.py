@@ -184,6 +184,7 @@ def test_two_half_pool_experiments_run_at_once_on_different_slots(stand_in, tmp_
     assert sorted(events[2:4]) == [("start", "a"), ("start", "b")]
     assert sorted(events[4:]) == [("end", "a"), ("end", "b")]
     assert scheduler.pool.free_slots == 2 and scheduler.launched == 2
+    scheduler.backend.close()  # the tuning's end: its warm rank server stops (zerotune.run.warm)
     assert processes_of(str(stand_in)) == []
 
 
@@ -229,6 +230,7 @@ def test_hung_experiment_is_killed_with_every_process_and_tuning_continues(stand
     assert hang_s <= hung_done.wall_s < hang_s + 60, hung_done.wall_s
     pids = [read(exp_dir / f"{kind}{rank}.json")["pid"] for kind in ("rank", "daemon") for rank in (0, 1)]
     assert not [pid for pid in pids if alive(pid)], "processes of the hung experiment are still running"
+    scheduler.backend.close()  # the tuning's end: its warm rank server stops (zerotune.run.warm)
     assert processes_of(str(stand_in)) == []
     assert list((tmp_path / "exps" / RUNNING_DIR).iterdir()) == []
 
@@ -248,6 +250,7 @@ def test_timeout_kills_a_busy_experiment(stand_in, tmp_path):
     assert timeout_s <= done.wall_s < timeout_s + 20, done.wall_s
     assert "still working" in (exp_dir / "stdout.log").read_text()  # it ran, and was not hung
     assert not alive(read(exp_dir / "rank0.json")["pid"])
+    scheduler.backend.close()  # the tuning's end: its warm rank server stops (zerotune.run.warm)
     assert processes_of(str(stand_in)) == []
 
 
@@ -264,7 +267,8 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 
 script, user_config, exps = sys.argv[1:4]
-spec = LaunchSpec(script=script, script_args=("--deepspeed_config", user_config), cpu=True)
+# cold: a warm server stops its runs itself once its tuner is gone (tests/test_warm.py); a cold launcher outlives it
+spec = LaunchSpec(script=script, script_args=("--deepspeed_config", user_config), cpu=True, warm=False)
 scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=1)), Path(exps))
 scheduler.run([Experiment("hung", {"train_micro_batch_size_per_gpu": 1, "stand_in": {"mode": "hang"}})])
 '''
@@ -299,6 +303,7 @@ def test_experiments_of_a_sigkilled_tuner_are_killed_by_the_next_run(stand_in, t
     (done,) = scheduler.run([stand_in_exp("next", mode="ok")])
     assert done.status == Status.OK
     assert not alive(rank["pid"])
+    scheduler.backend.close()  # the tuning's end: its warm rank server stops (zerotune.run.warm)
     assert processes_of(str(stand_in)) == []
     assert list((exps / RUNNING_DIR).iterdir()) == []
     assert not shm.exists()

@@ -213,6 +213,7 @@ def test_the_local_backend_ends_a_run_once_its_metric_is_known_and_leaves_no_pro
     assert (done.status, done.ended, done.metric_source) == (Status.OK, "precise", "probe")
     assert done.metric == pytest.approx(40.0)  # 4 samples per 0.1 s step
     assert not (tmp_path / "exps" / "steady" / expdir.METRICS_FILE).exists()
+    scheduler.backend.close()  # the tuning's end: its warm rank server stops (zerotune.run.warm)
     leftovers = []
     for p in psutil.process_iter():
         try:

@@ -265,8 +265,8 @@ class NodeLauncher:
     """
 
     def __init__(self, spec: LaunchSpec):
-        self.spec = spec
-        self.backend = LocalBackend(dataclasses.replace(spec, warm=False))  # an actor per run: cold (D303)
+        self.spec = dataclasses.replace(spec, warm=False)  # an actor per run: cold (docs/decisions.md D303)
+        self.backend = LocalBackend(self.spec)
         self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, text=True)

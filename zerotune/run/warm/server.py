@@ -127,25 +127,7 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
                                       request.get("probe_dir"), learn_path)
             ranks.append(pid)
-        alive = set(ranks)
-        status = 0
-        while alive:
-            try:
-                pid, wait_status = os.wait()
-            except ChildProcessError:
-                break
-            if pid not in alive:  # an orphan of a rank, adopted by this subreaper
-                continue
-            alive.discard(pid)
-            code = os.waitstatus_to_exitcode(wait_status)
-            if code != 0:
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                _stop_ranks([r for r in ranks if r in alive])
-                if code < 0:  # a rank killed by a signal: the launcher dies by the same one (-9 reads as -9)
-                    signal.signal(-code, signal.SIG_DFL)
-                    os.kill(os.getpid(), -code)
-                status = code & 0xFF
-                break
+        status = _wait_ranks(ranks)
     except BaseException as e:  # noqa: BLE001 - any failure here is the launch's, reported as a setup failure
         try:
             os.write(2, f"{warm_rank.SETUP_FAILED_LINE}: launcher: {type(e).__name__}: {e}\n".encode())
@@ -153,6 +135,30 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
             pass
         status = warm_rank.SETUP_FAILED
     os._exit(status)
+
+
+def _wait_ranks(ranks: list[int]) -> int:
+    """Wait for the launcher's ``ranks``; the launcher's exit status: 0 once all exited 0, else the first failing
+    rank's, once the others are stopped; a rank killed by a signal kills the launcher by the same signal (the
+    backend then reads -9 as -9)."""
+    alive = set(ranks)
+    while alive:
+        try:
+            pid, wait_status = os.wait()
+        except ChildProcessError:
+            break
+        if pid not in alive:  # an orphan of a rank, adopted by this subreaper
+            continue
+        alive.discard(pid)
+        code = os.waitstatus_to_exitcode(wait_status)
+        if code != 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            _stop_ranks([r for r in ranks if r in alive])
+            if code < 0:
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            return code & 0xFF
+    return 0
 
 
 def _stop_ranks(ranks: list[int]) -> None:
