@@ -170,8 +170,8 @@ def test_warm_and_cold_runs_of_one_config_measure_the_same(tmp_path):
     assert abs(med[True] / med[False] - 1) <= max(noise, 0.10), [(e.launch, e.metric) for e in cold + warm]
     peaks = {k: sorted(e.peak_memory_bytes for e in v)[1] for k, v in runs.items()}
     assert abs(peaks[True] / peaks[False] - 1) <= 0.05, peaks
-    # what is saved is start-up, never measuring
-    assert max(e.startup_s for e in warm) < min(e.startup_s for e in cold)
+    # what is saved is start-up, never measuring (the first warm run also waits for the server's preload)
+    assert max(e.startup_s for e in warm[1:]) < min(e.startup_s for e in cold) / 2, [e.startup_s for e in cold + warm]
 
 
 @pytest.mark.e2e  # a run whose server is killed, then its cold re-run: about 20 s

@@ -151,7 +151,7 @@ class WarmServer:
             with open(self.log_path, "ab") as out:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "zerotune.run.warm.server", "--socket", str(self.socket_path),
-                     "--script", self.script], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                     "--script", self.script, "--parent", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                     start_new_session=True)
 
     def _ready(self) -> None:

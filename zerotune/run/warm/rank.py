@@ -43,6 +43,7 @@ def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, pro
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())  # the launcher blocked its stop signals across the fork
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)

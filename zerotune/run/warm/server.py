@@ -42,6 +42,10 @@ from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, pr
 __all__ = ["main", "rank_environment"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+"""Blocked across each fork, so that a stop signal is never handled by the child with its parent's handler: the
+child installs its own, then unblocks them."""
 PARENT_POLL_S = 0.2  # how often the server checks that the tuner is alive, s
 RANK_TERM_WAIT_S = 30.0  # DeepSpeed's launcher: terminate_process_tree waits 30 s before SIGKILL
 
@@ -65,11 +69,20 @@ class _Stop(Exception):
     """A stop signal reached the server."""
 
 
-def _subreaper() -> None:
+def _prctl(option: int, value: int) -> None:
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent ``parent`` exits (``PR_SET_PDEATHSIG``; the server and the launcher are
+    single-threaded, so "its parent" is that process): a run's launcher dies with a killed server, a rank with its
+    killed launcher. Exits at once if the parent is already gone."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _kill_runs(runs: dict[int, socket.socket], sig: int = signal.SIGKILL) -> None:
@@ -91,11 +104,13 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
     """The forked run launcher (see the module doc); never returns. Its local rank 0 writes the modules it imported
     to ``learn_dir/<launcher pid>.json`` (:func:`zerotune.run.warm.preload.learn`)."""
     status = 1
+    server = os.getppid()
     try:
         for s in close:
             s.close()
         os.setsid()
-        _subreaper()
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        die_with_parent(server)
         if request.get("data_limit"):
             import resource
             limit = int(request["data_limit"])
@@ -108,6 +123,7 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
             os.close(out)
         slots = [int(s) for s in request["slots"]]
         ranks: list[int] = []
+        launcher = os.getpid()
 
         def stop(signum=None, frame=None, code: int = 1):
             _stop_ranks(ranks)
@@ -116,17 +132,21 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across the fork
         for local_rank in range(len(slots)):
             env = rank_environment(request["env"], slots, local_rank, request["master_addr"],
                                    int(request["master_port"]))
             sys.stdout.flush()
             sys.stderr.flush()
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             pid = os.fork()
             if pid == 0:
+                die_with_parent(launcher)
                 learn_path = os.path.join(learn_dir, f"{os.getppid()}.json") if local_rank == 0 else None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
                                       request.get("probe_dir"), learn_path)
             ranks.append(pid)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         status = _wait_ranks(ranks)
     except BaseException as e:  # noqa: BLE001 - any failure here is the launch's, reported as a setup failure
         try:
@@ -185,8 +205,9 @@ def _stop_ranks(ranks: list[int]) -> None:
             pass
 
 
-def serve(socket_path: str, script: str) -> int:
-    """Preload for ``script``, then serve launches on ``socket_path`` until stopped (see the module doc)."""
+def serve(socket_path: str, script: str, parent: int) -> int:
+    """Preload for ``script``, then serve launches on ``socket_path`` until stopped or until ``parent`` (the tuner's
+    pid) is no longer this process's parent (see the module doc)."""
     started = time.monotonic()
     done = preload(script)
     ops = preload_ops()
@@ -203,7 +224,7 @@ def serve(socket_path: str, script: str) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    _Server(socket_path, script, unsafe, done).loop()
+    _Server(socket_path, script, unsafe, done).loop(parent)
     return 0
 
 
@@ -223,9 +244,8 @@ class _Server:
         self.runs: dict[int, socket.socket] = {}
         os.replace(tmp, socket_path)  # the path appears only once the server accepts: it is the readiness signal
 
-    def loop(self) -> None:
-        """Serve until a stop signal, or until the parent (the tuner) is gone; then kill every run."""
-        parent = os.getppid()
+    def loop(self, parent: int) -> None:
+        """Serve until a stop signal, or until ``parent`` (the tuner) is gone; then kill every run."""
         try:
             while os.getppid() == parent:
                 for key, _ in self.sel.select(timeout=PARENT_POLL_S):
@@ -318,13 +338,18 @@ def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener
     if unsafe:
         _send(conn, {"error": f"the server launches nothing warm: {unsafe}"})
         return None
+    server_pid = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         pid = os.fork()
     except OSError as e:
         _send(conn, {"error": f"fork failed: {e}"})
         return None
+    finally:
+        if os.getpid() == server_pid:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if pid == 0:
         _launcher(request, [listener, conn, *others], learn_dir)
     _send(conn, {"pid": pid})
@@ -335,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerotune.run.warm.server")
     parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
     parser.add_argument("--script", required=True, help="the training script whose imports are preloaded")
+    parser.add_argument("--parent", type=int, required=True, help="the tuner's pid: the server ends with it")
     args = parser.parse_args(argv)
-    return serve(args.socket, args.script)
+    return serve(args.socket, args.script, args.parent)
 
 
 if __name__ == "__main__":
