@@ -24,7 +24,7 @@ from zerotune.report import publish
 from zerotune.report.data import ReportData, TrainingPlan, load, outcome
 from zerotune.report.html import figures
 from zerotune.report.publish import Refresher
-from zerotune.report.table_export import COLUMNS, iso_time
+from zerotune.report.table_export import COLUMNS, csv_text, iso_time, json_text
 from zerotune.run.expdir import write_record
 
 OUTCOME_ORDER = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
@@ -106,6 +106,8 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
             "memory_rel_error": cell(None if not rec["memory_bytes"] or not rec["peak_memory_bytes"]
                                      else rec["memory_bytes"] / rec["peak_memory_bytes"] - 1),
             "budget_bytes": str(40 * 2 ** 30), "started_at": iso_time(rec["started_at"]), "wall_s": cell(rec["wall_s"]),
+            "startup_s": cell(rec["startup_s"]), "measure_s": cell(rec["measure_s"]), "launch": rec["launch"],
+            "launch_note": rec["launch_note"],
             "num_nodes": str(rec["num_nodes"]), "num_slots": str(rec["num_slots"]),
             "device_s": str(rec["wall_s"] * rec["num_nodes"] * rec["num_slots"]), "exit_code": cell(rec["exit_code"]),
             "error": rec["error"], "is_answer": str(rec["name"] == answer)}
@@ -280,6 +282,33 @@ def test_projection_and_runner_up_are_exact():
     assert (r.name, r.value, round(r.gain, 4), round(r.noise, 4), r.beyond_noise) == ("z2_mbs4", 95.0, 0.0526, 0.0361,
                                                                                       True)
     assert [outcome(e) for e in runs] == ["ok", "ok", "oom"]
+
+
+WENT_AWAY = "re-run cold: its warm server went away during the run"
+
+
+def test_results_csv_and_the_timeline_carry_start_up_apart_from_measuring():
+    import plotly.graph_objects as go
+
+    warm, cold = run("z1_mbs4", 1, 4, 100.0), run("z2_mbs4", 2, 4, 95.0, started=60.0)
+    warm.startup_s, warm.measure_s, warm.launch = 2.5, 56.0, "warm"
+    cold.startup_s, cold.measure_s, cold.launch, cold.launch_note = 7.3, 51.5, "cold", WENT_AWAY
+    older = Experiment.from_json({k: v for k, v in run("z3_mbs8", 3, 8, None, status=Status.OOM, started=120.0)
+                                  .to_json().items() if k not in ("launch", "launch_note", "startup_s", "measure_s")})
+    data = ReportData([warm, cold, older], Objective.named("throughput"), 40 * 2 ** 30, None, warm, Path("exps"))
+    rows = list(csv.DictReader(io.StringIO(csv_text(data))))
+    assert [(r["startup_s"], r["measure_s"], r["launch"], r["launch_note"]) for r in rows] == [
+        ("2.5", "56.0", "warm", ""), ("7.3", "51.5", "cold", WENT_AWAY), ("", "", "", "")]  # a record before them
+    body = json.loads(json_text(data))["experiments"]
+    assert [(e["startup_s"], e["measure_s"], e["launch"], e["launch_note"]) for e in body] == [
+        (2.5, 56.0, "warm", ""), (7.3, 51.5, "cold", WENT_AWAY), (None, None, "", "")]
+    timeline = figures(data)["timeline"]
+    go.Figure(timeline)
+    hover = {name: text for trace in timeline["data"] for name, text in zip(trace["y"], trace["customdata"])}
+    assert hover == {"z1_mbs4": "; start-up 2.5 s, measuring 56.0 s (warm)",
+                     "z2_mbs4": f"; start-up 7.3 s, measuring 51.5 s ({WENT_AWAY})", "z3_mbs8": ""}
+    assert timeline["data"][0]["hovertemplate"] == ("%{y}: from %{base:.1f} s for %{x:.1f} s%{customdata}"
+                                                    "<extra>%{fullData.name}</extra>")
 
 
 def test_a_report_that_cannot_be_written_never_fails_the_tuning(tmp_path):

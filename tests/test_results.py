@@ -8,7 +8,8 @@ from rich.console import Console
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
-from zerotune.report.results import answer_text, cost_line, device_seconds, print_wide, render_table, table_text
+from zerotune.report.results import (answer_text, cost_line, device_seconds, print_wide, render_table, startup_line,
+                                     table_text)
 from zerotune.strategy.answer import best_experiment
 
 THROUGHPUT = Objective.named("throughput")
@@ -183,3 +184,50 @@ def test_the_summary_is_whole_when_the_output_is_not_a_terminal():
     print_wide(console, table)
     assert f" {LONG} * " in out.getvalue() and "…" not in out.getvalue()
     assert f" {LONG} * " in table_text(table) and "…" not in table_text(table)
+
+
+def launch(name, startup_s, wall_s, how, note="", started_at=1000.0, status=Status.OK):
+    e = exp(name, status, 10.0 if status is Status.OK else None, wall_s)
+    e.startup_s, e.measure_s = startup_s, None if startup_s is None else wall_s - startup_s - 0.5
+    e.launch, e.launch_note, e.started_at = how, note, started_at
+    return e
+
+
+WENT_AWAY = "re-run cold: its warm server went away during the run"
+NO_SERVER = "launched cold: the warm server did not start"
+
+
+def test_the_start_up_line_gives_the_share_of_launch_seconds_and_how_the_launches_started():
+    warm = [launch("z1_gas1_tmbspg1", 2.0, 10.0, "warm", started_at=1000.0),
+            launch("z1_gas1_tmbspg2", 1.5, 10.0, "warm"), launch("z1_gas1_tmbspg4", 1.0, 10.1, "warm")]
+    assert startup_line(warm) == "start-up: 15% of launch seconds (4.5 s of 30.1 s over 3 launches); launches: 3 warm"
+    runs = [*warm, launch("z1_gas1_tmbspg8", 6.0, 12.0, "cold", WENT_AWAY),
+            launch("z1_gas1_tmbspg16", None, 3.0, "warm", status=Status.OOM),  # no step: counted warm, not timed
+            launch("z1_gas1_tmbspg6", 6.0, 12.0, "cold", NO_SERVER), launch("z1_gas1_tmbspg7", 6.0, 12.0, "cold",
+                                                                             WENT_AWAY),
+            launch("z1_gas1_tmbspg12", 100.0, 200.0, "cold", started_at=500.0)]  # reused: an earlier tuning's launch
+    # since the tuning's start at 1000: (4.5 + 18) s of (30.1 + 36) s = 34%, over the 6 launches with both
+    assert startup_line(runs, since=1000.0) == (
+        f"start-up: 34% of launch seconds (22.5 s of 66.1 s over 6 launches); launches: 4 warm, 3 cold ({WENT_AWAY}; "
+        f"{NO_SERVER})")
+    # without a start: every launch, the reused one's 100 s of 200 s included
+    assert startup_line(runs).startswith("start-up: 46% of launch seconds (122.5 s of 266.1 s over 7 launches); "
+                                         "launches: 4 warm, 4 cold (")
+    cold = [launch("z1_gas1_tmbspg1", 5.0, 10.0, "cold")]  # warm launches off: no note
+    assert startup_line(cold) == "start-up: 50% of launch seconds (5.0 s of 10.0 s over 1 launch); launches: 1 cold"
+    cold[0].launch = ""  # a backend that does not say how its ranks started
+    assert startup_line(cold) == "start-up: 50% of launch seconds (5.0 s of 10.0 s over 1 launch)"
+    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=7, answer=runs[0], since=1000.0))
+    lines = [line.rstrip() for line in text.splitlines()]  # the caption, wrapped at the table's width
+    caption = " ".join(lines[lines.index(cost_line(runs)) + 1:])
+    assert caption == (f"start-up: 34% of launch seconds (22.5 s of 66.1 s over 6 launches); launches: 4 warm, "
+                              f"3 cold ({WENT_AWAY}; {NO_SERVER})")
+
+
+def test_a_summary_without_start_up_times_has_no_start_up_line():
+    """The simulated backend measures no start-up: its summaries stay as they were."""
+    assert startup_line(RUNS) is None
+    reused = [launch("z1_gas1_tmbspg1", 2.0, 10.0, "warm", started_at=500.0)]
+    assert startup_line(reused, since=1000.0) is None  # a rerun that launched nothing
+    text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4, answer=RUNS[2], since=0.0))
+    assert "start-up" not in text and "launches:" not in text

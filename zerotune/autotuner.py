@@ -164,6 +164,7 @@ class Autotuner:
         self.result = StrategyResult()
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
+        self.started_at: float | None = None  # when tune() began, seconds since the epoch (the summary's launches)
 
     @property
     def _notes(self) -> list[str]:
@@ -212,6 +213,7 @@ class Autotuner:
             Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
+        self.started_at = time.time()
         with to_console(self.console), _stop_signals_interrupt(), tuning_locks(job.results_dir, job.exps_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
@@ -295,13 +297,13 @@ class Autotuner:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
         return results.write_results(self.job.results_dir, list(self.scheduler.history), self.job.objective,
                                      self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes,
-                                     answer=self.result.answer)
+                                     answer=self.result.answer, since=self.started_at)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
         results.print_wide(self.console, results.render_table(self.scheduler.history, self.job.objective,
                                                               self.elapsed_s, self.scheduler.launched, self._notes,
-                                                              answer=self.best))
+                                                              answer=self.best, since=self.started_at))
         if self.best is not None:
             self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
                                soft_wrap=True, markup=False)

@@ -6,7 +6,8 @@ Three plots and the text around them, all from :class:`~zerotune.report.data.Rep
   each run a point with its 95% interval; out-of-memory and other failed runs marked at their mbs on the axis;
   the answer starred;
 - the memory model's prediction against each run's measured peak per device, GiB, with the budget;
-- a timeline of the launches (start and wall time, s, coloured and patterned by how each ended).
+- a timeline of the launches (start and wall time, s, coloured and patterned by how each ended; each bar's hover
+  text adds its start-up and measuring seconds and whether it ran warm or cold, :func:`launch_text`).
 
 Every series has its own marker symbol and line dash and every bar its outcome written on it, so the page reads
 without colour. Each plot is a plain plotly figure dict (:func:`throughput_figure`, :func:`memory_figure`,
@@ -19,7 +20,7 @@ import html
 import json
 from typing import Any, Iterable
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.experiment import LAUNCH_COLD, Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
 from zerotune.report.data import OUTCOMES, ReportData, outcome
 from zerotune.report.results import cost_line, saver_names
@@ -126,8 +127,9 @@ def memory_figure(data: ReportData) -> dict[str, Any] | None:
 
 def timeline_figure(data: ReportData) -> dict[str, Any] | None:
     """The launches as bars from their start (s since the first launch) for their wall time, one trace per
-    outcome (colour, fill pattern and the outcome written on each bar), first launch on top. None when no launch
-    has a start time."""
+    outcome (colour, fill pattern and the outcome written on each bar), first launch on top; a bar's hover text adds
+    its start-up and measuring seconds and how it started (:func:`launch_text`). None when no launch has a start
+    time."""
     start = data.tuning_start()
     runs = [e for e in data.experiments if e.started_at is not None]
     if start is None:
@@ -145,7 +147,9 @@ def timeline_figure(data: ReportData) -> dict[str, Any] | None:
                        "marker": {"color": color, "pattern": {"shape": pattern, "fillmode": "overlay",
                                                               "fgcolor": "white", "fgopacity": 0.5},
                                   "line": {"color": "black", "width": 0.5}},
-                       "hovertemplate": "%{y}: from %{base:.1f} s for %{x:.1f} s<extra>%{fullData.name}</extra>"})
+                       "customdata": [f"; {t}" if (t := launch_text(e)) else "" for e in bars],
+                       "hovertemplate": "%{y}: from %{base:.1f} s for %{x:.1f} s%{customdata}"
+                                        "<extra>%{fullData.name}</extra>"})
     figure = _figure(traces, "launches: when each ran, for how long, and how it ended",
                      {"title": {"text": "time since the first launch (s)"}, "rangemode": "tozero"},
                      {"type": "category", "autorange": "reversed", "categoryorder": "array",
@@ -153,6 +157,17 @@ def timeline_figure(data: ReportData) -> dict[str, Any] | None:
     figure["layout"]["height"] = 160 + 24 * len(runs)
     figure["layout"]["barmode"] = "overlay"
     return figure
+
+
+def launch_text(exp: Experiment) -> str:
+    """How a launch spent its wall time and started, as far as its record says: ``start-up 3.2 s, measuring 10.1 s
+    (warm)``; a cold run of a warm tuning gives its note instead (``(re-run cold: its warm server went away during
+    the run)``); ``""`` when nothing is known (the simulated backend)."""
+    phases = ", ".join(f"{label} {seconds:.1f} s" for label, seconds in (("start-up", exp.startup_s),
+                                                                         ("measuring", exp.measure_s))
+                       if seconds is not None)
+    how = exp.launch_note if exp.launch == LAUNCH_COLD and exp.launch_note else exp.launch
+    return " ".join(part for part in (phases, f"({how})" if how else "") if part)
 
 
 def _figure(traces: list[dict], title: str, xaxis: dict, yaxis: dict) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.core.experiment import Experiment, Status, write_json_atomic, write_text_atomic
+from zerotune.core.experiment import (LAUNCH_COLD, LAUNCH_WARM, Experiment, Status, write_json_atomic,
+                                      write_text_atomic)
 from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
@@ -103,6 +104,31 @@ def cost_line(experiments: Sequence[Experiment]) -> str:
     return f"tuning cost: {total / 3600:.3g} device-hours (wall time x devices){share}"
 
 
+def startup_line(experiments: Sequence[Experiment], since: float | None = None) -> str | None:
+    """The start-up share of the launches and how they started, e.g. ``start-up: 41% of launch seconds (12.3 s of
+    30.1 s over 7 launches); launches: 5 warm, 2 cold (re-run cold: its warm server went away during the run)``.
+
+    The share is ``sum(startup_s) / sum(wall_s)`` over the launches with both; the warm and cold counts are over
+    every launch that says how it started, and the cold ones' distinct notes (``launch_note``) follow in
+    first-seen order. ``since``: when this tuning started, seconds since the epoch; only launches from then count
+    (a run reused on resume paid its start-up in an earlier tuning); None: all. None when no launch has a
+    start-up time (the simulated backend, a tuning that only reused runs), so the summary then has no such line.
+    """
+    now = [e for e in experiments if since is None or (e.started_at is not None and e.started_at >= since)]
+    timed = [e for e in now if e.startup_s is not None and e.wall_s]
+    if not timed:
+        return None
+    startup, wall = sum(e.startup_s for e in timed), sum(e.wall_s for e in timed)
+    line = (f"start-up: {startup / wall:.0%} of launch seconds ({startup:.1f} s of {wall:.1f} s over "
+            f"{len(timed)} launch{'' if len(timed) == 1 else 'es'})")
+    counts = [(n, how) for how in (LAUNCH_WARM, LAUNCH_COLD) if (n := sum(e.launch == how for e in now))]
+    if counts:
+        notes = list(dict.fromkeys(e.launch_note for e in now if e.launch == LAUNCH_COLD and e.launch_note))
+        line += "; launches: " + ", ".join(f"{n} {how}" for n, how in counts) + (
+            f" ({'; '.join(notes)})" if notes else "")
+    return line
+
+
 def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
     """Group experiments by tuning space, in first-seen order; each space's best by pooled metric."""
     rows: dict[str, SpaceSummary] = {}
@@ -122,10 +148,12 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
 
 
 def render_table(experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
-                 launched: int, notes: Sequence[str] = (), *, answer: Experiment | None) -> Table:
+                 launched: int, notes: Sequence[str] = (), *, answer: Experiment | None,
+                 since: float | None = None) -> Table:
     """The summary as a rich table (also written as text to ``summary.txt``); the ``answer`` (the strategy's,
     :attr:`StrategyResult.answer <zerotune.strategy.result.StrategyResult.answer>`) is starred, shown as its
-    tuning space's best."""
+    tuning space's best. Its caption: the cost line, the start-up line of the launches from ``since``
+    (:func:`startup_line`, where any launch has a start-up time), then ``notes``."""
     unit = objective.unit
     overall = answer
     pooled = pooled_metrics(experiments)
@@ -141,7 +169,8 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
         best = "-" if row.best is None else _metric_text(pooled[row.best.name], row.best)
         name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
         table.add_row(row.space, str(row.experiments), str(row.ok), failed, f"{row.device_s / 3600:.3g}", best, name)
-    notes = [cost_line(experiments), *notes]
+    startup = startup_line(experiments, since)
+    notes = [cost_line(experiments), *([startup] if startup else []), *notes]
     if notes:
         table.caption = "\n".join(notes)
         table.caption_justify = "left"
@@ -220,7 +249,7 @@ def natural_width(console: Console, renderable) -> int:
 
 def write_results(results_dir: Path, experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
                   launched: int, command_for: callable, notes: Sequence[str] = (), *,
-                  answer: Experiment | None) -> Experiment | None:
+                  answer: Experiment | None, since: float | None = None) -> Experiment | None:
     """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
 
     Each file is written whole or not at all (:func:`~zerotune.core.experiment.write_text_atomic`: a temp
@@ -232,13 +261,15 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
         command_for: ``command_for(config_path, ds_config) -> str``, the paste-able launcher command for the
             config that will be written at ``config_path`` (not written yet when it is called).
         answer: the optimal experiment (the strategy's answer; None: none succeeded).
+        since: when this tuning started, seconds since the epoch: the summary's start-up line counts the
+            launches from then (:func:`startup_line`; None: every launch).
 
     Returns:
         The best experiment, or None (then no optimal files are written, and stale ones are removed).
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    table = render_table(experiments, objective, elapsed_s, launched, notes, answer=answer)
+    table = render_table(experiments, objective, elapsed_s, launched, notes, answer=answer, since=since)
     best = answer
     text = table_text(table)
     config_path = results_dir / "ds_config_optimal.json"

@@ -2,10 +2,12 @@
 
 A row (:func:`experiment_row`, columns :data:`COLUMNS`) carries the summary's columns for one experiment (its
 tuning space, how it ended, its metric) plus the memory model's prediction and the measured peak per device, the
-launch's start and wall time and its device-seconds. Memory is in bytes, times in seconds, the metric in the
-objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the objective, the budget, where
-the experiments are, what was not run and why, the runner-up, the projection): what ``zerotune report`` reads back
-(:func:`zerotune.report.data.load`).
+launch's start and wall time, its start-up seconds (launch to the first measured step, ``startup_s``) apart from
+its measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""`` not launched)
+and why a run of a warm tuning went cold (``launch_note``), and its device-seconds. Memory is in bytes, times in
+seconds, the metric in the objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the
+objective, the budget, where the experiments are, what was not run and why, the runner-up, the projection): what
+``zerotune report`` reads back (:func:`zerotune.report.data.load`).
 """
 from __future__ import annotations
 
@@ -24,14 +26,15 @@ SCHEMA_VERSION = 1  # of results.json
 
 COLUMNS = ("name", "space", "kind", "stage", "mbs", "gas", "knobs", "replica_of", "status", "outcome", "ended",
            "metric_name", "metric", "metric_unit", "metric_rel_half_width", "metric_source", "predicted_memory_bytes",
-           "peak_memory_bytes", "memory_rel_error", "budget_bytes", "started_at", "wall_s", "num_nodes", "num_slots",
-           "device_s", "exit_code", "error", "is_answer")
+           "peak_memory_bytes", "memory_rel_error", "budget_bytes", "started_at", "wall_s", "startup_s", "measure_s",
+           "launch", "launch_note", "num_nodes", "num_slots", "device_s", "exit_code", "error", "is_answer")
 """``results.csv``'s columns, in order."""
 
 
 def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
     """One launch as a row of :data:`COLUMNS`: ``started_at`` in ISO 8601 UTC (``""`` unknown), ``knobs`` as
-    JSON, numbers as numbers and None where unknown (an empty cell in the csv)."""
+    JSON, numbers as numbers and None where unknown (an empty cell in the csv: ``startup_s`` and ``measure_s``
+    without the step probe, or from a record of a zerotune before them)."""
     return {
         "name": exp.name, "space": exp.space, "kind": exp.kind.value, "stage": exp.stage,
         "mbs": exp.ds_config.get("train_micro_batch_size_per_gpu"), "gas": exp.gas,
@@ -41,7 +44,8 @@ def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
         "metric_rel_half_width": exp.metric_rel_half_width, "metric_source": exp.metric_source,
         "predicted_memory_bytes": exp.memory_bytes, "peak_memory_bytes": exp.peak_memory_bytes,
         "memory_rel_error": exp.memory_rel_error, "budget_bytes": data.budget_bytes,
-        "started_at": iso_time(exp.started_at), "wall_s": exp.wall_s, "num_nodes": exp.num_nodes,
+        "started_at": iso_time(exp.started_at), "wall_s": exp.wall_s, "startup_s": exp.startup_s,
+        "measure_s": exp.measure_s, "launch": exp.launch, "launch_note": exp.launch_note, "num_nodes": exp.num_nodes,
         "num_slots": exp.num_slots, "device_s": device_seconds(exp), "exit_code": exp.exit_code, "error": exp.error,
         "is_answer": data.answer is not None and exp.name == data.answer.name,
     }
