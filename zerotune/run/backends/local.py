@@ -16,6 +16,12 @@ in a loop) is no progress, and silence between steps is no hang. Multi-node rese
 mechanism (``--hostfile``, ``--force_multi``) and are stopped by their run's token on every node
 (:func:`~zerotune.run.processes.kill_token_on`), never by the runner's own blanket pkill.
 
+On this machine alone, with ``LaunchSpec.warm`` (the default), a run's ranks are forked instead from a warm rank
+server the backend starts at its first run and stops at :meth:`LocalBackend.close` (:mod:`zerotune.run.warm`): the
+run's launcher it forks leads a session of its own, so it is supervised and stopped as the launcher's process group
+is, and ``cmd.txt`` still shows the launcher's line. A run the server could not launch goes cold and says why in
+``launch_note``; one whose server went away, or whose ranks failed before the script started, is run again cold.
+
 While a run goes, the backend reads its step probe's streams as they grow and, when the launch
 spec has a stop rule, ends the run as soon as the rule says its metric is known or cannot beat the
 incumbent (adaptive experiments, :mod:`zerotune.core.stopping`), with the same process-group stop.
