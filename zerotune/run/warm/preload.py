@@ -186,14 +186,17 @@ def preload_ops() -> list[str]:
     """Load the ops of :data:`OPS` that this accelerator has and that are already built in this process's torch
     extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`); an op not
     built yet is left to the rank that needs it (the server never compiles). DeepSpeed keeps a loaded op in its
-    builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. Returns the ops loaded;
-    a failure is logged and skipped."""
+    builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
+    on CUDA a builder's compatibility check may create the CUDA context, after which nothing could be forked. Returns
+    the ops loaded; a failure is logged and skipped."""
     loaded = []
     try:
         from deepspeed.accelerator import get_accelerator
         from torch.utils.cpp_extension import _get_build_directory
     except Exception as e:  # noqa: BLE001 - an optimisation only
         log.warning("warm server: no op preloaded: %s: %s", type(e).__name__, e)
+        return loaded
+    if get_accelerator()._name != "cpu":  # a CUDA op's compatibility check may create the CUDA context
         return loaded
     for class_name in OPS:
         try:
