@@ -1,5 +1,6 @@
 """``zerotune estimate`` and the model sources it reads: exact bytes, and bad input refused naming the argument."""
 import json
+import sys
 
 import pytest
 
@@ -182,3 +183,45 @@ def test_estimate_from_a_profile_run_that_priced_checkpointing(tmp_path, capsys)
     assert code == 2 and "did not price activation checkpointing" in err
     code, _, err = run(capsys, "--num-params", "1e9", "--device-memory", "40GiB", "--activation-checkpointing")
     assert code == 2 and "--activation-checkpointing goes with --hf-config or --profile" in err
+
+
+# Llama-2-7b-hf's config.json without hidden_act: transformers' LlamaConfig defaults it to silu (a gated MLP,
+# three matrices); AutoModelForCausalLM.from_config builds 6,738,415,616 parameters.
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 4096,
+             "initializer_range": 0.02, "intermediate_size": 11008, "max_position_embeddings": 4096,
+             "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+             "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False,
+             "torch_dtype": "float16", "vocab_size": 32000}
+SILU_NOTE = "hidden_act not in the config: LlamaConfig's default 'silu'"
+
+
+def test_hf_keys_the_config_omits_take_the_model_types_defaults():
+    a = architecture(LLAMA2_7B)
+    assert (a.num_params, a.notes) == (6_738_415_616, (SILU_NOTE,))
+    # LlamaConfig's tie_word_embeddings is False: the head is counted apart, as transformers builds it
+    untied = architecture({k: v for k, v in LLAMA2_7B.items() if k != "tie_word_embeddings"})
+    assert (untied.num_params, untied.notes) == \
+        (6_738_415_616, ("tie_word_embeddings not in the config: LlamaConfig's default False", SILU_NOTE))
+    # a config that gives every key assumes nothing; a key set to null is derived (kv heads = heads), not defaulted
+    assert architecture(LLAMA).notes == ()
+    assert architecture({**QWEN2, "num_key_value_heads": None}).num_params == \
+        architecture({**QWEN2, "num_key_value_heads": 4}).num_params
+
+
+def test_hf_fallback_defaults_are_transformers_own(monkeypatch):
+    from zerotune.model import hf_config
+    for mtype, (name, defaults) in hf_config.FALLBACK_DEFAULTS.items():
+        assert hf_config.type_defaults(mtype) == (name, defaults, False)
+    # transformers not importable: the same count from zerotune's copy, and the note says so
+    monkeypatch.setitem(sys.modules, "transformers.models.auto.configuration_auto", None)
+    a = architecture(LLAMA2_7B)
+    assert (a.num_params, a.notes) == (6_738_415_616, (SILU_NOTE + " (transformers not importable: zerotune's copy)",))
+
+
+def test_estimate_names_the_defaults_it_assumed(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA2_7B))
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "8", "--device-memory", "80GiB")
+    assert code == 0 and "6,738,415,616 parameters" in out and f"Assumed: {SILU_NOTE}." in out.splitlines()
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "8", "--device-memory", "80GiB", "--json")
+    assert json.loads(out)["notes"] == [SILU_NOTE]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,8 @@ class Row:
 class Estimate:
     """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage, offload and checkpointing
     choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
-    only rows without it)."""
+    only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
+    model type for a key it omits)."""
 
     model_source: str
     num_params: int
@@ -80,6 +81,7 @@ class Estimate:
     device_memory_bytes: int
     host_memory_bytes: int | None
     rows: list[Row]
+    notes: list[str] = field(default_factory=list)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -177,7 +179,7 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
 class _Model:
     """The model as given: its description for the header, parameters, activation bytes per sample
     (None: unknown), with activation checkpointing (None: unknown) and the layer sizes the memory model takes
-    as keyword arguments."""
+    as keyword arguments, and what the source assumed (:attr:`Estimate.notes`)."""
 
     source: str
     num_params: int
@@ -185,6 +187,7 @@ class _Model:
     activations: int | None
     extra: dict[str, int]
     checkpointed: int | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -222,7 +225,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
     rows = _rows(model, cfg, hw, given.activations, choices)
     return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
-                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows)
+                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes))
 
 
 def _model_flag(args: argparse.Namespace) -> str:
@@ -285,7 +288,7 @@ def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
               + (", flash attention" if args.flash_attention else ""))
     return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
                   {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params},
-                  checkpointed.activation_bytes_per_sample)
+                  checkpointed.activation_bytes_per_sample, arch.notes)
 
 
 def _hardware(args: argparse.Namespace) -> _Hardware:
@@ -360,6 +363,7 @@ def render(est: Estimate) -> str:
     if not est.activation_bytes_per_sample:
         lines.append("Activations unknown (--activation-bytes): the largest mbs is not estimated; "
                      "'does not fit' means the model states alone are over the device memory.")
+    lines += [f"Assumed: {note}." for note in est.notes]
     return "\n".join(lines)
 
 

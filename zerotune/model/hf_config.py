@@ -22,9 +22,17 @@ Read: ``hidden_size``/``n_embd``/``d_model``, ``num_hidden_layers``/``n_layer``/
 ``max_position_embeddings``/``n_positions`` (the sequence length unless given),
 ``tie_word_embeddings`` (default true), ``hidden_act`` (a gated MLP for silu/swiglu: 3 matrices),
 ``model_type`` (learned position embeddings for gpt2/opt/bert-like; none for rotary models).
+
+A key the config omits takes the default of transformers' config class for its ``model_type``
+(:func:`type_defaults`: ``LlamaConfig`` defaults ``hidden_act`` to ``silu`` and ``tie_word_embeddings`` to
+false), as ``from_pretrained`` would build the model, for the families named here (:data:`FAMILIES`); each
+default taken is named in :attr:`Architecture.notes`. The defaults are read from the installed
+transformers; where it cannot be imported, from :data:`FALLBACK_DEFAULTS`. A key set to ``null`` takes no
+class default: it is derived as above, as transformers derives it.
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +45,42 @@ ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma
 RMSNORM_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "deepseek_v2",
                  "internlm2", "cohere"}
 NO_BIAS_TYPES = RMSNORM_TYPES | {"olmo", "stablelm"}
+LEARNED_POSITION_TYPES = {"gpt2", "opt", "bert", "roberta"}
+FAMILIES = ROTARY_TYPES | RMSNORM_TYPES | NO_BIAS_TYPES | LEARNED_POSITION_TYPES
+"""The model types whose omitted keys take transformers' defaults (:func:`type_defaults`)."""
+
+# The keys read, each a group of the names different model types give it (the first present is taken).
+HIDDEN = ("hidden_size", "n_embd", "d_model")
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+HEADS = ("num_attention_heads", "n_head")
+KV_HEADS = ("num_key_value_heads",)
+FFN = ("intermediate_size", "n_inner", "ffn_dim")
+VOCAB = ("vocab_size",)
+POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx")
+TIED = ("tie_word_embeddings",)
+ACTIVATION = ("hidden_act", "activation_function")
+BIAS = ("bias", "attention_bias")
+KEY_GROUPS = (HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, POSITIONS, TIED, ACTIVATION, BIAS)
+
+FALLBACK_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 2048,
+                              "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False}),
+    "mistral": ("MistralConfig", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                                  "max_position_embeddings": 131072, "tie_word_embeddings": False,
+                                  "hidden_act": "silu"}),
+    "qwen2": ("Qwen2Config", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "num_key_value_heads": 32, "intermediate_size": 22016, "vocab_size": 151936,
+                              "max_position_embeddings": 32768, "tie_word_embeddings": False, "hidden_act": "silu"}),
+    "gpt2": ("GPT2Config", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024,
+                            "tie_word_embeddings": True, "activation_function": "gelu_new"}),
+    "opt": ("OPTConfig", {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "ffn_dim": 3072,
+                          "vocab_size": 50272, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+                          "activation_function": "relu"}),
+}
+"""transformers' defaults (5.23) for the read keys of the most common families, used only where transformers
+cannot be imported; tests hold them equal to the installed transformers'."""
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (zero/config.py:228)
 
 
@@ -51,6 +95,8 @@ class Architecture:
         persistent_params: parameters in tensors of at most ``persistence_threshold`` elements
             (norms, biases): ZeRO-3 keeps them gathered.
         seq_len: the sequence length used for the activations.
+        notes: one line per key the config omits and its model type's config class gave
+            (:func:`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'".
     """
 
     num_params: int
@@ -58,6 +104,52 @@ class Architecture:
     largest_layer_params: int
     persistent_params: int
     seq_len: int
+    notes: tuple[str, ...] = ()
+
+
+def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
+    """What transformers' config class for ``model_type`` defaults the keys this module reads to.
+
+    Returns:
+        the class's name, ``{key: default}`` for each read key with a default that is not None (a None
+        default is derived from other keys: this module's own defaults derive it the same way), and whether
+        it came from :data:`FALLBACK_DEFAULTS` (transformers not importable). ``("", {}, False)`` for a type
+        not in :data:`FAMILIES`, or one neither transformers nor the table knows.
+    """
+    if model_type not in FAMILIES:
+        return "", {}, False
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except Exception:  # noqa: BLE001 - not installed, or an install that fails to import: the table
+        name, defaults = FALLBACK_DEFAULTS.get(model_type, ("", {}))
+        return name, dict(defaults), bool(defaults)
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:  # a transformers older than the type
+        return "", {}, False
+    params = inspect.signature(cls.__init__).parameters
+    keys = [k for group in KEY_GROUPS for k in group]
+    return cls.__name__, {k: params[k].default for k in keys if k in params
+                          and params[k].default not in (None, inspect.Parameter.empty)}, False
+
+
+def _with_type_defaults(cfg: dict[str, Any], mtype: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``cfg`` with each key group that matters for ``mtype`` and that it omits (no name of the group present)
+    filled from :func:`type_defaults`, and a note per key filled. transformers is imported only when a group
+    is omitted."""
+    groups = [g for g in KEY_GROUPS if (g != ACTIVATION or mtype in RMSNORM_TYPES)
+              and (g != BIAS or mtype not in NO_BIAS_TYPES) and not any(k in cfg for k in g)]
+    if not groups or mtype not in FAMILIES:
+        return cfg, ()
+    name, defaults, fallback = type_defaults(mtype)
+    filled, notes = dict(cfg), []
+    for group in groups:
+        key = next((k for k in group if k in defaults), None)
+        if key is not None:
+            filled[key] = defaults[key]
+            notes.append(f"{key} not in the config: {name}'s default {defaults[key]!r}"
+                         + (" (transformers not importable: zerotune's copy)" if fallback else ""))
+    return filled, tuple(notes)
 
 
 def _get(cfg: dict[str, Any], names: tuple[str, ...], what: str, source: str, default: Any = None) -> Any:
@@ -90,14 +182,14 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: expected a JSON object (a Hugging Face config.json)")
     mtype = str(cfg.get("model_type", "")).lower()
-    h = _get(cfg, ("hidden_size", "n_embd", "d_model"), "hidden size", source)
-    layers = _get(cfg, ("num_hidden_layers", "n_layer", "num_layers"), "number of layers", source)
-    heads = _get(cfg, ("num_attention_heads", "n_head"), "attention heads", source)
-    kv_heads = _get(cfg, ("num_key_value_heads",), "key/value heads", source, default=heads)
-    ffn = _get(cfg, ("intermediate_size", "n_inner", "ffn_dim"), "MLP width", source, default=4 * h)
-    vocab = _get(cfg, ("vocab_size",), "vocabulary size", source)
-    positions = _get(cfg, ("max_position_embeddings", "n_positions", "n_ctx"), "maximum positions", source,
-                     default=seq_len or 0)
+    cfg, notes = _with_type_defaults(cfg, mtype)
+    h = _get(cfg, HIDDEN, "hidden size", source)
+    layers = _get(cfg, LAYERS, "number of layers", source)
+    heads = _get(cfg, HEADS, "attention heads", source)
+    kv_heads = _get(cfg, KV_HEADS, "key/value heads", source, default=heads)
+    ffn = _get(cfg, FFN, "MLP width", source, default=4 * h)
+    vocab = _get(cfg, VOCAB, "vocabulary size", source)
+    positions = _get(cfg, POSITIONS, "maximum positions", source, default=seq_len or 0)
     s = seq_len or positions
     if not s:
         raise ConfigError(f"{source}: no max_position_embeddings or n_positions: give --seq-len")
@@ -128,7 +220,7 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
     act = (kept + 6 * s * vocab) * bytes_per_activation / 2
     return Architecture(num_params=num_params, activation_bytes_per_sample=int(act),
-                        largest_layer_params=max(tensors), persistent_params=persistent, seq_len=s)
+                        largest_layer_params=max(tensors), persistent_params=persistent, seq_len=s, notes=notes)
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
