@@ -508,8 +508,23 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     # a backend driven by hand, without a scheduler or tuner that made the cache: torch's default
     assert "TORCH_EXTENSIONS_DIR" not in launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
                                                     probe_dir=tmp_path / "other" / "z0_gas1_tmbspg1")
-    # the machine's big build outputs are hard-linked, never written through: a rebuild unlinks first
-    assert (ext / "fused_adam" / "fused_adam.so").stat().st_ino == (machine / "fused_adam" / "fused_adam.so").stat().st_ino
+    # every file is a copy of its own (no hard link): a write or a rebuild in the exps dir's cache leaves the
+    # machine's byte-identical
+    assert_private_copies(ext / "fused_adam", machine / "fused_adam")
+
+
+def assert_private_copies(copy: Path, source: Path) -> None:
+    """Each file in ``copy`` is its own inode (link count 1, not its source's), and writing it in place
+    leaves the source's bytes as they were."""
+    files = sorted(p.relative_to(copy) for p in copy.rglob("*") if p.is_file())
+    assert files
+    for rel in files:
+        mine, theirs = (copy / rel).stat(), (source / rel).stat()
+        assert (mine.st_nlink, theirs.st_nlink) == (1, 1) and mine.st_ino != theirs.st_ino
+        before = (source / rel).read_bytes()
+        with open(copy / rel, "r+b") as f:  # as a compiler's output rewritten in place
+            f.write(b"rebuilt")
+        assert (source / rel).read_bytes() == before
 
 
 def test_an_op_another_install_built_is_built_once_then_seeded_from_zerotunes_own_cache(tmp_path):
@@ -542,6 +557,9 @@ def test_an_op_another_install_built_is_built_once_then_seeded_from_zerotunes_ow
     assert extensions.publish(first, own, machine, install=other) == []
     assert extensions.publish(second, own, machine, install=here) == []
     assert extensions.built_here(own / "fused_adam", here) and not (own / ".fused_adam.old").exists()
+    # zerotune's cache holds copies of the exps dir's builds, and seeds copies of its own
+    assert_private_copies(own / "fused_adam", first / "fused_adam")
+    assert_private_copies(second / "fused_adam", own / "fused_adam")
 
 
 LOCK_WAITER = r'''

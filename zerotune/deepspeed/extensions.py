@@ -11,7 +11,10 @@ from then on every DeepSpeed run on the machine that loads the op waits on it fo
 So zerotune's experiments never use the machine's cache: each exps dir has its own
 (:func:`extensions_dir`, ``<exps_dir>/.torch_extensions``), seeded from the machine's already-built
 ops (:func:`seed`, so nothing is rebuilt), and only this tuner's experiments load from it (the
-results-dir lock keeps a second tuner out).
+results-dir lock keeps a second tuner out). Seeding copies each file (a reflink, sharing blocks
+copy-on-write, where the filesystem has one), never a hard link: a hard link is one inode, so a
+rebuild or a write in one cache would rewrite the files every other cache, the machine's included, may
+be loading. A seeded file is its own inode (link count 1).
 
 A built op is reusable only by the install that built it: torch rewrites the op's ``build.ninja``
 when the include and library paths it would write now differ (a venv moved or recreated, another
@@ -44,6 +47,7 @@ __all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "built_here", "default_root", "extensi
 EXTENSIONS_DIR = ".torch_extensions"  # under the exps dir
 LOCK_FILE = "lock"  # torch.utils.file_baton.FileBaton's file in each op's build directory
 BUILD_S = 600.0  # a lock younger than this in the machine's cache may be a build in progress
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int), clone a whole file (a reflink)
 
 
 def extensions_dir(exps_dir: Path) -> Path:
@@ -178,7 +182,7 @@ def _copy_whole(op: Path, dest: Path) -> bool:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         shutil.copytree(op, partial, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True,
-                        copy_function=_link_or_copy)
+                        copy_function=_copy_file)
         partial.rename(dest)
         return True
     except OSError:
@@ -186,18 +190,28 @@ def _copy_whole(op: Path, dest: Path) -> bool:
         return False
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    """Hard-link the build's objects and libraries (50 MB for fused Adam), copy the rest. Safe: a
-    rebuild never writes into them in place (binutils and ninja unlink an output before writing it),
-    while ninja's own files (``.ninja_log``, ``.ninja_deps``, ``build.ninja``), which are appended to
-    or rewritten in place, are always copied."""
-    if src.endswith((".o", ".so")):
-        try:
-            os.link(src, dst)
-            return
-        except OSError:  # another filesystem
-            pass
-    shutil.copy2(src, dst)
+def _copy_file(src: str, dst: str) -> None:
+    """Copy one file of a build dir with its mode and timestamps into a new inode of its own: a reflink
+    (copy-on-write, no bytes copied) where the filesystem has one (btrfs, XFS), else the bytes. Never a
+    hard link (module docstring)."""
+    if _reflink(src, dst):
+        shutil.copystat(src, dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+def _reflink(src: str, dst: str) -> bool:
+    """Whether ``dst`` was made a reflink of ``src`` (Linux's ``FICLONE``); False where the filesystem or
+    the platform has none (``dst`` may then exist, empty)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import fcntl
+    try:
+        with open(src, "rb") as source, open(dst, "wb") as dest:
+            fcntl.ioctl(dest.fileno(), FICLONE, source.fileno())
+        return True
+    except OSError:
+        return False
 
 
 def stale_locks(ext_dir: Path, older_than: float | None = None, op: str = "*") -> list[Path]:
