@@ -98,8 +98,13 @@ class LocalBackend(Backend):
         child_setup = _child_setup(self._data_limit())
         record = write_running_record(running_dir, exp.name, token, port, slurm_step=self._slurm_step(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
-        start, since = time.monotonic(), time.time()
         exp.launch, exp.launch_note = LAUNCH_COLD, ""
+        if warm is not None:  # its preload is the tuning's, not this run's: the run's clock starts after it
+            try:
+                warm.ready(self._cancelled)
+            except WarmUnavailable as e:
+                warm, exp.launch_note = None, f"launched cold: {e}"
+        start, since = time.monotonic(), time.time()
         with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
             try:
                 proc = None

@@ -151,15 +151,21 @@ class WarmServer:
             with open(self.log_path, "ab") as out:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "zerotune.run.warm.server", "--socket", str(self.socket_path),
-                     "--script", self.script, "--parent", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                    start_new_session=True)
+                     "--script", self.script, "--parent", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out,
+                    stderr=out, env=env, start_new_session=True)
 
-    def _ready(self) -> None:
-        """Wait until the server accepts (its socket exists) and ask whether it can launch.
+    def ready(self, stop: threading.Event | None = None) -> None:
+        """Wait until the server has preloaded and accepts, and ask whether it can launch. A backend waits here
+        before it starts a run's clock: the preload is the tuning's cost, paid once, not the first run's.
 
         Raises:
-            WarmUnavailable: it exited or did not get ready within :data:`READY_TIMEOUT_S`, or it is not fork-safe.
+            WarmUnavailable: it exited or did not get ready within :data:`READY_TIMEOUT_S`, it is not fork-safe, or
+                ``stop`` was set while waiting.
         """
+        with self._lock:
+            self._ready(stop)
+
+    def _ready(self, stop: threading.Event | None = None) -> None:
         if self.unusable:
             raise WarmUnavailable(self.unusable)
         if self.ping:
@@ -174,6 +180,8 @@ class WarmServer:
             if time.monotonic() > deadline:
                 self.unusable = f"the warm server was not ready in {READY_TIMEOUT_S:g} s"
                 raise WarmUnavailable(self.unusable)
+            if stop is not None and stop.is_set():
+                raise WarmUnavailable("the tuning was stopped while the warm server preloaded")
             time.sleep(0.02)
         answer = self._ask({"op": "ping"})
         if answer.get("unsafe"):
@@ -206,8 +214,7 @@ class WarmServer:
         Raises:
             WarmUnavailable: the server cannot launch it; the message says why.
         """
-        with self._lock:
-            self._ready()
+        self.ready()
         conn = self._connect()
         try:
             conn.sendall((json.dumps({"op": "launch", **request}) + "\n").encode())
