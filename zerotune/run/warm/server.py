@@ -70,6 +70,8 @@ class _Stop(Exception):
 
 
 def _prctl(option: int, value: int) -> None:
+    """``prctl(option, value)`` (Linux; elsewhere nothing). Not :func:`zerotune.run.processes.adopt_orphans`: that
+    module's imports (psutil, the experiment record) would sit in the server's heap, and so in every warm rank's."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
