@@ -81,7 +81,11 @@ def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
     cmd = (results / "cmd_optimal.txt").read_text().strip().replace("--steps 6", "--steps 2")
     run = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     remove_shm_buffers(29500)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
-    assert run.returncode == 0, run.stderr[-3000:]
+    # gloo-backed CPU ranks sometimes abort in the interpreter's teardown, after the script ended ("terminate called
+    # without an active exception", exit -6; the probe's clean_exits exists for it): that is not DeepSpeed refusing
+    # the config, which would fail before the first step
+    teardown_abort = run.stderr.strip().endswith("terminate called without an active exception")
+    assert run.returncode == 0 or teardown_abort, run.stderr[-3000:]
     assert "step 1 loss" in run.stdout
 
     # A rerun resumes: every finished (ok or oom) experiment comes from disk unchanged; when every
