@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, run_processes
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
-from zerotune.run.warm.client import SERVER_RECORD
+from zerotune.run.warm.client import SERVER_RECORD, WarmRun, _exchange
 from zerotune.run.warm.preload import script_imports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,20 @@ def test_the_scripts_top_level_imports_are_read_in_order_without_running_it(tmp_
     assert script_imports(script) == [("os", ()), ("torch.nn", ()),
                                       ("transformers", ("GPT2Config", "GPT2LMHeadModel", "Trainer")),
                                       ("yaml", ()), ("numpy", ())]
+
+
+def test_a_run_whose_exit_line_came_with_the_launch_answer_is_not_lost():
+    """A run that ends at once: the server's pid line and exit line arrive in one read; the exit is kept."""
+    tuner, server = socket.socketpair()
+    try:
+        server.sendall(b'{"pid": 4242}\n{"exit": 3}\n')
+        answer, rest = _exchange(tuner, {"op": "launch"})
+        assert answer == {"pid": 4242} and json.loads(server.recv(100)) == {"op": "launch"}
+        run = WarmRun(tuner, answer["pid"], rest)
+        assert (run.poll(), run.lost) == (3, False)
+    finally:
+        tuner.close()
+        server.close()
 
 
 PRELOAD_CHECK = r'''

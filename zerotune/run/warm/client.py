@@ -54,35 +54,37 @@ class WarmUnavailable(RuntimeError):
 class WarmRun:
     """A run launched by a warm server, seen as a process (the run's launcher, ``pid``)."""
 
-    def __init__(self, conn: socket.socket, pid: int):
+    def __init__(self, conn: socket.socket, pid: int, received: bytes = b""):
         self.pid = pid
         self.returncode: int | None = None
         self.lost = False  # the server went away before the run ended
         self._conn = conn
-        self._buf = b""
+        self._buf = received  # what the server sent after the launch's answer (its exit line, for a quick run)
 
     def _read(self, timeout: float | None) -> None:
         """Read what the server sent within ``timeout`` seconds (None: until the run ends)."""
         if self.returncode is not None:
             return
-        ready, _, _ = select.select([self._conn], [], [], timeout)
-        if not ready:
-            return
-        try:
-            data = self._conn.recv(4096)
-        except OSError:
-            data = b""
-        if data:
+        if b"\n" not in self._buf:
+            ready, _, _ = select.select([self._conn], [], [], timeout)
+            if not ready:
+                return
+            try:
+                data = self._conn.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                self._lose()
+                return
             self._buf += data
-            if b"\n" in self._buf:
-                line, _, self._buf = self._buf.partition(b"\n")
-                try:
-                    self.returncode = int(json.loads(line)["exit"])
-                except (ValueError, KeyError, TypeError):
-                    self._lose()
-                self._conn.close()
-            return
-        self._lose()
+            if b"\n" not in self._buf:
+                return
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            self.returncode = int(json.loads(line)["exit"])
+        except (ValueError, KeyError, TypeError):
+            self._lose()
+        self._conn.close()
 
     def _lose(self) -> None:
         """The server is gone: kill the run's session (the launcher and its ranks) and wait for the launcher."""
@@ -125,6 +127,27 @@ class WarmRun:
             pass
 
 
+def _exchange(conn: socket.socket, request: dict) -> tuple[dict, bytes]:
+    """Send ``request`` as one JSON line and read the server's first answer line: ``(answer, the bytes after it)``
+    (a run that ends at once has its exit line right behind the launch's answer).
+
+    Raises:
+        WarmUnavailable: the server did not answer with a JSON line.
+    """
+    try:
+        conn.sendall((json.dumps(request) + "\n").encode())
+        received = b""
+        while b"\n" not in received:
+            data = conn.recv(4096)
+            if not data:
+                break
+            received += data
+        line, _, rest = received.partition(b"\n")
+        return json.loads(line or b"{}"), rest
+    except (OSError, ValueError) as e:
+        raise WarmUnavailable(f"the warm server did not answer: {e}") from e
+
+
 class WarmServer:
     """One warm rank server on this machine for ``script`` (see the module doc). Thread-safe."""
 
@@ -143,8 +166,11 @@ class WarmServer:
     def start(self) -> None:
         """Start the server process (it preloads in the background; :meth:`launch` waits for it)."""
         with self._lock:
-            if self.proc is not None:
-                return
+            self._start()
+
+    def _start(self) -> None:
+        """:meth:`start`, the lock held."""
+        if self.proc is None:
             self.running_dir.mkdir(parents=True, exist_ok=True)
             self._record = write_running_record(self.running_dir, SERVER_RECORD, self.token, None)
             env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
@@ -171,7 +197,7 @@ class WarmServer:
         if self.ping:
             return
         if self.proc is None:
-            self.start()
+            self._start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.socket_path.exists():
             if self.proc.poll() is not None:
@@ -192,10 +218,7 @@ class WarmServer:
     def _ask(self, request: dict) -> dict:
         conn = self._connect()
         try:
-            conn.sendall((json.dumps(request) + "\n").encode())
-            return json.loads(conn.makefile("rb").readline() or b"{}")
-        except (OSError, ValueError) as e:
-            raise WarmUnavailable(f"the warm server did not answer: {e}") from e
+            return _exchange(conn, request)[0]
         finally:
             conn.close()
 
@@ -217,21 +240,14 @@ class WarmServer:
         self.ready()
         conn = self._connect()
         try:
-            conn.sendall((json.dumps({"op": "launch", **request}) + "\n").encode())
-            line = b""
-            while not line.endswith(b"\n"):
-                data = conn.recv(4096)
-                if not data:
-                    break
-                line += data
-            answer = json.loads(line or b"{}")
-        except (OSError, ValueError) as e:
+            answer, rest = _exchange(conn, {"op": "launch", **request})
+        except WarmUnavailable:
             conn.close()
-            raise WarmUnavailable(f"the warm server did not answer: {e}") from e
+            raise
         if "pid" not in answer:
             conn.close()
             raise WarmUnavailable(str(answer.get("error") or "the warm server did not launch the run"))
-        return WarmRun(conn, int(answer["pid"]))
+        return WarmRun(conn, int(answer["pid"]), rest)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, SIGKILL after :data:`STOP_WAIT_S`): every run it launched is killed with it."""
