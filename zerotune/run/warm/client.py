@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from zerotune.run.processes import RUN_TOKEN_ENV, new_run_token, write_running_record
+from zerotune.run.processes import RUN_TOKEN_ENV, kill_token, new_run_token, write_running_record
 
 __all__ = ["LOST", "WarmRun", "WarmServer", "WarmUnavailable"]
 
@@ -250,7 +250,8 @@ class WarmServer:
         return WarmRun(conn, int(answer["pid"]), rest)
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, SIGKILL after :data:`STOP_WAIT_S`): every run it launched is killed with it."""
+        """Stop the server (SIGTERM, SIGKILL after :data:`STOP_WAIT_S`), then every process it forked (found by its
+        token, :func:`~zerotune.run.processes.kill_token`, waited for): its runs end with it."""
         with self._lock:
             proc, self.proc = self.proc, None
             self.unusable = self.unusable or "the warm server was stopped"
@@ -261,6 +262,8 @@ class WarmServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if proc is not None:  # what it forked carries its token (a fork keeps the server's environ): none outlives it
+            kill_token(self.token)
         if self._record is not None:
             self._record.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)

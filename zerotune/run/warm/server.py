@@ -102,9 +102,10 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass
 
 
-def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None:
-    """The forked run launcher (see the module doc); never returns. Its local rank 0 writes the modules it imported
-    to ``learn_dir/<launcher pid>.json`` (:func:`zerotune.run.warm.preload.learn`)."""
+def _launcher(request: dict, close: list, learn_dir: str) -> None:
+    """The forked run launcher (see the module doc); never returns. ``close``: the server's sockets and selector,
+    closed first (no rank inherits them). Its local rank 0 writes the modules it imported to
+    ``learn_dir/<launcher pid>.json`` (:func:`zerotune.run.warm.preload.learn`)."""
     status = 1
     server = os.getppid()
     try:
@@ -119,6 +120,7 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
             resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        os.close(null)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
             out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.dup2(out, fd)
@@ -144,7 +146,7 @@ def _launcher(request: dict, close: list[socket.socket], learn_dir: str) -> None
             pid = os.fork()
             if pid == 0:
                 die_with_parent(launcher)
-                learn_path = os.path.join(learn_dir, f"{os.getppid()}.json") if local_rank == 0 else None
+                learn_path = os.path.join(learn_dir, f"{launcher}.json") if local_rank == 0 else None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
                                       request.get("probe_dir"), learn_path)
             ranks.append(pid)
@@ -275,7 +277,7 @@ class _Server:
                 return
             line = self.pending.pop(conn)
             pid = _answer(conn, line, self.unsafe, self.done, self.listener,
-                          list(self.pending) + list(self.runs.values()), self.learn_dir)
+                          [self.sel, *self.pending, *self.runs.values()], self.learn_dir)
             if pid is None:
                 self._close(conn)
             else:
@@ -324,7 +326,7 @@ class _Server:
 
 
 def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener: socket.socket,
-            others: list[socket.socket], learn_dir: str) -> int | None:
+            others: list, learn_dir: str) -> int | None:
     """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None."""
     try:
         request = json.loads(line)
