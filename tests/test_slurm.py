@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from zerotune import cli
@@ -23,11 +24,14 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
 from zerotune.run.backends.base import LaunchSpec
+from zerotune.run.backends.local import _Supervised
 from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
+from zerotune.run.backends.slurm_warm import server_step_command
 from zerotune.run.processes import reap_orphans, slurm_step_id
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
+from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
 from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
 from tests.test_ray import processes_running
@@ -78,6 +82,59 @@ def test_the_wrapper_execs_the_script_with_local_rank_its_env_and_data_limit(tmp
                            "CROSS_SIZE": "1", "MASTER_ADDR": "node-a"}
 
 
+@pytest.fixture
+def node_server(tmp_path):
+    """A warm rank server as a Slurm step's task runs it (``{node}`` socket, ``--parent 0``, ``--ready``), for a
+    script that prints its rank's contract; yields (its socket template, the script); stopped at the end."""
+    show = tmp_path / "show.py"
+    show.write_text("import json, os, resource, sys\n"
+                    "print(json.dumps({'argv': sys.argv, 'data': resource.getrlimit(resource.RLIMIT_DATA)[0],\n"
+                    "                  'env': {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE',\n"
+                    "                          'LOCAL_SIZE', 'CROSS_RANK', 'CROSS_SIZE', 'MASTER_ADDR')}}))\n"
+                    "sys.exit(int(os.environ.get('EXIT_WITH', '0')))\n")
+    template = str(tmp_path / "sock" / "{node}.sock")
+    server = subprocess.Popen([PY, "-m", "zerotune.run.warm.server", "--socket", template, "--script", str(show),
+                               "--parent", "0", "--ready", str(tmp_path / "ready")],
+                              env={**os.environ, "SLURMD_NODENAME": "node-a", "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready" / "node-a.json").exists():
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not get ready"
+            time.sleep(0.05)
+        yield template, show
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+TASK = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NUM_NODES": "1", "MASTER_ADDR": "node-a",
+        DATA_LIMIT_ENV: str(3 * 2**30), "PYTHONPATH": str(ROOT), "SLURMD_NODENAME": "node-a"}
+
+
+def test_the_warm_wrapper_has_its_nodes_server_fork_the_rank_with_the_same_contract(node_server):
+    template, show = node_server
+    cmd = [PY, "-u", "-m", "zerotune.run.backends.slurm_rank", "--warm", template, str(show), "--steps", "6"]
+    run = subprocess.run(cmd, env={**os.environ, **TASK}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    seen = json.loads(run.stdout)  # written by the forked rank into the task's own stdout (passed to the server)
+    assert seen["argv"] == [str(show), "--local_rank=1", "--steps", "6"]
+    assert seen["data"] == 3 * 2**30
+    assert seen["env"] == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0",
+                           "CROSS_SIZE": "1", "MASTER_ADDR": "node-a"}
+    failed = subprocess.run(cmd, env={**os.environ, **TASK, "EXIT_WITH": "3"}, capture_output=True, timeout=60)
+    assert failed.returncode == 3
+
+
+def test_the_warm_wrapper_without_a_server_exits_setup_failed_saying_why(tmp_path):
+    run = subprocess.run([PY, "-m", "zerotune.run.backends.slurm_rank", "--warm", str(tmp_path / "{node}.sock"),
+                          "train.py"], env={**os.environ, **TASK}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == SETUP_FAILED
+    assert run.stderr.startswith(f"{SETUP_FAILED_LINE}: the warm server on node-a did not launch the rank: "
+                                 f"FileNotFoundError: "), run.stderr
+
+
 def test_the_wrapper_outside_a_step_says_so(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     run = subprocess.run([PY, "-m", "zerotune.run.backends.slurm_rank", "train.py"], env={**env, "PYTHONPATH": str(ROOT)},
@@ -93,6 +150,15 @@ def test_srun_line_of_a_two_node_cpu_step():
         "--kill-on-bad-exit=1", "--exact", "--cpus-per-task", "4", "--job-name", "zerotune-e-1234abcd",
         "--export=ALL", PY, "-u", "-m", "zerotune.run.backends.slurm_rank", "train.py",
         "--steps", "6", "--deepspeed_config", "/exps/e/ds_config.json"]
+
+
+def test_the_warm_servers_step_overlaps_one_task_per_node():
+    assert server_step_command(["node-a", "node-b"], "zerotune-warm-1", "/tmp/zw/{node}.sock", "train.py",
+                               Path("/exps/.zerotune-warm-1"), gpus_per_node=4) == [
+        "srun", "--overlap", "--nodes", "2", "--ntasks", "2", "--ntasks-per-node", "1", "--nodelist", "node-a,node-b",
+        "--job-name", "zerotune-warm-1", "--gpus-per-node", "4", "--gpu-bind=none", "--export=ALL", PY, "-u", "-m",
+        "zerotune.run.warm.server", "--socket", "/tmp/zw/{node}.sock", "--script", "train.py", "--parent", "0",
+        "--ready", "/exps/.zerotune-warm-1"]
 
 
 def test_srun_line_on_cuda_asks_for_the_gpus_per_node():
@@ -119,6 +185,21 @@ def test_step_env_injects_the_probe_as_the_local_backend_does(tmp_path):
     assert cuda[BUDGET_ENV] == str(40 * 2**30) and DATA_LIMIT_ENV not in cuda
     assert step_env(spec_for(cpu=True, device_memory_bytes=3 * 2**30), one, 29500) == {
         "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"}
+
+
+def test_a_step_srun_cannot_create_as_the_allocation_ends_is_interrupted_not_failed(tmp_path):
+    backend = SlurmBackend(spec_for(cpu=True), environ={"SLURM_JOB_ID": "42", "SLURM_JOB_CPUS_PER_NODE": "2"})
+    exp_dir = tmp_path / "z1_gas1_tmbspg2"
+    exp_dir.mkdir()
+    (exp_dir / "stdout.log").write_text("")
+    line = "srun: error: Unable to create step for job 42: Job/step already completing or completed"
+    (exp_dir / "stderr.log").write_text(line + "\n")
+    exp = Experiment("z1_gas1_tmbspg2", {"train_micro_batch_size_per_gpu": 2, "train_batch_size": 4}, num_slots=2)
+    done = backend._finish(exp, exp_dir, 1, time.monotonic(), _Supervised())
+    assert (done.status, done.error) == (Status.INTERRUPTED, f"the allocation is ending: exit code 1: {line}")
+    (exp_dir / "stderr.log").write_text("srun: error: Unable to create step for job 42: Invalid generic resource\n")
+    failed = backend._finish(exp, exp_dir, 1, time.monotonic(), _Supervised())
+    assert failed.status is Status.FAILED  # any other refusal stays the config's failure
 
 
 def test_slurm_nodes_come_from_the_allocation():
@@ -238,6 +319,7 @@ def test_tune_inside_salloc_runs_each_experiment_as_a_step(slurm, tmp_path):
         assert (f" srun --nodes 1 --ntasks 2 --ntasks-per-node 2 --nodelist {host} --kill-on-bad-exit=1 --exact "
                 f"--cpus-per-task 1 --job-name zerotune-{name}-") in cmd, cmd
         assert f"MASTER_ADDR={host} " in cmd and " -m zerotune.run.backends.slurm_rank " in cmd
+        assert (record["launch"], record["launch_note"]) == ("warm", ""), name  # forked in the servers' step
         if record["kind"] != "profile":  # every rank's probe stream, read where the step wrote it
             assert sorted(read_streams(exp_dir)) == [0, 1], name
             assert record["metric_source"] == "probe" and record["peak_memory_bytes"] > 50 * 2**20
@@ -269,8 +351,22 @@ def allocation(slurm, monkeypatch):
         job_gone(job)
 
 
+def _not_a_server(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` less the warm servers' step (its srun, and its tasks: slurmstepd's children); what the servers
+    forked (launchers, ranks) has their command line and stays."""
+    out = []
+    for p in procs:
+        try:
+            if p.name() != "srun" and (p.parent() is None or p.parent().name() != "slurmstepd"):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
 @pytest.mark.e2e
-def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp_path):
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp_path, warm):
     out = tmp_path / "ranks"
     out.mkdir()
     sleeper = tmp_path / "sleeper.py"  # a rank that says what it was given, then hangs
@@ -281,7 +377,7 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
                        "time.sleep(300)\n")
     cfg = write_config(tmp_path / "ds.json")
     spec = LaunchSpec(script=str(sleeper), script_args=("--deepspeed_config", str(cfg)), cpu=True,
-                      device_memory_bytes=3 * 2**30, timeout_s=8)
+                      device_memory_bytes=3 * 2**30, timeout_s=8, warm=warm)
     backend = SlurmBackend(spec)
     scheduler = Scheduler(backend, SlotPool(slurm_nodes(True)), tmp_path / "exps")
     exp = Experiment("hangs", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)
@@ -296,8 +392,12 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
     assert done.status == Status.TIMEOUT and done.error == "killed after the 8 s timeout", done.error
     assert took < 8 + 20, took
     assert any(any(" zerotune-hangs-" in line for line in lines) for lines in seen), seen  # it ran as a step
-    assert steps_of(allocation) == []
-    assert processes_running(str(sleeper)) == []
+    assert done.launch == ("warm" if warm else "cold") and done.launch_note == ""
+    assert [line.split()[1][:14] for line in steps_of(allocation)] == (["zerotune-warm-"] if warm else [])
+    left = _not_a_server(processes_running(str(sleeper)))  # the run's ranks are gone, its server stays
+    assert left == [], [(p, p.cmdline(), p.parent()) for p in left]
+    backend.close()
+    assert steps_of(allocation) == [] and processes_running(str(sleeper)) == []
     ranks = {p.name: json.loads(p.read_text()) for p in out.iterdir()}
     port = re.search(r"MASTER_PORT=(\d+)", (tmp_path / "exps" / "hangs" / "cmd.txt").read_text()).group(1)
     host = os.environ["SLURM_JOB_NODELIST"]
@@ -344,17 +444,16 @@ def test_a_tuning_job_cancelled_by_scancel_resumes_to_the_answer(slurm, tmp_path
                      f"cd {tmp_path}\nexec {' '.join(tune_args(cfg, results))}\n")
     job = subprocess.run(["sbatch", "--parsable", str(batch)], env=run_env(), capture_output=True, text=True,
                          check=True).stdout.strip().split(";")[0]
-    try:  # cancel once a measured experiment has finished and the next one runs
+    try:  # cancel once a measured experiment has finished, while the next one runs as a step (a warm run is ~1 s)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             records = records_of(results) if (results / "exps").is_dir() else {}
-            if (any(r["kind"] != "profile" and r["status"] == "ok" for r in records.values())
-                    and any(r["status"] == "interrupted" for r in records.values())):
+            if any(r["kind"] != "profile" and r["status"] == "ok" for r in records.values()) and any(
+                    " zerotune-z" in f" {line.split()[1]}" for line in steps_of(job)):
                 break
             assert subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip(), \
                 (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
-            time.sleep(0.5)
-        time.sleep(2)  # into its step
+            time.sleep(0.05)
     finally:
         subprocess.run(["scancel", job], check=True)
     assert job_gone(job)
@@ -362,7 +461,9 @@ def test_a_tuning_job_cancelled_by_scancel_resumes_to_the_answer(slurm, tmp_path
     first = {p.parent.name: p.read_text() for p in (results / "exps").glob("*/exp.json")}
     statuses = {n: json.loads(t)["status"] for n, t in first.items()}
     finished = {n for n, s in statuses.items() if s == "ok"}
-    assert len(finished) >= 2 and "interrupted" in statuses.values(), statuses
+    # cut short; a step the ending allocation refused is interrupted, never a failed config
+    assert len(finished) >= 2 and set(statuses.values()) <= {"ok", "interrupted"}, statuses
+    assert "zerotune: interrupted (SIGTERM)" in (tmp_path / f"slurm-{job}.out").read_text()
 
     again = subprocess.run(["sbatch", "--wait", str(batch)], env=run_env(), capture_output=True, text=True,
                            timeout=600)

@@ -110,9 +110,8 @@ class LocalBackend(Backend):
                 proc = None
                 if warm is not None:
                     try:
-                        proc = warm.launch(_warm_request(spec, reservation, exp_dir, str(config_path), port, token,
-                                                         {**os.environ, **env, RUN_TOKEN_ENV: token},
-                                                         self._data_limit()))
+                        proc = self._warm_launch(warm, reservation, exp_dir, str(config_path), port, token,
+                                                 {**os.environ, **env, RUN_TOKEN_ENV: token}, cmd, (out, err))
                         exp.launch = LAUNCH_WARM
                     except WarmUnavailable as e:
                         exp.launch_note = f"launched cold: {e}"
@@ -139,26 +138,53 @@ class LocalBackend(Backend):
                     self._running.pop(proc.pid, None)
                 release_port(port)
         exp = self._finish(exp, exp_dir, proc.returncode, start, seen)
-        if isinstance(proc, WarmRun) and (proc.lost or proc.returncode == SETUP_FAILED):
-            exp.launch_note = ("its warm server went away during the run" if proc.lost else
-                               "its warm ranks failed before the script started (stderr.log says why)")
+        if exp.launch == LAUNCH_WARM:
+            exp.launch_note = self._warm_failure(proc, exp_dir)
         return exp
 
+    def _warm_launch(self, warm: WarmServer, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
+                     token: str, env: dict[str, str], cmd: list[str], logs: tuple) -> WarmRun:
+        """Launch the run from ``warm``: its launch request (:func:`_warm_request`), from what the cold launch
+        (``cmd``, ``env``: the whole environment) would run; ``logs``: the open ``stdout.log``, ``stderr.log``.
+
+        Raises:
+            WarmUnavailable: the server cannot launch it.
+        """
+        return warm.launch(_warm_request(self.spec, reservation, exp_dir, config_path, port, token, env,
+                                         self._data_limit()))
+
+    def _warm_failure(self, proc: WarmRun, exp_dir: Path) -> str:
+        """Why the warm run ``proc`` failed for a reason of the warm start's, not the script's ('' when it did
+        not): its server went away, or its ranks failed before the script started."""
+        if proc.lost:
+            return "its warm server went away during the run"
+        if proc.returncode == SETUP_FAILED:
+            return "its warm ranks failed before the script started (stderr.log says why)"
+        return ""
+
     def _warm_server(self, reservation: Reservation, running_dir: Path) -> WarmServer | None:
-        """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold: warm
-        launches are off, or the reservation is not this machine's alone)."""
-        if not self.spec.warm or [n.host for n in reservation.nodes] != ["localhost"] or multi_node(self.spec,
-                                                                                                  reservation):
+        """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold,
+        :meth:`_warm_eligible`). Its environment is the ranks' less the experiment's own probe variables."""
+        if not self._warm_eligible(reservation):
             return None
         with self._lock:
             if self._warm is None:
                 env = {**os.environ, **launch_env(self.spec, reservation, probe_dir=running_dir.parent)}
                 env.pop(PROBE_DIR_ENV, None)
                 env.pop(BUDGET_ENV, None)
-                self._warm = WarmServer(self.spec.script, env, running_dir)
+                self._warm = self._new_warm_server(env, reservation, running_dir)
                 self._warm.start()
                 weakref.finalize(self, self._warm.stop)  # a backend dropped without close() (the API, tests)
             return self._warm
+
+    def _warm_eligible(self, reservation: Reservation) -> bool:
+        """Whether runs on ``reservation`` go warm: warm launches are on, and it is this machine's alone."""
+        return self.spec.warm and [n.host for n in reservation.nodes] == ["localhost"] and not multi_node(
+            self.spec, reservation)
+
+    def _new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> WarmServer:
+        """A warm server (not started) whose ranks get ``env``: this machine's."""
+        return WarmServer(self.spec.script, env, running_dir)
 
     def close(self) -> None:
         """Stop the warm rank server, if one was started (every run it launched ends with it)."""

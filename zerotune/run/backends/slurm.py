@@ -25,6 +25,14 @@ left ``squeue``. The running record names the step (job id and name), so a rerun
 killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`,
 :func:`~zerotune.run.processes.cancel_slurm_step`).
 
+Warm launches (the default; ``--cold-launch`` turns them off): at the first run a long-lived step with a warm rank
+server on each node of the allocation is started (:mod:`zerotune.run.backends.slurm_warm`). Each experiment stays a
+step of its own as above, its tasks ``slurm_rank --warm``: each has its node's server fork its rank and stands for
+it in the step (so ``scancel`` and ``--kill-on-bad-exit`` stop the rank), and ``cmd.txt`` still shows the cold line.
+A run whose tasks could not start their ranks warm is run again cold, as on the local backend. The ranks forked on
+this machine are not found by the run's token (their process environment is the server's): their peak comes from
+the probe's streams alone.
+
 .. note:: The results dir, the script and zerotune must be at the same paths on every node of the allocation
    (a shared filesystem); see docs/clusters.md. The master port is checked free on this machine only: with
    several nodes, the step's first node is assumed as free (an experiment whose port is taken fails, and
@@ -42,18 +50,22 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.errors import ConfigError
-from zerotune.core.experiment import Experiment
+from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.launcher import launch_env, script_arguments
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
-from zerotune.run.processes import (SLURM_STEP_GONE_S, cancel_slurm_step, descendants, kill_tree, run_processes,
-                                    slurm_step_id)
+from zerotune.run.backends.slurm_warm import SlurmWarmServers
+from zerotune.run.expdir import STDERR_LOG
+from zerotune.run.processes import (SLURM_STEP_GONE_S, adopt_orphans, cancel_slurm_step, descendants, kill_tree,
+                                    run_processes, slurm_step_id)
+from zerotune.run.warm.rank import SETUP_FAILED_LINE
 from zerotune.run.slots import Node, Reservation
 
 __all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
 
 RANK_MODULE = "zerotune.run.backends.slurm_rank"
+ALLOCATION_ENDING = "Job/step already completing or completed"  # srun's error when it cannot create a step
 _SCAN_S = 1.0  # how often the ranks on this machine are looked up by token while a step runs, seconds
 
 
@@ -158,6 +170,8 @@ class SlurmBackend(LocalBackend):
 
     def __init__(self, spec: LaunchSpec, environ: Mapping[str, str] = os.environ):
         super().__init__(spec)
+        self.environ = environ
+        self._hosts: list[str] | None = None
         self.job_id = _allocation_env(environ, "SLURM_JOB_ID")
         self.cpus_per_node = min(expand_counts(_allocation_env(environ, "SLURM_JOB_CPUS_PER_NODE")))
         self._steps: dict[str, str] = {}  # run token -> its step's name
@@ -177,9 +191,50 @@ class SlurmBackend(LocalBackend):
     def _slurm_step(self, token: str) -> tuple[str, str] | None:
         return (self.job_id, self._steps[token]) if token in self._steps else None
 
-    def _warm_server(self, reservation: Reservation, running_dir: Path) -> None:
-        """None: every run is an srun step, cold (docs/decisions.md D303 says why)."""
-        return None
+    def _warm_eligible(self, reservation: Reservation) -> bool:
+        """Whether runs go warm: warm launches are on (every node of the allocation has a server)."""
+        return self.spec.warm
+
+    def _new_warm_server(self, env: dict[str, str], reservation: Reservation,
+                         running_dir: Path) -> SlurmWarmServers:
+        """The warm rank servers' step on every node of the allocation (:mod:`zerotune.run.backends.slurm_warm`),
+        not started."""
+        return SlurmWarmServers(self.job_id, self.hosts(), self.spec.script, env, running_dir,
+                                0 if self.spec.cpu else reservation.nodes[0].num_slots)
+
+    def hosts(self) -> list[str]:
+        """The allocation's nodes (``SLURM_JOB_NODELIST`` expanded), asked of Slurm once."""
+        if self._hosts is None:
+            self._hosts = hostnames(_allocation_env(self.environ, "SLURM_JOB_NODELIST"))
+        return self._hosts
+
+    def _warm_launch(self, warm: SlurmWarmServers, reservation: Reservation, exp_dir: Path, config_path: str,
+                     port: int, token: str, env: dict[str, str], cmd: list[str], logs: tuple) -> subprocess.Popen:
+        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``)."""
+        at = cmd.index(RANK_MODULE) + 1
+        return subprocess.Popen([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], stdout=logs[0],
+                                stderr=logs[1], stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                preexec_fn=adopt_orphans)
+
+    def _warm_failure(self, proc: subprocess.Popen, exp_dir: Path) -> str:
+        """A task's line on why its warm rank did not run the script (no server, a server gone, a failed fork:
+        :func:`~zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
+        if proc.returncode == 0:
+            return ""
+        try:
+            text = (exp_dir / STDERR_LOG).read_text(errors="replace")
+        except OSError:
+            return ""
+        line = next((ln for ln in text.splitlines() if ln.startswith(SETUP_FAILED_LINE)), "")
+        return line[len(SETUP_FAILED_LINE):].lstrip(": ")
+
+    def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float, seen) -> Experiment:
+        """The local backend's outcome, except that a step srun could not create because the allocation is ending
+        (``scancel`` of the job, its time limit) is INTERRUPTED, re-run on resume, not a failed config."""
+        exp = super()._finish(exp, exp_dir, exit_code, start, seen)
+        if exp.status is Status.FAILED and ALLOCATION_ENDING in exp.error:
+            exp.status, exp.error = Status.INTERRUPTED, f"the allocation is ending: {exp.error}"
+        return exp
 
     def _data_limit(self) -> int | None:
         return None  # each rank's, set by the rank wrapper: srun itself runs unlimited

@@ -8,16 +8,30 @@ training script as that launcher does: ``python -u SCRIPT --local_rank=<LOCAL_RA
 
 ``MASTER_ADDR`` and ``MASTER_PORT`` come from the step's environment (the backend sets them: the step's first
 node and a port free there), as does the probe (``PYTHONPATH``, :mod:`zerotune.probe`).
+
+Warm (``python -u -m zerotune.run.backends.slurm_rank --warm SOCKET SCRIPT ARGS...``), the task execs nothing: it
+asks its node's warm rank server (:mod:`zerotune.run.warm.server`, ``SOCKET`` with ``{node}`` for the node's name)
+to fork the rank with that environment, the data limit, the probe, its own standard streams and CPU affinity, and
+stands for it in the step (:func:`attach`): a stop signal from Slurm (``scancel``, ``--kill-on-bad-exit``) is passed
+to the rank's launcher, the task exits with the rank's status, and a task killed outright closes its connection,
+on which the server kills the rank. A task that cannot reach its server, or whose rank failed before the script
+started, exits :data:`~zerotune.run.warm.rank.SETUP_FAILED` having said why on stderr (the backend then runs the
+experiment again cold).
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
 from collections.abc import Mapping
 
+from zerotune.probe.sitecustomize import PROBE_DIR_ENV
 from zerotune.run.backends.base import limit_data
+from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
-__all__ = ["DATA_LIMIT_ENV", "expand_counts", "main", "rank_env"]
+__all__ = ["DATA_LIMIT_ENV", "attach", "expand_counts", "main", "rank_env"]
 
 DATA_LIMIT_ENV = "ZEROTUNE_DATA_LIMIT"
 """Each rank's ``RLIMIT_DATA``, bytes, set by the wrapper before it execs the script (CPU ranks' budget)."""
@@ -55,17 +69,69 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
             "LOCAL_SIZE": str(tasks[node]), "CROSS_RANK": str(node), "CROSS_SIZE": str(int(nodes))}
 
 
+def attach(socket_template: str, script: str, args: list[str], env: dict[str, str]) -> int:
+    """Have this node's warm server fork this task's rank (``env``: its environment) and wait for it (see the module
+    doc); the status to exit with (negative: the signal that killed the rank)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    request = {"op": "launch", "script": script, "args": args, "rank_env": env, "cwd": os.getcwd(),
+               "affinity": sorted(os.sched_getaffinity(0)), "data_limit": int(env.get(DATA_LIMIT_ENV) or 0) or None,
+               "probe_dir": env.get(PROBE_DIR_ENV)}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    answer: dict = {}
+    try:
+        conn.connect(socket_template.replace("{node}", node))
+        socket.send_fds(conn, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        reader = conn.makefile("rb")
+        answer = json.loads(reader.readline() or b"{}")
+        pid = int(answer["pid"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = answer.get("error") if isinstance(answer, dict) else None
+        print(f"{SETUP_FAILED_LINE}: the warm server on {node} did not launch the rank: "
+              f"{why or f'{type(e).__name__}: {e}'}", file=sys.stderr, flush=True)
+        return SETUP_FAILED
+
+    def forward(signum, frame):  # the launcher stops its rank as DeepSpeed's launcher does, then exits
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except OSError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    try:
+        status = int(json.loads(reader.readline() or b"{}")["exit"])
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"{SETUP_FAILED_LINE}: the warm server on {node} went away during the run", file=sys.stderr,
+              flush=True)
+        status = SETUP_FAILED
+    try:
+        os.killpg(pid, signal.SIGKILL)  # what the rank left in its launcher's session
+    except OSError:
+        pass
+    return status
+
+
 def main(argv: list[str]) -> None:
-    """Exec ``argv`` (``SCRIPT ARGS...``) as this task's rank; never returns."""
+    """Exec ``argv`` (``SCRIPT ARGS...``) as this task's rank; never returns. ``--warm SOCKET SCRIPT ARGS...``:
+    the rank forked by the warm server instead (:func:`attach`); exits with its status."""
+    warm = None
+    if argv[:1] == ["--warm"] and len(argv) > 1:
+        warm, argv = argv[1], argv[2:]
     if not argv:
-        sys.exit("usage: srun ... python -m zerotune.run.backends.slurm_rank SCRIPT [ARGS...]")
+        sys.exit("usage: srun ... python -m zerotune.run.backends.slurm_rank [--warm SOCKET] SCRIPT [ARGS...]")
     try:
         env = {**os.environ, **rank_env(os.environ)}
     except (KeyError, ValueError, IndexError) as e:
         sys.exit(f"zerotune.run.backends.slurm_rank: not a task of a Slurm step ({type(e).__name__}: {e}); "
                  "it is started by srun")
-    limit_data(int(os.environ.get(DATA_LIMIT_ENV) or 0))
     script, *args = argv
+    if warm is not None:
+        status = attach(warm, script, args, env)
+        if status < 0:
+            signal.signal(-status, signal.SIG_DFL)
+            os.kill(os.getpid(), -status)
+        sys.exit(status & 0xFF)
+    limit_data(int(os.environ.get(DATA_LIMIT_ENV) or 0))
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-u", script, f"--local_rank={env['LOCAL_RANK']}", *args], env)
 

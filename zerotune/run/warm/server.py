@@ -8,10 +8,16 @@ thread: the server never starts another). The request is one JSON line; the serv
     -> {"op": "launch", "script": ..., "args": [...], "env": {...}, "cwd": ..., "slots": [0, 1],
         "master_addr": "127.0.0.1", "master_port": 29500, "stdout": PATH, "stderr": PATH,
         "data_limit": BYTES or null, "probe_dir": PATH or null}
+    -> {"op": "launch", "script": ..., "args": [...], "rank_env": {...}, "cwd": ..., "affinity": [CPU, ...],
+        "data_limit": BYTES or null, "probe_dir": PATH or null}   + file descriptors 0, 1, 2 (SCM_RIGHTS)
     <- {"pid": PID}          the run's launcher, forked; it leads a session of its own
     <- {"exit": STATUS}      when it exits: its exit status (negative: killed by that signal)
     -> {"op": "ping"}
     <- {"pid": PID, "unsafe": REASON or null, "imported": [...], "skipped": {...}}
+
+The second form launches one rank whose environment is already DeepSpeed's (``rank_env``: a Slurm task's, made
+by :mod:`zerotune.run.backends.slurm_rank`), on the standard streams and CPU affinity of the process that asked: the
+rank then writes where that task writes, and the task stands for it in its Slurm step.
 
 The run's launcher does what DeepSpeed's per-node launcher does (``deepspeed/launcher/launch.py``) without an exec:
 it leads a new session as a child subreaper (so the backend stops the run as one process group, and what its ranks
@@ -21,8 +27,11 @@ to the experiment's logs, forks one rank per slot with DeepSpeed's rank environm
 non-zero ends the run: the others get SIGTERM, then SIGKILL after 30 s, and the launcher exits with that rank's
 status, as DeepSpeed's launcher does; SIGTERM or SIGINT to the launcher stops its ranks the same way (exit 1).
 
-The server stops, killing every run it launched, on SIGTERM, SIGINT or SIGHUP, when its parent (the tuner) is gone
-(SIGKILL leaves it no other way to say so), or when the tuner closes a run's connection before the run ended.
+The server stops, killing every run it launched, on SIGTERM, SIGINT or SIGHUP, when its parent (the tuner; in a
+Slurm step, its ``slurmstepd``) is gone (SIGKILL leaves it no other way to say so), or when the tuner closes a run's
+connection before the run ended. ``{node}`` in the socket path is this node's name (``SLURMD_NODENAME``, else the
+host name): nodes that share ``/tmp`` keep their sockets apart. With ``--ready DIR`` the server writes its ping
+answer to ``DIR/<node>.json`` once it accepts (a tuner on another node cannot see the socket appear).
 """
 from __future__ import annotations
 
@@ -102,10 +111,11 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass
 
 
-def _launcher(request: dict, close: list, learn_dir: str) -> None:
-    """The forked run launcher (see the module doc); never returns. ``close``: the server's sockets and selector,
-    closed first (no rank inherits them). Its local rank 0 writes the modules it imported to
-    ``learn_dir/<launcher pid>.json`` (:func:`zerotune.run.warm.preload.learn`)."""
+def _launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> None:
+    """The forked run launcher (see the module doc); never returns. ``fds``: the standard streams the request
+    came with (none: ``/dev/null`` and its log files). ``close``: the server's sockets and selector, closed first
+    (no rank inherits them). Its local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``
+    (:func:`zerotune.run.warm.preload.learn`)."""
     status = 1
     server = os.getppid()
     try:
@@ -118,14 +128,10 @@ def _launcher(request: dict, close: list, learn_dir: str) -> None:
             import resource
             limit = int(request["data_limit"])
             resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.dup2(out, fd)
-            os.close(out)
-        slots = [int(s) for s in request["slots"]]
+        if request.get("affinity"):
+            os.sched_setaffinity(0, [int(c) for c in request["affinity"]])
+        _standard_streams(request, fds)
+        envs = _rank_envs(request)
         ranks: list[int] = []
         launcher = os.getpid()
 
@@ -137,16 +143,14 @@ def _launcher(request: dict, close: list, learn_dir: str) -> None:
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across the fork
-        for local_rank in range(len(slots)):
-            env = rank_environment(request["env"], slots, local_rank, request["master_addr"],
-                                   int(request["master_port"]))
+        for env in envs:
             sys.stdout.flush()
             sys.stderr.flush()
             signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             pid = os.fork()
             if pid == 0:
                 die_with_parent(launcher)
-                learn_path = os.path.join(learn_dir, f"{launcher}.json") if local_rank == 0 else None
+                learn_path = os.path.join(learn_dir, f"{launcher}.json") if env.get("LOCAL_RANK") == "0" else None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
                                       request.get("probe_dir"), learn_path)
             ranks.append(pid)
@@ -159,6 +163,35 @@ def _launcher(request: dict, close: list, learn_dir: str) -> None:
             pass
         status = warm_rank.SETUP_FAILED
     os._exit(status)
+
+
+def _standard_streams(request: dict, fds: list[int]) -> None:
+    """The launcher's fds 0, 1 and 2: those passed with the request, else ``/dev/null`` and the request's
+    ``stdout`` and ``stderr`` files (appended)."""
+    if fds:
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for target, path in ((1, request["stdout"]), (2, request["stderr"])):
+        out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(out, target)
+        os.close(out)
+
+
+def _rank_envs(request: dict) -> list[dict[str, str]]:
+    """The environment of each rank the launcher forks: the request's ``rank_env`` (one rank), else one per slot
+    (:func:`rank_environment`)."""
+    if "rank_env" in request:
+        return [{str(k): str(v) for k, v in request["rank_env"].items()}]
+    slots = [int(s) for s in request["slots"]]
+    return [rank_environment(request["env"], slots, local_rank, request["master_addr"], int(request["master_port"]))
+            for local_rank in range(len(slots))]
 
 
 def _wait_ranks(ranks: list[int]) -> int:
@@ -209,9 +242,17 @@ def _stop_ranks(ranks: list[int]) -> None:
             pass
 
 
-def serve(socket_path: str, script: str, parent: int) -> int:
-    """Preload for ``script``, then serve launches on ``socket_path`` until stopped or until ``parent`` (the tuner's
-    pid) is no longer this process's parent (see the module doc)."""
+def node_name() -> str:
+    """This node's name: Slurm's (``SLURMD_NODENAME``, in a task of a step), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def serve(socket_path: str, script: str, parent: int, ready_dir: str | None = None) -> int:
+    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: :func:`node_name`) until stopped
+    or until ``parent`` (the tuner's pid; 0: this process's parent now) is no longer this process's parent; with
+    ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once it accepts (see the module doc)."""
+    parent = parent or os.getppid()
+    socket_path = socket_path.replace("{node}", node_name())
     started = time.monotonic()
     done = preload(script)
     ops = preload_ops()
@@ -228,8 +269,23 @@ def serve(socket_path: str, script: str, parent: int) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    _Server(socket_path, script, unsafe, done).loop(parent)
+    server = _Server(socket_path, script, unsafe, done)
+    if ready_dir:
+        _write_json(os.path.join(ready_dir, f"{node_name()}.json"), _ping(unsafe, done))
+    server.loop(parent)
     return 0
+
+
+def _write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        json.dump(data, f)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)
+
+
+def _ping(unsafe: str | None, done) -> dict:
+    return {"pid": os.getpid(), "node": node_name(), "unsafe": unsafe, "imported": done.imported,
+            "skipped": done.skipped}
 
 
 class _Server:
@@ -238,6 +294,7 @@ class _Server:
     def __init__(self, socket_path: str, script: str, unsafe: str | None, done):
         self.socket_path, self.script, self.unsafe, self.done = socket_path, script, unsafe, done
         self.learn_dir = os.path.dirname(os.path.abspath(socket_path))
+        os.makedirs(self.learn_dir, mode=0o700, exist_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         tmp = f"{socket_path}.{os.getpid()}.tmp"
         self.listener.bind(tmp)
@@ -245,6 +302,7 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.pending: dict[socket.socket, bytes] = {}
+        self.fds: dict[socket.socket, list[int]] = {}  # file descriptors a pending request came with
         self.runs: dict[int, socket.socket] = {}
         os.replace(tmp, socket_path)  # the path appears only once the server accepts: it is the readiness signal
 
@@ -270,19 +328,27 @@ class _Server:
             self.pending[client] = b""
             self.sel.register(client, selectors.EVENT_READ)
             return
-        data = conn.recv(1 << 20)
         if conn in self.pending:
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            except OSError:
+                data, fds = b"", []
             self.pending[conn] += data
+            self.fds.setdefault(conn, []).extend(fds)
             if data and b"\n" not in self.pending[conn]:
                 return
-            line = self.pending.pop(conn)
-            pid = _answer(conn, line, self.unsafe, self.done, self.listener,
-                          [self.sel, *self.pending, *self.runs.values()], self.learn_dir)
+            line, fds = self.pending.pop(conn), self.fds.pop(conn)
+            try:
+                pid = _answer(conn, line, fds, self.unsafe, self.done, self.listener,
+                              [self.sel, *self.pending, *self.runs.values()], self.learn_dir)
+            finally:
+                for fd in fds:  # the launcher has its own copies
+                    os.close(fd)
             if pid is None:
                 self._close(conn)
             else:
                 self.runs[pid] = conn
-        elif not data:  # the tuner closed a run's connection before it ended: it gave the run up
+        elif not conn.recv(1 << 20):  # the tuner closed a run's connection before it ended: it gave the run up
             pid = next(p for p, c in self.runs.items() if c is conn)
             _kill_runs({pid: conn})
             self.sel.unregister(conn)
@@ -325,7 +391,7 @@ class _Server:
         conn.close()
 
 
-def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener: socket.socket,
+def _answer(conn: socket.socket, line: bytes, fds: list[int], unsafe: str | None, done, listener: socket.socket,
             others: list, learn_dir: str) -> int | None:
     """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None."""
     try:
@@ -334,7 +400,7 @@ def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener
         _send(conn, {"error": f"not a JSON request: {e}"})
         return None
     if request.get("op") == "ping":
-        _send(conn, {"pid": os.getpid(), "unsafe": unsafe, "imported": done.imported, "skipped": done.skipped})
+        _send(conn, _ping(unsafe, done))
         return None
     if request.get("op") != "launch":
         _send(conn, {"error": f"unknown op {request.get('op')!r}"})
@@ -355,18 +421,20 @@ def _answer(conn: socket.socket, line: bytes, unsafe: str | None, done, listener
         if os.getpid() == server_pid:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if pid == 0:
-        _launcher(request, [listener, conn, *others], learn_dir)
+        _launcher(request, fds, [listener, conn, *others], learn_dir)
     _send(conn, {"pid": pid})
     return pid
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zerotune.run.warm.server")
-    parser.add_argument("--socket", required=True, help="the Unix socket to serve on")
+    parser.add_argument("--socket", required=True, help="the Unix socket to serve on ({node}: this node's name)")
     parser.add_argument("--script", required=True, help="the training script whose imports are preloaded")
-    parser.add_argument("--parent", type=int, required=True, help="the tuner's pid: the server ends with it")
+    parser.add_argument("--parent", type=int, required=True,
+                        help="the tuner's pid: the server ends with it (0: the server's parent now)")
+    parser.add_argument("--ready", help="write DIR/<node>.json once serving (the ping answer)")
     args = parser.parse_args(argv)
-    return serve(args.socket, args.script, args.parent)
+    return serve(args.socket, args.script, args.parent, args.ready)
 
 
 if __name__ == "__main__":
