@@ -113,6 +113,8 @@ def test_slurm_steps_run_a_rank_on_each_node(two_nodes, tmp_path):
         cmd = (results / "exps" / r["name"] / "cmd.txt").read_text()
         assert "MASTER_ADDR=ztnode0 " in cmd and " srun --nodes 2 --ntasks 2 --ntasks-per-node 1 --nodelist " \
             "ztnode0,ztnode1 " in cmd, cmd
+        # forked by each node's warm server (the nodes share /tmp: their sockets are apart by node name)
+        assert (r["launch"], r["launch_note"]) == ("warm", ""), r["name"]
 
 
 def test_a_hostfile_runs_deepspeeds_multi_node_runner_over_ssh(two_nodes, tmp_path):
