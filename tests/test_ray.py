@@ -193,6 +193,8 @@ def test_experiment_runs_in_a_placement_group_and_leaves_nothing(ray_cluster, tm
     assert done.peak_memory_bytes and done.peak_memory_bytes > 50 * 2**20  # measured on the node, per rank
     record = json.loads((exp_dir / "exp.json").read_text())
     assert record["status"] == "ok" and record["metric"] == done.metric
+    assert (record["launch"], record["launch_note"]) == ("warm", "")  # forked by the node's warm server
+    backend.close()
     # The launcher ran on the GPUs Ray granted the bundle: DeepSpeed's node launcher, given the node's
     # world ({"localhost": [0, 1]}), sets the ranks' visible devices over the CUDA_VISIBLE_DEVICES Ray set
     cmd = (exp_dir / "cmd.txt").read_text()
@@ -215,23 +217,43 @@ def test_experiment_runs_in_a_placement_group_and_leaves_nothing(ray_cluster, tm
     assert pool.free_slots == 2
 
 
+def _forked(path: str) -> list[psutil.Process]:
+    """The processes a warm server for script ``path`` forked (runs' launchers and ranks: they carry its command
+    line), not the server itself."""
+    found = []
+    for p in processes_running(path):
+        try:
+            if any("zerotune.run.warm.server" in " ".join(q.cmdline()) for q in p.parents()[:2]):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
 @pytest.mark.e2e
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 @pytest.mark.parametrize("stop", ["cancel_all", "ray_kills_the_actor"])
-def test_a_stopped_experiment_leaves_no_launcher_on_the_node(ray_cluster, tmp_path, stop):
+def test_a_stopped_experiment_leaves_no_launcher_on_the_node(ray_cluster, tmp_path, stop, warm):
     """Ctrl-C (``cancel_all``) records the run as interrupted; Ray killing the actor under it (its
-    OOM killer, a crash) fails it; either way the launcher and its ranks are gone."""
+    OOM killer, a crash) fails it; either way the launcher and its ranks are gone (warm: the node's server
+    stays, for the tuning's next run, until the backend closes)."""
     import ray
 
     sleeper = tmp_path / "sleeper.py"  # a "training script" that never finishes
     sleeper.write_text("import time\ntime.sleep(300)\n")
     cfg = write_config(tmp_path / "ds.json")
-    backend = RayBackend(tiny_spec(cfg, script=str(sleeper), timeout_s=120), address=ray_cluster)
-    exp = Experiment(f"stopped_by_{stop}", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)
+    backend = RayBackend(tiny_spec(cfg, script=str(sleeper), timeout_s=120, warm=warm), address=ray_cluster)
+    exp = Experiment(f"stopped_by_{stop}_{'warm' if warm else 'cold'}",
+                     {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)
     reservation = Reservation((Node("localhost", (0, 1)),))
     thread = threading.Thread(target=backend.run, args=(exp, reservation, tmp_path / "exp"))
     thread.start()
     deadline = time.monotonic() + 120
-    while len([p for p in processes_running(str(sleeper)) if "--local_rank" in " ".join(p.cmdline())]) < 2:
+
+    def ranks() -> list[psutil.Process]:
+        return [p for p in processes_running(str(sleeper)) if "--local_rank" in " ".join(p.cmdline())]
+
+    while len(_forked(str(sleeper)) if warm else ranks()) < (3 if warm else 2):  # warm: the launcher and 2 ranks
         assert time.monotonic() < deadline and thread.is_alive(), (exp.status, exp.error)
         time.sleep(0.5)
     if stop == "cancel_all":
@@ -247,9 +269,13 @@ def test_a_stopped_experiment_leaves_no_launcher_on_the_node(ray_cluster, tmp_pa
         assert exp.status == Status.FAILED and exp.error.startswith("Ray error: ActorDiedError")
     assert exp.metric is None
     deadline = time.monotonic() + 20  # the reaper: TERM, then KILL after 10 s
-    while processes_running(str(sleeper)) and time.monotonic() < deadline:
+    while (_forked(str(sleeper)) if warm else processes_running(str(sleeper))) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert processes_running(str(sleeper)) == []  # launcher and both ranks
+    assert (_forked(str(sleeper)) if warm else processes_running(str(sleeper))) == []  # launcher and both ranks
+    if stop == "cancel_all":  # (an actor Ray killed returns no record of how it launched)
+        assert exp.launch == ("warm" if warm else "cold")
+    backend.close()
+    assert processes_running(str(sleeper)) == []  # the warm server too
     (group,) = [g for n, g in zerotune_groups(ray).items() if n.startswith(f"zerotune-{exp.name}-")]
     assert group["state"] == "REMOVED"
 

@@ -55,7 +55,7 @@ from zerotune.run.slots import Reservation
 from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
 from zerotune.run.warm.rank import SETUP_FAILED
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "warm_server_env"]
 
 
 class LocalBackend(Backend):
@@ -169,10 +169,8 @@ class LocalBackend(Backend):
             return None
         with self._lock:
             if self._warm is None:
-                env = {**os.environ, **launch_env(self.spec, reservation, probe_dir=running_dir.parent)}
-                env.pop(PROBE_DIR_ENV, None)
-                env.pop(BUDGET_ENV, None)
-                self._warm = self._new_warm_server(env, reservation, running_dir)
+                self._warm = self._new_warm_server(warm_server_env(self.spec, reservation, running_dir), reservation,
+                                                   running_dir)
                 self._warm.start()
                 weakref.finalize(self, self._warm.stop)  # a backend dropped without close() (the API, tests)
             return self._warm
@@ -308,6 +306,17 @@ class _Supervised:
     ended: EndReason | None = None  # the stop rule's answer, or STEP_CAP when the script ended past the cap
     teardown_crash: bool = False  # a non-zero exit after every rank's clean exit record
     peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
+
+
+def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Path) -> dict[str, str]:
+    """The environment of a warm server for ``spec``'s runs on ``reservation`` (its imports need the ranks'
+    accelerator, ``PYTHONPATH`` and the exps dir's extension cache): this process's with the launch's
+    (:func:`~zerotune.deepspeed.launcher.launch_env`), less an experiment's own probe variables (each run's request
+    carries its own)."""
+    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir.parent)}
+    env.pop(PROBE_DIR_ENV, None)
+    env.pop(BUDGET_ENV, None)
+    return env
 
 
 def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_name: str) -> bool:

@@ -17,6 +17,8 @@ How one experiment runs (``RayBackend.run``):
    needs passwordless ssh between the nodes as any multi-node DeepSpeed run does) starts the
    other nodes' ranks; the local backend stops them by the run's token on each node (never by the
    runner's own stop, a pkill of every DeepSpeed launcher on those hosts).
+   On one node, by default, the ranks are forked instead from that node's warm rank server, owned by a host actor
+   that lives for the tuning (:mod:`zerotune.run.backends.ray_warm`); ``cmd.txt`` stays the launcher's line.
 4. The actor is killed and the placement group removed, whatever happened. Should Ray kill the
    actor mid-run (its out-of-memory killer, a crash), a reaper process stops the launcher's
    process group on the actor's node (see :class:`NodeLauncher` for what this leaves undone).
@@ -55,6 +57,9 @@ import psutil
 
 from zerotune.run.backends.base import Backend, LaunchSpec
 from zerotune.run.backends.local import LocalBackend
+from zerotune.run.backends.ray_warm import WarmHosts
+from zerotune.run.processes import RUNNING_DIR
+from zerotune.run.warm.client import AttachedWarmServer
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.rank_env import passed_env
 from zerotune.core.experiment import Experiment, Status
@@ -115,6 +120,7 @@ class RayBackend(Backend):
         self._lock = threading.Lock()
         self._running: dict[str, Any] = {}  # experiment name -> its launcher actor
         self._remote_cache: tuple | None = None
+        self._warm: WarmHosts | None = None
 
     @property
     def _ray(self):
@@ -183,6 +189,7 @@ class RayBackend(Backend):
             probe, launcher = self._remotes()
             others = ray.get([probe.options(num_cpus=0, num_gpus=float(n.num_slots), scheduling_strategy=in_bundle(i))
                               .remote() for i, n in enumerate(reservation.nodes) if i > 0])
+            warm, cold_why = self._warm_socket(pg, reservation, exp_dir.parent / RUNNING_DIR)
             token = uuid.uuid4().hex
             (exp_dir / DISPATCH_MARKER).write_text(token)
             actor = launcher.options(num_cpus=1, num_gpus=float(reservation.nodes[0].num_slots),
@@ -191,9 +198,11 @@ class RayBackend(Backend):
                 self._running[exp.name] = actor
             if self._cancelled.is_set():
                 return _finish(exp, Status.INTERRUPTED, "the tuner was interrupted", start)
-            done = ray.get(actor.run.remote(exp, str(exp_dir), token, os.getcwd(), others))
+            done = ray.get(actor.run.remote(exp, str(exp_dir), token, os.getcwd(), others, warm))
             for f in dataclasses.fields(Experiment):
                 setattr(exp, f.name, getattr(done, f.name))
+            if cold_why and not exp.launch_note:
+                exp.launch_note = f"launched cold: {cold_why}"
             return exp
         except ray.exceptions.RayError as e:
             status = Status.INTERRUPTED if self._cancelled.is_set() else Status.FAILED
@@ -205,6 +214,27 @@ class RayBackend(Backend):
             if actor is not None:
                 ray.kill(actor)
             remove_placement_group(pg)
+
+    def _warm_socket(self, pg, reservation: Reservation, running_dir: Path) -> tuple[str, str]:
+        """(the socket of the warm server on the node of ``pg``'s first bundle, ''), its host actor started on
+        first use (:mod:`zerotune.run.backends.ray_warm`); ('', why) when the server cannot launch; ('', '') when
+        the run goes cold by rule: warm launches are off, or the run spans several nodes."""
+        if not self.spec.warm or reservation.num_nodes > 1:
+            return "", ""
+        from ray.util import placement_group_table
+
+        with self._lock:
+            if self._warm is None:
+                self._warm = WarmHosts(self._ray, node_spec(self.spec), running_dir)
+        node_id = placement_group_table(pg)["bundles_to_node_id"][0]
+        return self._warm.socket_on(node_id, self._cancelled)
+
+    def close(self) -> None:
+        """Stop the warm servers' host actors, if any were started."""
+        with self._lock:
+            warm, self._warm = self._warm, None
+        if warm is not None:
+            warm.stop()
 
     def _remotes(self):
         """The probe task and the launcher actor class as Ray remotes (made once)."""
@@ -265,16 +295,17 @@ class NodeLauncher:
     """
 
     def __init__(self, spec: LaunchSpec):
-        self.spec = dataclasses.replace(spec, warm=False)  # an actor per run: cold (docs/decisions.md D303)
+        self.spec = dataclasses.replace(spec, warm=False)  # warm only through its node's host actor (run)
         self.backend = LocalBackend(self.spec)
         self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True, text=True)
         self._reaper.wait()  # the forked reaper lives on, reading the pipe
 
-    def run(self, exp: Experiment, exp_dir: str, token: str, cwd: str,
-            others: list[tuple[str, list[int]]]) -> Experiment:
-        """Run ``exp`` with the launcher on this node, on the GPUs Ray granted.
+    def run(self, exp: Experiment, exp_dir: str, token: str, cwd: str, others: list[tuple[str, list[int]]],
+            warm_socket: str = "") -> Experiment:
+        """Run ``exp`` with the launcher on this node, on the GPUs Ray granted; forked from this node's warm server
+        at ``warm_socket`` where one is given (:class:`~zerotune.run.warm.client.AttachedWarmServer`).
 
         Args:
             exp: the experiment.
@@ -283,6 +314,7 @@ class NodeLauncher:
             cwd: the driver's working directory; relative paths in the script's arguments mean
                 the same here.
             others: ``(node IP, GPU ids)`` of the other bundles, in order (multi-node only).
+            warm_socket: the node's warm server ('': launch cold).
 
         Returns:
             ``exp`` with its outcome.
@@ -308,7 +340,8 @@ class NodeLauncher:
         else:
             nodes = [Node(LOCALHOST, tuple(mine[1]))]
             spec = dataclasses.replace(self.spec, hostfile=None)
-        self.backend.spec = spec
+        self.backend.spec = dataclasses.replace(spec, warm=bool(warm_socket))
+        self.backend._warm = AttachedWarmServer(warm_socket) if warm_socket else None
         running = threading.Event()
         watch = threading.Thread(target=self._report_launchers, args=(running,), daemon=True)
         running.set()

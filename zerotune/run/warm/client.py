@@ -35,7 +35,7 @@ import psutil
 
 from zerotune.run.processes import RUN_TOKEN_ENV, kill_token, new_run_token, write_running_record
 
-__all__ = ["LOST", "WarmRun", "WarmServer", "WarmUnavailable"]
+__all__ = ["LOST", "AttachedWarmServer", "WarmRun", "WarmServer", "WarmUnavailable"]
 
 log = logging.getLogger(__name__)
 
@@ -149,10 +149,11 @@ def _exchange(conn: socket.socket, request: dict) -> tuple[dict, bytes]:
 
 
 class WarmServer:
-    """One warm rank server on this machine for ``script`` (see the module doc). Thread-safe."""
+    """One warm rank server on this machine for ``script``, its environment ``env``, its running record ``record``
+    under ``running_dir`` (see the module doc). Thread-safe."""
 
-    def __init__(self, script: str, env: Mapping[str, str], running_dir: Path):
-        self.script, self.env, self.running_dir = script, dict(env), Path(running_dir)
+    def __init__(self, script: str, env: Mapping[str, str], running_dir: Path, record: str = SERVER_RECORD):
+        self.script, self.env, self.running_dir, self.record = script, dict(env), Path(running_dir), record
         self._dir = Path(tempfile.mkdtemp(prefix="zerotune-warm-"))
         self.socket_path = self._dir / "server.sock"
         self.log_path = self.running_dir.parent / ".zerotune-warm.log"
@@ -172,7 +173,7 @@ class WarmServer:
         """:meth:`start`, the lock held."""
         if self.proc is None:
             self.running_dir.mkdir(parents=True, exist_ok=True)
-            self._record = write_running_record(self.running_dir, SERVER_RECORD, self.token, None)
+            self._record = write_running_record(self.running_dir, self.record, self.token, None)
             env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
             with open(self.log_path, "ab") as out:
                 self.proc = subprocess.Popen(
@@ -267,3 +268,29 @@ class WarmServer:
         if self._record is not None:
             self._record.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class AttachedWarmServer(WarmServer):
+    """A warm server another process of this machine started and will stop (the Ray backend's host actor of this
+    node), reached at ``socket_path``: it launches runs; :meth:`start` and :meth:`stop` do nothing."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = Path(socket_path)
+        self.proc, self.unusable, self.ping = None, "", {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Nothing: its owner started it."""
+
+    def _ready(self, stop: threading.Event | None = None) -> None:
+        if self.unusable:
+            raise WarmUnavailable(self.unusable)
+        if not self.ping:
+            answer = self._ask({"op": "ping"})
+            if answer.get("unsafe"):
+                self.unusable = f"the warm server is not fork-safe: {answer['unsafe']}"
+                raise WarmUnavailable(self.unusable)
+            self.ping = answer
+
+    def stop(self) -> None:
+        """Nothing: its owner stops it."""
