@@ -10,6 +10,10 @@ vary with the noise it meets). A bare step, ``srun`` of
 With ``--two-node`` it also times the two-node cluster (.ci/twonode_up.sh, one rank per node): the Slurm backend
 against DeepSpeed's own multi-node runner (pdsh over ssh, from a hostfile), the tuner on node 0.
 
+Both backends launch warm by default (docs/decisions.md D303); each setting's Slurm tuning is also timed with
+``--cold-launch``, A B A B, and every case reports the median start-up per launch (the records' ``startup_s``: launch
+to the first step; the profile run, which stops in its first forward, has none).
+
     python -m benchmarks.slurm_overhead [--rounds 2] [--two-node]
 
 Prints one line per case and writes benchmarks/results/slurm_overhead.json.
@@ -46,8 +50,8 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
-def tuning(prefix: list[str], backend: list[str], extra_env: dict[str, str]) -> tuple[float, int]:
-    """One tuning in a fresh dir: (wall seconds, launches)."""
+def tuning(prefix: list[str], backend: list[str], extra_env: dict[str, str]) -> tuple[float, int, list[float]]:
+    """One tuning in a fresh dir: (wall seconds, launches, each launch's start-up seconds where recorded)."""
     with tempfile.TemporaryDirectory(prefix="zt-slurm-bench-") as tmp:
         cfg, results = config(Path(tmp) / "ds.json"), Path(tmp) / "results"
         cmd = [*prefix, sys.executable, "-m", "zerotune", "tune", *backend, "--cpu", "--device-memory", "3GiB",
@@ -58,7 +62,8 @@ def tuning(prefix: list[str], backend: list[str], extra_env: dict[str, str]) -> 
         wall = time.monotonic() - start
         if run.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed ({run.returncode}):\n{run.stderr[-3000:]}")
-        return wall, len(list((results / "exps").glob("*/exp.json")))
+        records = [json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")]
+        return wall, len(records), [r["startup_s"] for r in records if r.get("startup_s") is not None]
 
 
 def bare_step(srun: list[str]) -> float:
@@ -78,19 +83,22 @@ def bare_step(srun: list[str]) -> float:
 
 def compare(name: str, a: tuple, b: tuple, rounds: int) -> dict:
     """A B A B: ``a`` and ``b`` are (label, prefix, backend args, env); returns the medians and the overhead."""
-    runs: dict[str, list[tuple[float, int]]] = {a[0]: [], b[0]: []}
+    runs: dict[str, list[tuple[float, int, list[float]]]] = {a[0]: [], b[0]: []}
     for _ in range(rounds):
         for label, prefix, backend, extra in (a, b):
             runs[label].append(tuning(prefix, backend, extra))
-    walls = {label: statistics.median(w for w, _ in r) for label, r in runs.items()}
-    per = {label: statistics.median(w / n for w, n in r) for label, r in runs.items()}  # s per launch
-    launches = {label: [n for _, n in r] for label, r in runs.items()}
+    walls = {label: statistics.median(w for w, _, _ in r) for label, r in runs.items()}
+    per = {label: statistics.median(w / n for w, n, _ in r) for label, r in runs.items()}  # s per launch
+    launches = {label: [n for _, n, _ in r] for label, r in runs.items()}
+    startup = {label: round(statistics.median([s for _, _, ss in r for s in ss] or [float("nan")]), 3)
+               for label, r in runs.items()}
     per_launch = per[b[0]] - per[a[0]]
     print(f"{name}: {a[0]} {walls[a[0]]:.1f} s, {b[0]} {walls[b[0]]:.1f} s (medians of {rounds}; launches "
-          f"{launches}); per launch {a[0]} {per[a[0]]:.2f} s, {b[0]} {per[b[0]]:.2f} s: {per_launch:+.2f} s",
-          flush=True)
-    return {"case": name, "walls_s": {k: [round(w, 2) for w, _ in r] for k, r in runs.items()},
-            "median_s": walls, "launches": launches, "median_s_per_launch": per, "overhead_per_launch_s": round(per_launch, 3)}
+          f"{launches}); per launch {a[0]} {per[a[0]]:.2f} s, {b[0]} {per[b[0]]:.2f} s: {per_launch:+.2f} s; "
+          f"start-up per launch {a[0]} {startup[a[0]]:.2f} s, {b[0]} {startup[b[0]]:.2f} s", flush=True)
+    return {"case": name, "walls_s": {k: [round(w, 2) for w, _, _ in r] for k, r in runs.items()},
+            "median_s": walls, "launches": launches, "median_s_per_launch": per,
+            "overhead_per_launch_s": round(per_launch, 3), "median_startup_s": startup}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,16 +111,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bare step of 2 tasks (python -c pass): direct {direct:.3f} s, srun {srun:.3f} s (medians of 10)")
     out["bare_step_s"] = {"direct": direct, "srun": srun}
     alloc = ["salloc", "-N1", "--ntasks-per-node=2", "-J", "zerotune-bench"]
+    slurm = ["--backend", "slurm", "--num_gpus", "2"]
     out["one_node"] = compare("one node, 2 CPU ranks", ("local", [], ["--num_gpus", "2"], {}),
-                              ("slurm", alloc, ["--backend", "slurm", "--num_gpus", "2"], {}), args.rounds)
+                              ("slurm", alloc, slurm, {}), args.rounds)
+    out["one_node_warm"] = compare("Slurm, one node, 2 CPU ranks", ("cold", alloc, [*slurm, "--cold-launch"], {}),
+                                   ("warm", alloc, slurm, {}), args.rounds)
     if args.two_node:
         with tempfile.NamedTemporaryFile("w", suffix=".hostfile", delete=False) as f:
             f.write("ztnode0 slots=1\nztnode1 slots=1\n")
-        two = ["salloc", "-N2", "--ntasks-per-node=1", "-J", "zerotune-bench"]
-        out["two_node"] = compare(
-            "two nodes, 1 CPU rank each", ("pdsh", [ON_NODE, "0"], ["--hostfile", f.name], {}),
-            ("slurm", [ON_NODE, "0", *two], ["--backend", "slurm", "--num_gpus", "1"], {"SLURM_CONF": TWO_NODE_CONF}),
-            args.rounds)
+        two = [ON_NODE, "0", "salloc", "-N2", "--ntasks-per-node=1", "-J", "zerotune-bench"]
+        slurm, conf = ["--backend", "slurm", "--num_gpus", "1"], {"SLURM_CONF": TWO_NODE_CONF}
+        out["two_node"] = compare("two nodes, 1 CPU rank each", ("pdsh", [ON_NODE, "0"], ["--hostfile", f.name], {}),
+                                  ("slurm", two, slurm, conf), args.rounds)
+        out["two_node_warm"] = compare("Slurm, two nodes, 1 CPU rank each",
+                                       ("cold", two, [*slurm, "--cold-launch"], conf), ("warm", two, slurm, conf),
+                                       args.rounds)
         os.unlink(f.name)
     out["load_after"] = os.getloadavg()
     path = ROOT / "benchmarks" / "results" / "slurm_overhead.json"
