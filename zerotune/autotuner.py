@@ -26,7 +26,7 @@ from zerotune.core.experiment import Experiment
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command
-from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
+from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file, user_env_texts
 from zerotune.report import results
 from zerotune.report.log import to_console
 from zerotune.report.data import ReportData, TrainingPlan
@@ -152,6 +152,8 @@ class Autotuner:
         if backend is None and not Path(job.script).is_file():  # a simulated backend runs no script
             raise ConfigError(f"training script {job.script!r} does not exist (or is not a file)")
         _check_stage_configs(job)
+        if job.backend != "slurm" and any(n.host != "localhost" for n in job.nodes):  # DeepSpeed's runner may start
+            user_env_texts()  # ranks there and read its env files at each launch: one it cannot read is exit 2 now
         self.console = console or Console(stderr=True, soft_wrap=True)
         self.backend = backend or make_backend(job.backend, job.launch_spec(), job.ray_address)
         self.pool = SlotPool(list(job.nodes))

@@ -19,6 +19,7 @@ import sys
 from rich.console import Console
 
 from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
+from zerotune.core import user_files
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.stopping import DEFAULT_PRECISION
@@ -178,6 +179,8 @@ def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
                 raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
             # --include localhost:0,1 on CPU: enough slots to cover the ids
             local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
+    else:  # DeepSpeed's hostfile is read in zerotune.run.resources: bounded here as every file the user names
+        user_files.check_file(args.hostfile, f"hostfile {args.hostfile}", "expected lines like 'worker-0 slots=8'")
     nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
                              args.num_gpus if args.hostfile or not cpu else -1, local_slots)
     return nodes, cpu

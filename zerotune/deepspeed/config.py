@@ -6,12 +6,12 @@ file and the key or value at fault (``ConfigError``, exit status 2 at the CLI).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 
 CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
@@ -90,28 +90,20 @@ def parse_autotuning(section: Any, source: str = "ds_config") -> AutotuningConfi
         raise ConfigError(f"{source}: " + "; ".join(problems)) from None
 
 
+CONFIG_RULE = "a DeepSpeed config is UTF-8 JSON (non-ASCII text may be written as \\uXXXX)"
+"""What a ds_config file is, as the messages about one say it."""
+
+
 def load_ds_config(path: str | Path) -> dict[str, Any]:
-    """Read a ds_config JSON file.
+    """Read a ds_config JSON file, bounded as every file the user names (:mod:`zerotune.core.user_files`).
 
     Raises:
-        ConfigError: missing file, not UTF-8 (DeepSpeed reads it as UTF-8 JSON; the offset of the first bad
-            byte), invalid JSON (with line and column), or not a JSON object.
+        ConfigError: naming the file: missing or unreadable, not a regular file (a directory, a FIFO,
+            ``/dev/zero``), larger than 4 MiB, not UTF-8 (DeepSpeed reads it as UTF-8 JSON; the offset of the
+            first bad byte), invalid JSON (with line and column), nested deeper than 64 levels, or not a JSON
+            object.
     """
-    path = Path(path)
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read DeepSpeed config: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start}); a DeepSpeed "
-                          f"config is UTF-8 JSON (non-ASCII text may be written as \\uXXXX)") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a DeepSpeed config must be a JSON object, got {type(data).__name__}")
-    return data
+    return user_files.load_object(path, str(path), CONFIG_RULE)
 
 
 def find_config_arg(script_args: list[str]) -> tuple[int, str]:

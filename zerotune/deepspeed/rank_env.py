@@ -27,7 +27,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ENV_FILE_VAR", "PASSED_PREFIXES", "RUNNER_ENV_FILE", "passed_env", "runner_env_file"]
+from zerotune.core import user_files
+
+__all__ = ["ENV_FILE_VAR", "PASSED_PREFIXES", "RUNNER_ENV_FILE", "passed_env", "runner_env_file", "user_env_texts"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,20 @@ def passed_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     return {k: environ[k] for k in sorted(environ) if k.startswith(PASSED_PREFIXES)}
 
 
+def user_env_texts(environ: Mapping[str, str] = os.environ, cwd: Path | None = None) -> list[str]:
+    """The text of each env file DeepSpeed's runner reads (``~/NAME`` and ``cwd/NAME``, ``NAME`` being
+    ``environ``'s ``DS_ENV_FILE`` or ``.deepspeed_env``; an absolute ``NAME`` once), where it is a regular file,
+    read as every file the user names is (:mod:`zerotune.core.user_files`).
+
+    Raises:
+        ConfigError: naming the env file: unreadable, larger than 4 MiB or not UTF-8.
+    """
+    own = environ.get(ENV_FILE_VAR, _DEFAULT_ENV_FILE)
+    folders = (Path.home(), Path(cwd) if cwd is not None else Path.cwd())
+    return [user_files.read_text(user_file, f"DeepSpeed env file {user_file}", "expected NAME=VALUE lines, UTF-8")
+            for user_file in dict.fromkeys((folder / own).resolve() for folder in folders) if user_file.is_file()]
+
+
 def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, str] = os.environ,
                     cwd: Path | None = None) -> dict[str, str]:
     """Write DeepSpeed's runner env file at ``path`` so that a multi-node launch's ranks on every node get ``env``,
@@ -67,6 +83,9 @@ def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, st
         path: where to write the file (the experiment's directory, or the results dir for the training).
         environ: the tuner's environment.
         cwd: the working directory the runner starts in (None: this process's).
+
+    Raises:
+        ConfigError: an env file that cannot be read (:func:`user_env_texts`).
     """
     lines = []
     for name, value in env.items():
@@ -76,12 +95,7 @@ def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, st
             log.warning("%s holds a line break: it is not passed to the ranks on other nodes", name)
             continue
         lines.append(f"{name}={value}\n")
-    own = environ.get(ENV_FILE_VAR, _DEFAULT_ENV_FILE)
-    folders = (Path.home(), Path(cwd) if cwd is not None else Path.cwd())
-    for user_file in dict.fromkeys((folder / own).resolve() for folder in folders):  # an absolute NAME: once
-        if user_file.is_file():
-            text = user_file.read_text()
-            lines.append(text if text.endswith("\n") or not text else text + "\n")
+    lines += [text if text.endswith("\n") or not text else text + "\n" for text in user_env_texts(environ, cwd)]
     path = Path(path).absolute()
     path.write_text("".join(lines))
     return {ENV_FILE_VAR: str(path)}

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.core.units import format_bytes, parse_bytes
-from zerotune.deepspeed.config import precision as config_precision
+from zerotune.deepspeed.config import CONFIG_RULE, precision as config_precision
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
@@ -136,16 +137,9 @@ def _positive(value: int, what: str) -> int:
 
 
 def _read_profile(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if p.is_dir():
-        p = p / "model_info.json"
-    try:
-        data = json.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"--profile {path}: cannot read {p.name} ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--profile {path}: {p.name} is not JSON ({e.msg})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("num_params"), (int, float)) or data["num_params"] <= 0:
+    p, label = user_files.file_in(path, "model_info.json", "--profile")
+    data = user_files.load_object(p, label, "expected a profile run's directory or its model_info.json")
+    if not isinstance(data.get("num_params"), (int, float)) or data["num_params"] <= 0:
         raise ConfigError(f"--profile {path}: {p.name} has no positive num_params (DeepSpeed's model_info.json)")
     saved = read_saved_activations(p.parent)  # the probe's record beside it, as the tuner reads it
     if saved is not None:
@@ -160,14 +154,7 @@ def _read_profile(path: str) -> dict[str, Any]:
 def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {"optimizer": {"type": "AdamW"}, "bf16": {"enabled": True}}
     if args.ds_config:
-        try:
-            cfg = json.loads(Path(args.ds_config).read_text())
-        except OSError as e:
-            raise ConfigError(f"--deepspeed {args.ds_config}: cannot read it ({e.strerror or e})") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--deepspeed {args.ds_config}: not JSON ({e.msg}, line {e.lineno})") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"--deepspeed {args.ds_config}: expected a JSON object")
+        cfg = user_files.load_object(args.ds_config, f"--deepspeed {args.ds_config}", CONFIG_RULE)
     if args.precision:
         cfg = {k: v for k, v in cfg.items() if k not in ("fp16", "bf16", "bfloat16")}
         if args.precision != "fp32":

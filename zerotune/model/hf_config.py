@@ -33,11 +33,11 @@ class default: it is derived as above, as transformers derives it.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 
 ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "gptj",
@@ -224,17 +224,12 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a ``config.json`` (a directory holding one is accepted).
+    """The JSON object of a ``config.json`` (a directory holding one is accepted), read as every file the user
+    names is (:mod:`zerotune.core.user_files`: a regular file of at most 4 MiB, UTF-8, nested at most 64 deep).
 
     Raises:
-        ConfigError: missing, unreadable or not JSON (naming the path).
+        ConfigError: naming ``--hf-config`` and the path: missing, unreadable, not a regular file, too large,
+            not UTF-8, not JSON, too deep, or not a JSON object.
     """
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        return json.loads(p.read_text())
-    except OSError as e:
-        raise ConfigError(f"--hf-config {path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--hf-config {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    return user_files.load_object(*user_files.file_in(path, "config.json", "--hf-config"),
+                                  "expected a Hugging Face config.json")

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from zerotune.core import user_files
+from zerotune.core.errors import ConfigError
 from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV,
                                           STREAM_PREFIX, STREAM_SUFFIX, exit_name, stream_name)
 
@@ -202,17 +204,26 @@ def clear_streams(exp_dir: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _activations_record(exp_dir: Path) -> Any:
+    """The JSON of the probe's :data:`ACTIVATIONS_RECORD` in ``exp_dir``, read bounded as a file the user names (the
+    directory may be one: ``zerotune estimate --profile DIR``); None when it is missing or not such a file."""
+    try:
+        return user_files.load_json(Path(exp_dir) / ACTIVATIONS_RECORD, ACTIVATIONS_RECORD, "a probe record")
+    except ConfigError:
+        return None
+
+
 def read_saved_activations(exp_dir: Path) -> int | None:
     """Bytes per sample that a training step holds for the backward pass at its peak, from the profile
     run's first forward (the probe's :data:`ACTIVATIONS_RECORD`): ``saved_bytes``, what that forward saved,
     plus ``recompute_bytes``, the most one activation-checkpointed region saves while the backward pass
     recomputes it (absent: no checkpointing), over ``micro_batch_size``. None when the probe wrote no valid
     record (not a profile run, an older probe, a run that died before its forward)."""
+    record = _activations_record(exp_dir)
     try:
-        record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
         saved, mbs = record["saved_bytes"], record.get("micro_batch_size", 1)
         recompute = record.get("recompute_bytes", 0)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (TypeError, KeyError, AttributeError):
         return None
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (saved, recompute)):
         return None
@@ -227,10 +238,10 @@ def read_checkpointed_activations(exp_dir: Path) -> int | None:
     ``checkpointed_bytes`` over ``micro_batch_size``; :class:`~zerotune.probe.sitecustomize._LayerCheckpointing`).
     None when the record has no valid figure (no checkpointable layer, layers checkpointed already, an older
     probe, not a profile run)."""
+    record = _activations_record(exp_dir)
     try:
-        record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
         checkpointed, mbs = record["checkpointed_bytes"], record.get("micro_batch_size", 1)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+    except (TypeError, KeyError, AttributeError):
         return None
     if isinstance(checkpointed, bool) or not isinstance(checkpointed, int) or checkpointed < 0:
         return None
@@ -246,10 +257,7 @@ def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     allocated memory grew by at its peak over the first forward and over the whole step (forward and
     backward) at the record's ``micro_batch_size``, bytes. A key whose value is missing or not a
     non-negative integer is left out (an empty dict without a valid record)."""
-    try:
-        record = json.loads((Path(exp_dir) / ACTIVATIONS_RECORD).read_text())
-    except (OSError, ValueError):
-        return {}
+    record = _activations_record(exp_dir)
     if not isinstance(record, dict):
         return {}
     return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS)
