@@ -1,4 +1,5 @@
 """Config parsing: DeepSpeed's autotuning keys, stage candidates, config path in script args."""
+import json
 
 import pytest
 
@@ -45,6 +46,10 @@ def test_config_arg_forms():
     assert replace_config_arg(["--deepspeed_config=c.json", "-x"], "/r/d.json") == ["--deepspeed_config=/r/d.json", "-x"]
     with pytest.raises(ConfigError, match="carry no DeepSpeed config"):
         find_config_arg(["--deepspeed"])
+    for args in (["--deepspeed_config", ""], ["--deepspeed_config="]):  # an unset shell variable
+        with pytest.raises(ConfigError, match="^--deepspeed_config '': expected the path of a DeepSpeed config, not "
+                                              "the empty string$"):
+            find_config_arg(args)
 
 
 def test_load_errors_name_file_and_line(tmp_path):
@@ -74,3 +79,27 @@ def test_classify_never_uses_the_word_error_and_never_scores_zero():
     failed = classify(1, None, "throughput", "Traceback\nValueError: bad shape\n", False)
     assert failed == (Status.FAILED, "exit code 1: ValueError: bad shape")
     assert classify(0, {"throughput": 0}, "throughput", "", False)[0] == Status.FAILED
+
+
+def test_a_section_deepspeed_reads_as_an_object_is_one_or_a_list_of_candidate_ones(tmp_path, capsys):
+    """``"optimizer": 1`` ended in an AttributeError in the memory model (issue 39): exit 2 naming it."""
+    from zerotune import cli
+    cfg, script = tmp_path / "ds.json", tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    tune = ["tune", "--dry-run", "--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", str(tmp_path / "r"),
+            str(script), "--deepspeed_config", str(cfg)]
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+            "autotuning": {"model_info": {"num_params": 1000}}}
+    for key, value, example in (("optimizer", 1, '{"type": "AdamW"}'), ("fp16", "yes", '{"enabled": true}'),
+                                ("scheduler", [{"type": "WarmupLR"}, 2], '{"type": "AdamW"}')):
+        cfg.write_text(json.dumps({**base, key: value}))
+        assert cli.main(tune) == 2
+        assert capsys.readouterr().err == (f"zerotune: error: {cfg}: '{key}' = {value!r}: expected an object such as "
+                                           f"{example}, or a list of candidate objects\n")
+    cfg.write_text(json.dumps({**base, "optimizer": [{"type": "Adam"}, {"type": "AdamW"}]}))  # candidates
+    assert cli.main(tune) == 0
+    capsys.readouterr()
+    assert cli.main(["estimate", "--num-params", "1e6", "--device-memory", "1GiB", "--deepspeed", str(cfg)]) == 2
+    assert capsys.readouterr().err == (f"zerotune: error: --deepspeed {cfg}: 'optimizer' = [{{'type': 'Adam'}}, "
+                                       "{'type': 'AdamW'}]: expected an object such as {\"type\": \"AdamW\"}\n")
+    assert not (tmp_path / "r").exists()

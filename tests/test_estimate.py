@@ -108,7 +108,6 @@ def test_estimate_from_a_profile_run_and_a_hf_config(tmp_path, capsys):
     (["--num-params", "-5"], "--num-params = '-5'"),
     (["--num-params", "1e9"], "--device-memory is required"),
     (["--num-params", "1e9", "--device-memory", "40 bananas"], "--device-memory = '40 bananas'"),
-    (["--num-params", "1e9", "--device-memory", "40GiB", "--num_gpus", "0"], "--num_gpus = 0"),
     (["--num-params", "1e9", "--device-memory", "40GiB", "--host-memory", "0"], "--host-memory = '0'"),
     (["--num-params", "1e9", "--device-memory", "40GiB", "--seq-len", "512"], "--seq-len goes with --hf-config"),
     (["--num-params", "1e9", "--trainable-params", "2e9", "--device-memory", "40GiB"], "--trainable-params 2e9"),

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
 from zerotune.core import user_files
+from zerotune.core.arguments import MAX_COUNT, reject_empty, whole
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.stopping import DEFAULT_PRECISION
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     estimate.add_parser(sub)
     publish.add_parser(sub)
+    reject_empty(parser)
     return parser
 
 
@@ -101,12 +103,12 @@ def _launcher_options(p: argparse.ArgumentParser) -> None:
     """The options ``tune`` and ``run`` share with the ``deepspeed`` launcher."""
     g = p.add_argument_group("launcher options (as the deepspeed launcher)")
     g.add_argument("--hostfile", default=None, help="DeepSpeed hostfile ('worker-0 slots=8' per line)")
-    g.add_argument("--include", default="", help="e.g. 'worker-0:0,1@worker-1'")
-    g.add_argument("--exclude", default="", help="e.g. 'worker-1:0'")
-    g.add_argument("--num_nodes", type=int, default=-1)
-    g.add_argument("--num_gpus", "--num_accelerators", type=int, default=-1,
-                   help="devices per node; on CPU the number of ranks")
-    g.add_argument("--master_port", type=int, default=None,
+    g.add_argument("--include", default=None, help="e.g. 'worker-0:0,1@worker-1'")
+    g.add_argument("--exclude", default=None, help="e.g. 'worker-1:0'")
+    g.add_argument("--num_nodes", type=whole(-1, MAX_COUNT), default=-1, help="nodes (default -1: all)")
+    g.add_argument("--num_gpus", "--num_accelerators", type=whole(-1, MAX_COUNT), default=-1,
+                   help="devices per node; on CPU the number of ranks (default -1: all)")
+    g.add_argument("--master_port", type=whole(0, 65535), default=None,
                    help="accepted for compatibility; each experiment gets a free port")
 
 
@@ -172,16 +174,19 @@ def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
         cpu = bool(cpu) or not cuda_available()
         return _slurm_nodes(args, cpu), cpu
     local_slots = None
+    include, exclude = args.include or "", args.exclude or ""
     if args.hostfile is None:
         if cpu or not cuda_available():
             cpu = True
-            if args.num_gpus < 1 and not args.include:
+            if args.num_gpus < 1 and not include:
                 raise ConfigError("--num_gpus N is required on a machine without CUDA: the number of CPU ranks")
             # --include localhost:0,1 on CPU: enough slots to cover the ids
-            local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(args.include)
+            local_slots = args.num_gpus if args.num_gpus > 0 else slots_named(include)
+            if local_slots > MAX_COUNT:
+                raise ConfigError(f"--include {include!r}: a device id above {MAX_COUNT - 1}, more than a node has")
     else:  # DeepSpeed's hostfile is read in zerotune.run.resources: bounded here as every file the user names
         user_files.check_file(args.hostfile, f"hostfile {args.hostfile}", "expected lines like 'worker-0 slots=8'")
-    nodes = select_resources(args.hostfile, args.include, args.exclude, args.num_nodes,
+    nodes = select_resources(args.hostfile, include, exclude, args.num_nodes,
                              args.num_gpus if args.hostfile or not cpu else -1, local_slots)
     return nodes, cpu
 

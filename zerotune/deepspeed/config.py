@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
@@ -38,8 +38,8 @@ class AutotuningConfig(BaseModel):
     metric_path: str | None = None
     model_info_path: str | None = None
     model_info: dict[str, Any] | None = None
-    results_dir: str = "autotuning_results"
-    exps_dir: str = "autotuning_exps"
+    results_dir: str = Field("autotuning_results", min_length=1)
+    exps_dir: str = Field("autotuning_exps", min_length=1)
     overwrite: bool = False
     max_train_batch_size: int | None = Field(None, ge=1)
     min_train_batch_size: int = Field(1, ge=1)
@@ -52,6 +52,13 @@ class AutotuningConfig(BaseModel):
     tuner_early_stopping: int = Field(5, ge=1)
     arg_mappings: dict[str, str] | None = None
     variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.strategy.variables)
+
+    @field_validator("results_dir", "exps_dir")
+    @classmethod
+    def _no_nul(cls, path: str) -> str:
+        if "\0" in path:
+            raise ValueError("a path cannot hold a NUL character")
+        return path
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AutotuningConfig":
@@ -116,14 +123,19 @@ def find_config_arg(script_args: list[str]) -> tuple[int, str]:
         (index of the argument holding the path, the path).
 
     Raises:
-        ConfigError: when no argument carries a ``.json`` path.
+        ConfigError: when no argument carries a path, or the path is the empty string (an unset shell variable).
     """
     for i, arg in enumerate(script_args):
         for flag in CONFIG_FLAGS:
             if arg == flag and i + 1 < len(script_args) and not script_args[i + 1].startswith("-"):
-                return i + 1, script_args[i + 1]
-            if arg.startswith(flag + "="):
-                return i, arg.split("=", 1)[1]
+                index, path = i + 1, script_args[i + 1]
+            elif arg.startswith(flag + "="):
+                index, path = i, arg.split("=", 1)[1]
+            else:
+                continue
+            if not path:
+                raise ConfigError(f"{flag} '': expected the path of a DeepSpeed config, not the empty string")
+            return index, path
     raise ConfigError("the training script's arguments carry no DeepSpeed config: pass "
                       "'--deepspeed_config ds_config.json' (or '--deepspeed ds_config.json') after the script")
 

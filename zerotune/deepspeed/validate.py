@@ -22,7 +22,28 @@ from zerotune.deepspeed.keys import (
     is_stage3_only,
 )
 
-__all__ = ["prune", "validate"]
+__all__ = ["OBJECT_SECTIONS", "check_sections", "prune", "validate"]
+
+OBJECT_SECTIONS = ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "activation_checkpointing")
+"""Sections DeepSpeed (and zerotune's memory model, for ``optimizer``) reads the keys of: each is an object."""
+
+
+def check_sections(ds_config: dict[str, Any], source: str, candidates: bool = True) -> None:
+    """Each of :data:`OBJECT_SECTIONS` the config holds is an object, or where ``candidates`` a list of objects (the
+    candidates to tune between); a section that is ``null`` counts as absent.
+
+    Raises:
+        ConfigError: ``"{source}: 'optimizer' = 1: expected an object such as {"type": "AdamW"}, or a list of
+            candidate objects"``.
+    """
+    for key in OBJECT_SECTIONS:
+        value = ds_config.get(key)
+        ok = value is None or isinstance(value, dict) or (
+            candidates and isinstance(value, list) and all(isinstance(v, dict) for v in value))
+        if not ok:
+            example = '{"type": "AdamW"}' if key in ("optimizer", "scheduler") else '{"enabled": true}'
+            raise ConfigError(f"{source}: '{key}' = {value!r}: expected an object such as {example}"
+                              + (", or a list of candidate objects" if candidates else ""))
 
 
 def prune(ds_config: dict[str, Any]) -> dict[str, Any]:

@@ -26,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.core import user_files
+from zerotune.core.arguments import MAX_COUNT, whole
 from zerotune.core.errors import ConfigError
 from zerotune.core.units import format_bytes, parse_bytes
 from zerotune.deepspeed.config import CONFIG_RULE, precision as config_precision
 from zerotune.deepspeed.keys import CHECKPOINTING
+from zerotune.deepspeed.validate import check_sections
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY, ModelInfo
@@ -98,25 +100,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--activation-bytes", default=None,
                    help="activation memory per sample, e.g. 1.5GiB (with --num-params; without it the largest mbs is "
                         "not estimated)")
-    m.add_argument("--seq-len", type=int, default=None, help="with --hf-config: tokens per sample (default: its "
-                                                              "maximum positions)")
+    m.add_argument("--seq-len", type=whole(1, 2**31 - 1), default=None,
+                   help="with --hf-config: tokens per sample (default: its maximum positions)")
     m.add_argument("--flash-attention", action="store_true", help="with --hf-config: attention scores not stored")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="with --hf-config or --profile: only the rows with every layer checkpointed (keeps its "
                         "input, recomputes in backward); without it both, where the checkpointed term is known")
     h = p.add_argument_group("the hardware (the launcher's names)")
-    h.add_argument("--num_gpus", "--num_accelerators", type=int, default=1, help="devices per node (default 1)")
-    h.add_argument("--num_nodes", type=int, default=1, help="nodes (default 1)")
+    h.add_argument("--num_gpus", "--num_accelerators", type=whole(1, MAX_COUNT), default=1,
+                   help="devices per node (default 1)")
+    h.add_argument("--num_nodes", type=whole(1, MAX_COUNT), default=1, help="nodes (default 1)")
     h.add_argument("--device-memory", default=None, help="memory per device, e.g. 40GiB (required)")
     h.add_argument("--host-memory", default=None, help="memory per node, e.g. 512GiB: checks offload's host bytes")
     t = p.add_argument_group("training")
     t.add_argument("--deepspeed", "--deepspeed_config", dest="ds_config", default=None,
                    help="a ds_config: precision, optimizer and buckets from it (default bf16, AdamW, DeepSpeed's buckets)")
     t.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="overrides the config's")
-    t.add_argument("--mp-size", type=int, default=1, help="model-parallel size (default 1)")
+    t.add_argument("--mp-size", type=whole(1, MAX_COUNT), default=1, help="model-parallel size (default 1)")
     t.add_argument("--overhead", default="0", help="fixed bytes per device not modelled (CUDA context, NCCL), "
                                                    "e.g. 1GiB (default 0)")
-    t.add_argument("--max-mbs", type=int, default=1024, help="largest mbs considered (default 1024)")
+    t.add_argument("--max-mbs", type=whole(1, 2**31 - 1), default=1024, help="largest mbs considered (default 1024)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -128,12 +131,6 @@ def _count(text: str, what: str) -> int:
     if not value >= 1 or value >= 2**63:
         raise ConfigError(f"{what} = {text!r}: expected a positive number of parameters")
     return int(value)
-
-
-def _positive(value: int, what: str) -> int:
-    if value < 1:
-        raise ConfigError(f"{what} = {value}: must be at least 1")
-    return value
 
 
 def _read_profile(path: str) -> dict[str, Any]:
@@ -155,6 +152,7 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg: dict[str, Any] = {"optimizer": {"type": "AdamW"}, "bf16": {"enabled": True}}
     if args.ds_config:
         cfg = user_files.load_object(args.ds_config, f"--deepspeed {args.ds_config}", CONFIG_RULE)
+        check_sections(cfg, f"--deepspeed {args.ds_config}", candidates=False)
     if args.precision:
         cfg = {k: v for k, v in cfg.items() if k not in ("fp16", "bf16", "bfloat16")}
         if args.precision != "fp32":
@@ -265,8 +263,6 @@ def _model_from_num_params(args: argparse.Namespace) -> _Model:
 
 
 def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
-    if args.seq_len is not None:
-        _positive(args.seq_len, "--seq-len")
     config = read_config(args.hf_config)
     arch, checkpointed = (architecture(config, seq_len=args.seq_len, bytes_per_activation=4 if prec == "fp32" else 2,
                                        flash_attention=args.flash_attention, checkpointing=checkpointing,
@@ -285,9 +281,7 @@ def _hardware(args: argparse.Namespace) -> _Hardware:
     budget = parse_bytes(args.device_memory, "--device-memory")
     host = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
     overhead = 0 if str(args.overhead).strip() == "0" else parse_bytes(args.overhead, "--overhead")
-    gpus, nodes = _positive(args.num_gpus, "--num_gpus"), _positive(args.num_nodes, "--num_nodes")
-    mp = _positive(args.mp_size, "--mp-size")
-    max_mbs = _positive(args.max_mbs, "--max-mbs")
+    gpus, nodes, mp, max_mbs = args.num_gpus, args.num_nodes, args.mp_size, args.max_mbs  # argparse bounds them
     if (gpus * nodes) % mp:
         raise ConfigError(f"--mp-size {mp} does not divide the {gpus * nodes} devices")
     return _Hardware(budget, host, overhead, gpus, nodes, mp, max_mbs, gpus * nodes // mp)

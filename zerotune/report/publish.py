@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 def _positive_int(text: str) -> int:
     try:
         value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: 1e400 is inf
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive whole number, e.g. 1000000 or 1e6") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a positive whole number")

@@ -24,6 +24,7 @@ from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.resources import Node
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.keys import CHECKPOINTING
+from zerotune.deepspeed.validate import check_sections
 from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, check_trainer_batch, checkpointing_flag,
                                      resolve, script_autos)
 from zerotune.strategy.batch import BatchSemantics
@@ -204,7 +205,9 @@ class Job:
         min_mbs, max_mbs, allowed = mbs_bounds(at, batch, config_path)
         check_options(options)
         results_dir = Path(options.results_dir or at.results_dir)
-        notes += check_untunable(substitute(user, first_values(variables)), at, batch, min_mbs, config_path)
+        concrete = substitute(user, first_values(variables))
+        check_sections(concrete, config_path)
+        notes += check_untunable(concrete, at, batch, min_mbs, config_path)
         host_memory = host_memory_bytes(options, cpu, nodes)
         if cpu:
             check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)

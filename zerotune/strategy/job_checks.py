@@ -4,6 +4,7 @@ file and key, never a failed launch later.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,14 +35,14 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
 
 def check_options(options: Any) -> None:
     """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
-    precision between 0 and 1, positive timeouts, an ``--nvme-path`` that is a directory."""
+    precision between 0 and 1, positive finite timeouts, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}: expected 'local', 'ray' or 'slurm'")
     if not 0 < options.precision < 1:
         raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
                           "e.g. 0.02 for ±2%")
     for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
-        if value is not None and not value > 0:
+        if value is not None and not 0 < value < math.inf:
             raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
     if options.nvme_path is not None and not os.path.isdir(options.nvme_path):
         raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")

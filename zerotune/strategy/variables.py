@@ -15,10 +15,10 @@ batch keys and the ZeRO stage) are refused.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Mapping
 
+from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO
 from zerotune.strategy.placeholders import PLACEHOLDER, replace_placeholders
@@ -100,13 +100,17 @@ def parse_cli_variable(text: str) -> tuple[str, Any]:
     """``NAME=VALUE`` from ``--var``: VALUE as JSON (``[5e7, 5e8]``, ``4``, ``true``), else the text.
 
     Raises:
-        ConfigError: no ``=`` or an empty name.
+        ConfigError: no ``=``, an empty name, or a VALUE that is JSON nested deeper than
+            :data:`~zerotune.core.user_files.MAX_JSON_DEPTH` levels (the message shows its first 40 characters).
     """
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise ConfigError(f"--var {text!r}: expected NAME=VALUE, e.g. --var RBS='[5e7, 5e8]'")
     try:
-        return name, json.loads(value)
+        return name, user_files.loads(value)
+    except user_files.JSONTooDeep as e:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ConfigError(f"--var {shown!r}: VALUE is {e}; expected JSON (a list of candidates) or text") from None
     except ValueError:
         return name, value
 
