@@ -24,8 +24,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import test_arguments as targs
+from tests import test_user_files as tuf
 from zerotune import cli
-from zerotune.deepspeed.config import AutotuningConfig
+from zerotune.core.user_files import MAX_FILE_BYTES, MAX_JSON_DEPTH
+from zerotune.deepspeed.config import CONFIG_RULE, AutotuningConfig
 from zerotune.run.scheduler import experiment_dir
 
 FUZZ = settings(max_examples=int(os.environ.get("ZEROTUNE_FUZZ_EXAMPLES", "100")), deadline=None,
@@ -165,3 +168,130 @@ def test_any_command_line_with_any_config_is_accepted_or_named_with_exit_2(confi
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         check(tmp, *dry_run(tmp, json.dumps(config), [v for pair in flags for v in pair]))
+
+
+# --- issue 39: bad input by class ----------------------------------------------------------------------------------
+# Every option of every command given a value of a class its type cannot hold, every file a reader takes given a file
+# of a class it must refuse (special files, too large, too deep, not UTF-8), and configs of any depth and of sizes
+# around the bound: exit status 2 naming the option (or the file) and the value, no traceback, nothing written. The
+# commands run for real, not as dry runs: exit 2 must come before anything is written or launched.
+
+HUGE = "99999999999999999999"
+EVERY = ["", "\0", "a\0b"]  # refused for every option: the empty string (an unset variable) and a NUL character
+WHOLE = ["-2", "1.5", "1e3", "0x10", HUGE, "nan", "one"]
+FLOATS = ["nan", "inf", "-inf", "1e400", "-1", "x"]
+SIZES = ["nan", "inf", "1e400", "-1GB", "lots", "3 parsecs"]
+PARAMS = ["0", "-5", "nan", "1e400", "lots"]
+FILES = [f"{{bad}}/{kind}" for kind in (*tuf.NOT_REGULAR, *tuf.CONTENT) if kind != "dev-zero"] + ["/dev/zero"]
+PROJECTION = {"--train-samples": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
+              "--train-steps": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
+              "--cost-per-device-hour": FLOATS}
+TUNE = {"--hostfile": FILES, "--include": ["localhost:a", "localhost:-1", f"localhost:{HUGE}", "nohost", "localhost:0,,1"],
+        "--exclude": ["localhost:a", "nohost", "localhost:0"], "--num_nodes": [*WHOLE, "2"], "--num_gpus": WHOLE,
+        "--master_port": [*WHOLE, "70000"], "--results-dir": ["{tmp}/afile", "{tmp}/afile/sub", "/proc/self/zt",
+                                                              "/dev/zero"],
+        "--device-memory": [*SIZES, "0"], "--host-memory": [*SIZES, "0"],
+        "--nvme-path": ["{tmp}/afile", "/dev/zero", "{tmp}/nope"], "--timeout": [*FLOATS, "0"],
+        "--hang-timeout": [*FLOATS, "0"], "--var": ["X", "=3", "X=" + "[" * 100 + "]" * 100, "X=" + "[" * 5000],
+        "--precision": [*FLOATS, "0", "1", "2"], "--backend": ["LOCAL", "mpi"], "--address": ["10.0.0.1:6379"],
+        **PROJECTION, "user_script": ["{bad}/missing", "/dev/zero", "{bad}/directory", "{bad}/fifo"],
+        "--deepspeed_config": FILES}
+BAD = {"tune": TUNE, "run": TUNE,
+       "estimate": {"--profile": FILES, "--hf-config": FILES, "--deepspeed": FILES, "--num-params": PARAMS,
+                    "--trainable-params": [*PARAMS, "2e9"], "--activation-bytes": SIZES, "--seq-len": [*WHOLE, "0"],
+                    "--num_gpus": [*WHOLE, "0"], "--num_nodes": [*WHOLE, "0"], "--device-memory": [*SIZES, "0"],
+                    "--host-memory": [*SIZES, "0"], "--precision": ["fp8", "FP16"], "--mp-size": [*WHOLE, "0", "3"],
+                    "--overhead": SIZES, "--max-mbs": [*WHOLE, "0"]},
+       "report": {"results_dir": ["/dev/zero", "{tmp}/afile", "{tmp}/nope", "{tmp}"],
+                  "--exps-dir": ["/dev/zero", "{tmp}/afile", "{tmp}/nope"], **PROJECTION}}
+"""command -> option (a positional argument by its name; ``--deepspeed_config``: the training script's argument
+that names the ds_config) -> values of the classes it must refuse, besides :data:`EVERY`."""
+
+
+def test_the_bad_values_name_every_option_of_every_command():
+    """A new option is fuzzed once it has its bad values here."""
+    for command, action in targs.value_actions():
+        assert (action.option_strings or [action.dest])[0] in BAD[command], (command, action.option_strings)
+
+
+def shown(value: str) -> list[str]:
+    """How a message may show ``value``: as given, quoted, its first 40 characters (a long one), or as the number it
+    reads as (``1e400`` is ``inf``)."""
+    forms = [value, repr(value), value[:40] if len(value) > 40 else ""]
+    with contextlib.suppress(ValueError):
+        forms.append(f"{float(value):g}")
+    return [f for f in forms if f]
+
+
+def bad_argv(tmp: Path, command: str, option: str, value: str) -> list[str]:
+    if option == "--deepspeed_config":
+        return targs.full_argv(tmp, command, [], config=value)
+    if not option.startswith("-"):
+        return targs.full_argv(tmp, command, [], positional=value)
+    return targs.full_argv(tmp, command, [f"{option}={value}"] if value.startswith("-") else [option, value])
+
+
+@FUZZ
+@given(data=st.data())
+def test_any_option_given_a_value_of_a_class_its_type_cannot_hold_is_exit_2_naming_it(data):
+    command = data.draw(st.sampled_from(sorted(BAD)), label="command")
+    option = data.draw(st.sampled_from(sorted(BAD[command])), label="option")
+    value = data.draw(st.sampled_from([*EVERY, *BAD[command][option]]), label="value")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        targs.files(tmp)
+        tuf.make_bad_files(tmp / "bad")
+        value = value.replace("{tmp}", str(tmp)).replace("{bad}", str(tmp / "bad"))
+        code, err = targs.cli_exit(tmp, bad_argv(tmp, command, option, value))  # asserts: no traceback, no write
+    assert code == 2, (command, option, value, err[-500:])
+    line = [t for t in err.splitlines() if re.match(r"zerotune( \w+)?: error: ", t)][-1]
+    if option.startswith("-") and option != "--deepspeed_config":
+        assert option in line or option.lstrip("-") + " " in line, line  # "hostfile PATH: ..." names --hostfile
+    assert any(form in line for form in shown(value)), line
+
+
+def nested(depth: int, kinds: list[str]) -> str:
+    """JSON text nesting ``depth`` arrays and objects (``kinds`` cycled: ``[`` or ``{``) around a 1, built as text:
+    a structure this deep would make json.dumps recurse out."""
+    opens = [kinds[i % len(kinds)] for i in range(depth)]
+    return "".join("[" if k == "[" else '{"k": ' for k in opens) + "1" + "".join(
+        "]" if k == "[" else "}" for k in reversed(opens))
+
+
+BASE = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+        "autotuning": {"model_info": {"num_params": 1000}}}
+WHERE = {"optimizer": 1, "zero_optimization": 1, "scheduler": 1, "autotuning.model_info.x": 3}
+"""Where the nested value goes, and how deep that place is in the config (the top object counts 1)."""
+
+
+@FUZZ
+@given(depth=st.integers(1, 3 * MAX_JSON_DEPTH) | st.sampled_from([MAX_JSON_DEPTH - 3, MAX_JSON_DEPTH - 1, 5000]),
+       kinds=st.lists(st.sampled_from("[{"), min_size=1, max_size=3), where=st.sampled_from(sorted(WHERE)))
+def test_a_config_of_any_depth_is_taken_within_the_bound_and_exit_2_naming_it_beyond(depth, kinds, where):
+    text = json.dumps({**BASE, "autotuning": {"model_info": {"num_params": 1000, "x": "@"}}} if "." in where
+                      else {**BASE, where: "@"})
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        code, out, err, argv = dry_run(tmp, text.replace('"@"', nested(depth, kinds)), [])
+    check(tmp, code, out, err, argv)
+    if depth + WHERE[where] > MAX_JSON_DEPTH:
+        assert (code, err) == (2, f"zerotune: error: {tmp / 'ds.json'}: JSON nested deeper than the 64 levels zerotune "
+                                  f"reads; {CONFIG_RULE}\n")
+
+
+@settings(FUZZ, max_examples=6)
+@given(size=st.sampled_from([MAX_FILE_BYTES - 1, MAX_FILE_BYTES, MAX_FILE_BYTES + 1, 3 * MAX_FILE_BYTES]),
+       pad=st.sampled_from(["string", "numbers"]))
+def test_a_config_is_taken_up_to_the_size_bound_and_is_exit_2_naming_it_beyond(size, pad):
+    empty = json.dumps({**BASE, "pad": "" if pad == "string" else []})
+    room = size - len(empty)
+    text = empty.replace('""', '"' + "x" * room + '"') if pad == "string" else \
+        empty.replace("[]", "[" + ",".join(["1"] * ((room + 1) // 2)) + (" " if room % 2 == 0 else "") + "]")
+    assert len(text) == size
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        code, out, err, argv = dry_run(tmp, text, [])
+    check(tmp, code, out, err, argv)
+    expected = (0, "") if size <= MAX_FILE_BYTES else (
+        2, f"zerotune: error: {tmp / 'ds.json'}: {size} bytes, more than the 4.00 MiB zerotune reads; {CONFIG_RULE}\n")
+    assert (code, err if code else "") == expected, err[-500:]
