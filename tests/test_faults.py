@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import pytest
 
 from zerotune import cli
 from zerotune.core.errors import ConfigError
+from zerotune.core.user_files import MAX_FILE_BYTES
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed import extensions
 from zerotune.run import expdir
@@ -350,14 +352,42 @@ HOSTILE_INPUTS = [
     ("config-not-json", ["--num_gpus", "1", "--device-memory", "2GiB"], "{not json", None, r"ds\.json:1:2: invalid JSON"),
     ("hostfile-missing", ["--hostfile", "{tmp}/nohosts", "--device-memory", "2GiB"], {}, None,
      r"hostfile .*nohosts does not exist"),
+    # bad input by class (issue 39): files bounded in size and depth, special files, empty and unholdable values
+    ("config-nested-5000-deep", ["--num_gpus", "1", "--device-memory", "2GiB"],
+     '{"a": ' + "[" * 5000 + "]" * 5000 + "}", None, r"ds\.json: JSON nested deeper than the 64 levels zerotune reads"),
+    ("config-dev-zero", ["--num_gpus", "1", "--device-memory", "2GiB"], Path("/dev/zero"), None,
+     r"ds\.json: a character device, not a regular file"),
+    ("config-over-4MiB", ["--num_gpus", "1", "--device-memory", "2GiB"], " " * (MAX_FILE_BYTES + 1), None,
+     r"ds\.json: 4194305 bytes, more than the 4\.00 MiB zerotune reads"),
+    ("config-optimizer-number", ["--num_gpus", "1", "--device-memory", "2GiB"], {"optimizer": 1}, None,
+     r"ds\.json: 'optimizer' = 1: expected an object such as"),
+    ("config-results-dir-empty", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"results_dir": ""}},
+     None, r"'autotuning\.results_dir' = '': String should have at least 1 character"),
+    ("hostfile-dev-zero", ["--hostfile", "/dev/zero", "--device-memory", "2GiB"], {}, None,
+     r"hostfile /dev/zero: a character device, not a regular file"),
+    ("results-dir-empty", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", ""], {}, None,
+     r"argument --results-dir: '': expected a value, not the empty string"),
+    ("num-gpus-20-digits", ["--num_gpus", "99999999999999999999", "--device-memory", "2GiB"], {}, None,
+     r"argument --num_gpus/--num_accelerators: '99999999999999999999': expected a whole number from -1 to 1048576"),
+    ("timeout-inf", ["--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "inf"], {}, None,
+     r"--timeout inf: expected a positive number of seconds"),
+    ("train-samples-1e400", ["--num_gpus", "1", "--device-memory", "2GiB", "--train-samples", "1e400"], {}, None,
+     r"argument --train-samples: '1e400': expected a positive whole number"),
+    ("var-nested-100-deep", ["--num_gpus", "1", "--device-memory", "2GiB", "--var", "X=" + "[" * 100 + "]" * 100],
+     {}, None, r"--var 'X=\[+\.\.\.': VALUE is JSON nested deeper than the 64 levels zerotune reads"),
 ]
+"""(name, zerotune's arguments, the ds_config (an object merged into :data:`BASE_CONFIG`, the file's text, or a
+special file the config's path links to), the script (None: the stand-in rank), a regex of the message)."""
 
 
 def hostile_argv(tmp: Path, args: list[str], config, script: str | None) -> list[str]:
     (tmp / "afile").write_text("a file, not a directory\n")
     (tmp / "rank.py").write_text(RANK)
     cfg = tmp / "ds.json"
-    if isinstance(config, str):
+    cfg.unlink(missing_ok=True)
+    if isinstance(config, Path):  # a special file, such as /dev/zero
+        cfg.symlink_to(config)
+    elif isinstance(config, str):
         cfg.write_text(config)
     else:
         merged = json.loads(json.dumps(BASE_CONFIG))
@@ -373,11 +403,14 @@ def hostile_argv(tmp: Path, args: list[str], config, script: str | None) -> list
 @pytest.mark.parametrize("case", HOSTILE_INPUTS, ids=[c[0] for c in HOSTILE_INPUTS])
 def test_hostile_input_is_exit_2_naming_it_before_anything_launches(tmp_path, capsys, case):
     _, args, config, script, message = case
-    code = cli.main(hostile_argv(tmp_path, args, config, script))
+    try:
+        code = cli.main(hostile_argv(tmp_path, args, config, script))
+    except SystemExit as e:  # argparse refused a value: its usage line, then its error line
+        code = e.code
     err = capsys.readouterr().err
     assert code == 2, err[-2000:]
-    assert err.startswith("zerotune: error: "), err[-2000:]
-    assert __import__("re").search(message, err), err
+    assert re.search(r"^zerotune( tune)?: error: ", err, re.M), err[-2000:]
+    assert re.search(message, err), err
     assert not (tmp_path / "results" / "exps").exists()  # nothing ran, nothing was created
 
 
