@@ -54,7 +54,7 @@ import psutil
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
-from zerotune.model.online import corrected
+from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
@@ -190,14 +190,14 @@ def memory_model(model: dict, precision: str) -> MemoryModel:
 
 
 def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
-    """The table: per run the profile-calibrated prediction, the online-corrected one (the model after
-    the runs before it in the grid, fed the probe's peaks as ``tune`` feeds them), the measured VmData and
+    """The table: per run the profile-calibrated prediction, the online one (the model fitted to the runs
+    before it in the grid, fed the probe's peaks as ``tune`` feeds them), the measured VmData and
     the probe's peak (:func:`probe_peak`); errors on VmData."""
     allocator = (f", ranks under MALLOC_MMAP_THRESHOLD_={data['malloc_mmap_threshold']}"
                  if data.get("malloc_mmap_threshold") else ", glibc's default allocator")
     lines = [f"memory fidelity, {data['date']}, {data['ranks']} CPU ranks, reduce/allgather bucket {data['bucket']:,} "
              f"elements{allocator}",
-             "profile = calibrated on the profile run only; online = after zerotune.model.online's corrections "
+             "profile = calibrated on the profile run only; online = zerotune.model.online's fit "
              "from the runs above it (as tune applies them, from the probe's peaks); errors against VmData", "",
              f"{'config':<18} {'profile':>10} {'online':>10} {'VmData':>10} {'probe':>10} {'err profile':>11} "
              f"{'err online':>10}"]
@@ -209,13 +209,13 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
                      f"{format_bytes(mm.activation_bytes_per_sample)}/sample (DeepSpeed's first-forward RSS change "
                      f"{format_bytes(metrics.get('activation_mem_per_gpu', 0))}), calibrated overhead "
                      f"{format_bytes(mm.overhead_bytes)}")
-        online, earlier = mm, []
+        online = OnlineMemory(mm)
         for r in (r for r in model["runs"] if r["precision"] == precision):
             cfg = ds_config(r["stage"], r["mbs"], r["precision"])
             if r["status"] != Status.OK.value or not r["vmdata_peak_bytes"]:
                 lines.append(f"  {r['name'][len(name) + 1:]:<16} {r['status']}: {r['error'][-80:]}")
                 continue
-            predicted, corrected_now = mm.bytes_per_device(cfg, r["mbs"]), online.bytes_per_device(cfg, r["mbs"])
+            predicted, corrected_now = mm.bytes_per_device(cfg, r["mbs"]), online.bytes_per_device(cfg)
             measured = r["vmdata_peak_bytes"]
             e_prof, e_online = predicted / measured - 1, corrected_now / measured - 1
             errors["profile"].append(abs(e_prof))
@@ -224,11 +224,8 @@ def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:
                          f"{format_bytes(measured):>10} {format_bytes(probe_peak(r) or 0):>10} {e_prof:>+11.1%} "
                          f"{e_online:>+10.1%}")
             exp = Experiment(r["name"], cfg, 1, RANKS, status=Status.OK, peak_memory_bytes=probe_peak(r))
-            online, _ = corrected(online, exp, 2**62, earlier)
-            earlier.append(exp)
-        lines.append(f"  after the grid: activations {format_bytes(online.activation_bytes_per_sample)}/sample, "
-                     f"overhead {format_bytes(online.overhead_bytes)}, per stage +"
-                     + ", +".join(format_bytes(b) for b in online.stage_overhead_bytes))
+            online, _ = online.observed(exp, 2**62)
+        lines += [f"  after the grid: {line}" for line in online.describe()]
     lines.append("")
     for kind, errs in errors.items():
         if errs:

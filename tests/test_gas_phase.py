@@ -306,6 +306,6 @@ def test_the_profile_gives_the_memory_model_the_checkpointed_activation_term(tmp
         return exps
     strategy = Strategy(make_job(tmp_path), evaluate)
     strategy.profile()
-    memory = strategy.result.memory
-    assert (memory.activation_bytes_per_sample, memory.checkpointed_activation_bytes_per_sample) == (1_000, 300)
+    prior = strategy.result.memory.prior  # the fit's prior: no run has refitted it yet
+    assert (prior.activation_bytes_per_sample, prior.checkpointed_activation_bytes_per_sample) == (1_000, 300)
     assert strategy.result.model_info.checkpointed_activation_mem_per_gpu == 300

@@ -134,14 +134,3 @@ def test_a_config_with_checkpointing_uses_the_checkpointed_activation_term():
     assert MODEL.breakdown({**on, **FP16}, mbs=4).activations == 4_000
     # 30,000 bytes over the fixed part: 100 samples of 300 bytes, 30 of 1,000
     assert (CHECKPOINTED.max_mbs(on, 9_530_000), CHECKPOINTED.max_mbs(z2, 9_530_000)) == (100, 30)
-
-
-def test_a_measured_activation_term_scales_the_other_choice_by_the_same_ratio():
-    z2 = {**cfg(2), **FP16}
-    plain = CHECKPOINTED.with_activations(2_000)  # a plain run measured twice the profile's 1,000 bytes
-    assert (plain.activation_bytes_per_sample, plain.checkpointed_activation_bytes_per_sample) == (2_000, 600)
-    checkpointed = CHECKPOINTED.with_activations(450, {**z2, "gradient_checkpointing": True})  # 1.5 x 300
-    assert (checkpointed.activation_bytes_per_sample, checkpointed.checkpointed_activation_bytes_per_sample) == \
-        (1_500, 450)
-    assert checkpointed.with_activations(3_000, z2).checkpointed_activation_bytes_per_sample == 900  # 2 x 1,500
-    assert MODEL.with_activations(2_000).checkpointed_activation_bytes_per_sample is None

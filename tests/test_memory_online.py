@@ -1,72 +1,167 @@
-"""The memory model checked on every run: online correction, exp.json's error, the summary's memory table."""
+"""The memory model checked on every run: the online fit (zerotune/model/online.py) on recorded peak series, the
+margin, refused configs in the summary, exp.json's error, the summary's memory table."""
 import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import activation_slope_bytes
+from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
-from zerotune.model.online import corrected
+from zerotune.model.online import OnlineMemory, Reading
 from zerotune.model.profile import ModelInfo
 from zerotune.probe import step_records
 from zerotune.report.results import memory_table, table_text
+from tests.test_ledgers import tune_simulated
 
-MODEL = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4, overhead_bytes=100)
 CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}
-# fp32 stage 0 at mbs 2: its 2,000 bytes of activations are freed before the 4,000,000-byte flat copy is made
-ESTIMATE = 4_000_000 + 4_000_000 + 8_000_000 + 4_000_000 + 100
+GiB, MiB = 2**30, 2**20
+BUDGET = int(2.5 * GiB)  # make demo's per-rank budget
+
+# make demo's profile run (2026-11-28: examples/train_gpt.py, 5,289,472 parameters, 2 CPU ranks): the ZeRO-3 run at
+# mbs 1 saved 10,767,372 bytes per sample and peaked at 517,365,760 bytes of VmData; calibrated, the prior puts
+# ZeRO-0 at mbs 64 at 1.12 GiB, as the demo's first run was predicted.
+PROFILE = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 0.0003, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "reduce_bucket_size": 10_000_000, "stage3_prefetch_bucket_size": 10_000_000,
+                                 "stage3_max_live_parameters": 10_000_000},
+           "train_batch_size": 2, "autotuning": {"model_info": {"profile": True}}}
+PRIOR = MemoryModel(5_289_472, 10_767_372, 2, trainable_params=5_289_472, largest_layer_params=1_048_576,
+                    persistent_params=308_736, host_on_device=True).calibrated(PROFILE, 517_365_760, mbs=1)
 
 
-def exp(status, peak=None, kind=ExperimentKind.MBS):
-    return Experiment("z0_mbs2", CFG, num_slots=4, kind=kind, status=status, peak_memory_bytes=peak)
+def demo(stage, mbs, gas=1):
+    """The demo's config of ZeRO ``stage`` at ``mbs`` (and ``gas``) on 2 ranks."""
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.0003, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": stage}, "train_batch_size": mbs * gas * 2}
 
 
-def ran_at(stage, status, kind=ExperimentKind.MBS):
-    """An earlier run of ZeRO ``stage`` (mbs 2) that finished with ``status``."""
-    return Experiment(f"z{stage}_mbs2", {**CFG, "zero_optimization": {"stage": stage}}, num_slots=4, kind=kind,
-                      status=status)
+def feed(memory, series, budget=BUDGET):
+    """Each run's prediction before it ran (what exp.json records), then the model after them all."""
+    predicted = []
+    for i, (cfg, peak) in enumerate(series):
+        predicted.append(memory.bytes_per_device(cfg))
+        status = Status.OOM if peak is None else Status.OK
+        memory, _ = memory.observed(Experiment(f"run{i}", cfg, num_slots=2, status=status, peak_memory_bytes=peak),
+                                    budget)
+    return predicted, memory
 
 
-def at_stage(stage):
-    return {**CFG, "zero_optimization": {"stage": stage}}
+# make demo's six runs as issue 39 quotes them (ZeRO-0: mbs 64, 32, 48, 40, gas 2 at mbs 40, mbs 40 again), in
+# bytes that print as it quotes them
+DEMO_RUNS = [(demo(0, 64), 1_632_000_000), (demo(0, 32), 939 * MiB), (demo(0, 48), 1_364_000_000),
+             (demo(0, 40), 1_181_000_000), (demo(0, 40, gas=2), 1_288_000_000), (demo(0, 40), 1_170_000_000)]
 
 
-def test_an_oom_under_a_fitting_estimate_raises_it_just_over_the_budget():
-    assert MODEL.bytes_per_device(CFG) == ESTIMATE
-    budget = ESTIMATE + 500
-    new, why = corrected(MODEL, exp(Status.OOM), budget)
-    # no stage ran before: every stage gets the same raise (what one stage missed, the others likely miss too;
-    # docs/decisions.md, D108), 501 bytes each
-    assert new.stage_overhead_bytes == (501, 501, 501, 501) and new.bytes_per_device(CFG) == budget + 1
-    assert new.bytes_per_device(at_stage(1)) == MODEL.bytes_per_device(at_stage(1)) + 501
-    assert not new.fits(CFG, budget) and "ran out of memory" in why
-    # a stage with a run of its own (ok or out of memory) keeps its overhead: per stage once measured; the profile
-    # and a failed run are no run of a stage's own
-    earlier = [ran_at(1, Status.OK), ran_at(2, Status.OOM), ran_at(3, Status.FAILED),
-               ran_at(3, Status.OK, kind=ExperimentKind.PROFILE)]
-    new, _ = corrected(MODEL, exp(Status.OOM), budget, earlier)
-    assert new.stage_overhead_bytes == (501, 0, 0, 501)
-    assert new.bytes_per_device(at_stage(1)) == MODEL.bytes_per_device(at_stage(1))
-    assert new.bytes_per_device(at_stage(3)) == MODEL.bytes_per_device(at_stage(3)) + 501
-    # the stage that ran out of memory rises even where it ran before
-    new, _ = corrected(MODEL, exp(Status.OOM), budget, [ran_at(0, Status.OK)])
-    assert new.stage_overhead_bytes == (501, 501, 501, 501)
-    # an OOM the model predicted teaches nothing
-    assert corrected(MODEL, exp(Status.OOM), ESTIMATE - 1) == (MODEL, None)
+def test_the_demos_six_peaks_are_fitted_both_ways():
+    assert [format_bytes(p) for _, p in DEMO_RUNS] == ["1.52 GiB", "939.00 MiB", "1.27 GiB", "1.10 GiB", "1.20 GiB",
+                                                      "1.09 GiB"]
+    predicted, memory = feed(OnlineMemory(PRIOR), DEMO_RUNS)
+    # the first is the prior's (1.12 GiB); each later one the fit through the runs before it and the prior's point at
+    # mbs 1; the replica is its config's measurement (the one-way correction had it at 1.61 GiB, +47.7%)
+    assert predicted == [1_198_981_364, 1_067_498_122, 1_322_338_736, 1_192_363_647, 1_190_044_004, 1_181_000_000]
+    errors = [round(p / peak - 1, 4) for p, (_, peak) in zip(predicted, DEMO_RUNS)]
+    assert errors == [-0.2653, 0.0842, -0.0305, 0.0096, -0.0761, 0.0094]
+    # the ratchet's figures were a median |error| of 36.6% and a worst of 47.7%; after the first guess, 3.1% and 8.4%
+    assert sorted(abs(e) for e in errors)[2:4] == [0.0305, 0.0761]  # median 5.3%, the prior's first guess included
+    line = memory.line(demo(0, 1))
+    assert (round(line.slope), round(line.intercept)) == (17_940_817, 399_073_193)
+    # each measured config at the mean of its peaks; another mbs on the line
+    assert memory.bytes_per_device(demo(0, 40)) == (1_181_000_000 + 1_170_000_000) // 2
+    assert memory.bytes_per_device(demo(0, 56)) == 1_488_390_512
+    # the margin: the 95th percentile of the six relative residuals (the gas-2 run is 7.8% above the line)
+    assert [round(r, 4) for r in memory.residuals] == [0.0001, -0.0752, 0.0152, -0.0182, 0.0776, -0.0281]
+    assert round(memory.margin, 4) == 0.062
 
 
-def test_a_peak_above_the_estimate_raises_the_overhead_and_one_below_never_lowers_it():
-    new, why = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12)
-    # no stage ran before: the same raise for every stage
-    assert new.stage_overhead_bytes == (12_345,) * 4 and new.bytes_per_device(CFG) == ESTIMATE + 12_345
-    assert "peaked at" in why
-    # stages 2 and 3 ran: only stage 0 (the run's) and stage 1 (no run yet) rise
-    new, _ = corrected(MODEL, exp(Status.OK, peak=ESTIMATE + 12_345), 10**12,
-                       [ran_at(2, Status.OK), ran_at(3, Status.OOM)])
-    assert new.stage_overhead_bytes == (12_345, 12_345, 0, 0)
-    assert new.bytes_per_device(at_stage(2)) == MODEL.bytes_per_device(at_stage(2))
-    assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE - 10**6), 10**12) == (MODEL, None)
-    assert corrected(MODEL, exp(Status.OK, peak=None), 10**12) == (MODEL, None)
-    # the profile run is the calibration itself, not a correction
-    assert corrected(MODEL, exp(Status.OK, peak=ESTIMATE * 2, kind=ExperimentKind.PROFILE), 10**12) == (MODEL, None)
+def test_a_stage_without_a_run_takes_the_fitted_slope_and_is_refused_with_its_prediction_and_the_margin():
+    _, memory = feed(OnlineMemory(PRIOR), DEMO_RUNS)
+    # ZeRO-0's fitted slope is 1.666x the profile's: ZeRO-1, never run, turns the prior's line about its point at
+    # mbs 1 by as much (the prior alone puts mbs 16 at 2.50 GiB)
+    assert round(memory.slope_ratio, 4) == 1.6662
+    assert OnlineMemory(PRIOR).bytes_per_device(demo(1, 16)) == 2_682_147_508
+    assert memory.bytes_per_device(demo(1, 16)) == 2_789_749_187
+    assert memory.guarded_bytes(demo(1, 16)) == 2_833_466_682  # the line's part raised by the 6.2% margin
+    assert memory.refusal(demo(1, 16), BUDGET) == ("not launched: predicted 2.60 GiB per rank, 2.64 GiB with the 6.2% "
+                                                   "margin, over the 2.50 GiB budget")
+    assert [memory.max_mbs(demo(stage, 1), BUDGET, cap=64) for stage in (1, 2, 3)] == [8, 8, 7]
+    assert memory.refusal(demo(1, 8), BUDGET) is None and memory.refusal(demo(1, 9), BUDGET) is not None
+    assert memory.refusal(demo(0, 40), BUDGET) is None  # measured: never refused
+
+
+def test_heap_noise_averages_out_and_a_lower_peak_lowers_the_fit():
+    # one config measured 874 and 812 MiB (glibc's heap), as on a Hugging Face GPT-2 on 2 CPU ranks; the one-way
+    # correction predicted the second at 1.18 GiB (+48.7%)
+    series = [(demo(0, 16), 1_267_000_000), (demo(0, 8), 874 * MiB), (demo(0, 8), 812 * MiB)]
+    predicted, memory = feed(OnlineMemory(PRIOR), series)
+    assert predicted == [682_147_508, 868_939_695, 874 * MiB]  # the replica at its config's measurement
+    assert memory.bytes_per_device(demo(0, 8)) == 843 * MiB  # then at the mean of the two
+    # the lower replica lowers the line too: mbs 32 from 1.93 GiB after 874 MiB to 1.93 GiB less 6.6 MB after 812
+    _, two = feed(OnlineMemory(PRIOR), series[:2])
+    assert (two.bytes_per_device(demo(0, 32)), memory.bytes_per_device(demo(0, 32))) == (2_075_632_148, 2_069_044_684)
+    assert round(memory.margin, 4) == 0.0449
+
+
+def test_an_out_of_memory_run_bounds_the_fit_from_below():
+    memory = OnlineMemory(PRIOR)
+    assert memory.bytes_per_device(demo(1, 16)) == 2_682_147_508 <= BUDGET  # the prior: it fits, it is launched
+    (_,), memory = feed(memory, [(demo(1, 16), None)])
+    # its peak was over the budget: the line now meets budget + 1 there, turned about the prior's point
+    assert memory.bytes_per_device(demo(1, 16)) == BUDGET + 1
+    assert memory.bytes_per_device(demo(1, 12)) == 2_640_696_526
+    assert memory.max_mbs(demo(1, 1), BUDGET, cap=64) == 15
+    assert memory.refusal(demo(1, 16), BUDGET) == ("not launched: predicted 2.50 GiB per rank (margin 0%), over the "
+                                                   "2.50 GiB budget")
+    # a peak at mbs 8 under the line would lower it; the bound holds it at budget + 1 at mbs 16
+    _, memory = feed(memory, [(demo(1, 8), 2_300_000_000)])
+    assert memory.bytes_per_device(demo(1, 16)) == BUDGET + 1
+    assert memory.bytes_per_device(demo(1, 12)) == 2_607_806_451
+
+
+def test_a_family_is_a_stage_with_its_precision_and_savers_and_the_checkpointed_one_takes_the_plain_ones_ratio():
+    model = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4,
+                        checkpointed_activation_bytes_per_sample=300)
+    memory = OnlineMemory(model)
+    plain, checkpointed = CFG, {**CFG, "gradient_checkpointing": True}
+    # the plain family measures 2,000 bytes per sample (twice the profile's) at mbs 2 and 10, on a line through the
+    # prior's point (1,000 bytes over the structural terms at mbs 1)
+    _, memory = feed(memory, [(plain, memory.structural_bytes(plain, 2) + 3_000),
+                              ({**plain, "train_micro_batch_size_per_gpu": 10}, memory.structural_bytes(plain, 10) + 19_000)])
+    assert round(memory.line(plain).slope) == 2_000 and round(memory.slope_ratio, 3) == 2.0
+    # checkpointing, never run: the prior's 300 bytes per sample doubled, about the prior's point at mbs 1 (300 B)
+    line = memory.line(checkpointed)
+    assert (round(line.slope), round(line.intercept)) == (600, -300)
+    assert memory.bytes_per_device({**checkpointed, "train_micro_batch_size_per_gpu": 8}) == (
+        memory.structural_bytes(checkpointed, 8) + 8 * 600 - 300)
+
+
+def test_what_a_run_teaches():
+    ok = Experiment("a", CFG, status=Status.OK, peak_memory_bytes=5)
+    assert Reading.of(ok, 100) == Reading(CFG, 2, 5)
+    assert Reading.of(Experiment("b", CFG, status=Status.OOM), 100) == Reading(CFG, 2, 101, bound=True)
+    # the profile run is the prior's own calibration; a failure, a run without a peak and a refusal teach nothing
+    assert Reading.of(Experiment("p", CFG, kind=ExperimentKind.PROFILE, status=Status.OK, peak_memory_bytes=5), 1) is None
+    for status in (Status.FAILED, Status.REFUSED, Status.SKIPPED, Status.OK):
+        assert Reading.of(Experiment("c", CFG, status=status), 100) is None
+    memory = OnlineMemory(PRIOR)
+    assert memory.observed(Experiment("f", CFG, status=Status.FAILED), 100) == (memory, None)
+
+
+def test_the_summary_says_a_refused_config_was_not_launched_with_its_prediction(tmp_path):
+    # SIMULATED scenario 3 (GPT-125M on 128 A100-80GB): ZeRO-0 runs out of memory at its estimate and is deferred;
+    # ZeRO-1 is searched; the fit then puts ZeRO-2 and ZeRO-3 at mbs 71 over the 80 GiB budget: never launched, so
+    # never an OOM and never "probed"
+    tune_simulated(tmp_path, 3, True, "all")
+    summary = " ".join((tmp_path / "r" / "summary.txt").read_text().split())
+    assert ("ZeRO stage 2: not launched - probe at mbs=71 not launched: predicted 87.66 GiB per rank, 88.26 GiB "
+            "with the 0.7% margin, over the 80.00 GiB budget; probe at mbs=53: skipped") in summary
+    assert ("z2_gas1_tmbspg71_fp1: not launched: predicted 87.66 GiB per rank, 88.26 GiB with the 0.7% margin, over "
+            "the 80.00 GiB budget") in summary
+    assert "margin 0.7%: the 95% quantile of the fit's relative residuals over 2 peak(s)" in summary
+    assert "ZeRO stage 2: probed" not in summary and "mbs=71: oom" not in summary
+
+
+def exp(status, peak=None):
+    return Experiment("z0_mbs2", CFG, num_slots=4, status=status, peak_memory_bytes=peak)
 
 
 def test_exp_json_carries_predicted_measured_and_error():
@@ -89,27 +184,6 @@ def test_summary_memory_table_has_every_run_with_both_figures():
     assert "+10.0%" in text and "-10.0%" in text and "+2.0%" in text and " d " not in text
     assert "3 runs: median |error| 10.0%, worst 10.0%" in text
     assert memory_table(runs[3:]) is None
-
-
-def test_the_activation_slope_comes_from_two_runs_of_one_config_and_keeps_the_calibration():
-    profile = {**CFG, "zero_optimization": {"stage": 3, "reduce_bucket_size": 1_000_000},
-               "autotuning": {"model_info": {"profile": True}}}
-    model = MemoryModel(1_000_000, 5_000_000, 4).calibrated(profile, 900_000_000, mbs=1)
-    runs = []
-    for mbs, peak in ((1, 500_000_000), (2, 501_500_000), (8, 510_500_000)):
-        runs.append(Experiment(f"z0_mbs{mbs}", {**CFG, "train_micro_batch_size_per_gpu": mbs}, status=Status.OK,
-                               peak_memory_bytes=peak))
-    a, _ = corrected(model, runs[0], 10**12, [])
-    assert a.activation_bytes_per_sample == 5_000_000  # one run: no slope
-    b, why = corrected(a, runs[2], 10**12, runs[:2])
-    # the widest pair (mbs 1 and 8): 10,500,000 / 7 bytes per sample
-    assert b.activation_bytes_per_sample == 1_500_000 and "activations" in why
-    # recalibrated on the profile's peak: the profile estimate with the new slope still equals it
-    assert b.profile_exit_bytes(profile, 1) == 900_000_000 and b.overhead_bytes > model.overhead_bytes
-    # another config (other buckets) is not a pair
-    other = Experiment("z0_mbs4_b", {**CFG, "train_micro_batch_size_per_gpu": 4, "zero_optimization":
-                                     {"stage": 0, "reduce_bucket_size": 1}}, status=Status.OK, peak_memory_bytes=1)
-    assert corrected(b, other, 10**12, runs)[0].activation_bytes_per_sample == 1_500_000
 
 
 # Measured on one H200, GPT-2 124M (vocab 50257, seq 1024, bf16; docs/decisions.md, D204): the first forward
@@ -152,7 +226,8 @@ def test_a_cpu_profile_record_without_the_steps_growth_gives_the_saved_bytes_as_
     assert ModelInfo.from_metrics(old, mbs=4).activation_mem_per_gpu == 1000
 
 
-def test_a_cuda_runs_own_slope_raises_the_activation_term_and_the_estimate_at_another_mbs():
+def test_a_cuda_run_records_its_own_steps_growth_per_sample():
+    # recorded in exp.json (activation_slope_bytes); the fit reads the peaks themselves (docs/decisions.md, D110)
     base, mbs = 3_000_000_000, 8
     streams = step_records({0: [{"step": 1, "base_bytes": 500_000_000, "peak_bytes": base + 11 * 10**9},
                                 {"step": 2, "base_bytes": base, "peak_bytes": base + mbs * GROWTH + GATHERED},
@@ -161,30 +236,3 @@ def test_a_cuda_runs_own_slope_raises_the_activation_term_and_the_estimate_at_an
     slope = activation_slope_bytes(streams, mbs)
     assert slope == 1_202_590_843 + 19_298_688  # rank 0's last step: the gathered constant over 8 samples
     assert activation_slope_bytes(step_records({0: [{"step": 2, "peak_bytes": 9}]}), mbs) is None  # CPU: no base
-    model = MemoryModel(124_439_808, SAVED, 1, largest_layer_params=EMBEDDING)
-    cfg = {**BF16_Z3, "train_micro_batch_size_per_gpu": mbs}
-    run = Experiment("z3_mbs8", cfg, status=Status.OK, peak_memory_bytes=1, activation_slope_bytes=slope)
-    new, why = corrected(model, run, 10**12)
-    assert new.activation_bytes_per_sample == 1_221_889_531 and "own step" in why
-    at32 = {**cfg, "train_micro_batch_size_per_gpu": 32}
-    assert new.bytes_per_device(at32) - model.bytes_per_device(at32) == 32 * (1_221_889_531 - SAVED)
-    # the states and buffers (4,086,555,392 B at ZeRO-3 bf16 on one rank), less the reduction's copy made apart
-    # from the activations (248,879,616 B), plus 32 samples at the run's own slope
-    assert new.bytes_per_device(at32) == 4_086_555_392 - 248_879_616 + 32 * 1_221_889_531 == 42_938_140_768
-    # a later run's smaller slope never lowers it: the largest measured so far
-    run.activation_slope_bytes = GROWTH
-    assert corrected(new, run, 10**12) == (new, None)
-
-
-def test_a_checkpointed_runs_own_slope_corrects_the_checkpointed_term_and_scales_the_plain_one():
-    model = MemoryModel(num_params=1_000_000, activation_bytes_per_sample=1_000, dp_world_size=4,
-                        checkpointed_activation_bytes_per_sample=300)
-    cfg = {**CFG, "gradient_checkpointing": True}
-    run = Experiment("z0_gck_mbs2", cfg, num_slots=4, status=Status.OK, peak_memory_bytes=1, activation_slope_bytes=360)
-    new, why = corrected(model, run, 10**12)
-    # 360 bytes a sample measured with checkpointing, 1.2 x the modelled 300: the plain term follows, 1,200
-    assert (new.checkpointed_activation_bytes_per_sample, new.activation_bytes_per_sample) == (360, 1_200)
-    assert "checkpointed activations 360 B per sample (was 300 B" in why
-    # below the checkpointed term (not the plain one): nothing learnt
-    run.activation_slope_bytes = 350
-    assert corrected(new, run, 10**12) == (new, None)

@@ -25,6 +25,7 @@ class Status(str, enum.Enum):
     TIMEOUT = "timeout"  # killed after the per-experiment timeout or a hang
     INTERRUPTED = "interrupted"  # the tuner stopped while it ran; re-run on resume
     SKIPPED = "skipped"  # not launched: the throughput model says it cannot beat the best (never on disk)
+    REFUSED = "refused"  # not launched: the memory model predicts it over the per-device budget (never on disk)
 
     @property
     def reusable(self) -> bool:
@@ -33,6 +34,11 @@ class Status(str, enum.Enum):
         OOM (the budget is in the key). FAILED, TIMEOUT and INTERRUPTED may come from the
         moment (a port clash, a wrong data path, a busy machine) and are re-run."""
         return self in (Status.OK, Status.OOM)
+
+    @property
+    def over_budget(self) -> bool:
+        """Out of memory, measured (``OOM``) or predicted (``REFUSED``): what the searches cap an mbs below."""
+        return self in (Status.OOM, Status.REFUSED)
 
 
 LAUNCH_WARM = "warm"  # Experiment.launch: ranks forked from a preloaded server (zerotune.run.warm)

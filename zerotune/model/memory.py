@@ -94,8 +94,8 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   :mod:`zerotune.model.profile`); else DeepSpeed's ``model_info.activation_mem_per_gpu`` (the change
   in ``memory_allocated`` over the first forward, ``engine.py:2994-3027``), or
   :mod:`zerotune.model.hf_config` from the architecture. What the backward pass allocates on top
-  (gradients of activations, e.g. of the logits) is counted on CUDA only, where the profile measures
-  the whole step's growth and each run its own slope (docs/decisions.md, D204).
+  (gradients of activations, e.g. of the logits) is counted by the profile on CUDA only, where it measures
+  the whole step's growth (docs/decisions.md, D204); elsewhere the online fit learns it from the runs' peaks.
 - **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, :data:`~zerotune.deepspeed.keys.CHECKPOINTING`,
   True: every checkpointable layer recomputed): ``checkpointed_activation_bytes_per_sample`` times mbs instead
   (:meth:`MemoryModel.activation_bytes`). ``torch.utils.checkpoint`` with ``use_reentrant=False`` (the
@@ -112,13 +112,13 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   optimizer state and no reduction copy (:meth:`MemoryModel.profile_exit_bytes`).
 - ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator
   reserve, or on CPU the process's own data: Python, torch, the communication backend), calibrated
-  from the profile run's measured peak (:meth:`MemoryModel.calibrated`), and corrected online from
-  each experiment's measured peak (:func:`zerotune.model.online.corrected`).
+  from the profile run's measured peak (:meth:`MemoryModel.calibrated`); each experiment's measured peak then
+  refits it with the activations, per stage and saver (:mod:`zerotune.model.online`).
 
 Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
 optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
 glibc keeps freed heap chunks, as ``benchmarks/memory_fidelity.py`` measures); these are what
-calibration and online correction absorb.
+calibration and the online fit absorb.
 """
 from __future__ import annotations
 
@@ -211,12 +211,8 @@ class MemoryModel:
             each, which stay gathered (0: unknown; they matter only when G < Psi).
         largest_layer_params: parameters of the largest module (stage 3 gathers at least that
             much to run it; 0: unknown).
-        stage_overhead_bytes: per ZeRO stage (0-3), bytes on top of ``overhead_bytes`` that the
-            online correction learnt from that stage's runs (:mod:`zerotune.model.online`).
-        anchor: the calibration's measurement, ``(ds_config, peak bytes, mbs)``, kept so the
-            overhead can be recalibrated when the activation term is corrected (None: uncalibrated).
-        activations_measured: the activation term is a slope measured between two runs (online
-            correction), not the profile's first-forward figure.
+        anchor: the calibration's measurement, ``(ds_config, peak bytes, mbs)`` (None: uncalibrated); the
+            online fit places the prior's point at its mbs (:mod:`zerotune.model.online`).
         host_on_device: the devices are CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the
             host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
             counts it), so :attr:`MemoryBreakdown.total` includes ``host``.
@@ -233,10 +229,8 @@ class MemoryModel:
     trainable_params: int | None = None
     persistent_params: int = 0
     largest_layer_params: int = 0
-    stage_overhead_bytes: tuple[int, int, int, int] = (0, 0, 0, 0)
     anchor: tuple[dict[str, Any], int, int] | None = dataclasses.field(default=None, compare=False, hash=False,
                                                                          repr=False)
-    activations_measured: bool = False
     host_on_device: bool = False
     checkpointed_activation_bytes_per_sample: int | None = None
 
@@ -314,7 +308,7 @@ class MemoryModel:
         activations = int(self.activation_bytes(ds_config) * mbs)
         return MemoryBreakdown(parameters=int(params), gradients=int(grads), optimizer_states=int(optim),
                                buffers=int(buffers), activations=activations,
-                               overhead=int(self.overhead_bytes + self.stage_overhead_bytes[min(max(stage, 0), 3)]),
+                               overhead=int(self.overhead_bytes),
                                host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)),
                                host_on_device=self.host_on_device)
 
@@ -450,35 +444,10 @@ class MemoryModel:
         peak (never negative).
 
         Used with the profile run (a config with ``autotuning.model_info.profile``: compared with
-        :meth:`profile_exit_bytes`, since that run exits in its first forward) and by the online
-        correction with a finished experiment's peak.
+        :meth:`profile_exit_bytes`, since that run exits in its first forward).
         """
-        base = dataclasses.replace(self, overhead_bytes=0, stage_overhead_bytes=(0, 0, 0, 0))
+        base = dataclasses.replace(self, overhead_bytes=0)
         profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))
         estimate = base.profile_exit_bytes(ds_config, mbs) if profiling else base.bytes_per_device(ds_config, mbs)
         return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate),
                                    anchor=(ds_config, int(measured_peak_bytes), mbs))
-
-    def with_activations(self, activation_bytes_per_sample: int,
-                         ds_config: dict[str, Any] | None = None) -> "MemoryModel":
-        """A copy with a measured activation term, recalibrated on its :attr:`anchor` when it has one
-        (the calibration's measured peak stays explained; the per-stage corrections are kept).
-
-        The measurement is of ``ds_config``'s term (:meth:`activation_bytes`; None: the plain term). The other
-        term is scaled by the same ratio, measured over modelled, so that the two stay in the profile's
-        proportion: a run that measures more per sample than the profile saw (the backward's allocations, the
-        allocator's rounding) says the same of the other choice of checkpointing, which no run has measured
-        yet. A term of 0 gives no ratio: the other term is kept."""
-        measured = int(activation_bytes_per_sample)
-        plain, checkpointed = measured, self.checkpointed_activation_bytes_per_sample
-        if ds_config is not None and self.checkpointed(ds_config):
-            plain, checkpointed = self.activation_bytes_per_sample, measured
-            if self.checkpointed_activation_bytes_per_sample > 0:
-                plain = plain * measured // self.checkpointed_activation_bytes_per_sample
-        elif checkpointed is not None and self.activation_bytes_per_sample > 0:
-            checkpointed = checkpointed * measured // self.activation_bytes_per_sample
-        new = dataclasses.replace(self, activation_bytes_per_sample=int(plain), activations_measured=True,
-                                  checkpointed_activation_bytes_per_sample=checkpointed)
-        if self.anchor is None:
-            return new
-        return dataclasses.replace(new.calibrated(*self.anchor), stage_overhead_bytes=self.stage_overhead_bytes)

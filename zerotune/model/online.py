@@ -1,126 +1,319 @@
-"""Online correction: the memory model learns from each finished experiment.
+"""Online correction: the memory model fitted to every measured peak, with an explicit margin.
 
-The profile run calibrates the fixed per-rank overhead once (:meth:`MemoryModel.calibrated`). Every
-experiment after it is another measurement of the same model, used two ways:
+The profile run calibrates the prior (:meth:`MemoryModel.calibrated`). Every finished experiment after it is a
+reading of one **family**: a ZeRO stage with one precision and one choice of memory savers (activation
+checkpointing, offload of the optimizer or of the parameters), whatever its mbs, gas and other knobs. What the
+prior's structural terms say of a run (parameters, gradients, optimizer states, buffers, the offloaded host bytes
+on CPU ranks: :attr:`MemoryBreakdown.total` less its activations and its overhead) is taken off its peak; the rest
+is a line in mbs, ``intercept + slope * mbs`` (the per-rank overhead, and the activations per sample), fitted per
+family (:func:`zerotune.model.linefit.fit_line`):
 
-- **The activation slope.** DeepSpeed's profile measures activations as the change in memory across
-  the first forward pass; on CPU that change also holds one-off allocations (ZeRO-3 gathering the
-  parameters for the first time, the allocator growing its heap), several times the real slope on
-  the benchmark's models. Two finished runs of the same config at different mbs measure the slope
-  itself: ``(peak_b - peak_a) / (mbs_b - mbs_a)`` (the widest such pair). It replaces the profile's
-  activation term, then the largest slope measured so far is kept (stages and precisions differ a
-  little, and the step's high-water marks are noisy), and the overhead is recalibrated on the
-  profile's peak (:meth:`MemoryModel.with_activations`).
-- **A CUDA run's own slope.** On CUDA the probe notes the allocated bytes before each step's first
-  forward, so one run measures what its step adds per sample, ``(peak - base) / mbs``
-  (``Experiment.activation_slope_bytes``, :func:`zerotune.core.measure.activation_slope_bytes`). Where
-  a run has it, it replaces the activation term when the term is below it (so the term is the largest
-  measured so far) and the two-run slope is not used; CPU ranks record no base, and keep the two-run
-  slope. It holds the step's constants over mbs too, so it errs high, never into an OOM.
-- **Activation checkpointing.** A run measures the term of its own choice
-  (:meth:`MemoryModel.activation_bytes`: with checkpointing, the checkpointed term where the model has one);
-  :meth:`MemoryModel.with_activations` sets that term and scales the other by the same ratio, measured over
-  modelled, so that the two stay in the profile's proportion.
-- **The stage's own overhead**, only ever raised: after an OOM although the estimate fit
-  (``estimate <= budget``), the stage's estimate becomes just over the budget (its overhead rises by
-  ``budget + 1 - estimate``); after an OK run whose peak is above the estimate, it rises by the
-  shortfall. Per stage, since what the structural terms miss (communication buffers, allocator
-  slack) differs by stage; but a stage with no run of its own yet gets the same raise: what one stage
-  missed (the allocator's fragmentation, the CUDA context, an activation undercount) the others
-  likely miss too, and its first run would otherwise be launched into the same out-of-memory error
-  (docs/decisions.md, D108).
+- **through every measured peak** of the family, slope and intercept together, by least squares, each run one
+  point: the heap noise of CPU ranks (the same config measured 874 and 812 MiB: glibc keeps what it freed)
+  averages out, where one-way corrections each measured against the other's stale value ratcheted;
+- **the profile's prior as one point**: its calibrated estimate at the profile's mbs, where it was measured, until
+  the family's own peak at that mbs replaces it (a stage-3 profile run carried to another stage by the structural
+  terms says less of that stage than the stage's own run);
+- **an out-of-memory run as a lower bound**: the line at its mbs stays above the budget (less its structural
+  terms), so a predicted peak is never under what ran out of memory;
+- a slope never below 0.
 
-A peak below the estimate never lowers an overhead: it may be a measurement that does not see
-everything the budget counts (on CPU the probe samples ``VmData`` every 5 ms and can miss a shorter
-peak; on CUDA the memory outside the caching allocator, the context and NCCL's buffers, is read once per
-step, not at the peak). Pure
-functions of the model and the experiments; the strategy calls :func:`corrected` after each finished
-experiment (:class:`zerotune.strategy.evaluation.Evaluator`).
+A config measured ok is predicted at the mean of its peaks. A family with no peak of its own is the prior's line
+turned about the prior's point to the median ratio of fitted to prior slope over the families whose peaks fix
+their slope (else those an OOM bounds): what the profile misses per sample (on CPU the backward's temporaries,
+which its first forward never holds) every stage misses. A family whose readings cannot fix its slope (all at the
+profile's mbs, or bounds only) takes that slope among its equally good lines.
+
+**The margin** is explicit (:attr:`OnlineMemory.margin`): the 95th percentile of the fit's relative residuals over
+every measured peak, each peak's distance from its family's line over the line (0 when negative, or with no peak).
+It is relative to the fitted part, not to the whole peak: the structural terms are arithmetic (a 2 GB reduce
+bucket is exactly 2 GB), the noise is in the heap the overhead and the activations churn. A config not measured
+is refused (never launched) when its prediction with the line raised by the margin is over the budget
+(:meth:`OnlineMemory.refusal`); the summary shows the margin, the fit and each refused config with its
+prediction. Pure functions of the prior and the readings (docs/decisions.md, D110); the strategy calls
+:meth:`OnlineMemory.observed` after each finished experiment (:class:`zerotune.strategy.evaluation.Evaluator`).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
+from zerotune.deepspeed.config import precision
+from zerotune.model.linefit import Line, fit_line
 from zerotune.model.memory import MemoryModel
 
-_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps")
+MARGIN_QUANTILE = 0.95
+"""The quantile of the fit's relative residuals that is the safety margin."""
+
+Family = tuple[int, str, bool, str, str]
+"""ZeRO stage, precision, activation checkpointing, offload_optimizer device, offload_param device."""
 
 
-def _measured(exp: Experiment) -> bool:
-    return (exp.kind is not ExperimentKind.PROFILE and exp.status is Status.OK and bool(exp.peak_memory_bytes)
-            and isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int))
+def family(memory: MemoryModel, ds_config: dict[str, Any]) -> Family:
+    """The family a config's peaks are fitted in (the module docstring): its stage (0-3), precision, whether it
+    gets the checkpointed activation term (:meth:`MemoryModel.checkpointed`), and its offload devices."""
+    zero = ds_config.get("zero_optimization")
+    zero = zero if isinstance(zero, dict) else {}
+    stage = zero.get("stage", 0)
+    stage = min(max(stage, 0), 3) if isinstance(stage, int) and not isinstance(stage, bool) else 0
+
+    def device(key: str) -> str:
+        section = zero.get(key)
+        return str(section.get("device", "none")).lower() if isinstance(section, dict) else "none"
+
+    return stage, precision(ds_config), memory.checkpointed(ds_config), device("offload_optimizer"), \
+        device("offload_param")
 
 
-def _same_config(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Equal apart from the batch keys (mbs, train batch size, gas)."""
-    return {k: v for k, v in a.items() if k not in _BATCH_KEYS} == {k: v for k, v in b.items() if k not in _BATCH_KEYS}
+def family_label(fam: Family) -> str:
+    """``ZeRO stage 1``, ``ZeRO stage 3 bf16 + checkpointing + offload optimizer (cpu)``: for the log and summary."""
+    stage, dtype, checkpointed, optimizer, params = fam
+    savers = (["checkpointing"] if checkpointed else []) + [
+        f"offload {what} ({dev})" for what, dev in (("optimizer", optimizer), ("params", params)) if dev != "none"]
+    return f"ZeRO stage {stage}" + ("" if dtype == "fp32" else f" {dtype}") + "".join(f" + {s}" for s in savers)
 
 
-def activation_slope(exp: Experiment, earlier: Sequence[Experiment]) -> int | None:
-    """Bytes per sample from ``exp`` and the earlier run of the same config (but mbs) farthest from it in
-    mbs, both OK with a measured peak; None without such a pair or when the peaks do not grow."""
-    if not _measured(exp):
+def _key(ds_config: dict[str, Any]) -> str:
+    return json.dumps(ds_config, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One finished run as the fit reads it: its config and mbs, and its peak per rank, bytes; for a run out of
+    memory (``bound``) the budget plus one, a lower bound on the peak."""
+
+    ds_config: dict[str, Any]
+    mbs: int
+    peak_bytes: int
+    bound: bool = False
+
+    @classmethod
+    def of(cls, exp: Experiment, budget_bytes: int) -> "Reading | None":
+        """The reading of a finished experiment held to ``budget_bytes``: a measured peak of an ok run, or an
+        out-of-memory run's bound; None for the profile run (the prior's own calibration), a config without an
+        integer mbs, a run without a peak, and any other outcome."""
+        mbs = exp.ds_config.get("train_micro_batch_size_per_gpu")
+        if exp.kind is ExperimentKind.PROFILE or not isinstance(mbs, int) or isinstance(mbs, bool):
+            return None
+        if exp.status is Status.OK and exp.peak_memory_bytes:
+            return cls(exp.ds_config, mbs, int(exp.peak_memory_bytes))
+        if exp.status is Status.OOM:
+            return cls(exp.ds_config, mbs, int(budget_bytes) + 1, bound=True)
         return None
-    pairs = [e for e in earlier if _measured(e) and e.mbs != exp.mbs and _same_config(e.ds_config, exp.ds_config)]
-    if not pairs:
-        return None
-    other = max(pairs, key=lambda e: abs(e.mbs - exp.mbs))
-    slope = (exp.peak_memory_bytes - other.peak_memory_bytes) / (exp.mbs - other.mbs)
-    return int(slope) if slope > 0 else None
 
 
-def _slope(memory: MemoryModel, exp: Experiment, earlier: Sequence[Experiment]) -> tuple[int | None, str]:
-    """The activation term ``exp`` teaches (None: none) and how it was measured (module docstring)."""
-    own = exp.activation_slope_bytes if _measured(exp) else None
-    term = memory.activation_bytes(exp.ds_config)  # the term of the run's own choice of checkpointing
-    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
-        return (own if own > term else None), f"measured by {exp.name}'s own step"
-    slope = activation_slope(exp, earlier)
-    if slope is not None and memory.activations_measured:
-        slope = max(slope, term)  # the largest slope measured so far
-    return slope, f"measured between mbs {exp.mbs} and an earlier run"
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, linear between order statistics (numpy's default); 0.0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def corrected(memory: MemoryModel, exp: Experiment, budget_bytes: int,
-              earlier: Sequence[Experiment] = ()) -> tuple[MemoryModel, str | None]:
-    """The memory model after ``exp``'s outcome, and a line for the log saying what changed (None: nothing).
+@dataclass(frozen=True)
+class OnlineMemory:
+    """The memory model as the runs so far correct it (the module docstring).
 
     Args:
-        memory: the current model.
-        exp: a finished experiment (its ``ds_config``, ``status`` and ``peak_memory_bytes``); the
-            profile run is the calibration itself and is ignored.
-        budget_bytes: the per-device budget the run was held to.
-        earlier: the experiments finished before it (for the activation slope).
+        prior: the profile-calibrated model, whose structural terms every prediction keeps.
+        readings: the finished runs, in order.
     """
-    if exp.kind is ExperimentKind.PROFILE or not isinstance(exp.ds_config.get("train_micro_batch_size_per_gpu"), int):
-        return memory, None
-    notes = []
-    slope, how = _slope(memory, exp, earlier)
-    term = memory.activation_bytes(exp.ds_config)
-    if slope is not None and slope != term:
-        what = "checkpointed activations" if memory.checkpointed(exp.ds_config) else "activations"
-        notes.append(f"{what} {format_bytes(slope)} per sample (was {format_bytes(term)}, {how})")
-        memory = memory.with_activations(slope, exp.ds_config)
-    stage = min(max(exp.stage, 0), 3)
-    estimate = memory.bytes_per_device(exp.ds_config)
-    raise_by = 0
-    if exp.status is Status.OOM and estimate <= budget_bytes:
-        raise_by = budget_bytes + 1 - estimate
-        notes.append(f"{exp.name} ran out of memory at an estimate of {format_bytes(estimate)} "
-                     f"(budget {format_bytes(budget_bytes)})")
-    elif _measured(exp) and exp.peak_memory_bytes > estimate:
-        raise_by = exp.peak_memory_bytes - estimate
-        notes.append(f"{exp.name} peaked at {format_bytes(exp.peak_memory_bytes)}, estimated {format_bytes(estimate)}")
-    if raise_by:
-        extra = list(memory.stage_overhead_bytes)
-        extra[stage] += raise_by
-        ran = {min(max(e.stage, 0), 3) for e in earlier
-               if e.kind is not ExperimentKind.PROFILE and e.status in (Status.OK, Status.OOM)}
-        for other in sorted(set(range(4)) - ran - {stage}):  # what one stage missed, the others likely miss too
-            extra[other] += raise_by
-        memory = dataclasses.replace(memory, stage_overhead_bytes=tuple(extra))
-        notes.append(f"ZeRO stage {stage} overhead +{format_bytes(raise_by)}")
-    return memory, ("memory model corrected: " + "; ".join(notes)) if notes else None
+
+    prior: MemoryModel
+    readings: tuple[Reading, ...] = ()
+
+    # -- learning -------------------------------------------------------------------------------------
+    def observed(self, exp: Experiment, budget_bytes: int) -> tuple["OnlineMemory", str | None]:
+        """The model after ``exp``'s outcome (held to ``budget_bytes`` per rank) and a line for the log saying
+        what its family's fit and the margin became (None: ``exp`` teaches nothing, :meth:`Reading.of`)."""
+        reading = Reading.of(exp, budget_bytes)
+        if reading is None:
+            return self, None
+        new = dataclasses.replace(self, readings=self.readings + (reading,))
+        fam = family(self.prior, exp.ds_config)
+        what = (f"{exp.name} ran out of memory (its peak is over {format_bytes(budget_bytes)})" if reading.bound
+                else f"{exp.name} peaked at {format_bytes(reading.peak_bytes)}")
+        return new, f"memory fit: {what}; {new.describe_family(fam)}; margin {new.margin:.1%}"
+
+    @property
+    def prior_mbs(self) -> int:
+        """The mbs of the prior's point: the profile's, where the calibration measured it (1 uncalibrated)."""
+        return self.prior.anchor[2] if self.prior.anchor is not None else 1
+
+    def structural_bytes(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
+        """What the prior's structural terms put on a rank for ``ds_config`` at ``mbs``: its estimate less the
+        activations and the overhead (the two terms each family's line stands for)."""
+        b = self.prior.breakdown(ds_config, mbs)
+        return b.total - b.activations - b.overhead
+
+    def _prior_point(self, ds_config: dict[str, Any]) -> tuple[float, float]:
+        x = self.prior_mbs
+        return float(x), float(self.prior.overhead_bytes + self.prior.activation_bytes(ds_config) * x)
+
+    def _by_family(self) -> dict[Family, list[Reading]]:
+        groups: dict[Family, list[Reading]] = {}
+        for r in self.readings:
+            groups.setdefault(family(self.prior, r.ds_config), []).append(r)
+        return groups
+
+    def _prior_replaced(self, readings: list[Reading]) -> bool:
+        """Whether a family's own ok peak at the prior's mbs takes the prior's point's place."""
+        return any(not r.bound and r.mbs == self.prior_mbs for r in readings)
+
+    def _fit(self, readings: list[Reading], slope_ratio: float) -> Line:
+        """A family's line through its readings and the prior's point (unless a peak at the prior's mbs replaces it);
+        an undetermined slope prefers the prior's times ``slope_ratio``."""
+        cfg = readings[0].ds_config
+        points = ([] if self._prior_replaced(readings) else [(*self._prior_point(cfg), 1.0)]) + [
+            (float(r.mbs), float(r.peak_bytes - self.structural_bytes(r.ds_config, r.mbs)), 1.0)
+            for r in readings if not r.bound]
+        bounds = [(float(r.mbs), float(r.peak_bytes - self.structural_bytes(r.ds_config, r.mbs)))
+                  for r in readings if r.bound]
+        return fit_line(points, bounds, tie_slope=self.prior.activation_bytes(cfg) * slope_ratio)
+
+    @cached_property
+    def slope_ratio(self) -> float:
+        """What a family without peaks of its own takes: the median of fitted over prior slope, over the families
+        whose ok peaks (one at an mbs other than the prior's) fix their slope, else over those with readings;
+        1.0 with none (the module docstring)."""
+        groups = self._by_family()
+        fixed = {f: rs for f, rs in groups.items() if any(not r.bound and r.mbs != self.prior_mbs for r in rs)}
+        ratios = []
+        for rs in (fixed or groups).values():
+            prior_slope = self.prior.activation_bytes(rs[0].ds_config)
+            if prior_slope > 0:
+                ratios.append(self._fit(rs, 1.0).slope / prior_slope)
+        return statistics.median(ratios) if ratios else 1.0
+
+    @cached_property
+    def _lines(self) -> dict[Family, Line]:
+        return {f: self._fit(rs, self.slope_ratio) for f, rs in self._by_family().items()}
+
+    def line(self, ds_config: dict[str, Any]) -> Line:
+        """The line of ``ds_config``'s family: its fit, or without readings the prior's line turned about the
+        prior's point to :attr:`slope_ratio` times its slope."""
+        fam = family(self.prior, ds_config)
+        if fam in self._lines:
+            return self._lines[fam]
+        x, y = self._prior_point(ds_config)
+        slope = self.prior.activation_bytes(ds_config) * self.slope_ratio
+        return Line(y - slope * x, slope)  # with a ratio of 1, exactly the prior's (integers in a float)
+
+    @cached_property
+    def _measured(self) -> dict[str, list[int]]:
+        peaks: dict[str, list[int]] = {}
+        for r in self.readings:
+            if not r.bound:
+                peaks.setdefault(_key(r.ds_config), []).append(r.peak_bytes)
+        return peaks
+
+    # -- predicting ----------------------------------------------------------------------------------
+    def fitted_bytes(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
+        """The family fit's bytes per rank for ``ds_config`` at ``mbs`` (default: its own), measured or not."""
+        m = mbs if mbs is not None else int(ds_config.get("train_micro_batch_size_per_gpu") or 1)
+        return round(self.structural_bytes(ds_config, m) + self.line(ds_config).at(m))
+
+    def measured_bytes(self, ds_config: dict[str, Any]) -> int | None:
+        """The mean of the ok peaks measured for exactly ``ds_config`` (its replicas too); None: never measured."""
+        peaks = self._measured.get(_key(ds_config))
+        return round(statistics.fmean(peaks)) if peaks else None
+
+    def bytes_per_device(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
+        """The predicted peak per rank, bytes: a config measured ok at its measurement (:meth:`measured_bytes`),
+        any other at its family's fit (:meth:`fitted_bytes`)."""
+        own = ds_config.get("train_micro_batch_size_per_gpu")
+        measured = self.measured_bytes(ds_config) if mbs is None or mbs == own else None
+        return measured if measured is not None else self.fitted_bytes(ds_config, mbs)
+
+    @cached_property
+    def residuals(self) -> list[float]:
+        """Each measured peak's relative residual from its family's line, in reading order: ``(peak - fit) /
+        line``, the line being the fitted part of the fit (:meth:`fitted_bytes` less the structural terms)."""
+        out = []
+        for r in self.readings:
+            line = self.line(r.ds_config).at(r.mbs)
+            if not r.bound and line > 0:
+                out.append((r.peak_bytes - self.fitted_bytes(r.ds_config, r.mbs)) / line)
+        return out
+
+    @cached_property
+    def margin(self) -> float:
+        """The safety margin, a fraction of a prediction's fitted part: the :data:`MARGIN_QUANTILE` quantile of
+        :attr:`residuals` (0 when it is negative or there is none)."""
+        return max(0.0, quantile(self.residuals, MARGIN_QUANTILE))
+
+    def guarded_bytes(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
+        """The fitted prediction with the margin: :meth:`fitted_bytes` plus ``margin`` times its line's value."""
+        m = mbs if mbs is not None else int(ds_config.get("train_micro_batch_size_per_gpu") or 1)
+        return self.fitted_bytes(ds_config, m) + round(self.margin * max(0.0, self.line(ds_config).at(m)))
+
+    def refusal(self, ds_config: dict[str, Any], budget_bytes: int) -> str | None:
+        """Why ``ds_config`` is not launched: never measured ok, and its prediction with the margin
+        (:meth:`guarded_bytes`) is over ``budget_bytes``; None when it may be launched."""
+        if self.measured_bytes(ds_config) is not None or self.guarded_bytes(ds_config) <= budget_bytes:
+            return None
+        with_margin = (f", {format_bytes(self.guarded_bytes(ds_config))} with the {self.margin:.1%} margin"
+                       if self.margin > 0 else " (margin 0%)")
+        return (f"not launched: predicted {format_bytes(self.bytes_per_device(ds_config))} per rank{with_margin}, "
+                f"over the {format_bytes(budget_bytes)} budget")
+
+    def fits(self, ds_config: dict[str, Any], budget_bytes: int) -> bool:
+        """Whether ``ds_config`` may be launched under ``budget_bytes`` (no :meth:`refusal`)."""
+        return self.refusal(ds_config, budget_bytes) is None
+
+    def max_mbs(self, ds_config: dict[str, Any], budget_bytes: int, cap: int = 1024) -> int:
+        """The largest mbs (at most ``cap``) whose prediction with the margin (:meth:`guarded_bytes`) is within
+        ``budget_bytes``; 0 when none is. As :meth:`MemoryModel.max_mbs`, the activations are taken to outgrow the
+        reduction's copy they share their room with (:attr:`MemoryBreakdown.apart`)."""
+        if self.guarded_bytes(ds_config, 0) > budget_bytes:
+            return 0
+        line, grow = self.line(ds_config), 1 + self.margin
+        if line.slope <= 0:
+            return cap
+        room = budget_bytes - self.structural_bytes(ds_config, 0) + self.prior.copy_after_backward_bytes(ds_config)
+        best = int(min(cap, (room - grow * line.intercept) // (grow * line.slope)))
+        while best > 0 and self.guarded_bytes(ds_config, best) > budget_bytes:
+            best -= 1
+        return best
+
+    def host_fits(self, ds_config: dict[str, Any], host_memory_bytes: int | None, ranks_per_node: int) -> bool:
+        """:meth:`MemoryModel.host_fits` of the prior: the host bytes are structural, not fitted."""
+        return self.prior.host_fits(ds_config, host_memory_bytes, ranks_per_node)
+
+    # -- telling -------------------------------------------------------------------------------------
+    def describe_family(self, fam: Family) -> str:
+        """A fitted family's line, e.g. ``ZeRO stage 0: 17.11 MiB/sample + 380.59 MiB over its structural terms (6
+        peak(s), 1 OOM bound(s), the prior as one point)``."""
+        readings = self._by_family()[fam]
+        peaks = sum(not r.bound for r in readings)
+        bounds = len(readings) - peaks
+        replaced = self._prior_replaced(readings)
+        line = self._lines[fam]
+        sign = "+" if line.intercept >= 0 else "-"
+        return (f"{family_label(fam)}: {format_bytes(round(line.slope))}/sample {sign} "
+                f"{format_bytes(round(abs(line.intercept)))} over its structural terms ({peaks} peak(s)"
+                + (f", {bounds} OOM bound(s)" if bounds else "")
+                + (f", one at mbs {self.prior_mbs} in the prior's place)" if replaced else ", the prior as one point)"))
+
+    def describe(self) -> list[str]:
+        """The summary's lines: each fitted family, what the others take, and the margin."""
+        if not self.readings:
+            return []
+        lines = [self.describe_family(f) for f in self._by_family()]
+        lines.append(f"families without a run: the prior turned to {self.slope_ratio:.2f}x its slope per sample "
+                     f"about its point at mbs {self.prior_mbs}")
+        lines.append(f"margin {self.margin:.1%}: the {MARGIN_QUANTILE:.0%} quantile of the fit's relative residuals "
+                     f"over {len(self.residuals)} peak(s), on a prediction's fitted part; a config never measured is "
+                     f"not launched when its prediction with the margin is over the budget")
+        return [f"memory fit (per family, a line through its measured peaks, the profile's prior as one point; "
+                f"docs/decisions.md, D110): " + "; ".join(lines)]

@@ -30,12 +30,14 @@ if TYPE_CHECKING:
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
     """The summary's caption: each ZeRO stage's decision and why, each candidate the throughput model kept from
-    launching and its prediction, the re-measurements, and the memory model's inputs."""
+    launching and its prediction, each config the memory model refused and its prediction with the margin
+    (``not launched: predicted ...``), the re-measurements, and the memory model's inputs and fit."""
     notes = [f"{r.label}: {r.decision.value} - {r.reason}"
              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
              for r in result.stages if r.decision is not None]
     notes += result.savers_notes
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
+    notes += [f"{e.name}: {e.error}" for e in result.experiments if e.status is Status.REFUSED]
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:
         configs = sorted({e.replica_of for e in replicas})
@@ -45,13 +47,14 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
                    else "the first runs alone give the same answer")
         notes.append(f"re-measurements: {len(replicas)} run(s) of {', '.join(configs)} (where one run could not tell "
                      f"configs apart by more than the target precision); {changed}")
-    memory = result.memory
-    if memory is not None:
-        ckpt = memory.checkpointed_activation_bytes_per_sample
-        notes.append(f"memory model: {memory.num_params:,} params, {format_bytes(memory.activation_bytes_per_sample)}"
+    if result.memory is not None:
+        prior = result.memory.prior
+        ckpt = prior.checkpointed_activation_bytes_per_sample
+        notes.append(f"memory model: {prior.num_params:,} params, {format_bytes(prior.activation_bytes_per_sample)}"
                      f" activations/sample" + (f" ({format_bytes(ckpt)} with checkpointing)" if ckpt else "")
-                     + f", overhead {format_bytes(memory.overhead_bytes)}, budget "
+                     + f", overhead {format_bytes(prior.overhead_bytes)} (the profile's), budget "
                      f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
+        notes += result.memory.describe()
     return notes
 
 

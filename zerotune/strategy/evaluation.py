@@ -3,11 +3,11 @@
 An :class:`Evaluator` hands batches to the world's ``evaluate`` callable (the scheduler, or the dry run's
 memory oracle) and records every outcome in the ledger. It never evaluates a name twice (a config already
 run is reused: the knob-space candidate that is the mbs search's own config), never launches a config the
-memory model, as corrected by the runs so far, puts over the per-device budget (recorded as out of memory,
-not launched), never launches a candidate the throughput model says cannot beat the best by more than the
-target precision (:mod:`~zerotune.strategy.prediction`: recorded as skipped, with the prediction), sets the
-bar a new run races against, and runs re-measurements. The phases decide what to evaluate; this module only
-evaluates it.
+memory model, as fitted to the runs so far, puts over the per-device budget with its margin (recorded as
+``Status.REFUSED``, with its prediction), never launches a candidate the throughput model says cannot beat
+the best by more than the target precision (:mod:`~zerotune.strategy.prediction`: recorded as skipped, with the
+prediction), sets the bar a new run races against, and runs re-measurements. The phases decide what to
+evaluate; this module only evaluates it.
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from typing import Callable, Sequence
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
-from zerotune.core.units import format_bytes
-from zerotune.model.online import corrected
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
@@ -40,7 +38,7 @@ class Evaluator:
     Args:
         job: the resolved job.
         evaluate: runs batches of experiments.
-        result: where the ledger and the (online-corrected) memory model live.
+        result: where the ledger and the memory model (fitted online to the runs) live.
     """
 
     def __init__(self, job: Job, evaluate: Evaluate, result: StrategyResult):
@@ -67,8 +65,9 @@ class Evaluator:
                     exp.memory_bytes = memory.bytes_per_device(exp.ds_config)
                 if exp.kind is not ExperimentKind.PROFILE:
                     exp.must_beat = bar
-                    if exp.memory_bytes is not None and exp.memory_bytes > self.job.device_memory_bytes:
-                        self._not_launched(exp)  # the online-corrected model knows it runs out of memory
+                    refusal = None if memory is None else memory.refusal(exp.ds_config, self.job.device_memory_bytes)
+                    if refusal is not None:
+                        self._not_launched(exp, refusal)  # the fitted model predicts it runs out of memory
                         continue
                     if race and self._skipped(exp):
                         continue
@@ -82,14 +81,12 @@ class Evaluator:
                 logger.info(now.describe())
         return [self.ledger[e.name] for e in experiments]
 
-    def _not_launched(self, exp: Experiment) -> None:
-        """Record ``exp`` as out of memory without launching it: its estimate, from the memory model as
-        corrected by the runs so far, is over the per-device budget. A stage's largest mbs is planned from
-        the profile run before any of its runs; a later run that measures more (a steeper activation slope,
-        a stage's own overhead) would otherwise see the plan launched into an OOM it already predicts."""
-        exp.status, exp.metric = Status.OOM, None
-        exp.error = (f"memory model: {format_bytes(exp.memory_bytes)} per rank estimated, over the "
-                     f"{format_bytes(self.job.device_memory_bytes)} budget: not launched")
+    def _not_launched(self, exp: Experiment, refusal: str) -> None:
+        """Record ``exp`` as refused without launching it (``Status.REFUSED``, ``error`` = ``refusal``: its
+        prediction and the margin, :meth:`~zerotune.model.online.OnlineMemory.refusal`). A stage's largest mbs is
+        planned from the profile run before any of its runs; a later run that measures more (a steeper activation
+        slope, another stage's) would otherwise see the plan launched into an OOM the fitted model predicts."""
+        exp.status, exp.metric, exp.error = Status.REFUSED, None, refusal
         logger.info(f"{exp.name}: {exp.error}")
         self.ledger.add(exp)
 
@@ -115,12 +112,10 @@ class Evaluator:
         return True
 
     def _correct_memory(self, exp: Experiment) -> None:
-        """Online correction of the memory model from a finished experiment (:func:`zerotune.model.online.corrected`:
-        the activation slope between two runs of a config, and the stage's overhead after an OOM under a fitting
-        estimate or a peak above it), so a near-boundary estimate is not repeated."""
+        """The memory model refitted with a finished experiment's peak, or its out-of-memory bound
+        (:meth:`zerotune.model.online.OnlineMemory.observed`)."""
         if self.result.memory is not None:
-            earlier = [e for e in self.ledger.experiments if e is not exp]
-            self.result.memory, why = corrected(self.result.memory, exp, self.job.device_memory_bytes, earlier)
+            self.result.memory, why = self.result.memory.observed(exp, self.job.device_memory_bytes)
             if why:
                 logger.info(why)
 
@@ -171,6 +166,6 @@ class Evaluator:
 
     def host_fits(self, ds_config: dict) -> bool:
         """Whether what ``ds_config`` offloads to the host fits each node's host memory
-        (:meth:`zerotune.model.memory.MemoryModel.host_fits`; True when the model or the host memory is unknown)."""
+        (:meth:`zerotune.model.online.OnlineMemory.host_fits`; True when the model or the host memory is unknown)."""
         memory = self.result.memory
         return memory is None or memory.host_fits(ds_config, self.job.host_memory_bytes, self.job.slots_per_node)

@@ -36,6 +36,7 @@ class Point:
     run_noise: float = RUN_NOISE  # the run-to-run noise (relative sigma) known when it was measured
     memory_fraction: float | None = None  # its measured peak over the per-device budget (None: unknown)
     calm_mbs: int | None = None  # the largest mbs the memory model puts under NEAR_CAPACITY (None: unknown)
+    refusal: str = ""  # Status.REFUSED: why it was not launched ("not launched: predicted ... over the budget")
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,18 @@ class Point:
     def capacity(self) -> Capacity:
         """How near the device's capacity it ran (:func:`~zerotune.strategy.capacity.capacity`)."""
         return capacity(self.memory_fraction)
+
+
+def refusals(points: Sequence[Point]) -> list[str]:
+    """What the memory model refused among ``points``, in order, for a decision's reason: ``probe at mbs=16 not
+    launched: predicted 2.61 GiB per rank, ... over the 2.50 GiB budget`` each."""
+    return [f"probe at mbs={p.mbs} {p.refusal}" for p in points if p.status is Status.REFUSED]
+
+
+def launched(points: Sequence[Point]) -> bool:
+    """Whether any of ``points`` was launched: neither refused by the memory model nor skipped by the throughput
+    model."""
+    return any(p.status not in (Status.REFUSED, Status.SKIPPED) for p in points)
 
 
 def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:

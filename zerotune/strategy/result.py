@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from zerotune.core.experiment import Experiment
 from zerotune.core.measure import RunNoise
-from zerotune.model.memory import MemoryModel
+from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.points import MbsTrace
@@ -20,6 +20,7 @@ class StageDecision(str, enum.Enum):
     EXPLORED = "explored"  # a full mbs search
     PROBED = "probed"  # one experiment (at its own largest mbs, or the best stage's), not better
     PRUNED = "pruned"  # the memory model: cannot fit at the smallest mbs, never launched
+    NOT_LAUNCHED = "not launched"  # every probe refused: the fitted memory model predicts each over the budget
     SKIPPED = "skipped"  # no larger mbs than the best, and a lower stage already slower at equal mbs
 
 
@@ -85,7 +86,7 @@ class StrategyResult:
 
     Attributes:
         model_info: the profile's measurements (None: unknown, e.g. a dry run without a profile).
-        memory: the memory model built from it, corrected online by the runs (None when the model size is
+        memory: the memory model built from it, fitted online to the runs' peaks (None when the model size is
             unknown).
         stages: one :class:`StageResult` per candidate stage, ascending.
         knob_phases: the knob phases run (``"fast": false``).
@@ -95,7 +96,7 @@ class StrategyResult:
     """
 
     model_info: ModelInfo | None = None
-    memory: MemoryModel | None = None
+    memory: OnlineMemory | None = None
     stages: list[StageResult] = field(default_factory=list)
     knob_phases: list[KnobPhase] = field(default_factory=list)
     ledger: Ledger = field(default_factory=Ledger)

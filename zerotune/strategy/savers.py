@@ -43,7 +43,7 @@ from zerotune.model.throughput import bounds, can_beat
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import Point, allowed_values, largest_within, tie
+from zerotune.strategy.points import Point, allowed_values, largest_within, launched, refusals, tie
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 
@@ -197,13 +197,14 @@ class SaverPhase:
         wins = probe.ok and (best is None or (self.objective.better(probe.metric, best.metric) and not tie(
             self.objective.gain(probe.metric, best.metric), ev.precision)))
         if not wins:
-            result.decision = StageDecision.PROBED
+            result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
             measured = f"{probe.status.value}" + ("" if probe.metric is None else f" {probe.metric:.4g}")
-            result.reason = (f"{predicted}; probe at mbs={probe_mbs}: {measured}, not better than "
-                             f"{self.best.label}'s {best.metric:.4g} at mbs={best.mbs}" if best is not None else
-                             f"{predicted}; probe at mbs={probe_mbs}: {measured}")
+            than = (f", not better than {self.best.label}'s {best.metric:.4g} at mbs={best.mbs}"
+                    if best is not None else "")
+            lost = [] if probe.status is Status.REFUSED else [f"probe at mbs={probe_mbs}: {measured}{than}"]
+            result.reason = "; ".join([predicted] + refusals(result.trace.points) + lost)
             return self._logged(result)
-        cap = max((p.mbs for p in result.trace.points if p.status is Status.OOM), default=self.hi + 1) - 1
+        cap = max((p.mbs for p in result.trace.points if p.status.over_budget), default=self.hi + 1) - 1
         result.decision = StageDecision.EXPLORED
         result.reason = (f"{predicted}; probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > "
                          f"{best.metric:.4g}, {self.best.label})" if best is not None else
@@ -245,7 +246,7 @@ class SaverPhase:
         stage, settings = result.stage, result.settings
         (probe,) = self.points(stage, settings, [own])
         result.trace.points.append(probe)
-        if probe.status is Status.OOM:
+        if probe.status.over_budget:
             halfway = [m for m in self.values if reach < m <= (reach + own) // 2][-1:]
             if halfway:
                 own = halfway[0]

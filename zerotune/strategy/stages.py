@@ -16,18 +16,18 @@ threshold is noise. ZeRO-3 with no more headroom is skipped too once stage 1 or 
 as stages 1-2 and all-gathers the parameters on top (3 Psi of communication per step against 2 Psi: the
 ZeRO paper, Rajbhandari et al. 2020, section 7.2), so it cannot beat them.
 
-**Probes.** An OOM probe is no evidence of slowness: it caps the stage below that mbs, and the stage is
-probed again (halfway back to the best's mbs, or at the best stage's largest runnable mbs below it). A probe
-that loses within the runs' noise, or wins within it at equal mbs, is re-measured with the best point (and
-the best stage's point at the probe's mbs) before the stage is given up or searched: at equal mbs a higher
-stage can only gain on the once-per-step work, and a one-run win inside the noise would buy a whole mbs
-search on a coin toss. A difference within the target precision is a tie
-(:func:`~zerotune.strategy.points.tie`): never re-measured, and at equal mbs not a win. A headroom probe's win
-is not re-measured: a larger batch is a real way to win. A headroom probe that loses is followed by one at the
-best's mbs: its largest fitting mbs sits at the memory boundary, where a caching allocator flushes and retries
-and a step can be slower than just below it; where
-it ran near the capacity (:mod:`~zerotune.strategy.capacity`), the second probe is at the largest mbs the
-memory model puts under it, if that is still above the best's mbs.
+**Probes.** An OOM probe (or one the memory model refuses: never launched) is no evidence of slowness: it caps the
+stage below that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's largest
+runnable mbs below it); a stage none of whose probes was launched is "not launched". A probe that loses within the
+runs' noise, or wins within it at equal mbs, is re-measured with the best point (and the best stage's point at the
+probe's mbs) before the stage is given up or searched: at equal mbs a higher stage can only gain on the
+once-per-step work, and a one-run win inside the noise would buy a whole mbs search on a coin toss. A difference
+within the target precision is a tie (:func:`~zerotune.strategy.points.tie`): never re-measured, and at equal mbs
+not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A headroom probe that
+loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory boundary, where a caching
+allocator flushes and retries and a step can be slower than just below it; where it ran near the capacity
+(:mod:`~zerotune.strategy.capacity`), the second probe is at the largest mbs the memory model puts under it, if
+that is still above the best's mbs.
 
 **Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate (its
 first run, where its search would start) and a later stage's estimate is larger, that stage is deferred:
@@ -54,7 +54,8 @@ from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, allowed_values, largest_within, tie, within_noise
+from zerotune.strategy.points import (MbsTrace, Point, allowed_values, largest_within, launched, refusals, tie,
+                                      within_noise)
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 
 
@@ -164,7 +165,7 @@ class StageExplorer:
             return False
         (first,) = self.evaluate(plan.stage, [start])
         result.trace.points.append(first)
-        if first.status is not Status.OOM:
+        if not first.status.over_budget:
             return False
         self.deferred[plan.stage] = start  # a stage with more headroom goes first
         self.queue.append((plan, result))
@@ -205,7 +206,7 @@ class StageExplorer:
             result.reason = (f"{note}cannot beat: the throughput model bounds its probe at mbs={probe_mbs} below the "
                              f"best plus the precision")
             return None
-        if probe.status is Status.OOM:  # no evidence of slowness: probe below it
+        if probe.status.over_budget:  # no evidence of slowness: probe below it
             probe_mbs, probe, cap = self._below_oom(stage, result, probe, probe_mbs, headroom)
         probe = self._confirm_probe(stage, result, probe, probe_mbs, headroom)
         best = self.best.point
@@ -233,7 +234,7 @@ class StageExplorer:
             probe_mbs = retry
             (probe,) = self.evaluate(stage, [probe_mbs])
             result.trace.points.append(probe)
-            if probe.status is not Status.OOM:
+            if not probe.status.over_budget:
                 break
         else:
             cap = probe_mbs - 1
@@ -272,11 +273,11 @@ class StageExplorer:
         same = best.trace.get(probe_mbs) if probe.ok else None
         same = same if same is not None and same.ok else None
         reference = same or best.point
-        result.decision = StageDecision.PROBED
-        result.reason = (f"{note}probe at mbs={probe_mbs}: {probe.status.value} "
-                         f"{'' if probe.metric is None else f'{probe.metric:.4g} '}"
-                         f"not better than ZeRO stage {best.stage}'s {reference.metric:.4g} at "
-                         f"mbs={reference.mbs}")
+        result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
+        lost = [] if probe.status is Status.REFUSED else [
+            f"probe at mbs={probe_mbs}: {probe.status.value} {'' if probe.metric is None else f'{probe.metric:.4g} '}"
+            f"not better than ZeRO stage {best.stage}'s {reference.metric:.4g} at mbs={reference.mbs}"]
+        result.reason = note + "; ".join(refusals(result.trace.points) + lost)
         self.slower_seen = self.slower_seen or (same is not None and self.objective.gain(
             probe.metric, same.metric) <= -self.threshold)
         self.partitioned_lost = self.partitioned_lost or (result.stage in (1, 2) and same is not None)

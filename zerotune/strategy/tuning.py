@@ -7,7 +7,7 @@ run lists what this same code would try if the memory model were right. The run 
 outcomes it is told, in phases:
 
 1. **Profile** (:meth:`Strategy.profile`): one experiment; its ``model_info`` gives the memory model,
-   calibrated to the run's peak.
+   calibrated to the run's peak, the prior of the fit every later peak refines (:mod:`zerotune.model.online`).
 2. **Stages and mbs** (:meth:`Strategy.explore`, :mod:`~zerotune.strategy.stages`): per stage, the memory
    model's largest fitting mbs, then the progressive stage rule and the mbs search.
 3. **Savers** (:mod:`~zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
@@ -31,6 +31,7 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
+from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy import remeasure
 from zerotune.strategy.capacity import NEAR_CAPACITY
@@ -136,7 +137,7 @@ class Strategy:
                              checkpointed_activation_bytes_per_sample=info.checkpointed_activation_mem_per_gpu)
         if info.peak_memory_bytes:
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
-        self.result.memory = memory
+        self.result.memory = OnlineMemory(memory)
         checkpointed = info.checkpointed_activation_mem_per_gpu
         with_checkpointing = f" ({format_bytes(checkpointed)} with checkpointing)" if checkpointed is not None else ""
         logger.info(f"profile: {info.num_params:,} parameters, activations {format_bytes(info.activation_mem_per_gpu)} "
@@ -162,10 +163,11 @@ class Strategy:
             plans.append(StagePlan(stage, est))
             if self.result.memory is not None:
                 config = self.builder.config(stage, lo)
-                needs = self.result.memory.breakdown(config)  # one breakdown: the device total and the host bytes
-                why = (f"offload needs {format_bytes(needs.host * self.job.slots_per_node)} of host memory per "
-                       f"node, the node has {format_bytes(self.job.host_memory_bytes or 0)}"
-                       if not self.ev.host_fits(config) else f"{format_bytes(needs.total)} per rank at mbs={lo}")
+                host = self.result.memory.prior.breakdown(config).host
+                why = (f"offload needs {format_bytes(host * self.job.slots_per_node)} of host memory per "
+                       f"node, the node has {format_bytes(self.job.host_memory_bytes or 0)}" if not
+                       self.ev.host_fits(config) else
+                       f"{format_bytes(self.result.memory.bytes_per_device(config))} per rank at mbs={lo}")
                 logger.info(f"memory model: ZeRO stage {stage}: " + (f"largest mbs estimated to fit {est}"
                             if est >= lo else f"does not fit ({why}): pruned"))
         return plans
@@ -209,14 +211,16 @@ class Strategy:
                 for m, e, p, t in zip(mbs_values, bases, pooled, terms)]
 
     def _memory_terms(self, stage: int, exp: Experiment, settings: dict | None = None) -> dict:
-        """A point's measured peak over the budget, and the largest mbs the memory model (as corrected so far)
-        puts under :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of it: where the mbs search looks below a
-        best near capacity. None of either on CPU ranks, where the search keeps its halving look below."""
+        """Why a refused point was not launched (its prediction); a point's measured peak over the budget, and the
+        largest mbs the memory model (as fitted so far) puts under :data:`~zerotune.strategy.capacity.NEAR_CAPACITY`
+        of it: where the mbs search looks below a best near capacity. None of the last two on CPU ranks, where the
+        search keeps its halving look below."""
+        refusal = {"refusal": exp.error} if exp.status is Status.REFUSED else {}
         if self.job.cpu:
-            return {}
+            return refusal
         lo, hi = self.job.min_mbs, self.job.max_mbs
         budget, memory = self.job.device_memory_bytes, self.result.memory
         calm = None if memory is None else memory.max_mbs(self.builder.config(stage, lo, settings),
                                                           int(NEAR_CAPACITY * budget), cap=hi)
-        return {"memory_fraction": self.ev.memory_fraction(exp),
+        return {**refusal, "memory_fraction": self.ev.memory_fraction(exp),
                 "calm_mbs": calm if calm is not None and calm >= lo else None}
