@@ -37,6 +37,7 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
 """
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from dataclasses import dataclass
@@ -249,8 +250,21 @@ def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
     n = len(steady)
     if n < 2:
         return None
+    return _t_quantile(n - 1) * statistics.stdev(steady) / math.sqrt(n) / mean
+
+
+def load_quantiles() -> None:
+    """Import what a run's interval needs (``scipy.stats``: about 0.7 s of CPU, once per process) now. A backend
+    calls it before it launches a run whose steps it watches, so the import does not fall in the steps measured."""
+    _t_quantile(1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _t_quantile(df: int) -> float:
+    """Student's t quantile at :data:`CONFIDENCE` (two-sided) for ``df`` degrees of freedom. Cached: the stop rule
+    asks for it at every step of a running experiment, and ``scipy.stats.t.ppf`` takes about a millisecond."""
     from scipy.stats import t  # imported here: scipy.stats takes a while to import
-    return float(t.ppf(0.5 + CONFIDENCE / 2, n - 1)) * statistics.stdev(steady) / math.sqrt(n) / mean
+    return float(t.ppf(0.5 + CONFIDENCE / 2, df))
 
 
 def _train_batch_size(streams: Streams, step: int) -> int | None:

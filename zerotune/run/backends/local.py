@@ -39,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
+from zerotune.core.measure import load_quantiles
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.deepspeed.launcher import (free_port, launch_command, launch_env, multi_node, paste_command, release_port,
                                          script_arguments)
@@ -56,6 +57,10 @@ from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
 from zerotune.run.warm.rank import SETUP_FAILED
 
 __all__ = ["LocalBackend", "warm_server_env"]
+
+RESCAN_S = 1.0
+"""How often a running run's process tree is walked again, s (the walk reads every process's ``stat``: about 1 ms a
+poll on a quiet machine); its known ranks' memory is sampled at every poll."""
 
 
 class LocalBackend(Backend):
@@ -87,6 +92,8 @@ class LocalBackend(Backend):
         running_dir = exp_dir.parent / RUNNING_DIR
         reap_orphans(running_dir)  # first: an orphan of a killed tuner could still write into exp_dir
         watch = _StreamWatch(exp_dir, spec.stop_rule, exp, spec.end_profile_step)
+        if exp.kind is not ExperimentKind.PROFILE:
+            load_quantiles()  # before the launch: its import would take CPU from the steps measured
         end_step = extended_end_step(spec.end_profile_step) if watch.rule is not None else spec.end_profile_step
         config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, end_step)
 
@@ -239,12 +246,17 @@ class LocalBackend(Backend):
         script_name = Path(spec.script).name
         progress = _Progress(exp_dir, start)
         watch.launched_at = start
+        ranks: list[psutil.Process] = []
+        scanned = float("-inf")
         while proc.poll() is None:
             now = time.monotonic()
-            for child in self._ranks(proc, token):
-                known.setdefault(child.pid, child)
-                if _is_rank(proc, child, script_name):  # not the launcher, nor a JIT compiler
-                    seen.peak = max(seen.peak, data_bytes(child.pid))
+            if now - scanned >= RESCAN_S:
+                scanned, tree = now, self._ranks(proc, token)
+                for child in tree:
+                    known.setdefault(child.pid, child)
+                ranks = [c for c in tree if _is_rank(proc, c, script_name)]  # not the launcher, nor a JIT compiler
+            for child in ranks:
+                seen.peak = max(seen.peak, data_bytes(child.pid))
             idle_s = progress.idle_s(now)
             if now - start > seen.timeout.seconds:
                 seen.timed_out = True
