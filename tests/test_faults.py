@@ -546,6 +546,24 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     assert_private_copies(ext / "fused_adam", machine / "fused_adam")
 
 
+def test_the_summary_says_which_jit_builds_a_tuning_paid_and_how_long(tmp_path):
+    here = ("/venv/site-packages/torch", "/venv/site-packages/deepspeed")
+    machine, ext = tmp_path / "machine_cache", extensions.extensions_dir(tmp_path / "exps")
+    built_op(machine, "fused_adam", *here)
+    os.utime(machine / "fused_adam" / "fused_adam.so", (1_000_000_000,) * 2)  # built long ago, elsewhere
+    assert extensions.seed(ext, [machine], install=here) == ["fused_adam"]  # a seed keeps its timestamps
+    started = time.time()
+    op = built_op(ext, "cpu_adam", *here)  # built by this tuning's experiments: build.ninja first, the .so last
+    os.utime(op / "build.ninja", (started + 1,) * 2)
+    os.utime(op / "cpu_adam.so", (started + 62.4,) * 2)
+    built_op(ext, "failed", *here)
+    (ext / "failed" / "failed.so").unlink()  # no library: a build that failed or still runs
+    assert extensions.builds_since(ext, started) == {"cpu_adam": pytest.approx(61.4)}
+    assert extensions.build_note(extensions.builds_since(ext, started)) == (
+        "JIT builds paid by this tuning: cpu_adam 61 s (kept in zerotune's cache: the next tuning loads them)")
+    assert extensions.build_note(extensions.builds_since(ext, started + 100)) is None
+
+
 def assert_private_copies(copy: Path, source: Path) -> None:
     """Each file in ``copy`` is its own inode (link count 1, not its source's), and writing it in place
     leaves the source's bytes as they were."""

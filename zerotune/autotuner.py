@@ -170,8 +170,10 @@ class Autotuner:
 
     @property
     def _notes(self) -> list[str]:
+        built = None if self.started_at is None else extensions.build_note(
+            extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
         return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
-                self.job.batch.describe()]
+                self.job.batch.describe(), *([built] if built else [])]
 
     def _on_update(self, exp: Experiment, event: str) -> None:
         """The scheduler's callback: the progress display, and the report refreshed as experiments finish."""

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "built_here", "default_root", "extensions_dir", "own_root", "publish",
+__all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "build_note", "builds_since", "built_here", "default_root", "extensions_dir", "own_root", "publish",
            "remove_stale_locks", "seed", "stale_locks"]
 
 EXTENSIONS_DIR = ".torch_extensions"  # under the exps dir
@@ -174,6 +174,36 @@ def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
             pass
         shutil.rmtree(old, ignore_errors=True)
     return kept
+
+
+def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
+    """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its build
+    took, s: from its ``build.ninja`` (torch writes it as the build starts) to its ``<op>.so`` (ninja writes it
+    last). A seeded op keeps its source's timestamps, so only a build paid since then counts; an op without a
+    ``.so`` (a build that failed or still runs) does not."""
+    builds = {}
+    try:
+        ops = sorted(p for p in Path(ext_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return builds
+    for op in ops:
+        try:
+            ninja, lib = (op / "build.ninja").stat().st_mtime, (op / f"{op.name}.so").stat().st_mtime
+        except OSError:
+            continue
+        if lib >= since:
+            builds[op.name] = max(0.0, lib - ninja)
+    return builds
+
+
+def build_note(builds: dict[str, float]) -> str | None:
+    """The summary's line on the JIT builds a tuning paid (:func:`builds_since`), e.g. ``JIT builds paid by this
+    tuning: cpu_adam 61 s, deepspeed_shm_comm 17 s (kept in zerotune's cache: the next tuning loads them)``; None
+    when there were none."""
+    if not builds:
+        return None
+    return ("JIT builds paid by this tuning: " + ", ".join(f"{op} {s:.0f} s" for op, s in sorted(builds.items()))
+            + " (kept in zerotune's cache: the next tuning loads them)")
 
 
 def _copy_whole(op: Path, dest: Path) -> bool:
