@@ -46,8 +46,10 @@ def test_hostfile_comments_blank_lines_and_order(tmp_path):
         ("worker-0\n", 1, "worker-0", "expected 'HOSTNAME slots=N'"),
         ("worker-0 slots=8x\n", 1, "worker-0 slots=8x", "expected 'HOSTNAME slots=N'"),
         ("worker-0 gpus=8\n", 1, "worker-0 gpus=8", "expected 'HOSTNAME slots=N'"),
-        ("# c\nworker-0 slots=0\n", 2, "worker-0 slots=0", "slots must be a positive integer, got 0"),
-        ("worker-0 slots=-2\n", 1, "worker-0 slots=-2", "slots must be a positive integer, got -2"),
+        ("# c\nworker-0 slots=0\n", 2, "worker-0 slots=0", "slots must be a positive integer of at most 1048576, got 0"),
+        ("worker-0 slots=-2\n", 1, "worker-0 slots=-2", "slots must be a positive integer of at most 1048576, got -2"),
+        ("worker-0 slots=99999999999999999999\n", 1, "worker-0 slots=99999999999999999999",
+         "slots must be a positive integer of at most 1048576, got 99999999999999999999"),  # not an OverflowError
         (
             "worker-0 slots=8\n\nworker-1 slots=8\nworker-0 slots=4 # again\n",
             4,

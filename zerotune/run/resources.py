@@ -28,6 +28,7 @@ import os
 import re
 from pathlib import Path
 
+from zerotune.core.arguments import MAX_COUNT
 from zerotune.core.errors import ConfigError
 from zerotune.run.slots import LOCALHOST, Node, Reservation, SlotPool
 
@@ -85,8 +86,8 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
         if match is None:
             raise ConfigError(f"{where}: expected 'HOSTNAME slots=N', e.g. 'worker-0 slots=8'")
         host, count = match.group(1), int(match.group(2))
-        if count < 1:
-            raise ConfigError(f"{where}: slots must be a positive integer, got {count}")
+        if not 1 <= count <= MAX_COUNT:
+            raise ConfigError(f"{where}: slots must be a positive integer of at most {MAX_COUNT}, got {count}")
         if host in hosts:
             raise ConfigError(
                 f"{where}: host {host!r} is listed twice (first on line {first_line[host]}); "
