@@ -197,6 +197,19 @@ class WarmServer:
             raise WarmUnavailable(self.unusable)
         if self.ping:
             return
+        self._wait_listening(stop)
+        answer = self._ask({"op": "ping"})
+        if answer.get("unsafe"):
+            self.unusable = f"the warm server is not fork-safe: {answer['unsafe']}"
+            raise WarmUnavailable(self.unusable)
+        self.ping = answer
+
+    def _wait_listening(self, stop: threading.Event | None) -> None:
+        """Start the server if it is not started, and wait until its socket appears (it then accepts).
+
+        Raises:
+            WarmUnavailable: see :meth:`ready`.
+        """
         if self.proc is None:
             self._start()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -210,11 +223,6 @@ class WarmServer:
             if stop is not None and stop.is_set():
                 raise WarmUnavailable("the tuning was stopped while the warm server preloaded")
             time.sleep(0.02)
-        answer = self._ask({"op": "ping"})
-        if answer.get("unsafe"):
-            self.unusable = f"the warm server is not fork-safe: {answer['unsafe']}"
-            raise WarmUnavailable(self.unusable)
-        self.ping = answer
 
     def _ask(self, request: dict) -> dict:
         conn = self._connect()
@@ -282,15 +290,8 @@ class AttachedWarmServer(WarmServer):
     def start(self) -> None:
         """Nothing: its owner started it."""
 
-    def _ready(self, stop: threading.Event | None = None) -> None:
-        if self.unusable:
-            raise WarmUnavailable(self.unusable)
-        if not self.ping:
-            answer = self._ask({"op": "ping"})
-            if answer.get("unsafe"):
-                self.unusable = f"the warm server is not fork-safe: {answer['unsafe']}"
-                raise WarmUnavailable(self.unusable)
-            self.ping = answer
+    def _wait_listening(self, stop: threading.Event | None) -> None:
+        """Nothing: its owner waited until it listened (the socket is known only then)."""
 
     def stop(self) -> None:
         """Nothing: its owner stops it."""
