@@ -226,6 +226,24 @@ def test_a_cpu_profile_record_without_the_steps_growth_gives_the_saved_bytes_as_
     assert ModelInfo.from_metrics(old, mbs=4).activation_mem_per_gpu == 1000
 
 
+def test_on_cpu_the_activation_term_is_the_profiles_slope_and_its_peak_the_probes():
+    # the demo's ZeRO-3 profile (examples/train_gpt.py, 2 CPU ranks): 10,767,372 bytes saved at mbs 1; the
+    # training micro steps at mbs 2, 4 and 8 peaked 59,391,832, 79,762,448 and 139,600,912 bytes over their start
+    demo = {"num_params": 5_289_472, "activation_saved_bytes": 10_767_372, "data_peak_bytes": 595_378_176,
+            "step_growth_bytes": 48_748_556, "slope_bytes": 14_959_616}
+    info = ModelInfo.from_metrics(demo, peak_memory_bytes=812_818_432, ds_config={"zero_optimization": {"stage": 3}})
+    assert info.activation_mem_per_gpu == 14_959_616  # (139,600,912 - 79,762,448) / 4, over the saved bytes
+    # the backend's sampled peak holds the wider steps: the probe's, taken before them, calibrates
+    assert info.peak_memory_bytes == 595_378_176
+    # a slope under the saved bytes never lowers the term
+    assert ModelInfo.from_metrics({**demo, "slope_bytes": 5}).activation_mem_per_gpu == 10_767_372
+    # without a slope (the wider steps failed), a CPU record's step growth at mbs 1 is not read: 48.7 MB there is
+    # mostly the gradients and the parameters ZeRO-3 gathers; the saved bytes stay, the larger peak calibrates
+    no_slope = {k: v for k, v in demo.items() if k != "slope_bytes"}
+    info = ModelInfo.from_metrics(no_slope, peak_memory_bytes=812_818_432, ds_config={"zero_optimization": {"stage": 3}})
+    assert (info.activation_mem_per_gpu, info.peak_memory_bytes) == (10_767_372, 812_818_432)
+
+
 def test_a_cuda_run_records_its_own_steps_growth_per_sample():
     # recorded in exp.json (activation_slope_bytes); the fit reads the peaks themselves (docs/decisions.md, D110)
     base, mbs = 3_000_000_000, 8

@@ -52,9 +52,12 @@ def engine_module(profile: bool, mbs: int = 3):
         def forward(self, x):
             out = self.module(x)
             loss = out.sum() if isinstance(out, torch.Tensor) else out  # a model that returns its loss: as is
-            if profile:
+            if self.autotuning_profile_model_info():
                 exit()  # engine.py:3030
             return loss
+
+        def backward(self, loss):
+            loss.backward()
 
         def step(self):
             pass
@@ -81,8 +84,10 @@ def test_the_profile_forward_records_the_saved_storages_less_parameters_and_buff
     # fp32, mbs 3: input 3x8 (96 B), fc1 output 3x16 (192 B, GELU's input), product 3x16 (192 B,
     # fc2's input): 480 B in 3 storages
     # fc1 holds 8*16 + 16 = 144 parameters, the most of any module; no ZeRO-3 here, so none persistent
+    # on CPU the profiler counts the forward's allocations: fc1's output, GELU's and the product (192 B each) live
+    # at once, 576 B; the module's output is no scalar loss, so no backward and no slope
     assert record == {"saved_bytes": 480, "saved_storages": 3, "micro_batch_size": 3, "largest_layer_params": 144,
-                      "persistent_params": 0}
+                      "persistent_params": 0, "forward_growth_bytes": 576}
     assert read_saved_activations(tmp_path) == 160  # per sample
 
 
@@ -549,3 +554,68 @@ def test_an_experiment_on_cuda_ranks_carries_its_budget_and_a_training_command_d
     assert probe_module.BUDGET_ENV not in launch_env(gpu, one)  # cmd_optimal.txt, zerotune run: no cap
     cpu = LaunchSpec("x.py", (), cpu=True, device_memory_bytes=24 * 2**30)  # RLIMIT_DATA enforces it there
     assert probe_module.BUDGET_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")
+
+
+class Weighted(nn.Module):
+    """``(x * w).sum()`` over ``x`` of shape (batch, n): the product, 4n bytes a sample, is the forward's only
+    allocation beyond the loss, and the backward's gradient of ``w`` multiplies the same shape once more."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        if x.shape[0] > getattr(self, "fits", x.shape[0]):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return (x * self.w).sum()
+
+
+def test_on_cpu_the_profile_measures_the_steps_growth_per_sample_from_wider_micro_steps(tmp_path):
+    record = profile_record(tmp_path, Weighted(1000), torch.randn(3, 1000), mbs=3)
+    # the profile's own step at mbs 3: the product (12,000 B) and the loss (4), then the backward's product
+    # (12,000) and w's gradient (4,000) with two scalars: the first step holds w's gradient, which stays
+    assert record["forward_growth_bytes"] == 12_004 and record["step_growth_bytes"] == 16_012
+    # micro steps at 2, 4 and 8 times the batch (mbs 6, 12, 24): the backward's product on top of 4,008 bytes
+    # (w's gradient, accumulated, and the scalars); the last two differ by 48,000 bytes over 12 samples
+    assert record["slope_growth_bytes"] == [28_008, 52_008, 100_008]
+    assert record["slope_bytes"] == 4_000  # 4 bytes x 1,000 elements a sample: the constant cancels
+    assert record["slope_ended"] == "agreed"  # 24,000 B over 6 samples, then 48,000 over 12: no 16x step
+    assert "slope_data_peak_bytes" not in record  # no VmData sampler in this process
+
+
+def test_a_wider_micro_step_that_runs_out_of_memory_ends_the_series_and_the_slope_takes_the_last_two(
+        tmp_path, capsys):
+    model = Weighted(1000)
+    model.fits = 12  # 8x the batch (24 samples) raises as torch's allocator does under the rank's data limit
+    record = profile_record(tmp_path, model, torch.randn(3, 1000), mbs=3)
+    assert record["slope_growth_bytes"] == [28_008, 52_008] and record["slope_bytes"] == 4_000
+    assert record["slope_ended"] == "failed"
+    assert "failed at 8x the profile's batch: RuntimeError" in capsys.readouterr().err
+    model.fits = 6  # only 2x runs: one growth, no slope
+    record = profile_record(tmp_path / "one", model, torch.randn(3, 1000), mbs=3)
+    assert record["slope_growth_bytes"] == [28_008] and "slope_bytes" not in record
+
+
+def test_widening_repeats_every_tensor_whose_first_dimension_is_the_micro_batch():
+    Pair = __import__("collections").namedtuple("Pair", "ids mask")
+    ids, mask, table = torch.arange(6).reshape(2, 3), torch.ones(2, 3), torch.zeros(5, 3)
+    args, kwargs = probe_module._widen(((ids, [table, Pair(ids, mask)]), {"labels": ids, "n": 2,
+                                                                         "extra": {"mask": mask}}), 3, 2, torch.Tensor)
+    assert args[0].shape == (6, 3) and args[0][:, 0].tolist() == [0, 3, 0, 3, 0, 3]  # the batch repeated, in order
+    assert args[1][0] is table  # its first dimension is not the micro batch: as it is
+    assert isinstance(args[1][1], Pair) and args[1][1].mask.shape == (6, 3)
+    assert kwargs["labels"].shape == (6, 3) and kwargs["n"] == 2 and kwargs["extra"]["mask"].shape == (6, 3)
+
+
+def test_a_wider_micro_step_runs_only_with_room_under_the_ranks_data_limit(monkeypatch):
+    class Sampler:  # VmData now: 600 MB
+        def sample(self):
+            return 600_000_000
+    monkeypatch.setattr(probe_module._DataPeak, "running", Sampler())
+    import resource
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1_000_000_000, resource.RLIM_INFINITY))
+    assert probe_module._room_for(200_000_000)  # 800 MB: 80% of the 1 GB limit
+    assert not probe_module._room_for(200_000_001)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert probe_module._room_for(10**15)  # no limit
+

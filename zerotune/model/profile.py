@@ -17,7 +17,10 @@ tunes: :meth:`~zerotune.strategy.configs.ConfigBuilder.profile_stage`). The prob
 the storages autograd saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
 are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
 backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
-(the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204).
+(the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204). On CPU
+the probe measures the growth of a training micro step per sample from two wider micro steps
+(``slope_bytes``, torch's profiler counting the CPU allocator's bytes; docs/decisions.md, D111), which the
+activation term takes where it is larger than the saved bytes.
 
 Activation checkpointing: where the profile forward ran without it and the model has checkpointable layers,
 the probe also prices it (:data:`CHECKPOINTED_ACTIVATIONS_KEY`, :func:`zerotune.probe.read_checkpointed_activations`):
@@ -32,7 +35,8 @@ from zerotune.deepspeed.config import precision
 
 SAVED_ACTIVATIONS_KEY = "activation_saved_bytes"  # bytes per sample, from the probe (per sample already)
 CHECKPOINTED_ACTIVATIONS_KEY = "activation_checkpointed_bytes"  # bytes per sample, from the probe (per sample)
-STEP_GROWTH_KEY = "step_growth_bytes"  # bytes at the profile's mbs, from the probe on CUDA (zerotune.probe.GROWTH_KEYS)
+STEP_GROWTH_KEY = "step_growth_bytes"  # bytes at the profile's mbs, from the probe (zerotune.probe.GROWTH_KEYS)
+SLOPE_KEY = "slope_bytes"  # bytes per sample, from the probe on CPU (zerotune.probe.SLOPE_KEY)
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,13 @@ class ModelInfo:
                      ds_config: dict[str, Any] | None = None) -> "ModelInfo":
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
-        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present; with
-        :data:`STEP_GROWTH_KEY` (CUDA) the term is :func:`step_activations` of the two, the profile's
-        ``ds_config`` giving its ZeRO stage and precision (None: an fp32 run below stage 3).
+        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present. On CPU, with
+        :data:`SLOPE_KEY`, the term is the larger of the two, and the profile's peak is the record's
+        ``data_peak_bytes`` alone (taken before the slope's wider micro steps, which the backend's sampled peak
+        holds); a CPU record (it has ``data_peak_bytes``) never reads its :data:`STEP_GROWTH_KEY`, whose mbs 1
+        step holds the gradients and gathered parameters as much as activations. On CUDA, with
+        :data:`STEP_GROWTH_KEY`, the term is :func:`step_activations` of the two, the profile's ``ds_config``
+        giving its ZeRO stage and precision (None: an fp32 run below stage 3).
         :data:`CHECKPOINTED_ACTIVATIONS_KEY` gives :attr:`checkpointed_activation_mem_per_gpu`.
 
         Raises:
@@ -86,7 +94,9 @@ class ModelInfo:
         """
         activations = (max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                        else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs)
-        if SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None:
+        if SLOPE_KEY in data:
+            activations = max(activations, int(data[SLOPE_KEY]))
+        elif SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None and "data_peak_bytes" not in data:
             activations = step_activations(activations, int(data[STEP_GROWTH_KEY]), mbs, ds_config or {},
                                            int(data.get("trainable_num_params", data["num_params"])))
         checkpointed = None
@@ -97,6 +107,8 @@ class ModelInfo:
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=activations,
                    peak_memory_bytes=(int(data["device_peak_bytes"]) if data.get("device_peak_bytes")
+                                      else int(data["data_peak_bytes"]) if SLOPE_KEY in data
+                                      and data.get("data_peak_bytes")
                                       else max(peak_memory_bytes or 0, int(data.get("data_peak_bytes") or 0))
                                       or None),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),

@@ -24,7 +24,7 @@ from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_P
                                           STREAM_PREFIX, STREAM_SUFFIX, exit_name, stream_name)
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
-           "PROBE_PATH", "SHAPE_KEYS", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
+           "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
            "read_checkpointed_activations", "read_saved_activations", "read_streams", "run_phases", "step_records",
            "stream_files", "stream_name"]
 
@@ -32,7 +32,8 @@ PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPA
 SHAPE_KEYS = ("largest_layer_params", "persistent_params")  # elements, in ACTIVATIONS_RECORD
 DEVICE_PEAK_KEY = "device_peak_bytes"  # in ACTIVATIONS_RECORD on CUDA
 DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's largest VmData, sampled every 5 ms
-GROWTH_KEYS = ("step_growth_bytes", "forward_growth_bytes")  # in ACTIVATIONS_RECORD on CUDA, bytes at its mbs
+GROWTH_KEYS = ("step_growth_bytes", "forward_growth_bytes")  # in ACTIVATIONS_RECORD, bytes at its mbs
+SLOPE_KEY = "slope_bytes"  # in ACTIVATIONS_RECORD on CPU: the step's growth per sample (two widened micro steps)
 
 
 def stream_files(exp_dir: Path) -> dict[int, Path]:
@@ -253,12 +254,13 @@ def read_checkpointed_activations(exp_dir: Path) -> int | None:
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     """The profile run's :data:`SHAPE_KEYS` from the probe's :data:`ACTIVATIONS_RECORD`: the most
     parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
-    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes; on CUDA :data:`GROWTH_KEYS`, what the
+    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes; :data:`GROWTH_KEYS`, what the
     allocated memory grew by at its peak over the first forward and over the whole step (forward and
-    backward) at the record's ``micro_batch_size``, bytes. A key whose value is missing or not a
+    backward) at the record's ``micro_batch_size``, bytes; on CPU :data:`SLOPE_KEY`, what a training micro
+    step's allocated peak grows by per sample, bytes. A key whose value is missing or not a
     non-negative integer is left out (an empty dict without a valid record)."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict):
         return {}
-    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS)
+    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS, SLOPE_KEY)
             if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0}
