@@ -186,7 +186,8 @@ def memory_model(model: dict, precision: str) -> MemoryModel:
     base = MemoryModel(info.num_params, info.activation_mem_per_gpu, RANKS,
                        trainable_params=info.trainable_num_params, largest_layer_params=info.largest_layer_params,
                        persistent_params=info.persistent_params)
-    return base.calibrated(profile_config(precision), info.peak_memory_bytes, mbs=1)
+    return base.calibrated(profile_config(precision), info.peak_memory_bytes, mbs=1,
+                           after_backward=info.peak_after_backward)
 
 
 def report(data: dict) -> tuple[list[str], dict[str, list[float]]]:

@@ -179,6 +179,20 @@ def test_below_stage_3_the_profile_exit_holds_the_parameters_and_the_fp32_master
         assert MODEL.profile_exit_bytes(prof, 1) == expected, (stage, precision)
 
 
+def test_after_the_first_backward_the_profile_holds_all_but_the_optimizer_states():
+    # the CPU probe runs the profile's backward before its peak is read (D111): the gradients, the buckets and the
+    # reduction's copy are there; AdamW's two fp32 states (8 bytes a trainable parameter, over N above stage 0)
+    # come only at the first step
+    for stage, states in ((0, 8 * PSI), (1, 8 * PSI // N), (3, 8 * PSI // N)):
+        prof = cfg(stage, reduce_bucket_size=10_000_000)
+        prof["autotuning"] = {"model_info": {"profile": True}}
+        assert MODEL.profile_step_bytes(prof, 1) == MODEL.bytes_per_device(prof, 1) - states, stage
+        cal = MODEL.calibrated(prof, MODEL.profile_step_bytes(prof, 1) + 300_000_000, mbs=1, after_backward=True)
+        assert cal.overhead_bytes == 300_000_000
+    offloaded = cfg(2, offload_optimizer={"device": "cpu"})
+    assert MODEL.profile_step_bytes(offloaded, 1) == MODEL.bytes_per_device(offloaded, 1)  # its states on the host
+
+
 # -- DeepSpeed's own estimators ---------------------------------------------------------------------
 def _ds_zero2(total_params, gpus, cpu_offload):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs

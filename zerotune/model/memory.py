@@ -439,15 +439,31 @@ class MemoryModel:
             return int(full_total - full.gradients - states - buckets)
         return int(full_total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
 
-    def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1) -> "MemoryModel":
+    def profile_step_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
+        """What the profile run holds per device after its first backward (on CPU the probe runs it after
+        DeepSpeed's profile exit, docs/decisions.md, D111): the estimate without the optimizer states, which
+        torch's optimizers create at the first step (``K*T``, over the DP world size above stage 0; offloaded
+        states are on the host, outside the device's estimate already)."""
+        zero = ds_config.get("zero_optimization") or {}
+        stage = int(_number(zero.get("stage"), 0))
+        if stage >= 1 and _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
+            return self.bytes_per_device(ds_config, mbs)
+        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        states = optimizer_state_bytes(ds_config) * t / (1 if stage == 0 else self.dp_world_size)
+        return int(self.bytes_per_device(ds_config, mbs) - states)
+
+    def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1,
+                   after_backward: bool = False) -> "MemoryModel":
         """A copy whose ``overhead_bytes`` makes the estimate of ``ds_config`` at ``mbs`` equal a measured
         peak (never negative).
 
         Used with the profile run (a config with ``autotuning.model_info.profile``: compared with
-        :meth:`profile_exit_bytes`, since that run exits in its first forward).
+        :meth:`profile_exit_bytes`, since that run exits in its first forward; with ``after_backward``, a peak
+        taken after the probe ran its first backward, with :meth:`profile_step_bytes`).
         """
         base = dataclasses.replace(self, overhead_bytes=0)
         profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))
-        estimate = base.profile_exit_bytes(ds_config, mbs) if profiling else base.bytes_per_device(ds_config, mbs)
+        estimate = (base.profile_step_bytes(ds_config, mbs) if profiling and after_backward
+                    else base.profile_exit_bytes(ds_config, mbs) if profiling else base.bytes_per_device(ds_config, mbs))
         return dataclasses.replace(self, overhead_bytes=max(0, int(measured_peak_bytes) - estimate),
                                    anchor=(ds_config, int(measured_peak_bytes), mbs))

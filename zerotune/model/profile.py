@@ -61,6 +61,9 @@ class ModelInfo:
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown, or a profile
             run below stage 3, which persists none: the job then tunes no stage that needs it).
+        peak_after_backward: whether :attr:`peak_memory_bytes` was taken after the profile's first backward
+            (on CPU where the probe ran it: the calibration then models that state,
+            :meth:`zerotune.model.memory.MemoryModel.profile_step_bytes`).
         checkpointed_activation_mem_per_gpu: activation bytes per device per sample with activation checkpointing
             of every checkpointable layer (:data:`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth
             adds to :attr:`activation_mem_per_gpu` over the saved bytes (what the backward allocates on top, the
@@ -74,6 +77,7 @@ class ModelInfo:
     largest_layer_params: int = 0
     persistent_params: int = 0
     checkpointed_activation_mem_per_gpu: int | None = None
+    peak_after_backward: bool = False
 
     @classmethod
     def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1,
@@ -81,9 +85,11 @@ class ModelInfo:
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
         :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present. On CPU, with
-        :data:`SLOPE_KEY`, the term is the larger of the two, and the profile's peak is the record's
-        ``data_peak_bytes`` alone (taken before the slope's wider micro steps, which the backend's sampled peak
-        holds); a CPU record (it has ``data_peak_bytes``) never reads its :data:`STEP_GROWTH_KEY`, whose mbs 1
+        :data:`SLOPE_KEY`, the term is the larger of the two; where the probe ran the backward
+        (:data:`STEP_GROWTH_KEY`), the profile's peak is the record's ``data_peak_bytes`` alone (rank 0's
+        ``VmData`` after that backward, before the wider steps, which the backend's sampled peak also holds;
+        :attr:`peak_after_backward`); a CPU record (it has ``data_peak_bytes``) never reads its
+        :data:`STEP_GROWTH_KEY` as activations, whose mbs 1
         step holds the gradients and gathered parameters as much as activations. On CUDA, with
         :data:`STEP_GROWTH_KEY`, the term is :func:`step_activations` of the two, the profile's ``ds_config``
         giving its ZeRO stage and precision (None: an fp32 run below stage 3).
@@ -103,17 +109,18 @@ class ModelInfo:
         if data.get(CHECKPOINTED_ACTIVATIONS_KEY) is not None:
             on_top = activations - max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data else 0
             checkpointed = max(0, int(data[CHECKPOINTED_ACTIVATIONS_KEY])) + max(0, on_top)
+        after_backward = (not data.get("device_peak_bytes") and STEP_GROWTH_KEY in data
+                          and bool(data.get("data_peak_bytes")))
         return cls(num_params=int(data["num_params"]),
                    trainable_num_params=int(data.get("trainable_num_params", data["num_params"])),
                    activation_mem_per_gpu=activations,
                    peak_memory_bytes=(int(data["device_peak_bytes"]) if data.get("device_peak_bytes")
-                                      else int(data["data_peak_bytes"]) if SLOPE_KEY in data
-                                      and data.get("data_peak_bytes")
+                                      else int(data["data_peak_bytes"]) if after_backward
                                       else max(peak_memory_bytes or 0, int(data.get("data_peak_bytes") or 0))
                                       or None),
                    largest_layer_params=max(0, int(data.get("largest_layer_params", 0))),
                    persistent_params=max(0, int(data.get("persistent_params", 0))),
-                   checkpointed_activation_mem_per_gpu=checkpointed)
+                   checkpointed_activation_mem_per_gpu=checkpointed, peak_after_backward=after_backward)
 
     def to_metrics(self, mbs: int = 1) -> dict[str, int]:
         """The ``model_info.json`` content DeepSpeed would write for this model at micro batch size ``mbs``."""

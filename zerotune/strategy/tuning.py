@@ -136,7 +136,8 @@ class Strategy:
                              host_on_device=self.job.cpu,
                              checkpointed_activation_bytes_per_sample=info.checkpointed_activation_mem_per_gpu)
         if info.peak_memory_bytes:
-            memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs)
+            memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs,
+                                       after_backward=info.peak_after_backward)
         self.result.memory = OnlineMemory(memory)
         checkpointed = info.checkpointed_activation_mem_per_gpu
         with_checkpointing = f" ({format_bytes(checkpointed)} with checkpointing)" if checkpointed is not None else ""
