@@ -992,13 +992,12 @@ class _HostStepGrowth(_StepGrowth):
         of memory); the ranks decide together (:func:`_every_rank`), since each step runs ZeRO's collectives.
         Also recorded: ``slope_growth_bytes`` (each step's growth), ``slope_data_peak_bytes``
         (``VmData``'s peak after each), ``slope_ended`` (why the series stopped) and ``data_peak_bytes`` as
-        the profile's own backward left it, before these steps. An input tensor whose first dimension is not the profile's mbs is passed unchanged.
+        before these steps. An input tensor whose first dimension is not the profile's mbs is passed unchanged.
         Fewer than two steps: no slope."""
         import time
         torch = self.torch
         mbs = int(engine.train_micro_batch_size_per_gpu())
-        growths, peaks, slopes, ended, took = [], [], [], "factors", 0.0
-        before = _data_peak()  # after the profile's own backward: what the calibration models (D111)
+        growths, peaks, slopes, before, ended, took = [], [], [], _data_peak(), "factors", 0.0
         self.handle.remove()  # the forward hook would keep the widened inputs
         engine.autotuning_profile_model_info = lambda: False  # the instance's, over the method, for these steps
         try:
