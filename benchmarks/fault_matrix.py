@@ -5,14 +5,14 @@ printed as a traceback.
     OMP_NUM_THREADS=1 python -m benchmarks.fault_matrix [--json OUT]    # from the repository root
 
 Every case runs the real ``zerotune`` CLI in its own process: the hostile inputs as
-``python -m zerotune tune ...`` (:data:`tests.test_faults.HOSTILE_INPUTS`), the others through
-tests/test_faults.py's driver, which only swaps DeepSpeed's launcher for a stand-in that starts
-stand-in ranks (so a case takes seconds, not minutes; the process tree, signals, result files and
+``python -m zerotune tune ...`` (:data:`tests.helpers.fault_cases.HOSTILE_INPUTS`), the others through
+the stand-ins' driver (:mod:`tests.helpers.standins`), which only swaps DeepSpeed's launcher for a stand-in that
+starts stand-in ranks (so a case takes seconds, not minutes; the process tree, signals, result files and
 ``/dev/shm`` files are real). A case **survived** when the tuner ended with the expected exit status
 and the expected outcome, with no traceback, no process of its run left (found by the run token in
 the process environment, and by the stand-ins' paths), no ``/dev/shm`` file of its runs left, and no
-finished result lost or changed. Round two's cases (``matrix_cases`` of tests/test_hostile_records.py,
-test_hostile_runs.py and test_hostile_inputs.py) run the same checks with their tests' own code. Figures:
+finished result lost or changed. Round two's cases (``matrix_cases`` of tests/helpers/hostile_records.py,
+hostile_runs.py and hostile_inputs.py) run the same checks with their tests' own code. Figures:
 
 - cases tried / survived;
 - results lost: finished (ok or oom) ``exp.json`` records that a later step changed or removed;
@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests import test_faults as tf  # the cases and stand-ins live with the tests
-from tests import test_hostile_inputs, test_hostile_records, test_hostile_runs  # round two (issue 28)
+from tests.helpers import fault_cases, processes, standins  # the cases and stand-ins the tests run too
+from tests.helpers import hostile_inputs, hostile_records, hostile_runs  # round two (issue 28)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,9 @@ class Case:
 def workdir(root: Path, name: str) -> Path:
     work = root / name
     work.mkdir()
-    for file, text in (("rank.py", tf.RANK), ("launcher.py", tf.LAUNCHER), ("driver.py", tf.DRIVER)):
+    for file, text in (("rank.py", standins.RANK), ("launcher.py", standins.LAUNCHER), ("driver.py", standins.DRIVER)):
         (work / file).write_text(text)
-    (work / "ds.json").write_text(json.dumps(tf.BASE_CONFIG))
+    (work / "ds.json").write_text(json.dumps(standins.BASE_CONFIG))
     return work
 
 
@@ -72,11 +72,11 @@ def count_lost(before: dict[str, str], results: Path) -> int:
 def settle_and_count(case: Case, work: Path, shm: set[str], pid: int | None) -> None:
     """Processes and /dev/shm files of the case still there (after a moment for exits to land)."""
     time.sleep(0.3)
-    left = {p.pid for p in tf.stand_in_processes(work)}
+    left = {p.pid for p in processes.stand_in_processes(work)}
     if pid is not None:
-        left |= {p.pid for p in tf.processes_of_tuner(pid)}
+        left |= {p.pid for p in processes.processes_of_tuner(pid)}
     case.left += len(left)
-    shm_left = tf.shm_left(work, shm)
+    shm_left = processes.shm_left(work, shm)
     if left:
         case.fail(f"{len(left)} process(es) left")
     if shm_left:
@@ -90,7 +90,7 @@ def hostile_input(root: Path, spec) -> Case:
     case = Case("hostile input", name)
     tmp = root / f"input-{name}"
     tmp.mkdir()
-    argv = tf.hostile_argv(tmp, args, config, script)
+    argv = fault_cases.hostile_argv(tmp, args, config, script)
     proc = subprocess.run([sys.executable, "-m", "zerotune", *argv], cwd=tmp, capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     case.tracebacks += "Traceback" in proc.stderr
@@ -109,15 +109,15 @@ def rank_fault(root: Path, spec) -> Case:
     fault, target, status, error, extra, env = spec
     case = Case("rank fault", fault)
     work = workdir(root, f"rank-{fault}")
-    shm = tf.shm_files()
-    proc = tf.start_tuner(work, tf.tune_argv(work, *extra, ranks=2), plan={target: fault}, **env)
+    shm = processes.shm_files()
+    proc = standins.start_tuner(work, standins.tune_argv(work, *extra, ranks=2), plan={target: fault}, **env)
     _, err = proc.communicate(timeout=300)
     case.tracebacks += "Traceback" in err
-    recs = tf.records(work / "results")
+    recs = standins.records(work / "results")
     hit = [r for n, r in recs.items() if n.startswith(target) and not n.endswith("_r2")]
     if not hit or hit[0]["status"] != status or not re.search(error, hit[0]["error"] or ""):
         case.fail(f"outcome {[(r['status'], r['error']) for r in hit]}")
-    if proc.returncode != 0 or tf.answer(work / "results") != {"stage": 0, "mbs": 2}:
+    if proc.returncode != 0 or standins.answer(work / "results") != {"stage": 0, "mbs": 2}:
         case.fail(f"exit {proc.returncode} or another answer")
     settle_and_count(case, work, shm, proc.pid)
     return case
@@ -127,9 +127,10 @@ def stop_signal(root: Path, sig: signal.Signals) -> Case:
     """The tuner stopped by ``sig`` while an experiment runs, then rerun: the rerun resumes."""
     case = Case("tuner stopped, resumed", sig.name)
     work = workdir(root, f"signal-{sig.name}")
-    shm = tf.shm_files()
+    shm = processes.shm_files()
     exps = work / "results" / "exps"
-    proc = tf.start_tuner(work, tf.tune_argv(work, ranks=2), plan={"z0_gas1_tmbspg1": "slow"}, STANDIN_SLOW_S="60")
+    proc = standins.start_tuner(work, standins.tune_argv(work, ranks=2), plan={"z0_gas1_tmbspg1": "slow"},
+                                STANDIN_SLOW_S="60")
     deadline = time.monotonic() + 120
     log = exps / "z0_gas1_tmbspg1" / "stdout.log"
     while not (log.exists() and "step 3" in log.read_text()) and time.monotonic() < deadline:
@@ -145,11 +146,11 @@ def stop_signal(root: Path, sig: signal.Signals) -> Case:
         settle_and_count(case, work, shm, proc.pid)
     case.lost += count_lost(before, work / "results")
     # the rerun: resumes, reaps what a SIGKILLed tuner left, keeps every finished result
-    rerun = tf.start_tuner(work, tf.tune_argv(work, ranks=2))
+    rerun = standins.start_tuner(work, standins.tune_argv(work, ranks=2))
     _, err = rerun.communicate(timeout=300)
     case.tracebacks += "Traceback" in err
     case.lost += count_lost(before, work / "results")
-    if rerun.returncode != 0 or tf.answer(work / "results") != {"stage": 0, "mbs": 2}:
+    if rerun.returncode != 0 or standins.answer(work / "results") != {"stage": 0, "mbs": 2}:
         case.fail(f"rerun exit {rerun.returncode} or another answer")
     if case.lost:
         case.fail(f"{case.lost} finished result(s) lost or changed")
@@ -161,10 +162,10 @@ def run_stopped_while_training(root: Path) -> Case:
     """``zerotune run`` stopped by SIGTERM while the training it started runs."""
     case = Case("zerotune run stopped", "SIGTERM while training")
     work = workdir(root, "run-sigterm")
-    shm = tf.shm_files()
-    proc = tf.start_tuner(work, ["run", *tf.tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")
+    shm = processes.shm_files()
+    proc = standins.start_tuner(work, ["run", *standins.tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")
     deadline = time.monotonic() + 120
-    while not [p for p in tf.stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())] \
+    while not [p for p in processes.stand_in_processes(work) if "ds_config_optimal.json" in " ".join(p.cmdline())] \
             and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
     time.sleep(0.5)
@@ -182,7 +183,7 @@ def run_stopped_while_training(root: Path) -> Case:
 def full_disk(root: Path) -> Case:
     case = Case("results disk full", "RLIMIT_FSIZE 2 KiB")
     work = workdir(root, "disk")
-    code, _, err = tf.run_tuner(work, tf.tune_argv(work))
+    code, _, err = standins.run_tuner(work, standins.tune_argv(work))
     before = finished(work / "results")
     (work / "full.py").write_text("import resource, runpy, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
                                   "resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))\nsys.argv = sys.argv[1:]\n"
@@ -190,9 +191,9 @@ def full_disk(root: Path) -> Case:
     cfg = json.loads((work / "ds.json").read_text())
     cfg["autotuning"]["max_train_micro_batch_size_per_gpu"] = 4
     (work / "ds.json").write_text(json.dumps(cfg))
-    shm = tf.shm_files()
+    shm = processes.shm_files()
     proc = subprocess.run([sys.executable, str(work / "full.py"), str(work / "driver.py"), str(work / "launcher.py"),
-                           *tf.tune_argv(work)], cwd=work, capture_output=True, text=True, timeout=300,
+                           *standins.tune_argv(work)], cwd=work, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     case.tracebacks += "Traceback" in proc.stderr
     if code != 0 or proc.returncode != 1 or "cannot write the results" not in proc.stderr:
@@ -211,7 +212,7 @@ def stale_lock(root: Path) -> Case:
     work.mkdir()
     import pytest
     try:
-        tf.test_a_lock_left_by_a_killed_build_is_named_then_removed(work)
+        fault_cases.stale_lock_is_named_then_removed(work)
     except (AssertionError, pytest.fail.Exception) as e:
         case.fail(str(e)[:200])
     settle_and_count(case, work, set(), None)
@@ -219,7 +220,7 @@ def stale_lock(root: Path) -> Case:
 
 
 def round_two(root: Path, kind: str, name: str, run) -> Case:
-    """A round-two case (tests/test_hostile_*.py ``matrix_cases``): ``run(root)`` plays it with the real CLI and
+    """A round-two case (tests/helpers/hostile_*.py ``matrix_cases``): ``run(root)`` plays it with the real CLI and
     reports what was not survived, the results lost, the processes left and the tracebacks (counts or lists)."""
     case = Case(kind, name)
     try:
@@ -246,13 +247,13 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerotune-faults-") as d:
         root = Path(d)
-        steps = ([lambda s=s: hostile_input(root, s) for s in tf.HOSTILE_INPUTS]
-                 + [lambda s=s: rank_fault(root, s) for s in tf.RANK_FAULTS]
+        steps = ([lambda s=s: hostile_input(root, s) for s in fault_cases.HOSTILE_INPUTS]
+                 + [lambda s=s: rank_fault(root, s) for s in fault_cases.RANK_FAULTS]
                  + [lambda s=s: stop_signal(root, s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                                                 signal.SIGKILL)]
                  + [lambda: run_stopped_while_training(root), lambda: full_disk(root), lambda: stale_lock(root)]
-                 + [lambda c=c: round_two(root, *c) for module in (test_hostile_records, test_hostile_runs,
-                                                                   test_hostile_inputs) for c in module.matrix_cases()])
+                 + [lambda c=c: round_two(root, *c) for module in (hostile_records, hostile_runs,
+                                                                   hostile_inputs) for c in module.matrix_cases()])
         for step in steps:
             case = step()
             cases.append(case)

@@ -12,7 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests import test_ledgers as T
+from tests import test_ledgers as T  # the pins it compares and rewrites
+from tests.helpers.simulated import tune_simulated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ changed = []
 new_pins = []
 for case, pin in T.PINS.items():
     with tempfile.TemporaryDirectory() as d:
-        ledger, decisions, answer = T.tune_simulated(Path(d), *case)
+        ledger, decisions, answer = tune_simulated(Path(d), *case)
     new = {"ledger": ledger, "decisions": decisions, "answer": answer}
     if new != {k: pin[k] for k in new}:
         changed.append((case, len(pin["ledger"]), len(ledger), pin["answer"][:3], answer[:3]))
@@ -44,7 +45,7 @@ for case, pin in T.PINS.items():
 new_batch = []
 for name, pin in T.BATCH_PINS.items():
     with tempfile.TemporaryDirectory() as d:
-        ledger, decisions, answer = T.tune_simulated(Path(d), pin["scenario"], True, "all", pin["overrides"])
+        ledger, decisions, answer = tune_simulated(Path(d), pin["scenario"], True, "all", pin["overrides"])
     new = {"scenario": pin["scenario"], "overrides": pin["overrides"], "ledger": ledger, "decisions": decisions, "answer": answer}
     if new != pin:
         changed.append((name, len(pin["ledger"]), len(ledger), pin["answer"][:3], answer[:3]))

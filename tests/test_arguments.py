@@ -8,78 +8,19 @@ is written or launched.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-from pathlib import Path
 
 import pytest
 
-from zerotune import cli
+from tests.helpers.cli_inputs import CONFIG, cli_exit, files, full_argv, value_actions
 from zerotune.core.arguments import MAX_COUNT
 
-CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
-          "autotuning": {"model_info": {"num_params": 1000}}}
 EMPTY = "'': expected a value, not the empty string (an unset shell variable?)"
-
-
-def value_actions() -> list[tuple[str, argparse.Action]]:
-    """(command, action) for every option and positional argument that takes a value, of every command."""
-    parser = cli.build_parser()
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    return [(command, action) for command, sub in commands.items() for action in sub._actions
-            if action.nargs not in (0, argparse.REMAINDER)]
 
 
 def action_name(action: argparse.Action) -> str:
     """How argparse names the argument in its messages."""
     return "/".join(action.option_strings) or action.metavar or action.dest
-
-
-def files(tmp: Path) -> Path:
-    """A valid config, a script, a results dir for ``report`` and a plain file, in ``tmp``; the config's path."""
-    (tmp / "ds.json").write_text(json.dumps(CONFIG))
-    (tmp / "train.py").write_text("print('never run')\n")
-    (tmp / "afile").write_text("a file\n")
-    (tmp / "done").mkdir(exist_ok=True)
-    return tmp / "ds.json"
-
-
-def full_argv(tmp: Path, command: str, flags: list[str], positional: str | None = None,
-              config: str | None = None) -> list[str]:
-    """``command`` with ``flags`` and what it needs besides to be valid (the script and config, a budget, a results
-    dir, ``--num_gpus 1`` where no ``--include`` or ``--hostfile`` is given); ``positional`` replaces the first
-    positional argument (the script, the results dir of ``report``), ``config`` the ds_config's path."""
-    given = {f.split("=", 1)[0] for f in flags}  # --flag VALUE or --flag=VALUE
-    if command == "estimate":
-        model = [] if {"--hf-config", "--profile", "--num-params"} & given else ["--num-params", "1e9"]
-        return ["estimate", *flags, *model, *([] if "--device-memory" in given else ["--device-memory", "2GiB"])]
-    if command == "report":
-        return ["report", *flags, str(tmp / "done") if positional is None else positional]
-    gpus = [] if {"--num_gpus", "--include", "--hostfile"} & given else ["--num_gpus", "1"]
-    memory = [] if "--device-memory" in given else ["--device-memory", "2GiB"]
-    results = [] if "--results-dir" in given else ["--results-dir", str(tmp / "results")]
-    script = str(tmp / "train.py") if positional is None else positional
-    return [command, *flags, *gpus, *memory, *results, script, "--deepspeed_config",
-            str(tmp / "ds.json") if config is None else config]
-
-
-def tree(tmp: Path) -> list:
-    return sorted((str(p.relative_to(tmp)), p.stat().st_mtime_ns if p.is_file() else 0) for p in tmp.rglob("*"))
-
-
-def cli_exit(tmp: Path, argv: list[str]) -> tuple[int, str]:
-    """``zerotune ARGV`` in-process from ``tmp``: (its exit status, argparse's included; its stderr); asserts that
-    nothing in ``tmp`` was created or changed and that no traceback was printed."""
-    before, err = tree(tmp), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse: a value its type refuses, after the usage line
-            code = e.code
-    assert tree(tmp) == before, f"{argv} wrote {sorted(set(tree(tmp)) - set(before))}"
-    assert "Traceback" not in err.getvalue()
-    return code, err.getvalue()
 
 
 @pytest.mark.parametrize("command, action", value_actions(),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.experiment import Experiment, Status
@@ -15,36 +16,7 @@ from zerotune.run.processes import remove_shm_buffers
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
 
-pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "examples" / "train_gpt.py")
-TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores
-
-
-def write_config(path: Path, **autotuning) -> Path:
-    cfg = {"train_micro_batch_size_per_gpu": 1,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 50_000_000},
-           "autotuning": {"start_profile_step": 2, "end_profile_step": 3, "max_train_micro_batch_size_per_gpu": 8,
-                          "num_tuning_micro_batch_sizes": 1, **autotuning}}
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def best_pooled(records: list[dict]) -> dict:
-    """The exp.json record whose metric, averaged over its runs (the record and its re-measurements,
-    ``replica_of``), is the highest: what the answer must be."""
-    runs: dict[str, list[float]] = {}
-    for r in records:
-        if r["status"] == "ok" and r["kind"] != "profile":
-            runs.setdefault(r["replica_of"] or r["name"], []).append(r["metric"])
-    name = max(runs, key=lambda n: sum(runs[n]) / len(runs[n]))
-    return next(r for r in records if r["name"] == name)
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 
 
 def zerotune(*args, cwd):

@@ -21,7 +21,6 @@ Three parts:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import re
@@ -34,173 +33,25 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.fault_cases import (HOSTILE_INPUTS, LOCK_WAITER, RANK_FAULTS, hostile_argv,
+                                       stale_lock_is_named_then_removed)
+from tests.helpers.processes import processes_of_tuner, shm_files, shm_left, stand_in_processes
+from tests.helpers.standins import (ANSWER, BASE_CONFIG, DRIVER, LAUNCHER, RANK, answer, records, run_tuner,
+                                    start_tuner, tune_argv)
 from zerotune import cli
 from zerotune.core.errors import ConfigError
-from zerotune.core.user_files import MAX_FILE_BYTES
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed import extensions
 from zerotune.run import expdir
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
-from zerotune.run.processes import RUN_TOKEN_ENV, RUNNING_DIR
+from zerotune.run.processes import RUNNING_DIR
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler, clear_experiments, experiment_dir
 from zerotune.run.slots import SlotPool
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# --- stand-ins ----------------------------------------------------------------------------------
-
-RANK = r'''
-"""A stand-in DeepSpeed rank: profile -> model_info.json; else end_profile_step steps, then
-metrics.json (rank 0). $STANDIN_PLAN (JSON {name substring: fault}) makes it misbehave."""
-import json, os, signal, socket, sys, time
-
-args = sys.argv[1:]
-config_path = args[args.index("--deepspeed_config") + 1]
-config = json.load(open(config_path))
-rank = int(os.environ.get("LOCAL_RANK", "0"))
-if "autotuning" not in config:  # the training 'zerotune run' starts with the optimal config
-    # what DeepSpeed's CPU comm leaves in /dev/shm, as below
-    open(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_{rank}", "wb").close()
-    print(f"training rank {rank} pid {os.getpid()}", flush=True)
-    time.sleep(float(os.environ.get("STANDIN_TRAIN_S", "0")))
-    sys.exit(0)
-at = config["autotuning"]
-exp_dir = os.path.dirname(config_path)
-name = os.path.basename(exp_dir)
-plan = json.load(open(os.environ["STANDIN_PLAN"])) if os.environ.get("STANDIN_PLAN") else {}
-fault = next((f for key, f in sorted(plan.items()) if key in name), "")
-
-
-def write(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
-
-
-# what DeepSpeed's CPU comm leaves in /dev/shm, one file per rank and master port
-shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_{rank}"
-open(shm, "wb").close()
-print(f"stand-in rank {rank} of {name} pid {os.getpid()}", flush=True)
-if rank == 0:  # rank 0 listens on the master port, as torch's TCPStore does
-    store = socket.socket()
-    try:
-        store.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
-    except OSError:
-        print(f"RuntimeError: The server socket has failed to listen on any local network address. port: "
-              f"{os.environ['MASTER_PORT']}, useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use",
-              file=sys.stderr, flush=True)
-        sys.exit(1)
-if at.get("model_info", {}).get("profile"):
-    if rank == 0:
-        write(at["model_info_path"], json.dumps({"num_params": 1_000_000, "trainable_num_params": 1_000_000,
-                                                  "activation_mem_per_gpu": 1000}))
-    sys.exit(0)
-stage, mbs = config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"]
-for step in range(at["end_profile_step"]):
-    if fault == "crash_at_step" and step == 2:
-        time.sleep(0.5 * rank)  # every rank crashes, one after the other: two tracebacks at once interleave on stderr
-        raise RuntimeError("stand-in crash at step 2")
-    if fault == "sigkill_rank" and step == 2 and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    print(f"step {step}", flush=True)
-    time.sleep(0.05)
-if fault == "hang":
-    time.sleep(10**6)
-if fault == "ignore_term":
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("ignoring SIGTERM", flush=True)
-    time.sleep(10**6)
-if fault == "slow":  # a long run, so a tuner can be stopped while it runs
-    time.sleep(float(os.environ.get("STANDIN_SLOW_S", "3")))
-if fault == "oom":
-    print("RuntimeError: [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-          "you tried to allocate 1073741824 bytes", file=sys.stderr, flush=True)
-    sys.exit(1)
-if rank == 0:
-    if fault == "garbage_metrics":
-        open(at["metric_path"], "wb").write(b"\x00\xff\xfe garbage {")
-    elif fault == "truncated_metrics":
-        open(at["metric_path"], "w").write('{"throughput": 12')
-    else:
-        write(at["metric_path"], json.dumps({"throughput": 100.0 * mbs / (1 + 0.25 * stage),
-                                             "latency": 1e4 * (1 + 0.25 * stage) / mbs, "FLOPS_per_gpu": 1e9}))
-if fault == "garbage_probe":  # the step probe's stream, garbled: binary, a wrong-typed record, a cut line
-    with open(os.path.join(os.environ["PYTHON_ZEROTUNE_PROBE_DIR"], f"probe.rank{rank}.jsonl"), "wb") as f:
-        f.write(b'\xff\x00\n{"step": "x", "wall_s": "abc", "train_batch_size": null}\n[1, 2]\n{"step": 3, "wa')
-'''
-
-LAUNCHER = r'''
-"""A stand-in for DeepSpeed's launch.py: --world_info B64 --master_addr A --master_port P SCRIPT ARGS."""
-import base64, json, os, signal, subprocess, sys, time
-
-args = sys.argv[1:]
-world, port = args[args.index("--world_info") + 1], args[args.index("--master_port") + 1]
-script_and_args = args[args.index("--master_port") + 2:]
-slots = json.loads(base64.urlsafe_b64decode(world))["localhost"]
-children = []
-for rank, slot in enumerate(slots):
-    env = dict(os.environ, LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(len(slots)), MASTER_PORT=port,
-               CUDA_VISIBLE_DEVICES=str(slot))
-    children.append(subprocess.Popen([sys.executable, "-u", *script_and_args], env=env))
-
-
-def stop(signum, frame):  # as DeepSpeed's launch.py: pass it on, and go
-    for c in children:
-        c.send_signal(signal.SIGTERM)
-    sys.exit(128 + signum)
-
-
-signal.signal(signal.SIGTERM, stop)
-signal.signal(signal.SIGINT, stop)
-while children:
-    for c in list(children):
-        rc = c.poll()
-        if rc is None:
-            continue
-        children.remove(c)
-        if rc != 0:  # one rank failed: kill the others (launch.py's sigkill_handler)
-            for other in children:
-                other.kill()
-            print(f"exit code {rc}: a rank failed", file=sys.stderr, flush=True)
-            sys.exit(rc if rc > 0 else 1)
-    time.sleep(0.02)
-'''
-
-DRIVER = r'''
-"""The zerotune CLI with the stand-in launcher in place of deepspeed's (argv: LAUNCHER then the CLI's)."""
-import os
-import sys
-import zerotune.deepspeed.launcher as launcher
-from zerotune import cli
-
-fake = sys.argv[1]
-launcher.node_launcher = lambda: [sys.executable, fake]
-if os.environ.get("STANDIN_TAKE_PORT"):  # the Nth launch gets a master port another process listens on
-    import socket
-    import zerotune.run.backends.local as local
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    free, launches = local.free_port, []
-
-    def free_port():
-        launches.append(1)
-        return taken.getsockname()[1] if len(launches) == int(os.environ["STANDIN_TAKE_PORT"]) else free()
-    local.free_port = free_port
-sys.exit(cli.main(sys.argv[2:]))
-'''
-
-BASE_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": [0, 1]},
-               "autotuning": {"max_train_micro_batch_size_per_gpu": 2, "start_profile_step": 2,
-                              "end_profile_step": 4}}
-ANSWER = {"stage": 0, "mbs": 2, "metric": 200.0}  # the stand-in's fastest config: 100 * mbs / (1 + stage / 4)
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 
 @pytest.fixture
@@ -209,81 +60,6 @@ def work(tmp_path: Path) -> Path:
         (tmp_path / name).write_text(text)
     (tmp_path / "ds.json").write_text(json.dumps(BASE_CONFIG))
     return tmp_path
-
-
-def tune_argv(work: Path, *extra: str, results: str = "results", ranks: int = 1) -> list[str]:
-    return ["tune", "--num_gpus", str(ranks), "--device-memory", "2GiB", "--results-dir", str(work / results),
-            "--timeout", "30", *extra, str(work / "rank.py"), "--deepspeed_config", str(work / "ds.json")]
-
-
-def start_tuner(work: Path, argv: list[str], plan: dict | None = None, **env) -> subprocess.Popen:
-    """The real CLI in its own process (and session, as a shell job), with the stand-in launcher."""
-    environ = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    if plan is not None:
-        (work / "plan.json").write_text(json.dumps(plan))
-        environ["STANDIN_PLAN"] = str(work / "plan.json")
-    return subprocess.Popen([sys.executable, str(work / "driver.py"), str(work / "launcher.py"), *argv], cwd=work,
-                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-
-
-def run_tuner(work: Path, argv: list[str], plan: dict | None = None, timeout: float = 120, **env):
-    proc = start_tuner(work, argv, plan, **env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out, err
-
-
-def processes_of_tuner(pid: int) -> list[psutil.Process]:
-    """Live processes whose run token says tuner ``pid`` started them (token = '<pid>-<uuid>')."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(RUN_TOKEN_ENV, "").startswith(f"{pid}-") and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
-def stand_in_processes(work: Path) -> list[psutil.Process]:
-    """Live stand-in launchers and ranks of this test (by their script paths in ``work``)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if any(str(work) in a and a.endswith(("rank.py", "launcher.py")) for a in p.cmdline()) \
-                    and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
-
-
-def shm_files() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*")}
-
-
-def shm_left(work: Path, before: set[str], now: set[str] | None = None) -> set[str]:
-    """This test's shared-memory files still there (in ``now``, a listing of :func:`shm_files`; None: list
-    them now): those of the master ports its runs used (other tests on the machine may have their own)."""
-    ports = {cmd.read_text().split("--master_port ")[1].split()[0] for cmd in work.glob("*/exps/*/cmd.txt")}
-    return {name for name in (shm_files() if now is None else now) - before if name.rsplit("_", 2)[1] in ports}
-
-
-def records(results: Path) -> dict[str, dict]:
-    out = {}
-    for path in (results / "exps").glob("*/exp.json"):
-        out[path.parent.name] = json.loads(path.read_text())
-    return out
-
-
-def answer(results: Path) -> dict:
-    cfg = json.loads((results / "ds_config_optimal.json").read_text())
-    return {"stage": cfg["zero_optimization"]["stage"], "mbs": cfg["train_micro_batch_size_per_gpu"]}
 
 
 def assert_clean(work: Path, shm_before: set[str], pid: int | None = None) -> None:
@@ -296,109 +72,6 @@ def assert_clean(work: Path, shm_before: set[str], pid: int | None = None) -> No
 
 
 # --- hostile input: exit 2 naming it, before anything launches ------------------------------------
-
-# (id, CLI args before the script ("{tmp}" is the test's directory), config changes, script, message)
-HOSTILE_INPUTS = [
-    ("device-memory-1e400", ["--num_gpus", "1", "--device-memory", "1e400"], {}, None,
-     r"--device-memory = '1e400': too large"),
-    ("device-memory-1KiB", ["--num_gpus", "1", "--device-memory", "1KiB"], {}, None,
-     r"--device-memory 1\.00 KiB: too small to start a CPU rank"),
-    ("device-memory-words", ["--num_gpus", "1", "--device-memory", "lots"], {}, None,
-     r"--device-memory = 'lots': expected a size"),
-    ("include-letter", ["--include", "localhost:a", "--device-memory", "2GiB"], {}, None,
-     r"--include 'localhost:a': slot 'a' on host 'localhost' is not a device id"),
-    ("include-empty-slot", ["--include", "localhost:0,,1", "--device-memory", "2GiB"], {}, None,
-     r"--include 'localhost:0,,1': slot '' on host 'localhost' is not a device id"),
-    ("include-negative", ["--include", "localhost:-1", "--device-memory", "2GiB"], {}, None,
-     r"--include 'localhost:-1': device ids are non-negative"),
-    ("num-gpus-above-cores", ["--num_gpus", str(len(os.sched_getaffinity(0)) + 1), "--device-memory", "2GiB"], {},
-     None, rf"--num_gpus {len(os.sched_getaffinity(0)) + 1}: on CPU each slot is one rank process"),
-    ("num-gpus-zero", ["--num_gpus", "0", "--device-memory", "2GiB"], {}, None, r"--num_gpus N is required"),
-    ("timeout-negative", ["--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "-5"], {}, None,
-     r"--timeout -5: expected a positive number of seconds"),
-    ("results-dir-is-a-file", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", "{tmp}/afile"], {},
-     None, r"--results-dir '.*afile': .*afile is a file, not a directory"),
-    ("results-dir-under-a-file", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir",
-                                  "{tmp}/afile/sub"], {}, None, r"afile is a file, not a directory"),
-    # /proc/self is read-only even for root (os.access honours it), so the case holds whoever runs the suite
-    ("results-dir-unwritable", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir",
-                                "/proc/self/zerotune-results"], {}, None,
-     r"--results-dir '/proc/self/zerotune-results': /proc/self is not writable"),
-    ("missing-script", ["--num_gpus", "1", "--device-memory", "2GiB"], {}, "{tmp}/nope.py",
-     r"training script '.*nope\.py' does not exist"),
-    ("fast-yes", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"fast": "yes"}}, None,
-     r"'autotuning\.fast' = 'yes': Input should be a valid boolean"),
-    ("profile-step-string", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     {"autotuning": {"start_profile_step": "8"}}, None, r"'autotuning\.start_profile_step' = '8'"),
-    ("unknown-autotuning-key", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"fastest": True}},
-     None, r"unknown key 'autotuning\.fastest'"),
-    ("unresolved-variable", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     {"zero_optimization": {"stage": 1, "reduce_bucket_size": "$BUCKET"}}, None,
-     r"'zero_optimization\.reduce_bucket_size' holds the placeholder \$BUCKET, which no variable gives"),
-    ("gas-list-above-max-batch", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     {"gradient_accumulation_steps": [1, 8], "autotuning": {"max_train_batch_size": 4}}, None,
-     r"'gradient_accumulation_steps' candidate 8 gives train_batch_size 8 .* above "
-     r"'autotuning\.max_train_batch_size' = 4"),
-    ("fixed-batch-above-max", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     {"train_batch_size": 16, "autotuning": {"max_train_batch_size": 4}}, None,
-     r"'train_batch_size' = 16 is outside 'autotuning\.max_train_batch_size' = 4"),
-    ("max-batch-leaves-no-mbs", ["--num_gpus", "2", "--device-memory", "2GiB"],
-     {"autotuning": {"max_train_batch_size": 1}}, None, r"the autotuning bounds leave no micro batch size"),
-    ("reduce-bucket-zero", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     {"zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 0}}, None,
-     r"ds\.json: zero_optimization\.reduce_bucket_size = 0: expected a positive integer"),
-    ("stage-7", ["--num_gpus", "1", "--device-memory", "2GiB"], {"zero_optimization": {"stage": 7}}, None,
-     r"'zero_optimization\.stage' = 7"),
-    ("config-not-json", ["--num_gpus", "1", "--device-memory", "2GiB"], "{not json", None, r"ds\.json:1:2: invalid JSON"),
-    ("hostfile-missing", ["--hostfile", "{tmp}/nohosts", "--device-memory", "2GiB"], {}, None,
-     r"hostfile .*nohosts does not exist"),
-    # bad input by class (issue 39): files bounded in size and depth, special files, empty and unholdable values
-    ("config-nested-5000-deep", ["--num_gpus", "1", "--device-memory", "2GiB"],
-     '{"a": ' + "[" * 5000 + "]" * 5000 + "}", None, r"ds\.json: JSON nested deeper than the 64 levels zerotune reads"),
-    ("config-dev-zero", ["--num_gpus", "1", "--device-memory", "2GiB"], Path("/dev/zero"), None,
-     r"ds\.json: a character device, not a regular file"),
-    ("config-over-4MiB", ["--num_gpus", "1", "--device-memory", "2GiB"], " " * (MAX_FILE_BYTES + 1), None,
-     r"ds\.json: 4194305 bytes, more than the 4\.00 MiB zerotune reads"),
-    ("config-optimizer-number", ["--num_gpus", "1", "--device-memory", "2GiB"], {"optimizer": 1}, None,
-     r"ds\.json: 'optimizer' = 1: expected an object such as"),
-    ("config-results-dir-empty", ["--num_gpus", "1", "--device-memory", "2GiB"], {"autotuning": {"results_dir": ""}},
-     None, r"'autotuning\.results_dir' = '': String should have at least 1 character"),
-    ("hostfile-dev-zero", ["--hostfile", "/dev/zero", "--device-memory", "2GiB"], {}, None,
-     r"hostfile /dev/zero: a character device, not a regular file"),
-    ("results-dir-empty", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", ""], {}, None,
-     r"argument --results-dir: '': expected a value, not the empty string"),
-    ("num-gpus-20-digits", ["--num_gpus", "99999999999999999999", "--device-memory", "2GiB"], {}, None,
-     r"argument --num_gpus/--num_accelerators: '99999999999999999999': expected a whole number from -1 to 1048576"),
-    ("timeout-inf", ["--num_gpus", "1", "--device-memory", "2GiB", "--timeout", "inf"], {}, None,
-     r"--timeout inf: expected a positive number of seconds"),
-    ("train-samples-1e400", ["--num_gpus", "1", "--device-memory", "2GiB", "--train-samples", "1e400"], {}, None,
-     r"argument --train-samples: '1e400': expected a positive whole number"),
-    ("var-nested-100-deep", ["--num_gpus", "1", "--device-memory", "2GiB", "--var", "X=" + "[" * 100 + "]" * 100],
-     {}, None, r"--var 'X=\[+\.\.\.': VALUE is JSON nested deeper than the 64 levels zerotune reads"),
-]
-"""(name, zerotune's arguments, the ds_config (an object merged into :data:`BASE_CONFIG`, the file's text, or a
-special file the config's path links to), the script (None: the stand-in rank), a regex of the message)."""
-
-
-def hostile_argv(tmp: Path, args: list[str], config, script: str | None) -> list[str]:
-    (tmp / "afile").write_text("a file, not a directory\n")
-    (tmp / "rank.py").write_text(RANK)
-    cfg = tmp / "ds.json"
-    cfg.unlink(missing_ok=True)
-    if isinstance(config, Path):  # a special file, such as /dev/zero
-        cfg.symlink_to(config)
-    elif isinstance(config, str):
-        cfg.write_text(config)
-    else:
-        merged = json.loads(json.dumps(BASE_CONFIG))
-        for key, value in config.items():
-            merged[key] = {**merged[key], **value} if isinstance(value, dict) and key in merged else value
-        cfg.write_text(json.dumps(merged))
-    args = [a.replace("{tmp}", str(tmp)) for a in args]
-    if "--results-dir" not in args:
-        args += ["--results-dir", str(tmp / "results")]
-    return ["tune", *args, (script or "{tmp}/rank.py").replace("{tmp}", str(tmp)), "--deepspeed_config", str(cfg)]
-
 
 @pytest.mark.parametrize("case", HOSTILE_INPUTS, ids=[c[0] for c in HOSTILE_INPUTS])
 def test_hostile_input_is_exit_2_naming_it_before_anything_launches(tmp_path, capsys, case):
@@ -613,73 +286,8 @@ def test_an_op_another_install_built_is_built_once_then_seeded_from_zerotunes_ow
     assert_private_copies(second / "fused_adam", own / "fused_adam")
 
 
-LOCK_WAITER = r'''
-import json, os, sys, time
-args = sys.argv[1:]
-config_path = args[args.index("--deepspeed_config") + 1]
-config = json.load(open(config_path))
-op = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "fused_adam")
-os.makedirs(op, exist_ok=True)
-lock = os.path.join(op, "lock")
-if config["stand_in"] == "dies_holding_the_lock":  # torch's FileBaton: O_CREAT | O_EXCL, then the build
-    os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
-    print("building", flush=True)
-    time.sleep(10**6)
-while os.path.exists(lock):  # FileBaton.wait(): poll, forever, silently
-    time.sleep(0.1)
-print("loaded", flush=True)
-with open(config["autotuning"]["metric_path"], "w") as f:
-    json.dump({"throughput": 10.0}, f)
-'''
-
-
-class LogLines(logging.Handler):
-    """The messages one zerotune logger gives while attached (the matrix calls the test below outside pytest)."""
-
-    def __init__(self, name: str):
-        super().__init__(logging.INFO)
-        self.logger, self.lines = logging.getLogger(name), []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-    def __enter__(self) -> list[str]:
-        self.level = self.logger.level
-        self.logger.setLevel(logging.INFO)
-        self.logger.addHandler(self)
-        return self.lines
-
-    def __exit__(self, *exc) -> None:
-        self.logger.removeHandler(self)
-        self.logger.setLevel(self.level)
-
-
 def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
-    (tmp_path / "waiter.py").write_text(LOCK_WAITER)
-    (tmp_path / "launcher.py").write_text(LAUNCHER)
-    (tmp_path / "c.json").write_text("{}")
-    spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
-                      timeout_s=2.0)
-    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
-    ext = extensions.extensions_dir(tmp_path / "exps")
-    import zerotune.deepspeed.launcher as launcher
-    original = launcher.node_launcher
-    launcher.node_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
-    try:
-        # 'holder' takes the lock and is killed at its timeout, mid-"build"; 'waiter' runs beside it,
-        # waits on the lock and times out too: its error names the lock
-        holder = Experiment("holder", {"stand_in": "dies_holding_the_lock"})
-        waiter = Experiment("waiter", {"stand_in": "waits"})
-        scheduler.run([holder])  # leaves the lock (killed at its timeout)
-        assert (ext / "fused_adam" / "lock").exists()
-        # the next batch: nothing runs, so the lock is stale: removed, said (the scheduler's log), and the run loads
-        with LogLines("zerotune.run.scheduler") as lines:
-            (after,) = scheduler.run([waiter])
-    finally:
-        launcher.node_launcher = original
-    assert holder.status is Status.TIMEOUT
-    assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
-    assert after.status is Status.OK and after.metric == 10.0
+    stale_lock_is_named_then_removed(tmp_path)
 
 
 def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
@@ -744,21 +352,6 @@ def test_undisturbed_tuning_finds_the_stand_ins_fastest_config_and_leaves_nothin
     statuses = {n: r["status"] for n, r in records(work / "results").items()}
     assert set(statuses.values()) == {"ok"} and len(statuses) >= 3, statuses
     assert_clean(work, shm)
-
-
-# (fault, the experiment it hits (a name substring), its status, its error, extra CLI args, extra env)
-RANK_FAULTS = [
-    ("sigkill_rank", "z0_gas1_tmbspg1", "failed", r"exit code (-9|137|1)", [], {}),
-    ("crash_at_step", "z0_gas1_tmbspg1", "failed", r"RuntimeError: stand-in crash at step 2", [], {}),
-    ("oom", "z0_gas1_tmbspg1", "oom", r"DefaultCPUAllocator: can't allocate memory", [], {}),
-    ("hang", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
-    ("ignore_term", "z0_gas1_tmbspg1", "timeout", r"no output for 2 s: killed as hung", ["--hang-timeout", "2"], {}),
-    ("garbage_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: cannot be read", [], {}),
-    ("truncated_metrics", "z0_gas1_tmbspg1", "failed", r"metrics\.json is invalid: not JSON", [], {}),
-    ("garbage_probe", "z0_gas1_tmbspg1", "ok", r"^$", [], {}),
-    # the third launch (profile, z0 mbs 2, z0 mbs 1) finds its master port taken
-    ("port_taken", "z0_gas1_tmbspg1", "failed", r"EADDRINUSE", [], {"STANDIN_TAKE_PORT": "3"}),
-]
 
 
 @pytest.mark.e2e  # a real tuner process: about 6 s

@@ -24,8 +24,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import test_arguments as targs
-from tests import test_user_files as tuf
+from tests.helpers import cli_inputs
 from zerotune import cli
 from zerotune.core.user_files import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from zerotune.deepspeed.config import CONFIG_RULE, AutotuningConfig
@@ -182,7 +181,8 @@ WHOLE = ["-2", "1.5", "1e3", "0x10", HUGE, "nan", "one"]
 FLOATS = ["nan", "inf", "-inf", "1e400", "-1", "x"]
 SIZES = ["nan", "inf", "1e400", "-1GB", "lots", "3 parsecs"]
 PARAMS = ["0", "-5", "nan", "1e400", "lots"]
-FILES = [f"{{bad}}/{kind}" for kind in (*tuf.NOT_REGULAR, *tuf.CONTENT) if kind != "dev-zero"] + ["/dev/zero"]
+FILES = [f"{{bad}}/{kind}" for kind in (*cli_inputs.NOT_REGULAR, *cli_inputs.CONTENT)
+         if kind != "dev-zero"] + ["/dev/zero"]
 PROJECTION = {"--train-samples": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
               "--train-steps": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
               "--cost-per-device-hour": FLOATS}
@@ -210,7 +210,7 @@ that names the ds_config) -> values of the classes it must refuse, besides :data
 
 def test_the_bad_values_name_every_option_of_every_command():
     """A new option is fuzzed once it has its bad values here."""
-    for command, action in targs.value_actions():
+    for command, action in cli_inputs.value_actions():
         assert (action.option_strings or [action.dest])[0] in BAD[command], (command, action.option_strings)
 
 
@@ -225,10 +225,10 @@ def shown(value: str) -> list[str]:
 
 def bad_argv(tmp: Path, command: str, option: str, value: str) -> list[str]:
     if option == "--deepspeed_config":
-        return targs.full_argv(tmp, command, [], config=value)
+        return cli_inputs.full_argv(tmp, command, [], config=value)
     if not option.startswith("-"):
-        return targs.full_argv(tmp, command, [], positional=value)
-    return targs.full_argv(tmp, command, [f"{option}={value}"] if value.startswith("-") else [option, value])
+        return cli_inputs.full_argv(tmp, command, [], positional=value)
+    return cli_inputs.full_argv(tmp, command, [f"{option}={value}"] if value.startswith("-") else [option, value])
 
 
 @FUZZ
@@ -239,10 +239,10 @@ def test_any_option_given_a_value_of_a_class_its_type_cannot_hold_is_exit_2_nami
     value = data.draw(st.sampled_from([*EVERY, *BAD[command][option]]), label="value")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        targs.files(tmp)
-        tuf.make_bad_files(tmp / "bad")
+        cli_inputs.files(tmp)
+        cli_inputs.make_bad_files(tmp / "bad")
         value = value.replace("{tmp}", str(tmp)).replace("{bad}", str(tmp / "bad"))
-        code, err = targs.cli_exit(tmp, bad_argv(tmp, command, option, value))  # asserts: no traceback, no write
+        code, err = cli_inputs.cli_exit(tmp, bad_argv(tmp, command, option, value))  # asserts: no traceback, no write
     assert code == 2, (command, option, value, err[-500:])
     line = [t for t in err.splitlines() if re.match(r"zerotune( \w+)?: error: ", t)][-1]
     if option.startswith("-") and option != "--deepspeed_config":

@@ -11,18 +11,13 @@ import pytest
 from zerotune.run.processes import remove_shm_buffers
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_hf.py")
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--seq_len", "32", "--vocab_size", "256",
         "--num_samples", "512"]
 TRAINER = ["--output_dir", "out", "--max_steps", "8", "--report_to", "none", "--save_strategy", "no",
            "--log_level", "info", "--disable_tqdm", "true", "--gradient_checkpointing", "true"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores
 
 
 def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_path):
@@ -89,8 +84,8 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
 
 def tiny_gpt2_counted(directory: Path, mbs: int) -> dict:
     """The probe's record for examples/train_hf.py's TINY model at ``mbs``, with gradient checkpointing,
-    counted in process in ``directory`` (test_probe_activations.counted_gpt2)."""
-    from tests.test_probe_activations import counted_gpt2
+    counted in process in ``directory`` (tests.helpers.probe.counted_gpt2)."""
+    from tests.helpers.probe import counted_gpt2
     return counted_gpt2(directory, mbs, checkpointing=True, layers=1, hidden=64, heads=2, seq_len=32, vocab=256)
 
 

@@ -1,5 +1,5 @@
-"""The project's shape, held: small functions, small strategy modules, no import cycle, no sys.path hacks, short
-READMEs.
+"""The project's shape, held: small functions, small strategy modules, no import cycle, no sys.path hacks, no test
+module imported by another, short READMEs.
 
 What docs/how-it-works.md draws stays readable only while these hold (docs/decisions.md, D100).
 """
@@ -50,6 +50,30 @@ def imports(path: Path, tree: ast.Module, modules: set[str]) -> set[str]:
     return found - {module_name(path)}
 
 
+def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) for each ``tests.test_*`` module ``path`` imports anywhere, in any form: ``import
+    tests.test_x``, ``from tests.test_x import y``, ``from tests import test_x``, and relative ones (``from .test_x
+    import y``, ``from . import test_x``), resolved from ``path``'s own package."""
+    package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level > len(package):
+                continue
+            base = ".".join(package[:len(package) - node.level + 1] if node.level else [])
+            module = ".".join(p for p in (base, node.module) if p)
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if len(parts) > 1 and parts[0] == "tests" and parts[1].startswith("test_"):
+                found.append((node.lineno, ".".join(parts[:2])))
+    return sorted(set(found))
+
+
 def test_no_function_in_the_package_is_over_60_lines_of_code():
     long = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -95,6 +119,16 @@ def test_tests_and_benchmarks_import_as_packages_without_sys_path_edits():
              if p.name != Path(__file__).name
              for i, line in enumerate(p.read_text().splitlines(), start=1) if "sys.path.insert" in line]
     assert edits == []
+
+
+def test_no_test_module_is_imported_by_another_or_by_a_helper_or_a_benchmark():
+    """A test module is a leaf: the harness tests share lives in tests/helpers and tests/conftest.py, which the
+    benchmarks import too (issue 40). tests/regen_ledger_pins.py, a script, rewrites tests/test_ledgers.py's pins."""
+    paths = [p for folder in ("tests", "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))
+             if p.name != "regen_ledger_pins.py"]
+    found = [f"{p.relative_to(ROOT)}:{line} imports {module}" for p in paths
+             for line, module in imported_test_modules(p, ast.parse(p.read_text())) if module != module_name(p)]
+    assert found == []
 
 
 def test_the_readmes_stay_front_pages():

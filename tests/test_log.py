@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from tests.test_plan import SCRIPT, write_config
+from tests.helpers.tiny import SCRIPT, write_dry_run_config
 from zerotune import cli
 
 
@@ -18,7 +18,8 @@ def restore_levels():
 
 def dry_run(tmp_path, *flags) -> str:
     argv = ["tune", "--num_gpus", "2", "--device-memory", "2.5GiB", "--dry-run", *flags,
-            "--results-dir", str(tmp_path / "r"), SCRIPT, "--deepspeed_config", str(write_config(tmp_path / "ds.json"))]
+            "--results-dir", str(tmp_path / "r"), SCRIPT,
+            "--deepspeed_config", str(write_dry_run_config(tmp_path / "ds.json"))]
     assert cli.main(argv) == 0
     return argv
 

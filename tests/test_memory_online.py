@@ -10,7 +10,7 @@ from zerotune.model.online import OnlineMemory, Reading
 from zerotune.model.profile import ModelInfo
 from zerotune.probe import step_records
 from zerotune.report.results import memory_table, table_text
-from tests.test_ledgers import tune_simulated
+from tests.helpers.simulated import tune_simulated
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}
 GiB, MiB = 2**30, 2**20

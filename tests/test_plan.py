@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.tiny import ACTIVATIONS, PARAMS, SCRIPT, write_dry_run_config
 from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.experiment import Status
 from zerotune.run.expdir import write_record
@@ -15,22 +16,7 @@ from zerotune.report.results import table_text
 from zerotune.run.resume import resume_context, resume_key
 from zerotune.strategy.configs import ConfigBuilder
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(ROOT / "examples" / "train_gpt.py")
 GiB = 2**30
-PARAMS = 5_289_472
-ACTIVATIONS = 43_589_632  # bytes per sample
-
-
-def write_config(path: Path, *, fast=True, model_info=True, **zero) -> Path:
-    autotuning = {"fast": fast, "max_train_micro_batch_size_per_gpu": 8}
-    if model_info:
-        autotuning["model_info"] = {"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 20_000_000, **zero},
-           "autotuning": autotuning}
-    path.write_text(json.dumps(cfg))
-    return path
 
 
 def tuner(tmp_path: Path, config: Path, budget: int = int(2.5 * GiB), cpu: bool = True) -> Autotuner:
@@ -43,7 +29,7 @@ PROFILE = "profile_z1_gas1_tmbspg1_rbs1e7"  # the job tunes stages 0-1: the prof
 
 
 def test_plan_from_autotuning_model_info_runs_the_strategy_on_the_memory_model(tmp_path):
-    plan = tuner(tmp_path, write_config(tmp_path / "ds.json")).plan()
+    plan = tuner(tmp_path, write_dry_run_config(tmp_path / "ds.json")).plan()
     assert plan.model_info_source == "autotuning.model_info"
     # everything fits 2.5 GiB: ZeRO-0 starts at its estimate, the cap (8), halves once (4: slower); ZeRO-1 has
     # no more headroom, so one probe at mbs 8, a tie within the precision under the oracle's assumed metric (never
@@ -71,7 +57,7 @@ def test_plan_follows_the_search_to_the_memory_boundary(tmp_path):
     # 300 MiB per device: ZeRO-0 (4Ψ+4Ψ+8Ψ+4Ψ buffer = 105.8 MB, the buffer being the reduction's flat copy
     # made after the backward, when the activations are freed: they share its 21.2 MB) fits to mbs 5,
     # ZeRO-1 (fixed 185.7 MB with the same copy) to mbs 3
-    plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
+    plan = tuner(tmp_path, write_dry_run_config(tmp_path / "ds.json"), budget=300 * 2**20).plan()
     rows = {e.name: e for e in plan.experiments}
     # the search starts on the estimate 5, tries one step above it (8: OOM), bisects (6: OOM), halves once
     # (2: slower), then the fine pass tries 3 and 4; ZeRO-1 is probed at its own largest mbs, 3, and does not
@@ -88,7 +74,7 @@ def test_plan_on_gpu_ranks_shows_what_the_throughput_model_would_not_launch(tmp_
     # the same search on GPU ranks (300 MiB devices): the halving below the best (2) is bounded by mbs 5's reading
     # under the oracle's assumed metric (perfect scaling), which it cannot beat by more than the precision: not
     # launched, and neither is the fine pass below it (nothing below the best ran)
-    plan = tuner(tmp_path, write_config(tmp_path / "ds.json"), budget=300 * 2**20, cpu=False).plan()
+    plan = tuner(tmp_path, write_dry_run_config(tmp_path / "ds.json"), budget=300 * 2**20, cpu=False).plan()
     assert [(e.mbs, e.gas) for e in plan.experiments if e.stage == 0] == [(5, 1), (8, 1), (6, 1), (2, 1), (5, 2)]
     assert [e.name for e in plan.experiments if e.skipped] == ["z0_gas1_tmbspg2"]
     (skipped,) = [e for e in plan.experiments if e.skipped]
@@ -97,7 +83,7 @@ def test_plan_on_gpu_ranks_shows_what_the_throughput_model_would_not_launch(tmp_
     assert "; 1 not launched by the throughput model" in plan.header()
 
 def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path):
-    path = write_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
+    path = write_dry_run_config(tmp_path / "ds.json", fast=False, reduce_bucket_size=[20_000_000, 50_000_000])
     cfg = json.loads(path.read_text())
     cfg["zero_optimization"]["stage"] = 1
     cfg["gradient_accumulation_steps"] = [1]  # gas held at 1: a one-value list
@@ -119,7 +105,7 @@ def test_plan_with_fast_false_lists_the_knob_phase_the_tuner_would_walk(tmp_path
 
 
 def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
-    plan = tuner(tmp_path, write_config(tmp_path / "ds.json", model_info=False)).plan()
+    plan = tuner(tmp_path, write_dry_run_config(tmp_path / "ds.json", model_info=False)).plan()
     assert plan.model_info_source is None
     assert all(e.memory_bytes is None and e.fits is None for e in plan.experiments)
     # the probe a tie (not re-measured), then the fine pass (6, 7); then gas 2 at 8
@@ -128,7 +114,7 @@ def test_plan_without_model_size_leaves_memory_unknown(tmp_path):
 
 
 def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
-    config = write_config(tmp_path / "ds.json", model_info=False)
+    config = write_dry_run_config(tmp_path / "ds.json", model_info=False)
     t = tuner(tmp_path, config)
     profile = ConfigBuilder(t.job).profile()
     assert profile.name == PROFILE
@@ -151,7 +137,7 @@ def test_plan_uses_a_finished_profile_run_on_disk(tmp_path):
 
 
 def test_cli_dry_run_json_launches_nothing(tmp_path):
-    config = write_config(tmp_path / "ds.json")
+    config = write_dry_run_config(tmp_path / "ds.json")
     out = subprocess.run([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "2.5GiB",
                           "--results-dir", str(tmp_path / "results"), "--dry-run", "--json", SCRIPT,
                           "--deepspeed_config", str(config)], capture_output=True, text=True, timeout=120)
@@ -166,14 +152,14 @@ def test_cli_dry_run_json_launches_nothing(tmp_path):
 
 def test_cli_json_without_dry_run_is_a_usage_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "2.5GiB",
-                          "--json", SCRIPT, "--deepspeed_config", str(write_config(tmp_path / "ds.json"))],
+                          "--json", SCRIPT, "--deepspeed_config", str(write_dry_run_config(tmp_path / "ds.json"))],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--json goes with --dry-run" in out.stderr
 
 
 def test_bad_model_info_is_an_error_naming_the_key(tmp_path):
     path = tmp_path / "ds.json"
-    cfg = json.loads(write_config(path).read_text())
+    cfg = json.loads(write_dry_run_config(path).read_text())
     cfg["autotuning"]["model_info"]["activation_mem_per_gpu"] = "40MB"
     path.write_text(json.dumps(cfg))
     from zerotune.core.errors import ConfigError
@@ -182,7 +168,7 @@ def test_bad_model_info_is_an_error_naming_the_key(tmp_path):
 
 
 def offload_config(path: Path) -> Path:
-    cfg = json.loads(write_config(path).read_text())
+    cfg = json.loads(write_dry_run_config(path).read_text())
     cfg["zero_optimization"] = {"stage": [0, 2], "reduce_bucket_size": 20_000_000,
                                 "offload_optimizer": {"device": "cpu"}}
     path.write_text(json.dumps(cfg))
@@ -223,6 +209,7 @@ def test_on_cpu_ranks_offload_counts_against_the_per_rank_budget(tmp_path):
 def test_a_bad_host_memory_is_exit_2_naming_it(tmp_path, capsys):
     from zerotune import cli
     argv = ["tune", "--num_gpus", "2", "--device-memory", "2GiB", "--host-memory", "lots", "--dry-run",
-            "--results-dir", str(tmp_path / "r"), SCRIPT, "--deepspeed_config", str(write_config(tmp_path / "ds.json"))]
+            "--results-dir", str(tmp_path / "r"), SCRIPT,
+            "--deepspeed_config", str(write_dry_run_config(tmp_path / "ds.json"))]
     assert cli.main(argv) == 2
     assert "--host-memory = 'lots': expected a size such as 3GiB" in capsys.readouterr().err

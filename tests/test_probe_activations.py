@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint as bound_checkpoint
 
+from tests.helpers.probe import Checkpointed, LabelsLoss, counted_gpt2, engine_module, profile_record
 from zerotune.probe import read_saved_activations
 from zerotune.probe import sitecustomize as probe_module
 
@@ -30,52 +30,6 @@ class Scaled(nn.Module):
 
     def forward(self, x):
         return self.fc2(nn.functional.gelu(self.fc1(x)) * self.scale)
-
-
-def engine_module(profile: bool, mbs: int = 3):
-    class DeepSpeedEngine:  # the methods the probe calls, and DeepSpeed's exit in the profile forward
-        def __init__(self, module):
-            self.module, self.global_rank, self._config = module, 0, None
-
-        def autotuning_profile_model_info(self):
-            return profile
-
-        def train_micro_batch_size_per_gpu(self):
-            return mbs
-
-        def gradient_accumulation_steps(self):
-            return 1
-
-        def train_batch_size(self):
-            return 6
-
-        def forward(self, x):
-            out = self.module(x)
-            loss = out.sum() if isinstance(out, torch.Tensor) else out  # a model that returns its loss: as is
-            if self.autotuning_profile_model_info():
-                exit()  # engine.py:3030
-            return loss
-
-        def backward(self, loss):
-            loss.backward()
-
-        def step(self):
-            pass
-
-    return types.SimpleNamespace(DeepSpeedEngine=DeepSpeedEngine)
-
-
-def profile_record(directory, model: nn.Module, inputs: torch.Tensor, mbs: int = 3) -> dict:
-    """The probe's ``activations.json`` after the profile run's first forward of ``model`` on ``inputs``
-    (DeepSpeed's exit in it caught), on a stand-in engine at micro batch size ``mbs``."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    module = engine_module(profile=True, mbs=mbs)
-    probe_module._install(module, probe_module._Probe(str(directory)))
-    try:
-        module.DeepSpeedEngine(model).forward(inputs)
-    except SystemExit:
-        pass
-    return json.loads((Path(directory) / "activations.json").read_text())
 
 
 def test_the_profile_forward_records_the_saved_storages_less_parameters_and_buffers(tmp_path):
@@ -122,21 +76,6 @@ def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):
     assert not (tmp_path / "activations.json").exists() and read_saved_activations(tmp_path) is None
 
 
-class Checkpointed(nn.Module):
-    """Two blocks, each Linear(8, 16) -> GELU -> Linear(16, 8), each run through ``checkpoint(block, x)``:
-    by default torch's, bound at import (as ``transformers.modeling_utils`` binds it)."""
-
-    def __init__(self, use_reentrant: bool = True, checkpoint=None):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2))
-        self.checkpoint = checkpoint or (lambda block, x: bound_checkpoint(block, x, use_reentrant=use_reentrant))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = self.checkpoint(block, x)
-        return x
-
-
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_a_checkpointed_region_is_counted_once_more_with_gradients_as_its_recomputation(tmp_path, use_reentrant):
     torch.manual_seed(0)
@@ -161,30 +100,6 @@ def test_outside_the_profile_forward_checkpointing_runs_as_before(tmp_path):
     engine.forward(torch.randn(3, 8, requires_grad=True)).backward()
     assert model.blocks[0][0].weight.grad.shape == (16, 8)
     assert not (tmp_path / "activations.json").exists()
-
-
-class LabelsLoss(nn.Module):
-    """What the Trainer asks of a Hugging Face model: the loss on the input ids as their own labels."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(input_ids=ids, labels=ids).loss
-
-
-def counted_gpt2(directory, mbs: int, checkpointing: bool, layers: int = 2, hidden: int = 64, heads: int = 2,
-                 seq_len: int = 32, vocab: int = 256) -> dict:
-    """The probe's profile record of a Hugging Face GPT-2 (built from a config) whose forward is the loss on
-    ``mbs`` sequences as their own labels, with or without the model's gradient checkpointing."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq_len, vocab_size=vocab)
-    model = transformers.GPT2LMHeadModel(config)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return profile_record(directory, LabelsLoss(model), torch.zeros(mbs, seq_len, dtype=torch.long), mbs=mbs)
 
 
 def test_a_checkpointed_gpt2_layer_counts_what_it_saves_without_checkpointing(tmp_path):
@@ -306,7 +221,7 @@ DEEPSPEED_CHECKPOINTED = """
 import os, torch
 import deepspeed
 from deepspeed.runtime.activation_checkpointing import checkpointing
-from tests.test_probe_activations import Checkpointed, profile_record
+from tests.helpers.probe import Checkpointed, profile_record
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
 checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False, contiguous_checkpointing=False)
@@ -324,7 +239,7 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     import sys
 
     from zerotune.deepspeed.launcher import free_port
-    root = str(Path(__file__).resolve().parents[1])  # the script imports tests.test_probe_activations
+    root = str(Path(__file__).resolve().parents[1])  # the script imports tests.helpers.probe
     script = DEEPSPEED_CHECKPOINTED.format(port=str(free_port()), directory=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
@@ -336,7 +251,7 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
 
 ZERO3_PROFILE = """
 import os, sys, torch, transformers, deepspeed
-from tests.test_probe_activations import LabelsLoss
+from tests.helpers.probe import LabelsLoss
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)

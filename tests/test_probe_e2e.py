@@ -15,9 +15,9 @@ from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
-from tests.test_e2e import SCRIPT, TINY, one_thread_per_rank  # noqa: F401 (an autouse fixture: 1 thread per rank)
+from tests.helpers.tiny import SCRIPT, TINY
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 # mbs 1 on 2 ranks, 4 samples per optimizer step: 2 gradient accumulation steps
 Z1_GAS2 = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "zero_optimization": {"stage": 1},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}

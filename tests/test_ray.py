@@ -30,7 +30,8 @@ from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
 
-from tests.test_e2e import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
+from tests.helpers.processes import processes_running
+from tests.helpers.tiny import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 
 # Ray on loopback only (it otherwise replaces 127.0.0.1 by the machine's routable address), no
 # usage report, and no Ray out-of-memory killer: it kills workers when the whole machine is above
@@ -45,19 +46,6 @@ REAPER_LINE = "(groups.add if line[0]"  # in the command line of a NodeLauncher'
 def tiny_spec(cfg: Path, script: str = SCRIPT, **kw) -> LaunchSpec:
     return LaunchSpec(script=script, script_args=tuple(TINY + ["--steps", "6", "--deepspeed_config", str(cfg)]),
                       cpu=True, device_memory_bytes=3 * 2**30, start_profile_step=2, end_profile_step=3, **kw)
-
-
-def processes_running(path: str) -> list[psutil.Process]:
-    """Processes (launchers, ranks) whose command line names ``path``: a test's own directory (its
-    experiments' configs live there; other people's runs of the example script do not count)."""
-    found = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if any(path in arg for arg in p.info["cmdline"] or ()):
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def zerotune_groups(ray) -> dict[str, dict]:

@@ -16,15 +16,10 @@ from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores
 
 
 def test_an_offloaded_config_zerotune_validates_runs_on_cpu_ranks(tmp_path):

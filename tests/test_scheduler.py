@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
+from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError
@@ -31,6 +31,7 @@ from zerotune.run.scheduler import ResultsLock, Scheduler
 from zerotune.run.slots import SlotPool
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 STAND_IN = r'''
 import json, os, signal, sys, time
@@ -88,11 +89,6 @@ elif mode == "ok":
         with open(config["autotuning"]["metric_path"], "w") as f:
             json.dump({"throughput": plan.get("throughput", 100.0), "latency": 25000.0, "FLOPS_per_gpu": 1e9}, f)
 '''
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture

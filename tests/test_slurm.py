@@ -33,8 +33,9 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import Node, Reservation, SlotPool
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
-from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
-from tests.test_ray import processes_running
+from tests.helpers.cluster_env import run_env
+from tests.helpers.processes import processes_running
+from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -287,12 +288,6 @@ def tune_args(cfg: Path, results: Path) -> list[str]:
     return [PY, "-m", "zerotune", "tune", "--backend", "slurm", "--num_gpus", "2", "--device-memory", "3GiB",
             "--timeout", "240", "--results-dir", str(results), SCRIPT, *TINY, "--steps", "6",
             "--deepspeed_config", str(cfg)]
-
-
-def run_env() -> dict[str, str]:
-    """srun exports this to the ranks: zerotune (this checkout) importable, one thread per rank."""
-    inherited = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), inherited) if p), "OMP_NUM_THREADS": "1"}
 
 
 def records_of(results: Path) -> dict[str, dict]:

@@ -23,9 +23,9 @@ import pytest
 
 from zerotune.probe import read_exits
 
-from tests.test_e2e import SCRIPT, TINY, best_pooled, write_config
-from tests.test_ray import processes_running
-from tests.test_slurm import run_env
+from tests.helpers.cluster_env import run_env
+from tests.helpers.processes import processes_running
+from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -11,59 +11,19 @@ asserts the exact message, exit status 2 and that nothing was written.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli_inputs import CONTENT, NOT_REGULAR, make_bad_files
 from zerotune import cli
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.core.user_files import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from zerotune.deepspeed.config import CONFIG_RULE
 from zerotune.deepspeed.rank_env import user_env_texts
-
-CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
-          "autotuning": {"model_info": {"num_params": 1000}}}
-NOT_REGULAR = {"directory": ": a directory, not a regular file", "fifo": ": a FIFO (named pipe), not a regular file",
-               "socket": ": a socket, not a regular file", "dev-zero": ": a character device, not a regular file",
-               "link-to-dev-zero": ": a character device, not a regular file",
-               "one byte over": f": {MAX_FILE_BYTES + 1} bytes, more than the 4.00 MiB zerotune reads"}
-"""Kinds of file no reader opens for reading, and what the message says after the file's label."""
-CONTENT = {"missing": ": cannot read it (No such file or directory)",
-           "not UTF-8": ": not UTF-8 (byte 0xe9 at offset 10)",
-           f"{MAX_JSON_DEPTH + 1} deep": ": JSON nested deeper than the 64 levels zerotune reads",
-           "100000 deep": ": JSON nested deeper than the 64 levels zerotune reads",
-           "5000 digits": ": a JSON number of more than 4300 digits",
-           "invalid JSON": ":1:7: invalid JSON: Expecting value",
-           "JSON array": ": a JSON array, not an object"}
-"""Files a JSON reader opens and refuses, and what the message says after the file's label."""
-
-
-def make_bad_files(root: Path) -> Path:
-    """Every bad file by kind (:data:`NOT_REGULAR`, :data:`CONTENT`; ``dev-zero`` is ``/dev/zero`` itself, see
-    :func:`path_of`) in ``root``, which must be short (a socket's path is at most 107 bytes), with a training script
-    and a valid ``ds.json``; ``root``."""
-    root.mkdir(exist_ok=True)
-    (root / "train.py").write_text("print('never run')\n")
-    for name in ("directory", "directory/config.json", "directory/model_info.json"):  # readers that take a dir too
-        (root / name).mkdir(parents=True)
-    os.mkfifo(root / "fifo")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(root / "socket"))
-    (root / "link-to-dev-zero").symlink_to("/dev/zero")
-    (root / "one byte over").write_bytes(b" " * (MAX_FILE_BYTES + 1))
-    deep = MAX_JSON_DEPTH  # inside the top object: one level more than allowed
-    for name, text in (("not UTF-8", b'{"a": "caf\xe9"}'), (f"{MAX_JSON_DEPTH + 1} deep",
-                       ('{"a": ' + "[" * deep + "]" * deep + "}").encode()), ("100000 deep", b"[" * 100000),
-                       ("5000 digits", b'{"a": ' + b"9" * 5000 + b"}"), ("invalid JSON", b'{"a": }'),
-                       ("JSON array", b"[1]")):
-        (root / name).write_bytes(text)
-    (root / "ds.json").write_text(json.dumps(CONFIG))
-    return root
 
 
 @pytest.fixture

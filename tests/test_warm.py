@@ -23,15 +23,11 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.warm.client import SERVER_RECORD, WarmRun, _exchange
 from zerotune.run.warm.preload import script_imports
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
 GIB = 2**30
-
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 ranks on 2 cores
 
 
 def test_the_scripts_top_level_imports_are_read_in_order_without_running_it(tmp_path):

@@ -1,0 +1,44 @@
+"""The tiny example: examples/train_gpt.py at its smallest (:data:`SCRIPT`, :data:`TINY`), the ds_configs the tests
+tune it with, and the answer a tuning of it must give."""
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "examples" / "train_gpt.py")
+TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
+PARAMS = 5_289_472
+ACTIVATIONS = 43_589_632  # bytes per sample
+
+
+def write_config(path: Path, **autotuning) -> Path:
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 50_000_000},
+           "autotuning": {"start_profile_step": 2, "end_profile_step": 3, "max_train_micro_batch_size_per_gpu": 8,
+                          "num_tuning_micro_batch_sizes": 1, **autotuning}}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def write_dry_run_config(path: Path, *, fast=True, model_info=True, **zero) -> Path:
+    """A ds_config whose ``autotuning.model_info`` (:data:`PARAMS`, :data:`ACTIVATIONS`) lets a dry run plan without
+    a profile run (``model_info=False``: none given)."""
+    autotuning = {"fast": fast, "max_train_micro_batch_size_per_gpu": 8}
+    if model_info:
+        autotuning["model_info"] = {"num_params": PARAMS, "activation_mem_per_gpu": ACTIVATIONS}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": [0, 1], "reduce_bucket_size": 20_000_000, **zero},
+           "autotuning": autotuning}
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def best_pooled(records: list[dict]) -> dict:
+    """The exp.json record whose metric, averaged over its runs (the record and its re-measurements,
+    ``replica_of``), is the highest: what the answer must be."""
+    runs: dict[str, list[float]] = {}
+    for r in records:
+        if r["status"] == "ok" and r["kind"] != "profile":
+            runs.setdefault(r["replica_of"] or r["name"], []).append(r["metric"])
+    name = max(runs, key=lambda n: sum(runs[n]) / len(runs[n]))
+    return next(r for r in records if r["name"] == name)
