@@ -7,7 +7,7 @@ import pytest
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import ExperimentKind
 from zerotune.deepspeed.auto import ENGINE_RECORD, auto_paths, hidden_size_autos, resolve, script_autos
-from zerotune.probe.sitecustomize import _hidden_size
+from zerotune.probe._zerotune_probe.engine import _hidden_size
 from zerotune.report.results import optimal_config
 from zerotune.run.resources import Node
 from zerotune.strategy.configs import PROFILE_BUCKET_SIZE, ConfigBuilder

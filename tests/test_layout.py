@@ -5,6 +5,7 @@ What docs/how-it-works.md draws stays readable only while these hold (docs/decis
 """
 import ast
 import io
+import sys
 import tokenize
 from pathlib import Path
 
@@ -91,6 +92,22 @@ def test_no_function_in_the_package_is_over_60_lines_of_code():
 def test_no_strategy_module_is_over_300_lines():
     assert [(p.name, n) for p in sorted((PACKAGE / "strategy").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_STRATEGY_MODULE_LINES] == []
+
+
+def test_the_probe_directory_holds_only_its_shim_and_a_standard_library_package():
+    """``zerotune/probe`` is first on the ranks' ``sys.path``: what lies in it can shadow the user's modules, and
+    what the probe imports runs in every rank, whose environment may not be the tuner's (never zerotune)."""
+    probe = PACKAGE / "probe"
+    assert sorted(p.name for p in probe.iterdir() if p.name != "__pycache__") == [
+        "__init__.py", "_zerotune_probe", "sitecustomize.py"]
+    imported = set()
+    for path in [probe / "sitecustomize.py", *sorted((probe / "_zerotune_probe").rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                imported.add(node.module.split(".")[0])
+    assert imported - set(sys.stdlib_module_names) == {"_zerotune_probe"}
 
 
 def test_the_package_has_no_import_cycle():

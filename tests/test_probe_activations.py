@@ -13,8 +13,12 @@ import torch
 import torch.nn as nn
 
 from tests.helpers.probe import Checkpointed, LabelsLoss, counted_gpt2, engine_module, profile_record
-from zerotune.probe import read_saved_activations
-from zerotune.probe import sitecustomize as probe_module
+from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_saved_activations
+from zerotune.probe._zerotune_probe.activations import _LayerCheckpointing, _SavedActivations
+from zerotune.probe._zerotune_probe.engine import _install
+from zerotune.probe._zerotune_probe.growth import _room_for, _StepGrowth, _widen, find_loss, growth_bytes
+from zerotune.probe._zerotune_probe.peak import _DataPeak, _device_peak, cap_allocator
+from zerotune.probe._zerotune_probe.records import _Probe
 
 
 class Scaled(nn.Module):
@@ -52,7 +56,7 @@ def test_the_shapes_count_zero3s_full_parameters_and_its_persistent_ones():
     for p in model[1].parameters():
         p.ds_persist = True  # zero/parameter_offload.py:317-330
     # the embedding's 800 parameters are the most one module holds; the LayerNorm's 8 + 8 stay gathered
-    assert probe_module._SavedActivations._shapes(model) == {"largest_layer_params": 800, "persistent_params": 16}
+    assert _SavedActivations._shapes(model) == {"largest_layer_params": 800, "persistent_params": 16}
 
 
 def test_on_cuda_the_record_holds_the_devices_peak_outside_and_inside_the_allocator():
@@ -61,13 +65,13 @@ def test_on_cuda_the_record_holds_the_devices_peak_outside_and_inside_the_alloca
     cuda = types.SimpleNamespace(is_available=lambda: True, mem_get_info=lambda: (70 * 10**9, 80 * 10**9),
                                  memory_reserved=lambda: 6 * 10**9, max_memory_reserved=lambda: 9 * 10**9)
     engine = types.SimpleNamespace(device=torch.device("cuda", 0))
-    assert probe_module._device_peak(types.SimpleNamespace(cuda=cuda), engine) == {"device_peak_bytes": 13 * 10**9}
-    assert probe_module._device_peak(torch, types.SimpleNamespace(device=torch.device("cpu"))) == {}
+    assert _device_peak(types.SimpleNamespace(cuda=cuda), engine) == {"device_peak_bytes": 13 * 10**9}
+    assert _device_peak(torch, types.SimpleNamespace(device=torch.device("cpu"))) == {}
 
 
 def test_an_ordinary_forward_records_nothing_and_runs_as_before(tmp_path):
     module = engine_module(profile=False)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    _install(module, _Probe(str(tmp_path)))
     torch.manual_seed(0)
     engine = module.DeepSpeedEngine(Scaled())
     loss = engine.forward(torch.randn(3, 8))
@@ -93,7 +97,7 @@ def test_a_checkpointed_region_is_counted_once_more_with_gradients_as_its_recomp
 
 def test_outside_the_profile_forward_checkpointing_runs_as_before(tmp_path):
     module = engine_module(profile=False)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    _install(module, _Probe(str(tmp_path)))
     torch.manual_seed(0)
     model = Checkpointed(use_reentrant=True)
     engine = module.DeepSpeedEngine(model)
@@ -174,8 +178,8 @@ def test_a_failure_in_the_layer_counting_is_printed_once_and_leaves_the_rest(tmp
     def failing(module, count):
         def count_or_fail(storages, tensor, exclude=frozenset()):
             raise RuntimeError("no storage")
-        return probe_module._LayerCheckpointing([m for m in module.modules() if isinstance(m, Layer)], count_or_fail)
-    monkeypatch.setattr(probe_module._LayerCheckpointing, "for_module", staticmethod(failing))
+        return _LayerCheckpointing([m for m in module.modules() if isinstance(m, Layer)], count_or_fail)
+    monkeypatch.setattr(_LayerCheckpointing, "for_module", staticmethod(failing))
     torch.manual_seed(0)
     record = profile_record(tmp_path, Layered(), torch.randn(3, 8))
     assert record["saved_bytes"] == 1_088 and "checkpointed_bytes" not in record
@@ -285,8 +289,8 @@ def test_deepspeeds_zero3_profile_prices_checkpointing_as_its_checkpointed_profi
         directory.mkdir()
         script = ZERO3_PROFILE.format(port=str(free_port()), checkpointing=checkpointing, directory=str(directory))
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env={
-            **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", probe_module.PROBE_DIR_ENV: str(directory),
-            "PYTHONPATH": os.pathsep.join([str(Path(probe_module.__file__).parent), root])})
+            **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", PROBE_DIR_ENV: str(directory),
+            "PYTHONPATH": os.pathsep.join([str(PROBE_PATH), root])})
         assert proc.returncode == 0 and "zerotune probe" not in proc.stderr, proc.stderr[-3000:]
         records[checkpointing] = json.loads((directory / "activations.json").read_text())
     plain, checkpointed = records[False], records[True]
@@ -337,15 +341,15 @@ class Lossy(nn.Module):
 
 def test_find_loss_takes_the_scalar_that_requires_grad():
     loss, logits = torch.ones(1, requires_grad=True) * 2, torch.ones(3, requires_grad=True) * 2
-    assert probe_module.find_loss(loss, torch.Tensor) is loss
-    assert probe_module.find_loss({"loss": loss, "logits": logits}, torch.Tensor) is loss
-    assert probe_module.find_loss(types.SimpleNamespace(loss=loss), torch.Tensor) is loss
-    assert probe_module.find_loss((loss, logits), torch.Tensor) is loss
-    assert probe_module.find_loss(logits, torch.Tensor) is None  # not a scalar
-    assert probe_module.find_loss(torch.ones(1), torch.Tensor) is None  # no graph
-    assert probe_module.find_loss({"logits": logits}, torch.Tensor) is None
-    assert probe_module.find_loss((), torch.Tensor) is None and probe_module.find_loss(None, torch.Tensor) is None
-    assert probe_module.growth_bytes(1_500, 1_000) == 500 and probe_module.growth_bytes(900, 1_000) == 0
+    assert find_loss(loss, torch.Tensor) is loss
+    assert find_loss({"loss": loss, "logits": logits}, torch.Tensor) is loss
+    assert find_loss(types.SimpleNamespace(loss=loss), torch.Tensor) is loss
+    assert find_loss((loss, logits), torch.Tensor) is loss
+    assert find_loss(logits, torch.Tensor) is None  # not a scalar
+    assert find_loss(torch.ones(1), torch.Tensor) is None  # no graph
+    assert find_loss({"logits": logits}, torch.Tensor) is None
+    assert find_loss((), torch.Tensor) is None and find_loss(None, torch.Tensor) is None
+    assert growth_bytes(1_500, 1_000) == 500 and growth_bytes(900, 1_000) == 0
 
 
 @pytest.mark.parametrize("kind", ["tensor", "dict", "tuple"])
@@ -362,7 +366,7 @@ def test_on_cuda_the_profile_exit_runs_the_backward_and_records_the_steps_growth
 
     def for_profile(engine):  # the stand-in engine on a CUDA device, seen through the fake torch.cuda
         engine.device = torch.device("cuda", 0)
-        growth = probe_module._StepGrowth(fake_torch, engine)
+        growth = _StepGrowth(fake_torch, engine)
         real_forward = engine.module.forward
 
         def forward(x):  # the forward's own peak: 1.4 MB above the start
@@ -371,7 +375,7 @@ def test_on_cuda_the_profile_exit_runs_the_backward_and_records_the_steps_growth
             return out
         engine.module.forward = forward
         return growth
-    monkeypatch.setattr(probe_module._StepGrowth, "for_profile", staticmethod(for_profile))
+    monkeypatch.setattr(_StepGrowth, "for_profile", staticmethod(for_profile))
     torch.manual_seed(0)
     record = profile_record(tmp_path, model, torch.randn(3, 8), mbs=3)
     assert cuda.resets == 1 and grads == [(16, 8)]  # the backward ran once, to the first layer
@@ -385,10 +389,10 @@ def test_on_cuda_the_profile_exit_runs_the_backward_and_records_the_steps_growth
 def test_without_a_scalar_loss_only_the_forwards_growth_is_recorded_and_the_exit_goes_on(tmp_path, monkeypatch,
                                                                                          capsys):
     cuda = FakeCuda(allocated=1_000)
-    monkeypatch.setattr(probe_module._StepGrowth, "for_profile", staticmethod(
-        lambda engine: probe_module._StepGrowth(types.SimpleNamespace(cuda=cuda, Tensor=torch.Tensor), engine)))
+    monkeypatch.setattr(_StepGrowth, "for_profile", staticmethod(
+        lambda engine: _StepGrowth(types.SimpleNamespace(cuda=cuda, Tensor=torch.Tensor), engine)))
     module = engine_module(profile=True)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    _install(module, _Probe(str(tmp_path)))
     engine = module.DeepSpeedEngine(Lossy("none"))
     engine.device = torch.device("cuda", 0)
     with pytest.raises(SystemExit):
@@ -405,7 +409,7 @@ def test_on_cuda_each_step_records_the_allocated_bytes_before_its_first_forward(
                         ("mem_get_info", lambda: (0, 10_000))):
         monkeypatch.setattr(torch.cuda, name, value)
     module = engine_module(profile=False)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    _install(module, _Probe(str(tmp_path)))
     engine = module.DeepSpeedEngine(Scaled())
     engine.device, engine.is_gradient_accumulation_boundary = torch.device("cuda", 0), lambda: True
     for _ in range(2):
@@ -435,10 +439,10 @@ class _Cuda:
 def test_on_cuda_a_budget_caps_the_caching_allocator_less_what_lies_outside_it():
     cuda = _Cuda()
     # a 41,000-byte budget on an 80,000-byte device with 1,000 bytes outside the allocator: (41,000 - 1,000) / 80,000
-    assert probe_module.cap_allocator(cuda, 1, 41_000) == 0.5
+    assert cap_allocator(cuda, 1, 41_000) == 0.5
     assert cuda.fractions == [(0.5, 1)]
     # a budget of the whole device leaves the allocator alone
-    assert probe_module.cap_allocator(cuda, 0, 81_000) is None and cuda.fractions == [(0.5, 1)]
+    assert cap_allocator(cuda, 0, 81_000) is None and cuda.fractions == [(0.5, 1)]
 
 
 def test_the_probe_caps_the_engines_device_before_the_first_forward_only_with_a_budget(tmp_path, monkeypatch, capsys):
@@ -449,10 +453,10 @@ def test_the_probe_caps_the_engines_device_before_the_first_forward_only_with_a_
                         ("max_memory_allocated", lambda: 0), ("max_memory_reserved", lambda: 0)):
         monkeypatch.setattr(torch.cuda, name, value)
     module = engine_module(profile=False)
-    probe_module._install(module, probe_module._Probe(str(tmp_path)))
+    _install(module, _Probe(str(tmp_path)))
     engine = module.DeepSpeedEngine(Scaled())
     engine.device, engine.is_gradient_accumulation_boundary = torch.device("cuda", 3), lambda: True
-    monkeypatch.setenv(probe_module.BUDGET_ENV, "21000")
+    monkeypatch.setenv(BUDGET_ENV, "21000")
     engine.forward(torch.randn(3, 8))
     engine.forward(torch.randn(3, 8))  # once, before the first forward
     assert cuda.fractions == [(0.25, 3)]
@@ -465,10 +469,10 @@ def test_an_experiment_on_cuda_ranks_carries_its_budget_and_a_training_command_d
     from zerotune.run.slots import Node, Reservation
     one = Reservation((Node("localhost", (0,)),))
     gpu = LaunchSpec("x.py", (), cpu=False, device_memory_bytes=24 * 2**30)
-    assert launch_env(gpu, one, probe_dir=tmp_path / "z0")[probe_module.BUDGET_ENV] == "25769803776"
-    assert probe_module.BUDGET_ENV not in launch_env(gpu, one)  # cmd_optimal.txt, zerotune run: no cap
+    assert launch_env(gpu, one, probe_dir=tmp_path / "z0")[BUDGET_ENV] == "25769803776"
+    assert BUDGET_ENV not in launch_env(gpu, one)  # cmd_optimal.txt, zerotune run: no cap
     cpu = LaunchSpec("x.py", (), cpu=True, device_memory_bytes=24 * 2**30)  # RLIMIT_DATA enforces it there
-    assert probe_module.BUDGET_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")
+    assert BUDGET_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")
 
 
 class Weighted(nn.Module):
@@ -514,7 +518,7 @@ def test_a_wider_micro_step_that_runs_out_of_memory_ends_the_series_and_the_slop
 def test_widening_repeats_every_tensor_whose_first_dimension_is_the_micro_batch():
     Pair = __import__("collections").namedtuple("Pair", "ids mask")
     ids, mask, table = torch.arange(6).reshape(2, 3), torch.ones(2, 3), torch.zeros(5, 3)
-    args, kwargs = probe_module._widen(((ids, [table, Pair(ids, mask)]), {"labels": ids, "n": 2,
+    args, kwargs = _widen(((ids, [table, Pair(ids, mask)]), {"labels": ids, "n": 2,
                                                                          "extra": {"mask": mask}}), 3, 2, torch.Tensor)
     assert args[0].shape == (6, 3) and args[0][:, 0].tolist() == [0, 3, 0, 3, 0, 3]  # the batch repeated, in order
     assert args[1][0] is table  # its first dimension is not the micro batch: as it is
@@ -526,11 +530,11 @@ def test_a_wider_micro_step_runs_only_with_room_under_the_ranks_data_limit(monke
     class Sampler:  # VmData now: 600 MB
         def sample(self):
             return 600_000_000
-    monkeypatch.setattr(probe_module._DataPeak, "running", Sampler())
+    monkeypatch.setattr(_DataPeak, "running", Sampler())
     import resource
     monkeypatch.setattr(resource, "getrlimit", lambda what: (1_000_000_000, resource.RLIM_INFINITY))
-    assert probe_module._room_for(200_000_000)  # 800 MB: 80% of the 1 GB limit
-    assert not probe_module._room_for(200_000_001)
+    assert _room_for(200_000_000)  # 800 MB: 80% of the 1 GB limit
+    assert not _room_for(200_000_001)
     monkeypatch.setattr(resource, "getrlimit", lambda what: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    assert probe_module._room_for(10**15)  # no limit
+    assert _room_for(10**15)  # no limit
 

@@ -104,6 +104,7 @@ class DeepSpeedEngine:
 SCRIPT_ON_FAKE = '''
 import sys
 print("deepspeed imported at start-up:", "deepspeed" in sys.modules)
+print("zerotune imported at start-up:", "zerotune" in sys.modules)
 from deepspeed.runtime.engine import DeepSpeedEngine
 engine = DeepSpeedEngine(gas=2, fail=sys.argv[1] == "fail")
 for _ in range(10):
@@ -131,6 +132,7 @@ def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_break
 
     proc = run(out, "ok")
     assert proc.returncode == 0 and "deepspeed imported at start-up: False" in proc.stdout, proc.stderr
+    assert "zerotune imported at start-up: False" in proc.stdout  # the ranks may run another environment
     lines = [json.loads(ln) for ln in (out / "probe.rank3.jsonl").read_text().splitlines()]
     assert [(ln["rank"], ln["step"], ln["micro_steps"], ln["train_batch_size"]) for ln in lines] == [
         (3, 1, 2, 8), (3, 2, 2, 8), (3, 3, 2, 8)]  # step 3 ended in exit()

@@ -4,11 +4,12 @@ import threading
 import time
 import types
 
-from zerotune.probe import sitecustomize as probe_module
+from zerotune.probe._zerotune_probe.peak import _data_peak, _DataPeak, _peaks
+from zerotune.probe._zerotune_probe.records import _Probe
 
 
 def vmdata() -> int:
-    return probe_module._DataPeak().sample()
+    return _DataPeak().sample()
 
 
 def sampler_threads() -> list[threading.Thread]:
@@ -17,7 +18,7 @@ def sampler_threads() -> list[threading.Thread]:
 
 def test_a_transient_allocation_shorter_than_a_step_is_in_the_peak_and_stop_ends_the_thread():
     """A 256 MiB buffer held for 50 ms, then freed: VmData is back down, and the sampler kept the peak."""
-    sampler = probe_module._DataPeak()
+    sampler = _DataPeak()
     assert sampler.sample() > 0 and sampler.period_s == 0.005
     threads = len(sampler_threads())
     sampler.run_in_background()
@@ -37,9 +38,9 @@ def test_a_transient_allocation_shorter_than_a_step_is_in_the_peak_and_stop_ends
 
 
 def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch):
-    sampler = probe_module._DataPeak()
-    monkeypatch.setattr(probe_module._DataPeak, "running", sampler)
-    probe = probe_module._Probe(str(tmp_path))
+    sampler = _DataPeak()
+    monkeypatch.setattr(_DataPeak, "running", sampler)
+    probe = _Probe(str(tmp_path))
     engine = types.SimpleNamespace(global_rank=0, train_batch_size=lambda: 4)
     state = probe.state(engine)
     state["last"] = time.monotonic()
@@ -52,17 +53,17 @@ def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch
 
 
 def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it(monkeypatch):
-    monkeypatch.setattr(probe_module._DataPeak, "running", None)  # this test's own sampler, gone after it
-    assert probe_module._data_peak() == {}  # no sampler (CUDA, or not a rank): nothing in the profile record
-    probe_module._DataPeak.start()
-    sampler = probe_module._DataPeak.running
+    monkeypatch.setattr(_DataPeak, "running", None)  # this test's own sampler, gone after it
+    assert _data_peak() == {}  # no sampler (CUDA, or not a rank): nothing in the profile record
+    _DataPeak.start()
+    sampler = _DataPeak.running
     try:
-        peaks = probe_module._peaks(object())  # an engine without a device: CPU
+        peaks = _peaks(object())  # an engine without a device: CPU
         assert set(peaks) == {"peak_bytes", "rss_peak_bytes"}
         # the largest VmData so far (this test process has imported torch: over 50 MiB), never above a later read
         assert 50 * 2**20 < peaks["peak_bytes"] <= sampler.peak()
         assert peaks["rss_peak_bytes"] > 50 * 2**20
-        assert peaks["peak_bytes"] <= probe_module._data_peak()["data_peak_bytes"]  # the profile record's figure
+        assert peaks["peak_bytes"] <= _data_peak()["data_peak_bytes"]  # the profile record's figure
     finally:
         sampler.stop()
 
@@ -76,6 +77,6 @@ def test_the_cuda_record_holds_the_devices_peak_beside_the_allocators(monkeypatc
                         ("mem_get_info", (70 * 10**9, 80 * 10**9))):
         monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
     engine = types.SimpleNamespace(device=torch.device("cuda", 0))
-    assert probe_module._peaks(engine) == {"peak_bytes": 7 * 10**9, "peak_reserved_bytes": 9 * 10**9,
+    assert _peaks(engine) == {"peak_bytes": 7 * 10**9, "peak_reserved_bytes": 9 * 10**9,
                                            "device_peak_bytes": 13 * 10**9}
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as bound_checkpoint
 
-from zerotune.probe import sitecustomize as probe_module
+from zerotune.probe._zerotune_probe.engine import _install
+from zerotune.probe._zerotune_probe.records import _Probe
 
 
 def engine_module(profile: bool, mbs: int = 3):
@@ -50,7 +51,7 @@ def profile_record(directory, model: nn.Module, inputs: torch.Tensor, mbs: int =
     (DeepSpeed's exit in it caught), on a stand-in engine at micro batch size ``mbs``."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     module = engine_module(profile=True, mbs=mbs)
-    probe_module._install(module, probe_module._Probe(str(directory)))
+    _install(module, _Probe(str(directory)))
     try:
         module.DeepSpeedEngine(model).forward(inputs)
     except SystemExit:

@@ -57,7 +57,8 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
   L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
   ``persistent_params`` (0 when unknown; the probe records both in the profile run,
-  :mod:`zerotune.probe.sitecustomize`, and :mod:`zerotune.model.hf_config` gives both from the architecture).
+  :mod:`zerotune.probe._zerotune_probe.activations`, and :mod:`zerotune.model.hf_config` gives both from the
+  architecture).
 - **The reduction's flat copy** (every stage, :meth:`MemoryModel.reduction_copy_bytes`): the
   backward pass reduces gradients by flattening a bucket into a new tensor, which lives while the
   optimizer states do. Stage 0: buckets of at most 5e8 elements (``engine.py:151``,
@@ -103,9 +104,9 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   nothing inside it (``_checkpoint_without_reentrant_generator``'s saved-tensor hooks); the backward pass
   recomputes one layer at a time, holding what that layer saves. So the term is what the forward saves
   outside the layers, the layers' inputs, and the most one layer saves beyond its inputs: the profile run,
-  which runs without checkpointing, prices it (``checkpointed_bytes``, :mod:`zerotune.probe.sitecustomize`),
-  or :mod:`zerotune.model.hf_config` from the architecture. Unknown (None): a config with checkpointing
-  gets the plain term, an overestimate.
+  which runs without checkpointing, prices it (``checkpointed_bytes``,
+  :mod:`zerotune.probe._zerotune_probe.activations`), or :mod:`zerotune.model.hf_config` from the architecture.
+  Unknown (None): a config with checkpointing gets the plain term, an overestimate.
 - **The profile run** exits in its first forward, which records the stage-3 trace: no prefetch
   (``zero/partitioned_param_coordinator.py:422``) and each module's parameters released when it is
   done (``:498``), so it holds L + persistent gathered parameters, one module's all-gather copy, no

@@ -82,7 +82,8 @@ def clean_exits(exp_dir: Path, world_size: int) -> bool:
 @dataclass(frozen=True)
 class StepRecord:
     """One line of a probe stream: one optimizer step of one rank (the fields
-    :mod:`zerotune.probe.sitecustomize` writes, same names and units), validated once (:meth:`from_dict`).
+    :mod:`zerotune.probe._zerotune_probe.records` writes, same names and units), validated once
+    (:meth:`from_dict`).
 
     A field is None where the line lacks it or holds anything but a finite number that is not a bool
     (for ``step`` and ``rank``, anything but an ``int``): the readers treat it as missing. Counts and
@@ -236,7 +237,8 @@ def read_saved_activations(exp_dir: Path) -> int | None:
 def read_checkpointed_activations(exp_dir: Path) -> int | None:
     """Bytes per sample that a training step would hold for the backward pass with activation checkpointing of
     every checkpointable layer, priced in a profile run without it (the probe's :data:`ACTIVATIONS_RECORD`:
-    ``checkpointed_bytes`` over ``micro_batch_size``; :class:`~zerotune.probe.sitecustomize._LayerCheckpointing`).
+    ``checkpointed_bytes`` over ``micro_batch_size``;
+    :class:`~zerotune.probe._zerotune_probe.activations._LayerCheckpointing`).
     None when the record has no valid figure (no checkpointable layer, layers checkpointed already, an older
     probe, not a profile run)."""
     record = _activations_record(exp_dir)

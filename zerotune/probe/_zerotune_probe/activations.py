@@ -1,0 +1,323 @@
+"""What the profile run's first forward holds for the backward pass: the bytes autograd saves, what
+activation checkpointing holds instead, and the model's shapes, in rank 0's :data:`.records.ACTIVATIONS_RECORD`.
+
+In the profile run (the config's ``autotuning.model_info.profile``: DeepSpeed's engine measures
+``activation_mem_per_gpu`` across the first forward and exits, ``engine.py:3025-3030``), rank 0
+writes :data:`.records.ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors autograd saves for
+the backward pass (``torch.autograd.graph.saved_tensors_hooks``, ``torch/autograd/graph.py``), each
+storage once, less parameters, views of parameters and module buffers::
+
+    {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1,
+     "largest_layer_params": 4194304, "persistent_params": 9216}
+
+Under activation checkpointing that forward saves only each checkpointed region's input; the record then
+also holds ``recompute_bytes``, the most one region saves beyond its input when it runs with gradients
+(what the backward pass holds while it recomputes that region), and ``recompute_regions``, how many were
+counted (:class:`_SavedActivations` says how).
+
+Without activation checkpointing, where the model has checkpointable layers (Hugging Face's
+``GradientCheckpointingLayer`` subclasses, such as GPT-2's and Llama's blocks), the record also prices it:
+``checkpointed_bytes``, what the same forward would hold with non-reentrant checkpointing of every such layer
+(the storages saved outside the layers and the layers' inputs, plus the most one layer saves beyond its inputs),
+at the record's ``micro_batch_size``, and ``checkpoint_layers``, the layer calls counted
+(:class:`_LayerCheckpointing`).
+
+``largest_layer_params``: the most parameters any one module holds directly (its own, not its
+children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
+elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
+``zero/parameter_offload.py:317-330`` from ``stage3_param_persistence_threshold``). Both count full
+parameters (``ds_numel`` where ZeRO-3 has partitioned them) and feed the memory model's stage-3 terms.
+On CUDA the record also holds ``device_peak_bytes`` (:func:`.peak._device_peak`): what the device held at
+the peak, the caching allocator's reserved high-water mark plus what lies outside it (the CUDA
+context, NCCL's buffers), from which the tuner calibrates the memory model's fixed overhead per
+device, as the backend's sampled peak does on CPU; on CPU it holds ``data_peak_bytes``
+(:func:`.peak._data_peak`). The step's growth joins the record (:mod:`.growth`).
+
+That is what a device holds per micro batch for the backward pass, whatever the allocator does.
+DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
+(``accelerator/cpu_accelerator.py:140-154``): in the ZeRO-3 profile run it also holds the parameters
+gathered during that forward (released per module in the first iteration,
+``zero/partitioned_param_coordinator.py:498``, but kept by the C heap), several times the activations
+of a small model.
+"""
+import contextlib
+import os
+import sys
+
+from .peak import _data_peak, _device_peak
+from .records import ACTIVATIONS_RECORD, _Probe, _rank, _write_record
+
+
+class _LayerCheckpointing:
+    """In the profile run's first forward, what the same forward would hold with non-reentrant activation
+    checkpointing of every checkpointable layer (``torch.utils.checkpoint``, ``use_reentrant=False``, the
+    Trainer's default in transformers 5): ``checkpointed_bytes`` and ``checkpoint_layers`` in
+    :data:`ACTIVATIONS_RECORD`.
+
+    The layers: modules whose class derives from one named :attr:`LAYER_CLASS` (transformers'
+    ``modeling_layers.GradientCheckpointingLayer``: GPT-2's, Llama's decoder layers) whose
+    ``gradient_checkpointing`` is not True. A forward pre-hook and an ``always_call`` forward hook (both
+    ``with_kwargs``) keep the stack of layer calls running; each storage saved for the backward pass
+    (:meth:`_SavedActivations.pack`) goes to the innermost running call, or outside any layer. A checkpointed
+    layer's forward saves nothing and keeps its inputs (the tensors among its args and kwargs: the
+    non-reentrant checkpoint holds them for the recomputation, ``torch/utils/checkpoint.py``,
+    ``_checkpoint_without_reentrant_generator``); the backward pass recomputes one layer at a time, holding what
+    it saves beyond its inputs. So ``checkpointed_bytes`` = the storages saved outside any layer together with
+    the layers' inputs, each storage once, plus the most one layer call saved beyond its own inputs (or a
+    checkpointed region's ``recompute_bytes``, if larger), at the record's micro batch size. Parameters and
+    buffers are never counted (:meth:`_SavedActivations._count`). A failure is printed once and ends the
+    counting: the record then has neither key."""
+
+    LAYER_CLASS = "GradientCheckpointingLayer"
+
+    def __init__(self, layers: list, count):
+        self.layers, self.count = layers, count  # count(storages, tensor, exclude): _SavedActivations._count
+        self.outside: dict[int, int] = {}  # data_ptr -> bytes, saved outside any layer call
+        self.inputs: dict[int, int] = {}  # the layers' input storages
+        self.stack: list[tuple[dict, frozenset]] = []  # (what the call saved beyond its inputs, its inputs)
+        self.most, self.calls, self.measuring, self.paused = 0, 0, True, False
+
+    @classmethod
+    def for_module(cls, module, count) -> "_LayerCheckpointing | None":
+        """The counter for ``module``'s checkpointable layers that are not checkpointed; None without any."""
+        layers = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is not True
+                  and any(c.__name__ == cls.LAYER_CLASS for c in type(m).__mro__)]
+        return cls(layers, count) if layers else None
+
+    def fail(self, what: str, error: BaseException) -> None:
+        if self.measuring:
+            self.measuring = False
+            print(f"zerotune probe: {what} failed, checkpointing not priced: {type(error).__name__}: {error}",
+                  file=sys.stderr, flush=True)
+
+    def saved(self, tensor) -> None:
+        """A storage saved for the backward pass: the innermost running layer call's, or outside any."""
+        if not self.measuring:
+            return
+        try:
+            if self.stack:
+                saved, inputs = self.stack[-1]
+                self.count(saved, tensor, inputs)
+            else:
+                self.count(self.outside, tensor)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("attributing a saved tensor to a layer", e)
+
+    def _enter(self, module, args, kwargs) -> None:
+        if not self.measuring or self.paused:
+            return
+        try:
+            tensors: dict[int, int] = {}
+            for value in (*args, *kwargs.values()):
+                for tensor in (value if isinstance(value, (tuple, list)) else (value,)):  # Llama's (cos, sin)
+                    if hasattr(tensor, "untyped_storage"):
+                        self.count(tensors, tensor)
+            self.inputs.update(tensors)
+            self.stack.append(({}, frozenset(tensors)))
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("reading a layer's inputs", e)
+
+    def _leave(self, module, args, kwargs, output) -> None:
+        if not self.measuring or self.paused or not self.stack:
+            return
+        saved, _ = self.stack.pop()
+        self.most, self.calls = max(self.most, sum(saved.values())), self.calls + 1
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """The layers' forward hooks, removed on exit."""
+        handles = []
+        try:
+            for layer in self.layers:
+                handles.append(layer.register_forward_pre_hook(self._enter, with_kwargs=True))
+                handles.append(layer.register_forward_hook(self._leave, with_kwargs=True, always_call=True))
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.fail("hooking the checkpointable layers", e)
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def figures(self, recompute_bytes: int = 0) -> dict:
+        """``checkpointed_bytes`` and ``checkpoint_layers`` (the class docstring); ``{}`` when no layer call was
+        counted or the counting failed."""
+        if not self.measuring or not self.calls or self.stack:
+            return {}
+        kept = {**self.outside, **self.inputs}
+        return {"checkpointed_bytes": int(sum(kept.values()) + max(self.most, recompute_bytes)),
+                "checkpoint_layers": self.calls}
+
+
+class _SavedActivations:
+    """Counts the bytes autograd saves for the backward pass during the profile run's first forward
+    (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
+    nothing is copied, the forward runs as it would.
+
+    Activation checkpointing: a checkpointed region's forward saves only its inputs (the reentrant
+    variant runs it under ``no_grad``, the non-reentrant one under its own saved-tensor hooks, which
+    take precedence), and its activations are live again, one region at a time, while the backward
+    pass recomputes it. To see them, while the counted forward runs, the entry points of
+    ``torch.utils.checkpoint`` (``CheckpointFunction.apply`` and
+    ``_checkpoint_without_reentrant_generator``, looked up when ``checkpoint`` is called, so a script that
+    bound ``checkpoint`` itself is covered) and of DeepSpeed's ``deepspeed.checkpointing``
+    (``CheckpointFunction.apply``) are wrapped: each region runs once more before the checkpoint's own
+    run, with gradients and this counter's hooks, its output dropped at once; the most one region saves
+    beyond its inputs is ``recompute_bytes``. The profile run exits at the end of that forward, so the
+    extra run changes nothing the tuning measures."""
+
+    CHECKPOINT_MODULES = ("torch.utils.checkpoint", "deepspeed.runtime.activation_checkpointing.checkpointing")
+
+    def __init__(self, probe: _Probe, engine, torch):
+        self.probe, self.engine, self.torch = probe, engine, torch
+        module = getattr(engine, "module", None)
+        tensors = list(module.parameters()) + list(module.buffers()) if module is not None else []
+        self.resident = {t.untyped_storage().data_ptr() for t in tensors}  # parameters and buffers
+        self.storages: dict[int, int] = {}  # data_ptr -> bytes
+        self.shapes = self._shapes(module) if module is not None else {}
+        self.recompute_bytes, self.regions, self.measuring = 0, 0, True
+        self.layers = self._layers(module) if module is not None else None
+
+    @staticmethod
+    def _shapes(module) -> dict:
+        """``largest_layer_params`` and ``persistent_params`` of ``module`` (see the module docstring)."""
+        def numel(p):
+            return int(getattr(p, "ds_numel", None) or p.numel())
+        largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+        persistent = sum(numel(p) for p in module.parameters() if getattr(p, "ds_persist", False))
+        return {"largest_layer_params": largest, "persistent_params": persistent}
+
+    @classmethod
+    def for_profile(cls, probe: _Probe, engine) -> "_SavedActivations | None":
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not engine.autotuning_profile_model_info():
+                return None
+            return cls(probe, engine, torch)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: counting activations failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            return None
+
+    def _count(self, storages: dict, tensor, exclude=frozenset()) -> None:
+        """Add ``tensor``'s storage to ``storages`` unless it is a parameter's, a view of one, a module
+        buffer's or in ``exclude``."""
+        try:
+            parameter = self.torch.nn.Parameter
+            if not (isinstance(tensor, parameter) or isinstance(tensor._base, parameter)):
+                storage = tensor.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in self.resident and ptr not in exclude:
+                    storages[ptr] = storage.nbytes()
+        except Exception:  # noqa: BLE001 - a tensor without a storage (sparse, meta): not counted
+            pass
+
+    def _layers(self, module) -> "_LayerCheckpointing | None":
+        try:
+            return _LayerCheckpointing.for_module(module, self._count)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: finding the checkpointable layers failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return None
+
+    def pack(self, tensor):
+        self._count(self.storages, tensor)
+        if self.layers is not None:
+            self.layers.saved(tensor)
+        return tensor
+
+    def region(self, function, args, kwargs) -> None:
+        """Run one checkpointed region (``function(*args, **kwargs)``) with gradients and count what it
+        saves beyond its inputs; the output is dropped. A failure is printed once and ends the counting
+        of regions; the checkpoint's own run goes on."""
+        if not self.measuring:
+            return
+        torch = self.torch
+        try:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            for tensor in tensors:  # kept until the backward pass recomputes the region (DeepSpeed's checkpoint
+                self._count(self.storages, tensor)  # keeps them outside autograd's saved tensors)
+                if self.layers is not None:
+                    self.layers.saved(tensor)
+            inputs = {a.untyped_storage().data_ptr() for a in tensors}
+            saved: dict[int, int] = {}
+
+            def pack(tensor):
+                self._count(saved, tensor, inputs)
+                return tensor
+            if self.layers is not None:  # a layer inside the region: its real run is the one counted
+                self.layers.paused = True
+            try:
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                    out = function(*args, **kwargs)
+            finally:
+                if self.layers is not None:
+                    self.layers.paused = False
+            del out
+            self.recompute_bytes = max(self.recompute_bytes, sum(saved.values()))
+            self.regions += 1
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.measuring = False
+            print(f"zerotune probe: counting a checkpointed region failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+
+    def _wrapped_checkpoints(self) -> list:
+        """``(module, name, wrapper)`` for each checkpoint entry point of :data:`CHECKPOINT_MODULES` loaded
+        in this process (see the class docstring)."""
+        import inspect
+        counter, wrapped = self, []
+        for name in self.CHECKPOINT_MODULES:
+            module = sys.modules.get(name)
+            function_cls = getattr(module, "CheckpointFunction", None)
+            if function_cls is not None:  # apply(function, preserve_rng_state or all_outputs, *args)
+                def apply(function, flag, *args, _apply=function_cls.apply):
+                    counter.region(function, args, {})
+                    return _apply(function, flag, *args)
+                stand_in = type("CheckpointFunction", (), {"apply": staticmethod(apply)})
+                wrapped.append((module, "CheckpointFunction", stand_in))
+            generator = getattr(module, "_checkpoint_without_reentrant_generator", None)
+            if generator is not None:  # (fn, preserve_rng_state, context_fn, ..., *args, **kwargs)
+                parameters = inspect.signature(generator).parameters.values()
+                named = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in parameters)
+
+                def regions(fn, *rest, _generator=generator, _named=named, **kwargs):
+                    counter.region(fn, rest[_named - 1:], kwargs)
+                    return _generator(fn, *rest, **kwargs)
+                wrapped.append((module, "_checkpoint_without_reentrant_generator", regions))
+        return wrapped
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """The counting hooks, the checkpointable layers' hooks (:class:`_LayerCheckpointing`) and, where
+        checkpointing is loaded, the wrapped entry points, all removed on exit (DeepSpeed's profile ``exit()``
+        included)."""
+        try:
+            wrapped = self._wrapped_checkpoints()
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            wrapped = []
+            print(f"zerotune probe: wrapping checkpointing failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
+        originals = [(module, name, getattr(module, name)) for module, name, _ in wrapped]
+        try:
+            for module, name, wrapper in wrapped:
+                setattr(module, name, wrapper)
+            layers = self.layers.hooks() if self.layers is not None else contextlib.nullcontext()
+            with layers, self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor):
+                yield
+        finally:
+            for module, name, original in originals:
+                setattr(module, name, original)
+
+    def write(self, growth: dict | None = None) -> None:
+        """Rank 0 writes :data:`ACTIVATIONS_RECORD`, with ``growth`` (:meth:`.growth._StepGrowth.figures`: on CUDA
+        the step's growth and the device's peak at the end of the forward) over the keys it shares; every
+        rank counts, so that every rank runs the checkpointed regions once more and ZeRO-3's parameter
+        gathers stay matched across the ranks."""
+        if _rank(self.engine) != 0:
+            return
+        _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {
+            "saved_bytes": int(sum(self.storages.values())), "saved_storages": len(self.storages),
+            **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions}
+               if self.regions else {}),
+            **(self.layers.figures(self.recompute_bytes) if self.layers is not None else {}),
+            "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
+            **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {})}, "recording activations")

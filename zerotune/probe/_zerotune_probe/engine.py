@@ -1,0 +1,278 @@
+"""Installing the probe into DeepSpeed's engine: the import hook, the engine's wrapped methods and the
+engine record.
+
+:func:`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
+``deepspeed.runtime.engine``; nothing imports deepspeed or torch at start-up. Once that module has run, the
+hook wraps ``DeepSpeedEngine.forward`` (only to note the first forward's time) and ``DeepSpeedEngine.step``,
+which the script calls once per micro step (:func:`_install`). Whether a call is the gradient-accumulation
+boundary is asked before the original ``step`` runs; after a boundary step returns, the rank records it
+(:class:`.records._Probe`).
+
+The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
+inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;
+its ``step_s`` also holds rank 0's writing of ``metrics.json``, a millisecond or so. The end of a
+step is when ``step()`` returns on the host: no device synchronisation is added (it would change
+what is measured), so on CUDA a single step's time may be shifted by the queued kernels, the mean
+over several steps is not. What is lost: a step in progress when the process is killed.
+
+Before the first forward, rank 0 also writes ``engine_config.json`` (:data:`.records.ENGINE_RECORD`): the
+config the engine got (a Trainer script's ``"auto"`` values filled in), the model's hidden size as
+the Trainer reads it, the engine's micro batch size, gradient accumulation steps and train
+batch size, and the memory savers it really runs with (:func:`_savers`: offload, checkpointing). The profile
+run's record resolves the hidden-size ``"auto"`` values (``zerotune.deepspeed.auto``); every experiment's
+shows what its engine ran with. In the profile run the first forward is also measured
+(:class:`.activations._SavedActivations`, :class:`.growth._StepGrowth`).
+"""
+import os
+import sys
+
+from .activations import _SavedActivations
+from .growth import _StepGrowth
+from .peak import _DataPeak, _cap_device, _on_cuda
+from .records import ENGINE_RECORD, _Probe, _rank, _write_record
+
+ENGINE_MODULE = "deepspeed.runtime.engine"
+
+
+def _note_base(probe: _Probe, engine) -> None:
+    """On CUDA, the allocated bytes before the step's first forward (``base_bytes``, noted once per step)."""
+    torch = sys.modules.get("torch")
+    if probe.failed or not _on_cuda(torch, engine):
+        return
+    state = probe.state(engine)
+    if state["base"] is None:
+        state["base"] = int(torch.cuda.memory_allocated())
+
+
+def _install(module, probe: _Probe) -> None:
+    """Wrap ``DeepSpeedEngine.forward``, ``DeepSpeedEngine.step`` and ``DeepSpeedEngine.allreduce_gradients``
+    (timed at the boundary: ``boundary_s``) of the engine module; in a CPU rank
+    (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
+    for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
+    the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
+    5 ms for the whole run on the ranks' cores, slowing them (docs/decisions.md, D203)."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
+        _DataPeak.start()
+    engine_cls = module.DeepSpeedEngine
+    forward, step = engine_cls.forward, engine_cls.step
+    engine_cls.forward, engine_cls.step = _probed_forward(forward, probe), _probed_step(step, probe)
+    allreduce = getattr(engine_cls, "allreduce_gradients", None)
+    if allreduce is None:
+        return
+    engine_cls.allreduce_gradients = _probed_allreduce(allreduce, probe)
+
+
+def _probed_forward(forward, probe: _Probe):
+    """``DeepSpeedEngine.forward`` noting the first forward's time; before it, rank 0 records the engine
+    (:func:`_record_engine`), and in the profile run the forward's saved activations are counted
+    (:class:`_SavedActivations`)."""
+    import functools
+    import time
+
+    @functools.wraps(forward)
+    def probed_forward(self, *args, **kwargs):
+        if probe.first_forward is None:
+            probe.first_forward = time.monotonic()
+            _cap_device(self)
+            _record_engine(probe, self)
+            counter = _SavedActivations.for_profile(probe, self)
+            if counter is not None:
+                growth = _StepGrowth.for_profile(self)
+                try:
+                    with counter.hooks():
+                        return forward(self, *args, **kwargs)
+                except SystemExit:  # DeepSpeed's profile exit(): measure the backward, then exit
+                    if growth is not None:
+                        growth.at_exit(self)
+                    raise
+                finally:
+                    counter.write(growth.figures() if growth is not None else {})
+                    if growth is not None:
+                        growth.close()
+        try:
+            _note_base(probe, self)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            probe.fail("reading the allocated memory before a forward", e)
+        return forward(self, *args, **kwargs)
+    return probed_forward
+
+
+def _probed_step(step, probe: _Probe):
+    """``DeepSpeedEngine.step`` counting micro steps, timing the boundary's call (``boundary_s``) and
+    recording a line after the boundary's call returns, or as DeepSpeed's autotuning exit passes through."""
+    import functools
+    import time
+
+    @functools.wraps(step)
+    def probed_step(self, *args, **kwargs):
+        boundary, state = False, None
+        if not probe.failed:
+            try:
+                state = probe.state(self)
+                state["micro"] += 1
+                boundary = bool(self.is_gradient_accumulation_boundary())
+            except Exception as e:  # noqa: BLE001 - the probe never breaks training
+                probe.fail("reading the engine before step", e)
+        start = time.monotonic()
+        if state is not None:
+            state["in_step"] = True
+        try:
+            result = step(self, *args, **kwargs)
+        except SystemExit:  # DeepSpeed's autotuning exit, at the end of the step
+            _end_step(state, boundary, start)
+            _record(probe, self, state, boundary)
+            raise
+        except BaseException:
+            _end_step(state, False, start)
+            raise
+        _end_step(state, boundary, start)
+        _record(probe, self, state, boundary)
+        return result
+    return probed_step
+
+
+def _probed_allreduce(allreduce, probe: _Probe):
+    """``DeepSpeedEngine.allreduce_gradients`` adding its time to ``boundary_s`` when ``backward()`` calls
+    it at the boundary (inside ``step()`` it is timed with the step)."""
+    import functools
+    import time
+
+    @functools.wraps(allreduce)
+    def probed_allreduce(self, *args, **kwargs):
+        state = None
+        if not probe.failed:
+            try:
+                state = probe.state(self)
+                if state["in_step"] or not self.is_gradient_accumulation_boundary():
+                    state = None  # inside step(): timed with it; between boundaries: not once per step
+            except Exception as e:  # noqa: BLE001 - the probe never breaks training
+                probe.fail("reading the engine before allreduce_gradients", e)
+                state = None
+        start = time.monotonic()
+        try:
+            return allreduce(self, *args, **kwargs)
+        finally:
+            if state is not None:
+                state["boundary"] += time.monotonic() - start
+    return probed_allreduce
+
+
+def _end_step(state: dict | None, boundary: bool, start: float) -> None:
+    """After a ``step()`` call: add its time to ``boundary_s`` when it was the boundary's."""
+    import time
+    if state is not None:
+        state["in_step"] = False
+        if boundary:
+            state["boundary"] += time.monotonic() - start
+
+
+def _record_engine(probe: _Probe, engine) -> None:
+    """Rank 0 writes :data:`ENGINE_RECORD` once, before the first forward: the config the engine got
+    (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
+    reads it, and the engine's batch sizes. A failure is reported and steps are still recorded."""
+    def record():
+        if _rank(engine) != 0:
+            return None
+        config = getattr(getattr(engine, "_config", None), "_param_dict", None)
+        return {"ds_config": config if isinstance(config, dict) else None,
+                "hidden_size": _hidden_size(getattr(engine, "module", None)),
+                "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
+                "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
+                "train_batch_size": int(engine.train_batch_size()), **_savers(engine)}
+    _write_record(os.path.join(probe.directory, ENGINE_RECORD), record, "recording the engine's config")
+
+
+def _savers(engine) -> dict:
+    """What the engine and the model really run with, beyond the config: ``offload_optimizer`` (ZeRO 1-2's
+    ``cpu_offload``, ZeRO-3's ``offload_optimizer``, ``zero/stage_1_and_2.py:221``, ``zero/stage3.py:824``),
+    ``offload_param`` (``stage3.py:831``), and ``gradient_checkpointing`` (a Hugging Face model's
+    ``is_gradient_checkpointing``; absent for other models)."""
+    optimizer = getattr(engine, "optimizer", None)
+    module = getattr(engine, "module", None)
+    out = {"offload_optimizer": bool(getattr(optimizer, "cpu_offload", False)
+                                     or getattr(optimizer, "offload_optimizer", False)),
+           "offload_param": bool(getattr(optimizer, "offload_param", False))}
+    checkpointing = getattr(module, "is_gradient_checkpointing", None)
+    if isinstance(checkpointing, bool):
+        out["gradient_checkpointing"] = checkpointing
+    return out
+
+
+def _hidden_size(module) -> int | None:
+    """The model's hidden size where the Trainer reads it (``transformers.integrations.deepspeed``,
+    ``trainer_config_finalize``): ``config.hidden_size``, the largest of ``config.hidden_sizes``, or the
+    same in ``config.text_config``; None for a model without one."""
+    config = getattr(module, "config", None)
+    for owner in (config, getattr(config, "text_config", None)):
+        if owner is None:
+            continue
+        if getattr(owner, "hidden_size", None) is not None:
+            return int(owner.hidden_size)
+        if getattr(owner, "hidden_sizes", None):
+            return int(max(owner.hidden_sizes))
+    return None
+
+
+def _record(probe: _Probe, engine, state: dict | None, boundary: bool) -> None:
+    if boundary and state is not None and not probe.failed:
+        try:
+            probe.record(engine, state)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            probe.fail("recording a step", e)
+
+
+class _EngineFinder:
+    """A ``sys.meta_path`` finder that lets ``deepspeed.runtime.engine`` load as usual, then
+    wraps its engine (:func:`_install`), once."""
+
+    def __init__(self, probe: _Probe):
+        self.probe = probe
+        self.done = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name != ENGINE_MODULE or self.done:
+            return None
+        self.done = True  # once (and not from the search below)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None) if finder is not self else None
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _InstallingLoader(spec.loader, self.probe)
+                return spec
+        return None
+
+
+class _InstallingLoader:
+    """The module's own loader, then :func:`_install` once the module has run."""
+
+    def __init__(self, loader, probe: _Probe):
+        self.loader, self.probe = loader, probe
+
+    def __getattr__(self, name):  # get_source, get_filename, ... as the real loader
+        return getattr(self.loader, name)
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        try:
+            _install(module, self.probe)
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            self.probe.fail("installing the probe", e)
+
+
+def install(directory: str) -> None:
+    """Install the probe writing into ``directory`` in this process: into the engine module if it is already
+    imported (a warm rank, forked from a server that preloaded DeepSpeed: :mod:`zerotune.run.warm.rank`), else by
+    the import hook that waits for it. A failure is printed; training goes on."""
+    try:
+        probe = _Probe(directory)
+        module = sys.modules.get(ENGINE_MODULE)
+        if module is not None and hasattr(module, "DeepSpeedEngine"):
+            _install(module, probe)
+        else:
+            sys.meta_path.insert(0, _EngineFinder(probe))
+    except Exception as e:  # noqa: BLE001
+        print(f"zerotune probe: not installed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
