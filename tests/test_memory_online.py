@@ -203,6 +203,13 @@ def test_summary_memory_table_has_every_run_with_both_figures():
     assert "+10.0%" in text and "-10.0%" in text and "+2.0%" in text and " d " not in text
     assert "3 runs: median |error| 10.0%, worst 10.0%" in text
     assert memory_table(runs[3:]) is None
+    # an OOM run's peak is where it failed, under its true peak: shown, never scored
+    oom = Experiment("e", CFG, status=Status.OOM, peak_memory_bytes=500)
+    oom.memory_bytes = 1_000
+    text = table_text(memory_table(runs + [oom]))
+    assert "over the budget" in text and "+100.0%" not in text
+    assert "3 runs: median |error| 10.0%, worst 10.0% (1 out of memory left out" in text
+    assert "no run measured to its peak (1 out of memory left out" in table_text(memory_table([oom]))
 
 
 # Measured on one H200, GPT-2 124M (vocab 50257, seq 1024, bf16; docs/decisions.md, D204): the first forward
@@ -256,6 +263,9 @@ def test_on_cpu_the_activation_term_is_the_profiles_slope_and_its_peak_the_probe
     assert info.peak_memory_bytes == 595_378_176
     # a slope under the saved bytes never lowers the term
     assert ModelInfo.from_metrics({**demo, "slope_bytes": 5}).activation_mem_per_gpu == 10_767_372
+    # VmData's rise per sample over the widest steps (8x to 16x: 844,312,576 to 978,804,736 bytes, 8 samples), what
+    # the CPU budget limits, where it is larger: the heap keeps more than the allocator's live bytes
+    assert ModelInfo.from_metrics({**demo, "data_slope_bytes": 16_811_520}).activation_mem_per_gpu == 16_811_520
     assert info.peak_after_backward  # the calibration models the state after the first backward
     # without a slope (the wider steps failed), a CPU record's step growth at mbs 1 is not read: 48.7 MB there is
     # mostly the gradients and the parameters ZeRO-3 gathers; the saved bytes stay

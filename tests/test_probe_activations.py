@@ -494,11 +494,11 @@ def test_on_cpu_the_profile_measures_the_steps_growth_per_sample_from_wider_micr
     # the profile's own step at mbs 3: the product (12,000 B) and the loss (4), then the backward's product
     # (12,000) and w's gradient (4,000) with two scalars: the first step holds w's gradient, which stays
     assert record["forward_growth_bytes"] == 12_004 and record["step_growth_bytes"] == 16_012
-    # micro steps at 2, 4 and 8 times the batch (mbs 6, 12, 24): the backward's product on top of 4,008 bytes
-    # (w's gradient, accumulated, and the scalars); the last two differ by 48,000 bytes over 12 samples
-    assert record["slope_growth_bytes"] == [28_008, 52_008, 100_008]
+    # micro steps at 2, 4, 8 and 16 times the batch (mbs 6 to 48): the backward's product on top of 4,008 bytes
+    # (w's gradient, accumulated, and the scalars); the last two differ by 96,000 bytes over 24 samples
+    assert record["slope_growth_bytes"] == [28_008, 52_008, 100_008, 196_008]
     assert record["slope_bytes"] == 4_000  # 4 bytes x 1,000 elements a sample: the constant cancels
-    assert record["slope_ended"] == "agreed"  # 24,000 B over 6 samples, then 48,000 over 12: no 16x step
+    assert record["slope_ended"] == "agreed"  # every slope 4,000 bytes
     assert "slope_data_peak_bytes" not in record  # no VmData sampler in this process
 
 

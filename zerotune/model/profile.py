@@ -37,6 +37,7 @@ SAVED_ACTIVATIONS_KEY = "activation_saved_bytes"  # bytes per sample, from the p
 CHECKPOINTED_ACTIVATIONS_KEY = "activation_checkpointed_bytes"  # bytes per sample, from the probe (per sample)
 STEP_GROWTH_KEY = "step_growth_bytes"  # bytes at the profile's mbs, from the probe (zerotune.probe.GROWTH_KEYS)
 SLOPE_KEY = "slope_bytes"  # bytes per sample, from the probe on CPU (zerotune.probe.SLOPE_KEY)
+DATA_SLOPE_KEY = "data_slope_bytes"  # bytes per sample of VmData, from the probe on CPU (zerotune.probe.SLOPE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class ModelInfo:
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
         :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present. On CPU, with
-        :data:`SLOPE_KEY`, the term is the larger of the two; where the probe ran the backward
+        :data:`SLOPE_KEY`, the term is the largest of the two and :data:`DATA_SLOPE_KEY` (``VmData``'s, which
+        the CPU budget limits); where the probe ran the backward
         (:data:`STEP_GROWTH_KEY`), the profile's peak is the record's ``data_peak_bytes`` alone (rank 0's
         ``VmData`` after that backward, before the wider steps, which the backend's sampled peak also holds;
         :attr:`peak_after_backward`); a CPU record (it has ``data_peak_bytes``) never reads its
@@ -101,7 +103,7 @@ class ModelInfo:
         activations = (max(0, int(data[SAVED_ACTIVATIONS_KEY])) if SAVED_ACTIVATIONS_KEY in data
                        else max(0, int(data.get("activation_mem_per_gpu", 0))) // mbs)
         if SLOPE_KEY in data:
-            activations = max(activations, int(data[SLOPE_KEY]))
+            activations = max(activations, int(data[SLOPE_KEY]), int(data.get(DATA_SLOPE_KEY) or 0))
         elif SAVED_ACTIVATIONS_KEY in data and data.get(STEP_GROWTH_KEY) is not None and "data_peak_bytes" not in data:
             activations = step_activations(activations, int(data[STEP_GROWTH_KEY]), mbs, ds_config or {},
                                            int(data.get("trainable_num_params", data["num_params"])))

@@ -24,7 +24,7 @@ from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_P
                                           STREAM_PREFIX, STREAM_SUFFIX, exit_name, stream_name)
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
-           "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
+           "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "StepRecord", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
            "read_checkpointed_activations", "read_saved_activations", "read_streams", "run_phases", "step_records",
            "stream_files", "stream_name"]
 
@@ -34,6 +34,7 @@ DEVICE_PEAK_KEY = "device_peak_bytes"  # in ACTIVATIONS_RECORD on CUDA
 DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's largest VmData, sampled every 5 ms
 GROWTH_KEYS = ("step_growth_bytes", "forward_growth_bytes")  # in ACTIVATIONS_RECORD, bytes at its mbs
 SLOPE_KEY = "slope_bytes"  # in ACTIVATIONS_RECORD on CPU: the step's growth per sample (two widened micro steps)
+SLOPE_KEYS = (SLOPE_KEY, "data_slope_bytes")  # ... and VmData's peak per sample over the same steps
 
 
 def stream_files(exp_dir: Path) -> dict[int, Path]:
@@ -258,11 +259,11 @@ def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
     :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes; :data:`GROWTH_KEYS`, what the
     allocated memory grew by at its peak over the first forward and over the whole step (forward and
-    backward) at the record's ``micro_batch_size``, bytes; on CPU :data:`SLOPE_KEY`, what a training micro
-    step's allocated peak grows by per sample, bytes. A key whose value is missing or not a
+    backward) at the record's ``micro_batch_size``, bytes; on CPU :data:`SLOPE_KEYS`, what a training micro
+    step's allocated peak and ``VmData``'s peak grow by per sample, bytes. A key whose value is missing or not a
     non-negative integer is left out (an empty dict without a valid record)."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict):
         return {}
-    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS, SLOPE_KEY)
+    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS, *SLOPE_KEYS)
             if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0}

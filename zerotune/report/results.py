@@ -206,20 +206,27 @@ def _metric_text(pooled: Pooled, exp: Experiment) -> str:
 def memory_table(experiments: Sequence[Experiment]) -> Table | None:
     """The memory model checked on every run: predicted vs measured peak bytes per rank of each
     experiment that has both (``exp.json`` carries the same figures), with the median and worst
-    absolute error; None when no experiment has both."""
+    absolute error over the runs that did not run out of memory (an OOM run's peak is what it reached before the
+    allocation that failed: its true peak is at least the budget, a bound, not a measurement; its row says so);
+    None when no experiment has both."""
     rows = [e for e in experiments if e.memory_rel_error is not None]
     if not rows:
         return None
     table = Table(title="memory per rank: the memory model's prediction vs the measured peak", title_justify="left")
     for col in ("experiment", "status", "predicted", "measured peak", "error"):
         table.add_column(col)
+    oom = [e for e in rows if e.status is not None and e.status.over_budget]
     for e in rows:
         table.add_row(e.name, e.status.value if e.status else "-", format_bytes(e.memory_bytes),
-                      format_bytes(e.peak_memory_bytes), f"{e.memory_rel_error:+.1%}")
-    errors = [abs(e.memory_rel_error) for e in rows]
-    table.caption = (f"{len(errors)} runs: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%} "
-                     "(the peak is what the budget limits: on CUDA the device's at each step, the allocator's reserved "
-                     "high-water mark plus what lies outside it; on CPU the largest VmData, sampled every 5 ms)")
+                      format_bytes(e.peak_memory_bytes),
+                      "over the budget" if e in oom else f"{e.memory_rel_error:+.1%}")
+    errors = [abs(e.memory_rel_error) for e in rows if e not in oom]
+    scored = (f"{len(errors)} runs: median |error| {statistics.median(errors):.1%}, worst {max(errors):.1%}"
+              if errors else "no run measured to its peak")
+    left_out = f" ({len(oom)} out of memory left out: their peak is at least the budget)" if oom else ""
+    table.caption = (f"{scored}{left_out} (the peak is what the budget limits: on CUDA the device's at each step, the "
+                     "allocator's reserved high-water mark plus what lies outside it; on CPU the largest VmData, "
+                     "sampled every 5 ms)")
     table.caption_justify = "left"
     return table
 

@@ -27,8 +27,9 @@ SLOPE_FACTORS = (2, 4, 8, 16)
 CPU (:meth:`_HostStepGrowth._slope`): all above the profile's own, whose growth also holds what a first step
 allocates once."""
 SLOPE_AGREEMENT = 0.02
-"""Two successive slopes this close (relative to the last): the activations set the peak; the series stops. The
-allocator's bytes are exact, so two steps on the activations' line agree to the byte (docs/decisions.md, D111)."""
+"""Two successive slopes this close (relative to the last): the activations set the peak (the record's
+``slope_ended`` says ``agreed``). The allocator's bytes are exact, so two steps on the activations' line agree to the
+byte (docs/decisions.md, D111)."""
 SLOPE_STEP_S = 5.0
 """A wider micro step that took longer (seconds) is the last: the profile run stays cheap."""
 SLOPE_HEADROOM = 0.8
@@ -184,19 +185,21 @@ class _HostStepGrowth(_StepGrowth):
         return max(0, self.high, self.level + high)
 
     def _slope(self, engine) -> dict:
-        """``slope_bytes``, bytes per sample: more training micro steps (the engine's forward and backward,
-        DeepSpeed's profile exit held off), their inputs the profile's batch repeated :data:`SLOPE_FACTORS` times
-        along its first dimension, each twice the last. A step's peak is the larger of what it holds whatever
-        the mbs (the gradients, ZeRO's buckets, the parameters ZeRO-3 gathers) and what grows with the mbs, so
-        the slope between two steps rises to the activations' as they take over the peak: the series stops
-        when two successive slopes agree within :data:`SLOPE_AGREEMENT`, and the slope is the last one. It also
-        stops before a step whose growth (twice the last) would take ``VmData`` over :data:`SLOPE_HEADROOM` of
-        the rank's ``RLIMIT_DATA``, after a step longer than :data:`SLOPE_STEP_S`, or at a step that fails (out
-        of memory); the ranks decide together (:func:`_every_rank`), since each step runs ZeRO's collectives.
-        Also recorded: ``slope_growth_bytes`` (each step's growth), ``slope_data_peak_bytes``
-        (``VmData``'s peak after each), ``slope_ended`` (why the series stopped) and ``data_peak_bytes`` as
-        before these steps. An input tensor whose first dimension is not the profile's mbs is passed unchanged.
-        Fewer than two steps: no slope."""
+        """``slope_bytes`` and ``data_slope_bytes``, bytes per sample: more training micro steps (the engine's
+        forward and backward, DeepSpeed's profile exit held off), their inputs the profile's batch repeated
+        :data:`SLOPE_FACTORS` times along its first dimension, each twice the last. A step's peak is the larger
+        of what it holds whatever the mbs (the gradients, ZeRO's buckets, the parameters ZeRO-3 gathers) and what
+        grows with the mbs, so the slope between two steps rises to the activations' as they take over the peak:
+        ``slope_bytes`` is the last slope of the allocator's bytes, ``data_slope_bytes`` the last rise of
+        ``VmData``'s peak per sample (what the CPU budget limits: glibc's heap keeps more than the live tensors,
+        by a share that depends on the model, and the widest steps say how much). The series stops before a step
+        whose growth (twice the last) would take ``VmData`` over :data:`SLOPE_HEADROOM` of the rank's
+        ``RLIMIT_DATA``, after a step longer than :data:`SLOPE_STEP_S`, or at a step that fails (out of memory);
+        the ranks decide together (:func:`_every_rank`), since each step runs ZeRO's collectives. Also recorded:
+        ``slope_growth_bytes`` (each step's growth), ``slope_data_peak_bytes`` (``VmData``'s peak after each),
+        ``slope_ended`` (why the series stopped; ``agreed`` where the last two slopes agree within
+        :data:`SLOPE_AGREEMENT`) and ``data_peak_bytes`` before these steps. An input tensor whose first
+        dimension is not the profile's mbs is passed unchanged. Fewer than two steps: no slope."""
         import time
         torch = self.torch
         mbs = int(engine.train_micro_batch_size_per_gpu())
@@ -206,8 +209,7 @@ class _HostStepGrowth(_StepGrowth):
         try:
             for i, factor in enumerate(SLOPE_FACTORS):
                 if i:
-                    reason = ("agreed" if len(slopes) >= 2 and abs(slopes[-1] - slopes[-2]) <= SLOPE_AGREEMENT
-                              * slopes[-1] else "time" if took > SLOPE_STEP_S
+                    reason = ("time" if took > SLOPE_STEP_S
                               else "memory" if not _room_for(2 * growths[-1]) else None)
                     if not _every_rank(torch, reason is None):  # a collective step runs on all ranks or none
                         ended = reason or "another rank"
@@ -239,9 +241,14 @@ class _HostStepGrowth(_StepGrowth):
                 pass
         if ended == "factors" and len(slopes) >= 2 and abs(slopes[-1] - slopes[-2]) <= SLOPE_AGREEMENT * slopes[-1]:
             ended = "agreed"
+        data_slope = {}
+        if len(peaks) >= 2 and peaks[-1] and peaks[-2]:
+            n = len(peaks)
+            data_slope = {"data_slope_bytes": max(0, peaks[-1] - peaks[-2])
+                          // ((SLOPE_FACTORS[n - 1] - SLOPE_FACTORS[n - 2]) * mbs)}
         return {**before, **({"slope_growth_bytes": growths, "slope_ended": ended} if growths else {}),
                 **({"slope_data_peak_bytes": peaks} if any(peaks) else {}),
-                **({"slope_bytes": slopes[-1]} if slopes else {})}
+                **({"slope_bytes": slopes[-1]} if slopes else {}), **data_slope}
 
     def close(self) -> None:
         super().close()
