@@ -153,3 +153,15 @@ def test_the_readmes_stay_front_pages():
     (their history is docs/decisions.md)."""
     lines = {name: len((ROOT / name).read_text().splitlines()) for name in ("README.md", "benchmarks/README.md")}
     assert lines["README.md"] <= 150 and lines["benchmarks/README.md"] <= 300, lines
+
+
+def test_how_it_works_names_every_module_of_the_tree():
+    """docs/how-it-works.md's layout (its first code block) names every module of the package by its file's stem,
+    so that the drawing follows the tree (issue 40)."""
+    import re
+    doc = (ROOT / "docs" / "how-it-works.md").read_text()
+    layout = doc.split("```")[1]
+    stems = sorted({p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+                    if p.stem not in ("__init__", "__main__") and "__pycache__" not in p.parts})
+    missing = [s for s in stems if not re.search(rf"\b{re.escape(Path(s).stem)}\b", layout)]
+    assert not missing, f"docs/how-it-works.md's layout does not name: {missing}"
