@@ -20,7 +20,7 @@ from rich.console import Console
 
 from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
 from zerotune.core import user_files
-from zerotune.core.arguments import MAX_COUNT, reject_empty, whole
+from zerotune.core.arguments import MAX_COUNT, positive_number, reject_empty, whole
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.stopping import DEFAULT_PRECISION
@@ -91,12 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--quiet", action="store_true", help="log warnings and errors only (not each decision)")
         v.add_argument("--verbose", action="store_true", help="log debug lines too")
         publish.add_projection_options(p)
+        _budget_options(p)
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     estimate.add_parser(sub)
     publish.add_parser(sub)
     reject_empty(parser)
     return parser
+
+
+def _budget_options(p: argparse.ArgumentParser) -> None:
+    """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (:mod:`zerotune.strategy.budget`)."""
+    g = p.add_argument_group("the tuning's budget (then the best of what ran is the answer)")
+    g.add_argument("--max-launches", type=whole(1, MAX_COUNT), default=None, metavar="N",
+                   help="launch at most N experiments, the profile run included; then answer with the best of what "
+                        "ran and say what was not decided")
+    g.add_argument("--max-device-hours", type=positive_number, default=None, metavar="H",
+                   help="launch no more experiments once those launched took H device-hours (wall time x devices); "
+                        "then answer as with --max-launches")
 
 
 def _launcher_options(p: argparse.ArgumentParser) -> None:
@@ -130,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                               adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
                               host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,
                               train_samples=args.train_samples, train_steps=args.train_steps,
-                              cost_per_device_hour=args.cost_per_device_hour)
+                              cost_per_device_hour=args.cost_per_device_hour, max_launches=args.max_launches,
+                              max_device_hours=args.max_device_hours)
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -13,9 +13,9 @@ from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.run.resources import select_resources
 
 
-def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: dict | None = None):
-    """Tune scenario ``index`` of the SIMULATED cluster, with ``overrides`` over the user config;
-    (ledger rows, stage decisions, answer)."""
+def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: dict | None = None, **options):
+    """Tune scenario ``index`` of the SIMULATED cluster, with ``overrides`` over the user config and ``options``
+    (:class:`~zerotune.autotuner.TuneOptions` fields) over the harness's; (ledger rows, stage decisions, answer)."""
     sc = SCENARIOS[index]
     sim = Simulator(sc.model, sc.cluster, seed=sc.seed, end_profile_step=5)
     hostfile = tmp_path / "hostfile"
@@ -30,7 +30,7 @@ def tune_simulated(tmp_path: Path, index: int, fast: bool, stages, overrides: di
     tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(tmp_path / "ds.json")],
                       select_resources(hostfile),
                       TuneOptions(device_memory_bytes=sc.cluster.device.memory_bytes, results_dir=str(tmp_path / "r"),
-                                  cpu=False, hostfile=str(hostfile)),
+                                  cpu=False, hostfile=str(hostfile), **options),
                       console=Console(file=io.StringIO()), backend=backend)
     best = tuner.tune()
 

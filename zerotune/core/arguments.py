@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from typing import Any, Callable
 
 __all__ = ["MAX_COUNT", "reject_empty", "whole"]
@@ -37,6 +38,21 @@ def whole(lo: int, hi: int) -> Callable[[str], int]:
         return value
     parse.__name__ = "int"
     return parse
+
+
+def positive_number(text: str) -> float:
+    """The argparse type of an option that takes a finite number above 0 (``"0.5"``, ``"2"``).
+
+    Raises:
+        argparse.ArgumentTypeError: ``"'0': expected a number above 0, e.g. 0.5"``.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number above 0, e.g. 0.5")
+    return value
 
 
 def _nonempty(kind: Callable[[str], Any] | None) -> Callable[[str], Any]:

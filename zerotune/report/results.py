@@ -29,12 +29,14 @@ if TYPE_CHECKING:
 
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
-    """The summary's caption: each ZeRO stage's decision and why, each candidate the throughput model kept from
+    """The summary's caption: why the tuning stopped early (its launch budget spent), each ZeRO stage's decision and
+    why, each candidate the throughput model kept from
     launching and its prediction, each config the memory model refused and its prediction with the margin
     (``not launched: predicted ...``), the re-measurements, and the memory model's inputs and fit."""
-    notes = [f"{r.label}: {r.decision.value} - {r.reason}"
-             + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
-             for r in result.stages if r.decision is not None]
+    notes = [f"stopped early: {result.stopped}; the answer is the best of what ran"] if result.stopped else []
+    notes += [f"{r.label}: {r.decision.value} - {r.reason}"
+              + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
+              for r in result.stages if r.decision is not None]
     notes += result.savers_notes
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     notes += [f"{e.name}: {e.error}" for e in result.experiments if e.status is Status.REFUSED]

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
+from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job
@@ -72,13 +73,19 @@ class Evaluator:
                     if race and self._skipped(exp):
                         continue
                 todo[exp.name] = exp
-        for exp in self._evaluate(list(todo.values())) if todo else []:
+        batch = list(todo.values())
+        room = self.job.budget.room(self.ledger.experiments)
+        cut = batch[room:] if room is not None and room < len(batch) else []
+        for exp in self._evaluate(batch[:len(batch) - len(cut)]) if len(cut) < len(batch) else []:
             self.ledger.add(exp)
             self._correct_memory(exp)
         if todo:
             before, now = self.ledger.update_run_noise()
             if now.df != before.df and round(now.sigma, 3) != round(before.sigma, 3):
                 logger.info(now.describe())
+        if cut:
+            raise BudgetSpent(f"the launch budget is spent ({self.job.budget.describe(self.ledger.experiments)}): "
+                              f"{', '.join(e.name for e in cut)} not launched")
         return [self.ledger[e.name] for e in experiments]
 
     def _not_launched(self, exp: Experiment, refusal: str) -> None:

@@ -28,6 +28,7 @@ from zerotune.deepspeed.validate import check_sections
 from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, check_trainer_batch, checkpointing_flag,
                                      resolve, script_autos)
 from zerotune.strategy.batch import BatchSemantics
+from zerotune.strategy.budget import LaunchBudget
 from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
                                           check_untunable, device_memory_bytes, given_model_info, host_memory_bytes,
                                           mbs_bounds)
@@ -68,6 +69,7 @@ class TuneOptions:
         train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
             answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
             device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
+        max_launches, max_device_hours: what the tuning may spend (:class:`~zerotune.strategy.budget.LaunchBudget`).
     """
 
     device_memory_bytes: int | None = None
@@ -89,6 +91,8 @@ class TuneOptions:
     train_samples: int | None = None
     train_steps: int | None = None
     cost_per_device_hour: float | None = None
+    max_launches: int | None = None
+    max_device_hours: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ class Job:
             see :class:`TuneOptions`).
         checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
             script takes it through ``arg_mappings[CHECKPOINTING]``.
-        savers, nvme_path: see :class:`TuneOptions`.
+        savers, nvme_path: see :class:`TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
     """
 
     script: str
@@ -170,6 +174,7 @@ class Job:
     savers: bool = True
     nvme_path: str | None = None
     warm: bool = True
+    budget: LaunchBudget = LaunchBudget()
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -224,7 +229,8 @@ class Job:
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
                    savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
-                   stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None)
+                   stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None,
+                   budget=LaunchBudget(options.max_launches, options.max_device_hours))
 
     @property
     def capacity_bytes(self) -> int | None:

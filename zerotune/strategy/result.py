@@ -93,6 +93,8 @@ class StrategyResult:
         ledger: every distinct experiment evaluated, in the order asked, with its outcome.
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
         savers_notes: what the savers phase did not try and why (:mod:`zerotune.strategy.savers`).
+        stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
+            not decided; :mod:`zerotune.strategy.budget`); empty when it ran them all.
     """
 
     model_info: ModelInfo | None = None
@@ -102,6 +104,7 @@ class StrategyResult:
     ledger: Ledger = field(default_factory=Ledger)
     predictions: list[Prediction] = field(default_factory=list)
     savers_notes: list[str] = field(default_factory=list)
+    stopped: str = ""
 
     @property
     def experiments(self) -> list[Experiment]:

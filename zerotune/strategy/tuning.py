@@ -34,6 +34,7 @@ from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy import remeasure
+from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator
 from zerotune.strategy.gas_phase import GasPhase
@@ -72,20 +73,36 @@ class Strategy:
         """Profile, explore the stages and mbs, try the memory savers, tune gas, (``"fast": false``) tune the
         knobs, settle the answer.
 
+        A phase that finds the launch budget spent (:class:`~zerotune.strategy.budget.BudgetSpent`) ends the
+        tuning: :attr:`StrategyResult.stopped` says why and which phases were not decided.
+
         Raises:
             TuningFailed: the profile run failed (nothing can be estimated without it).
             ConfigError: a config the user's settings give is invalid.
         """
         self.profile()
-        self.explore()
-        self.savers()
+        phases = [("ZeRO stages and mbs", self.explore), ("memory savers", self.savers), ("gas", self.gas)]
+        phases += [("knobs", lambda: tune_knobs(self.ev, self.parallel, self.best_batch))] if not self.job.autotuning.fast \
+            else []
+        phases += [("the answer's re-measurement", self.settle_answer)]
+        for i, (_, phase) in enumerate(phases):
+            try:
+                phase()
+            except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.strategy.budget)
+                self.result.stopped = f"{spent}; not decided: {', '.join(name for name, _ in phases[i:])}"
+                logger.warning(f"stopped: {self.result.stopped}")
+                break
+        return self.result
+
+    def gas(self) -> None:
+        """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
-        if not self.job.autotuning.fast:
-            tune_knobs(self.ev, self.parallel, self.best_batch)
+
+    def settle_answer(self) -> None:
+        """The finalists re-measured, then the answer itself where it must be (:mod:`zerotune.strategy.remeasure`)."""
         self.confirm_answer()
         if not self.job.autotuning.fast or self.answer_stands_out():
             remeasure.measure_answer_twice(self.ev)
-        return self.result
 
     # -- the evaluator's verbs, for callers that drive a strategy step by step --------------------------
     def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
