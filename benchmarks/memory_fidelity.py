@@ -158,7 +158,7 @@ def run_grid(models: list[str], steps: int, workdir: Path, mmap_threshold: int |
         spec = LaunchSpec(script=str(SCRIPT), script_args=("--steps", str(steps), *MODELS[model],
                                                              "--deepspeed_config", "ds_config.json"),
                           cpu=True, device_memory_bytes=None, timeout_s=300, start_profile_step=2, end_profile_step=4,
-                          extra_env=env)
+                          extra_env=env, warm=False)  # cold: the sampler finds the ranks by their command line
         backend = LocalBackend(spec)
         runs, profiles = [], {}
         for precision in PRECISIONS:  # one tuning job per precision: its own profile run, as tune does
