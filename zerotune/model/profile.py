@@ -18,7 +18,7 @@ the storages autograd saves for the backward pass (``torch.autograd.graph.saved_
 are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
 backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
 (the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204). On CPU
-the probe measures the growth of a training micro step per sample from two wider micro steps
+the probe measures the growth of a training micro step per sample from wider micro steps
 (``slope_bytes``, torch's profiler counting the CPU allocator's bytes; docs/decisions.md, D111), which the
 activation term takes where it is larger than the saved bytes.
 
@@ -85,14 +85,16 @@ class ModelInfo:
                      ds_config: dict[str, Any] | None = None) -> "ModelInfo":
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
-        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present. On CPU, with
-        :data:`SLOPE_KEY`, the term is the largest of the two and :data:`DATA_SLOPE_KEY` (``VmData``'s, which
-        the CPU budget limits); where the probe ran the backward
-        (:data:`STEP_GROWTH_KEY`), the profile's peak is the record's ``data_peak_bytes`` alone (rank 0's
-        ``VmData`` after that backward, before the wider steps, which the backend's sampled peak also holds;
-        :attr:`peak_after_backward`); a CPU record (it has ``data_peak_bytes``) never reads its
-        :data:`STEP_GROWTH_KEY` as activations, whose mbs 1
-        step holds the gradients and gathered parameters as much as activations. On CUDA, with
+        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
+
+        On CPU (a record with ``data_peak_bytes``): with :data:`SLOPE_KEY`, the term is the largest of the saved
+        bytes, :data:`SLOPE_KEY` and :data:`DATA_SLOPE_KEY` (``VmData``'s, which the CPU budget limits). Where
+        the probe ran the backward (:data:`STEP_GROWTH_KEY`), the profile's peak is ``data_peak_bytes`` alone:
+        rank 0's ``VmData`` after that backward and before the wider steps, which the backend's sampled peak also
+        holds (:attr:`peak_after_backward`). Its :data:`STEP_GROWTH_KEY` is never read as activations: at mbs 1
+        the step holds the gradients and gathered parameters as much as activations.
+
+        On CUDA, with
         :data:`STEP_GROWTH_KEY`, the term is :func:`step_activations` of the two, the profile's ``ds_config``
         giving its ZeRO stage and precision (None: an fp32 run below stage 3).
         :data:`CHECKPOINTED_ACTIVATIONS_KEY` gives :attr:`checkpointed_activation_mem_per_gpu`.
