@@ -26,10 +26,9 @@ import tempfile
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.core.units import format_bytes, parse_bytes
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
-from zerotune.run.slots import Node, Reservation
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS = 2

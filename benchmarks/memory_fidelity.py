@@ -52,14 +52,13 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.core.units import format_bytes
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import data_bytes
-from zerotune.run.slots import Node, Reservation
 from zerotune.strategy.configs import PROFILE_BUCKET_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -35,8 +35,9 @@ import threading
 import time
 from pathlib import Path
 
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends import local as local_mod
-from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.run.backends.base import Backend
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run.resources import select_resources

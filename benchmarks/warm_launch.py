@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler

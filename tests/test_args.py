@@ -7,11 +7,10 @@ import sys
 import pytest
 
 from zerotune.core.errors import ConfigError
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.deepspeed.args import (apply_arg_mappings, arg_text, check_mapped_keys, flag_value, mapped_value,
                                      parse_arg_mappings)
 from zerotune.deepspeed.launcher import launch_command
-from zerotune.run.backends.base import LaunchSpec
-from zerotune.run.slots import Node, Reservation
 
 MBS_FLAG = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}
 CFG = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run.processes import remove_shm_buffers

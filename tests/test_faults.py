@@ -41,9 +41,9 @@ from tests.helpers.standins import (ANSWER, BASE_CONFIG, DRIVER, LAUNCHER, RANK,
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec
 from zerotune.deepspeed import extensions
 from zerotune.run import expdir
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUNNING_DIR
 from zerotune.run.resources import select_resources
@@ -207,7 +207,7 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["build.ninja", "fused_adam.so"]  # no lock
     assert (ext / "fused_adam" / "fused_adam.so").stat().st_mtime == (machine / "fused_adam" / "fused_adam.so").stat().st_mtime
     from zerotune.deepspeed.launcher import launch_env
-    from zerotune.run.slots import Node, Reservation
+    from zerotune.core.launch import Node, Reservation
     env = launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
                      probe_dir=tmp_path / "exps" / "z0_gas1_tmbspg1")
     assert env["TORCH_EXTENSIONS_DIR"] == str(ext)

@@ -6,10 +6,10 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import ExperimentKind
+from zerotune.core.launch import Node
 from zerotune.deepspeed.auto import ENGINE_RECORD, auto_paths, hidden_size_autos, resolve, script_autos
 from zerotune.probe._zerotune_probe.engine import _hidden_size
 from zerotune.report.results import optimal_config
-from zerotune.run.resources import Node
 from zerotune.strategy.configs import PROFILE_BUCKET_SIZE, ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from zerotune.core.errors import ConfigError
-from zerotune.run.resources import Node
+from zerotune.core.launch import Node
 from zerotune.strategy.job import Job, TuneOptions
 
 GiB = 2**30

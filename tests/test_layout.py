@@ -1,5 +1,5 @@
-"""The project's shape, held: small functions, small strategy modules, no import cycle, no sys.path hacks, no test
-module imported by another, short READMEs.
+"""The project's shape, held: small functions, small strategy modules, no import cycle, layers imported only
+downwards, no sys.path hacks, no test module imported by another, short READMEs.
 
 What docs/how-it-works.md draws stays readable only while these hold (docs/decisions.md, D100).
 """
@@ -13,6 +13,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerotune"
 MAX_FUNCTION_LINES = 60  # lines of code: docstrings, comments and blank lines not counted
 MAX_STRATEGY_MODULE_LINES = 300
+
+LAYERS = (  # lowest first: a module imports its own layer and those before it, never a later one (docs/how-it-works.md)
+    "core",  # the ground floor: errors, the records (experiment, step, launch), objective, units, measure
+    "probe",  # the step probe (stdlib only in the ranks) and the tuner's reader of its streams
+    "deepspeed",  # DeepSpeed's own facts: config, keys, validation, the launcher command
+    "model",  # the memory and throughput models, the profile
+    "run",  # slots, the scheduler, backends, an experiment's directory, the resume key
+    "strategy",  # the job and what to try next
+    "report",  # what the user reads
+    "autotuner",  # the Python API's facade
+    "cli",  # the launcher-style command line
+    "__main__",  # python -m zerotune
+    "__init__",  # the package root: its names imported on first use, by name
+)
 
 
 def code_lines(source: str, tree: ast.Module) -> set[int]:
@@ -39,16 +53,34 @@ def module_name(path: Path) -> str:
 
 def imports(path: Path, tree: ast.Module, modules: set[str]) -> set[str]:
     """The zerotune modules ``path`` imports anywhere (TYPE_CHECKING and function-level imports included)."""
-    found = set()
+    return {n for _, names in zerotune_imports(path, tree) for n in names if n in modules} - {module_name(path)}
+
+
+def layer(module: str) -> str:
+    """The layer of a zerotune module: its top-level subpackage or module (``__init__`` for the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def zerotune_imports(path: Path, tree: ast.Module) -> list[tuple[int, list[str]]]:
+    """Per import statement of ``path`` (TYPE_CHECKING blocks and functions included): its line and the zerotune
+    names it loads, ``M`` and, for ``from M import x``, ``M.x`` too (a submodule where ``x`` is one); relative
+    imports resolved from ``path``'s own package."""
+    package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
         else:
             continue
-        found.update(n for n in names if n in modules)
-    return found - {module_name(path)}
+        names = [n for n in names if n.split(".")[0] == "zerotune"]
+        if names:
+            found.append((node.lineno, names))
+    return found
 
 
 def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]:
@@ -129,6 +161,23 @@ def test_the_package_has_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_no_module_imports_a_higher_layer():
+    """The layers stand on each other in :data:`LAYERS`'s order (issue 40): a type-only import counts too, since
+    it ties the layers together for a reader as a runtime import does."""
+    paths = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    unplaced = sorted({layer(m) for m in paths} - set(LAYERS))
+    assert unplaced == [], f"subpackages or modules with no place in LAYERS: {unplaced}"
+    upward = []
+    for module, path in paths.items():
+        for line, names in zerotune_imports(path, ast.parse(path.read_text())):
+            # the root package loads with every import; ``from zerotune import x`` imports zerotune.x
+            imported = next((n for n in names if n != "zerotune"), None)
+            low, high = layer(module), imported and layer(imported)
+            if high and LAYERS.index(high) > LAYERS.index(low):
+                upward.append(f"{module}:{line} imports {imported}: layer {low!r} imports the higher layer {high!r}")
+    assert upward == [], "\n".join(upward)
 
 
 def test_tests_and_benchmarks_import_as_packages_without_sys_path_edits():

@@ -13,17 +13,17 @@ import pytest
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.core.objective import OBJECTIVES
 from zerotune.deepspeed.launcher import launch_command, launch_env
 from zerotune.deepspeed.rank_env import passed_env, runner_env_file
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH
 from zerotune.run import expdir
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.ray import node_spec
 from zerotune.run.backends.slurm import srun_command, step_env
 from zerotune.run.resources import select_resources
-from zerotune.run.slots import Node, Reservation, SlotPool
+from zerotune.run.slots import SlotPool
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 
 PY = sys.executable

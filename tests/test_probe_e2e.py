@@ -7,11 +7,11 @@ import sys
 import pytest
 
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec
 from zerotune.core.measure import measure
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.stopping import StopRule
 from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, clean_exits, read_exits, read_streams
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler

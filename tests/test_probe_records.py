@@ -1,5 +1,6 @@
-"""zerotune.probe.StepRecord: a probe stream line, parsed and validated once, exactly."""
-from zerotune.probe import StepRecord, read_streams, step_records, stream_name
+"""zerotune.core.step_record.StepRecord: a probe stream line, parsed and validated once, exactly."""
+from zerotune.core.step_record import StepRecord
+from zerotune.probe import read_streams, step_records, stream_name
 
 LINE = ('{"rank": 1, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 2, '
         '"train_batch_size": 8, "peak_bytes": 734003200, "rss_peak_bytes": 700000000}')

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from zerotune import cli
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.run.backends.ray import RayBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
@@ -28,7 +28,7 @@ from zerotune.core.objective import OBJECTIVES
 from zerotune.probe import read_streams
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
-from zerotune.run.slots import Node, Reservation, SlotPool
+from zerotune.run.slots import SlotPool
 
 from tests.helpers.processes import processes_running
 from tests.helpers.tiny import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.errors import ConfigError
+from zerotune.core.launch import Node, Reservation
 from zerotune.run.resources import parse_hostfile, select_resources
-from zerotune.run.slots import Node, Reservation, SlotPool
+from zerotune.run.slots import SlotPool
 
 
 def write(tmp_path: Path, text: str) -> Path:

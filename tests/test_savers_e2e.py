@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec
 from zerotune.deepspeed.extensions import own_root
 from zerotune.deepspeed.validate import validate
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
@@ -255,7 +255,7 @@ def test_timeout_kills_a_busy_experiment(stand_in, tmp_path):
 TUNER = r'''
 import sys
 from pathlib import Path
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.core.experiment import Experiment
 from zerotune.run.resources import select_resources

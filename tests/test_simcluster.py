@@ -7,10 +7,10 @@ from benchmarks.simcluster.backend import SimulatedBackend
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes
 from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.launch import Node, Reservation
 from zerotune.core.measure import measure
 from zerotune.core.objective import Objective
 from zerotune.probe import read_streams
-from zerotune.run.slots import Node, Reservation
 
 ONE_NODE = Cluster(A100_40, num_nodes=1, interconnect=NONE)
 

@@ -22,15 +22,15 @@ import pytest
 from zerotune import cli
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import _Supervised
 from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
 from zerotune.run.backends.slurm_warm import server_step_command
 from zerotune.run.processes import reap_orphans, slurm_step_id
 from zerotune.run.scheduler import Scheduler
-from zerotune.run.slots import Node, Reservation, SlotPool
+from zerotune.run.slots import SlotPool
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
 from tests.helpers.cluster_env import run_env

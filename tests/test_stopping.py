@@ -14,11 +14,12 @@ import pytest
 from scipy.stats import t as student_t
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.launch import LaunchSpec
 from zerotune.core.objective import OBJECTIVES
+from zerotune.core.step_record import StepRecord
 from zerotune.core.stopping import EndReason, StopRule, must_beat
-from zerotune.probe import StepRecord, step_records, stream_name
+from zerotune.probe import step_records, stream_name
 from zerotune.run import expdir
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUN_TOKEN_ENV
 from zerotune.run.resources import select_resources

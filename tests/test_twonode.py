@@ -171,7 +171,7 @@ def test_ray_places_an_experiment_on_both_ray_nodes(ray_two_nodes, tmp_path):
 DRIVER = """
 import json, sys
 from zerotune.core.experiment import Experiment
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler

@@ -5,7 +5,7 @@ import pytest
 
 from zerotune.cli import main
 from zerotune.core.errors import ConfigError
-from zerotune.run.resources import Node
+from zerotune.core.launch import Node
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.variables import parse_cli_variable, parse_variables, placeholder_paths

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.experiment import Experiment, Status
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, run_processes
 from zerotune.run.resources import SlotPool, select_resources

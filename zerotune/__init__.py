@@ -12,10 +12,11 @@ The public API is :data:`__all__`; everything else is internal and may change.
   experiments, the answer), whose records are :class:`Experiment` with a :class:`Status`; on disk each
   experiment's ``exp.json`` is ``Experiment.to_json()``.
 
-The packages follow the data flow (docs/how-it-works.md): ``core`` and ``deepspeed`` are the ground floor;
-``strategy`` turns a job into experiments using ``model``; ``run`` schedules and runs them; ``report``
-writes the answer; ``autotuner`` wires them, ``cli`` is the launcher-style command line. Names are
-imported on first use, so ``import zerotune`` stays light (the probe runs inside every training rank).
+The packages follow the data flow (docs/how-it-works.md): ``core`` is the ground floor, ``probe`` and
+``deepspeed`` stand on it; ``strategy`` turns a job into experiments using ``model``; ``run`` schedules and runs
+them; ``report`` writes the answer; ``autotuner`` wires them, ``cli`` is the launcher-style command line. Each
+imports only the layers below it: core < probe < deepspeed < model < run < strategy < report < autotuner < cli.
+Names are imported on first use, so ``import zerotune`` stays light (the probe runs inside every training rank).
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ from rich.console import Console
 
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment
+from zerotune.core.launch import Node, Reservation
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command
@@ -36,7 +37,7 @@ from zerotune.report.publish import Refresher
 from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
-from zerotune.run.resources import Node, Reservation, SlotPool
+from zerotune.run.resources import SlotPool
 from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import Scheduler, clear_experiments, tuning_locks
 from zerotune.strategy.configs import ConfigBuilder

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from tests.helpers.standins import BASE_CONFIG, LAUNCHER, RANK
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec
 from zerotune.core.user_files import MAX_FILE_BYTES
 from zerotune.deepspeed import extensions
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler

@@ -45,7 +45,7 @@ from typing import Iterable, Mapping, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
-from zerotune.probe import StepRecord
+from zerotune.core.step_record import StepRecord
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
            "StepStats", "activation_slope_bytes", "comparison_noise", "measure", "mean_half_width", "peak_bytes",
@@ -208,7 +208,7 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
     ``device_peak_bytes`` (the caching allocator's reserved high-water mark plus what lies outside it: the CUDA
     context, NCCL's buffers), where it holds one, not ``peak_bytes`` (allocated bytes, which leave both out:
     a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
-    ``VmData``, sampled every 5 ms (:attr:`zerotune.probe.StepRecord.peak`). Ranks without one are absent."""
+    ``VmData``, sampled every 5 ms (:attr:`zerotune.core.step_record.StepRecord.peak`). Ranks without one are absent."""
     peaks = {}
     for rank, records in streams.items():
         values = [r.peak for r in records if r.peak is not None]

@@ -19,17 +19,13 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from zerotune.core.launch import LaunchSpec, Reservation
 from zerotune.deepspeed.args import apply_arg_mappings
 from zerotune.deepspeed.config import replace_config_arg
 from zerotune.deepspeed.extensions import extensions_dir
 from zerotune.deepspeed.rank_env import passed_env
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH
-
-if TYPE_CHECKING:
-    from zerotune.run.backends.base import LaunchSpec
-    from zerotune.run.slots import Reservation
 
 __all__ = ["deepspeed_launcher", "free_port", "launch_command", "launch_env", "multi_node", "node_launcher",
            "paste_command", "release_port", "script_arguments", "shell_word"]

@@ -1,6 +1,6 @@
 """Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``).
-Who holds them (``SlotPool``, ``Reservation``) is :mod:`zerotune.run.slots`; those names are
-importable from here too.
+Who holds them (``SlotPool``) is :mod:`zerotune.run.slots`, importable from here too; a ``Node`` and a
+``Reservation`` are records of :mod:`zerotune.core.launch`.
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
 launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). The flow is::
@@ -30,12 +30,11 @@ from pathlib import Path
 
 from zerotune.core.arguments import MAX_COUNT
 from zerotune.core.errors import ConfigError
-from zerotune.run.slots import LOCALHOST, Node, Reservation, SlotPool
+from zerotune.core.launch import Node
+from zerotune.run.slots import LOCALHOST, SlotPool
 
 __all__ = [
     "LOCALHOST",
-    "Node",
-    "Reservation",
     "SlotPool",
     "parse_hostfile",
     "select_resources",

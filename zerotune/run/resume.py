@@ -24,18 +24,34 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Mapping, Protocol, Sequence
 
+from zerotune.core.objective import Objective
+from zerotune.core.stopping import StopRule
 from zerotune.deepspeed.canonical import config_hash
-from zerotune.deepspeed.config import replace_config_arg
-
-if TYPE_CHECKING:
-    from zerotune.strategy.job import Job
+from zerotune.deepspeed.config import AutotuningConfig, replace_config_arg
 
 CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed script arguments
 
 
-def resume_context(job: Job) -> dict[str, Any]:
+class ResumedJob(Protocol):
+    """What :func:`resume_context` reads of a job: the fields of :class:`zerotune.strategy.job.Job` it keys on
+    (a protocol, so this layer names no strategy type)."""
+
+    script: str
+    script_args: Sequence[str]
+    num_nodes: int
+    slots_per_node: int
+    mp_size: int
+    cpu: bool
+    device_memory_bytes: int
+    autotuning: AutotuningConfig
+    objective: Objective
+    stop_rule: StopRule | None
+    arg_mappings: Mapping[str, str]
+
+
+def resume_context(job: ResumedJob) -> dict[str, Any]:
     """Everything besides the ds_config that makes an experiment of ``job`` the same experiment.
 
     Returns:

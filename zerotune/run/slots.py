@@ -1,5 +1,5 @@
-"""Device slots and who holds them: a ``Node`` (a host and its device ids), the ``SlotPool`` that
-hands them out, and the ``Reservation`` one experiment holds.
+"""Who holds the device slots: the ``SlotPool`` that hands them out, a ``Reservation`` to each experiment (the
+``Node`` and ``Reservation`` records are :mod:`zerotune.core.launch`).
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
 launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). Which slots exist is
@@ -15,69 +15,12 @@ on them::
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
-__all__ = ["LOCALHOST", "Node", "Reservation", "SlotPool"]
+from zerotune.core.launch import Node, Reservation
+
+__all__ = ["LOCALHOST", "SlotPool"]
 
 LOCALHOST = "localhost"
-
-
-@dataclass(frozen=True)
-class Node:
-    """One host and the device slots zerotune may use on it.
-
-    Attributes:
-        host: host name as in the hostfile (``localhost`` without one).
-        slots: real device ids on that host, ascending and unique, e.g. ``(4, 5)`` after
-            ``--include host:4,5``. Nodes of one cluster may have different slot counts.
-    """
-
-    host: str
-    slots: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("Node.host must be a non-empty host name")
-        if any(s < 0 for s in self.slots) or list(self.slots) != sorted(set(self.slots)):
-            raise ValueError(f"Node.slots must be ascending unique device ids >= 0, got {self.slots}")
-
-    @property
-    def num_slots(self) -> int:
-        """Number of device slots on this node."""
-        return len(self.slots)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Device slots held by one experiment, from ``SlotPool.try_reserve``.
-
-    Attributes:
-        nodes: the reserved nodes, in pool order, each with only its reserved slots.
-    """
-
-    nodes: tuple[Node, ...]
-
-    @property
-    def world_size(self) -> int:
-        """Total ranks (slots) across all reserved nodes."""
-        return sum(len(n.slots) for n in self.nodes)
-
-    @property
-    def num_nodes(self) -> int:
-        """Number of reserved nodes."""
-        return len(self.nodes)
-
-    def include_arg(self) -> str:
-        """The ``deepspeed`` launcher's ``--include`` value for exactly these slots.
-
-        ``localhost:0,1`` for one local node, ``worker-0:0,1@worker-1:2,3`` for two hosts.
-
-        .. note:: The launcher only uses ssh/pdsh when more than one host is active (or
-           ``--force_multi`` is given): a reservation of a single remote host needs
-           ``--force_multi`` with the hostfile, or it runs on the local machine.
-        """
-        return "@".join(f"{n.host}:{','.join(str(s) for s in n.slots)}" for n in self.nodes)
-
 
 
 class SlotPool:

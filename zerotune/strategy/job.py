@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from zerotune.core.errors import ConfigError
+from zerotune.core.launch import LaunchSpec, Node
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, StopRule
 from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config, parse_autotuning,
                                        stage_candidates)
 from zerotune.model.profile import ModelInfo
-from zerotune.run.backends.base import LaunchSpec
-from zerotune.run.resources import Node
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections

@@ -1,7 +1,8 @@
 """Backends: where an experiment's processes run (``local``: the deepspeed launcher here; ``ray``; ``slurm``)."""
 from __future__ import annotations
 
-from zerotune.run.backends.base import Backend, LaunchSpec
+from zerotune.core.launch import LaunchSpec
+from zerotune.run.backends.base import Backend
 
 
 def make_backend(kind: str, spec: LaunchSpec, ray_address: str | None = None) -> Backend:

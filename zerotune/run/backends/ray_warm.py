@@ -17,9 +17,9 @@ import socket
 import threading
 from pathlib import Path
 
-from zerotune.run.backends.base import LaunchSpec
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.run.backends.local import warm_server_env
-from zerotune.run.slots import LOCALHOST, Node, Reservation
+from zerotune.run.slots import LOCALHOST
 from zerotune.run.warm.client import SERVER_RECORD, WarmServer, WarmUnavailable
 
 __all__ = ["WarmHost", "WarmHosts"]

@@ -51,8 +51,8 @@ import psutil
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.deepspeed.launcher import launch_env, script_arguments
-from zerotune.run.backends.base import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
 from zerotune.run.backends.slurm_warm import SlurmWarmServers
@@ -60,7 +60,6 @@ from zerotune.run.expdir import STDERR_LOG
 from zerotune.run.processes import (SLURM_STEP_GONE_S, adopt_orphans, cancel_slurm_step, descendants, kill_tree,
                                     run_processes, slurm_step_id)
 from zerotune.run.warm.rank import SETUP_FAILED_LINE
-from zerotune.run.slots import Node, Reservation
 
 __all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
 

@@ -1,0 +1,95 @@
+"""One optimizer step of one rank as the step probe records it (one line of its stream), validated once.
+
+:mod:`zerotune.probe` parses the streams into these records (:func:`zerotune.probe.read_streams`); the metric
+(:mod:`zerotune.core.measure`), the early end (:mod:`zerotune.core.stopping`) and the backends read them.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["StepRecord"]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One line of a probe stream: one optimizer step of one rank (the fields
+    :mod:`zerotune.probe._zerotune_probe.records` writes, same names and units), validated once
+    (:meth:`from_dict`).
+
+    A field is None where the line lacks it or holds anything but a finite number that is not a bool
+    (for ``step`` and ``rank``, anything but an ``int``): the readers treat it as missing. Counts and
+    bytes are truncated to ``int``. A record without a valid ``step`` still carries its peaks.
+
+    Attributes:
+        rank: the rank that wrote it (the stream's file name says the same).
+        step: the optimizer step's index in the rank's process, from 1.
+        t: ``time.monotonic()`` when the step returned, seconds (one clock for every rank of a machine).
+        step_s: wall time from the end of the previous optimizer step to the end of this one, seconds.
+        boundary_s: the part of ``step_s`` spent in the work done once per optimizer step, seconds.
+        micro_steps: ``step()`` calls in this optimizer step (gradient accumulation steps).
+        train_batch_size: global samples per optimizer step.
+        peak_bytes: on CUDA the allocated high-water mark, on CPU the largest ``VmData`` so far, bytes.
+        peak_reserved_bytes: on CUDA the caching allocator's reserved high-water mark, bytes.
+        device_peak_bytes: on CUDA what the device held at its peak (reserved plus outside the allocator), bytes.
+        rss_peak_bytes: on CPU the resident high-water mark (``ru_maxrss``), bytes.
+        base_bytes: on CUDA the allocated bytes just before the step's first forward (from step 2 on: the
+            model states), bytes.
+    """
+
+    rank: int | None = None
+    step: int | None = None
+    t: float | None = None
+    step_s: float | None = None
+    boundary_s: float | None = None
+    micro_steps: int | None = None
+    train_batch_size: int | None = None
+    peak_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    base_bytes: int | None = None
+
+    @property
+    def peak(self) -> int | None:
+        """The peak the per-device budget limits, bytes: ``device_peak_bytes`` where the record holds one
+        (CUDA: allocated bytes leave out the allocator's cache and the context), else ``peak_bytes``."""
+        return self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_bytes
+
+    @classmethod
+    def parse(cls, line: str) -> StepRecord | None:
+        """The record on one stream line; None when the line is not a JSON object (a rank killed while
+        writing it)."""
+        try:
+            data = json.loads(line)
+        except ValueError:
+            return None
+        return cls.from_dict(data) if isinstance(data, dict) else None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
+        """The record from a decoded line (or a simulated run's record, held in memory), each field
+        validated as the class docstring says."""
+        def integer(key: str) -> int | None:
+            value = data.get(key)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+        def number(key: str) -> float | None:
+            value = data.get(key)
+            return float(value) if _finite(value) else None
+
+        def count(key: str) -> int | None:
+            value = data.get(key)
+            return int(value) if _finite(value) else None
+
+        return cls(rank=integer("rank"), step=integer("step"), t=number("t"), step_s=number("step_s"),
+                   boundary_s=number("boundary_s"), micro_steps=count("micro_steps"),
+                   train_batch_size=count("train_batch_size"), peak_bytes=count("peak_bytes"),
+                   peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
+                   rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"))
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
