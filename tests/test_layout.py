@@ -62,31 +62,10 @@ def layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def zerotune_imports(path: Path, tree: ast.Module) -> list[tuple[int, list[str]]]:
-    """Per import statement of ``path`` (TYPE_CHECKING blocks and functions included): its line and the zerotune
-    names it loads, ``M`` and, for ``from M import x``, ``M.x`` too (a submodule where ``x`` is one); relative
-    imports resolved from ``path``'s own package."""
-    package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package[:len(package) - node.level + 1] if node.level else []
-            module = ".".join([*base, *([node.module] if node.module else [])])
-            names = [module] + [f"{module}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        names = [n for n in names if n.split(".")[0] == "zerotune"]
-        if names:
-            found.append((node.lineno, names))
-    return found
-
-
-def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]:
-    """(line, module) for each ``tests.test_*`` module ``path`` imports anywhere, in any form: ``import
-    tests.test_x``, ``from tests.test_x import y``, ``from tests import test_x``, and relative ones (``from .test_x
-    import y``, ``from . import test_x``), resolved from ``path``'s own package."""
+def import_statements(path: Path, tree: ast.Module) -> list[tuple[int, list[str]]]:
+    """Per import statement of ``path`` (TYPE_CHECKING blocks and functions included): its line and the names it
+    loads, ``M`` and, for ``from M import x``, ``M.x`` too (a submodule where ``x`` is one); relative imports
+    resolved from ``path``'s own package (one reaching above it is left out)."""
     package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
     found = []
     for node in ast.walk(tree):
@@ -100,10 +79,26 @@ def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]
             names = [module] + [f"{module}.{alias.name}" for alias in node.names]
         else:
             continue
+        found.append((node.lineno, names))
+    return found
+
+
+def zerotune_imports(path: Path, tree: ast.Module) -> list[tuple[int, list[str]]]:
+    """:func:`import_statements` narrowed to the zerotune names each loads (statements loading none left out)."""
+    found = [(line, [n for n in names if n.split(".")[0] == "zerotune"]) for line, names in import_statements(path, tree)]
+    return [(line, names) for line, names in found if names]
+
+
+def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) for each ``tests.test_*`` module ``path`` imports anywhere, in any form: ``import
+    tests.test_x``, ``from tests.test_x import y``, ``from tests import test_x``, and relative ones (``from .test_x
+    import y``, ``from . import test_x``)."""
+    found = []
+    for line, names in import_statements(path, tree):
         for name in names:
             parts = name.split(".")
             if len(parts) > 1 and parts[0] == "tests" and parts[1].startswith("test_"):
-                found.append((node.lineno, ".".join(parts[:2])))
+                found.append((line, ".".join(parts[:2])))
     return sorted(set(found))
 
 
