@@ -75,8 +75,9 @@ class Evaluator:
                 todo[exp.name] = exp
         batch = list(todo.values())
         room = self.job.budget.room(self.ledger.experiments)
-        cut = batch[room:] if room is not None and room < len(batch) else []
-        for exp in self._evaluate(batch[:len(batch) - len(cut)]) if len(cut) < len(batch) else []:
+        launch = batch if room is None else batch[:room]
+        cut = batch[len(launch):]
+        for exp in self._evaluate(launch) if launch else []:
             self.ledger.add(exp)
             self._correct_memory(exp)
         if todo:
