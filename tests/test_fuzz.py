@@ -28,6 +28,7 @@ from tests.helpers import cli_inputs
 from zerotune import cli
 from zerotune.core.user_files import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from zerotune.deepspeed.config import CONFIG_RULE, AutotuningConfig
+from zerotune.run.backends import BACKENDS
 from zerotune.run.scheduler import experiment_dir
 
 FUZZ = settings(max_examples=int(os.environ.get("ZEROTUNE_FUZZ_EXAMPLES", "100")), deadline=None,
@@ -92,7 +93,7 @@ flag_values = {
     "--timeout": st.sampled_from(["-5", "0", "nan", "inf", "30", "x"]),
     "--hang-timeout": st.sampled_from(["-1", "5", "nan"]),
     "--results-dir": st.sampled_from(["{tmp}/r", "{tmp}/afile", "{tmp}/afile/sub", "/proc/zerotune", "", "{tmp}/r/../r2"]),
-    "--backend": st.sampled_from(["local", "ray", "slurm"]),
+    "--backend": st.sampled_from(BACKENDS),
     "--precision": st.sampled_from(["0.02", "0", "2", "-1", "nan"]),
     "--var": st.sampled_from(["X=1", "X", "=3", "LR=[1e-4, 3e-4]"]),
 }

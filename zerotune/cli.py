@@ -27,6 +27,7 @@ from zerotune.core.stopping import DEFAULT_PRECISION
 from zerotune.model import estimate
 from zerotune.report import publish
 from zerotune.report.log import set_verbosity
+from zerotune.run.backends import BACKENDS, backend_nodes
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run every experiment to end_profile_step (no early end when its metric is known or "
                             "cannot beat the best)")
         z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
-        z.add_argument("--backend", choices=("local", "ray", "slurm"), default="local",
+        z.add_argument("--backend", choices=BACKENDS, default="local",
                        help="where experiments run: 'local' (the deepspeed launcher here), 'ray' (a Ray cluster, "
                             "one placement group per experiment; pip install 'zerotune[ray]') or 'slurm' (inside "
                             "salloc or an sbatch script: one srun job step per experiment on the allocation's nodes)")
@@ -185,7 +186,8 @@ def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
     cpu = args.cpu
     if args.backend == "slurm":
         cpu = bool(cpu) or not cuda_available()
-        return _slurm_nodes(args, cpu), cpu
+        _check_allocation_options(args)
+        return backend_nodes(args.backend, cpu, args.num_gpus, args.num_nodes), cpu
     local_slots = None
     include, exclude = args.include or "", args.exclude or ""
     if args.hostfile is None:
@@ -204,15 +206,13 @@ def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
     return nodes, cpu
 
 
-def _slurm_nodes(args: argparse.Namespace, cpu: bool) -> list:
-    """``--backend slurm``'s nodes: the allocation's (:func:`zerotune.run.backends.slurm.slurm_nodes`), which
-    Slurm's own options choose, not a hostfile or a filter."""
+def _check_allocation_options(args: argparse.Namespace) -> None:
+    """``--backend slurm`` takes no hostfile or node filter: the allocation's nodes are its nodes
+    (:func:`zerotune.run.backends.backend_nodes`), which Slurm's own options choose."""
     for flag, value in (("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude)):
         if value:
             raise ConfigError(f"{flag} goes with the local backend: with --backend slurm the allocation names the "
                               "nodes (salloc/sbatch --nodes, --nodelist, --exclude)")
-    from zerotune.run.backends.slurm import slurm_nodes
-    return slurm_nodes(cpu, args.num_gpus, args.num_nodes)
 
 
 def training_status(code: int, results_dir) -> int:

@@ -15,14 +15,11 @@ from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import AutotuningConfig
 from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
 from zerotune.model.profile import ModelInfo
+from zerotune.run.backends import BACKENDS
 from zerotune.strategy.batch import BatchSemantics
 
-__all__ = ["BACKENDS", "MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options",
-           "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes",
-           "mbs_bounds"]
-
-BACKENDS = ("local", "ray", "slurm")
-"""The backends :attr:`TuneOptions.backend <zerotune.strategy.job.TuneOptions.backend>` may name."""
+__all__ = ["MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options", "check_output_dirs",
+           "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes", "mbs_bounds"]
 
 
 def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
