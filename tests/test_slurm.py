@@ -24,11 +24,13 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
+from zerotune.run.backends import stop_handles
 from zerotune.run.backends.local import _Supervised
 from zerotune.run.backends.slurm import SlurmBackend, slurm_nodes, srun_command, step_env
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts, rank_env
+from zerotune.run.backends.slurm_step import slurm_step_id, step_handle
 from zerotune.run.backends.slurm_warm import server_step_command
-from zerotune.run.processes import reap_orphans, slurm_step_id
+from zerotune.run.processes import reap_orphans, write_running_record
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
@@ -223,6 +225,35 @@ def test_slurm_nodes_come_from_the_allocation():
     assert SlurmBackend(spec_for(cpu=True), environ=env).cpus_per_task(Reservation((Node("node-1", (0, 1)),))) == 4
 
 
+def test_a_steps_record_holds_its_stop_handle_read_as_an_older_zerotune_wrote_it_too(tmp_path):
+    backend = SlurmBackend(spec_for(cpu=True), environ={"SLURM_JOB_ID": "42", "SLURM_JOB_CPUS_PER_NODE": "2"})
+    backend._steps["tok"] = "zerotune-z1-abcd1234"
+    assert backend._stop_handle("tok") == {"kind": "slurm_step", "job_id": "42", "step_name": "zerotune-z1-abcd1234"}
+    assert backend._stop_handle("another") is None
+    path = write_running_record(tmp_path, "z1", "tok", 29500, stop=backend._stop_handle("tok"))
+    record = json.loads(path.read_text())
+    assert stop_handles.record_handle(record) == step_handle("42", "zerotune-z1-abcd1234")
+    older = {k: v for k, v in record.items() if k != "stop"} | {"slurm_job": "42",
+                                                                "slurm_step_name": "zerotune-z1-abcd1234"}
+    assert stop_handles.record_handle(older) == step_handle("42", "zerotune-z1-abcd1234")
+    assert stop_handles.record_handle({"slurm_job": 42, "slurm_step_name": "x"}) is None
+    assert not stop_handles.cancel_handle(None) and not stop_handles.cancel_handle({"kind": ["a newer zerotune's"]})
+    assert not stop_handles.cancel_handle({"kind": "slurm_step", "job_id": 42})  # not a step's name: nothing cancelled
+
+
+def test_the_reaper_stops_an_orphans_handle_through_its_kinds_canceller(tmp_path, monkeypatch):
+    stopped = []
+    monkeypatch.setitem(stop_handles.CANCELLERS, "slurm_step", lambda handle: stopped.append(dict(handle)) or True)
+    for name, handle in (("new", {"stop": step_handle("42", "step-a")}),
+                         ("older", {"slurm_job": "42", "slurm_step_name": "step-b"}), ("local", {})):
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "name": name, "token": "no-process-has-this-token", "master_port": None, "host": socket.gethostname(),
+            "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None, **handle}))
+    assert reap_orphans(tmp_path) == ["local", "new", "older"]
+    assert stopped == [step_handle("42", "step-a"), step_handle("42", "step-b")]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_backend_slurm_outside_an_allocation_or_with_a_hostfile_is_exit_2(tmp_path, monkeypatch, capsys):
     for name in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(name)
@@ -404,9 +435,11 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
 
 
 @pytest.mark.e2e
-def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp_path):
+@pytest.mark.parametrize("older", [False, True], ids=["stop_handle", "older_keys"])
+def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp_path, older):
     """A tuner SIGKILLed mid-step leaves its running record; the next tuner's reap cancels the step by the job id
-    and step name recorded there (its ranks on other nodes have no process here to kill)."""
+    and step name recorded there (its ranks on other nodes have no process here to kill), as its stop handle or
+    as an older zerotune recorded them."""
     name = "zerotune-orphan-abcd1234"
     srun = subprocess.Popen(["srun", "-n1", "--job-name", name, "sleep", "300"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -420,7 +453,8 @@ def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp
         (running / "orphan.json").write_text(json.dumps({
             "name": "orphan", "token": "no-process-has-this-token", "master_port": 1, "host": socket.gethostname(),
             "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None,
-            "slurm_job": allocation, "slurm_step_name": name}))
+            **({"slurm_job": allocation, "slurm_step_name": name} if older
+               else {"stop": step_handle(allocation, name)})}))
         assert reap_orphans(running) == ["orphan"]  # its tuner (a pid above Linux's largest) is gone
         assert slurm_step_id(allocation, name) is None and steps_of(allocation) == []
         assert srun.wait(timeout=30) != 0  # srun ends with its cancelled step

@@ -31,23 +31,25 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from zerotune.core.experiment import write_json_atomic
+from zerotune.run.backends.stop_handles import cancel_handle, record_handle
 from zerotune.run.expdir import read_json
 
 __all__ = [
-    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "SLURM_STEP_GONE_S", "adopt_orphans", "cancel_slurm_step", "data_bytes",
-    "descendants", "kill_token", "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers",
-    "run_processes", "runs_script", "slurm_step_id", "write_running_record",
+    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token",
+    "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes", "runs_script",
+    "write_running_record",
 ]
 
 RUN_TOKEN_ENV = "ZEROTUNE_RUN_TOKEN"
 RUNNING_DIR = ".zerotune-running"  # under the exps dir: one record per experiment being run
 SHM_DIR = Path("/dev/shm")
-SLURM_STEP_GONE_S = 30.0  # how long a cancelled Slurm step may take to leave squeue (KillWait and a margin), s
 _PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before any fork
 
@@ -175,24 +177,25 @@ def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool
 
 def run_processes(token: str) -> list[psutil.Process]:
     """The live processes of this user on this machine whose environment carries ``token``, and their
-    descendants: a run's processes that are not the launcher's descendants (a Slurm step's ranks, started by
-    slurmd)."""
+    descendants: a run's processes that are not the launcher's descendants (ranks a cluster's node daemon
+    started)."""
     return _of_run(token, None, None)
 
 
 def write_running_record(running_dir: Path, name: str, token: str, master_port: int | None, leader: int | None = None,
-                         since: float | None = None, slurm_step: tuple[str, str] | None = None) -> Path:
+                         since: float | None = None, stop: Mapping[str, Any] | None = None) -> Path:
     """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
     ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the
-    module doc), as the Slurm job step ``slurm_step`` (job id, step name) where srun runs it; the caller removes
-    the returned file when the run's processes are gone."""
+    module doc), and ``stop``, the run's stop handle where it holds more than processes here
+    (:mod:`zerotune.run.backends.stop_handles`); the caller removes the returned file when the run's processes
+    are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
     record = {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
               "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time(), "leader": leader,
               "since": since}
-    if slurm_step is not None:
-        record["slurm_job"], record["slurm_step_name"] = slurm_step
+    if stop is not None:
+        record["stop"] = dict(stop)
     write_json_atomic(path, record)
     return path
 
@@ -203,8 +206,8 @@ def reap_orphans(running_dir: Path) -> list[str]:
     are left alone. Returns the names reaped.
 
     Processes are found by the token in their environment, never by name, so nothing else is
-    touched. A run recorded as a Slurm job step is first cancelled by its job id and step name
-    (:func:`cancel_slurm_step`): its ranks on other nodes have no process here.
+    touched. A run whose record holds a stop handle is first stopped through it
+    (:func:`~zerotune.run.backends.stop_handles.cancel_handle`): what it names has no process here.
     """
     reaped = []
     try:
@@ -216,8 +219,7 @@ def reap_orphans(running_dir: Path) -> list[str]:
         if (data is None or data.get("host") != socket.gethostname()
                 or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
             continue
-        if isinstance(data.get("slurm_job"), str) and isinstance(data.get("slurm_step_name"), str):
-            cancel_slurm_step(data["slurm_job"], data["slurm_step_name"])
+        cancel_handle(record_handle(data))
         if data.get("token"):
             leader, since = data.get("leader"), data.get("since")
             kill_token(str(data["token"]), leader if isinstance(leader, int) else None,
@@ -282,29 +284,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def slurm_step_id(job_id: str, name: str) -> str | None:
-    """The id (``JOB.STEP``) of job ``job_id``'s step named ``name`` in ``squeue --steps``; None when there is none
-    (ended, never created, or squeue did not answer)."""
-    try:
-        out = subprocess.run(["squeue", "--steps", "--noheader", "--jobs", job_id, "--format", "%i %j"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return next((line.split()[0] for line in out.splitlines() if line.split()[1:] == [name]), None)
-
-
-def cancel_slurm_step(job_id: str, name: str, wait_s: float = SLURM_STEP_GONE_S) -> bool:
-    """``scancel`` job ``job_id``'s step named ``name`` (Slurm signals its ranks on every node) until it has left
-    ``squeue``, at most ``wait_s`` seconds. Returns whether it is gone (True also when there was none)."""
-    deadline = time.monotonic() + wait_s
-    while (step := slurm_step_id(job_id, name)) is not None:
-        if time.monotonic() >= deadline:
-            return False
-        subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=30)
-        time.sleep(0.5)
-    return True
 
 
 if __name__ == "__main__":  # python -m zerotune.run.processes --kill-token TOKEN: what kill_token_on runs on a node

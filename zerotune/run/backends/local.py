@@ -103,7 +103,7 @@ class LocalBackend(Backend):
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
         child_setup = _child_setup(self._data_limit())
-        record = write_running_record(running_dir, exp.name, token, port, slurm_step=self._slurm_step(token))
+        record = write_running_record(running_dir, exp.name, token, port, stop=self._stop_handle(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
         exp.launch, exp.launch_note = LAUNCH_COLD, ""
         if warm is not None:  # its preload is the tuning's, not this run's: the run's clock starts after it
@@ -135,7 +135,7 @@ class LocalBackend(Backend):
             known: dict[int, psutil.Process] = {}
             try:
                 write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since,
-                                     slurm_step=self._slurm_step(token))
+                                     stop=self._stop_handle(token))
                 self._supervise(proc, exp, exp_dir, watch, start, known, seen, token)
             finally:
                 self._stop(proc, known, token, since)
@@ -216,8 +216,10 @@ class LocalBackend(Backend):
         """The ``RLIMIT_DATA`` the launched command gets, bytes, inherited by its ranks (None: none)."""
         return self.spec.device_memory_bytes if self.spec.cpu else None
 
-    def _slurm_step(self, token: str) -> tuple[str, str] | None:
-        """The run's Slurm job step (job id, step name) when srun runs it, for the running record; None here."""
+    def _stop_handle(self, token: str) -> dict[str, str] | None:
+        """What a later tuner needs, besides the run's token and its launcher's session, to stop the run of
+        ``token`` if this tuner dies: the running record's stop handle (:mod:`zerotune.run.backends.stop_handles`).
+        None here: the token and the session find every process of a local run."""
         return None
 
     def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:

@@ -21,9 +21,9 @@ process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the
 (``scancel JOB.STEP``, found by its unique name in ``squeue --steps``): Slurm signals every rank on every node
 (SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
 the run's token are killed (:func:`~zerotune.run.processes.kill_tree`), and the stop waits until the step has
-left ``squeue``. The running record names the step (job id and name), so a rerun after the tuner itself was
-killed (SIGKILL, a lost node) cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`,
-:func:`~zerotune.run.processes.cancel_slurm_step`).
+left ``squeue``. The running record names the step (job id and name) as its stop handle
+(:mod:`zerotune.run.backends.slurm_step`), so a rerun after the tuner itself was killed (SIGKILL, a lost node)
+cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`).
 
 Warm launches (the default; ``--cold-launch`` turns them off): at the first run a long-lived step with a warm rank
 server on each node of the allocation is started (:mod:`zerotune.run.backends.slurm_warm`). Each experiment stays a
@@ -55,10 +55,10 @@ from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.deepspeed.launcher import launch_env, script_arguments
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
+from zerotune.run.backends.slurm_step import SLURM_STEP_GONE_S, cancel_slurm_step, slurm_step_id, step_handle
 from zerotune.run.backends.slurm_warm import SlurmWarmServers
 from zerotune.run.expdir import STDERR_LOG
-from zerotune.run.processes import (SLURM_STEP_GONE_S, adopt_orphans, cancel_slurm_step, descendants, kill_tree,
-                                    run_processes, slurm_step_id)
+from zerotune.run.processes import adopt_orphans, descendants, kill_tree, run_processes
 from zerotune.run.warm.rank import SETUP_FAILED_LINE
 
 __all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
@@ -187,8 +187,10 @@ class SlurmBackend(LocalBackend):
         return (step_env(self.spec, reservation, port, probe_dir=exp_dir),
                 srun_command(self.spec, reservation, config_path, self.cpus_per_task(reservation), name))
 
-    def _slurm_step(self, token: str) -> tuple[str, str] | None:
-        return (self.job_id, self._steps[token]) if token in self._steps else None
+    def _stop_handle(self, token: str) -> dict[str, str] | None:
+        """The run's job step (:func:`~zerotune.run.backends.slurm_step.step_handle`): its ranks on other nodes
+        have no process on this machine."""
+        return step_handle(self.job_id, self._steps[token]) if token in self._steps else None
 
     def _warm_eligible(self, reservation: Reservation) -> bool:
         """Whether runs go warm: warm launches are on (every node of the allocation has a server)."""

@@ -32,8 +32,8 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from zerotune.run.processes import (RUN_TOKEN_ENV, SLURM_STEP_GONE_S, cancel_slurm_step, kill_token, new_run_token,
-                                    write_running_record)
+from zerotune.run.backends.slurm_step import SLURM_STEP_GONE_S, cancel_slurm_step, step_handle
+from zerotune.run.processes import RUN_TOKEN_ENV, kill_token, new_run_token, write_running_record
 from zerotune.run.warm.client import READY_TIMEOUT_S, SERVER_RECORD, STOP_WAIT_S, WarmUnavailable
 
 __all__ = ["SlurmWarmServers", "server_step_command"]
@@ -79,7 +79,7 @@ class SlurmWarmServers:
         with self._lock:
             if self.proc is None and not self.unusable:
                 self._record = write_running_record(self.running_dir, SERVER_RECORD, self.token, None,
-                                                    slurm_step=(self.job_id, self.name))
+                                                    stop=step_handle(self.job_id, self.name))
                 env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
                 cmd = server_step_command(self.hosts, self.name, self.socket_template, self.script, self.ready_dir,
                                           self.gpus_per_node)
