@@ -121,6 +121,13 @@ from tests.helpers.simulated import tune_simulated
 # offload at 6, the fit's largest mbs for it (the raise's was 5): one more launch, the same answer, with stages 0-3
 # and with "fast": false. Scenario 21 no longer launches ZeRO-2 at 44 (out of memory): 7 -> 6. The gas-doubling
 # batch case (scenario 11): 12 -> 15, as scenario 11.
+# Then (issue 41): configs within the target precision (2%) of the best reading tie, and the tie order takes one
+# without a launch (more memory headroom, then the lower ZeRO stage, then the smaller global batch:
+# zerotune.strategy.answer); a replica runs only where the run-to-run noise, not the runs' own intervals, blocks a
+# decision (zerotune.strategy.points.replica_decides). Scenario 11 answers ZeRO-3 mbs 7 (was 8, its replica gone:
+# 15 -> 14), as does its gas-doubling batch case; with stages 1-2 and "fast": false, ZeRO-1 mbs 7 (was ZeRO-2 mbs 8
+# with knobs), and scenario 16 with "fast": false keeps ZeRO-3 mbs 5 with the knob setting that ties it with more
+# headroom, re-measured in place of the plain config.
 PINS = {
     (0, True, 'all'): {
         'ledger': [
@@ -154,10 +161,9 @@ PINS = {
             (3, 8, 1, 'ok'),
             (3, 7, 1, 'ok'),
             (3, 9, 1, 'ok', {'offload_optimizer': {'device': 'cpu'}}),
-            (3, 8, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap'), ('3+offload optimizer', 'probed', ''), ('3+offload optimizer+params', 'skipped', '')],
-        'answer': (3, 8, 1, {'stage': 3}),
+        'answer': (3, 7, 1, {'stage': 3}),
     },
     (16, True, 'all'): {
         'ledger': [
@@ -222,10 +228,10 @@ PINS = {
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 500000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 1000000000, 'allgather_bucket_size': 500000000}),
             (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 1000000000}),
-            (2, 8, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
+            (1, 7, 1, 'ok', {'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000}),
         ],
         'decisions': [(1, 'explored', 'boundary'), (2, 'explored', 'cap'), ('2+offload optimizer', 'probed', '')],
-        'answer': (2, 8, 1, {'stage': 2, 'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000, 'overlap_comm': False, 'reduce_scatter': True, 'contiguous_gradients': True}),
+        'answer': (1, 7, 1, {'stage': 1, 'reduce_bucket_size': 50000000, 'allgather_bucket_size': 50000000}),
     },
     (16, False, 'all'): {
         'ledger': [
@@ -244,10 +250,10 @@ PINS = {
             (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 1000000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
             (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 50000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 1000000000}),
             (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 100000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
-            (3, 5, 1, 'ok'),
+            (3, 5, 1, 'ok', {'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
         ],
         'decisions': [(0, 'pruned', ''), (1, 'probed', ''), (2, 'explored', 'boundary'), (3, 'explored', 'cap'), ('3+offload optimizer', 'probed', ''), ('3+offload optimizer+params', 'skipped', '')],
-        'answer': (3, 5, 1, {'stage': 3}),
+        'answer': (3, 5, 1, {'stage': 3, 'overlap_comm': True, 'reduce_scatter': True, 'reduce_bucket_size': 50000000, 'stage3_prefetch_bucket_size': 500000000, 'stage3_param_persistence_threshold': 1000000, 'stage3_max_live_parameters': 100000000, 'stage3_max_reuse_distance': 100000000}),
     },
 }
 
@@ -296,10 +302,9 @@ BATCH_PINS = {
             (3, 8, 1, 'ok'),
             (3, 7, 1, 'ok'),
             (3, 9, 1, 'ok', {'offload_optimizer': {'device': 'cpu'}}),
-            (3, 8, 1, 'ok'),
         ],
         'decisions': [(0, 'explored', 'boundary'), (1, 'explored', 'cap'), (2, 'explored', 'cap'), (3, 'explored', 'cap'), ('3+offload optimizer', 'probed', ''), ('3+offload optimizer+params', 'skipped', '')],
-        'answer': (3, 8, 1, {'stage': 3}),
+        'answer': (3, 7, 1, {'stage': 3}),
     },
     'mbs and gas lists': {
         'scenario': 11,

@@ -92,7 +92,7 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
     rows = list(csv.DictReader((results_dir / "results.csv").open()))
     assert list(rows[0]) == list(COLUMNS) and len(rows) == len(recs) == 12
     answer = json.loads((results_dir / "results.json").read_text())["answer"]
-    assert answer == tuner.best.name == "z2_gas1_tmbspg15_fp1"
+    assert answer == tuner.best.name == "z1_gas1_tmbspg14_fp1"  # ties z2 mbs 15 with more headroom
     for row, rec in zip(rows, recs):
         cfg = rec["ds_config"]
         assert row == {
@@ -120,13 +120,14 @@ def test_results_json_carries_the_runner_up_the_projection_and_what_was_not_run(
     assert body["tuning"]["state"] == "finished" and body["tuning"]["train_samples"] == 10_000_000
     runner = body["runner_up"]
     gain = body["answer_metric"] / runner["value"] - 1
-    assert runner["name"] == "z1_gas1_tmbspg14_fp1" and runner["gain"] == pytest.approx(gain) and gain > 0
-    assert runner["beyond_noise"] is (gain > runner["noise"]) is False
+    # z2 mbs 15 reads better, within the 2% precision: a tie, which the answer took for its memory headroom
+    assert runner["name"] == "z2_gas1_tmbspg15_fp1" and runner["gain"] == pytest.approx(gain) and -0.02 < gain < 0
+    assert runner["beyond_noise"] is (gain > runner["noise"]) is False and runner["tie"] is True
     p = body["projection"]
     # 10M samples at the answer's pooled throughput, on 32 nodes x 8 devices
     assert p["seconds"] == pytest.approx(10_000_000 / body["answer_metric"]) and p["devices"] == 256
     assert p["device_hours"] == pytest.approx(p["seconds"] * 256 / 3600) and p["cost"] == pytest.approx(p["device_hours"] * 2.5)
-    assert p["steps"] == -(-10_000_000 // (15 * 256))
+    assert p["steps"] == -(-10_000_000 // (14 * 256))
     not_run = {n["what"] for n in body["tuning"]["not_run"]}
     assert not_run == {"memory savers", "z1_gas1_tmbspg19_fp1", "z2_gas1_tmbspg19_fp1", "z3_gas1_tmbspg19_fp1"}
 
@@ -235,7 +236,7 @@ def test_report_of_an_interrupted_or_running_tuning_shows_what_finished(tuned, t
     assert len(rows) == 13 and rows[-1]["name"] == running.name and rows[-1]["outcome"] == "interrupted"
     body = json.loads((results_dir / "results.json").read_text())
     assert body["answer"] == tuned[1].best.name and body["projection"]["steps"] == 1000
-    assert body["projection"]["samples"] == 1000 * 15 * 256 and body["tuning"]["state"] == "running"
+    assert body["projection"]["samples"] == 1000 * 14 * 256 and body["tuning"]["state"] == "running"
     assert "Not known: the tuner records what it did not run" in (results_dir / "report.html").read_text()
 
 

@@ -231,3 +231,62 @@ def test_a_summary_without_start_up_times_has_no_start_up_line():
     assert startup_line(reused, since=1000.0) is None  # a rerun that launched nothing
     text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4, answer=RUNS[2], since=0.0))
     assert "start-up" not in text and "launches:" not in text
+
+
+def cpu_run(stage, mbs, metric, peak_gib, gas=1):
+    e = Experiment(f"z{stage}_gas{gas}_tmbspg{mbs}", {"train_micro_batch_size_per_gpu": mbs,
+                                                      "gradient_accumulation_steps": gas,
+                                                      "train_batch_size": 2 * mbs * gas,
+                                                      "zero_optimization": {"stage": stage}},
+                   num_slots=2, kind=ExperimentKind.MBS, space=f"z{stage}", status=Status.OK, metric=metric)
+    e.peak_memory_bytes = int(peak_gib * GIB)
+    return e
+
+
+def test_configs_within_the_precision_tie_and_the_tie_order_takes_one_without_a_launch():
+    from zerotune.strategy.answer import decide
+    # z0 mbs 16 reads best (100.0); z1 mbs 16 is 1.5% under it, within the 2% precision: a tie. Its peak (2.0 GiB)
+    # is more than 5% under z0's (2.4 GiB): more headroom takes it. z2 mbs 16 reads 3% under: no tie.
+    z0, z1, z2 = cpu_run(0, 16, 100.0, 2.4), cpu_run(1, 16, 98.5, 2.0), cpu_run(2, 16, 97.0, 1.5)
+    answer, tie = decide([z0, z1, z2], THROUGHPUT, precision=0.02)
+    assert answer is z1 and tie.answer is z1 and tie.value == 98.5 and tie.others == ((z0, 100.0),)
+    assert tie.reason == "more memory headroom"
+    assert decide([z0, z1, z2], THROUGHPUT, precision=0.01) == (z0, None)  # 1.5% is no tie at 1%
+    assert decide([z0, z1, z2], THROUGHPUT) == (z0, None)  # no precision: no ties
+    # peaks within 5% of each other: the lower ZeRO stage, then the smaller global batch
+    z1.peak_memory_bytes = int(2.35 * GIB)
+    assert decide([z0, z1], THROUGHPUT, precision=0.02)[1].reason == "the lower ZeRO stage"
+    assert decide([z0, z1], THROUGHPUT, precision=0.02)[0] is z0
+    gas2 = cpu_run(0, 8, 99.0, 2.35, gas=2)  # the same global batch (32) as z0 mbs 16: the better reading
+    answer, tie = decide([z0, gas2], THROUGHPUT, precision=0.02)
+    assert answer is z0 and tie.reason == "the better reading"
+    smaller = cpu_run(0, 15, 99.0, 2.35)  # global batch 30 < 32
+    answer, tie = decide([z0, smaller], THROUGHPUT, precision=0.02)
+    assert answer is smaller and tie.reason == "the smaller global batch"
+    # a three-way tie: z1 (more headroom than z0) then z0 mbs 15 (no more headroom than z1, the lower stage)
+    three = [z0, cpu_run(1, 16, 99.5, 2.0), cpu_run(0, 15, 99.0, 1.95)]
+    answer, tie = decide(three, THROUGHPUT, precision=0.02)
+    assert answer is three[2] and [e for e, _ in tie.others] == [three[0], three[1]]
+    assert tie.reason == "the lower ZeRO stage"
+
+
+def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
+    from zerotune.report.data import ReportData, TrainingPlan
+    from zerotune.report.results import strategy_notes
+    from zerotune.strategy.ledger import Ledger
+    from zerotune.strategy.result import StrategyResult
+
+    ledger = Ledger(THROUGHPUT, precision=0.02)
+    for e in (cpu_run(0, 16, 100.0, 2.4), cpu_run(1, 16, 98.5, 2.0)):
+        ledger.add(e)
+    result = StrategyResult(ledger=ledger)
+    assert strategy_notes(result, 3 * GIB, 2) == [
+        "tie: z1_gas1_tmbspg16 98.5 samples/s, peak 2.00 GiB and z0_gas1_tmbspg16 100 samples/s, peak 2.40 GiB read "
+        "within --precision 2.0% of each other; the answer is z1_gas1_tmbspg16, for more memory headroom (the tie "
+        "order: more memory headroom, then the lower ZeRO stage, then the smaller global batch; no run breaks a tie)"]
+    data = ReportData.from_tuning(ledger.experiments, result, objective=THROUGHPUT, budget_bytes=3 * GIB,
+                                  capacity_bytes=None, exps_dir=tmp_path, context={}, notes=[], state="finished",
+                                  plan=TrainingPlan())
+    runner = data.runner_up()
+    assert (data.answer.name, runner.name, runner.tie, round(runner.gain, 4)) == (
+        "z1_gas1_tmbspg16", "z0_gas1_tmbspg16", True, -0.015)

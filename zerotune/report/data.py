@@ -20,7 +20,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, comparison_noise, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
-from zerotune.core.stopping import EARLY_ENDS
+from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
 from zerotune.run.expdir import RECORD_FILE, read_json, untrusted
 from zerotune.strategy.answer import best_experiment
 
@@ -86,6 +86,8 @@ class RunnerUp:
             the curve's shape over a higher single reading, docs/decisions.md D101).
         noise: how far apart two such readings can be by noise alone, relative, 95%
             (:func:`~zerotune.core.measure.comparison_noise` with this tuning's run-to-run noise).
+        tie: the two read within the target precision of each other: a tie, which the tie order decided
+            without a launch (:func:`~zerotune.strategy.answer.tie_order`).
     """
 
     name: str
@@ -93,6 +95,7 @@ class RunnerUp:
     answer_value: float
     gain: float
     noise: float
+    tie: bool = False
 
     @property
     def beyond_noise(self) -> bool:
@@ -136,6 +139,7 @@ class ReportData:
         strategy_known: ``not_run`` and ``notes`` are the tuner's (False: read from a results dir without the
             tuner's ``results.json``, where they are unknown).
         written_at: when this was gathered, seconds since the epoch.
+        precision: the target precision (relative) within which two configs tie (None: unknown).
     """
 
     experiments: list[Experiment]
@@ -151,6 +155,7 @@ class ReportData:
     plan: TrainingPlan = field(default_factory=TrainingPlan)
     strategy_known: bool = True
     written_at: float = field(default_factory=time.time)
+    precision: float | None = None
 
     @classmethod
     def from_tuning(cls, experiments: list[Experiment], result: "StrategyResult", *, objective: Objective,
@@ -161,9 +166,10 @@ class ReportData:
         launched = {e.name for e in experiments}
         runs = sorted(experiments, key=_launch_order)
         answer = result.answer if result.answer is not None and result.answer.name in launched else None
+        precision = result.ledger.precision
         return cls(runs, objective, budget_bytes, capacity_bytes,
-                   answer or best_experiment(runs, objective, capacity_bytes), Path(exps_dir),
-                   not_run_of(result, launched), list(notes), state, dict(context), plan)
+                   answer or best_experiment(runs, objective, capacity_bytes, precision), Path(exps_dir),
+                   not_run_of(result, launched), list(notes), state, dict(context), plan, precision=precision)
 
     @property
     def pooled(self) -> dict[str, Pooled]:
@@ -191,7 +197,9 @@ class ReportData:
         a, o = pooled[answer.name], pooled[other.name]
         noise = comparison_noise([_own_half_width(answer, a), _own_half_width(other, o)], [a.runs, o.runs],
                                  run_noise=run_noise(self.experiments).sigma)
-        return RunnerUp(other.name, o.value, a.value, self.objective.gain(a.value, o.value), noise)
+        gain = self.objective.gain(a.value, o.value)
+        return RunnerUp(other.name, o.value, a.value, gain, noise,
+                        tie=self.precision is not None and abs(gain) < self.precision)
 
     def projection(self) -> Projection | None:
         """The full training run with the answer (:class:`Projection`); None without an answer, a run length,
@@ -262,13 +270,14 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
     saved_plan = TrainingPlan(**{k: tuning.get(k) for k in ("train_samples", "train_steps", "cost_per_device_hour")})
-    answer = best_experiment(runs, objective, capacity)
+    precision = context.get("precision") or DEFAULT_PRECISION  # without adaptive runs, the strategy's default
+    answer = best_experiment(runs, objective, capacity, precision)
     return ReportData(runs, objective, budget, capacity, answer, exps_dir,
                       [NotRun(str(n.get("what", "")), str(n.get("reason", ""))) for n in tuning.get("not_run", [])],
                       [str(n) for n in tuning.get("notes", [])],
                       _state_on_disk(results_dir, exps_dir, runs, answer), context,
                       (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(
-                          tuning.get("strategy_known", "not_run" in tuning)))
+                          tuning.get("strategy_known", "not_run" in tuning)), precision=precision)
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:

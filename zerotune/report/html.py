@@ -231,6 +231,9 @@ def _answer(data: ReportData) -> str:
     runner = data.runner_up()
     if runner is not None:
         verdict = "beyond the noise" if runner.beyond_noise else "within the noise"
+        if runner.tie:
+            verdict = (f"a tie (within the ±{data.precision:.1%} precision), decided without a launch by the tie "
+                       "order: more memory headroom, then the lower ZeRO stage, then the smaller global batch")
         lines.append(f"Runner-up: {_e(runner.name)}, {runner.value:.4g} {_e(data.objective.unit)}; the answer is "
                      f"{runner.gain:+.1%} against it, {verdict} (two runs can differ by ±{runner.noise:.1%} at 95%).")
     return f"<div class=\"answer\">{'<br>'.join(lines)}{_projection(data)}</div>\n"

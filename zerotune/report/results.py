@@ -25,6 +25,7 @@ from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 
 if TYPE_CHECKING:
+    from zerotune.strategy.answer import Tie
     from zerotune.strategy.result import StrategyResult
 
 
@@ -40,6 +41,8 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     notes += result.savers_notes
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     notes += [f"{e.name}: {e.error}" for e in result.experiments if e.status is Status.REFUSED]
+    if result.ledger.tie is not None:
+        notes.append(tie_note(result.ledger.tie, result.ledger.precision, result.ledger.objective))
     replicas = [e for e in result.experiments if e.replica_of]
     if replicas:
         configs = sorted({e.replica_of for e in replicas})
@@ -58,6 +61,21 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
                      f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
         notes += result.memory.describe()
     return notes
+
+
+def tie_note(tie: "Tie", precision: float | None, objective: Objective | None) -> str:
+    """The summary's line for a tie (:class:`~zerotune.strategy.answer.Tie`): every tied config with its figure
+    and measured peak, and what the tie order took the answer for; no run was launched to break it."""
+    unit = objective.unit if objective is not None else ""
+
+    def figure(exp: Experiment, value: float) -> str:
+        peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
+        return f"{exp.name} {value:.4g} {unit}{peak}"
+
+    within = f" within --precision {precision:.1%}" if precision is not None else ""
+    return (f"tie: {figure(tie.answer, tie.value)} and " + ", ".join(figure(e, v) for e, v in tie.others)
+            + f" read{within} of each other; the answer is {tie.answer.name}, for {tie.reason} (the tie order: "
+            "more memory headroom, then the lower ZeRO stage, then the smaller global batch; no run breaks a tie)")
 
 
 def saver_names(ds_config: dict) -> list[str]:

@@ -8,9 +8,15 @@ runs reads high: the winner's curse). The curve is worth its run-weighted non-de
 at its largest mbs. A run near the capacity, or of unknown peak, stands alone on its own pooled metric: a
 caching allocator's flushes can slow a step there. CPU ranks keep the best pooled reading. The evidence is in
 docs/decisions.md, D101.
+
+**A tie is an answer.** Configs whose reading is within the target precision (``--precision``) of the best one
+are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
+tie order takes one (:func:`tie_order`: more memory headroom, then the lower ZeRO stage, then the smaller global
+batch). The summary and the report say "tie" with every tied figure (docs/decisions.md, D307).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, TypeVar
 
 from zerotune.core.experiment import Experiment
@@ -50,36 +56,101 @@ def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Cal
     return pairs
 
 
+HEADROOM_MARGIN = 0.05
+"""Two tied configs' measured peaks closer than this fraction of the larger leave the headroom undecided."""
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Configs the answer rule cannot tell apart: each within the target precision of the best reading
+    (:func:`~zerotune.strategy.points.tie`), and which one the tie order (:func:`tie_order`) took.
+
+    Attributes:
+        answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).
+        others: the tied configs not taken, each with its metric, best first.
+        reason: what decided: ``"more memory headroom"``, ``"the lower ZeRO stage"``, ``"the smaller global
+            batch"``, or ``"the better reading"`` where the order ties too.
+    """
+
+    answer: Experiment
+    value: float
+    others: tuple[tuple[Experiment, float], ...]
+    reason: str
+
+
+def tie_order(a: Experiment, b: Experiment) -> tuple[Experiment, str]:
+    """Of two tied configs, ``a`` reading better than ``b``, the one the answer takes, and why: more memory
+    headroom (a measured peak lower by more than :data:`HEADROOM_MARGIN` of the larger: the training's longer
+    batches and the allocator's growth have room), then the lower ZeRO stage (less communication, fewer
+    moving parts), then the smaller global batch (an optimizer closer to the user's); else ``a``."""
+    pa, pb = a.peak_memory_bytes, b.peak_memory_bytes
+    if pa and pb and abs(pa - pb) > HEADROOM_MARGIN * max(pa, pb):
+        return (a if pa < pb else b), "more memory headroom"
+    if a.stage != b.stage:
+        return (a if a.stage < b.stage else b), "the lower ZeRO stage"
+    ga, gb = global_batch(a), global_batch(b)
+    if ga != gb:
+        return (a if ga < gb else b), "the smaller global batch"
+    return a, "the better reading"
+
+
+def global_batch(exp: Experiment) -> int:
+    """Samples per optimizer step: the config's ``train_batch_size``, else mbs x gas x ranks."""
+    tbs = exp.ds_config.get("train_batch_size")
+    return tbs if isinstance(tbs, int) else exp.mbs * exp.gas * exp.num_slots
+
+
 def best_experiment(experiments: Iterable[Experiment], objective: Objective,
-                    budget_bytes: int | None = None) -> Experiment | None:
-    """The answer: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks read
-    with the shape of the throughput curve (:func:`rising_answer`). None when none succeeded. Failed, OOM and
-    timed-out runs are never candidates (they carry no metric).
+                    budget_bytes: int | None = None, precision: float | None = None) -> Experiment | None:
+    """The answer (:func:`decide`); None when none succeeded."""
+    return decide(experiments, objective, budget_bytes, precision)[0]
+
+
+def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes: int | None = None,
+           precision: float | None = None) -> tuple[Experiment | None, Tie | None]:
+    """The answer, and the tie it was taken from (None: no other config within ``precision`` of it).
+
+    The best reading: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks
+    read with the shape of the throughput curve (:func:`answer_readings`). The configs whose reading is within
+    the target ``precision`` of it (None: none) tie with it, and the tie order (:func:`tie_order`) takes one
+    of them without a launch: the best reading against each tied one in turn, best reading first. Failed, OOM and timed-out runs are never candidates (they carry no metric).
 
     Args:
         budget_bytes: the per-device memory budget, bytes, against which a run's measured peak tells how near
             the device's capacity it ran; None (CPU ranks, or unknown): the best pooled metric alone.
+        precision: the target precision, relative (``--precision``).
     """
     experiments = list(experiments)
-    pooled = pooled_metrics(experiments)
-    best = objective.best((e for e in experiments if e.replica_of is None and e.name in pooled),
-                          lambda e: pooled[e.name].value)
-    if best is None or budget_bytes is None or not objective.higher_is_better:
-        return best
-    return rising_answer(experiments, pooled, budget_bytes, objective) or best
+    readings = answer_readings(experiments, pooled_metrics(experiments), objective, budget_bytes)
+    top = objective.best(readings, lambda r: r[0])
+    if top is None:
+        return None, None
+    tied = [r for r in readings if r[1] is not top[1] and precision is not None and abs(objective.gain(r[0], top[0])) < precision]
+    if not tied:
+        return top[1], None
+    tied.sort(key=lambda r: r[0], reverse=objective.higher_is_better)
+    taken, value, reasons = top[1], top[0], []
+    for v, e in tied:
+        winner, why = tie_order(taken, e)
+        taken, value = (e, v) if winner is e else (taken, value)
+        reasons.append(why)
+    reason = next((r for r in reversed(reasons) if r != "the better reading"), "the better reading")
+    others = tuple((e, v) for v, e in [top] + tied if e is not taken)
+    return taken, Tie(taken, value, others, reason)
 
 
-def rising_answer(experiments: Sequence[Experiment], pooled: dict[str, Pooled], budget_bytes: int,
-                  objective: Objective) -> Experiment | None:
-    """The best throughput where each config's (stage, gas, knobs) calm runs count as one curve rising with
-    mbs (:func:`rising_candidates`) and every other run as its own pooled metric (the module docstring).
-    The answer is reported with its own runs' metric. None without candidates."""
+def answer_readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], objective: Objective,
+                    budget_bytes: int | None) -> list[tuple[float, Experiment]]:
+    """(reading, experiment) of every answer candidate (a first run with an ok pooled metric). On GPU ranks
+    (``budget_bytes`` known) for throughput, each config's (stage, gas, knobs) calm runs count as one curve
+    rising with mbs (:func:`rising_candidates`) and every other run as its own pooled metric (the module
+    docstring); else each run's pooled metric."""
+    bases = [e for e in experiments if e.replica_of is None and e.name in pooled]
+    if budget_bytes is None or not objective.higher_is_better:
+        return [(pooled[e.name].value, e) for e in bases]
     configs: dict[tuple, list[Experiment]] = {}
-    for e in experiments:
-        if e.replica_of is None and e.name in pooled:
-            configs.setdefault((e.stage, e.gas, repr(sorted(e.knobs.items()))), []).append(e)
-    pairs = [pair for runs in configs.values() for pair in rising_candidates(
+    for e in bases:
+        configs.setdefault((e.stage, e.gas, repr(sorted(e.knobs.items()))), []).append(e)
+    return [pair for runs in configs.values() for pair in rising_candidates(
         runs, mbs=lambda e: e.mbs, value=lambda e: pooled[e.name].value, runs=lambda e: pooled[e.name].runs,
         calm=lambda e: capacity(memory_fraction(e.peak_memory_bytes, budget_bytes)) is Capacity.CALM)]
-    top = objective.best(pairs, lambda c: c[0])
-    return None if top is None else top[1]

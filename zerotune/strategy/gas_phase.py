@@ -22,7 +22,7 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.strategy.batch import doubling_gain_bound
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.knobs import knob_stages
-from zerotune.strategy.points import Point, tie, within_noise
+from zerotune.strategy.points import Point, pooled_point, replica_decides, within_noise
 from zerotune.strategy.result import StageResult
 
 logger = logging.getLogger(__name__)
@@ -159,15 +159,13 @@ class GasPhase:
         return best, gain
 
     def _compare(self, exp: Experiment, best: Experiment) -> tuple[float, list[Experiment]]:
-        """(``exp``'s gain over ``best`` on their pooled metrics, the one-run sides to re-measure first: those
-        of a difference within the noise where one of them is not known to the precision; else none)."""
+        """(``exp``'s gain over ``best`` on their pooled metrics, the one-run sides to re-measure first: those of a
+        difference another run can decide (:func:`~zerotune.strategy.points.replica_decides`); else none)."""
         ev = self.ev
         pooled = ev.ledger.pooled()
         a, b = pooled[exp.name], pooled[best.name]
-        points = [Point(e.mbs, Status.OK, p.value, p.runs, e.metric_rel_half_width if p.runs == 1 else None,
-                        run_noise=ev.ledger.run_noise.sigma) for e, p in ((exp, a), (best, b))]
+        points = [pooled_point(e, p, ev.ledger.run_noise.sigma) for e, p in ((exp, a), (best, b))]
         gain = ev.job.objective.gain(a.value, b.value)
         single = [e for e, p in ((exp, a), (best, b)) if p.runs < 2]
-        imprecise = any(p.runs < 2 and not ev.known_to_precision(e) for e, p in ((exp, a), (best, b)))
-        decide = imprecise and within_noise(gain, *points, PLATEAU_THRESHOLD) and not tie(gain, ev.precision)
+        decide = replica_decides(gain, *points, PLATEAU_THRESHOLD, ev.precision)
         return gain, single if decide else []

@@ -11,7 +11,7 @@ from __future__ import annotations
 from zerotune.core.experiment import Experiment
 from zerotune.core.measure import Pooled, RunNoise, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
-from zerotune.strategy.answer import best_experiment
+from zerotune.strategy.answer import Tie, best_experiment, decide
 
 
 class Ledger:
@@ -20,18 +20,22 @@ class Ledger:
     Args:
         objective: what the answer maximizes or minimizes (None: no answer is read, e.g. a bare ledger).
         budget_bytes: the per-device budget the answer rule reads capacity against (None on CPU ranks).
+        precision: the target precision (relative): configs within it of the best reading tie, and the tie order
+            takes one (:func:`~zerotune.strategy.answer.decide`); None: no ties.
     """
 
-    def __init__(self, objective: Objective | None = None, budget_bytes: int | None = None):
+    def __init__(self, objective: Objective | None = None, budget_bytes: int | None = None,
+                 precision: float | None = None):
         self.objective = objective
         self.budget_bytes = budget_bytes
+        self.precision = precision
         self.experiments: list[Experiment] = []
         self.run_noise: RunNoise = run_noise(())
         """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.measure.run_noise`),
         updated by :meth:`update_run_noise` after every batch; every comparison of runs counts it."""
         self._by_name: dict[str, Experiment] = {}
         self._pooled: tuple[int, dict[str, Pooled]] = (0, {})
-        self._answer: tuple[int, Experiment | None] = (0, None)
+        self._answer: tuple[int, Experiment | None, Tie | None] = (0, None, None)
 
     def __contains__(self, name: str) -> bool:
         return name in self._by_name
@@ -59,13 +63,20 @@ class Ledger:
 
     @property
     def answer(self) -> Experiment | None:
-        """The answer so far (:func:`~zerotune.strategy.answer.best_experiment`); None before any ran ok."""
-        if self.objective is None:
-            return None
-        if self._answer[0] != len(self.experiments):
-            self._answer = (len(self.experiments), best_experiment(self.experiments, self.objective,
-                                                                   self.budget_bytes))
-        return self._answer[1]
+        """The answer so far (:func:`~zerotune.strategy.answer.decide`); None before any ran ok."""
+        return self._decided()[1]
+
+    @property
+    def tie(self) -> Tie | None:
+        """The tie the answer was taken from (:class:`~zerotune.strategy.answer.Tie`); None: the answer reads
+        better than every other config by more than the precision."""
+        return self._decided()[2]
+
+    def _decided(self) -> tuple[int, Experiment | None, Tie | None]:
+        if self.objective is not None and self._answer[0] != len(self.experiments):
+            self._answer = (len(self.experiments), *decide(self.experiments, self.objective, self.budget_bytes,
+                                                           self.precision))
+        return self._answer
 
     @property
     def first_run_answer(self) -> Experiment | None:
@@ -74,7 +85,7 @@ class Ledger:
         if self.objective is None:
             return None
         return best_experiment([e for e in self.experiments if e.replica_of is None], self.objective,
-                               self.budget_bytes)
+                               self.budget_bytes, self.precision)
 
     def update_run_noise(self) -> tuple[RunNoise, RunNoise]:
         """Re-estimate :attr:`run_noise` from the runs so far; (before, now)."""

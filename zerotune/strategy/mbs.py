@@ -35,7 +35,7 @@ from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import fine_pass
 from zerotune.strategy.points import (Confirm, Evaluate, MbsTrace, Point, StopReason, allowed_values, largest_within,
-                                      middle, runner, tie, within_noise)
+                                      middle, replica_decides, runner, within_noise)
 
 __all__ = ["next_mbs", "search_mbs"]
 
@@ -119,7 +119,7 @@ def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int
             return _bisect(run, trace, values, prev, nxt, objective, threshold)
         improved = objective.gain(p.metric, best.metric)
         if (improved < threshold and not landing and confirm is not None and min(p.runs, best.runs) < 2
-                and within_noise(improved, p, best, threshold) and not tie(improved, precision)):
+                and replica_decides(improved, p, best, threshold, precision)):
             trace.update(confirm(sorted({nxt, best.mbs})))  # a plateau is not decided on one sample
             p, best = trace.get(nxt), trace.get(best.mbs)
             improved = objective.gain(p.metric, best.metric)

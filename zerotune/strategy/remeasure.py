@@ -3,17 +3,17 @@ lucky sample.
 
 - **Finalists** (:func:`confirm_answer`): the configs within the noise of the best (at most
   :data:`FINAL_MARGIN`; at most :data:`FINAL_CANDIDATES`) are re-measured until each has two ok runs,
-  when one of them is not known to the target precision. A finalist that the readings and the curve both
-  put below the best (:func:`below_on_the_curve`) is left out; finalists each known to the precision that
-  tie within the run-to-run noise differ by about the precision the answer is promised to, so a second
-  run of each would cost two launches to move the answer by no more than that. A finalist within the target
-  precision of the best is a tie (:func:`~zerotune.strategy.points.tie`): the answer may take either.
+  where another run can decide (:func:`~zerotune.strategy.points.replica_decides`): the run-to-run noise
+  blocks, not the runs' own intervals, which steps narrow more cheaply than a launch. A finalist that the
+  readings and the curve both put below the best (:func:`below_on_the_curve`) is left out. A finalist within
+  the target precision of the best is a tie (:func:`~zerotune.strategy.points.tie`), which no run breaks: the
+  tie order takes the answer (:mod:`~zerotune.strategy.answer`).
 - **The answer itself** (:func:`measure_answer_twice`) is reported on at least two runs with
   ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
   than the noise (:func:`answer_stands_out`): one run's interval sees only the jitter of its own steps,
   not the run-to-run noise, and the answer is the run that read highest among many (the winner's curse).
 
-The evidence for each rule is in docs/decisions.md (D102, D103).
+The evidence for each rule is in docs/decisions.md (D102, D103, D307).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.measure import comparison_noise
 from zerotune.strategy.capacity import Capacity, capacity
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
-from zerotune.strategy.points import tie
+from zerotune.strategy.points import pooled_point, replica_decides, tie
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,8 @@ FINAL_CANDIDATES = 2
 def confirm_answer(ev: Evaluator) -> None:
     """Re-measure the finalists (the module docstring) until each has two ok runs: the configs whose
     difference from the best is within their :func:`~zerotune.core.measure.comparison_noise`, at most
-    :data:`FINAL_MARGIN`, the best :data:`FINAL_CANDIDATES` of them, when one is not known to the target
-    precision (its run ended without reaching ``--precision``, or gave no interval)."""
+    :data:`FINAL_MARGIN`, the best :data:`FINAL_CANDIDATES` of them, where another run can decide between
+    the best and one of them (:func:`~zerotune.strategy.points.replica_decides`)."""
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
     bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
@@ -57,9 +57,12 @@ def confirm_answer(ev: Evaluator) -> None:
 
     close = [e for e in bases[:FINAL_CANDIDATES] if within_noise_of_top(e) and not below_on_the_curve(ev, e, top)]
     todo = [e for e in close if pooled[e.name].runs < 2]
-    imprecise = [e for e in close if pooled[e.name].runs < 2 and not ev.known_to_precision(e)]
-    if len(close) > 1 and todo and imprecise:
-        logger.info(f"re-measuring {len(todo)} config(s) within the noise of the best before the answer: "
+    sigma = ledger.run_noise.sigma
+    blocked = [e for e in close if e is not top and replica_decides(
+        objective.gain(pooled[e.name].value, pooled[top.name].value), pooled_point(e, pooled[e.name], sigma),
+        pooled_point(top, pooled[top.name], sigma), PLATEAU_THRESHOLD, ev.precision)]
+    if todo and blocked:
+        logger.info(f"re-measuring {len(todo)} config(s) within the run-to-run noise of the best before the answer: "
                     + ", ".join(e.name for e in todo))
         ev.remeasure(todo)
 

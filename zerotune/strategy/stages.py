@@ -54,8 +54,8 @@ from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import (MbsTrace, Point, allowed_values, largest_within, launched, refusals, tie,
-                                      within_noise)
+from zerotune.strategy.points import (MbsTrace, Point, allowed_values, largest_within, launched, refusals,
+                                      replica_decides, tie)
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 
 
@@ -247,7 +247,7 @@ class StageExplorer:
         won = probe.ok and objective.better(probe.metric, best.point.metric)
         gain = objective.gain(probe.metric, best.point.metric) if probe.ok else 0.0
         if not (self.confirm is not None and probe.ok and (not won or not headroom)
-                and within_noise(gain, probe, best.point, self.threshold) and not tie(gain, self.precision)):
+                and replica_decides(gain, probe, best.point, self.threshold, self.precision)):
             return probe
         at_same = best.trace.get(probe_mbs)
         refs = sorted({best.point.mbs} | ({probe_mbs} if at_same is not None and at_same.ok else set()))

@@ -65,6 +65,7 @@ class Strategy:
         self.parallel = max(1, parallel)
         self.result = StrategyResult(ledger=Ledger(job.objective, job.capacity_bytes))
         self.ev = Evaluator(job, evaluate, self.result)
+        self.result.ledger.precision = self.ev.precision  # configs within it of the best tie (strategy.answer)
         self.builder = self.ev.builder
         # StageResult.key (the stage, or "<stage>+<saver>") -> (mbs, gas) better than its mbs search's best
         self.best_batch: dict[int | str, tuple[int, int]] = {}
