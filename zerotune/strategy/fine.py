@@ -12,26 +12,23 @@ near the capacity can slow a step and a tie hides a peak between. The evidence i
 """
 from __future__ import annotations
 
-from typing import Sequence
-
-from zerotune.core.objective import Objective
+from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.points import Evaluate, MbsTrace, Point, allowed_values, middle, runner, within_noise
+from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner, within_noise
 
 
-def refine_mbs(evaluate: Evaluate, trace: MbsTrace, *, lo: int, hi: int, objective: Objective, num_fine: int,
-               threshold: float = 0.01, allowed: Sequence[int] | None = None, precision: float | None = None) -> None:
-    """The fine pass alone, on a trace :func:`~zerotune.strategy.mbs.search_mbs` left with ``num_fine=0``:
-    bisect the gaps next to its best mbs, up to ``num_fine`` experiments (recorded in ``trace``). Arguments as
-    in :func:`~zerotune.strategy.mbs.search_mbs`."""
-    if trace.best(objective) is not None:
-        fine_pass(runner(trace, evaluate), trace, allowed_values(lo, hi, allowed), objective, num_fine, threshold,
-                  precision)
+def refine_mbs(evaluate: Evaluate, trace: MbsTrace, bounds: SearchBounds) -> None:
+    """The fine pass alone, on a trace :func:`~zerotune.strategy.mbs.search_mbs` left without one
+    (:meth:`SearchBounds.coarse`): bisect the gaps next to its best mbs, up to ``bounds.num_fine`` experiments
+    (recorded in ``trace``). Arguments as in :func:`~zerotune.strategy.mbs.search_mbs`."""
+    if trace.best(bounds.objective) is not None:
+        fine_pass(runner(trace, evaluate), trace, bounds)
 
 
-def fine_pass(run, trace: MbsTrace, values: Sequence[int], objective: Objective, budget: int,
-              threshold: float = 0.01, precision: float | None = None) -> None:
-    """Bisect the gaps next to the best mbs (the module docstring), up to ``budget`` experiments."""
+def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
+    """Bisect the gaps next to the best mbs (the module docstring), up to ``bounds.num_fine`` experiments."""
+    values, objective, threshold, precision = bounds.values, bounds.objective, bounds.threshold, bounds.precision
+    budget = bounds.num_fine
     while budget > 0:
         best = trace.answer(objective)  # the gaps next to what the answer rule would pick
         below = [p.mbs for p in trace.ok_points if p.mbs < best.mbs]

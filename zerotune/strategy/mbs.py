@@ -31,60 +31,50 @@ from __future__ import annotations
 from typing import Sequence
 
 from zerotune.core.experiment import Status
-from zerotune.core.objective import Objective
+from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import fine_pass
-from zerotune.strategy.points import (Confirm, Evaluate, MbsTrace, Point, StopReason, allowed_values, largest_within,
-                                      middle, replica_decides, runner, within_noise)
+from zerotune.strategy.points import (Confirm, Evaluate, MbsTrace, Point, StopReason, largest_within, middle,
+                                      replica_decides, runner, within_noise)
 
 __all__ = ["next_mbs", "search_mbs"]
 
 
-def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective: Objective,
-               threshold: float = 0.01, num_fine: int = 3, known: Sequence[Point] = (),
-               allowed: Sequence[int] | None = None, confirm: Confirm | None = None,
-               precision: float | None = None) -> MbsTrace:
+def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known: Sequence[Point] = (),
+               confirm: Confirm | None = None) -> MbsTrace:
     """Search the micro batch size of one stage (the module docstring gives the order).
 
     Args:
         evaluate: runs a batch of mbs values and returns one :class:`Point` each.
-        lo, hi: smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``,
-            and the train batch bounds).
+        bounds: the mbs values allowed, the objective, the plateau threshold (a latency ladder's step onto the
+            estimate is not tested against it), the target precision (the fine pass skips the gap below the
+            best when both ends are known to it and tie; None: it never skips) and the fine pass's budget.
         estimate: the memory model's largest fitting mbs: where a throughput search starts (the
             largest allowed value within it), and where a latency ladder lands exactly; both may
             go above it when it runs.
-        objective: the metric's direction (which way the search goes).
-        threshold: plateau threshold: a step that improves the best metric by less than this
-            fraction ends the upward search (except a latency ladder's step onto the estimate);
-            a throughput search goes below its best only while a step down gains this much.
-        num_fine: experiments allowed in the fine pass around the best mbs.
         known: points already measured for this stage (reused, not re-run). A throughput search
             starts at the largest known runnable mbs when it is above the estimate. For latency,
             when one of them ran, the smallest mbs is not run (memory grows with mbs) and the
             ladder starts at the largest known runnable mbs. A known failure is never re-run.
-        allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only
-            those within ``lo..hi`` are used.
         confirm: when given, a step that would end the climb as a plateau by a difference within
             the two runs' noise (:func:`within_noise`) is not decided on one run: the step and the
             best so far are re-measured once (interleaved) and the plateau test is made on the
-            pooled metrics.
-        precision: the runs' target precision (relative half-width, e.g. 0.02): the fine pass skips
-            the gap below the best when both ends are known to it and tie; None: it never skips.
+            pooled metrics, unless the difference is within the precision (a tie).
 
     Returns:
         The trace, in evaluation order (``known`` points first).
     """
-    values = allowed_values(lo, hi, allowed)
+    values = bounds.values
     trace = MbsTrace(points=list(known))
     if not values:
         trace.stop = StopReason.INFEASIBLE
         return trace
 
     run = runner(trace, evaluate)
-    if objective.higher_is_better:
-        _top_down(run, trace, values, estimate, objective, threshold, confirm, precision)
+    if bounds.objective.higher_is_better:
+        _top_down(run, trace, bounds, estimate, confirm)
         if trace.stop is not StopReason.INFEASIBLE:
-            fine_pass(run, trace, values, objective, num_fine, threshold, precision)
+            fine_pass(run, trace, bounds)
         return trace
     known_ok = [p.mbs for p in trace.ok_points]
     if known_ok:  # e.g. a probe: memory grows with mbs, so lo runs too; climb from the largest known
@@ -95,17 +85,18 @@ def search_mbs(evaluate: Evaluate, *, lo: int, hi: int, estimate: int, objective
             trace.stop = StopReason.INFEASIBLE
             return trace
         prev = values[0]
-    trace.stop = _climb(run, trace, values, prev, estimate, objective, threshold, confirm, precision)
-    fine_pass(run, trace, values, objective, num_fine, threshold, precision)
+    trace.stop = _climb(run, trace, bounds, prev, estimate, confirm)
+    fine_pass(run, trace, bounds)
     return trace
 
 
-def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int, objective: Objective,
-           threshold: float, confirm: Confirm | None, precision: float | None = None) -> StopReason:
+def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
+           confirm: Confirm | None) -> StopReason:
     """Climb from the runnable ``prev`` by :func:`next_mbs` steps until the cap, a failure (then
-    :func:`_bisect` to the boundary) or a plateau (a step gaining less than ``threshold``; not the
+    :func:`_bisect` to the boundary) or a plateau (a step gaining less than the threshold; not the
     step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, unless
-    it is within ``precision``: a tie, :func:`~zerotune.strategy.points.tie`)."""
+    it is within the precision: a tie, :func:`~zerotune.strategy.points.tie`)."""
+    values, objective, threshold, precision = bounds.values, bounds.objective, bounds.threshold, bounds.precision
     best = trace.best(objective)
     while True:
         step = next_mbs(prev, estimate, values)
@@ -116,7 +107,7 @@ def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int
         if p.status is Status.SKIPPED:  # its upper bound rises with mbs: nothing below it can win either
             return StopReason.PREDICTED
         if not p.ok:
-            return _bisect(run, trace, values, prev, nxt, objective, threshold)
+            return _bisect(run, trace, bounds, prev, nxt)
         improved = objective.gain(p.metric, best.metric)
         if (improved < threshold and not landing and confirm is not None and min(p.runs, best.runs) < 2
                 and replica_decides(improved, p, best, threshold, precision)):
@@ -130,12 +121,12 @@ def _climb(run, trace: MbsTrace, values: Sequence[int], prev: int, estimate: int
         prev = nxt
 
 
-def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, objective: Objective, threshold: float,
-              confirm: Confirm | None, precision: float | None = None) -> None:
+def _top_down(run, trace: MbsTrace, bounds: SearchBounds, estimate: int, confirm: Confirm | None) -> None:
     """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
     (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
     (a failure: bisect to the boundary), then look below (:func:`_look_below`). Evidence: docs/decisions.md,
     D104."""
+    values = bounds.values
     known_ok = [p.mbs for p in trace.ok_points]
     start = largest_within(values, estimate)
     start = max(start, *known_ok) if known_ok else start
@@ -157,19 +148,19 @@ def _top_down(run, trace: MbsTrace, values: Sequence[int], estimate: int, object
         start = below[-1]
         (p,) = run([start])
     if fail is not None:
-        trace.stop = _bisect(run, trace, values, start, fail, objective, threshold)
+        trace.stop = _bisect(run, trace, bounds, start, fail)
     else:
-        trace.stop = _climb(run, trace, values, start, start, objective, threshold, confirm,  # above the estimate
-                            precision)
-    _look_below(run, trace, values, objective, threshold)
+        trace.stop = _climb(run, trace, bounds, start, start, confirm)  # above the estimate
+    _look_below(run, trace, bounds)
 
 
-def _look_below(run, trace: MbsTrace, values: Sequence[int], objective: Objective, threshold: float) -> None:
+def _look_below(run, trace: MbsTrace, bounds: SearchBounds) -> None:
     """Below the best, only from near the device's capacity and only while it clearly pays: a calm best
     stops here (throughput rises with mbs away from the capacity: nothing below can win); a best near the
     capacity tries the largest mbs the memory model puts under it (``calm_mbs``), unless one ran there; a
     best of unknown capacity tries one halving below, where nothing below was measured. Going down takes a
-    gain of ``threshold`` beyond the noise (a larger mbs is the prior for throughput)."""
+    gain of the threshold beyond the noise (a larger mbs is the prior for throughput)."""
+    values, objective, threshold = bounds.values, bounds.objective, bounds.threshold
     best = trace.best(objective)
     while True:
         below = _halving(values, best.mbs)
@@ -214,9 +205,9 @@ def next_mbs(prev: int, estimate: int, values: Sequence[int]) -> tuple[int, bool
     return nxt, False
 
 
-def _bisect(run, trace: MbsTrace, values: Sequence[int], ok: int, fail: int, objective: Objective,
-            threshold: float) -> StopReason:
+def _bisect(run, trace: MbsTrace, bounds: SearchBounds, ok: int, fail: int) -> StopReason:
     """Binary search for the largest runnable mbs in (ok, fail); stops early on a plateau."""
+    values, objective, threshold = bounds.values, bounds.objective, bounds.threshold
     while (mid := middle(values, ok, fail)) is not None:
         best = trace.best(objective)
         (p,) = run([mid])

@@ -148,13 +148,6 @@ def runner(trace: MbsTrace, evaluate: Evaluate) -> Callable[[Sequence[int]], lis
     return run
 
 
-def allowed_values(lo: int, hi: int, allowed: Sequence[int] | None = None) -> list[int]:
-    """The sorted mbs values a search may try: ``allowed`` (or every integer) within ``lo..hi``."""
-    if allowed is None:
-        return list(range(lo, hi + 1))
-    return sorted({m for m in allowed if lo <= m <= hi})
-
-
 def largest_within(values: Sequence[int], bound: int) -> int:
     """The largest of the sorted, non-empty ``values`` at most ``bound`` (the smallest value when none is)."""
     return max([m for m in values if m <= bound], default=values[0])

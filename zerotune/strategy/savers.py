@@ -40,10 +40,11 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.throughput import bounds, can_beat
-from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
+from zerotune.strategy.bounds import SearchBounds
+from zerotune.strategy.evaluation import Evaluator
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import Point, allowed_values, largest_within, launched, refusals, tie
+from zerotune.strategy.points import Point, largest_within, launched, refusals, tie
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 
@@ -83,17 +84,17 @@ class SaverPhase:
     Args:
         ev: the strategy's evaluator (job, builder, ledger, memory model).
         points: runs a stage with a saver's settings (:data:`VariantPoints`).
+        bounds: the mbs search's bounds (:class:`~zerotune.strategy.bounds.SearchBounds`); ``bounds.num_fine``
+            experiments of the fine pass, where a saver becomes the best.
         confirm: re-measures measured points once more, pooled (as ``points``), for the mbs search; or None.
-        num_fine: experiments of the fine pass, where a saver becomes the best.
     """
 
-    def __init__(self, ev: Evaluator, points: VariantPoints, confirm: VariantPoints | None = None,
-                 num_fine: int = 0):
-        self.ev, self.points, self.confirm, self.num_fine = ev, points, confirm, num_fine
-        job = ev.job
-        self.lo, self.hi = job.min_mbs, job.max_mbs
-        self.values = allowed_values(self.lo, self.hi, job.allowed_mbs)
-        self.objective = job.objective
+    def __init__(self, ev: Evaluator, points: VariantPoints, bounds: SearchBounds,
+                 confirm: VariantPoints | None = None):
+        self.ev, self.points, self.bounds, self.confirm = ev, points, bounds, confirm
+        self.lo, self.hi = bounds.lo, bounds.hi
+        self.values = bounds.values
+        self.objective = bounds.objective
         self.best: StageResult | None = None
         self.best_point: Point | None = None
 
@@ -119,11 +120,9 @@ class SaverPhase:
         for plain in bound:
             for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu):
                 won = self._visit(plain, saver) or won
-        if won and self.num_fine > 0 and self.best is not None:
+        if won and self.bounds.num_fine > 0 and self.best is not None:
             top = self.best
-            refine_mbs(lambda ms: self.points(top.stage, top.settings, ms), top.trace, lo=self.lo, hi=self.hi,
-                       objective=self.objective, num_fine=self.num_fine, threshold=PLATEAU_THRESHOLD,
-                       allowed=self.ev.job.allowed_mbs, precision=self.ev.precision)
+            refine_mbs(lambda ms: self.points(top.stage, top.settings, ms), top.trace, self.bounds)
 
     def _update_best(self) -> None:
         """The best variant so far and its best point (None: nothing ran ok)."""
@@ -188,14 +187,14 @@ class SaverPhase:
     def _after_probe(self, result: StageResult, predicted: str, probe_mbs: int, probe: Point) -> bool:
         """Decide a probed saver: skipped by the throughput model, lost, or searched (the module's rule 4); True
         when it became the best."""
-        ev, stage, saver, best = self.ev, result.stage, result.saver, self.best_point
+        stage, saver, best = result.stage, result.saver, self.best_point
         if probe.status is Status.SKIPPED:
             result.decision = StageDecision.SKIPPED
             result.reason = (f"{predicted}; the throughput model bounds its probe at mbs={probe_mbs} below the best "
                              f"plus the precision")
             return self._logged(result)
         wins = probe.ok and (best is None or (self.objective.better(probe.metric, best.metric) and not tie(
-            self.objective.gain(probe.metric, best.metric), ev.precision)))
+            self.objective.gain(probe.metric, best.metric), self.bounds.precision)))
         if not wins:
             result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
             measured = f"{probe.status.value}" + ("" if probe.metric is None else f" {probe.metric:.4g}")
@@ -210,10 +209,8 @@ class SaverPhase:
                          f"{best.metric:.4g}, {self.best.label})" if best is not None else
                          f"{predicted}; searched: no config without a saver ran")
         confirm = self.confirm
-        result.trace = search_mbs(lambda ms: self.points(stage, saver.settings, ms), lo=self.lo,
-                                  hi=min(self.hi, cap), estimate=min(result.estimate, cap), objective=self.objective, threshold=PLATEAU_THRESHOLD,
-                                  num_fine=0, known=result.trace.points, allowed=ev.job.allowed_mbs,
-                                  precision=ev.precision,
+        result.trace = search_mbs(lambda ms: self.points(stage, saver.settings, ms), self.bounds.coarse(cap),
+                                  estimate=min(result.estimate, cap), known=result.trace.points,
                                   confirm=None if confirm is None else (lambda ms: confirm(stage, saver.settings, ms)))
         before = self.best
         self._update_best()
@@ -234,11 +231,11 @@ class SaverPhase:
         families = readings(ev.ledger, ev.job.capacity_bytes)
         own = families.get(family_key(ev.builder.config(plain.stage, self.lo)))
         b = bounds(own, mbs) if own else None
-        if b is None or can_beat(b.high, best.metric, ev.precision):
+        if b is None or can_beat(b.high, best.metric, self.bounds.precision):
             return None
         return (f"cannot beat: its stage's {len(own)} run(s) without it bound mbs={mbs} at {b.high:.4g} samples/s "
                 f"(affine step time), and a saver only adds work; the best is {best.metric:.4g} "
-                f"({self.best.label}, mbs={best.mbs}), precision {ev.precision:.0%}")
+                f"({self.best.label}, mbs={best.mbs}), precision {self.bounds.precision:.0%}")
 
     def _probe(self, result: StageResult, own: int, reach: int) -> tuple[int, Point]:
         """The saver at its largest fitting mbs, and after an out-of-memory run once halfway back to ``reach``:

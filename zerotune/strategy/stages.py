@@ -50,12 +50,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Status
-from zerotune.core.objective import Objective
+from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import (MbsTrace, Point, allowed_values, largest_within, launched, refusals,
-                                      replica_decides, tie)
+from zerotune.strategy.points import MbsTrace, Point, largest_within, launched, refusals, replica_decides, tie
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 
 
@@ -79,17 +78,15 @@ StageEvaluate = Callable[[int, Sequence[int]], Sequence[Point]]
 """Runs a batch of mbs values for a ZeRO stage and returns their points."""
 
 
-def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: int, hi: int,
-                   objective: Objective, threshold: float = 0.01, num_fine: int = 3,
-                   allowed: Sequence[int] | None = None, confirm: StageEvaluate | None = None,
-                   precision: float | None = None) -> list[StageResult]:
+def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], bounds: SearchBounds,
+                   confirm: StageEvaluate | None = None) -> list[StageResult]:
     """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
 
     Args:
         evaluate: ``evaluate(stage, [mbs, ...]) -> [Point, ...]``.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
-        lo, hi, objective, threshold, allowed, precision: as in :func:`~zerotune.strategy.mbs.search_mbs`.
-        num_fine: experiments of the fine pass, run last on the best stage (module docstring).
+        bounds: as in :func:`~zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass,
+            run last on the best stage (module docstring).
         confirm: ``confirm(stage, [mbs, ...]) -> [Point, ...]`` re-measures measured points once more
             and returns them pooled; when given, a probe that loses by less than the noise is
             re-measured with the point it lost to before the stage is given up, and the mbs search
@@ -98,20 +95,16 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], *, lo: i
     Returns:
         One :class:`StageResult` per plan, in order.
     """
-    explorer = StageExplorer(evaluate, lo=lo, hi=hi, objective=objective, threshold=threshold, allowed=allowed,
-                             confirm=confirm, precision=precision)
-    return explorer.run(plans, num_fine)
+    return StageExplorer(evaluate, bounds, confirm).run(plans)
 
 
 class StageExplorer:
     """One progressive exploration (the module docstring): the best stage so far and the evidence that rules
     later stages out. Arguments as in :func:`explore_stages`."""
 
-    def __init__(self, evaluate: StageEvaluate, *, lo: int, hi: int, objective: Objective, threshold: float,
-                 allowed: Sequence[int] | None, confirm: StageEvaluate | None, precision: float | None):
-        self.evaluate, self.confirm = evaluate, confirm
-        self.lo, self.hi, self.allowed, self.values = lo, hi, allowed, allowed_values(lo, hi, allowed)
-        self.objective, self.threshold, self.precision = objective, threshold, precision
+    def __init__(self, evaluate: StageEvaluate, bounds: SearchBounds, confirm: StageEvaluate | None = None):
+        self.evaluate, self.bounds, self.confirm = evaluate, bounds, confirm
+        self.objective, self.values = bounds.objective, bounds.values
         self.results: list[StageResult] = []
         self.best: Best | None = None
         self.slower_seen = False  # a probe measured slower than the best stage at its mbs by the threshold
@@ -119,16 +112,14 @@ class StageExplorer:
         self.deferred: dict[int, int] = {}  # stage -> the mbs of its first run, at its estimate, that ran out of memory
         self.queue: list[tuple[StagePlan, StageResult | None]] = []
 
-    def run(self, plans: Sequence[StagePlan], num_fine: int) -> list[StageResult]:
+    def run(self, plans: Sequence[StagePlan]) -> list[StageResult]:
         """Decide every plan's stage, then run the fine pass on the best; one result per plan, in order."""
         self.queue = [(plan, None) for plan in plans]
         while self.queue:
             self._visit(*self.queue.pop(0))
-        if self.best is not None and num_fine > 0:
+        if self.best is not None and self.bounds.num_fine > 0:
             top = self.best.result
-            refine_mbs(lambda ms: self.evaluate(top.stage, ms), top.trace, lo=self.lo, hi=self.hi,
-                       objective=self.objective, num_fine=num_fine, threshold=self.threshold, allowed=self.allowed,
-                       precision=self.precision)
+            refine_mbs(lambda ms: self.evaluate(top.stage, ms), top.trace, self.bounds)
         return self.results
 
     def _visit(self, plan: StagePlan, came_back: StageResult | None) -> None:
@@ -138,11 +129,11 @@ class StageExplorer:
         if came_back is None:
             self.results.append(result)
         if not self.values or plan.max_mbs_estimate < self.values[0]:
-            result.decision, result.reason = StageDecision.PRUNED, f"memory model: mbs={self.lo} does not fit"
+            result.decision, result.reason = StageDecision.PRUNED, f"memory model: mbs={self.bounds.lo} does not fit"
             return
         if came_back is None and self._defer(plan, result):
             return
-        cap = self.deferred[plan.stage] - 1 if came_back is not None and self.best is not None else self.hi
+        cap = self.deferred[plan.stage] - 1 if came_back is not None and self.best is not None else self.bounds.hi
         note = (f"its estimate mbs={self.deferred[plan.stage]} ran out of memory, deferred; "
                 if came_back is not None else "")
         if self.best is not None:
@@ -214,7 +205,7 @@ class StageExplorer:
                 and best.mbs < probe_mbs and result.trace.get(best.mbs) is None):
             probe_mbs, probe = self._second_probe(stage, result, probe, probe_mbs)
         if not (probe.ok and objective.better(probe.metric, best.metric)) or (
-                not headroom and tie(objective.gain(probe.metric, best.metric), self.precision)):
+                not headroom and tie(objective.gain(probe.metric, best.metric), self.bounds.precision)):
             self._lose(result, probe, probe_mbs, note)  # a win within the precision at equal mbs is a tie
             return None
         result.reason = f"{note}probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best.metric:.4g})"
@@ -247,7 +238,7 @@ class StageExplorer:
         won = probe.ok and objective.better(probe.metric, best.point.metric)
         gain = objective.gain(probe.metric, best.point.metric) if probe.ok else 0.0
         if not (self.confirm is not None and probe.ok and (not won or not headroom)
-                and replica_decides(gain, probe, best.point, self.threshold, self.precision)):
+                and replica_decides(gain, probe, best.point, self.bounds.threshold, self.bounds.precision)):
             return probe
         at_same = best.trace.get(probe_mbs)
         refs = sorted({best.point.mbs} | ({probe_mbs} if at_same is not None and at_same.ok else set()))
@@ -279,17 +270,15 @@ class StageExplorer:
             f"not better than ZeRO stage {best.stage}'s {reference.metric:.4g} at mbs={reference.mbs}"]
         result.reason = note + "; ".join(refusals(result.trace.points) + lost)
         self.slower_seen = self.slower_seen or (same is not None and self.objective.gain(
-            probe.metric, same.metric) <= -self.threshold)
+            probe.metric, same.metric) <= -self.bounds.threshold)
         self.partitioned_lost = self.partitioned_lost or (result.stage in (1, 2) and same is not None)
 
     def _search(self, plan: StagePlan, result: StageResult, cap: int) -> None:
         """The stage's coarse mbs search (no fine pass), below ``cap``; it may become the best."""
         stage, confirm = plan.stage, self.confirm
         result.decision = StageDecision.EXPLORED
-        result.trace = search_mbs(lambda ms: self.evaluate(stage, ms), lo=self.lo, hi=min(self.hi, cap),
-                                  estimate=min(plan.max_mbs_estimate, cap), objective=self.objective,
-                                  threshold=self.threshold, num_fine=0, known=result.trace.points,
-                                  allowed=self.allowed, precision=self.precision,
+        result.trace = search_mbs(lambda ms: self.evaluate(stage, ms), self.bounds.coarse(cap),
+                                  estimate=min(plan.max_mbs_estimate, cap), known=result.trace.points,
                                   confirm=None if confirm is None else (lambda ms: confirm(stage, ms)))
         top = result.trace.best(self.objective)
         if top is not None and (self.best is None or self.objective.better(top.metric, self.best.point.metric)):

@@ -34,6 +34,7 @@ from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy import remeasure
+from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator
@@ -67,6 +68,10 @@ class Strategy:
         self.ev = Evaluator(job, evaluate, self.result)
         self.result.ledger.precision = self.ev.precision  # configs within it of the best tie (strategy.answer)
         self.builder = self.ev.builder
+        # every mbs search's bounds, whichever phase runs it
+        self.bounds = SearchBounds(job.min_mbs, job.max_mbs, job.objective, allowed=job.allowed_mbs,
+                                   threshold=PLATEAU_THRESHOLD, precision=self.ev.precision,
+                                   num_fine=job.autotuning.num_tuning_micro_batch_sizes)
         # StageResult.key (the stage, or "<stage>+<saver>") -> (mbs, gas) better than its mbs search's best
         self.best_batch: dict[int | str, tuple[int, int]] = {}
 
@@ -194,11 +199,7 @@ class Strategy:
     def explore(self) -> None:
         """Explore the ZeRO stages and their mbs (:func:`~zerotune.strategy.stages.explore_stages`) on points
         measured through the evaluator."""
-        self.result.stages = explore_stages(self._points, self.plans(), lo=self.job.min_mbs, hi=self.job.max_mbs,
-                                            objective=self.job.objective, threshold=PLATEAU_THRESHOLD,
-                                            num_fine=self.job.autotuning.num_tuning_micro_batch_sizes,
-                                            allowed=self.job.allowed_mbs, confirm=self._confirmed_points,
-                                            precision=self.ev.precision)
+        self.result.stages = explore_stages(self._points, self.plans(), self.bounds, self._confirmed_points)
         for r in self.result.stages:
             logger.info(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                         + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
@@ -208,8 +209,7 @@ class Strategy:
         """Try activation checkpointing and offload where memory binds a stage
         (:class:`~zerotune.strategy.savers.SaverPhase`)."""
         SaverPhase(self.ev, lambda stage, settings, ms: self._points(stage, ms, settings),
-                   lambda stage, settings, ms: self._confirmed_points(stage, ms, settings),
-                   num_fine=self.job.autotuning.num_tuning_micro_batch_sizes).run()
+                   self.bounds, lambda stage, settings, ms: self._confirmed_points(stage, ms, settings)).run()
 
     def _points(self, stage: int, mbs_values: Sequence[int], settings: dict | None = None) -> list[Point]:
         """Evaluate ``stage`` at each mbs (with a memory saver's ``settings``); their points for the mbs search."""
