@@ -165,7 +165,8 @@ def test_latency_prefers_the_smallest_mbs():
 def stages(curves):
     calls = []
 
-    def evaluate(stage, ms):
+    def evaluate(variant, ms):
+        stage = variant.stage  # a StageResult: its stage (and saver)
         calls.extend((stage, m) for m in ms)
         fn, max_ok = curves[stage]
         return [Point(m, Status.OOM) if m > max_ok else Point(m, Status.OK, fn(m)) for m in ms]
@@ -261,7 +262,8 @@ def test_a_headroom_probe_near_capacity_is_probed_again_at_its_calm_mbs():
     # (a stage compared where it runs unslowed keeps some of its headroom); 17 wins (187 > 120) and is searched
     calls = []
 
-    def evaluate(stage, ms):
+    def evaluate(variant, ms):
+        stage = variant.stage
         calls.extend((stage, m) for m in ms)
         limit, slope, calm = (12, 0.08, 11) if stage == 0 else (20, 0.049, 17)
         return [Point(m, Status.OOM) if m > limit else
@@ -361,7 +363,8 @@ def test_a_probe_that_loses_within_the_noise_is_re_measured_with_its_reference()
     evaluate, calls = stages({0: (flat, 8), 1: (lambda m: 0.98 * flat(m), 8)})  # 2% slower: over +-1.4% together
     confirmed = []
 
-    def confirm(stage, ms):  # the pooled truth: stage 1 is 5% faster at mbs 8
+    def confirm(variant, ms):  # the pooled truth: stage 1 is 5% faster at mbs 8
+        stage = variant.stage
         confirmed.extend((stage, m) for m in ms)
         return [Point(m, Status.OK, flat(m) * (1.05 if stage == 1 else 1.0), runs=2) for m in ms]
 
@@ -378,11 +381,13 @@ def test_a_probe_that_wins_within_the_noise_is_re_measured_before_its_stage_is_s
     flat = lambda m: 100 * m / (m + 1)  # noqa: E731
     calls, confirmed = [], []
 
-    def evaluate(stage, ms):
+    def evaluate(variant, ms):
+        stage = variant.stage
         calls.extend((stage, m) for m in ms)
         return [Point(m, Status.OK, flat(m) * (1.02 if stage else 1.0), rel_half_width=0.005) for m in ms]
 
-    def confirm(stage, ms):  # the pooled truth
+    def confirm(variant, ms):  # the pooled truth
+        stage = variant.stage
         confirmed.extend((stage, m) for m in ms)
         return [Point(m, Status.OK, flat(m) * (0.99 if stage else 1.0), runs=2) for m in ms]
 
@@ -422,12 +427,14 @@ def test_a_probe_that_loses_within_the_noise_to_a_lucky_best_re_measures_that_be
     lucky = {(0, 4): 92.0}
     calls, confirmed = [], []
 
-    def evaluate(stage, ms):
+    def evaluate(variant, ms):
+        stage = variant.stage
         calls.extend((stage, m) for m in ms)
         return [Point(m, Status.OOM) if m > 8 else
                 Point(m, Status.OK, lucky.get((stage, m), flat(m) * (1.05 if stage else 1.0))) for m in ms]
 
-    def confirm(stage, ms):  # the pooled truth
+    def confirm(variant, ms):  # the pooled truth
+        stage = variant.stage
         confirmed.extend((stage, m) for m in ms)
         return [Point(m, Status.OK, flat(m) * (1.05 if stage else 1.0), runs=2) for m in ms]
 

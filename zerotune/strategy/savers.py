@@ -29,12 +29,13 @@ ranks no offload to the host, which is the rank itself) are visited cheapest fir
 
 Every visited saver is a :class:`~zerotune.strategy.result.StageResult` with a ``saver``, its decision and a
 reason that says what the memory model predicted and what was measured; the gas and knob phases then run on
-the best stage with its saver. docs/decisions.md, D109.
+the best stage with its saver. A saver is a stage variant: this module holds the saver policy (which variants,
+cheapest first, and rules 1-3), and the probe, its retry, the loss, the search and the best so far are the steps
+every variant phase shares (:mod:`~zerotune.strategy.variants`). docs/decisions.md, D109.
 """
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
@@ -42,18 +43,14 @@ from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.throughput import bounds, can_beat
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.evaluation import Evaluator
-from zerotune.strategy.fine import refine_mbs
-from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import Point, largest_within, launched, refusals, tie
+from zerotune.strategy.points import largest_within
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
+from zerotune.strategy.variants import VariantEvaluate, VariantExplorer
 
 __all__ = ["SaverPhase", "savers_for"]
 
 logger = logging.getLogger(__name__)
-
-VariantPoints = Callable[[int, dict, Sequence[int]], list[Point]]
-"""``points(stage, settings, [mbs, ...]) -> [Point, ...]``: runs a stage with a saver's settings at each mbs."""
 
 _CHECKPOINTING = {CHECKPOINTING: True}
 
@@ -78,32 +75,28 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, ho
     return out
 
 
-class SaverPhase:
-    """One savers phase over ``ev``'s result (the module docstring).
+class SaverPhase(VariantExplorer):
+    """One savers phase over ``ev``'s result (the module docstring): the saver policy over the shared variant steps
+    (:class:`~zerotune.strategy.variants.VariantExplorer`: the probe, its retry, the loss, the search, the best).
 
     Args:
         ev: the strategy's evaluator (job, builder, ledger, memory model).
-        points: runs a stage with a saver's settings (:data:`VariantPoints`).
-        bounds: the mbs search's bounds (:class:`~zerotune.strategy.bounds.SearchBounds`); ``bounds.num_fine``
+        evaluate, bounds, confirm: as for :class:`~zerotune.strategy.variants.VariantExplorer`; ``bounds.num_fine``
             experiments of the fine pass, where a saver becomes the best.
-        confirm: re-measures measured points once more, pooled (as ``points``), for the mbs search; or None.
     """
 
-    def __init__(self, ev: Evaluator, points: VariantPoints, bounds: SearchBounds,
-                 confirm: VariantPoints | None = None):
-        self.ev, self.points, self.bounds, self.confirm = ev, points, bounds, confirm
-        self.lo, self.hi = bounds.lo, bounds.hi
-        self.values = bounds.values
-        self.objective = bounds.objective
-        self.best: StageResult | None = None
-        self.best_point: Point | None = None
+    def __init__(self, ev: Evaluator, evaluate: VariantEvaluate, bounds: SearchBounds,
+                 confirm: VariantEvaluate | None = None):
+        super().__init__(evaluate, bounds, confirm)
+        self.ev = ev
 
     def run(self) -> None:
         """Visit the savers of each stage that memory binds (the module docstring)."""
         ev, stages = self.ev, self.ev.result.stages
         if ev.result.memory is None or not self.values:
             return
-        self._update_best()
+        for r in stages:
+            self.improve(r)
         notes = ev.result.savers_notes
         if not ev.job.savers:
             notes.append("memory savers (activation checkpointing, offload): off (--no-savers)")
@@ -120,17 +113,8 @@ class SaverPhase:
         for plain in bound:
             for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu):
                 won = self._visit(plain, saver) or won
-        if won and self.bounds.num_fine > 0 and self.best is not None:
-            top = self.best
-            refine_mbs(lambda ms: self.points(top.stage, top.settings, ms), top.trace, self.bounds)
-
-    def _update_best(self) -> None:
-        """The best variant so far and its best point (None: nothing ran ok)."""
-        for r in self.ev.result.stages:
-            top = r.trace.best(self.objective)
-            if top is not None and (self.best_point is None or self.objective.better(top.metric,
-                                                                                     self.best_point.metric)):
-                self.best, self.best_point = r, top
+        if won:
+            self.refine()
 
     def _memory_bound(self, r: StageResult) -> bool:
         """Whether memory, not a plateau, limits stage ``r``: no run of it ran ok (pruned, out of memory), or it is
@@ -139,11 +123,12 @@ class SaverPhase:
         if not ok:
             return r.decision is not StageDecision.SKIPPED
         top = r.trace.best(self.objective)
-        return r is self.best and top is not None and top.mbs == max(p.mbs for p in ok) and top.mbs < self.values[-1]
+        return (self.best is not None and r is self.best.result and top is not None
+                and top.mbs == max(p.mbs for p in ok) and top.mbs < self.values[-1])
 
     def _visit(self, plain: StageResult, saver: Saver) -> bool:
         """Decide one stage with one saver; True when it became the best."""
-        ev, stage, lo = self.ev, plain.stage, self.lo
+        ev, stage, lo = self.ev, plain.stage, self.bounds.lo
         try:
             config = ev.builder.config(stage, lo, saver.settings)
         except ConfigError as e:
@@ -153,7 +138,7 @@ class SaverPhase:
             return False  # the user's config already holds it
         memory = ev.result.memory
         host_ok = ev.host_fits(config)
-        est = memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.hi) if host_ok else lo - 1
+        est = memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.bounds.hi) if host_ok else lo - 1
         result = StageResult(stage, None, "", estimate=est, saver=saver)
         ev.result.stages.append(result)
         plain_est = f"{plain.estimate}" if plain.estimate >= lo else "none"
@@ -181,75 +166,52 @@ class SaverPhase:
         if cannot is not None:
             result.decision, result.reason = StageDecision.SKIPPED, f"{predicted}; {cannot}"
             return self._logged(result)
-        probe_mbs, probe = self._probe(result, own, reach)
-        return self._after_probe(result, predicted, probe_mbs, probe)
+        return self._probe(result, predicted, own, reach)
 
-    def _after_probe(self, result: StageResult, predicted: str, probe_mbs: int, probe: Point) -> bool:
-        """Decide a probed saver: skipped by the throughput model, lost, or searched (the module's rule 4); True
+    def _probe(self, result: StageResult, predicted: str, own: int, reach: int) -> bool:
+        """Probe a saver at its largest fitting mbs ``own`` (after an out-of-memory run, once more halfway back to
+        ``reach``), then decide it: skipped by the throughput model, lost, or searched (the module's rule 4); True
         when it became the best."""
-        stage, saver, best = result.stage, result.saver, self.best_point
+        probe_mbs, probe, cap = own, self.probe(result, own), self.bounds.hi
+        if probe.status.over_budget:
+            probe_mbs, probe, cap = self.retry_below(result, probe, own, self.halfway(reach, own))
+        best = self.best
         if probe.status is Status.SKIPPED:
-            result.decision = StageDecision.SKIPPED
-            result.reason = (f"{predicted}; the throughput model bounds its probe at mbs={probe_mbs} below the best "
-                             f"plus the precision")
+            self.skip(result, probe_mbs, f"{predicted}; ")
             return self._logged(result)
-        wins = probe.ok and (best is None or (self.objective.better(probe.metric, best.metric) and not tie(
-            self.objective.gain(probe.metric, best.metric), self.bounds.precision)))
-        if not wins:
-            result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
-            measured = f"{probe.status.value}" + ("" if probe.metric is None else f" {probe.metric:.4g}")
-            than = (f", not better than {self.best.label}'s {best.metric:.4g} at mbs={best.mbs}"
+        if not self.beats(probe):
+            than = (f", not better than {best.result.label}'s {best.point.metric:.4g} at mbs={best.point.mbs}"
                     if best is not None else "")
-            lost = [] if probe.status is Status.REFUSED else [f"probe at mbs={probe_mbs}: {measured}{than}"]
-            result.reason = "; ".join([predicted] + refusals(result.trace.points) + lost)
+            self.lose(result, probe, probe_mbs, f"{predicted}; ", than)
             return self._logged(result)
-        cap = max((p.mbs for p in result.trace.points if p.status.over_budget), default=self.hi + 1) - 1
-        result.decision = StageDecision.EXPLORED
         result.reason = (f"{predicted}; probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > "
-                         f"{best.metric:.4g}, {self.best.label})" if best is not None else
+                         f"{best.point.metric:.4g}, {best.result.label})" if best is not None else
                          f"{predicted}; searched: no config without a saver ran")
-        confirm = self.confirm
-        result.trace = search_mbs(lambda ms: self.points(stage, saver.settings, ms), self.bounds.coarse(cap),
-                                  estimate=min(result.estimate, cap), known=result.trace.points,
-                                  confirm=None if confirm is None else (lambda ms: confirm(stage, saver.settings, ms)))
-        before = self.best
-        self._update_best()
+        won = self.search(result, cap)
         self._logged(result)
-        return self.best is result and before is not result
+        return won
 
     def _reach(self, stage: int) -> int:
         """The largest mbs that ran ok in the best variant or in any variant of ``stage`` (``lo - 1``: none)."""
-        runs = [p.mbs for r in self.ev.result.stages if r is self.best or r.stage == stage for p in r.trace.ok_points]
-        return max(runs, default=self.lo - 1)
+        runs = [p.mbs for r in self.ev.result.stages
+                if (self.best is not None and r is self.best.result) or r.stage == stage for p in r.trace.ok_points]
+        return max(runs, default=self.bounds.lo - 1)
 
     def _bounded(self, plain: StageResult, mbs: int) -> str | None:
         """Why the stage's own runs without a saver rule a saver at ``mbs`` out (the module's rule 3); None: they
         do not (no best, no such runs, or a bound that can beat the best)."""
-        ev, best = self.ev, self.best_point
-        if best is None or not self.objective.higher_is_better:
+        ev = self.ev
+        if self.best is None or not self.objective.higher_is_better:
             return None
+        best = self.best.point
         families = readings(ev.ledger, ev.job.capacity_bytes)
-        own = families.get(family_key(ev.builder.config(plain.stage, self.lo)))
+        own = families.get(family_key(ev.builder.config(plain.stage, self.bounds.lo)))
         b = bounds(own, mbs) if own else None
         if b is None or can_beat(b.high, best.metric, self.bounds.precision):
             return None
         return (f"cannot beat: its stage's {len(own)} run(s) without it bound mbs={mbs} at {b.high:.4g} samples/s "
                 f"(affine step time), and a saver only adds work; the best is {best.metric:.4g} "
-                f"({self.best.label}, mbs={best.mbs}), precision {self.bounds.precision:.0%}")
-
-    def _probe(self, result: StageResult, own: int, reach: int) -> tuple[int, Point]:
-        """The saver at its largest fitting mbs, and after an out-of-memory run once halfway back to ``reach``:
-        (the last probe's mbs, its point)."""
-        stage, settings = result.stage, result.settings
-        (probe,) = self.points(stage, settings, [own])
-        result.trace.points.append(probe)
-        if probe.status.over_budget:
-            halfway = [m for m in self.values if reach < m <= (reach + own) // 2][-1:]
-            if halfway:
-                own = halfway[0]
-                (probe,) = self.points(stage, settings, [own])
-                result.trace.points.append(probe)
-        return own, probe
+                f"({self.best.result.label}, mbs={best.mbs}), precision {self.bounds.precision:.0%}")
 
     @staticmethod
     def _logged(result: StageResult) -> bool:

@@ -46,51 +46,28 @@ these rules is in docs/decisions.md, D106.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from zerotune.core.experiment import Status
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.fine import refine_mbs
-from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, largest_within, launched, refusals, replica_decides, tie
+from zerotune.strategy.points import Point, largest_within, replica_decides, tie
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
+from zerotune.strategy.variants import Best, VariantEvaluate, VariantExplorer
 
 
-@dataclass(frozen=True)
-class Best:
-    """The best stage so far (its result, whose trace holds its points) and its best point."""
-
-    result: StageResult
-    point: Point
-
-    @property
-    def stage(self) -> int:
-        return self.result.stage
-
-    @property
-    def trace(self) -> MbsTrace:
-        return self.result.trace
-
-
-StageEvaluate = Callable[[int, Sequence[int]], Sequence[Point]]
-"""Runs a batch of mbs values for a ZeRO stage and returns their points."""
-
-
-def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], bounds: SearchBounds,
-                   confirm: StageEvaluate | None = None) -> list[StageResult]:
+def explore_stages(evaluate: VariantEvaluate, plans: Sequence[StagePlan], bounds: SearchBounds,
+                   confirm: VariantEvaluate | None = None) -> list[StageResult]:
     """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
 
     Args:
-        evaluate: ``evaluate(stage, [mbs, ...]) -> [Point, ...]``.
+        evaluate: ``evaluate(stage_result, [mbs, ...]) -> [Point, ...]``, at the result's stage.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
         bounds: as in :func:`~zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass,
             run last on the best stage (module docstring).
-        confirm: ``confirm(stage, [mbs, ...]) -> [Point, ...]`` re-measures measured points once more
-            and returns them pooled; when given, a probe that loses by less than the noise is
-            re-measured with the point it lost to before the stage is given up, and the mbs search
-            confirms its plateaus.
+        confirm: re-measures measured points once more and returns them pooled (as ``evaluate``); when given, a
+            probe that loses by less than the noise is re-measured with the point it lost to before the stage is
+            given up, and the mbs search confirms its plateaus.
 
     Returns:
         One :class:`StageResult` per plan, in order.
@@ -98,15 +75,14 @@ def explore_stages(evaluate: StageEvaluate, plans: Sequence[StagePlan], bounds: 
     return StageExplorer(evaluate, bounds, confirm).run(plans)
 
 
-class StageExplorer:
-    """One progressive exploration (the module docstring): the best stage so far and the evidence that rules
-    later stages out. Arguments as in :func:`explore_stages`."""
+class StageExplorer(VariantExplorer):
+    """One progressive exploration (the module docstring): the stage policy over the shared variant steps
+    (:class:`~zerotune.strategy.variants.VariantExplorer`), and the evidence that rules later stages out.
+    Arguments as in :func:`explore_stages`."""
 
-    def __init__(self, evaluate: StageEvaluate, bounds: SearchBounds, confirm: StageEvaluate | None = None):
-        self.evaluate, self.bounds, self.confirm = evaluate, bounds, confirm
-        self.objective, self.values = bounds.objective, bounds.values
+    def __init__(self, evaluate: VariantEvaluate, bounds: SearchBounds, confirm: VariantEvaluate | None = None):
+        super().__init__(evaluate, bounds, confirm)
         self.results: list[StageResult] = []
-        self.best: Best | None = None
         self.slower_seen = False  # a probe measured slower than the best stage at its mbs by the threshold
         self.partitioned_lost = False  # a stage 1 or 2 probe at the best's mbs did not beat it
         self.deferred: dict[int, int] = {}  # stage -> the mbs of its first run, at its estimate, that ran out of memory
@@ -117,9 +93,7 @@ class StageExplorer:
         self.queue = [(plan, None) for plan in plans]
         while self.queue:
             self._visit(*self.queue.pop(0))
-        if self.best is not None and self.bounds.num_fine > 0:
-            top = self.best.result
-            refine_mbs(lambda ms: self.evaluate(top.stage, ms), top.trace, self.bounds)
+        self.refine()
         return self.results
 
     def _visit(self, plan: StagePlan, came_back: StageResult | None) -> None:
@@ -144,7 +118,7 @@ class StageExplorer:
             result.reason = (f"{note}searched: no other stage ran" if note else
                              "first stage searched: ZeRO stage " + ", ".join(map(str, self.deferred)) + " deferred"
                              if self.deferred else "first feasible stage")
-        self._search(plan, result, cap)
+        self.search(result, cap)
 
     def _defer(self, plan: StagePlan, result: StageResult) -> bool:
         """Whether the first stage to run (throughput) is deferred: its first run, at its estimate, ran out of
@@ -154,9 +128,7 @@ class StageExplorer:
         start = largest_within(self.values, plan.max_mbs_estimate)
         if not (start > self.values[0] and any(q.max_mbs_estimate > start for q, _ in self.queue)):
             return False
-        (first,) = self.evaluate(plan.stage, [start])
-        result.trace.points.append(first)
-        if not first.status.over_budget:
+        if not self.probe(result, start).status.over_budget:
             return False
         self.deferred[plan.stage] = start  # a stage with more headroom goes first
         self.queue.append((plan, result))
@@ -179,7 +151,7 @@ class StageExplorer:
     def _probe(self, plan: StagePlan, result: StageResult, cap: int, note: str, came_back: bool) -> int | None:
         """Probe a stage against the best (the module's probes); its cap for the mbs search when it won, None
         when it is decided (skipped or probed)."""
-        stage, objective = plan.stage, self.objective
+        stage = plan.stage
         own = largest_within(self.values, min(plan.max_mbs_estimate, cap))
         # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
         # best mbs: where the best stage ran larger and was slower, a larger batch is no advantage)
@@ -190,48 +162,31 @@ class StageExplorer:
             result.decision, result.reason = StageDecision.SKIPPED, skip
             return None
         probe_mbs = own if headroom else largest_within(self.values, min(self.best.point.mbs, own))
-        (probe,) = self.evaluate(stage, [probe_mbs])
-        result.trace.points.append(probe)
+        probe = self.probe(result, probe_mbs)
         if probe.status is Status.SKIPPED:
-            result.decision = StageDecision.SKIPPED
-            result.reason = (f"{note}cannot beat: the throughput model bounds its probe at mbs={probe_mbs} below the "
-                             f"best plus the precision")
+            self.skip(result, probe_mbs, f"{note}cannot beat: ")
             return None
         if probe.status.over_budget:  # no evidence of slowness: probe below it
-            probe_mbs, probe, cap = self._below_oom(stage, result, probe, probe_mbs, headroom)
-        probe = self._confirm_probe(stage, result, probe, probe_mbs, headroom)
+            probe_mbs, probe, cap = self.retry_below(result, probe, probe_mbs, self._retries(probe_mbs, headroom))
+        probe = self._confirm_probe(result, probe, probe_mbs, headroom)
         best = self.best.point
-        if (headroom and probe.ok and not objective.better(probe.metric, best.metric)
+        if (headroom and probe.ok and not self.objective.better(probe.metric, best.metric)
                 and best.mbs < probe_mbs and result.trace.get(best.mbs) is None):
-            probe_mbs, probe = self._second_probe(stage, result, probe, probe_mbs)
-        if not (probe.ok and objective.better(probe.metric, best.metric)) or (
-                not headroom and tie(objective.gain(probe.metric, best.metric), self.bounds.precision)):
-            self._lose(result, probe, probe_mbs, note)  # a win within the precision at equal mbs is a tie
+            probe_mbs, probe = self._second_probe(result, probe, probe_mbs)
+        if not self.beats(probe, ties=not headroom):  # a win within the precision at equal mbs is a tie
+            self._record_loss(result, probe, probe_mbs, note)
             return None
         result.reason = f"{note}probe at mbs={probe_mbs} beat the best ({probe.metric:.4g} > {best.metric:.4g})"
         return cap
 
-    def _below_oom(self, stage: int, result: StageResult, probe: Point, probe_mbs: int,
-                   headroom: bool) -> tuple[int, Point, int]:
-        """After an OOM probe, probe below it: with headroom halfway back to the best's mbs, then at it; else
-        at equal mbs, the best stage's largest runnable mbs below the probe. (the last probe's mbs, its point,
-        the stage's cap below the last OOM)."""
+    def _retries(self, probe_mbs: int, headroom: bool) -> list[int]:
+        """Where to probe after an OOM probe at ``probe_mbs``: with headroom halfway back to the best's mbs, then at
+        it; else at equal mbs, the best stage's largest runnable mbs below the probe."""
         best = self.best.point
-        halfway = [m for m in self.values if best.mbs < m <= (best.mbs + probe_mbs) // 2][-1:]
         below = [p.mbs for p in self.best.trace.ok_points if p.mbs < probe_mbs]
-        retries = halfway + [best.mbs] if headroom else [max(below)] if below else []
-        for retry in retries:
-            cap = probe_mbs - 1
-            probe_mbs = retry
-            (probe,) = self.evaluate(stage, [probe_mbs])
-            result.trace.points.append(probe)
-            if not probe.status.over_budget:
-                break
-        else:
-            cap = probe_mbs - 1
-        return probe_mbs, probe, cap
+        return self.halfway(best.mbs, probe_mbs) + [best.mbs] if headroom else [max(below)] if below else []
 
-    def _confirm_probe(self, stage: int, result: StageResult, probe: Point, probe_mbs: int, headroom: bool) -> Point:
+    def _confirm_probe(self, result: StageResult, probe: Point, probe_mbs: int, headroom: bool) -> Point:
         """A probe within the noise of the best (a loss, or a win at equal mbs) and the best (its point, and its
         stage's point at the probe's mbs where that ran ok) re-measured; the probe's point, :attr:`best` updated."""
         objective, best = self.objective, self.best
@@ -242,44 +197,28 @@ class StageExplorer:
             return probe
         at_same = best.trace.get(probe_mbs)
         refs = sorted({best.point.mbs} | ({probe_mbs} if at_same is not None and at_same.ok else set()))
-        result.trace.update(self.confirm(stage, [probe_mbs]))
-        best.trace.update(self.confirm(best.stage, refs))
+        result.trace.update(self.confirm(result, [probe_mbs]))
+        best.trace.update(self.confirm(best.result, refs))
         self.best = Best(best.result, best.trace.best(objective))
         return result.trace.get(probe_mbs)
 
-    def _second_probe(self, stage: int, result: StageResult, probe: Point, probe_mbs: int) -> tuple[int, Point]:
+    def _second_probe(self, result: StageResult, probe: Point, probe_mbs: int) -> tuple[int, Point]:
         """The probe after a headroom probe's loss (the module docstring): (its mbs, its point)."""
         best = self.best.point
         calm = [m for m in self.values if probe.calm_mbs is not None and best.mbs < m <= probe.calm_mbs
                 and m < probe_mbs and result.trace.get(m) is None]
         probe_mbs = calm[-1] if probe.capacity is Capacity.NEAR and calm else best.mbs
-        (probe,) = self.evaluate(stage, [probe_mbs])
-        result.trace.points.append(probe)
-        return probe_mbs, probe
+        return probe_mbs, self.probe(result, probe_mbs)
 
-    def _lose(self, result: StageResult, probe: Point, probe_mbs: int, note: str) -> None:
+    def _record_loss(self, result: StageResult, probe: Point, probe_mbs: int, note: str) -> None:
         """Record a probe that did not beat the best, and whether it measured slower than the best stage at the
         same mbs by the threshold (a tie is noise; an OOM, a failure or another mbs says nothing of speed)."""
         best = self.best
         same = best.trace.get(probe_mbs) if probe.ok else None
         same = same if same is not None and same.ok else None
         reference = same or best.point
-        result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
-        lost = [] if probe.status is Status.REFUSED else [
-            f"probe at mbs={probe_mbs}: {probe.status.value} {'' if probe.metric is None else f'{probe.metric:.4g} '}"
-            f"not better than ZeRO stage {best.stage}'s {reference.metric:.4g} at mbs={reference.mbs}"]
-        result.reason = note + "; ".join(refusals(result.trace.points) + lost)
+        self.lose(result, probe, probe_mbs, note,
+                  f" not better than {best.result.label}'s {reference.metric:.4g} at mbs={reference.mbs}")
         self.slower_seen = self.slower_seen or (same is not None and self.objective.gain(
             probe.metric, same.metric) <= -self.bounds.threshold)
         self.partitioned_lost = self.partitioned_lost or (result.stage in (1, 2) and same is not None)
-
-    def _search(self, plan: StagePlan, result: StageResult, cap: int) -> None:
-        """The stage's coarse mbs search (no fine pass), below ``cap``; it may become the best."""
-        stage, confirm = plan.stage, self.confirm
-        result.decision = StageDecision.EXPLORED
-        result.trace = search_mbs(lambda ms: self.evaluate(stage, ms), self.bounds.coarse(cap),
-                                  estimate=min(plan.max_mbs_estimate, cap), known=result.trace.points,
-                                  confirm=None if confirm is None else (lambda ms: confirm(stage, ms)))
-        top = result.trace.best(self.objective)
-        if top is not None and (self.best is None or self.objective.better(top.metric, self.best.point.metric)):
-            self.best = Best(result, top)

@@ -43,7 +43,7 @@ from zerotune.strategy.job import Job
 from zerotune.strategy.knobs import tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.points import Point
-from zerotune.strategy.result import StagePlan, StrategyResult
+from zerotune.strategy.result import StagePlan, StageResult, StrategyResult
 from zerotune.strategy.savers import SaverPhase
 from zerotune.strategy.stages import explore_stages
 
@@ -208,19 +208,20 @@ class Strategy:
     def savers(self) -> None:
         """Try activation checkpointing and offload where memory binds a stage
         (:class:`~zerotune.strategy.savers.SaverPhase`)."""
-        SaverPhase(self.ev, lambda stage, settings, ms: self._points(stage, ms, settings),
-                   self.bounds, lambda stage, settings, ms: self._confirmed_points(stage, ms, settings)).run()
+        SaverPhase(self.ev, self._points, self.bounds, self._confirmed_points).run()
 
-    def _points(self, stage: int, mbs_values: Sequence[int], settings: dict | None = None) -> list[Point]:
-        """Evaluate ``stage`` at each mbs (with a memory saver's ``settings``); their points for the mbs search."""
+    def _points(self, variant: StageResult, mbs_values: Sequence[int]) -> list[Point]:
+        """Evaluate ``variant`` (its stage, with its memory saver's settings) at each mbs; their points for the mbs
+        search."""
+        stage, settings = variant.stage, variant.settings
         done = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         sigma = self.result.run_noise.sigma
         return [Point(m, e.status, e.metric, rel_half_width=e.metric_rel_half_width, run_noise=sigma,
                       **self._memory_terms(stage, e, settings)) for m, e in zip(mbs_values, done)]
 
-    def _confirmed_points(self, stage: int, mbs_values: Sequence[int], settings: dict | None = None) -> list[Point]:
-        """Re-measure ``stage`` at each (measured) mbs once more (with a memory saver's ``settings``); their points
-        pooled over their runs."""
+    def _confirmed_points(self, variant: StageResult, mbs_values: Sequence[int]) -> list[Point]:
+        """Re-measure ``variant`` at each (measured) mbs once more; their points pooled over their runs."""
+        stage, settings = variant.stage, variant.settings
         bases = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         pooled = self.remeasure(bases)
         sigma = self.result.run_noise.sigma

@@ -1,0 +1,137 @@
+"""A stage variant probed against the best so far and searched when it wins: the steps every phase that explores
+variants shares (:class:`VariantExplorer`).
+
+A variant is a ZeRO stage, alone or with a memory saver, held as its :class:`~zerotune.strategy.result.StageResult`
+(its stage and the saver's settings, its decision, reason and trace). The stage phase
+(:class:`~zerotune.strategy.stages.StageExplorer`) and the savers phase (:class:`~zerotune.strategy.savers.SaverPhase`)
+differ only in their policy: which variants, in what order, which skips and at which mbs a probe runs. Both run the
+same steps here: a probe recorded in the variant's trace, the retry below a probe out of memory, the skip the
+throughput model decides, the win test, the loss and its reason, the coarse mbs search after a win, the best so far,
+and the fine pass on the best once every variant is decided. Nothing here launches anything.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from zerotune.core.experiment import Status
+from zerotune.strategy.bounds import SearchBounds
+from zerotune.strategy.fine import refine_mbs
+from zerotune.strategy.mbs import search_mbs
+from zerotune.strategy.points import MbsTrace, Point, launched, refusals, tie
+from zerotune.strategy.result import StageDecision, StageResult
+
+VariantEvaluate = Callable[[StageResult, Sequence[int]], Sequence[Point]]
+"""``evaluate(variant, [mbs, ...]) -> [Point, ...]``: runs a variant (its stage, with its saver's settings) at each
+mbs; as a confirm, re-measures measured mbs once more and returns their points pooled over their runs."""
+
+
+@dataclass(frozen=True)
+class Best:
+    """The best variant so far (its result, whose trace holds its points) and its best point."""
+
+    result: StageResult
+    point: Point
+
+    @property
+    def stage(self) -> int:
+        return self.result.stage
+
+    @property
+    def trace(self) -> MbsTrace:
+        return self.result.trace
+
+
+class VariantExplorer:
+    """The shared steps of a variant phase (the module docstring); a phase subclasses it with its policy.
+
+    Args:
+        evaluate: runs a variant at mbs values (:data:`VariantEvaluate`).
+        bounds: the mbs search's bounds, shared by every variant (:class:`~zerotune.strategy.bounds.SearchBounds`).
+        confirm: re-measures a variant's measured mbs values, pooled (as ``evaluate``), or None: the mbs search
+            then decides its plateaus on one run.
+    """
+
+    def __init__(self, evaluate: VariantEvaluate, bounds: SearchBounds, confirm: VariantEvaluate | None = None):
+        self.evaluate, self.bounds, self.confirm = evaluate, bounds, confirm
+        self.objective, self.values = bounds.objective, bounds.values
+        self.best: Best | None = None
+
+    def probe(self, result: StageResult, mbs: int) -> Point:
+        """Run ``result``'s variant at ``mbs``; its point, recorded in its trace."""
+        (point,) = self.evaluate(result, [mbs])
+        result.trace.points.append(point)
+        return point
+
+    def halfway(self, low: int, high: int) -> list[int]:
+        """The largest allowed mbs above ``low`` and at most halfway to ``high`` (empty: none)."""
+        return [m for m in self.values if low < m <= (low + high) // 2][-1:]
+
+    def retry_below(self, result: StageResult, probe: Point, probe_mbs: int,
+                    retries: Sequence[int]) -> tuple[int, Point, int]:
+        """After ``probe`` ran out of memory at ``probe_mbs`` (no evidence of slowness), probe at each of
+        ``retries`` in turn until one is not out of memory: (the last probe's mbs, its point, the variant's cap
+        below the last out-of-memory probe)."""
+        for retry in retries:
+            cap = probe_mbs - 1
+            probe_mbs = retry
+            probe = self.probe(result, probe_mbs)
+            if not probe.status.over_budget:
+                break
+        else:
+            cap = probe_mbs - 1
+        return probe_mbs, probe, cap
+
+    def beats(self, probe: Point, ties: bool = True) -> bool:
+        """Whether ``probe`` ran and beats the best so far (or nothing ran); with ``ties``, by more than the
+        precision (:func:`~zerotune.strategy.points.tie`: a win within it is no win)."""
+        if not probe.ok:
+            return False
+        if self.best is None:
+            return True
+        best = self.best.point
+        return self.objective.better(probe.metric, best.metric) and not (
+            ties and tie(self.objective.gain(probe.metric, best.metric), self.bounds.precision))
+
+    @staticmethod
+    def skip(result: StageResult, probe_mbs: int, lead: str) -> None:
+        """Record a variant whose probe at ``probe_mbs`` the throughput model kept from launching
+        (``Status.SKIPPED``): skipped, with ``lead`` before the reason."""
+        result.decision = StageDecision.SKIPPED
+        result.reason = f"{lead}the throughput model bounds its probe at mbs={probe_mbs} below the best plus the precision"
+
+    @staticmethod
+    def lose(result: StageResult, probe: Point, probe_mbs: int, lead: str, than: str) -> None:
+        """Record a variant whose last probe (``probe`` at ``probe_mbs``) did not win: probed, or not launched where
+        the memory model refused each probe; its reason ``lead``, the refusals, then the probe's status and metric
+        followed by ``than`` (what it did not beat), unless it was refused."""
+        result.decision = StageDecision.PROBED if launched(result.trace.points) else StageDecision.NOT_LAUNCHED
+        measured = probe.status.value + ("" if probe.metric is None else f" {probe.metric:.4g}")
+        lost = [] if probe.status is Status.REFUSED else [f"probe at mbs={probe_mbs}: {measured}{than}"]
+        result.reason = lead + "; ".join(refusals(result.trace.points) + lost)
+
+    def search(self, result: StageResult, cap: int) -> bool:
+        """The variant's coarse mbs search (no fine pass) below ``cap``, from its probes; True when it became the
+        best (:meth:`improve`)."""
+        confirm = self.confirm
+        result.decision = StageDecision.EXPLORED
+        result.trace = search_mbs(lambda ms: self.evaluate(result, ms), self.bounds.coarse(cap),
+                                  estimate=min(result.estimate, cap), known=result.trace.points,
+                                  confirm=None if confirm is None else (lambda ms: confirm(result, ms)))
+        return self.improve(result)
+
+    def improve(self, result: StageResult) -> bool:
+        """Make ``result`` the best when its best point beats the best so far's (the first on ties); True when it
+        did."""
+        top = result.trace.best(self.objective)
+        if top is None or (self.best is not None and not self.objective.better(top.metric, self.best.point.metric)):
+            return False
+        self.best = Best(result, top)
+        return True
+
+    def refine(self) -> None:
+        """The fine pass (:func:`~zerotune.strategy.fine.refine_mbs`) on the best variant, once every variant is
+        decided: while variants are compared each search is coarse."""
+        if self.best is not None and self.bounds.num_fine > 0:
+            top = self.best.result
+            refine_mbs(lambda ms: self.evaluate(top, ms), top.trace, self.bounds)
