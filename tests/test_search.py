@@ -404,15 +404,15 @@ def test_a_probe_that_wins_within_its_own_runs_noise_is_not_re_measured():
     flat = lambda m: 100 * m / (m + 1)  # noqa: E731
     calls = []
 
-    def evaluate(stage, ms):
-        calls.extend((stage, m) for m in ms)
-        return [Point(m, Status.OK, flat(m) * (1.02 if stage else 1.0), rel_half_width=0.02) for m in ms]
+    def evaluate(variant, ms):
+        calls.extend((variant.stage, m) for m in ms)
+        return [Point(m, Status.OK, flat(m) * (1.02 if variant.stage else 1.0), rel_half_width=0.02) for m in ms]
 
-    def confirm(stage, ms):
+    def confirm(variant, ms):
         raise AssertionError("the runs' own intervals block the decision: no replica")
 
-    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 8)], lo=1, hi=8, objective=THROUGHPUT,
-                             num_fine=0, confirm=confirm)
+    results = explore_stages(evaluate, [StagePlan(0, 8), StagePlan(1, 8)],
+                             SearchBounds(1, 8, THROUGHPUT, num_fine=0), confirm=confirm)
     assert [r.decision for r in results] == [StageDecision.EXPLORED, StageDecision.EXPLORED]
     assert calls == [(0, 8), (0, 4), (1, 8), (1, 4)]
 

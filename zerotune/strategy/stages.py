@@ -51,7 +51,7 @@ from typing import Sequence
 from zerotune.core.experiment import Status
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.points import Point, largest_within, replica_decides, tie
+from zerotune.strategy.points import Point, largest_within, replica_decides
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 from zerotune.strategy.variants import Best, VariantEvaluate, VariantExplorer
 
