@@ -231,27 +231,6 @@ def test_output_bytes_counts_both_logs(tmp_path):
     assert expdir.output_bytes(tmp_path) == 8
 
 
-def test_record_round_trips_and_is_matched_on_the_config_digest(tmp_path):
-    e = exp()
-    e.status, e.metric, e.metrics, e.exit_code, e.wall_s = Status.OK, 0.25, {"latency": 250000}, 0, 12.5
-    expdir.write_record(e, tmp_path)
-    data = json.loads((tmp_path / "exp.json").read_text())
-    assert data["config_digest"] == expdir.config_digest(CONFIG) and len(data["config_digest"]) == 12
-
-    assert expdir.load_record(tmp_path, CONFIG) == e
-    # the same content spelled differently is the same config; another config is not
-    assert expdir.load_record(tmp_path, {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2}) == e
-    assert expdir.load_record(tmp_path, {**CONFIG, "train_micro_batch_size_per_gpu": 4}) is None
-    assert expdir.load_record(tmp_path / "nowhere", CONFIG) is None
-
-
-def test_an_interrupted_record_is_not_loaded(tmp_path):
-    e = exp()
-    e.status = Status.INTERRUPTED
-    expdir.write_record(e, tmp_path)
-    assert expdir.load_record(tmp_path, CONFIG) is None
-
-
 def test_on_cuda_the_profile_record_carries_the_steps_growth_and_a_run_its_own_slope(tmp_path):
     write(tmp_path / "p" / "model_info.json", '{"num_params": 1000}')
     write(tmp_path / "p" / "activations.json", '{"saved_bytes": 10, "micro_batch_size": 2, "step_growth_bytes": 900, '

@@ -29,7 +29,7 @@ from zerotune import cli
 from zerotune.core.user_files import MAX_FILE_BYTES, MAX_JSON_DEPTH
 from zerotune.deepspeed.config import CONFIG_RULE, AutotuningConfig
 from zerotune.run.backends import BACKENDS
-from zerotune.run.scheduler import experiment_dir
+from zerotune.run.store import experiment_dir
 
 FUZZ = settings(max_examples=int(os.environ.get("ZEROTUNE_FUZZ_EXAMPLES", "100")), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow], derandomize=bool(os.environ.get("CI")))

@@ -21,12 +21,14 @@ import pytest
 
 from tests.helpers.hostile_records import USER_RECORD, foreign_record, matrix_cases, user_dir
 from zerotune.core.errors import ConfigError
-from zerotune.core.experiment import Experiment, Status, write_json_atomic, write_text_atomic
-from zerotune.run import expdir
+from zerotune.core.experiment import Experiment, Status
+from zerotune.run import store
 from zerotune.run.backends.base import Backend
 from zerotune.run.resources import select_resources
-from zerotune.run.scheduler import ExpsLock, Scheduler, clear_experiments, experiment_dir, tuning_locks
+from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
+from zerotune.run.store import (ExpsLock, clear_experiments, experiment_dir, tuning_locks, write_json_atomic,
+                                 write_text_atomic)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
@@ -49,7 +51,7 @@ def record_in(exps: Path, name: str, status: Status = Status.OK, metric: float |
     """zerotune's own experiment directory ``exps/name`` with its record (no resume context)."""
     exp = Experiment(name, dict(CONFIG), status=status, metric=metric)
     (exps / name).mkdir(parents=True)
-    expdir.write_record(exp, exps / name)
+    store.write_record(exp, exps / name)
     return exps / name / "exp.json"
 
 
@@ -71,7 +73,7 @@ def test_overwrite_removes_zerotunes_records_and_keeps_every_other_exp_json(tmp_
 
 def test_not_own_says_why_a_directory_is_not_zerotunes(tmp_path):
     path = record_in(tmp_path, "z1_gas1_tmbspg2")
-    assert expdir.not_own(path.parent) == ""
+    assert store.not_own(path.parent) == ""
     record = json.loads(path.read_text())
     for content, why in ((b"\x00\xff garbage {", "its exp.json is cannot be read"),
                          (b"[" * 100_000, "its exp.json is not JSON"),
@@ -79,25 +81,25 @@ def test_not_own_says_why_a_directory_is_not_zerotunes(tmp_path):
                          (json.dumps({**record, "name": "z0"}).encode(), "not a zerotune record"),
                          (json.dumps({**record, "config_digest": 7}).encode(), "not a zerotune record")):
         path.write_bytes(content)
-        assert why in expdir.not_own(path.parent), content[:40]
+        assert why in store.not_own(path.parent), content[:40]
     path.unlink()
-    assert expdir.not_own(path.parent) == "no exp.json"
-    assert expdir.not_own(tmp_path / "nowhere") == "not a directory"
+    assert store.not_own(path.parent) == "no exp.json"
+    assert store.not_own(tmp_path / "nowhere") == "not a directory"
 
 
 def test_a_record_that_does_not_verify_is_not_trusted_and_not_fatal(tmp_path, caplog):
     path = record_in(tmp_path, "z1_gas1_tmbspg2")
-    assert expdir.load_record(path.parent, CONFIG).metric == 10.0
+    assert store.load_record(path.parent, CONFIG).metric == 10.0
     record = json.loads(path.read_text())
     edited_config = {**record, "ds_config": {**CONFIG, "gradient_clipping": 7.0}}  # never ran; digests kept
-    redigested = {**edited_config, "record_digest": expdir.record_digest(edited_config)}
+    redigested = {**edited_config, "record_digest": store.record_digest(edited_config)}
     bad_status = {**record, "status": "done"}
     cases = {
         "edited ds_config": (edited_config, "does not match its record_digest"),
         "edited ds_config, record digest redone": (redigested, "its ds_config does not match its config_digest"),
         "edited metric": ({**record, "metric": 1e9}, "does not match its record_digest"),
         "unknown status": (bad_status, "does not match its record_digest"),
-        "unknown status, record digest redone": ({**bad_status, "record_digest": expdir.record_digest(bad_status)},
+        "unknown status, record digest redone": ({**bad_status, "record_digest": store.record_digest(bad_status)},
                                                  "its fields are not an experiment's"),
         "an older zerotune's": ({k: v for k, v in record.items() if k not in ("record_version", "record_digest")},
                                 "record version None, not this zerotune's 1"),
@@ -107,19 +109,19 @@ def test_a_record_that_does_not_verify_is_not_trusted_and_not_fatal(tmp_path, ca
     for case, (data, why) in cases.items():
         path.write_text(json.dumps(data))
         caplog.clear()
-        assert expdir.load_record(path.parent, CONFIG) is None, case
+        assert store.load_record(path.parent, CONFIG) is None, case
         assert why in caplog.text, (case, caplog.text)
     for content in (b"\x00\xff garbage {", b"[" * 100_000, b'{"status": "ok"'):
         path.write_bytes(content)
-        assert expdir.load_record(path.parent, CONFIG) is None
+        assert store.load_record(path.parent, CONFIG) is None
 
 
 def test_a_record_round_trips_with_its_version_and_digest(tmp_path):
     path = record_in(tmp_path, "z1_gas1_tmbspg2", metric=float("nan"))
     record = json.loads(path.read_text())
-    assert record["record_version"] == expdir.RECORD_VERSION == 1
-    assert record["record_digest"] == expdir.record_digest(record) and len(record["record_digest"]) == 64
-    assert expdir.untrusted(record) == ""
+    assert record["record_version"] == store.RECORD_VERSION == 1
+    assert record["record_digest"] == store.record_digest(record) and len(record["record_digest"]) == 64
+    assert store.untrusted(record) == ""
 
 
 class Recorder(Backend):

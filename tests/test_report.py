@@ -25,7 +25,7 @@ from zerotune.report.data import ReportData, TrainingPlan, load, outcome
 from zerotune.report.html import figures
 from zerotune.report.publish import Refresher
 from zerotune.report.table_export import COLUMNS, csv_text, iso_time, json_text
-from zerotune.run.expdir import write_record
+from zerotune.run.store import write_record
 
 OUTCOME_ORDER = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
 

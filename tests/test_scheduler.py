@@ -23,12 +23,12 @@ import pytest
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
-from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run.processes import RUNNING_DIR
 from zerotune.run.resources import select_resources
-from zerotune.run.scheduler import ResultsLock, Scheduler
+from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
+from zerotune.run.store import ResultsLock
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
@@ -306,34 +306,6 @@ def test_experiments_of_a_sigkilled_tuner_are_killed_by_the_next_run(stand_in, t
 
 
 # --- the results-dir lock ---------------------------------------------------------------------
-
-
-def test_lock_refuses_a_second_tuner_naming_the_holders_pid(tmp_path):
-    with ResultsLock(tmp_path / "results"):
-        with pytest.raises(ConfigError, match=rf"in use by another zerotune \(pid {os.getpid()}\)"):
-            with ResultsLock(tmp_path / "results"):
-                pass
-    with ResultsLock(tmp_path / "results"):  # released on exit
-        pass
-
-
-def test_lock_of_a_killed_tuner_is_free(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from zerotune.run.scheduler import ResultsLock\n"
-                               "with ResultsLock(sys.argv[1]):\n"
-                               "    print('locked', flush=True)\n"
-                               "    time.sleep(600)\n", str(tmp_path / "results")],
-                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(ConfigError, match=rf"\(pid {holder.pid}\)"):
-            with ResultsLock(tmp_path / "results"):
-                pass
-    finally:
-        holder.kill()
-        holder.wait()
-    with ResultsLock(tmp_path / "results"):  # the kernel dropped the dead holder's flock
-        pass
 
 
 def test_tune_on_a_locked_results_dir_exits_2(tmp_path):

@@ -19,7 +19,7 @@ from zerotune.core.objective import OBJECTIVES
 from zerotune.core.step_record import StepRecord
 from zerotune.core.stopping import EndReason, StopRule, must_beat
 from zerotune.probe import step_records, stream_name
-from zerotune.run import expdir
+from zerotune.run import expdir, store
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUN_TOKEN_ENV
 from zerotune.run.resources import select_resources
@@ -223,7 +223,7 @@ def test_the_local_backend_ends_a_run_once_its_metric_is_known_and_leaves_no_pro
         except psutil.Error:
             pass
     assert leftovers == []
-    record = json.loads((tmp_path / "exps" / "steady" / expdir.RECORD_FILE).read_text())
+    record = json.loads((tmp_path / "exps" / "steady" / store.RECORD_FILE).read_text())
     assert (record["status"], record["ended"]) == ("ok", "precise")
 
 

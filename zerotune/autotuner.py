@@ -39,7 +39,8 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
 from zerotune.run.resources import SlotPool
 from zerotune.run.resume import resume_context
-from zerotune.run.scheduler import Scheduler, clear_experiments, tuning_locks
+from zerotune.run.scheduler import Scheduler
+from zerotune.run.store import clear_experiments, tuning_locks
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
@@ -208,7 +209,7 @@ class Autotuner:
         KeyboardInterrupt naming the signal) is raised; a rerun resumes. A signal while the results
         are written waits until they are whole.
 
-        It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.scheduler.tuning_locks`)
+        It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.store.tuning_locks`)
         throughout: one tuner per directory.
 
         Raises:

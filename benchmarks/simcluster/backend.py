@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.simcluster.model import Outcome, Simulator
-from zerotune.core.experiment import Experiment, ExperimentKind, write_json_atomic
+from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.launch import Reservation
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.run import expdir
 from zerotune.probe import ACTIVATIONS_RECORD, step_records, stream_name
 from zerotune.run.backends.base import Backend
+from zerotune.run.store import write_json_atomic
 
 OOM_LINE = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {alloc:.2f} GiB. GPU 0 has a total "
             "capacity of {cap:.2f} GiB (SIMULATED)")

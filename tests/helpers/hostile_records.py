@@ -15,7 +15,7 @@ from typing import Callable
 
 from tests.helpers.processes import stand_in_processes
 from tests.helpers.standins import BASE_CONFIG, DRIVER, LAUNCHER, RANK, run_tuner
-from zerotune.run import expdir
+from zerotune.run import store
 
 KIND = "round two: records"
 
@@ -113,17 +113,17 @@ def user_dir(path: Path) -> dict[Path, bytes]:
 def finished(exps: Path) -> dict[Path, bytes]:
     """The finished (ok or oom) records under ``exps``, by path."""
     return {p: p.read_bytes() for p in exps.glob("*/exp.json")
-            if (expdir.read_json(p) or {}).get("status") in ("ok", "oom")}
+            if (store.read_json(p) or {}).get("status") in ("ok", "oom")}
 
 
 def recorded(exps: Path) -> dict[str, dict]:
     """Each experiment directory's exp.json content, by name ({} where it is not a JSON object)."""
-    return {p.parent.name: expdir.read_json(p) or {} for p in exps.glob("*/exp.json")}
+    return {p.parent.name: store.read_json(p) or {} for p in exps.glob("*/exp.json")}
 
 
 def optimal(results: Path) -> tuple[int, int] | None:
     """(stage, mbs) of ds_config_optimal.json; None without one."""
-    cfg = expdir.read_json(results / "ds_config_optimal.json")
+    cfg = store.read_json(results / "ds_config_optimal.json")
     return None if cfg is None else (cfg["zero_optimization"]["stage"], cfg["train_micro_batch_size_per_gpu"])
 
 
@@ -244,7 +244,7 @@ def edited_records(root: Path) -> dict:
     report.check("gradient_clipping" not in now["z0_gas1_tmbspg2"].get("ds_config", {}),
                  "the edited ds_config was trusted")
     report.check(now["z1_gas1_tmbspg2"].get("metric") != 1e9, "the edited metric was trusted")
-    answer = expdir.read_json(work / "results" / "ds_config_optimal.json") or {}
+    answer = store.read_json(work / "results" / "ds_config_optimal.json") or {}
     report.check("gradient_clipping" not in answer, "a config that never ran is ds_config_optimal.json")
     report.check(optimal(work / "results") == (0, 2), f"answer {optimal(work / 'results')}, expected (0, 2)")
     return report.outcome()

@@ -7,12 +7,8 @@ its own directory under the results dir (``ds_config.json``, ``cmd.txt``, ``stdo
 """
 from __future__ import annotations
 
-import contextlib
 import enum
-import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -139,32 +135,3 @@ class Experiment:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader (or a crash, or a signal) never sees a half-written file
-    (:func:`write_text_atomic`)."""
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a temp file beside it, fsync, rename.
-
-    A reader, a crash or a signal sees the old file or the new one, never a part. Nothing is written
-    through a symlink: one at ``path`` is replaced by the file, and the temp file is created afresh
-    (``O_EXCL | O_NOFOLLOW``). Whatever stops the write (a full disk, KeyboardInterrupt), the temp file
-    is removed and the old file stays.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)  # one a killed process of the same pid left
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with open(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise

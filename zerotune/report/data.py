@@ -3,7 +3,7 @@
 :class:`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
 it holds (:meth:`ReportData.from_tuning`, refreshed as experiments finish), or from a results dir on disk alone
 (:func:`load`, for ``zerotune report``), where the runs come from the experiments' verified records
-(``exp.json``, :func:`zerotune.run.expdir.untrusted`) and what only the tuner knew (the stages and candidates not
+(``exp.json``, :func:`zerotune.run.store.untrusted`) and what only the tuner knew (the stages and candidates not
 run, its notes, its state) from the ``results.json`` it last wrote (:mod:`zerotune.report.table_export`).
 The HTML page (:mod:`zerotune.report.html`) and the tables for programs (:mod:`zerotune.report.table_export`)
 read this module only.
@@ -21,7 +21,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, comparison_noise, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
-from zerotune.run.expdir import RECORD_FILE, read_json, untrusted
+from zerotune.run.store import RECORD_FILE, read_json, untrusted
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:

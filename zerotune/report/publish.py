@@ -1,7 +1,7 @@
 """Writing the report's files, and ``zerotune report RESULTS_DIR``.
 
 :func:`write_report` writes ``results.json``, ``results.csv`` and ``report.html`` into the results dir, each whole or
-not at all (:func:`~zerotune.core.experiment.write_text_atomic`). The tuner calls it through :class:`Refresher`, as
+not at all (:func:`~zerotune.run.store.write_text_atomic`). The tuner calls it through :class:`Refresher`, as
 experiments finish and when it ends; there a failure is logged, never raised: the report must not fail or lose a
 tuning. ``zerotune report`` builds the same files from a results dir on disk (:func:`zerotune.report.data.load`),
 finished, running or interrupted.
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable
 
 from zerotune.core.errors import ConfigError
-from zerotune.core.experiment import write_text_atomic
 from zerotune.report import html, table_export
 from zerotune.report.data import RESULTS_JSON, ReportData, TrainingPlan, load
+from zerotune.run.store import write_text_atomic
 
 logger = logging.getLogger(__name__)
 

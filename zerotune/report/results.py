@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.core.experiment import (LAUNCH_COLD, LAUNCH_WARM, Experiment, Status, write_json_atomic,
-                                      write_text_atomic)
+from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, Status
 from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
+from zerotune.run.store import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
     from zerotune.strategy.answer import Tie
@@ -282,7 +282,7 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
                   answer: Experiment | None, since: float | None = None) -> Experiment | None:
     """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
 
-    Each file is written whole or not at all (:func:`~zerotune.core.experiment.write_text_atomic`: a temp
+    Each file is written whole or not at all (:func:`~zerotune.run.store.write_text_atomic`: a temp
     file, fsync, rename), every text made before the first is written; the config first, the summary
     last. The caller keeps a stop signal from landing between them
     (:meth:`zerotune.autotuner.Autotuner.tune`), so the three agree.

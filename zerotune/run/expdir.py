@@ -1,4 +1,4 @@
-"""The experiment directory: DeepSpeed's autotuning protocol and zerotune's record, in one place.
+"""The experiment directory: DeepSpeed's autotuning protocol, the files a run leaves, and its outcome.
 
 Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, and who writes each:
 
@@ -22,50 +22,43 @@ Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, 
 ``model_info.json``    DeepSpeed's engine, profile run only (``ExperimentKind.PROFILE``), in the
                        first forward: ``num_params``, ``trainable_num_params``,
                        ``activation_mem_per_gpu``. The result of the profile run.
-``exp.json``           the scheduler, :func:`write_record`: the :class:`Experiment` with its
-                       config digest, resume key and resume context, schema version and
-                       record digest, written as INTERRUPTED before the launch and again with
-                       the outcome; :func:`load_record` reads it back for resume, trusting
-                       only a record that verifies; :func:`not_own` tells zerotune's
-                       directories from others' by it.
+``exp.json``           the scheduler, :func:`zerotune.run.store.write_record`: the experiment's
+                       :class:`~zerotune.run.store.ExpRecord`, written as INTERRUPTED before the
+                       launch and again with the outcome; :func:`~zerotune.run.store.load_record`
+                       reads it back for resume, trusting only a record that verifies;
+                       :func:`~zerotune.run.store.not_own` tells zerotune's directories from
+                       others' by it.
 ``hostfile``,          the Ray backend, multi-node only: the nodes Ray granted; the marker
 ``.zerotune_dispatch`` that proves a node sees this directory.
 =====================  =====================================================================
 
 A backend calls :func:`prepare` before it launches and :func:`finish` after the run's processes
 are gone; in between it only starts, supervises and stops processes. The scheduler writes and
-resumes from ``exp.json``. Hence this module's place in :mod:`zerotune.run`, beside its callers: it is
-zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is decided from
-facts (:func:`classify`), never from the word "error" in the logs.
+resumes from ``exp.json`` (:mod:`zerotune.run.store`). Hence this module's place in :mod:`zerotune.run`, beside
+its callers: it is zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is
+decided from facts (:func:`classify`), never from the word "error" in the logs.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import math
-import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status, write_json_atomic
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
-from zerotune.deepspeed.canonical import config_hash
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
 from zerotune.probe import (clear_streams, read_checkpointed_activations, read_model_shapes, read_saved_activations,
                             read_streams)
+from zerotune.run.store import read_object, write_json_atomic
 
 __all__ = [
-    "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "RECORD_FILE", "STDERR_LOG",
-    "RECORD_VERSION", "STDOUT_LOG", "classify", "config_digest", "file_size", "finish", "load_record", "not_own",
-    "output_bytes", "prepare", "read_json", "record_digest", "result_path", "untrusted", "write_record",
+    "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "STDERR_LOG", "STDOUT_LOG",
+    "classify", "file_size", "finish", "output_bytes", "prepare", "result_path",
 ]
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "ds_config.json"
 CMD_FILE = "cmd.txt"
@@ -73,8 +66,6 @@ STDOUT_LOG = "stdout.log"
 STDERR_LOG = "stderr.log"
 METRICS_FILE = "metrics.json"
 MODEL_INFO_FILE = "model_info.json"
-RECORD_FILE = "exp.json"
-RECORD_VERSION = 1  # of exp.json's schema (record_version, record_digest); a record of another is run again
 
 PROFILE_KEY = "num_params"  # the key of model_info.json that says the profile run succeeded
 LOG_TAIL_BYTES = 200_000  # of each log, read to classify a failure
@@ -166,7 +157,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
         ``exp``.
     """
     path = result_path(exp, exp_dir)
-    data, invalid = _read_object(path)
+    data, invalid = read_object(path)
     profile = exp.kind is ExperimentKind.PROFILE
     streams = read_streams(exp_dir)
     probed = None if profile else measure(streams, objective)  # measured once: the profile run has no metric
@@ -301,147 +292,6 @@ def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_t
         return Status.FAILED, f"exited 0 without writing {result_file} ({_MISSING_HINT.get(result_file, '')})"
     cause = raised[-1][1][-300:] if raised else _last_error_line(log_text)
     return Status.FAILED, f"exit code {exit_code}: {cause}"
-
-
-def config_digest(ds_config: dict) -> str:
-    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), for a
-    person reading ``exp.json``; resume matches on the full resume key."""
-    return config_hash(ds_config)[:12]
-
-
-def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
-    """Write ``exp.json`` atomically: ``exp`` as JSON with its ``config_digest``, the time, its
-    ``resume_key`` and ``resume_context``, the schema's ``record_version`` and, last, the
-    ``record_digest`` of all of that, by which :func:`load_record` knows the record is whole and as
-    zerotune wrote it.
-
-    Args:
-        exp: the experiment.
-        exp_dir: its directory.
-        key: what makes it the same experiment on a rerun
-            (:func:`zerotune.run.resume.resume_key`); :func:`load_record` matches on it.
-        context: what went into ``key`` besides the config
-            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
-    """
-    data = exp.to_json()
-    data["config_digest"] = config_digest(exp.ds_config)
-    data["resume_key"] = key
-    data["resume_context"] = context or {}
-    data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    data["record_version"] = RECORD_VERSION
-    data["record_digest"] = record_digest(data)
-    write_json_atomic(Path(exp_dir) / RECORD_FILE, data)
-
-
-def record_digest(data: dict[str, Any]) -> str:
-    """SHA-256 (hex) of a record's canonical JSON without its ``record_digest``: any edit or damage changes it."""
-    body = json.loads(json.dumps({k: v for k, v in data.items() if k != "record_digest"}))
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
-
-
-def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
-    """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
-
-    A record is trusted only when it verifies (:func:`untrusted`: this schema version, its
-    ``record_digest``, its own ``ds_config``'s digest, an experiment's fields); one that does not
-    (corrupt, foreign, edited, of another zerotune version) is said in the log and run again, never
-    fatal.
-
-    Returns:
-        The recorded experiment when ``exp.json`` verifies, its config digest is ``ds_config``'s, its
-        ``resume_key`` is ``key`` and its outcome is reusable (:attr:`Status.reusable`: OK or
-        OOM); None otherwise (a failed, timed-out or interrupted run, a different config or script
-        or budget under the same name, a record that does not verify, no record), so the
-        experiment is run again.
-    """
-    path = Path(exp_dir) / RECORD_FILE
-    data, why = (None, "a symlink") if path.is_symlink() else _read_object(path)
-    why = why or (untrusted(data) if data is not None else "")
-    if why:
-        logger.warning(f"{path}: {why}: not trusted, the experiment runs again")
-        return None
-    if data is None or data["config_digest"] != config_digest(ds_config) or data.get("resume_key") != key:
-        return None
-    done = _experiment(data)
-    return done if done.status is not None and done.status.reusable else None
-
-
-def untrusted(data: dict[str, Any]) -> str:
-    """Why a record read from ``exp.json`` is not to be trusted ('' when it verifies): another schema
-    version (or none: an older zerotune's), content that does not match its ``record_digest`` (edited
-    or damaged), a ``ds_config`` that does not match its ``config_digest``, fields that are not an
-    experiment's."""
-    if data.get("record_version") != RECORD_VERSION:
-        return f"record version {data.get('record_version')!r}, not this zerotune's {RECORD_VERSION}"
-    if data.get("record_digest") != record_digest(data):
-        return "its content does not match its record_digest (edited or damaged)"
-    if not isinstance(data.get("ds_config"), dict) or data.get("config_digest") != config_digest(data["ds_config"]):
-        return "its ds_config does not match its config_digest (edited)"
-    if _experiment(data) is None:
-        return "its fields are not an experiment's"
-    return ""
-
-
-def _experiment(data: dict[str, Any]) -> Experiment | None:
-    """The record as an :class:`Experiment`; None where its fields are not one's (a status no zerotune
-    writes, a metric that is not a number)."""
-    try:
-        exp = Experiment.from_json(data)
-    except (TypeError, ValueError, KeyError, AttributeError):
-        return None
-    fields_ok = (isinstance(exp.name, str) and isinstance(exp.metrics, dict) and isinstance(exp.knobs, dict)
-                 and (exp.metric is None or _real(exp.metric)))
-    return exp if fields_ok else None
-
-
-def not_own(exp_dir: Path) -> str:
-    """Why ``exp_dir`` cannot be proven an experiment directory zerotune made ('' when it can).
-
-    zerotune's own is a real directory (not a symlink) holding a regular ``exp.json`` whose content
-    is a zerotune record for it: its ``name`` is the directory's and it carries a ``config_digest``
-    (every zerotune has written one). The file's name proves nothing: a user's, or DeepSpeed's own
-    autotuner's, ``exp.json`` is not zerotune's. Only such a directory is removed
-    (:func:`zerotune.run.scheduler.clear_experiments`, a rerun of the experiment), even when its
-    record is not trusted (:func:`untrusted`).
-    """
-    exp_dir, path = Path(exp_dir), Path(exp_dir) / RECORD_FILE
-    if exp_dir.is_symlink() or not exp_dir.is_dir():
-        return "a symlink" if exp_dir.is_symlink() else "not a directory"
-    if path.is_symlink() or not path.is_file():
-        return f"no {RECORD_FILE}" if not os.path.lexists(path) else f"its {RECORD_FILE} is not a regular file"
-    data, why = _read_object(path)
-    if data is None:
-        return f"its {RECORD_FILE} is {why}"
-    digest = data.get("config_digest")
-    if data.get("name") != exp_dir.name or not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{12}", digest)):
-        return f"its {RECORD_FILE} is not a zerotune record of experiment {exp_dir.name!r}"
-    return ""
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    """A JSON object file's content; None when the file is missing, unreadable or not an object."""
-    return _read_object(Path(path))[0]
-
-
-def _read_object(path: Path) -> tuple[dict[str, Any] | None, str]:
-    """(content, ''); (None, '') when the file is missing; (None, why) when it is not a JSON object."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None, ""
-    except (OSError, ValueError) as e:
-        return None, f"cannot be read ({e})"
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        return None, f"not JSON ({str(e) or 'nested too deep'})"
-    if not isinstance(data, dict):
-        return None, f"a JSON {type(data).__name__}, not an object"
-    return data, ""
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _positive(value: Any) -> bool:

@@ -37,9 +37,8 @@ from typing import Any
 
 import psutil
 
-from zerotune.core.experiment import write_json_atomic
 from zerotune.run.backends.stop_handles import cancel_handle, record_handle
-from zerotune.run.expdir import read_json
+from zerotune.run.store import read_json, write_json_atomic
 
 __all__ = [
     "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token",

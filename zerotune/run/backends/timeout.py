@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.run.expdir import RECORD_FILE, read_json
+from zerotune.run.store import RECORD_FILE, read_json
 
 __all__ = ["DEFAULT_TIMEOUT_FACTOR", "DEFAULT_TIMEOUT_FLOOR_S", "Timeout", "UNKNOWN_STARTUP_TIMEOUT_S",
            "experiment_timeout"]

@@ -1,0 +1,364 @@
+"""What zerotune keeps on disk, kept safe: files written whole, directories held by one tuner, experiment
+directories proven its own, and each experiment's record (``exp.json``) trusted only when it verifies.
+
+- **Atomic writes** (:func:`write_text_atomic`, :func:`write_json_atomic`): a reader, a crash or a signal sees
+  the old file or the new one, never a part, and nothing is written through a symlink.
+- **Locks** (:class:`ResultsLock`, :class:`ExpsLock`, :func:`tuning_locks`): one tuner per results dir and per
+  exps dir, released by the kernel when the holder dies.
+- **Ownership** (:func:`experiment_dir`, :func:`not_own`, :func:`make_way`, :func:`clear_experiments`): an
+  experiment's directory is a direct child of the exps dir and never a symlink; zerotune removes only a
+  directory whose ``exp.json`` is its record of it, and moves anything else aside whole.
+- **Records** (:func:`write_record`, :func:`load_record`, :func:`untrusted`): ``exp.json``
+  carries a schema version and a digest of its content; a record that does not verify is said in the log and run
+  again, never trusted and never fatal.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment
+from zerotune.deepspeed.canonical import config_hash
+
+__all__ = [
+    "DirLock", "ExpsLock", "RECORD_FILE", "RECORD_VERSION", "ResultsLock", "clear_experiments", "config_digest",
+    "experiment_dir", "load_record", "make_way", "not_own", "read_json", "read_object", "record_digest",
+    "tuning_locks", "untrusted", "write_json_atomic", "write_record", "write_text_atomic",
+]
+
+logger = logging.getLogger(__name__)
+
+RECORD_FILE = "exp.json"
+RECORD_VERSION = 1  # of exp.json's schema (record_version, record_digest); a record of another is run again
+
+
+# --- files written whole, JSON read within reason -------------------------------------------------------------------
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that a reader (or a crash, or a signal) never sees a half-written file
+    (:func:`write_text_atomic`)."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temp file beside it, fsync, rename.
+
+    A reader, a crash or a signal sees the old file or the new one, never a part. Nothing is written
+    through a symlink: one at ``path`` is replaced by the file, and the temp file is created afresh
+    (``O_EXCL | O_NOFOLLOW``). Whatever stops the write (a full disk, KeyboardInterrupt), the temp file
+    is removed and the old file stays.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # one a killed process of the same pid left
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with open(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object file's content; None when the file is missing, unreadable or not an object."""
+    return read_object(Path(path))[0]
+
+
+def read_object(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """A JSON object file's content and why it has none: (content, ''); (None, '') when the file is missing;
+    (None, why) when it cannot be read or is not a JSON object."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, ValueError) as e:
+        return None, f"cannot be read ({e})"
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        return None, f"not JSON ({str(e) or 'nested too deep'})"
+    if not isinstance(data, dict):
+        return None, f"a JSON {type(data).__name__}, not an object"
+    return data, ""
+
+
+# --- one tuner per directory ------------------------------------------------------------------------------------------
+
+class DirLock:
+    """An exclusive lock on a directory, so two tuners never share one: ``fcntl.flock`` on
+    ``<dir>/.zerotune.lock`` (opened without following a symlink), which the kernel drops when its
+    holder dies. A subclass names the directory and what to do instead.
+
+    Raises:
+        ConfigError: another process holds the lock (its pid is named), or the lock file cannot be made.
+    """
+
+    what = "directory"
+    instead = "choose another one"
+
+    def __init__(self, directory: Path):
+        self.path = Path(directory) / ".zerotune.lock"
+        self._fd: int | None = None
+
+    def __enter__(self) -> "DirLock":
+        where = self.path.parent.absolute()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            raise ConfigError(f"{self.what} {where}: cannot create it or its lock file: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"{self.what} {where} is in use by another zerotune (pid {holder}); "
+                              f"wait for it or {self.instead}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as e:  # a full disk
+            os.close(fd)
+            raise ConfigError(f"{self.what} {where}: cannot write its lock file: {e.strerror or e}") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+class ResultsLock(DirLock):
+    """The results dir's lock (:class:`DirLock`): one tuner writes its summary and answer."""
+
+    what = "results dir"
+    instead = "choose another --results-dir"
+
+
+class ExpsLock(DirLock):
+    """The exps dir's lock (:class:`DirLock`): one tuner runs, resumes and removes its experiments. Two
+    configs that differ only in ``results_dir`` share the default ``autotuning_exps``."""
+
+    what = "exps dir"
+    instead = "give each tuning its own 'autotuning.exps_dir' (or --results-dir)"
+
+
+@contextlib.contextmanager
+def tuning_locks(results_dir: Path, exps_dir: Path) -> Iterator[None]:
+    """What a tuning holds from start to end: its results dir's lock, then its exps dir's (one lock
+    where they are the same directory).
+
+    Raises:
+        ConfigError: another tuner holds either; the results dir is tried first, so nothing is created
+            under the exps dir when it is held.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(ResultsLock(results_dir))
+        if Path(exps_dir).resolve() != Path(results_dir).resolve():
+            stack.enter_context(ExpsLock(exps_dir))
+        yield
+
+
+# --- experiment directories: inside the exps dir, removed only when proven zerotune's -------------------------------
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
+
+
+def experiment_dir(exps_dir: Path, name: str) -> Path:
+    """The directory of experiment ``name``: a direct child of ``exps_dir``, checked on the resolved
+    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), and never a
+    symlink, even to a directory inside the exps dir (zerotune would write its record into the
+    target, and remove it on ``--overwrite``), so that nothing is created or removed outside the
+    results tree or through a link, whatever a config's keys say.
+
+    Raises:
+        ConfigError: ``name`` is not ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` (200 characters at most), or its
+            directory resolves outside ``exps_dir``, or is a symlink.
+    """
+    if not _SAFE_NAME.fullmatch(name):
+        raise ConfigError(f"experiment name {name!r}: expected letters, digits, '.', '_' and '-' (not starting "
+                          f"with '.'), at most 200 characters")
+    path = Path(exps_dir) / name
+    if path.resolve().parent != Path(exps_dir).resolve():
+        raise ConfigError(f"experiment directory {path} resolves to {path.resolve()}, outside the exps dir "
+                          f"{Path(exps_dir).resolve()}: zerotune creates and removes directories only inside it")
+    if path.is_symlink():
+        raise ConfigError(f"experiment directory {path} is a symlink (to {os.readlink(path)}): zerotune never writes "
+                          f"or removes through one; move it away or choose another exps dir")
+    return path
+
+
+def not_own(exp_dir: Path) -> str:
+    """Why ``exp_dir`` cannot be proven an experiment directory zerotune made ('' when it can).
+
+    zerotune's own is a real directory (not a symlink) holding a regular ``exp.json`` whose content
+    is a zerotune record for it: its ``name`` is the directory's and it carries a ``config_digest``
+    (every zerotune has written one). The file's name proves nothing: a user's, or DeepSpeed's own
+    autotuner's, ``exp.json`` is not zerotune's. Only such a directory is removed
+    (:func:`clear_experiments`, :func:`make_way`), even when its record does not verify
+    (:func:`untrusted`).
+    """
+    exp_dir, path = Path(exp_dir), Path(exp_dir) / RECORD_FILE
+    if exp_dir.is_symlink() or not exp_dir.is_dir():
+        return "a symlink" if exp_dir.is_symlink() else "not a directory"
+    if path.is_symlink() or not path.is_file():
+        return f"no {RECORD_FILE}" if not os.path.lexists(path) else f"its {RECORD_FILE} is not a regular file"
+    data, why = read_object(path)
+    if data is None:
+        return f"its {RECORD_FILE} is {why}"
+    digest = data.get("config_digest")
+    if data.get("name") != exp_dir.name or not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{12}", digest)):
+        return f"its {RECORD_FILE} is not a zerotune record of experiment {exp_dir.name!r}"
+    return ""
+
+
+def make_way(exp_dir: Path) -> None:
+    """Make way for a fresh run in ``exp_dir`` (checked by :func:`experiment_dir`): zerotune's own earlier
+    attempt there (interrupted, failed, under another key, or its record not trusted) is removed, an
+    empty directory too; anything else (a user's directory, DeepSpeed's autotuner's, an ``exp.json``
+    that is not zerotune's record) is moved aside whole, to ``<name>.kept-<n>``, and said in the log."""
+    if not os.path.lexists(exp_dir):
+        return
+    why = not_own(exp_dir)
+    if not why:
+        shutil.rmtree(exp_dir)
+    elif exp_dir.is_dir() and not exp_dir.is_symlink() and not any(exp_dir.iterdir()):
+        exp_dir.rmdir()
+    else:
+        n = 1
+        while os.path.lexists(aside := exp_dir.with_name(f"{exp_dir.name}.kept-{n}")):
+            n += 1
+        os.rename(exp_dir, aside)
+        logger.warning(f"{exp_dir}: {why}, so it is not zerotune's: moved to {aside.name}, whole, and the "
+                       f"experiment runs afresh")
+
+
+def clear_experiments(exps_dir: Path) -> list[str]:
+    """``--overwrite``: remove the experiment directories in ``exps_dir``, those zerotune can prove its
+    own by their record's content (:func:`not_own`: a real directory whose ``exp.json`` is zerotune's
+    record of it), nothing else: a config's ``exps_dir`` may name any directory, and a user's ``exp.json``
+    beside their checkpoint stays. Returns the names removed."""
+    removed = []
+    try:
+        children = sorted(Path(exps_dir).iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        if _SAFE_NAME.fullmatch(child.name) and not not_own(child):
+            shutil.rmtree(experiment_dir(exps_dir, child.name))
+            removed.append(child.name)
+    return removed
+
+
+# --- exp.json: the record, verified ---------------------------------------------------------------------------------
+
+def config_digest(ds_config: dict) -> str:
+    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), for a
+    person reading ``exp.json``; resume matches on the full resume key."""
+    return config_hash(ds_config)[:12]
+
+
+def record_digest(data: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a record's canonical JSON without its ``record_digest``: any edit or damage changes it."""
+    body = json.loads(json.dumps({k: v for k, v in data.items() if k != "record_digest"}))
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
+    """Write ``exp.json`` atomically: ``exp`` as JSON with its ``config_digest``, the time, its
+    ``resume_key`` and ``resume_context``, the schema's ``record_version`` and, last, the
+    ``record_digest`` of all of that, by which :func:`load_record` knows the record is whole and as
+    zerotune wrote it.
+
+    Args:
+        exp: the experiment.
+        exp_dir: its directory.
+        key: what makes it the same experiment on a rerun
+            (:func:`zerotune.run.resume.resume_key`); :func:`load_record` matches on it.
+        context: what went into ``key`` besides the config
+            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+    """
+    data = exp.to_json()
+    data["config_digest"] = config_digest(exp.ds_config)
+    data["resume_key"] = key
+    data["resume_context"] = context or {}
+    data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    data["record_version"] = RECORD_VERSION
+    data["record_digest"] = record_digest(data)
+    write_json_atomic(Path(exp_dir) / RECORD_FILE, data)
+
+
+def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
+    """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
+
+    A record is trusted only when it verifies (:func:`untrusted`: this schema version, its
+    ``record_digest``, its own ``ds_config``'s digest, an experiment's fields); one that does not
+    (corrupt, foreign, edited, of another zerotune version) is said in the log and run again, never
+    fatal.
+
+    Returns:
+        The recorded experiment when ``exp.json`` verifies, its config digest is ``ds_config``'s, its
+        ``resume_key`` is ``key`` and its outcome is reusable (:attr:`Status.reusable`: OK or
+        OOM); None otherwise (a failed, timed-out or interrupted run, a different config or script
+        or budget under the same name, a record that does not verify, no record), so the
+        experiment is run again.
+    """
+    path = Path(exp_dir) / RECORD_FILE
+    data, why = (None, "a symlink") if path.is_symlink() else read_object(path)
+    why = why or (untrusted(data) if data is not None else "")
+    if why:
+        logger.warning(f"{path}: {why}: not trusted, the experiment runs again")
+        return None
+    if data is None or data["config_digest"] != config_digest(ds_config) or data.get("resume_key") != key:
+        return None
+    done = _experiment(data)
+    return done if done.status is not None and done.status.reusable else None
+
+
+def untrusted(data: dict[str, Any]) -> str:
+    """Why a record read from ``exp.json`` is not to be trusted ('' when it verifies): another schema
+    version (or none: an older zerotune's), content that does not match its ``record_digest`` (edited
+    or damaged), a ``ds_config`` that does not match its ``config_digest``, fields that are not an
+    experiment's."""
+    if data.get("record_version") != RECORD_VERSION:
+        return f"record version {data.get('record_version')!r}, not this zerotune's {RECORD_VERSION}"
+    if data.get("record_digest") != record_digest(data):
+        return "its content does not match its record_digest (edited or damaged)"
+    if not isinstance(data.get("ds_config"), dict) or data.get("config_digest") != config_digest(data["ds_config"]):
+        return "its ds_config does not match its config_digest (edited)"
+    if _experiment(data) is None:
+        return "its fields are not an experiment's"
+    return ""
+
+
+def _experiment(data: dict[str, Any]) -> Experiment | None:
+    """The record as an :class:`Experiment`; None where its fields are not one's (a status no zerotune
+    writes, a metric that is not a number)."""
+    try:
+        exp = Experiment.from_json(data)
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+    fields_ok = (isinstance(exp.name, str) and isinstance(exp.metrics, dict) and isinstance(exp.knobs, dict)
+                 and (exp.metric is None or _real(exp.metric)))
+    return exp if fields_ok else None
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
