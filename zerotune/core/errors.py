@@ -9,5 +9,9 @@ class ConfigError(ValueError):
     """Bad user input; the message names the file, key or value and what was expected."""
 
 
+class RecordError(ValueError):
+    """A record on disk that is not as zerotune wrote it; the message says why, and its reader names the file."""
+
+
 class TuningFailed(RuntimeError):
     """No experiment succeeded, so there is no optimal configuration to report."""

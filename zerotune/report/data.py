@@ -3,7 +3,7 @@
 :class:`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
 it holds (:meth:`ReportData.from_tuning`, refreshed as experiments finish), or from a results dir on disk alone
 (:func:`load`, for ``zerotune report``), where the runs come from the experiments' verified records
-(``exp.json``, :func:`zerotune.run.store.untrusted`) and what only the tuner knew (the stages and candidates not
+(``exp.json``, :func:`zerotune.run.store.load_records`) and what only the tuner knew (the stages and candidates not
 run, its notes, its state) from the ``results.json`` it last wrote (:mod:`zerotune.report.table_export`).
 The HTML page (:mod:`zerotune.report.html`) and the tables for programs (:mod:`zerotune.report.table_export`)
 read this module only.
@@ -21,7 +21,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, comparison_noise, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
-from zerotune.run.store import RECORD_FILE, read_json, untrusted
+from zerotune.run.store import RECORD_FILE, ExpRecord, load_records, read_json
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:
@@ -259,13 +259,12 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
                           f"or --results-dir)")
     tuning = _saved_tuning(results_dir / RESULTS_JSON)
     exps_dir = Path(exps_dir or tuning.get("exps_dir") or results_dir / "exps")
-    records = _records(exps_dir)
+    records = load_records(exps_dir)
     if not records and not tuning:
         raise ConfigError(f"{results_dir}: no {RESULTS_JSON} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
-    context = tuning.get("context") or (max(records, key=lambda r: str(r.get("recorded_at")))["resume_context"]
-                                        if records else {})
-    runs = sorted((_experiment(r) for r in records if r.get("resume_context") == context), key=_launch_order)
+    context = tuning.get("context") or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
+    runs = sorted((_experiment(r) for r in records if r.resume_context == context), key=_launch_order)
     objective = Objective.named(context.get("objective") or "throughput")
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
@@ -311,26 +310,14 @@ def _saved_tuning(path: Path) -> dict[str, Any]:
     return kept
 
 
-def _records(exps_dir: Path) -> list[dict[str, Any]]:
-    """The verified ``exp.json`` records directly under ``exps_dir`` (none when it is not a directory)."""
-    if not exps_dir.is_dir():
-        return []
-    records = []
-    for path in sorted(exps_dir.glob(f"*/{RECORD_FILE}")):
-        data = read_json(path)
-        if data is not None and not untrusted(data) and data.get("name") == path.parent.name:
-            records.append(data)
-    return records
-
-
-def _experiment(record: dict[str, Any]) -> Experiment:
-    """A record as an :class:`Experiment`; a record of a zerotune without ``started_at`` gets its end
+def _experiment(record: ExpRecord) -> Experiment:
+    """A record's :class:`Experiment`; a record of a zerotune without ``started_at`` gets its end
     (``recorded_at``, local time) less its wall time."""
-    exp = Experiment.from_json(record)
-    if exp.started_at is None and record.get("recorded_at"):
+    exp = record.experiment
+    if exp.started_at is None and record.recorded_at:
         try:
-            ended = time.mktime(time.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S"))
-        except (TypeError, ValueError):
+            ended = time.mktime(time.strptime(record.recorded_at, "%Y-%m-%dT%H:%M:%S"))
+        except ValueError:
             return exp
         exp.started_at = ended - (exp.wall_s or 0.0)
     return exp

@@ -8,7 +8,7 @@ directories proven its own, and each experiment's record (``exp.json``) trusted 
 - **Ownership** (:func:`experiment_dir`, :func:`not_own`, :func:`make_way`, :func:`clear_experiments`): an
   experiment's directory is a direct child of the exps dir and never a symlink; zerotune removes only a
   directory whose ``exp.json`` is its record of it, and moves anything else aside whole.
-- **Records** (:func:`write_record`, :func:`load_record`, :func:`untrusted`): ``exp.json``
+- **Records** (:class:`ExpRecord`, :func:`write_record`, :func:`load_record`, :func:`load_records`): ``exp.json``
   carries a schema version and a digest of its content; a record that does not verify is said in the log and run
   again, never trusted and never fatal.
 """
@@ -23,17 +23,18 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
-from zerotune.core.errors import ConfigError
-from zerotune.core.experiment import Experiment
+from zerotune.core.errors import ConfigError, RecordError
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.deepspeed.canonical import config_hash
 
 __all__ = [
-    "DirLock", "ExpsLock", "RECORD_FILE", "RECORD_VERSION", "ResultsLock", "clear_experiments", "config_digest",
-    "experiment_dir", "load_record", "make_way", "not_own", "read_json", "read_object", "record_digest",
-    "tuning_locks", "untrusted", "write_json_atomic", "write_record", "write_text_atomic",
+    "DirLock", "ExpRecord", "ExpsLock", "RECORD_FILE", "RECORD_VERSION", "ResultsLock", "clear_experiments",
+    "config_digest", "experiment_dir", "load_record", "load_records", "make_way", "not_own", "read_json",
+    "read_object", "record_digest", "tuning_locks", "write_json_atomic", "write_record", "write_text_atomic",
 ]
 
 logger = logging.getLogger(__name__)
@@ -213,7 +214,7 @@ def not_own(exp_dir: Path) -> str:
     (every zerotune has written one). The file's name proves nothing: a user's, or DeepSpeed's own
     autotuner's, ``exp.json`` is not zerotune's. Only such a directory is removed
     (:func:`clear_experiments`, :func:`make_way`), even when its record does not verify
-    (:func:`untrusted`).
+    (:meth:`ExpRecord.from_dict`).
     """
     exp_dir, path = Path(exp_dir), Path(exp_dir) / RECORD_FILE
     if exp_dir.is_symlink() or not exp_dir.is_dir():
@@ -275,17 +276,96 @@ def config_digest(ds_config: dict) -> str:
     return config_hash(ds_config)[:12]
 
 
-def record_digest(data: dict[str, Any]) -> str:
+def record_digest(data: Mapping[str, Any]) -> str:
     """SHA-256 (hex) of a record's canonical JSON without its ``record_digest``: any edit or damage changes it."""
     body = json.loads(json.dumps({k: v for k, v in data.items() if k != "record_digest"}))
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class ExpRecord:
+    """An experiment's record, ``exp.json``: the :class:`Experiment`'s fields (:meth:`Experiment.to_json`), then its
+    ``config_digest``, ``resume_key``, ``resume_context``, ``recorded_at``, the schema's ``record_version`` and,
+    last, the ``record_digest`` of all of that, by which :meth:`from_dict` knows it whole and as zerotune wrote it.
+
+    Attributes:
+        experiment: the experiment, as it stood when recorded (INTERRUPTED before its launch, then its outcome).
+        resume_key: what makes it the same experiment on a rerun (:func:`zerotune.run.resume.resume_key`).
+        resume_context: what went into ``resume_key`` besides the config
+            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+        recorded_at: when it was written, local time, ``%Y-%m-%dT%H:%M:%S``.
+    """
+
+    experiment: Experiment
+    resume_key: str = ""
+    resume_context: dict[str, Any] = field(default_factory=dict)
+    recorded_at: str = ""
+
+    @property
+    def config_digest(self) -> str:
+        """:func:`config_digest` of the experiment's ``ds_config``."""
+        return config_digest(self.experiment.ds_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``exp.json``, its ``record_version`` and ``record_digest`` last."""
+        data = self.experiment.to_json()
+        data.update(config_digest=self.config_digest, resume_key=self.resume_key,
+                    resume_context=self.resume_context, recorded_at=self.recorded_at, record_version=RECORD_VERSION)
+        data["record_digest"] = record_digest(data)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExpRecord:
+        """The record from a decoded ``exp.json``, verified.
+
+        Raises:
+            RecordError: it does not verify, and the message says why (the reader names the file): another
+                schema version (or none: an older zerotune's), content that does not match its
+                ``record_digest`` (edited or damaged), a ``ds_config`` that does not match its ``config_digest``,
+                a field that is not as zerotune writes it (named).
+        """
+        if data.get("record_version") != RECORD_VERSION:
+            raise RecordError(f"record version {data.get('record_version')!r}, not this zerotune's {RECORD_VERSION}")
+        if data.get("record_digest") != record_digest(data):
+            raise RecordError("its content does not match its record_digest (edited or damaged)")
+        if not isinstance(data.get("ds_config"), dict) or data.get("config_digest") != config_digest(data["ds_config"]):
+            raise RecordError("its ds_config does not match its config_digest (edited)")
+        wrong = _wrong_field(data)
+        if wrong:
+            raise RecordError(f"its fields are not an experiment's: {wrong}")
+        return cls(Experiment.from_json(data), data["resume_key"], data["resume_context"], data["recorded_at"])
+
+
+_FIELD_TYPES = {"name": str, "metrics": dict, "knobs": dict, "resume_key": str, "resume_context": dict,
+                "recorded_at": str}
+_FIELD_DEFAULTS = {"metrics": {}, "knobs": {}}  # an experiment's, where its record has none
+
+
+def _wrong_field(data: Mapping[str, Any]) -> str:
+    """The first field of a record that is not as zerotune writes it, named with why ('' when none)."""
+    for key, kind in _FIELD_TYPES.items():
+        if not isinstance(data.get(key, _FIELD_DEFAULTS.get(key)), kind):
+            return f"'{key}' is not a JSON {'object' if kind is dict else 'string'}"
+    if data.get("status") and not _member(Status, data["status"]):
+        return f"'status' {data['status']!r} is not an experiment's status"
+    if not _member(ExperimentKind, data.get("kind", ExperimentKind.MBS.value)):
+        return f"'kind' {data.get('kind')!r} is not an experiment's kind"
+    metric = data.get("metric")
+    if metric is not None and (not isinstance(metric, (int, float)) or isinstance(metric, bool)):
+        return f"'metric' {metric!r} is not a number"
+    return ""
+
+
+def _member(enum_type: type, value: Any) -> bool:
+    try:
+        enum_type(value)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
-    """Write ``exp.json`` atomically: ``exp`` as JSON with its ``config_digest``, the time, its
-    ``resume_key`` and ``resume_context``, the schema's ``record_version`` and, last, the
-    ``record_digest`` of all of that, by which :func:`load_record` knows the record is whole and as
-    zerotune wrote it.
+    """Write ``exp_dir``'s ``exp.json`` atomically: ``exp``'s :class:`ExpRecord`, recorded now.
 
     Args:
         exp: the experiment.
@@ -295,21 +375,14 @@ def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[st
         context: what went into ``key`` besides the config
             (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
     """
-    data = exp.to_json()
-    data["config_digest"] = config_digest(exp.ds_config)
-    data["resume_key"] = key
-    data["resume_context"] = context or {}
-    data["recorded_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    data["record_version"] = RECORD_VERSION
-    data["record_digest"] = record_digest(data)
-    write_json_atomic(Path(exp_dir) / RECORD_FILE, data)
+    record = ExpRecord(exp, key, context or {}, time.strftime("%Y-%m-%dT%H:%M:%S"))
+    write_json_atomic(Path(exp_dir) / RECORD_FILE, record.to_dict())
 
 
 def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
     """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
 
-    A record is trusted only when it verifies (:func:`untrusted`: this schema version, its
-    ``record_digest``, its own ``ds_config``'s digest, an experiment's fields); one that does not
+    A record is trusted only when it verifies (:meth:`ExpRecord.from_dict`); one that does not
     (corrupt, foreign, edited, of another zerotune version) is said in the log and run again, never
     fatal.
 
@@ -322,43 +395,35 @@ def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | N
     """
     path = Path(exp_dir) / RECORD_FILE
     data, why = (None, "a symlink") if path.is_symlink() else read_object(path)
-    why = why or (untrusted(data) if data is not None else "")
+    record = None
+    if data is not None:
+        try:
+            record = ExpRecord.from_dict(data)
+        except RecordError as e:
+            why = str(e)
     if why:
         logger.warning(f"{path}: {why}: not trusted, the experiment runs again")
         return None
-    if data is None or data["config_digest"] != config_digest(ds_config) or data.get("resume_key") != key:
+    if record is None or record.config_digest != config_digest(ds_config) or record.resume_key != key:
         return None
-    done = _experiment(data)
+    done = record.experiment
     return done if done.status is not None and done.status.reusable else None
 
 
-def untrusted(data: dict[str, Any]) -> str:
-    """Why a record read from ``exp.json`` is not to be trusted ('' when it verifies): another schema
-    version (or none: an older zerotune's), content that does not match its ``record_digest`` (edited
-    or damaged), a ``ds_config`` that does not match its ``config_digest``, fields that are not an
-    experiment's."""
-    if data.get("record_version") != RECORD_VERSION:
-        return f"record version {data.get('record_version')!r}, not this zerotune's {RECORD_VERSION}"
-    if data.get("record_digest") != record_digest(data):
-        return "its content does not match its record_digest (edited or damaged)"
-    if not isinstance(data.get("ds_config"), dict) or data.get("config_digest") != config_digest(data["ds_config"]):
-        return "its ds_config does not match its config_digest (edited)"
-    if _experiment(data) is None:
-        return "its fields are not an experiment's"
-    return ""
-
-
-def _experiment(data: dict[str, Any]) -> Experiment | None:
-    """The record as an :class:`Experiment`; None where its fields are not one's (a status no zerotune
-    writes, a metric that is not a number)."""
-    try:
-        exp = Experiment.from_json(data)
-    except (TypeError, ValueError, KeyError, AttributeError):
-        return None
-    fields_ok = (isinstance(exp.name, str) and isinstance(exp.metrics, dict) and isinstance(exp.knobs, dict)
-                 and (exp.metric is None or _real(exp.metric)))
-    return exp if fields_ok else None
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def load_records(exps_dir: Path) -> list[ExpRecord]:
+    """The records in the experiment directories directly under ``exps_dir``, in name order: those that verify
+    (:meth:`ExpRecord.from_dict`) and are of the directory they are in; none when ``exps_dir`` is not a
+    directory."""
+    exps_dir = Path(exps_dir)
+    if not exps_dir.is_dir():
+        return []
+    records = []
+    for path in sorted(exps_dir.glob(f"*/{RECORD_FILE}")):
+        data = read_json(path)
+        try:
+            record = ExpRecord.from_dict(data) if data is not None else None
+        except RecordError:
+            continue
+        if record is not None and record.experiment.name == path.parent.name:
+            records.append(record)
+    return records

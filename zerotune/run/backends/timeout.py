@@ -12,10 +12,10 @@ every experiment, the profile run included. Without it:
   most its start-up time again (:mod:`zerotune.core.stopping`); the factor and the floor leave room for the
   steps of micro batches larger than the profile run's and for an op the profile run did not build.
 
-The profile run's wall time is read from its record (``exp.json`` of kind ``profile``, ok) in the exps dir, so
-a resumed tuning whose profile run was reused gets the same bound, and so does the Ray backend's node, which
-runs each experiment in a fresh :class:`~zerotune.run.backends.local.LocalBackend`. With several such records
-(one exps dir shared by several jobs) the longest counts: a longer bound never kills a healthy run.
+The profile run's wall time is read from its record (an ``exp.json`` that verifies, of kind ``profile``, ok) in
+the exps dir, so a resumed tuning whose profile run was reused gets the same bound, and so does the Ray backend's
+node, which runs each experiment in a fresh :class:`~zerotune.run.backends.local.LocalBackend`. With several such
+records (one exps dir shared by several jobs) the longest counts: a longer bound never kills a healthy run.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.run.store import RECORD_FILE, read_json
+from zerotune.run.store import load_records
 
 __all__ = ["DEFAULT_TIMEOUT_FACTOR", "DEFAULT_TIMEOUT_FLOOR_S", "Timeout", "UNKNOWN_STARTUP_TIMEOUT_S",
            "experiment_timeout"]
@@ -70,11 +70,9 @@ def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path)
 
 
 def profile_wall_s(exps_dir: Path) -> float | None:
-    """The longest wall time of an ok profile run recorded in ``exps_dir``, seconds (None: none recorded)."""
-    walls = []
-    for path in Path(exps_dir).glob(f"*/{RECORD_FILE}"):
-        data = read_json(path)
-        if (data and data.get("kind") == ExperimentKind.PROFILE.value and data.get("status") == Status.OK.value
-                and isinstance(data.get("wall_s"), (int, float)) and data["wall_s"] > 0):
-            walls.append(float(data["wall_s"]))
+    """The longest wall time of an ok profile run recorded in ``exps_dir`` (its records that verify,
+    :func:`~zerotune.run.store.load_records`), seconds (None: none recorded)."""
+    runs = [record.experiment for record in load_records(exps_dir)]
+    walls = [float(e.wall_s) for e in runs if e.kind is ExperimentKind.PROFILE and e.status is Status.OK
+             and isinstance(e.wall_s, (int, float)) and e.wall_s > 0]
     return max(walls, default=None)
