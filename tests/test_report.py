@@ -21,7 +21,7 @@ from zerotune import cli
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 from zerotune.report import publish
-from zerotune.report.data import ReportData, TrainingPlan, load, outcome
+from zerotune.report.data import ReportData, SavedTuning, TrainingPlan, load, outcome
 from zerotune.report.html import figures
 from zerotune.report.publish import Refresher
 from zerotune.report.table_export import COLUMNS, csv_text, iso_time, json_text
@@ -337,3 +337,10 @@ def test_a_damaged_results_json_is_read_as_far_as_it_is_right(tuned, tmp_path):
     assert len(data.experiments) == 12 and data.plan == TrainingPlan(None, None, 2.5) and data.state == "finished"
     (results_dir / "results.json").write_text("[1, 2")
     assert load(results_dir).answer.name == tuned[1].best.name
+
+
+def test_a_saved_tuning_keeps_only_the_fields_of_the_types_zerotune_writes():
+    saved = SavedTuning.from_dict({"exps_dir": "", "strategy_known": 1, "train_steps": True, "not_run": [],
+                                   "cost_per_device_hour": 3, "written_at": "2026-01-02"})
+    assert saved == SavedTuning(exps_dir="", strategy_known=True, plan=TrainingPlan(None, None, 3), found=True)
+    assert SavedTuning.from_dict({"written_at": "2026-01-02", "state": 1}) == SavedTuning()

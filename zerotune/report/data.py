@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
@@ -74,6 +74,56 @@ class TrainingPlan:
             other.train_samples, other.train_steps)
         cost = self.cost_per_device_hour if self.cost_per_device_hour is not None else other.cost_per_device_hour
         return TrainingPlan(samples, steps, cost)
+
+
+@dataclass(frozen=True)
+class SavedTuning:
+    """The ``tuning`` section of a ``results.json`` (:func:`zerotune.report.table_export.json_text`) as :func:`load`
+    reads it back: what only the tuner knew. A field the section lacks, or holds with another type than zerotune
+    writes, is None (empty, for ``not_run`` and ``notes``): a damaged or foreign file is read as far as it is right,
+    never fatal.
+
+    Attributes:
+        exps_dir: where the experiments ran.
+        context: the resume context of the tuning's runs (:func:`zerotune.run.resume.resume_context`).
+        state: one of :data:`STATES`, when it was written.
+        strategy_known: whether the tuner knew what the strategy did not run; in a section without the field,
+            whether it has ``not_run``.
+        not_run: what was never launched, and why. notes: the summary's notes.
+        plan: the training run the tuner projected.
+        found: whether the section holds any of these fields as zerotune writes it.
+    """
+
+    exps_dir: str | None = None
+    context: dict[str, Any] | None = None
+    state: str | None = None
+    strategy_known: bool = False
+    not_run: tuple[NotRun, ...] = ()
+    notes: tuple[str, ...] = ()
+    plan: TrainingPlan = TrainingPlan()
+    found: bool = False
+
+    @classmethod
+    def read(cls, path: Path) -> "SavedTuning":
+        """The section in the ``results.json`` at ``path``; an empty one (``found`` False) where it has none."""
+        tuning = (read_json(path) or {}).get("tuning")
+        return cls.from_dict(tuning) if isinstance(tuning, dict) else cls()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SavedTuning":
+        """The section from its decoded JSON object, each field validated as the class docstring says."""
+        kept = {k: v for k, v in data.items() if k in _SAVED_TYPES and isinstance(v, _SAVED_TYPES[k])
+                and isinstance(v, bool) == (k == "strategy_known")}
+        not_run = tuple(NotRun(str(n.get("what", "")), str(n.get("reason", "")))
+                        for n in kept.get("not_run", []) if isinstance(n, dict))
+        plan = TrainingPlan(kept.get("train_samples"), kept.get("train_steps"), kept.get("cost_per_device_hour"))
+        return cls(kept.get("exps_dir"), kept.get("context"), kept.get("state"),
+                   kept.get("strategy_known", "not_run" in kept), not_run, tuple(str(n) for n in kept.get("notes", [])),
+                   plan, found=bool(kept))
+
+
+_SAVED_TYPES = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list,
+                "notes": list, "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -257,26 +307,23 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     if not results_dir.is_dir():
         raise ConfigError(f"{results_dir}: not a directory: expected a zerotune results dir (autotuning.results_dir "
                           f"or --results-dir)")
-    tuning = _saved_tuning(results_dir / RESULTS_JSON)
-    exps_dir = Path(exps_dir or tuning.get("exps_dir") or results_dir / "exps")
+    tuning = SavedTuning.read(results_dir / RESULTS_JSON)
+    exps_dir = Path(exps_dir or tuning.exps_dir or results_dir / "exps")
     records = load_records(exps_dir)
-    if not records and not tuning:
+    if not records and not tuning.found:
         raise ConfigError(f"{results_dir}: no {RESULTS_JSON} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
-    context = tuning.get("context") or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
+    context = tuning.context or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
     runs = sorted((_experiment(r) for r in records if r.resume_context == context), key=_launch_order)
     objective = Objective.named(context.get("objective") or "throughput")
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
-    saved_plan = TrainingPlan(**{k: tuning.get(k) for k in ("train_samples", "train_steps", "cost_per_device_hour")})
     precision = context.get("precision") or DEFAULT_PRECISION  # without adaptive runs, the strategy's default
     answer = best_experiment(runs, objective, capacity, precision)
-    return ReportData(runs, objective, budget, capacity, answer, exps_dir,
-                      [NotRun(str(n.get("what", "")), str(n.get("reason", ""))) for n in tuning.get("not_run", [])],
-                      [str(n) for n in tuning.get("notes", [])],
+    return ReportData(runs, objective, budget, capacity, answer, exps_dir, list(tuning.not_run), list(tuning.notes),
                       _state_on_disk(results_dir, exps_dir, runs, answer), context,
-                      (plan or TrainingPlan()).over(saved_plan), strategy_known=bool(
-                          tuning.get("strategy_known", "not_run" in tuning)), precision=precision)
+                      (plan or TrainingPlan()).over(tuning.plan), strategy_known=tuning.strategy_known,
+                      precision=precision)
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:
@@ -293,21 +340,6 @@ def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], an
     if any(e.status in (None, Status.INTERRUPTED) for e in runs):
         return "interrupted"
     return "finished" if answer is not None else "failed"
-
-
-def _saved_tuning(path: Path) -> dict[str, Any]:
-    """The ``tuning`` section of a ``results.json``, each field kept only where it has the type zerotune writes (a
-    damaged or foreign file is read as far as it is right, never fatal); {} without one."""
-    tuning = (read_json(path) or {}).get("tuning")
-    if not isinstance(tuning, dict):
-        return {}
-    types = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list, "notes": list,
-             "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float)}
-    kept = {k: v for k, v in tuning.items() if k in types and isinstance(v, types[k]) and not isinstance(v, bool)
-            or k == "strategy_known" and isinstance(v, bool)}
-    if "not_run" in kept:
-        kept["not_run"] = [n for n in kept["not_run"] if isinstance(n, dict)]
-    return kept
 
 
 def _experiment(record: ExpRecord) -> Experiment:
