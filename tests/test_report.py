@@ -18,7 +18,7 @@ import pytest
 from rich.console import Console
 
 from zerotune import cli
-from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.objective import Objective
 from zerotune.report import publish
 from zerotune.report.data import ReportData, SavedTuning, TrainingPlan, load, outcome

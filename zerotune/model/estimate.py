@@ -22,7 +22,6 @@ import argparse
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from zerotune.core import user_files

@@ -315,5 +315,5 @@ class OnlineMemory:
         lines.append(f"margin {self.margin:.1%}: the {MARGIN_QUANTILE:.0%} quantile of the fit's relative residuals "
                      f"over {len(self.residuals)} peak(s), on a prediction's fitted part; a config never measured is "
                      f"not launched when its prediction with the margin is over the budget")
-        return [f"memory fit (per family, a line through its measured peaks, the profile's prior as one point; "
-                f"docs/decisions.md, D110): " + "; ".join(lines)]
+        return ["memory fit (per family, a line through its measured peaks, the profile's prior as one point; "
+                "docs/decisions.md, D110): " + "; ".join(lines)]

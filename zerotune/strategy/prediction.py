@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import mean_half_width
