@@ -41,6 +41,12 @@ def test_a_simulated_tuning_launches_exactly_its_budget_and_answers_with_the_bes
     text = " ".join(summary.split())
     assert "stopped early: the launch budget is spent (4 of --max-launches 4 launches" in text
     assert "not decided: ZeRO stages and mbs, memory savers, gas, the answer's re-measurement" in text
+    # without a budget the summary sets what the tuning planned once the profile ran (the dry run's plan on the
+    # profiled memory model, 4 launches at the profile's 290 device-seconds each) against what it spent
+    full_text = " ".join((tmp_path / "full" / "r" / "summary.txt").read_text().split())
+    assert ("cost plan: 4 launch(es), 0.322 device-hours planned once the profile ran (the strategy on its memory "
+            "model, each launch at the profile's device-seconds); spent 9 launch(es) (0 re-measurement(s)), 0.806 "
+            "device-hours") in full_text
 
 
 @pytest.mark.e2e

@@ -22,7 +22,7 @@ from typing import Sequence
 from rich.console import Console
 
 from zerotune.core.errors import ConfigError, TuningFailed
-from zerotune.core.experiment import Experiment
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
@@ -169,13 +169,15 @@ class Autotuner:
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
         self.started_at: float | None = None  # when tune() began, seconds since the epoch (the summary's launches)
+        self.cost_plan: tuple[int, float] | None = None  # (launches, device-seconds) planned once the profile ran
 
     @property
     def _notes(self) -> list[str]:
         built = None if self.started_at is None else extensions.build_note(
             extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
+        planned = [] if self.cost_plan is None else [results.plan_line(*self.cost_plan, self.scheduler.history)]
         return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
-                self.job.batch.describe(), *([built] if built else [])]
+                *planned, self.job.batch.describe(), *([built] if built else [])]
 
     def _on_update(self, exp: Experiment, event: str) -> None:
         """The scheduler's callback: the progress display, and the report refreshed as experiments finish."""
@@ -245,6 +247,7 @@ class Autotuner:
                 with _stop_signals_deferred():  # the old answer or the new one, whole
                     self.progress.stop()
                     self.elapsed_s = time.monotonic() - started
+                    self.cost_plan = None if interrupted else self._cost_plan()
                     unwritten = self._write_results()  # never masks the exception in flight (an interrupt)
                     state = "interrupted" if interrupted else "finished" if self.best is not None else "failed"
                     self.report.refresh(state, force=True)  # logs a failure, never raises
@@ -298,6 +301,28 @@ class Autotuner:
             result = self._strategy(oracle).run()
         return Plan.from_experiments(result.experiments, oracle.model_info_source, self.job.device_memory_bytes,
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
+
+    def _cost_plan(self) -> tuple[int, float] | None:
+        """(launches, device-seconds) the tuning planned once its profile ran: :meth:`plan`'s experiments besides
+        the profile (the strategy against the memory model calibrated on the profile, each config at the oracle's
+        assumed metric: :mod:`zerotune.strategy.oracle`), each priced at the profile run's device-seconds. None
+        without a profile run that finished ok, or where the plan cannot be made (said in the log)."""
+        profile = next((e for e in self.scheduler.history
+                        if e.kind is ExperimentKind.PROFILE and e.status is Status.OK), None)
+        if profile is None:
+            return None
+        root = logging.getLogger("zerotune")
+        level = root.level
+        root.setLevel(logging.ERROR)  # the plan's strategy logs what the real one already said
+        try:
+            planned = self._strategy(MemoryOracle(self.job, self.scheduler.load)).run().experiments
+        except Exception as e:  # the plan is a note: it never fails a tuning
+            logger.debug(f"no cost plan: {e}")
+            return None
+        finally:
+            root.setLevel(level)
+        launches = sum(1 for e in planned if e.kind is not ExperimentKind.PROFILE and e.status in (Status.OK, Status.OOM))
+        return launches, launches * results.device_seconds(profile)
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, Status
+from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
@@ -125,6 +125,17 @@ def cost_line(experiments: Sequence[Experiment]) -> str:
         share += (f", {sum(device_seconds(e) for e in early) / total:.0%} on {len(early)} ended early "
                   f"(precise or cannot beat the best)")
     return f"tuning cost: {total / 3600:.3g} device-hours (wall time x devices){share}"
+
+
+def plan_line(launches: int, device_s: float, experiments: Sequence[Experiment]) -> str:
+    """The tuning's cost as planned once the profile ran (``launches`` and ``device_s`` device-seconds besides the
+    profile: the dry run's plan on the profiled memory model) against what ``experiments`` spent besides it
+    (launched or read back from disk; re-measurements counted)."""
+    spent = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is not Status.REFUSED]
+    replicas = sum(1 for e in spent if e.replica_of)
+    return (f"cost plan: {launches} launch(es), {device_s / 3600:.3g} device-hours planned once the profile ran (the "
+            f"strategy on its memory model, each launch at the profile's device-seconds); spent {len(spent)} launch(es)"
+            f" ({replicas} re-measurement(s)), {sum(device_seconds(e) for e in spent) / 3600:.3g} device-hours")
 
 
 def startup_line(experiments: Sequence[Experiment], since: float | None = None) -> str | None:
