@@ -45,3 +45,18 @@ def test_read_streams_skips_the_lines_that_are_not_objects(tmp_path):
     (tmp_path / stream_name(0)).write_text(LINE + "\n" + "not json\n" + '{"step": 4}\n' + '{"step": 5, "t')
     (tmp_path / stream_name(1)).write_text("")
     assert read_streams(tmp_path) == {0: [StepRecord.parse(LINE), StepRecord(step=4)], 1: []}
+
+
+def test_what_a_batch_held_parses_and_a_line_of_an_older_probe_still_does():
+    record = StepRecord.parse(LINE[:-1] + ', "batch_samples": 4, "seq_len": 128}')
+    assert (record.batch_samples, record.seq_len) == (4, 128)
+    assert record == StepRecord(**{**StepRecord.parse(LINE).__dict__, "batch_samples": 4, "seq_len": 128})
+    old = StepRecord.parse(LINE)  # written before the probe recorded batches
+    assert (old.batch_samples, old.seq_len) == (None, None) and old.step == 3
+    assert StepRecord.from_dict({"step": 1, "batch_samples": 8, "seq_len": None}).seq_len is None  # no token ids
+
+
+def test_a_batch_size_or_sequence_length_that_is_not_an_int_of_at_least_1_counts_as_missing():
+    for bad in (0, -3, 128.0, 12.5, "128", True, None, [128], float("nan")):
+        record = StepRecord.from_dict({"step": 2, "batch_samples": bad, "seq_len": bad})
+        assert (record.step, record.batch_samples, record.seq_len) == (2, None, None), bad

@@ -20,8 +20,9 @@ class StepRecord:
     (:meth:`from_dict`).
 
     A field is None where the line lacks it or holds anything but a finite number that is not a bool
-    (for ``step`` and ``rank``, anything but an ``int``): the readers treat it as missing. Counts and
-    bytes are truncated to ``int``. A record without a valid ``step`` still carries its peaks.
+    (for ``step`` and ``rank``, anything but an ``int``; for ``batch_samples`` and ``seq_len``, anything but
+    an ``int`` of at least 1): the readers treat it as missing. Counts and bytes are truncated to ``int``. A
+    record without a valid ``step`` still carries its peaks; a line of a probe older than a field lacks it.
 
     Attributes:
         rank: the rank that wrote it (the stream's file name says the same).
@@ -31,6 +32,10 @@ class StepRecord:
         boundary_s: the part of ``step_s`` spent in the work done once per optimizer step, seconds.
         micro_steps: ``step()`` calls in this optimizer step (gradient accumulation steps).
         train_batch_size: global samples per optimizer step.
+        batch_samples: the most samples one of this step's micro batches held on this rank (the leading
+            dimension of the forward's tensors).
+        seq_len: the longest sequence one of this step's micro batches held on this rank, tokens (the largest
+            second dimension of the forward's integer tensors of 2+ dimensions: token ids); None without token ids.
         peak_bytes: on CUDA the allocated high-water mark, on CPU the largest ``VmData`` so far, bytes.
         peak_reserved_bytes: on CUDA the caching allocator's reserved high-water mark, bytes.
         device_peak_bytes: on CUDA what the device held at its peak (reserved plus outside the allocator), bytes.
@@ -46,6 +51,8 @@ class StepRecord:
     boundary_s: float | None = None
     micro_steps: int | None = None
     train_batch_size: int | None = None
+    batch_samples: int | None = None
+    seq_len: int | None = None
     peak_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     device_peak_bytes: int | None = None
@@ -84,9 +91,14 @@ class StepRecord:
             value = data.get(key)
             return int(value) if _finite(value) else None
 
+        def size(key: str) -> int | None:
+            value = integer(key)
+            return value if value is not None and value >= 1 else None
+
         return cls(rank=integer("rank"), step=integer("step"), t=number("t"), step_s=number("step_s"),
                    boundary_s=number("boundary_s"), micro_steps=count("micro_steps"),
-                   train_batch_size=count("train_batch_size"), peak_bytes=count("peak_bytes"),
+                   train_batch_size=count("train_batch_size"), batch_samples=size("batch_samples"),
+                   seq_len=size("seq_len"), peak_bytes=count("peak_bytes"),
                    peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
                    rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"))
 
