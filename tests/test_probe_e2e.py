@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  
 # mbs 1 on 2 ranks, 4 samples per optimizer step: 2 gradient accumulation steps
 Z1_GAS2 = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "zero_optimization": {"stage": 1},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+SEQ_LEN = int(TINY[TINY.index("--seq-len") + 1])  # tokens per sample of the tiny script's batches
 
 
 def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_path):
@@ -40,6 +41,8 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
         # DeepSpeed exits inside the step after end_profile_step (global step 6): that step is recorded.
         assert [ln.step for ln in lines] == [1, 2, 3, 4, 5, 6]
         assert {(ln.rank, ln.micro_steps, ln.train_batch_size) for ln in lines} == {(rank, 2, 4)}
+        # what each micro batch held: the script's token ids, [mbs, --seq-len]
+        assert {(ln.batch_samples, ln.seq_len) for ln in lines} == {(1, SEQ_LEN)}
         assert all(ln.step_s > 0 and ln.peak_bytes > 50 * 2**20 for ln in lines)
         # On CPU peak_bytes is the sampled VmData, what the budget (RLIMIT_DATA) limits: it counts ZeRO-1's
         # fp32 reduce bucket (reduce_bucket_size 5e8 by default: 2,000,000,000 bytes, almost none of it written
@@ -136,6 +139,7 @@ def test_the_probe_hooks_the_engine_records_the_exit_step_chains_and_never_break
     lines = [json.loads(ln) for ln in (out / "probe.rank3.jsonl").read_text().splitlines()]
     assert [(ln["rank"], ln["step"], ln["micro_steps"], ln["train_batch_size"]) for ln in lines] == [
         (3, 1, 2, 8), (3, 2, 2, 8), (3, 3, 2, 8)]  # step 3 ended in exit()
+    assert all(ln["batch_samples"] is None and ln["seq_len"] is None for ln in lines)  # no torch: no tensors
     assert all(ln["step_s"] > 0 and ln["peak_bytes"] > 0 for ln in lines)
     assert [b["t"] - a["t"] for a, b in zip(lines, lines[1:])] == [ln["step_s"] for ln in lines[1:]]
     # once per optimizer step: the boundary backward's allreduce_gradients (0.03 s) and the boundary step()

@@ -8,8 +8,8 @@ user's own ``sitecustomize`` (:func:`_chain`).
 
 This file only installs. The probe's parts are modules of the private package ``_zerotune_probe`` beside it:
 the step and exit records (``records``), the peak memory and the allocator's cap (``peak``), the import hook
-and the engine's wrapped methods (``engine``), the profile run's saved activations and checkpointing
-(``activations``) and its step growth (``growth``). The names the tuner reads (the environment variables,
+and the engine's wrapped methods (``engine``), what a batch held (``batch``), the profile run's saved
+activations and checkpointing (``activations``) and its step growth (``growth``). The names the tuner reads (the environment variables,
 the records' file names) are re-exported here.
 
 Only this file, ``__init__.py`` and ``_zerotune_probe`` are in this directory, since it is on the ranks' import

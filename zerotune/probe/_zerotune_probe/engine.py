@@ -3,8 +3,9 @@ engine record.
 
 :func:`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
 ``deepspeed.runtime.engine``; nothing imports deepspeed or torch at start-up. Once that module has run, the
-hook wraps ``DeepSpeedEngine.forward`` (only to note the first forward's time) and ``DeepSpeedEngine.step``,
-which the script calls once per micro step (:func:`_install`). Whether a call is the gradient-accumulation
+hook wraps ``DeepSpeedEngine.forward`` (to note the first forward's time, and the shapes of each forward's
+arguments: :mod:`.batch`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
+(:func:`_install`). Whether a call is the gradient-accumulation
 boundary is asked before the original ``step`` runs; after a boundary step returns, the rank records it
 (:class:`.records._Probe`).
 
@@ -27,6 +28,7 @@ import os
 import sys
 
 from .activations import _SavedActivations
+from .batch import _note_batch
 from .growth import _StepGrowth
 from .peak import _DataPeak, _cap_device, _on_cuda
 from .records import ENGINE_RECORD, _Probe, _rank, _write_record
@@ -63,16 +65,19 @@ def _install(module, probe: _Probe) -> None:
 
 
 def _probed_forward(forward, probe: _Probe):
-    """``DeepSpeedEngine.forward`` noting the first forward's time; before it, rank 0 records the engine
-    (:func:`_record_engine`), and in the profile run the forward's saved activations are counted
-    (:class:`_SavedActivations`)."""
+    """``DeepSpeedEngine.forward`` noting the first forward's time and, on every call, what the batch held
+    (:func:`.batch._note_batch`); before the first, rank 0 records the engine (:func:`_record_engine`), and in the
+    profile run the forward's saved activations are counted (:class:`_SavedActivations`)."""
     import functools
     import time
 
     @functools.wraps(forward)
     def probed_forward(self, *args, **kwargs):
-        if probe.first_forward is None:
+        first = probe.first_forward is None
+        if first:
             probe.first_forward = time.monotonic()
+        _note_batch(probe, self, args, kwargs)
+        if first:
             _cap_device(self)
             _record_engine(probe, self)
             counter = _SavedActivations.for_profile(probe, self)

@@ -4,7 +4,7 @@ The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (:func:`str
 ``step()`` returns (:mod:`.engine`), the rank appends one line to it and flushes it::
 
     {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 1,
-     "train_batch_size": 8, "peak_bytes": 734003200, "base_bytes": 524288000}
+     "train_batch_size": 8, "batch_samples": 4, "seq_len": 128, "peak_bytes": 734003200, "base_bytes": 524288000}
 
 - ``step``: the optimizer step's index in this process, from 1.
 - ``t``: ``time.monotonic()`` when the step returned, seconds.
@@ -22,6 +22,10 @@ The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (:func:`str
 - ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps; 1 under
   the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
+- ``batch_samples`` and ``seq_len``: what the micro batches of this step held, from the shapes of the tensors the
+  engine's forward received (:mod:`.batch`): the most samples one held (their leading dimension) and the longest
+  sequence, tokens (the largest second dimension of an integer tensor of 2+ dimensions: token ids); null where
+  no forward argument said (no tensor; for ``seq_len``, no token ids: images, float features).
 - ``peak_bytes`` and the peaks beside it: :func:`.peak._peaks`. ``base_bytes``: on CUDA the allocated bytes
   before the step's first forward (:func:`.engine._note_base`).
 
@@ -69,7 +73,7 @@ class _Probe:
     def __init__(self, directory: str):
         self.directory = directory
         self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file",
-        #                                      "base"}
+        #                                      "base", "batch_samples", "seq_len"}
         self.first_forward: float | None = None
         self.failed = False
         self.exit_rank: int | None = None  # set with the first step record: this process writes an exit record
@@ -85,7 +89,8 @@ class _Probe:
         s = self.engines.get(id(engine))
         if s is None:
             s = self.engines[id(engine)] = {"step": 0, "micro": 0, "boundary": 0.0, "in_step": False,
-                                            "last": self.first_forward, "file": None, "base": None}
+                                            "last": self.first_forward, "file": None, "base": None,
+                                            "batch_samples": None, "seq_len": None}
         return s
 
     def record(self, engine, state: dict) -> None:
@@ -95,13 +100,15 @@ class _Probe:
         line = {"rank": _rank(engine), "step": state["step"], "t": t,
                 "step_s": t - state["last"] if state["last"] is not None else None,
                 "boundary_s": state["boundary"], "micro_steps": state["micro"],
-                "train_batch_size": int(engine.train_batch_size())}
+                "train_batch_size": int(engine.train_batch_size()), "batch_samples": state["batch_samples"],
+                "seq_len": state["seq_len"]}
         line.update(_peaks(engine))
         if state.get("base") is not None:
             line["base_bytes"] = state["base"]
         if line["step"] >= _DataPeak.SAMPLED_STEPS and _DataPeak.running is not None:
             _DataPeak.running.stop()
         state["last"], state["micro"], state["boundary"], state["base"] = t, 0, 0.0, None
+        state["batch_samples"] = state["seq_len"] = None
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
             self.watch_exit(line["rank"])

@@ -1,0 +1,70 @@
+"""What a batch held: the samples and the sequence length the probe reads from the shapes of the tensors the
+engine's forward receives, kept per optimizer step and written in its record."""
+import json
+import time
+import types
+
+import torch
+
+from zerotune.probe._zerotune_probe.batch import SCANNED, _batch_shape, _note_batch
+from zerotune.probe._zerotune_probe.engine import _probed_forward
+from zerotune.probe._zerotune_probe.records import _Probe
+
+
+def test_a_hugging_face_batch_gives_its_samples_and_its_token_count():
+    ids = torch.zeros(4, 128, dtype=torch.int64)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    assert _batch_shape((batch,), {}) == (4, 128)  # engine(batch)
+    assert _batch_shape((), batch) == (4, 128)  # engine(**batch), as the Trainer calls it
+    assert _batch_shape(([batch["input_ids"]],), {}) == (4, 128)  # one level into a list
+    # the longest integer tensor of 2+ dims; float and bool tensors and 1-dim ones say nothing of tokens
+    assert _batch_shape((torch.zeros(4, 96, dtype=torch.int32), torch.zeros(4, 512, 8)),
+                        {"mask": torch.ones(4, 1024, dtype=torch.bool), "ids": torch.zeros(4, 100, dtype=torch.int64),
+                         "lengths": torch.zeros(4, dtype=torch.int64)}) == (4, 100)
+
+
+def test_an_image_batch_has_samples_and_no_sequence_length():
+    assert _batch_shape((torch.zeros(8, 3, 32, 32),), {}) == (8, None)
+    assert _batch_shape(((torch.zeros(8, 3, 32, 32), torch.zeros(8, dtype=torch.int64)),), {}) == (8, None)
+
+
+def test_nothing_tensor_like_gives_nothing():
+    assert _batch_shape((1, "text", [1, 2], {"ids": [[1, 2]]}), {"x": None}) == (None, None)
+    assert _batch_shape((torch.tensor(3.0), torch.tensor(7)), {}) == (None, None)  # 0-dim: a scalar argument
+    assert _batch_shape((), {}) == (None, None)
+    # two levels deep is not looked at, nor past the first SCANNED values of a container
+    assert _batch_shape(({"inner": {"ids": torch.zeros(2, 7, dtype=torch.int64)}},), {}) == (None, None)
+    assert _batch_shape(([0] * SCANNED + [torch.zeros(2, 7, dtype=torch.int64)],), {}) == (None, None)
+
+
+class _Unreadable(torch.Tensor):
+    @property
+    def shape(self):
+        raise RuntimeError("no shape")
+
+
+def test_the_step_record_holds_its_micro_batches_largest_and_a_failure_never_reaches_training(tmp_path):
+    probe = _Probe(str(tmp_path))
+    probe.first_forward = time.monotonic()
+    engine = types.SimpleNamespace(global_rank=0, train_batch_size=lambda: 8)
+    for ids in (torch.zeros(4, 100, dtype=torch.int64), torch.zeros(3, 128, dtype=torch.int64)):  # gas 2
+        _note_batch(probe, engine, (), {"input_ids": ids})
+    _note_batch(probe, engine, (torch.zeros(4, 8).as_subclass(_Unreadable),), {})  # adds nothing, raises nothing
+    probe.record(engine, probe.state(engine))
+    _note_batch(probe, engine, (torch.zeros(8, 3, 32, 32),), {})
+    probe.record(engine, probe.state(engine))
+    probe.record(engine, probe.state(engine))  # a step whose forwards the probe did not see
+    lines = [json.loads(ln) for ln in (tmp_path / "probe.rank0.jsonl").read_text().splitlines()]
+    assert [(ln["batch_samples"], ln["seq_len"]) for ln in lines] == [(4, 128), (8, None), (None, None)]
+    assert not probe.failed
+
+
+def test_the_wrapped_forward_notes_the_batch_from_the_first_call_on(tmp_path):
+    probe = _Probe(str(tmp_path))
+    forward = _probed_forward(lambda self, *args, **kwargs: "loss", probe)
+    engine = types.SimpleNamespace(global_rank=1, module=None, _config=None, train_batch_size=lambda: 2,
+                                   train_micro_batch_size_per_gpu=lambda: 2, gradient_accumulation_steps=lambda: 1)
+    assert forward(engine, torch.zeros(2, 64, dtype=torch.int64)) == "loss"
+    state = probe.state(engine)
+    assert (state["batch_samples"], state["seq_len"]) == (2, 64)
+    assert state["last"] == probe.first_forward  # step 1 is still timed from the first forward

@@ -1,0 +1,67 @@
+"""What a batch held: the samples and the sequence length of the tensors the engine's forward receives, from their
+shapes only.
+
+A tensor's shape is host metadata: reading it reads no data and adds no device synchronisation, so noting it
+changes nothing that is measured. On each forward call, :func:`_batch_shape` looks at the positional and keyword
+arguments and one level into the mappings, lists and tuples among them (a Hugging Face batch is a dict of tensors:
+``input_ids``, ``attention_mask``, ``labels``), at most :data:`SCANNED` values of each:
+
+- samples: the leading dimension of the first tensor with at least one dimension;
+- sequence length: the largest second dimension among the integer-dtype tensors of two or more dimensions (token
+  ids, ``[samples, tokens]``); None where there is none (images, float features).
+
+:func:`_note_batch` keeps, per engine, the largest of each over the forwards of an optimizer step; the step's
+record writes them as ``batch_samples`` and ``seq_len`` (:meth:`.records._Probe.record`).
+"""
+import sys
+from collections.abc import Mapping
+from itertools import islice
+
+SCANNED = 32  # values looked at per argument list and per container: a forward's cost stays a few attribute reads
+
+
+def _batch_shape(args: tuple, kwargs: dict) -> tuple:
+    """``(samples, seq_len)`` of one forward call's arguments (module docstring); each is None where no tensor
+    says it, and both are None before the script has imported torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None, None
+    samples = seq_len = None
+    for tensor in _tensors(torch.Tensor, args, kwargs):
+        shape = tensor.shape
+        if samples is None and len(shape) >= 1 and shape[0] >= 1:
+            samples = int(shape[0])
+        if len(shape) >= 2 and shape[1] >= 1 and _integer(torch, tensor.dtype):
+            seq_len = max(seq_len or 0, int(shape[1]))
+    return samples, seq_len
+
+
+def _tensors(tensor_type: type, args: tuple, kwargs: dict):
+    """The tensors among the arguments and one level into the mappings, lists and tuples among them."""
+    for value in (*islice(args, SCANNED), *islice(kwargs.values(), SCANNED)):
+        if isinstance(value, tensor_type):
+            yield value
+        elif isinstance(value, (list, tuple, Mapping)):
+            items = value.values() if isinstance(value, Mapping) else value
+            yield from (v for v in islice(items, SCANNED) if isinstance(v, tensor_type))
+
+
+def _integer(torch, dtype) -> bool:
+    """Whether ``dtype`` holds integers (token ids): neither floating point, complex nor bool."""
+    return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+
+
+def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
+    """Before ``engine``'s forward: keep the largest samples and sequence length of its optimizer step so far in
+    the probe's state for it (``batch_samples``, ``seq_len``). Call it once the first forward's time is set (the
+    state's first step is timed from it). Never raises: a forward whose arguments cannot be read adds nothing."""
+    if probe.failed:
+        return
+    try:
+        samples, seq_len = _batch_shape(args, kwargs)
+        state = probe.state(engine)
+        for key, value in (("batch_samples", samples), ("seq_len", seq_len)):
+            if value is not None and (state[key] is None or value > state[key]):
+                state[key] = value
+    except Exception:  # noqa: BLE001 - the probe never breaks training; the step records what it saw, or None
+        return
