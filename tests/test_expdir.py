@@ -246,3 +246,17 @@ def test_on_cuda_the_profile_record_carries_the_steps_growth_and_a_run_its_own_s
         write(tmp_path / "r" / f"probe.rank{rank}.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
     run = expdir.finish(exp(), tmp_path / "r", OBJECTIVES["throughput"], exit_code=0)
     assert run.activation_slope_bytes == 8_000 // mbs and Experiment.from_json(run.to_json()) == run
+    assert run.max_seq_len_seen is None  # the lines of a probe that did not record batches
+
+
+def test_the_record_keeps_the_longest_sequence_a_batch_of_the_run_held_and_an_older_record_still_loads(tmp_path):
+    write(tmp_path / "metrics.json", '{"throughput": 10.0, "latency": 1000}')
+    for rank, seq_lens in ((0, (128, 512, 256)), (1, (128, 128, 300))):
+        lines = [{"rank": rank, "step": i, "t": 10.0 + i, "step_s": 0.1, "micro_steps": 1, "train_batch_size": 4,
+                  "batch_samples": 2, "seq_len": n} for i, n in enumerate(seq_lens, start=1)]
+        write(tmp_path / f"probe.rank{rank}.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
+    run = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert run.max_seq_len_seen == 512 and run.to_json()["max_seq_len_seen"] == 512
+    assert Experiment.from_json(run.to_json()) == run
+    older = {k: v for k, v in run.to_json().items() if k != "max_seq_len_seen"}  # an exp.json written before it
+    assert Experiment.from_json(older).max_seq_len_seen is None

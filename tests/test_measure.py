@@ -119,6 +119,16 @@ def test_on_cuda_the_peak_is_the_devices_not_the_allocated_bytes():
     assert peak_bytes({0: cuda, 1: [{"step": 1, "peak_bytes": 5 * 10**9}]}) == {0: 13 * 10**9, 1: 5 * 10**9}
 
 
+def test_the_longest_sequence_is_per_step_the_ranks_longest_and_the_runs_longest_over_every_step():
+    lines = {0: [{"step": 1, "seq_len": 512}, {"step": 2, "seq_len": 96}, {"step": 3}],
+             1: [{"step": 1, "seq_len": 128}, {"step": 2, "seq_len": 200}, {"step": 4, "seq_len": 64},
+                 {"seq_len": 4096}]}  # a line without a step says no step
+    assert core.seq_lens(step_records(lines)) == {1: 512, 2: 200, 4: 64}
+    assert core.max_seq_len(step_records(lines)) == 512  # the warm-up step too: what the run's batches held
+    assert core.max_seq_len(step_records(TWO_RANKS)) is None  # no record gives one (images, an older probe)
+    assert core.max_seq_len({}) is None
+
+
 def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrature():
     # two single runs known to 2% and 1%, 1% run-to-run noise each (2% at 95%): sqrt(4 + 1 + 4 + 4) %
     assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%

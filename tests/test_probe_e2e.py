@@ -56,8 +56,9 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
     assert done.boundary_share == measured.boundary_share and 0 < measured.boundary_share < 1
     assert done.metric_rel_half_width == measured.rel_half_width and measured.steady_steps >= 2
     assert done.peak_memory_bytes == max(measured.peak_bytes.values())
+    assert done.max_seq_len_seen == SEQ_LEN
     record = json.loads((exp_dir / "exp.json").read_text())
-    assert (record["metric"], record["metric_source"]) == (done.metric, "probe")
+    assert (record["metric"], record["metric_source"], record["max_seq_len_seen"]) == (done.metric, "probe", SEQ_LEN)
     deepspeed = json.loads((exp_dir / "metrics.json").read_text())
     assert done.metrics == deepspeed  # DeepSpeed's own metric, for comparison
     print(f"\nprobe: {measured.value:.2f} samples/s ±{measured.rel_half_width:.1%} over {measured.steady_steps} "

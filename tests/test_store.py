@@ -52,6 +52,17 @@ def test_a_record_is_matched_on_its_resume_key(tmp_path):
     assert store.load_record(tmp_path, CONFIG, "k2") is None
 
 
+def test_the_longest_sequence_seen_round_trips_and_a_record_written_before_it_still_verifies(tmp_path):
+    e = ok_run()
+    e.max_seq_len_seen = 512
+    store.write_record(e, tmp_path)
+    assert store.load_record(tmp_path, CONFIG) == e
+    data = store.ExpRecord(ok_run(), "", {}, "2026-01-02T03:04:05").to_dict()
+    del data["max_seq_len_seen"]  # as an exp.json written before the field was
+    data["record_digest"] = store.record_digest(data)
+    assert store.ExpRecord.from_dict(data).experiment == ok_run()
+
+
 def test_an_interrupted_record_is_not_loaded(tmp_path):
     e = ok_run()
     e.status = Status.INTERRUPTED

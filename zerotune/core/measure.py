@@ -48,8 +48,8 @@ from zerotune.core.objective import Objective
 from zerotune.core.step_record import StepRecord
 
 __all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
-           "StepStats", "activation_slope_bytes", "comparison_noise", "measure", "mean_half_width", "peak_bytes",
-           "pool", "pooled_metrics", "run_noise", "step_stats"]
+           "StepStats", "activation_slope_bytes", "comparison_noise", "max_seq_len", "measure", "mean_half_width",
+           "peak_bytes", "pool", "pooled_metrics", "run_noise", "seq_lens", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
@@ -232,6 +232,25 @@ def activation_slope_bytes(streams: Streams, mbs: int) -> int | None:
         if last:
             slopes.append((last[-1].peak_bytes - last[-1].base_bytes) // mbs)
     return max(slopes) if slopes and max(slopes) > 0 else None
+
+
+def seq_lens(streams: Streams) -> dict[int, int]:
+    """step -> the longest sequence a micro batch of that optimizer step held on any rank, tokens (the records'
+    ``seq_len``), every step recorded, warm-up included; steps no rank's record gives one for are absent (no
+    token ids in the forward's arguments, a probe older than the field)."""
+    longest: dict[int, int] = {}
+    for records in streams.values():
+        for r in records:
+            if r.step is not None and r.seq_len is not None:
+                longest[r.step] = max(longest.get(r.step, 0), r.seq_len)
+    return dict(sorted(longest.items()))
+
+
+def max_seq_len(streams: Streams) -> int | None:
+    """The longest sequence a micro batch held in the run, on any rank and at any step, tokens
+    (:func:`seq_lens`); None where no record gives one. What the run saw, not what the training will: a
+    longer batch later in the data needs more activation memory than the run measured."""
+    return max(seq_lens(streams).values(), default=None)
 
 
 def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int] = (), floor: float = RUN_NOISE,
