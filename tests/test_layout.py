@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerotune"
 MAX_FUNCTION_LINES = 60  # lines of code: docstrings, comments and blank lines not counted
 MAX_STRATEGY_MODULE_LINES = 300
+MAX_MODULE_LINES = 450
 
 LAYERS = (  # lowest first: a module imports its own layer and those before it, never a later one (docs/how-it-works.md)
     "core",  # the ground floor: errors, the records (experiment, step, launch), objective, units, measure
@@ -119,6 +120,11 @@ def test_no_function_in_the_package_is_over_60_lines_of_code():
 def test_no_strategy_module_is_over_300_lines():
     assert [(p.name, n) for p in sorted((PACKAGE / "strategy").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_STRATEGY_MODULE_LINES] == []
+
+
+def test_no_module_in_the_package_is_over_450_lines():
+    assert [(str(p.relative_to(PACKAGE)), n) for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES] == []
 
 
 def test_the_probe_directory_holds_only_its_shim_and_a_standard_library_package():

@@ -157,3 +157,24 @@ def candidate_lists(config: Any, path: str = "") -> list[tuple[str, list]]:
         return [(path, config)]
     return []
 
+
+# DeepSpeed defaults (deepspeed/runtime/zero/config.py:113,222,228,245,251; engine.py:151).
+DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
+DEFAULT_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
+DEFAULT_STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
+DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
+STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
+
+OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "lamb": 8, "onebitadam": 8,
+                         "zerooneadam": 8, "onebitlamb": 8, "sgd": 4, "adagrad": 4, "lion": 4, "muon": 4}
+"""Bytes of optimizer state per parameter by optimizer type (lower case, no ``_`` or ``-``): Adam's two moments."""
+
+
+def optimizer_state_bytes(ds_config: dict[str, Any]) -> int:
+    """Bytes of optimizer state per parameter, not counting an fp32 master copy (8 for Adam).
+
+    An unknown or absent optimizer counts as Adam, the common and the larger case.
+    """
+    opt = ds_config.get("optimizer") or {}
+    name = str(opt.get("type", "adam")).lower().replace("_", "").replace("-", "")
+    return OPTIMIZER_STATE_BYTES.get(name, 8)

@@ -127,18 +127,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from zerotune.deepspeed import keys
 from zerotune.deepspeed.config import precision
-from zerotune.deepspeed.keys import CHECKPOINTING
-
-# DeepSpeed defaults (deepspeed/runtime/zero/config.py:113,222,228,245,251; engine.py:151).
-DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
-DEFAULT_STAGE3_MAX_LIVE_PARAMETERS = 1_000_000_000
-DEFAULT_STAGE3_MAX_REUSE_DISTANCE = 1_000_000_000
-DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
-STAGE0_ALLREDUCE_ELEMENTS = 500_000_000
-
-_OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "lamb": 8, "onebitadam": 8,
-                          "zerooneadam": 8, "onebitlamb": 8, "sgd": 4, "adagrad": 4, "lion": 4, "muon": 4}
 
 
 @dataclass(frozen=True)
@@ -168,16 +158,6 @@ class MemoryBreakdown:
     def model_states(self) -> int:
         """Parameters, gradients and optimizer states on the device (what DeepSpeed's estimators count)."""
         return self.parameters + self.gradients + self.optimizer_states
-
-
-def optimizer_state_bytes(ds_config: dict[str, Any]) -> int:
-    """Bytes of optimizer state per parameter, not counting an fp32 master copy (8 for Adam).
-
-    An unknown or absent optimizer counts as Adam, the common and the larger case.
-    """
-    opt = ds_config.get("optimizer") or {}
-    name = str(opt.get("type", "adam")).lower().replace("_", "").replace("-", "")
-    return _OPTIMIZER_STATE_BYTES.get(name, 8)
 
 
 def _number(value: Any, default: float) -> float:
@@ -218,7 +198,7 @@ class MemoryModel:
             host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
             counts it), so :attr:`MemoryBreakdown.total` includes ``host``.
         checkpointed_activation_bytes_per_sample: the activation term of a config with activation
-            checkpointing (``ds_config[CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
+            checkpointing (``ds_config[keys.CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
             such a config uses ``activation_bytes_per_sample`` (:meth:`activation_bytes`).
     """
 
@@ -238,7 +218,7 @@ class MemoryModel:
     def checkpointed(self, ds_config: dict[str, Any]) -> bool:
         """Whether ``ds_config`` gets the checkpointed activation term: its
         :data:`~zerotune.deepspeed.keys.CHECKPOINTING` is True and the term is known."""
-        return ds_config.get(CHECKPOINTING) is True and self.checkpointed_activation_bytes_per_sample is not None
+        return ds_config.get(keys.CHECKPOINTING) is True and self.checkpointed_activation_bytes_per_sample is not None
 
     def activation_bytes(self, ds_config: dict[str, Any]) -> int:
         """The activation term of ``ds_config``, bytes per sample: ``checkpointed_activation_bytes_per_sample``
@@ -262,12 +242,12 @@ class MemoryModel:
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
         n = self.dp_world_size
         b = 4 if precision(ds_config) == "fp32" else 2
-        k = optimizer_state_bytes(ds_config)
+        k = keys.optimizer_state_bytes(ds_config)
         opt_dev = _offload_device(zero.get("offload_optimizer")) if stage >= 1 else "none"
         param_dev = _offload_device(zero.get("offload_param")) if stage == 3 else "none"
         offload_opt = opt_dev in ("cpu", "nvme")
         contiguous = bool(zero.get("contiguous_gradients", True)) or offload_opt
-        bucket = _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE)
+        bucket = _number(zero.get("reduce_bucket_size"), keys.DEFAULT_REDUCE_BUCKET_SIZE)
         host = 0.0
 
         if stage == 0:
@@ -324,8 +304,8 @@ class MemoryModel:
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
         b = 4 if precision(ds_config) == "fp32" else 2
         if stage <= 0:
-            return int(b * min(t, STAGE0_ALLREDUCE_ELEMENTS))
-        bucket = _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE)
+            return int(b * min(t, keys.STAGE0_ALLREDUCE_ELEMENTS))
+        bucket = _number(zero.get("reduce_bucket_size"), keys.DEFAULT_REDUCE_BUCKET_SIZE)
         contiguous = bool(zero.get("contiguous_gradients", True)) or _offload_device(
             zero.get("offload_optimizer")) in ("cpu", "nvme")
         if stage >= 3 and zero.get("reduce_scatter", True) is False and contiguous:
@@ -346,7 +326,7 @@ class MemoryModel:
         overlap = zero.get("overlap_comm")
         overlap = overlap if isinstance(overlap, bool) else stage == 3  # zero/config.py:384-386
         after = (stage <= 0 or (stage == 1 and not overlap)
-                 or _number(zero.get("reduce_bucket_size"), DEFAULT_REDUCE_BUCKET_SIZE) >= t)
+                 or _number(zero.get("reduce_bucket_size"), keys.DEFAULT_REDUCE_BUCKET_SIZE) >= t)
         return self.reduction_copy_bytes(ds_config) if after else 0
 
     def gather_copy_bytes(self, ds_config: dict[str, Any]) -> int:
@@ -361,16 +341,16 @@ class MemoryModel:
         if int(_number(zero.get("stage"), 0)) != 3:
             return 0
         b = 4 if precision(ds_config) == "fp32" else 2
-        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
+        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), keys.DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
         return int(b * min(self.gathered_params(ds_config), max(self.largest_layer_params, prefetch)))
 
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
         """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
         zero = ds_config.get("zero_optimization") or {}
         psi = self.num_params / self.mp_size
-        live = _number(zero.get("stage3_max_live_parameters"), DEFAULT_STAGE3_MAX_LIVE_PARAMETERS)
-        reuse = _number(zero.get("stage3_max_reuse_distance"), DEFAULT_STAGE3_MAX_REUSE_DISTANCE)
-        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
+        live = _number(zero.get("stage3_max_live_parameters"), keys.DEFAULT_STAGE3_MAX_LIVE_PARAMETERS)
+        reuse = _number(zero.get("stage3_max_reuse_distance"), keys.DEFAULT_STAGE3_MAX_REUSE_DISTANCE)
+        prefetch = _number(zero.get("stage3_prefetch_bucket_size"), keys.DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
         return min(psi, max(self.largest_layer_params, min(live, reuse + prefetch)) + self.persistent_params)
 
     def bytes_per_device(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
@@ -428,7 +408,7 @@ class MemoryModel:
         if _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
             return full_total
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
-        k = optimizer_state_bytes(ds_config)
+        k = keys.optimizer_state_bytes(ds_config)
         stage = int(_number(zero.get("stage"), 0))
         if stage < 3:
             # Below stage 3 only the parameters and the fp32 master copy exist at the first forward: the
@@ -450,7 +430,7 @@ class MemoryModel:
         if stage >= 1 and _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
             return self.bytes_per_device(ds_config, mbs)
         t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
-        states = optimizer_state_bytes(ds_config) * t / (1 if stage == 0 else self.dp_world_size)
+        states = keys.optimizer_state_bytes(ds_config) * t / (1 if stage == 0 else self.dp_world_size)
         return int(self.bytes_per_device(ds_config, mbs) - states)
 
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1,
