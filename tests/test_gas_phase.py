@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.experiment import ExperimentKind, Status
-from zerotune.core.measure import RUN_NOISE
+from zerotune.core.noise import RUN_NOISE
 from zerotune.run.resources import select_resources
 from zerotune.strategy.answer import best_experiment
 from zerotune.strategy.batch import BatchSemantics

@@ -5,7 +5,6 @@ import statistics
 import pytest
 
 from zerotune.core import measure as core
-from zerotune.core.measure import comparison_noise
 from zerotune.core.objective import OBJECTIVES
 from zerotune.probe import step_records
 
@@ -127,13 +126,6 @@ def test_the_longest_sequence_is_per_step_the_ranks_longest_and_the_runs_longest
     assert core.max_seq_len(step_records(lines)) == 512  # the warm-up step too: what the run's batches held
     assert core.max_seq_len(step_records(TWO_RANKS)) is None  # no record gives one (images, an older probe)
     assert core.max_seq_len({}) is None
-
-
-def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrature():
-    # two single runs known to 2% and 1%, 1% run-to-run noise each (2% at 95%): sqrt(4 + 1 + 4 + 4) %
-    assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%
-    # an unknown interval counts as the floor; a pooled point's run term shrinks with its runs
-    assert comparison_noise([None, 0.01], [2, 1], floor=0.01) == pytest.approx(math.sqrt(0.0001 + 0.0002 + 0.0001 + 0.0004))
 
 
 def test_a_slowly_decaying_warm_up_is_cut_by_the_marginal_standard_error_rule():

@@ -1,5 +1,5 @@
-"""The skip rule (zerotune.strategy.prediction) and ties (zerotune.strategy.points.tie): which candidates the
-throughput model keeps from launching, with what bounds and reason, on given readings and through the Strategy."""
+"""The skip rule (zerotune.strategy.prediction): which candidates the throughput model keeps from launching, with
+what bounds and reason, on given readings and through the Strategy."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,6 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.model.throughput import Reading
 from zerotune.run.resources import select_resources
 from zerotune.strategy.job import Job, TuneOptions
-from zerotune.strategy.points import tie
 from zerotune.strategy.prediction import GATED_KINDS, Prediction, family_key, predict
 from zerotune.strategy.tuning import Strategy
 
@@ -82,13 +81,6 @@ def test_only_mbs_and_gas_candidates_with_a_best_are_gated():
     assert GATED_KINDS == (ExperimentKind.MBS, ExperimentKind.GAS)
     assert predict(candidate(24, kind=ExperimentKind.KNOBS), SCALING, ("z0_gas1_tmbspg32", 320.0), 0.02) is None
     assert predict(candidate(24), SCALING, None, 0.02) is None  # no best yet
-
-
-def test_a_tie_is_a_difference_strictly_within_the_precision():
-    assert tie(0.0199, 0.02) and tie(-0.0199, 0.02) and tie(0.0, 0.02)
-    assert not tie(0.02, 0.02) and not tie(-0.02, 0.02)  # at the precision: not a tie
-    assert not tie(0.021, 0.02) and not tie(-0.03, 0.02)
-    assert not tie(0.0, None)  # no precision: never a tie
 
 
 def make_job(tmp_path: Path, metric: str = "throughput", cpu: bool = False) -> Job:

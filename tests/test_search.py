@@ -7,7 +7,7 @@ from zerotune.strategy.answer import rising_top
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.fine import affine_gain, refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, StopReason, within_noise
+from zerotune.strategy.points import MbsTrace, Point, StopReason
 from zerotune.strategy.result import StageDecision, StagePlan
 from zerotune.strategy.stages import explore_stages
 
@@ -561,15 +561,6 @@ def test_a_smaller_mbs_within_the_noise_does_not_take_the_search_down():
     evaluate, calls = curve(lambda m: {32: 100.0, 16: 103.0, 8: 110.0}[m])  # +3% is within 3.2%
     trace = search_mbs(evaluate, SearchBounds(1, 32, THROUGHPUT, num_fine=0), estimate=32)
     assert calls == [32, 16] and trace.best(THROUGHPUT).mbs == 16  # the best by metric; not halved further
-
-
-def test_the_noise_test_counts_the_larger_run_to_run_noise_of_the_two_points():
-    # two runs known to +-1% each, 5% apart: beyond sqrt(2 x (1% ** 2 + (2 x 1%) ** 2)) = 3.2% with the assumed
-    # 1% run-to-run noise, within sqrt(2 x (1% ** 2 + (2 x 4%) ** 2)) = 11.4% once the runs have shown 4%
-    a, b = Point(16, Status.OK, 105.0, rel_half_width=0.01), Point(32, Status.OK, 100.0, rel_half_width=0.01)
-    assert not within_noise(0.05, a, b, threshold=0.01)
-    assert within_noise(0.05, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), threshold=0.01)
-    assert not within_noise(0.115, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), 0.01)
 
 
 def test_the_affine_step_time_predicts_the_gain_of_a_larger_mbs():

@@ -17,7 +17,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.step_record import StepRecord
-from zerotune.core.stopping import EndReason, StopRule, must_beat
+from zerotune.core.stopping import EndReason, StopRule
 from zerotune.probe import step_records, stream_name
 from zerotune.run import expdir, store
 from zerotune.run.backends.local import LocalBackend
@@ -125,15 +125,6 @@ def test_latency_races_downwards():
 
 def test_flops_is_not_measured_by_the_probe_so_it_never_ends_a_run():
     assert first_answer(StopRule(OBJECTIVES["flops"]), STEADY, bar=1e30) is None
-
-
-def test_the_bar_is_the_incumbents_pessimistic_bound_with_the_run_to_run_noise():
-    # sqrt(hw^2 + (2 x 1%)^2 / runs + (2 x 1%)^2): the incumbent's interval and run term, the racer's run term
-    assert must_beat(THROUGHPUT, 100.0, 0.03) == pytest.approx(100 * (1 - math.sqrt(0.0017)))  # 95.88
-    assert must_beat(THROUGHPUT, 100.0, 0.03, runs=2) == pytest.approx(100 * (1 - math.sqrt(0.0015)))
-    assert must_beat(LATENCY, 0.5, 0.02) == pytest.approx(0.5 * (1 + math.sqrt(0.0012)))  # 0.5173
-    # a measured run-to-run noise of 4% (the tuning's estimate) lowers the bar: 100 - sqrt(0.0009 + 2 x 0.0064)
-    assert must_beat(THROUGHPUT, 100.0, 0.03, run_noise=0.04) == pytest.approx(100 * (1 - math.sqrt(0.0137)))  # 88.3
 
 
 # --- how an ended run is recorded --------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The throughput model (zerotune/model/throughput.py): exact bounds on known affine curves."""
 import pytest
 
-from zerotune.model.throughput import Bounds, Reading, bounds, can_beat, ceiling, per_sample_floor
+from zerotune.model.throughput import Bounds, Reading, bounds, ceiling, per_sample_floor
 
 EXACT = 1e-9
 
@@ -85,13 +85,6 @@ def test_per_sample_floor_and_ceiling():
     one = [Reading(mbs=8, throughput=100.0, half_width=0.02)]  # all of its time may be fixed work
     assert per_sample_floor(one) == 0.0
     assert ceiling(one) is None
-
-
-def test_can_beat_only_beyond_the_precision():
-    assert not can_beat(100.0, 80.0, 0.25)  # exactly 80 * 1.25: a tie
-    assert can_beat(100.0 + 1e-9, 80.0, 0.25)
-    assert not can_beat(100.0 - 1e-9, 80.0, 0.25)
-    assert not can_beat(80.0, 80.0, 0.0)
 
 
 @pytest.mark.parametrize("mbs, throughput, half_width", [(0, 1.0, 0.0), (1, 0.0, 0.0), (1, float("inf"), 0.0),

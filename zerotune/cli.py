@@ -23,7 +23,7 @@ from zerotune.core import user_files
 from zerotune.core.arguments import MAX_COUNT, positive_number, reject_empty, whole
 from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
-from zerotune.core.stopping import DEFAULT_PRECISION
+from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.model import estimate
 from zerotune.report import publish
 from zerotune.report.log import set_verbosity

@@ -32,8 +32,8 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
    the same relative half-width (first order). The interval treats steps as independent, which
    consecutive steps only roughly are: read it as the measurement's noise, not a guarantee.
 6. **The run-to-run noise.** A whole run can read faster or slower than the next run of the same
-   config, which no run's own interval shows. It is estimated from the configs run more than once
-   (:func:`run_noise`), and every comparison of runs counts it (:func:`comparison_noise`).
+   config, which no run's own interval shows. This module measures one run; the run-to-run noise's
+   estimate and every comparison of runs are :mod:`zerotune.core.noise`'s.
 """
 from __future__ import annotations
 
@@ -47,23 +47,11 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 from zerotune.core.step_record import StepRecord
 
-__all__ = ["CONFIDENCE", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "WARMUP_FACTOR", "Measurement", "Pooled", "RunNoise",
-           "StepStats", "activation_slope_bytes", "comparison_noise", "max_seq_len", "measure", "mean_half_width",
-           "peak_bytes", "pool", "pooled_metrics", "run_noise", "seq_lens", "step_stats"]
+__all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "activation_slope_bytes", "max_seq_len",
+           "measure", "peak_bytes", "pool", "pooled_metrics", "seq_lens", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
-
-RUN_NOISE = 0.01
-"""The run-to-run noise assumed before any config has run twice, and its floor: relative standard
-deviation (1%). One run's interval sees only the jitter of its own steps; a whole run can be faster
-or slower (placement, the machine's other load, clocks). Comparing two runs, each carries a run term
-of about ``2 * sigma`` at 95% (:func:`comparison_noise`). Once configs are re-measured, the tuner
-uses :func:`run_noise`'s estimate from their runs instead, never below this."""
-
-RUN_NOISE_PRIOR_RUNS = 2
-"""The weight of :data:`RUN_NOISE` in :func:`run_noise`'s estimate, in degrees of freedom (as many
-as three runs of one config would give)."""
 
 Streams = Mapping[int, Sequence[StepRecord]]
 """rank -> the probe's step records, in order, each parsed and validated once (:func:`zerotune.probe.read_streams`;
@@ -253,18 +241,6 @@ def max_seq_len(streams: Streams) -> int | None:
     return max(seq_lens(streams).values(), default=None)
 
 
-def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int] = (), floor: float = RUN_NOISE,
-                     run_noise: float = RUN_NOISE) -> float:
-    """How far apart (relative, at 95%) two or more metrics can be by noise alone:
-    ``sqrt(sum over metrics of (hw ** 2 + (2 * run_noise) ** 2 / runs))``, with ``hw`` each one's
-    interval half-width (None, unknown or pooled: ``floor``) and ``runs`` how many runs each pools
-    (default 1). Independent errors add in quadrature; the run term is the run-to-run noise
-    ``run_noise`` (a relative standard deviation: :data:`RUN_NOISE`, or :func:`run_noise`'s estimate),
-    which shrinks as runs are pooled."""
-    runs = list(runs) or [1] * len(rel_half_widths)
-    return math.sqrt(sum((hw or floor) ** 2 + (2 * run_noise) ** 2 / max(1, n) for hw, n in zip(rel_half_widths, runs)))
-
-
 def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
     n = len(steady)
     if n < 2:
@@ -327,84 +303,3 @@ def pooled_metrics(experiments: Iterable[Experiment]) -> dict[str, Pooled]:
         if e.status == Status.OK and e.metric is not None and e.kind is not ExperimentKind.PROFILE:
             runs.setdefault(e.replica_of or e.name, []).append(e.metric)
     return {name: pool(values) for name, values in runs.items()}
-
-
-@dataclass(frozen=True)
-class RunNoise:
-    """The run-to-run noise of this tuning's runs (:func:`run_noise`).
-
-    Attributes:
-        sigma: the relative standard deviation of one run's metric around its config's mean, beyond
-            what the run's own interval shows (0.03 = 3%): the value the decisions use.
-        configs: how many configs ran ok more than once (0: ``sigma`` is :data:`RUN_NOISE`).
-        df: the estimate's degrees of freedom, the sum over those configs of their runs less one.
-        measured: the estimate from the runs alone, before the prior and the floor (None: no config
-            ran twice).
-    """
-
-    sigma: float
-    configs: int = 0
-    df: int = 0
-    measured: float | None = None
-
-    def describe(self) -> str:
-        """One line for the log and the summary."""
-        if not self.configs:
-            return f"run-to-run noise: sigma {self.sigma:.1%} assumed (no config ran twice)"
-        return (f"run-to-run noise: sigma {self.sigma:.1%}, from {self.configs} config(s) run more than once "
-                f"({self.df} degree(s) of freedom; the runs alone give {self.measured:.1%})")
-
-
-def run_noise(experiments: Iterable[Experiment]) -> RunNoise:
-    """Estimate the run-to-run noise from the configs that ran ok more than once (a first run and its
-    replicas, :attr:`~zerotune.core.experiment.Experiment.replica_of`; the profile run is left out).
-
-    On the log of the metric (relative deviations), per config with ``k >= 2`` runs: the squared
-    deviations from the config's mean, summed over configs, less the part the runs' own intervals
-    explain (each run's mean has a variance of about ``(hw / 2) ** 2``; a deviation from a mean of
-    ``k`` carries ``(k - 1) / k`` of it); over the degrees of freedom ``df = sum(k - 1)`` that is the
-    between-run variance ``v`` (at least 0): the one-way random-effects ANOVA estimate (method of
-    moments). It is pooled with the assumed :data:`RUN_NOISE` as a prior worth
-    :data:`RUN_NOISE_PRIOR_RUNS` degrees of freedom, ``sigma ** 2 = (p * RUN_NOISE ** 2 + df * v) /
-    (p + df)``, so one pair of runs does not swing it, and never below :data:`RUN_NOISE`.
-
-    Returns:
-        The estimate (:class:`RunNoise`); ``sigma`` is :data:`RUN_NOISE` while no config ran twice.
-    """
-    runs: dict[str, list[Experiment]] = {}
-    for e in experiments:
-        if e.status == Status.OK and e.metric and e.metric > 0 and e.kind is not ExperimentKind.PROFILE:
-            runs.setdefault(e.replica_of or e.name, []).append(e)
-    squares, explained, df, configs = 0.0, 0.0, 0, 0
-    for group in runs.values():
-        k = len(group)
-        if k < 2:
-            continue
-        logs = [math.log(e.metric) for e in group]
-        mean = statistics.fmean(logs)
-        squares += sum((x - mean) ** 2 for x in logs)
-        explained += sum(((e.metric_rel_half_width or 0.0) / 2) ** 2 for e in group) * (k - 1) / k
-        df += k - 1
-        configs += 1
-    if not df:
-        return RunNoise(RUN_NOISE)
-    between = max(0.0, squares - explained) / df
-    prior = RUN_NOISE_PRIOR_RUNS
-    sigma = math.sqrt((prior * RUN_NOISE ** 2 + df * between) / (prior + df))
-    return RunNoise(max(RUN_NOISE, sigma), configs, df, math.sqrt(between))
-
-
-def mean_half_width(rel_half_widths: Sequence[float | None], sigma: float) -> float:
-    """The relative half-width (95%) of the mean of ``k`` runs' metrics of one config, as an estimate
-    of what a run of it gives on average: ``sqrt((mean(hw ** 2) + (2 * sigma) ** 2) / k)``, with ``hw``
-    each run's own interval half-width (None counts as 0) and ``sigma`` the run-to-run noise
-    (:func:`run_noise`). What the summary reports with the answer.
-
-    Raises:
-        ValueError: no runs.
-    """
-    if not rel_half_widths:
-        raise ValueError("mean_half_width needs at least one run")
-    k = len(rel_half_widths)
-    within = statistics.fmean((hw or 0.0) ** 2 for hw in rel_half_widths)
-    return math.sqrt((within + (2 * sigma) ** 2) / k)

@@ -6,14 +6,16 @@ stop as a timeout, and the experiment is OK with the probe's metric (:mod:`zerot
 The experiment records why it ended (:class:`EndReason`). The rule ends a run as soon as either:
 
 - **precise**: its metric is known to the target precision: the 95% interval's relative
-  half-width is at most :attr:`StopRule.precision` (2% by default), after at least
-  :attr:`StopRule.min_steady_steps` steady steps; or
+  half-width is at most :attr:`StopRule.precision` (2% by default,
+  :data:`~zerotune.core.noise.DEFAULT_PRECISION`), after at least :attr:`StopRule.min_steady_steps`
+  steady steps; or
 - **cannot beat**: its whole interval lies on the losing side of the bar the strategy set for it
-  (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included). Its optimistic bound, the
-  metric times ``1 + half-width`` (``1 - half-width`` where lower is better), cannot beat the
-  incumbent, so more steps would only sharpen a number that loses. This is the median-stopping
-  and successive-halving idea of Ray Tune's and Optuna's pruners (stop a trial whose intermediate
-  result cannot win), applied inside one experiment, with the interval instead of a quantile.
+  (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included,
+  :func:`~zerotune.core.noise.must_beat`). Its optimistic bound, the metric times ``1 + half-width``
+  (``1 - half-width`` where lower is better), cannot beat the incumbent, so more steps would only
+  sharpen a number that loses. This is the median-stopping and successive-halving idea of Ray Tune's
+  and Optuna's pruners (stop a trial whose intermediate result cannot win), applied inside one
+  experiment, with the interval instead of a quantile.
 
 Otherwise the run goes on to its cap: DeepSpeed's engine exits after ``end_profile_step`` (its
 autotuning protocol), or the experiment timeout. The rule never ends a run before
@@ -32,17 +34,13 @@ run gets more steps instead of a second run; where a step costs as much as a lau
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
-from zerotune.core.measure import RUN_NOISE, Measurement, Streams, measure
+from zerotune.core.measure import Measurement, Streams, measure
+from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.objective import Objective
 
-__all__ = ["DEFAULT_PRECISION", "EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule",
-           "extended_end_step", "must_beat"]
-
-DEFAULT_PRECISION = 0.02
-"""Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
+__all__ = ["EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule", "extended_end_step"]
 
 MIN_STEADY_STEPS = 3
 """Steady steps (warm-up left out) before the rule may end a run."""
@@ -152,19 +150,3 @@ def _time_at(streams: Streams, step: int) -> float:
     """When step ``step`` ended on the slowest rank (the probe's ``t``, seconds)."""
     return max((r.t for records in streams.values() for r in records if r.step == step and r.t is not None),
                default=0.0)
-
-
-def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1,
-              run_noise: float = RUN_NOISE) -> float:
-    """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%, pooled
-    over ``runs`` runs): the incumbent's pessimistic bound with the run-to-run noise of a comparison,
-    ``incumbent * (1 - n)`` where higher is better and ``incumbent * (1 + n)`` where lower is, with
-    ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise ``run_noise``
-    (a relative standard deviation: :data:`~zerotune.core.measure.RUN_NOISE`, or the tuning's estimate,
-    :func:`~zerotune.core.measure.run_noise`): the incumbent's interval and run term, and the racing
-    run's run term.
-    A run ended below it (its optimistic bound, value times ``1 + hw``, under the bar) differs from the
-    incumbent by more than their comparison noise, so the strategy's noise tests
-    (:func:`zerotune.strategy.mbs.within_noise`) read it as a clear loss, not a tie to re-measure."""
-    n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * run_noise) ** 2 / max(1, runs) + (2 * run_noise) ** 2)
-    return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)

@@ -158,10 +158,3 @@ def ceiling(readings: Sequence[Reading]) -> float | None:
     """
     floor = per_sample_floor(readings)
     return 1.0 / floor if floor else None
-
-
-def can_beat(bounds_high: float, best_value: float, precision: float) -> bool:
-    """Whether a candidate whose throughput is at most ``bounds_high`` (samples/s) may beat the best so far,
-    ``best_value`` (samples/s), by more than ``precision`` (relative, 0.01 is 1%): launch it only then; within
-    the precision it would be a tie."""
-    return bounds_high > best_value * (1 + precision)

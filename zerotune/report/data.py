@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, comparison_noise, mean_half_width, pooled_metrics, run_noise
+from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.noise import comparison_noise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
 from zerotune.run.store import RECORD_FILE, ExpRecord, load_records, read_json
@@ -135,7 +136,7 @@ class RunnerUp:
         gain: the answer's relative improvement over it (0.05: 5% better; negative where the answer rule read
             the curve's shape over a higher single reading, docs/decisions.md D101).
         noise: how far apart two such readings can be by noise alone, relative, 95%
-            (:func:`~zerotune.core.measure.comparison_noise` with this tuning's run-to-run noise).
+            (:func:`~zerotune.core.noise.comparison_noise` with this tuning's run-to-run noise).
         tie: the two read within the target precision of each other: a tie, which the tie order decided
             without a launch (:func:`~zerotune.strategy.answer.tie_order`).
     """
@@ -228,7 +229,7 @@ class ReportData:
 
     @property
     def answer_half_width(self) -> float | None:
-        """The answer's 95% interval, relative, over its runs (:func:`~zerotune.core.measure.mean_half_width`)."""
+        """The answer's 95% interval, relative, over its runs (:func:`~zerotune.core.noise.mean_half_width`)."""
         if self.answer is None:
             return None
         runs = [e.metric_rel_half_width for e in self.experiments if e.status is Status.OK and e.metric is not None

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, mean_half_width, pooled_metrics, run_noise
+from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.noise import mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
@@ -214,8 +215,8 @@ def render_table(experiments: Sequence[Experiment], objective: Objective, elapse
 def answer_text(experiments: Sequence[Experiment], best: Experiment, objective: Objective) -> str:
     """The summary's answer lines: the optimal config, its metric over its runs with the interval of
     what a run of it gives (its runs' own intervals and the run-to-run noise,
-    :func:`~zerotune.core.measure.mean_half_width`), and the run-to-run noise and where it comes from
-    (:func:`~zerotune.core.measure.run_noise`)."""
+    :func:`~zerotune.core.noise.mean_half_width`), and the run-to-run noise and where it comes from
+    (:func:`~zerotune.core.noise.run_noise`)."""
     noise = run_noise(experiments)
     runs = [e for e in experiments if (e.name == best.name or e.replica_of == best.name)
             and e.status == Status.OK and e.metric is not None]

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
-from zerotune.core.stopping import DEFAULT_PRECISION, must_beat
+from zerotune.core.noise import DEFAULT_PRECISION, must_beat
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
@@ -134,7 +134,7 @@ class Evaluator:
         return self.job.stop_rule.precision if self.job.stop_rule is not None else DEFAULT_PRECISION
 
     def bar(self) -> float | None:
-        """The bar a new experiment must beat (:func:`zerotune.core.stopping.must_beat`): the pessimistic
+        """The bar a new experiment must beat (:func:`zerotune.core.noise.must_beat`): the pessimistic
         bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
         run without an interval: :data:`PLATEAU_THRESHOLD`); None before any experiment ran ok."""
         objective = self.job.objective

@@ -19,10 +19,11 @@ from __future__ import annotations
 import logging
 
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.noise import replica_decides, within_noise
 from zerotune.strategy.batch import doubling_gain_bound
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.knobs import knob_stages
-from zerotune.strategy.points import Point, pooled_point, replica_decides, within_noise
+from zerotune.strategy.points import Point, pooled_point
 from zerotune.strategy.result import StageResult
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class GasPhase:
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
         """The measured point that makes the split worth a run, or None: the smallest point in ``[half,
         point.mbs)`` where it is no faster than ``point`` or ties it within the runs' noise
-        (:func:`~zerotune.strategy.mbs.within_noise`)."""
+        (:func:`~zerotune.core.noise.within_noise`)."""
         objective = self.ev.job.objective
         trace = self.top.trace if self.top is not None else next(r.trace for r in self.stages if r.stage == stage)
         between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
@@ -160,7 +161,7 @@ class GasPhase:
 
     def _compare(self, exp: Experiment, best: Experiment) -> tuple[float, list[Experiment]]:
         """(``exp``'s gain over ``best`` on their pooled metrics, the one-run sides to re-measure first: those of a
-        difference another run can decide (:func:`~zerotune.strategy.points.replica_decides`); else none)."""
+        difference another run can decide (:func:`~zerotune.core.noise.replica_decides`); else none)."""
         ev = self.ev
         pooled = ev.ledger.pooled()
         a, b = pooled[exp.name], pooled[best.name]

@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node
+from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.objective import Objective
-from zerotune.core.stopping import DEFAULT_PRECISION, StopRule
+from zerotune.core.stopping import StopRule
 from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config, parse_autotuning,
                                        stage_candidates)
 from zerotune.model.profile import ModelInfo

@@ -9,7 +9,8 @@ state of the ledger.
 from __future__ import annotations
 
 from zerotune.core.experiment import Experiment
-from zerotune.core.measure import Pooled, RunNoise, pooled_metrics, run_noise
+from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.noise import RunNoise, run_noise
 from zerotune.core.objective import Objective
 from zerotune.strategy.answer import Tie, best_experiment, decide
 
@@ -31,7 +32,7 @@ class Ledger:
         self.precision = precision
         self.experiments: list[Experiment] = []
         self.run_noise: RunNoise = run_noise(())
-        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.measure.run_noise`),
+        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.noise.run_noise`),
         updated by :meth:`update_run_noise` after every batch; every comparison of runs counts it."""
         self._by_name: dict[str, Experiment] = {}
         self._pooled: tuple[int, dict[str, Pooled]] = (0, {})

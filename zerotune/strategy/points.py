@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, Status
-from zerotune.core.measure import RUN_NOISE, Pooled, comparison_noise
+from zerotune.core.measure import Pooled
+from zerotune.core.noise import RUN_NOISE
 from zerotune.core.objective import Objective
 from zerotune.strategy.answer import rising_candidates
 from zerotune.strategy.capacity import Capacity, capacity
@@ -60,37 +61,11 @@ def launched(points: Sequence[Point]) -> bool:
     return any(p.status not in (Status.REFUSED, Status.SKIPPED) for p in points)
 
 
-def within_noise(gain: float, a: Point, b: Point, threshold: float) -> bool:
-    """Whether a relative difference ``gain`` between two measured points could be noise: smaller in
-    size than their :func:`~zerotune.core.measure.comparison_noise` (each point's interval, an unknown
-    or pooled one counting as ``threshold``, plus the run-to-run noise, less for pooled points; the
-    larger of the two points' ``run_noise``)."""
-    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold,
-                                        run_noise=max(a.run_noise, b.run_noise))
-
-
 def pooled_point(exp: Experiment, pooled: Pooled, run_noise: float) -> Point:
-    """``exp``'s point on its metric pooled over its ok runs: one run keeps its interval, pooled ones count as
-    :func:`within_noise`'s ``threshold``; ``run_noise`` the run-to-run noise known now."""
+    """``exp``'s point on its metric pooled over its ok runs: one run keeps its interval, pooled ones count as the
+    noise rules' floor (:func:`~zerotune.core.noise.within_noise`); ``run_noise`` the run-to-run noise known now."""
     return Point(exp.mbs, Status.OK, pooled.value, pooled.runs,
                  exp.metric_rel_half_width if pooled.runs == 1 else None, run_noise=run_noise)
-
-
-def replica_decides(gain: float, a: Point, b: Point, threshold: float, precision: float | None) -> bool:
-    """Whether another run can decide between two measured points whose relative difference is ``gain``: it is
-    within their noise (:func:`within_noise`), no tie (:func:`tie`), and their own runs' intervals alone (an
-    unknown or pooled one counting as ``threshold``) would tell them apart, so the run-to-run noise, which only
-    another launch samples, is what blocks. Where the runs' own intervals are wider than the difference, steps
-    would decide, not a launch: the stop rule buys them while a run goes on, up to what a launch costs
-    (:mod:`zerotune.core.stopping`); beyond that, the better reading stands (docs/decisions.md, D307)."""
-    own = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=threshold, run_noise=0.0)
-    return within_noise(gain, a, b, threshold) and not tie(gain, precision) and abs(gain) >= own
-
-
-def tie(gain: float, precision: float | None) -> bool:
-    """Whether a relative difference ``gain`` is within the target ``precision`` (None: never): a tie, which no
-    re-measurement is run to break, since either side moves the answer by no more than the precision promised."""
-    return precision is not None and abs(gain) < precision
 
 
 @dataclass

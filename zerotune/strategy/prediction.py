@@ -9,7 +9,7 @@ throughput model (:mod:`zerotune.model.throughput`) bounds its throughput from t
   (:func:`~zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
   per-step work; the tightest such ceiling.
 
-Each reading's half-width is what a run of that config gives (:func:`~zerotune.core.measure.mean_half_width`:
+Each reading's half-width is what a run of that config gives (:func:`~zerotune.core.noise.mean_half_width`:
 the runs' own intervals and the run-to-run noise). Readings near the device's capacity
 (``Capacity.NEAR``, :mod:`~zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
@@ -24,8 +24,8 @@ import json
 from dataclasses import dataclass
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import mean_half_width
-from zerotune.model.throughput import Reading, bounds, can_beat, ceiling
+from zerotune.core.noise import can_beat, mean_half_width
+from zerotune.model.throughput import Reading, bounds, ceiling
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 from zerotune.strategy.ledger import Ledger
 

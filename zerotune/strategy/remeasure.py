@@ -3,10 +3,10 @@ lucky sample.
 
 - **Finalists** (:func:`confirm_answer`): the configs within the noise of the best (at most
   :data:`FINAL_MARGIN`; at most :data:`FINAL_CANDIDATES`) are re-measured until each has two ok runs,
-  where another run can decide (:func:`~zerotune.strategy.points.replica_decides`): the run-to-run noise
+  where another run can decide (:func:`~zerotune.core.noise.replica_decides`): the run-to-run noise
   blocks, not the runs' own intervals, which steps narrow more cheaply than a launch. A finalist that the
   readings and the curve both put below the best (:func:`below_on_the_curve`) is left out. A finalist within
-  the target precision of the best is a tie (:func:`~zerotune.strategy.points.tie`), which no run breaks: the
+  the target precision of the best is a tie (:func:`~zerotune.core.noise.tie`), which no run breaks: the
   tie order takes the answer (:mod:`~zerotune.strategy.answer`).
 - **The answer itself** (:func:`measure_answer_twice`) is reported on at least two runs with
   ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
@@ -21,10 +21,10 @@ import logging
 import math
 
 from zerotune.core.experiment import Experiment, ExperimentKind
-from zerotune.core.measure import comparison_noise
+from zerotune.core.noise import comparison_noise, replica_decides, tie
 from zerotune.strategy.capacity import Capacity, capacity
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
-from zerotune.strategy.points import pooled_point, replica_decides, tie
+from zerotune.strategy.points import pooled_point
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +37,9 @@ FINAL_CANDIDATES = 2
 
 def confirm_answer(ev: Evaluator) -> None:
     """Re-measure the finalists (the module docstring) until each has two ok runs: the configs whose
-    difference from the best is within their :func:`~zerotune.core.measure.comparison_noise`, at most
+    difference from the best is within their :func:`~zerotune.core.noise.comparison_noise`, at most
     :data:`FINAL_MARGIN`, the best :data:`FINAL_CANDIDATES` of them, where another run can decide between
-    the best and one of them (:func:`~zerotune.strategy.points.replica_decides`)."""
+    the best and one of them (:func:`~zerotune.core.noise.replica_decides`)."""
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
     bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
@@ -84,7 +84,7 @@ def answer_stands_out(ev: Evaluator) -> bool:
     The neighbours are two configs of the same stage, gas and knobs that ran ok, the nearest smaller and
     larger mbs (or, at an end of the curve, the two nearest on the side there is); the prediction is the
     straight line through their pooled metrics, at the answer's mbs. Its noise is
-    :func:`~zerotune.core.measure.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
+    :func:`~zerotune.core.noise.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
     answer and of each neighbour times its weight in the line (an extrapolation weighs them more than 1).
     Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
     likely the best of many noisy runs reading high than a peak. False with fewer than two neighbours.

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from zerotune.core.experiment import Experiment
-from zerotune.core.measure import RunNoise
+from zerotune.core.noise import RunNoise
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.ledger import Ledger

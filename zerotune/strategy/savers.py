@@ -39,8 +39,9 @@ import logging
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
+from zerotune.core.noise import can_beat
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
-from zerotune.model.throughput import bounds, can_beat
+from zerotune.model.throughput import bounds
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.evaluation import Evaluator
 from zerotune.strategy.points import largest_within

@@ -49,9 +49,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from zerotune.core.experiment import Status
+from zerotune.core.noise import replica_decides
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.points import Point, largest_within, replica_decides
+from zerotune.strategy.points import Point, largest_within
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 from zerotune.strategy.variants import Best, VariantEvaluate, VariantExplorer
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Status
+from zerotune.core.noise import tie
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, launched, refusals, tie
+from zerotune.strategy.points import MbsTrace, Point, launched, refusals
 from zerotune.strategy.result import StageDecision, StageResult
 
 VariantEvaluate = Callable[[StageResult, Sequence[int]], Sequence[Point]]

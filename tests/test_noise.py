@@ -1,0 +1,50 @@
+"""Noise and precision (zerotune.core.noise): the comparison noise, ties and the bars, exactly."""
+import math
+
+import pytest
+
+from zerotune.core.experiment import Status
+from zerotune.core.noise import can_beat, comparison_noise, must_beat, tie, within_noise
+from zerotune.core.objective import OBJECTIVES
+from zerotune.strategy.points import Point
+
+THROUGHPUT, LATENCY = OBJECTIVES["throughput"], OBJECTIVES["latency"]
+
+
+def test_comparison_noise_adds_the_intervals_and_the_run_to_run_noise_in_quadrature():
+    # two single runs known to 2% and 1%, 1% run-to-run noise each (2% at 95%): sqrt(4 + 1 + 4 + 4) %
+    assert comparison_noise([0.02, 0.01]) == pytest.approx(math.sqrt(0.0013))  # 3.6%
+    # an unknown interval counts as the floor; a pooled point's run term shrinks with its runs
+    assert comparison_noise([None, 0.01], [2, 1], floor=0.01) == pytest.approx(math.sqrt(0.0001 + 0.0002 + 0.0001 + 0.0004))
+
+
+def test_the_noise_test_counts_the_larger_run_to_run_noise_of_the_two_points():
+    # two runs known to +-1% each, 5% apart: beyond sqrt(2 x (1% ** 2 + (2 x 1%) ** 2)) = 3.2% with the assumed
+    # 1% run-to-run noise, within sqrt(2 x (1% ** 2 + (2 x 4%) ** 2)) = 11.4% once the runs have shown 4%
+    a, b = Point(16, Status.OK, 105.0, rel_half_width=0.01), Point(32, Status.OK, 100.0, rel_half_width=0.01)
+    assert not within_noise(0.05, a, b, floor=0.01)
+    assert within_noise(0.05, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), floor=0.01)
+    assert not within_noise(0.115, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), 0.01)
+
+
+def test_a_tie_is_a_difference_strictly_within_the_precision():
+    assert tie(0.0199, 0.02) and tie(-0.0199, 0.02) and tie(0.0, 0.02)
+    assert not tie(0.02, 0.02) and not tie(-0.02, 0.02)  # at the precision: not a tie
+    assert not tie(0.021, 0.02) and not tie(-0.03, 0.02)
+    assert not tie(0.0, None)  # no precision: never a tie
+
+
+def test_the_bar_is_the_incumbents_pessimistic_bound_with_the_run_to_run_noise():
+    # sqrt(hw^2 + (2 x 1%)^2 / runs + (2 x 1%)^2): the incumbent's interval and run term, the racer's run term
+    assert must_beat(THROUGHPUT, 100.0, 0.03) == pytest.approx(100 * (1 - math.sqrt(0.0017)))  # 95.88
+    assert must_beat(THROUGHPUT, 100.0, 0.03, runs=2) == pytest.approx(100 * (1 - math.sqrt(0.0015)))
+    assert must_beat(LATENCY, 0.5, 0.02) == pytest.approx(0.5 * (1 + math.sqrt(0.0012)))  # 0.5173
+    # a measured run-to-run noise of 4% (the tuning's estimate) lowers the bar: 100 - sqrt(0.0009 + 2 x 0.0064)
+    assert must_beat(THROUGHPUT, 100.0, 0.03, run_noise=0.04) == pytest.approx(100 * (1 - math.sqrt(0.0137)))  # 88.3
+
+
+def test_can_beat_only_beyond_the_precision():
+    assert not can_beat(100.0, 80.0, 0.25)  # exactly 80 * 1.25: a tie
+    assert can_beat(100.0 + 1e-9, 80.0, 0.25)
+    assert not can_beat(100.0 - 1e-9, 80.0, 0.25)
+    assert not can_beat(80.0, 80.0, 0.0)

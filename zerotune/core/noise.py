@@ -1,0 +1,195 @@
+"""Noise and precision: whether two metrics differ by more than noise, whether one is known precisely enough,
+and whether a candidate can still beat the best. Every decision between runs reads its rule here.
+
+A metric's noise has two parts (relative, at 95%):
+
+- **Its run's interval**: the relative half-width ``hw`` of the 95% Student-t interval of the mean of one run's
+  steady steps (:mod:`zerotune.core.measure`). It sees only the jitter of the run's own steps.
+- **The run-to-run noise**: a whole run can read faster or slower than the next run of the same config
+  (placement, the machine's other load, clocks), which no run's own interval shows. It is a relative standard
+  deviation ``sigma``: :data:`RUN_NOISE` until configs are re-measured, then estimated from their runs
+  (:func:`run_noise`, never below :data:`RUN_NOISE`); at 95% it is a term of about ``2 * sigma``, which
+  shrinks as ``1 / runs`` in variance when runs are pooled.
+
+Independent errors add in quadrature, so two metrics are apart by noise alone while their difference is within
+``sqrt(sum of hw ** 2 + (2 * sigma) ** 2 / runs)`` (:func:`comparison_noise`, :func:`within_noise`). A difference
+within the target precision (``--precision``, :data:`DEFAULT_PRECISION`) is a tie (:func:`tie`): the answer is
+promised to that precision, so no run is spent to break it. A candidate is raced against the incumbent's
+pessimistic bound (:func:`must_beat`) and not launched where the throughput model bounds it under the best plus
+the precision (:func:`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.objective import Objective
+
+__all__ = ["DEFAULT_PRECISION", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "NoisyMetric", "RunNoise", "can_beat",
+           "comparison_noise", "mean_half_width", "must_beat", "replica_decides", "run_noise", "tie",
+           "within_noise"]
+
+DEFAULT_PRECISION = 0.02
+"""Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
+
+RUN_NOISE = 0.01
+"""The run-to-run noise assumed before any config has run twice, and its floor: relative standard
+deviation (1%). One run's interval sees only the jitter of its own steps; a whole run can be faster
+or slower (placement, the machine's other load, clocks). Comparing two runs, each carries a run term
+of about ``2 * sigma`` at 95% (:func:`comparison_noise`). Once configs are re-measured, the tuner
+uses :func:`run_noise`'s estimate from their runs instead, never below this."""
+
+RUN_NOISE_PRIOR_RUNS = 2
+"""The weight of :data:`RUN_NOISE` in :func:`run_noise`'s estimate, in degrees of freedom (as many
+as three runs of one config would give)."""
+
+
+class NoisyMetric(Protocol):
+    """What :func:`within_noise` reads of a measured metric (a strategy's measured point)."""
+
+    rel_half_width: float | None  # of one run's 95% interval (None: unknown, or pooled)
+    runs: int  # how many runs the metric pools
+    run_noise: float  # the run-to-run noise (relative sigma) known when it was measured
+
+
+def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int] = (), floor: float = RUN_NOISE,
+                     run_noise: float = RUN_NOISE) -> float:
+    """How far apart (relative, at 95%) two or more metrics can be by noise alone:
+    ``sqrt(sum over metrics of (hw ** 2 + (2 * run_noise) ** 2 / runs))``, with ``hw`` each one's
+    interval half-width (None, unknown or pooled: ``floor``) and ``runs`` how many runs each pools
+    (default 1). Independent errors add in quadrature; the run term is the run-to-run noise
+    ``run_noise`` (a relative standard deviation: :data:`RUN_NOISE`, or :func:`run_noise`'s estimate),
+    which shrinks as runs are pooled."""
+    runs = list(runs) or [1] * len(rel_half_widths)
+    return math.sqrt(sum((hw or floor) ** 2 + (2 * run_noise) ** 2 / max(1, n) for hw, n in zip(rel_half_widths, runs)))
+
+
+def within_noise(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float) -> bool:
+    """Whether a relative difference ``gain`` between two measured metrics could be noise: smaller in
+    size than their :func:`comparison_noise` (each one's interval, an unknown or pooled one counting as
+    ``floor``, plus the run-to-run noise, less for pooled metrics; the larger of the two's ``run_noise``)."""
+    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
+                                        run_noise=max(a.run_noise, b.run_noise))
+
+
+def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, precision: float | None) -> bool:
+    """Whether another run can decide between two measured metrics whose relative difference is ``gain``: it is
+    within their noise (:func:`within_noise`), no tie (:func:`tie`), and their own runs' intervals alone (an
+    unknown or pooled one counting as ``floor``) would tell them apart, so the run-to-run noise, which only
+    another launch samples, is what blocks. Where the runs' own intervals are wider than the difference, steps
+    would decide, not a launch: the stop rule buys them while a run goes on, up to what a launch costs
+    (:mod:`zerotune.core.stopping`); beyond that, the better reading stands (docs/decisions.md, D307)."""
+    own = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor, run_noise=0.0)
+    return within_noise(gain, a, b, floor) and not tie(gain, precision) and abs(gain) >= own
+
+
+def tie(gain: float, precision: float | None) -> bool:
+    """Whether a relative difference ``gain`` is within the target ``precision`` (None: never): a tie, which no
+    re-measurement is run to break, since either side moves the answer by no more than the precision promised."""
+    return precision is not None and abs(gain) < precision
+
+
+def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1,
+              run_noise: float = RUN_NOISE) -> float:
+    """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%, pooled
+    over ``runs`` runs): the incumbent's pessimistic bound with the run-to-run noise of a comparison,
+    ``incumbent * (1 - n)`` where higher is better and ``incumbent * (1 + n)`` where lower is, with
+    ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise ``run_noise``
+    (a relative standard deviation: :data:`RUN_NOISE`, or the tuning's estimate, :func:`run_noise`): the
+    incumbent's interval and run term, and the racing run's run term.
+    A run ended below it (its optimistic bound, value times ``1 + hw``, under the bar) differs from the
+    incumbent by more than their comparison noise, so :func:`within_noise` reads it as a clear loss, not a tie
+    to re-measure."""
+    n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * run_noise) ** 2 / max(1, runs) + (2 * run_noise) ** 2)
+    return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)
+
+
+def can_beat(bounds_high: float, best_value: float, precision: float) -> bool:
+    """Whether a candidate whose throughput is at most ``bounds_high`` (samples/s) may beat the best so far,
+    ``best_value`` (samples/s), by more than ``precision`` (relative, 0.01 is 1%): launch it only then; within
+    the precision it would be a tie."""
+    return bounds_high > best_value * (1 + precision)
+
+
+@dataclass(frozen=True)
+class RunNoise:
+    """The run-to-run noise of this tuning's runs (:func:`run_noise`).
+
+    Attributes:
+        sigma: the relative standard deviation of one run's metric around its config's mean, beyond
+            what the run's own interval shows (0.03 = 3%): the value the decisions use.
+        configs: how many configs ran ok more than once (0: ``sigma`` is :data:`RUN_NOISE`).
+        df: the estimate's degrees of freedom, the sum over those configs of their runs less one.
+        measured: the estimate from the runs alone, before the prior and the floor (None: no config
+            ran twice).
+    """
+
+    sigma: float
+    configs: int = 0
+    df: int = 0
+    measured: float | None = None
+
+    def describe(self) -> str:
+        """One line for the log and the summary."""
+        if not self.configs:
+            return f"run-to-run noise: sigma {self.sigma:.1%} assumed (no config ran twice)"
+        return (f"run-to-run noise: sigma {self.sigma:.1%}, from {self.configs} config(s) run more than once "
+                f"({self.df} degree(s) of freedom; the runs alone give {self.measured:.1%})")
+
+
+def run_noise(experiments: Iterable[Experiment]) -> RunNoise:
+    """Estimate the run-to-run noise from the configs that ran ok more than once (a first run and its
+    replicas, :attr:`~zerotune.core.experiment.Experiment.replica_of`; the profile run is left out).
+
+    On the log of the metric (relative deviations), per config with ``k >= 2`` runs: the squared
+    deviations from the config's mean, summed over configs, less the part the runs' own intervals
+    explain (each run's mean has a variance of about ``(hw / 2) ** 2``; a deviation from a mean of
+    ``k`` carries ``(k - 1) / k`` of it); over the degrees of freedom ``df = sum(k - 1)`` that is the
+    between-run variance ``v`` (at least 0): the one-way random-effects ANOVA estimate (method of
+    moments). It is pooled with the assumed :data:`RUN_NOISE` as a prior worth
+    :data:`RUN_NOISE_PRIOR_RUNS` degrees of freedom, ``sigma ** 2 = (p * RUN_NOISE ** 2 + df * v) /
+    (p + df)``, so one pair of runs does not swing it, and never below :data:`RUN_NOISE`.
+
+    Returns:
+        The estimate (:class:`RunNoise`); ``sigma`` is :data:`RUN_NOISE` while no config ran twice.
+    """
+    runs: dict[str, list[Experiment]] = {}
+    for e in experiments:
+        if e.status == Status.OK and e.metric and e.metric > 0 and e.kind is not ExperimentKind.PROFILE:
+            runs.setdefault(e.replica_of or e.name, []).append(e)
+    squares, explained, df, configs = 0.0, 0.0, 0, 0
+    for group in runs.values():
+        k = len(group)
+        if k < 2:
+            continue
+        logs = [math.log(e.metric) for e in group]
+        mean = statistics.fmean(logs)
+        squares += sum((x - mean) ** 2 for x in logs)
+        explained += sum(((e.metric_rel_half_width or 0.0) / 2) ** 2 for e in group) * (k - 1) / k
+        df += k - 1
+        configs += 1
+    if not df:
+        return RunNoise(RUN_NOISE)
+    between = max(0.0, squares - explained) / df
+    prior = RUN_NOISE_PRIOR_RUNS
+    sigma = math.sqrt((prior * RUN_NOISE ** 2 + df * between) / (prior + df))
+    return RunNoise(max(RUN_NOISE, sigma), configs, df, math.sqrt(between))
+
+
+def mean_half_width(rel_half_widths: Sequence[float | None], sigma: float) -> float:
+    """The relative half-width (95%) of the mean of ``k`` runs' metrics of one config, as an estimate
+    of what a run of it gives on average: ``sqrt((mean(hw ** 2) + (2 * sigma) ** 2) / k)``, with ``hw``
+    each run's own interval half-width (None counts as 0) and ``sigma`` the run-to-run noise
+    (:func:`run_noise`). What the summary reports with the answer.
+
+    Raises:
+        ValueError: no runs.
+    """
+    if not rel_half_widths:
+        raise ValueError("mean_half_width needs at least one run")
+    k = len(rel_half_widths)
+    within = statistics.fmean((hw or 0.0) ** 2 for hw in rel_half_widths)
+    return math.sqrt((within + (2 * sigma) ** 2) / k)
