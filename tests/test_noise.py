@@ -1,10 +1,11 @@
-"""Noise and precision (zerotune.core.noise): the comparison noise, ties and the bars, exactly."""
+"""Noise and precision (zerotune.core.noise): the comparison noise, ties, the precision tests and the bars, exactly."""
 import math
 
 import pytest
 
 from zerotune.core.experiment import Status
-from zerotune.core.noise import can_beat, comparison_noise, must_beat, tie, within_noise
+from zerotune.core.noise import (can_beat, cannot_beat, comparison_noise, known_to_precision, must_beat, precise, tie,
+                                 within_noise)
 from zerotune.core.objective import OBJECTIVES
 from zerotune.strategy.points import Point
 
@@ -48,3 +49,17 @@ def test_can_beat_only_beyond_the_precision():
     assert can_beat(100.0 + 1e-9, 80.0, 0.25)
     assert not can_beat(100.0 - 1e-9, 80.0, 0.25)
     assert not can_beat(80.0, 80.0, 0.0)
+
+
+def test_a_run_is_precise_at_an_interval_within_the_precision_and_known_to_it_under_a_run_noise_as_narrow():
+    assert precise(0.02, 0.02) and not precise(0.0201, 0.02) and not precise(None, 0.02)
+    # +-2% at 95% from a 1% run-to-run sigma: exactly the precision, still known to it
+    assert known_to_precision(0.015, 0.02, 0.01)
+    assert not known_to_precision(0.015, 0.02, 0.0101)  # the run-to-run noise is wider than the precision
+    assert not known_to_precision(0.025, 0.02, 0.01) and not known_to_precision(None, 0.02, 0.01)
+
+
+def test_a_run_cannot_beat_the_bar_once_its_optimistic_bound_does_not_reach_it():
+    # throughput 90 +-5%: at most 94.5; latency 0.5 s +-10%: at least 0.45 s
+    assert cannot_beat(THROUGHPUT, 90.0, 0.05, 95.0) and not cannot_beat(THROUGHPUT, 90.0, 0.05, 94.0)
+    assert cannot_beat(LATENCY, 0.5, 0.1, 0.44) and not cannot_beat(LATENCY, 0.5, 0.1, 0.46)

@@ -14,9 +14,11 @@ A metric's noise has two parts (relative, at 95%):
 Independent errors add in quadrature, so two metrics are apart by noise alone while their difference is within
 ``sqrt(sum of hw ** 2 + (2 * sigma) ** 2 / runs)`` (:func:`comparison_noise`, :func:`within_noise`). A difference
 within the target precision (``--precision``, :data:`DEFAULT_PRECISION`) is a tie (:func:`tie`): the answer is
-promised to that precision, so no run is spent to break it. A candidate is raced against the incumbent's
-pessimistic bound (:func:`must_beat`) and not launched where the throughput model bounds it under the best plus
-the precision (:func:`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
+promised to that precision, so no run is spent to break it. A metric is known to the precision
+(:func:`known_to_precision`) when its interval and the run-to-run noise are both that narrow. A candidate is
+raced against the incumbent's pessimistic bound (:func:`must_beat`), ended once its optimistic bound cannot
+reach it (:func:`cannot_beat`), and not launched where the throughput model bounds it under the best plus the
+precision (:func:`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 
 __all__ = ["DEFAULT_PRECISION", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "NoisyMetric", "RunNoise", "can_beat",
-           "comparison_noise", "mean_half_width", "must_beat", "replica_decides", "run_noise", "tie",
-           "within_noise"]
+           "cannot_beat", "comparison_noise", "known_to_precision", "mean_half_width", "must_beat", "precise",
+           "replica_decides", "run_noise", "tie", "within_noise"]
 
 DEFAULT_PRECISION = 0.02
 """Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
@@ -92,6 +94,18 @@ def tie(gain: float, precision: float | None) -> bool:
     return precision is not None and abs(gain) < precision
 
 
+def precise(rel_half_width: float | None, precision: float) -> bool:
+    """Whether a run's interval (relative 95% half-width; None: unknown) is within the target ``precision``."""
+    return rel_half_width is not None and rel_half_width <= precision
+
+
+def known_to_precision(rel_half_width: float | None, precision: float, run_noise: float) -> bool:
+    """Whether one run tells its metric to the target ``precision``: its interval (``rel_half_width``) is that
+    narrow (:func:`precise`), and the run-to-run noise it cannot show (``2 * run_noise`` at 95%, ``run_noise`` a
+    relative sigma) is no wider."""
+    return precise(rel_half_width, precision) and 2 * run_noise <= precision * (1 + 1e-9)
+
+
 def must_beat(objective: Objective, incumbent: float, rel_half_width: float | None, runs: int = 1,
               run_noise: float = RUN_NOISE) -> float:
     """The bar for a run racing ``incumbent`` (a metric known to ``rel_half_width``, 0.02 = ±2%, pooled
@@ -100,11 +114,19 @@ def must_beat(objective: Objective, incumbent: float, rel_half_width: float | No
     ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise ``run_noise``
     (a relative standard deviation: :data:`RUN_NOISE`, or the tuning's estimate, :func:`run_noise`): the
     incumbent's interval and run term, and the racing run's run term.
-    A run ended below it (its optimistic bound, value times ``1 + hw``, under the bar) differs from the
-    incumbent by more than their comparison noise, so :func:`within_noise` reads it as a clear loss, not a tie
-    to re-measure."""
+    A run ended below it (:func:`cannot_beat`) differs from the incumbent by more than their comparison
+    noise, so :func:`within_noise` reads it as a clear loss, not a tie to re-measure."""
     n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * run_noise) ** 2 / max(1, runs) + (2 * run_noise) ** 2)
     return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)
+
+
+def cannot_beat(objective: Objective, value: float, rel_half_width: float, bar: float) -> bool:
+    """Whether a run's whole interval lies on the losing side of ``bar`` (:func:`must_beat`): its optimistic
+    bound, ``value * (1 + rel_half_width)`` where higher is better (``value * (1 - rel_half_width)`` where lower
+    is), does not reach the bar, so more steps would only sharpen a number that loses."""
+    higher = objective.higher_is_better
+    optimistic = value * (1 + rel_half_width) if higher else value * (1 - rel_half_width)
+    return (optimistic < bar) if higher else (optimistic > bar)
 
 
 def can_beat(bounds_high: float, best_value: float, precision: float) -> bool:

@@ -12,10 +12,11 @@ The experiment records why it ended (:class:`EndReason`). The rule ends a run as
 - **cannot beat**: its whole interval lies on the losing side of the bar the strategy set for it
   (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included,
   :func:`~zerotune.core.noise.must_beat`). Its optimistic bound, the metric times ``1 + half-width``
-  (``1 - half-width`` where lower is better), cannot beat the incumbent, so more steps would only
-  sharpen a number that loses. This is the median-stopping and successive-halving idea of Ray Tune's
-  and Optuna's pruners (stop a trial whose intermediate result cannot win), applied inside one
-  experiment, with the interval instead of a quantile.
+  (``1 - half-width`` where lower is better), cannot beat the incumbent
+  (:func:`~zerotune.core.noise.cannot_beat`), so more steps would only sharpen a number that loses. This
+  is the median-stopping and successive-halving idea of Ray Tune's and Optuna's pruners (stop a trial
+  whose intermediate result cannot win), applied inside one experiment, with the interval instead of a
+  quantile.
 
 Otherwise the run goes on to its cap: DeepSpeed's engine exits after ``end_profile_step`` (its
 autotuning protocol), or the experiment timeout. The rule never ends a run before
@@ -37,7 +38,7 @@ import enum
 from dataclasses import dataclass
 
 from zerotune.core.measure import Measurement, Streams, measure
-from zerotune.core.noise import DEFAULT_PRECISION
+from zerotune.core.noise import DEFAULT_PRECISION, cannot_beat, precise
 from zerotune.core.objective import Objective
 
 __all__ = ["EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule", "extended_end_step"]
@@ -116,13 +117,10 @@ class StopRule:
         """
         m = measure(streams, self.objective)
         if m is not None and m.steady_steps >= self.min_steady_steps and m.rel_half_width is not None:
-            if m.rel_half_width <= self.precision:
+            if precise(m.rel_half_width, self.precision):
                 return EndReason.PRECISE
-            if bar is not None:
-                higher = self.objective.higher_is_better
-                optimistic = m.value * (1 + m.rel_half_width) if higher else m.value * (1 - m.rel_half_width)
-                if (optimistic < bar) if higher else (optimistic > bar):
-                    return EndReason.CANNOT_BEAT
+            if bar is not None and cannot_beat(self.objective, m.value, m.rel_half_width, bar):
+                return EndReason.CANNOT_BEAT
         if cap_step is None or m is None or _last_step(streams) < cap_step:
             return None  # no measurement at the cap: the engine's own exit (or the script's end) ends it
         return None if self._extension_pays(streams, m, cap_step, startup_s) else EndReason.STEP_CAP

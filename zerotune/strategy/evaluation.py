@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
-from zerotune.core.noise import DEFAULT_PRECISION, must_beat
+from zerotune.core.noise import DEFAULT_PRECISION, known_to_precision, must_beat
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
@@ -147,10 +147,9 @@ class Evaluator:
                          run_noise=self.ledger.run_noise.sigma)
 
     def known_to_precision(self, exp: Experiment) -> bool:
-        """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`): its
-        interval is that narrow, and the run-to-run noise it cannot show (``2 * sigma`` at 95%) is no wider."""
-        return (exp.metric_rel_half_width is not None and exp.metric_rel_half_width <= self.precision
-                and 2 * self.ledger.run_noise.sigma <= self.precision * (1 + 1e-9))
+        """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`), under the
+        ledger's run-to-run noise (:func:`zerotune.core.noise.known_to_precision`)."""
+        return known_to_precision(exp.metric_rel_half_width, self.precision, self.ledger.run_noise.sigma)
 
     def pooled(self, name: str) -> Pooled | None:
         """The metric of experiment ``name`` pooled over its ok runs (None: none ran ok)."""

@@ -12,7 +12,7 @@ near the capacity can slow a step and a tie hides a peak between. The evidence i
 """
 from __future__ import annotations
 
-from zerotune.core.noise import within_noise
+from zerotune.core.noise import precise, within_noise
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
@@ -52,13 +52,13 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
 
 def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -> bool:
     """True when the measured point ``a`` and ``best`` are both known to ``precision`` (their runs'
-    interval half-widths; None: never) and tie within their noise
+    intervals, :func:`~zerotune.core.noise.precise`; None: never) and tie within their noise
     (:func:`~zerotune.core.noise.within_noise`): the curve is flat between them, so the gap between them
     holds no mbs better by more than one run can tell. A tie of imprecise points is ignorance, not a plateau."""
     if precision is None or not a.ok:
         return False
-    precise = all(p.rel_half_width is not None and p.rel_half_width <= precision for p in (a, best))
-    return precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
+    both_precise = all(precise(p.rel_half_width, precision) for p in (a, best))
+    return both_precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
 
 
 def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
