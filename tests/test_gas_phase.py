@@ -14,6 +14,7 @@ import pytest
 from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.core.noise import RUN_NOISE
 from zerotune.run.resources import select_resources
+from zerotune.strategy import remeasure
 from zerotune.strategy.answer import best_experiment
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.job import Job, TuneOptions
@@ -220,7 +221,7 @@ def test_finalists_are_re_measured_only_where_the_run_to_run_noise_blocks(tmp_pa
     # run-to-run noise (+-2.8% for two runs, +-3.2% in all) does not, and only another launch samples it: both
     # finalists are re-measured (the best first), and the pooled 102 keeps mbs 32
     strategy = strategy_with(tmp_path / "precise", 0.01)
-    strategy.confirm_answer()
+    remeasure.confirm_answer(strategy.ev)
     assert strategy.result.run_noise.sigma == RUN_NOISE
     assert ran == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16", "z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
     answer = best_experiment(strategy.result.experiments, strategy.job.objective)
@@ -229,7 +230,7 @@ def test_finalists_are_re_measured_only_where_the_run_to_run_noise_blocks(tmp_pa
     # stop rule already bought what steps were worth: no replica, the better reading is the answer
     ran.clear()
     strategy = strategy_with(tmp_path / "imprecise", 0.03)
-    strategy.confirm_answer()
+    remeasure.confirm_answer(strategy.ev)
     assert ran == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16"]
     assert strategy.result.answer.name == "z0_gas1_tmbspg32"
 
@@ -253,7 +254,7 @@ def test_a_smaller_mbs_of_the_answers_config_away_from_capacity_is_not_re_measur
         strategy.evaluate([strategy.builder.mbs_experiment(0, m) for m in (32, 16, 8)])
         strategy.remeasure([strategy.result.experiments[-1]])
         assert strategy.result.run_noise.sigma == pytest.approx(0.0397, abs=1e-4)
-        strategy.confirm_answer()
+        remeasure.confirm_answer(strategy.ev)
         return ran[4:]
     # both ran away from the capacity (7 GiB and 4 GiB of 8: under 0.9): the readings put the larger mbs first, as
     # throughput rises with mbs there; mbs 16 is not re-measured, and nothing else ties: no re-measure at all
@@ -283,7 +284,8 @@ def test_with_fast_true_an_answer_reading_above_the_line_through_its_mbs_neighbo
     # the same curve without the lucky read: mbs 32 is the answer, below the line through mbs 24 and 28 (80.6 at
     # mbs 32: a concave curve falls under its chords' extensions), and it keeps its one run
     ran, strategy = run_strategy(tmp_path / "smooth", saturating)
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 32, 2)] and not strategy.answer_stands_out()
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 32, 2)]
+    assert not remeasure.answer_stands_out(strategy.ev)
     assert best_experiment(strategy.result.experiments, strategy.job.objective).name == "z0_gas1_tmbspg32"
 
 

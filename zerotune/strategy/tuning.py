@@ -106,8 +106,8 @@ class Strategy:
 
     def settle_answer(self) -> None:
         """The finalists re-measured, then the answer itself where it must be (:mod:`zerotune.strategy.remeasure`)."""
-        self.confirm_answer()
-        if not self.job.autotuning.fast or self.answer_stands_out():
+        remeasure.confirm_answer(self.ev)
+        if not self.job.autotuning.fast or remeasure.answer_stands_out(self.ev):
             remeasure.measure_answer_twice(self.ev)
 
     # -- the evaluator's verbs, for callers that drive a strategy step by step --------------------------
@@ -123,18 +123,6 @@ class Strategy:
     def pooled(self, name: str) -> Pooled | None:
         """The metric of experiment ``name`` pooled over its ok runs (None: none ran ok)."""
         return self.ev.pooled(name)
-
-    def known_to_precision(self, exp: Experiment) -> bool:
-        """:meth:`Evaluator.known_to_precision <zerotune.strategy.evaluation.Evaluator.known_to_precision>`."""
-        return self.ev.known_to_precision(exp)
-
-    def confirm_answer(self) -> None:
-        """:func:`zerotune.strategy.remeasure.confirm_answer`."""
-        remeasure.confirm_answer(self.ev)
-
-    def answer_stands_out(self) -> bool:
-        """:func:`zerotune.strategy.remeasure.answer_stands_out`."""
-        return remeasure.answer_stands_out(self.ev)
 
     # -- 1. profile -----------------------------------------------------------------------------------
     def profile(self) -> None:
