@@ -124,7 +124,7 @@ from tests.helpers.simulated import tune_simulated
 # Then (issue 41): configs within the target precision (2%) of the best reading tie, and the tie order takes one
 # without a launch (more memory headroom, then the lower ZeRO stage, then the smaller global batch:
 # zerotune.strategy.answer); a replica runs only where the run-to-run noise, not the runs' own intervals, blocks a
-# decision (zerotune.strategy.points.replica_decides). Scenario 11 answers ZeRO-3 mbs 7 (was 8, its replica gone:
+# decision (zerotune.core.noise.replica_decides). Scenario 11 answers ZeRO-3 mbs 7 (was 8, its replica gone:
 # 15 -> 14), as does its gas-doubling batch case; with stages 1-2 and "fast": false, ZeRO-1 mbs 7 (was ZeRO-2 mbs 8
 # with knobs), and scenario 16 with "fast": false keeps ZeRO-3 mbs 5 with the knob setting that ties it with more
 # headroom, re-measured in place of the plain config.

@@ -63,7 +63,7 @@ HEADROOM_MARGIN = 0.05
 @dataclass(frozen=True)
 class Tie:
     """Configs the answer rule cannot tell apart: each within the target precision of the best reading
-    (:func:`~zerotune.strategy.points.tie`), and which one the tie order (:func:`tie_order`) took.
+    (:func:`~zerotune.core.noise.tie`), and which one the tie order (:func:`tie_order`) took.
 
     Attributes:
         answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).

@@ -23,7 +23,7 @@ class SearchBounds:
         threshold: the plateau threshold, a fraction: a step that improves the best metric by less ends the upward
             search; a throughput search goes below its best only while a step down gains this much.
         precision: the runs' target precision (relative half-width, e.g. 0.02): a difference within it is a tie
-            (:func:`~zerotune.strategy.points.tie`); None: never.
+            (:func:`~zerotune.core.noise.tie`); None: never.
         num_fine: experiments allowed in the fine pass around the best mbs (0: none).
     """
 

@@ -94,8 +94,9 @@ def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
            confirm: Confirm | None) -> StopReason:
     """Climb from the runnable ``prev`` by :func:`next_mbs` steps until the cap, a failure (then
     :func:`_bisect` to the boundary) or a plateau (a step gaining less than the threshold; not the
-    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, unless
-    it is within the precision: a tie, :func:`~zerotune.strategy.points.tie`)."""
+    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, where
+    another run can decide, :func:`~zerotune.core.noise.replica_decides`: not a tie, and blocked by the
+    run-to-run noise, not the runs' own intervals)."""
     values, objective, threshold, precision = bounds.values, bounds.objective, bounds.threshold, bounds.precision
     best = trace.best(objective)
     while True:

@@ -22,7 +22,7 @@ runnable mbs below it); a stage none of whose probes was launched is "not launch
 runs' noise, or wins within it at equal mbs, is re-measured with the best point (and the best stage's point at the
 probe's mbs) before the stage is given up or searched: at equal mbs a higher stage can only gain on the
 once-per-step work, and a one-run win inside the noise would buy a whole mbs search on a coin toss. A difference
-within the target precision is a tie (:func:`~zerotune.strategy.points.tie`): never re-measured, and at equal mbs
+within the target precision is a tie (:func:`~zerotune.core.noise.tie`): never re-measured, and at equal mbs
 not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A headroom probe that
 loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory boundary, where a caching
 allocator flushes and retries and a step can be slower than just below it; where it ran near the capacity

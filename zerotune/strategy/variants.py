@@ -85,7 +85,7 @@ class VariantExplorer:
 
     def beats(self, probe: Point, ties: bool = True) -> bool:
         """Whether ``probe`` ran and beats the best so far (or nothing ran); with ``ties``, by more than the
-        precision (:func:`~zerotune.strategy.points.tie`: a win within it is no win)."""
+        precision (:func:`~zerotune.core.noise.tie`: a win within it is no win)."""
         if not probe.ok:
             return False
         if self.best is None:
