@@ -33,8 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.helpers import fault_cases, processes, standins  # the cases and stand-ins the tests run too
-from tests.helpers import hostile_inputs, hostile_records, hostile_runs  # round two (issue 28)
+from tests.helpers import (  # the cases and stand-ins the tests run too  # round two (issue 28)
+    fault_cases,
+    hostile_inputs,
+    hostile_records,
+    hostile_runs,
+    processes,
+    standins,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,7 +3,11 @@ against the peak the tuner read, and the last probe record's allocated, reserved
 
 Run: python3 benchmarks/gpu_report.py EXPS_DIR
 """
-import json, sys, glob, os
+import glob
+import json
+import os
+import sys
+
 exps = sys.argv[1]
 for d in sorted(glob.glob(os.path.join(exps, "*")), key=os.path.getmtime):
     p = os.path.join(d, "exp.json")

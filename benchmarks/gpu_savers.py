@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.compare_deepspeed import chosen, ds_results, read_json, zt_results
-from benchmarks.gpu_compare import GiB, OOM_MARKERS, render, tuner_report
+from benchmarks.gpu_compare import OOM_MARKERS, GiB, render, tuner_report
 from benchmarks.gpu_savers_train import BUDGET_ENV, CLOCK_ENV, WARMUP_ENV
 from zerotune.deepspeed.args import flag_value
 

@@ -35,11 +35,11 @@ import threading
 import time
 from pathlib import Path
 
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends import local as local_mod
 from zerotune.run.backends.base import Backend
 from zerotune.run.backends.local import LocalBackend
-from zerotune.core.experiment import Experiment, Status
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool

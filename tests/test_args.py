@@ -8,8 +8,14 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node, Reservation
-from zerotune.deepspeed.args import (apply_arg_mappings, arg_text, check_mapped_keys, flag_value, mapped_value,
-                                     parse_arg_mappings)
+from zerotune.deepspeed.args import (
+    apply_arg_mappings,
+    arg_text,
+    check_mapped_keys,
+    flag_value,
+    mapped_value,
+    parse_arg_mappings,
+)
 from zerotune.deepspeed.launcher import launch_command
 
 MBS_FLAG = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}

@@ -3,12 +3,17 @@ import json
 
 import pytest
 
-from zerotune.run.expdir import classify
-from zerotune.deepspeed.config import (find_config_arg, parse_autotuning, replace_config_arg, stage_candidates,
-                             load_ds_config)
 from zerotune.core.errors import ConfigError
-from zerotune.core.units import parse_bytes
 from zerotune.core.experiment import Status
+from zerotune.core.units import parse_bytes
+from zerotune.deepspeed.config import (
+    find_config_arg,
+    load_ds_config,
+    parse_autotuning,
+    replace_config_arg,
+    stage_candidates,
+)
+from zerotune.run.expdir import classify
 
 
 def test_autotuning_defaults_follow_deepspeed_except_overwrite():

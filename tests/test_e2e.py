@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
-from zerotune.core.experiment import Experiment, Status
 from zerotune.run.processes import remove_shm_buffers
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler

@@ -33,11 +33,26 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.fault_cases import (HOSTILE_INPUTS, LOCK_WAITER, RANK_FAULTS, hostile_argv,
-                                       stale_lock_is_named_then_removed)
+from tests.helpers.fault_cases import (
+    HOSTILE_INPUTS,
+    LOCK_WAITER,
+    RANK_FAULTS,
+    hostile_argv,
+    stale_lock_is_named_then_removed,
+)
 from tests.helpers.processes import processes_of_tuner, shm_files, shm_left, stand_in_processes
-from tests.helpers.standins import (ANSWER, BASE_CONFIG, DRIVER, LAUNCHER, RANK, answer, records, run_tuner,
-                                    start_tuner, tune_argv)
+from tests.helpers.standins import (
+    ANSWER,
+    BASE_CONFIG,
+    DRIVER,
+    LAUNCHER,
+    RANK,
+    answer,
+    records,
+    run_tuner,
+    start_tuner,
+    tune_argv,
+)
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
@@ -207,8 +222,8 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     assert extensions.seed(ext, [machine], install=here) == ["fused_adam"]
     assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["build.ninja", "fused_adam.so"]  # no lock
     assert (ext / "fused_adam" / "fused_adam.so").stat().st_mtime == (machine / "fused_adam" / "fused_adam.so").stat().st_mtime
-    from zerotune.deepspeed.launcher import launch_env
     from zerotune.core.launch import Node, Reservation
+    from zerotune.deepspeed.launcher import launch_env
     env = launch_env(LaunchSpec("x.py", (), cpu=True), Reservation((Node("localhost", (0,)),)),
                      probe_dir=tmp_path / "exps" / "z0_gas1_tmbspg1")
     assert env["TORCH_EXTENSIONS_DIR"] == str(ext)

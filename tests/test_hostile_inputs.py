@@ -22,15 +22,19 @@ import subprocess
 import pytest
 
 from tests.helpers.fault_cases import hostile_argv
-from tests.helpers.hostile_inputs import (ODD, failed_training, non_utf8_paths_and_arguments, outcome,
-                                          stage0_client_optimizer)
+from tests.helpers.hostile_inputs import (
+    ODD,
+    failed_training,
+    non_utf8_paths_and_arguments,
+    outcome,
+    stage0_client_optimizer,
+)
 from tests.helpers.standins import BASE_CONFIG
 from zerotune import cli
 from zerotune.deepspeed import launcher
 from zerotune.run.resources import select_resources
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
-
 
 # --- item 4: the profile runs at a stage the job tunes ------------------------------------------------
 

@@ -27,8 +27,14 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
-from zerotune.run.store import (ExpsLock, clear_experiments, experiment_dir, tuning_locks, write_json_atomic,
-                                 write_text_atomic)
+from zerotune.run.store import (
+    ExpsLock,
+    clear_experiments,
+    experiment_dir,
+    tuning_locks,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 

@@ -5,6 +5,7 @@ What docs/how-it-works.md draws stays readable only while these hold (docs/decis
 """
 import ast
 import io
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
@@ -120,6 +121,13 @@ def test_no_function_in_the_package_is_over_60_lines_of_code():
 def test_no_strategy_module_is_over_300_lines():
     assert [(p.name, n) for p in sorted((PACKAGE / "strategy").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_STRATEGY_MODULE_LINES] == []
+
+
+def test_ruff_is_clean():
+    """pyflakes' checks and import sorting over the whole tree (``[tool.ruff]`` in pyproject.toml)."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--quiet", str(ROOT)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-1000:]
 
 
 def test_no_module_in_the_package_is_over_450_lines():

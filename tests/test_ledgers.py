@@ -13,7 +13,6 @@ import pytest
 
 from tests.helpers.simulated import tune_simulated
 
-
 # Regenerated (issue 10): throughput searches start at the memory model's estimate and go down only while
 # halving clearly pays (zerotune.strategy.mbs, top-down); a higher stage with more memory headroom is probed at
 # its own largest mbs (zerotune.strategy.stages); noise tests count the run-to-run noise; gas doubles once at

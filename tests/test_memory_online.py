@@ -2,6 +2,7 @@
 margin, refused configs in the summary, exp.json's error, the summary's memory table."""
 import pytest
 
+from tests.helpers.simulated import tune_simulated
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import activation_slope_bytes
 from zerotune.core.units import format_bytes
@@ -10,7 +11,6 @@ from zerotune.model.online import OnlineMemory, Reading
 from zerotune.model.profile import ModelInfo
 from zerotune.probe import step_records
 from zerotune.report.results import memory_table, table_text
-from tests.helpers.simulated import tune_simulated
 
 CFG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 0}}
 GiB, MiB = 2**30, 2**20

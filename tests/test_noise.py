@@ -4,8 +4,16 @@ import math
 import pytest
 
 from zerotune.core.experiment import Status
-from zerotune.core.noise import (can_beat, cannot_beat, comparison_noise, known_to_precision, must_beat, precise, tie,
-                                 within_noise)
+from zerotune.core.noise import (
+    can_beat,
+    cannot_beat,
+    comparison_noise,
+    known_to_precision,
+    must_beat,
+    precise,
+    tie,
+    within_noise,
+)
 from zerotune.core.objective import OBJECTIVES
 from zerotune.strategy.points import Point
 

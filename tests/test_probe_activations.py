@@ -464,8 +464,8 @@ def test_the_probe_caps_the_engines_device_before_the_first_forward_only_with_a_
 
 
 def test_an_experiment_on_cuda_ranks_carries_its_budget_and_a_training_command_does_not(tmp_path):
-    from zerotune.deepspeed.launcher import launch_env
     from zerotune.core.launch import LaunchSpec, Node, Reservation
+    from zerotune.deepspeed.launcher import launch_env
     one = Reservation((Node("localhost", (0,)),))
     gpu = LaunchSpec("x.py", (), cpu=False, device_memory_bytes=24 * 2**30)
     assert launch_env(gpu, one, probe_dir=tmp_path / "z0")[BUDGET_ENV] == "25769803776"

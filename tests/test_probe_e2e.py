@@ -4,8 +4,10 @@ import json
 import socket
 import subprocess
 import sys
+
 import pytest
 
+from tests.helpers.tiny import SCRIPT, TINY
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.core.measure import measure
@@ -15,7 +17,6 @@ from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, clean_exits, read_exits, r
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
-from tests.helpers.tiny import SCRIPT, TINY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 # mbs 1 on 2 ranks, 4 samples per optimizer step: 2 gradient accumulation steps

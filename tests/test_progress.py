@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from zerotune.run.backends.base import Backend
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.objective import Objective
 from zerotune.report.progress import Progress
+from zerotune.run.backends.base import Backend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
-from zerotune.core.objective import Objective
 
 
 class Clock:

@@ -18,20 +18,19 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.processes import processes_running
+from tests.helpers.tiny import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 from zerotune import cli
-from zerotune.core.launch import LaunchSpec, Node, Reservation
-from zerotune.run.backends.ray import RayBackend
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
+from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.core.measure import measure
 from zerotune.core.objective import OBJECTIVES
 from zerotune.probe import read_streams
+from zerotune.run.backends.ray import RayBackend
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
-
-from tests.helpers.processes import processes_running
-from tests.helpers.tiny import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 
 # Ray on loopback only (it otherwise replaces 127.0.0.1 by the machine's routable address), no
 # usage report, and no Ray out-of-memory killer: it kills workers when the whole machine is above

@@ -8,8 +8,15 @@ from rich.console import Console
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.noise import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
-from zerotune.report.results import (answer_text, cost_line, device_seconds, print_wide, render_table, startup_line,
-                                     table_text)
+from zerotune.report.results import (
+    answer_text,
+    cost_line,
+    device_seconds,
+    print_wide,
+    render_table,
+    startup_line,
+    table_text,
+)
 from zerotune.strategy.answer import best_experiment
 
 THROUGHPUT = Objective.named("throughput")

@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.run.backends.local import LocalBackend
-from zerotune.core.experiment import Experiment, Status
 from zerotune.run.processes import RUNNING_DIR
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler

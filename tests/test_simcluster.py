@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.simcluster.backend import SimulatedBackend
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes
-from benchmarks.simcluster.scenarios import A100_40, GPT_125M, GPT_1_3B, GPT_2_7B, IB_8x200G, NONE
+from benchmarks.simcluster.scenarios import A100_40, GPT_1_3B, GPT_2_7B, GPT_125M, NONE, IB_8x200G
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
 from zerotune.core.measure import measure

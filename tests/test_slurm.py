@@ -19,9 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers.cluster_env import run_env
+from tests.helpers.processes import processes_running
+from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune import cli
-from zerotune.core.experiment import Experiment, Status
 from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
 from zerotune.run.backends import stop_handles
@@ -34,10 +37,6 @@ from zerotune.run.processes import reap_orphans, write_running_record
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
-
-from tests.helpers.cluster_env import run_env
-from tests.helpers.processes import processes_running
-from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.probe import read_exits
-
 from tests.helpers.cluster_env import run_env
 from tests.helpers.processes import processes_running
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
+from zerotune.probe import read_exits
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable

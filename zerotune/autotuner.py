@@ -29,8 +29,8 @@ from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file, user_env_texts
 from zerotune.report import results
-from zerotune.report.log import to_console
 from zerotune.report.data import ReportData, TrainingPlan
+from zerotune.report.log import to_console
 from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
 from zerotune.report.publish import Refresher

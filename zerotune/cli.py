@@ -21,9 +21,9 @@ from rich.console import Console
 from zerotune.autotuner import Autotuner, Interrupted, TuneOptions
 from zerotune.core import user_files
 from zerotune.core.arguments import MAX_COUNT, positive_number, reject_empty, whole
-from zerotune.core.units import parse_bytes
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.noise import DEFAULT_PRECISION
+from zerotune.core.units import parse_bytes
 from zerotune.model import estimate
 from zerotune.report import publish
 from zerotune.report.log import set_verbosity
@@ -31,7 +31,6 @@ from zerotune.run.backends import BACKENDS, backend_nodes
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
 from zerotune.strategy.variables import parse_cli_variable
-
 
 TRAINING_FAILED = 3
 """``zerotune run``'s exit status when the training it launched with the optimal config failed: the

@@ -29,8 +29,8 @@ from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.launch import Reservation
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.run import expdir
 from zerotune.probe import ACTIVATIONS_RECORD, step_records, stream_name
+from zerotune.run import expdir
 from zerotune.run.backends.base import Backend
 from zerotune.run.store import write_json_atomic
 

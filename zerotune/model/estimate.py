@@ -28,7 +28,8 @@ from zerotune.core import user_files
 from zerotune.core.arguments import MAX_COUNT, whole
 from zerotune.core.errors import ConfigError
 from zerotune.core.units import format_bytes, parse_bytes
-from zerotune.deepspeed.config import CONFIG_RULE, precision as config_precision
+from zerotune.deepspeed.config import CONFIG_RULE
+from zerotune.deepspeed.config import precision as config_precision
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections
 from zerotune.model.hf_config import architecture, read_config

@@ -20,8 +20,17 @@ from typing import Any, Mapping, Sequence
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.core.step_record import StepRecord
-from zerotune.probe.sitecustomize import (ACTIVATIONS_RECORD, BUDGET_ENV, EXIT_PREFIX, EXIT_SUFFIX, PROBE_DIR_ENV,
-                                          STREAM_PREFIX, STREAM_SUFFIX, exit_name, stream_name)
+from zerotune.probe.sitecustomize import (
+    ACTIVATIONS_RECORD,
+    BUDGET_ENV,
+    EXIT_PREFIX,
+    EXIT_SUFFIX,
+    PROBE_DIR_ENV,
+    STREAM_PREFIX,
+    STREAM_SUFFIX,
+    exit_name,
+    stream_name,
+)
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PROBE_DIR_ENV",
            "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "clean_exits", "clear_streams", "exit_name",

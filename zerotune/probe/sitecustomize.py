@@ -21,9 +21,13 @@ import os
 import sys
 
 if __package__:  # zerotune.probe.sitecustomize
-    from ._zerotune_probe import engine as _engine, peak as _peak, records as _records
+    from ._zerotune_probe import engine as _engine
+    from ._zerotune_probe import peak as _peak
+    from ._zerotune_probe import records as _records
 else:  # sitecustomize, imported by ``site`` with this directory on sys.path
-    from _zerotune_probe import engine as _engine, peak as _peak, records as _records
+    from _zerotune_probe import engine as _engine
+    from _zerotune_probe import peak as _peak
+    from _zerotune_probe import records as _records
 
 # The name starts with PYTHON so that DeepSpeed's multi-node runner forwards it to the other nodes' ranks
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).

@@ -20,10 +20,10 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.text import Text
 
-from zerotune.core.units import format_bytes
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
+from zerotune.core.units import format_bytes
 
 EVENTS = ("queued", "start", "end", "cached")
 

@@ -51,8 +51,13 @@ from zerotune.core.measure import activation_slope_bytes, max_seq_len, measure, 
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
-from zerotune.probe import (clear_streams, read_checkpointed_activations, read_model_shapes, read_saved_activations,
-                            read_streams)
+from zerotune.probe import (
+    clear_streams,
+    read_checkpointed_activations,
+    read_model_shapes,
+    read_saved_activations,
+    read_streams,
+)
 from zerotune.run.store import read_object, write_json_atomic
 
 __all__ = [

@@ -31,7 +31,6 @@ from typing import Any
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.keys import GAS, MBS, TBS
 
-
 MAX_GAS_DOUBLINGS = 1
 """Without ``autotuning.max_train_batch_size``, gas doubles at most this many times (2x the user's gas)."""
 

@@ -20,11 +20,17 @@ import copy
 import dataclasses
 from typing import Any, Callable
 
-from zerotune.core.experiment import Experiment, ExperimentKind
-from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.core.errors import ConfigError
-from zerotune.deepspeed.auto import (ENGINE_RECORD, MODEL_AUTO_KEYS, auto_paths, hidden_size_autos, read_engine_record,
-                                     resolve)
+from zerotune.core.experiment import Experiment, ExperimentKind
+from zerotune.deepspeed.auto import (
+    ENGINE_RECORD,
+    MODEL_AUTO_KEYS,
+    auto_paths,
+    hidden_size_autos,
+    read_engine_record,
+    resolve,
+)
+from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, candidate_lists, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.strategy.job import Job

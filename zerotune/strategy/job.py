@@ -19,19 +19,15 @@ from zerotune.core.launch import LaunchSpec, Node
 from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import StopRule
-from zerotune.deepspeed.config import (AutotuningConfig, find_config_arg, load_ds_config, parse_autotuning,
-                                       stage_candidates)
-from zerotune.model.profile import ModelInfo
+from zerotune.deepspeed import auto
+from zerotune.deepspeed import config as ds_file
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections
-from zerotune.deepspeed.auto import (TRAINER_CHECKPOINTING_FLAG, auto_paths, check_trainer_batch, checkpointing_flag,
-                                     resolve, script_autos)
+from zerotune.model.profile import ModelInfo
+from zerotune.strategy import job_checks
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.budget import LaunchBudget
-from zerotune.strategy.job_checks import (check_candidate_lists, check_cpu_ranks, check_options, check_output_dirs,
-                                          check_untunable, device_memory_bytes, given_model_info, host_memory_bytes,
-                                          mbs_bounds)
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
@@ -140,7 +136,7 @@ class Job:
     script_args: tuple[str, ...]
     config_path: str
     user_config: dict[str, Any] = field(repr=False)
-    autotuning: AutotuningConfig = field(repr=False)
+    autotuning: ds_file.AutotuningConfig = field(repr=False)
     nodes: tuple[Node, ...]
     num_nodes: int
     slots_per_node: int
@@ -189,40 +185,41 @@ class Job:
         """
         options = options or TuneOptions()
         script_args = tuple(script_args)
-        _, config_path = find_config_arg(list(script_args))
-        user = load_ds_config(config_path)
-        check_candidate_lists(user, config_path)
-        at = parse_autotuning(user.get("autotuning"), source=config_path)
+        _, config_path = ds_file.find_config_arg(list(script_args))
+        user = ds_file.load_ds_config(config_path)
+        job_checks.check_candidate_lists(user, config_path)
+        at = ds_file.parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
         check_mapped_keys(mappings, user, config_path)
-        checkpointing = options.savers and checkpointing_flag(user, script_args, mappings)
+        checkpointing = options.savers and auto.checkpointing_flag(user, script_args, mappings)
         if checkpointing and CHECKPOINTING not in mappings:
-            mappings[CHECKPOINTING] = TRAINER_CHECKPOINTING_FLAG
+            mappings[CHECKPOINTING] = auto.TRAINER_CHECKPOINTING_FLAG
         variables = parse_variables({**(at.variables or {}), **options.variables}, user, config_path)
-        autos = script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
+        autos = auto.script_autos(user, script_args, mappings, config_path)  # a Trainer script's "auto" gas, precision
         notes = _unused_autotuning_notes(user, at)
         num_nodes, slots_per_node = _slots_per_experiment(nodes)
         world_size = num_nodes * slots_per_node
         dp = _dp_world_size(world_size, at.mp_size, config_path)
         batch = _batch_semantics(user, autos, mappings, dp, at, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
-        memory = device_memory_bytes(options.device_memory_bytes, cpu)
-        min_mbs, max_mbs, allowed = mbs_bounds(at, batch, config_path)
-        check_options(options)
+        memory = job_checks.device_memory_bytes(options.device_memory_bytes, cpu)
+        min_mbs, max_mbs, allowed = job_checks.mbs_bounds(at, batch, config_path)
+        job_checks.check_options(options)
         results_dir = Path(options.results_dir or at.results_dir)
         concrete = substitute(user, first_values(variables))
         check_sections(concrete, config_path)
-        notes += check_untunable(concrete, at, batch, min_mbs, config_path)
-        host_memory = host_memory_bytes(options, cpu, nodes)
+        notes += job_checks.check_untunable(concrete, at, batch, min_mbs, config_path)
+        host_memory = job_checks.host_memory_bytes(options, cpu, nodes)
         if cpu:
-            check_cpu_ranks(memory, slots_per_node if options.backend == "local" and not options.hostfile else 0)
-        check_output_dirs(options, at, config_path, results_dir)
+            local_slots = slots_per_node if options.backend == "local" and not options.hostfile else 0
+            job_checks.check_cpu_ranks(memory, local_slots)
+        job_checks.check_output_dirs(options, at, config_path, results_dir)
         return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
                    autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
-                   world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch,
-                   stages=tuple(stage_candidates(user, source=config_path)), cpu=cpu, device_memory_bytes=memory,
+                   world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch, cpu=cpu,
+                   stages=tuple(ds_file.stage_candidates(user, source=config_path)), device_memory_bytes=memory,
                    objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs, allowed_mbs=allowed,
-                   model_info=given_model_info(at, config_path), results_dir=results_dir,
+                   model_info=job_checks.given_model_info(at, config_path), results_dir=results_dir,
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
                    overwrite=options.overwrite if options.overwrite is not None else at.overwrite,
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
@@ -256,7 +253,7 @@ class Job:
                 f"{self.batch.describe()}")
 
 
-def _unused_autotuning_notes(user: dict[str, Any], at: AutotuningConfig) -> tuple[str, ...]:
+def _unused_autotuning_notes(user: dict[str, Any], at: ds_file.AutotuningConfig) -> tuple[str, ...]:
     """A note for each ``autotuning`` key the user set that zerotune sets itself for every experiment
     (``"enabled": true`` is what zerotune does anyway: no note)."""
     return tuple(f"autotuning.{key} = {getattr(at, key)!r} is not used: zerotune sets it for each experiment"
@@ -280,14 +277,14 @@ def _dp_world_size(world_size: int, mp_size: int, config_path: str) -> int:
 
 
 def _batch_semantics(user: dict[str, Any], autos: dict[str, Any], mappings: dict[str, str], dp: int,
-                     at: AutotuningConfig, config_path: str) -> BatchSemantics:
+                     at: ds_file.AutotuningConfig, config_path: str) -> BatchSemantics:
     """How mbs, gas and train_batch_size relate, the script's ``"auto"`` values resolved; a Trainer
     script's own batch arguments checked against it."""
     # a Trainer script's gas is its own argument: searched only where it is mapped (or bounded on purpose)
-    search_gas = not auto_paths(user) or "gradient_accumulation_steps" in mappings
-    batch = BatchSemantics.from_config(resolve(user, autos), dp, at.max_train_batch_size, config_path,
+    search_gas = not auto.auto_paths(user) or "gradient_accumulation_steps" in mappings
+    batch = BatchSemantics.from_config(auto.resolve(user, autos), dp, at.max_train_batch_size, config_path,
                                        search_gas=search_gas)
-    check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
+    auto.check_trainer_batch(user, mappings, bool(batch.fixed_train_batch_size or batch.gas_ladder(1)), config_path)
     return batch
 
 

@@ -30,7 +30,7 @@ import sys
 from .activations import _SavedActivations
 from .batch import _note_batch
 from .growth import _StepGrowth
-from .peak import _DataPeak, _cap_device, _on_cuda
+from .peak import _cap_device, _DataPeak, _on_cuda
 from .records import ENGINE_RECORD, _Probe, _rank, _write_record
 
 ENGINE_MODULE = "deepspeed.runtime.engine"

@@ -19,8 +19,7 @@ memory model's activation term takes (docs/decisions.md, D111).
 """
 import sys
 
-from .peak import _DataPeak, _data_peak, _device_peak, _on_cuda
-
+from .peak import _data_peak, _DataPeak, _device_peak, _on_cuda
 
 SLOPE_FACTORS = (2, 4, 8, 16)
 """The profile's batch repeated this many times, in turn, for the micro steps that measure the growth per sample on

@@ -43,16 +43,34 @@ from zerotune.core.launch import LaunchSpec, Reservation
 from zerotune.core.measure import load_quantiles
 from zerotune.core.step_record import StepRecord
 from zerotune.core.stopping import EndReason, StopRule, extended_end_step
-from zerotune.deepspeed.launcher import (free_port, launch_command, launch_env, multi_node, paste_command, release_port,
-                                         script_arguments)
+from zerotune.deepspeed.launcher import (
+    free_port,
+    launch_command,
+    launch_env,
+    multi_node,
+    paste_command,
+    release_port,
+    script_arguments,
+)
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, clean_exits, read_streams, run_phases, stream_files
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, limit_data
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
-from zerotune.run.processes import (RUN_TOKEN_ENV, RUNNING_DIR, adopt_orphans, data_bytes, descendants, kill_token_on,
-                                    kill_tree, new_run_token, reap_orphans, remove_shm_buffers, runs_script,
-                                    write_running_record)
+from zerotune.run.processes import (
+    RUN_TOKEN_ENV,
+    RUNNING_DIR,
+    adopt_orphans,
+    data_bytes,
+    descendants,
+    kill_token_on,
+    kill_tree,
+    new_run_token,
+    reap_orphans,
+    remove_shm_buffers,
+    runs_script,
+    write_running_record,
+)
 from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
 from zerotune.run.warm.rank import SETUP_FAILED
 

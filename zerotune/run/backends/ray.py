@@ -55,16 +55,16 @@ from typing import Any
 
 import psutil
 
+from zerotune.core.errors import ConfigError
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec, Node, Reservation
+from zerotune.deepspeed.rank_env import passed_env
 from zerotune.run.backends.base import Backend
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.ray_warm import WarmHosts
 from zerotune.run.processes import RUNNING_DIR
-from zerotune.run.warm.client import AttachedWarmServer
-from zerotune.core.errors import ConfigError
-from zerotune.deepspeed.rank_env import passed_env
-from zerotune.core.experiment import Experiment, Status
 from zerotune.run.slots import LOCALHOST
+from zerotune.run.warm.client import AttachedWarmServer
 
 __all__ = ["RayBackend", "import_ray", "node_spec", "require_ray"]
 

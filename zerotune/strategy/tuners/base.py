@@ -11,10 +11,9 @@ import math
 from typing import Iterable
 
 from zerotune.core.errors import ConfigError
-from zerotune.core.objective import Objective
 from zerotune.core.experiment import Status
+from zerotune.core.objective import Objective
 from zerotune.strategy.space import Candidate
-
 
 
 class BaseTuner(abc.ABC):
