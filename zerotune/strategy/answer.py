@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence, TypeVar
 
 from zerotune.core.experiment import Experiment
 from zerotune.core.measure import Pooled, pooled_metrics
+from zerotune.core.noise import tie
 from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 
@@ -112,8 +113,9 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
 
     The best reading: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks
     read with the shape of the throughput curve (:func:`answer_readings`). The configs whose reading is within
-    the target ``precision`` of it (None: none) tie with it, and the tie order (:func:`tie_order`) takes one
-    of them without a launch: the best reading against each tied one in turn, best reading first. Failed, OOM and timed-out runs are never candidates (they carry no metric).
+    the target ``precision`` of it (None: none) tie with it (:func:`~zerotune.core.noise.tie`), and the tie
+    order (:func:`tie_order`) takes one of them without a launch: the best reading against each tied one in
+    turn, best reading first. Failed, OOM and timed-out runs are never candidates (they carry no metric).
 
     Args:
         budget_bytes: the per-device memory budget, bytes, against which a run's measured peak tells how near
@@ -125,7 +127,7 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
     top = objective.best(readings, lambda r: r[0])
     if top is None:
         return None, None
-    tied = [r for r in readings if r[1] is not top[1] and precision is not None and abs(objective.gain(r[0], top[0])) < precision]
+    tied = [r for r in readings if r[1] is not top[1] and tie(objective.gain(r[0], top[0]), precision)]
     if not tied:
         return top[1], None
     tied.sort(key=lambda r: r[0], reverse=objective.higher_is_better)
