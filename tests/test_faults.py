@@ -35,9 +35,9 @@ import pytest
 
 from tests.helpers.fault_cases import (
     HOSTILE_INPUTS,
-    LOCK_WAITER,
     RANK_FAULTS,
     hostile_argv,
+    lock_waiter_scheduler,
     stale_lock_is_named_then_removed,
 )
 from tests.helpers.processes import processes_of_tuner, shm_files, shm_left, stand_in_processes
@@ -307,27 +307,14 @@ def test_a_lock_left_by_a_killed_build_is_named_then_removed(tmp_path):
 
 
 def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
-    (tmp_path / "waiter.py").write_text(LOCK_WAITER)
-    (tmp_path / "launcher.py").write_text(LAUNCHER)
-    (tmp_path / "c.json").write_text("{}")
-    spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
-                      timeout_s=1.5)
-    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=1)), tmp_path / "exps")
-    ext = extensions.extensions_dir(tmp_path / "exps")
-    import zerotune.deepspeed.launcher as launcher
-    original = launcher.node_launcher
-    launcher.node_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
-
-    def lock_while_running(exp, event):  # a lock that appears once nothing could remove it, dated before the run
-        if event == "start":
-            (ext / "fused_adam").mkdir(parents=True, exist_ok=True)
-            (ext / "fused_adam" / "lock").write_text("")
-            os.utime(ext / "fused_adam" / "lock", (time.time() - 60,) * 2)
-    scheduler.on_update = lock_while_running
-    try:
+    with lock_waiter_scheduler(tmp_path, 1.5, 1) as (scheduler, ext):
+        def lock_while_running(exp, event):  # a lock that appears once nothing could remove it, dated before the run
+            if event == "start":
+                (ext / "fused_adam").mkdir(parents=True, exist_ok=True)
+                (ext / "fused_adam" / "lock").write_text("")
+                os.utime(ext / "fused_adam" / "lock", (time.time() - 60,) * 2)
+        scheduler.on_update = lock_while_running
         (done,) = scheduler.run([Experiment("waiter", {"stand_in": "waits"})])
-    finally:
-        launcher.node_launcher = original
     assert done.status is Status.TIMEOUT
     assert done.error.startswith(f"killed after the 1.5 s timeout; {ext / 'fused_adam' / 'lock'} was there before "
                                  f"it started: a torch extension lock left by a killed process"), done.error

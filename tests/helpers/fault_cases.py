@@ -3,11 +3,13 @@ hostile inputs (:data:`HOSTILE_INPUTS`), rank faults (:data:`RANK_FAULTS`) and a
 (:func:`stale_lock_is_named_then_removed`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from tests.helpers.standins import BASE_CONFIG, LAUNCHER, RANK
 from zerotune.core.experiment import Experiment, Status
@@ -179,20 +181,30 @@ class LogLines(logging.Handler):
         self.logger.setLevel(self.level)
 
 
-def stale_lock_is_named_then_removed(tmp_path: Path) -> None:
-    """A lock left by a killed build in the experiments' extension cache is named, then removed, and the next
-    experiment runs (asserts; a test of tests/test_faults.py and a case of benchmarks/fault_matrix.py)."""
+@contextlib.contextmanager
+def lock_waiter_scheduler(tmp_path: Path, timeout_s: float, slots: int) -> Iterator[tuple[Scheduler, Path]]:
+    """(a scheduler on ``slots`` local slots whose launches run the stand-in :data:`LOCK_WAITER` under the
+    stand-in launcher in place of DeepSpeed's node launcher, each killed after ``timeout_s``; its experiments'
+    extension cache), the launcher restored on leaving."""
     (tmp_path / "waiter.py").write_text(LOCK_WAITER)
     (tmp_path / "launcher.py").write_text(LAUNCHER)
     (tmp_path / "c.json").write_text("{}")
     spec = LaunchSpec(str(tmp_path / "waiter.py"), ("--deepspeed_config", str(tmp_path / "c.json")), cpu=True,
-                      timeout_s=2.0)
-    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
-    ext = extensions.extensions_dir(tmp_path / "exps")
+                      timeout_s=timeout_s)
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=slots)), tmp_path / "exps")
     import zerotune.deepspeed.launcher as launcher
     original = launcher.node_launcher
     launcher.node_launcher = lambda: [sys.executable, str(tmp_path / "launcher.py")]
     try:
+        yield scheduler, extensions.extensions_dir(tmp_path / "exps")
+    finally:
+        launcher.node_launcher = original
+
+
+def stale_lock_is_named_then_removed(tmp_path: Path) -> None:
+    """A lock left by a killed build in the experiments' extension cache is named, then removed, and the next
+    experiment runs (asserts; a test of tests/test_faults.py and a case of benchmarks/fault_matrix.py)."""
+    with lock_waiter_scheduler(tmp_path, 2.0, 2) as (scheduler, ext):
         # 'holder' takes the lock and is killed at its timeout, mid-"build"; 'waiter' runs beside it,
         # waits on the lock and times out too: its error names the lock
         holder = Experiment("holder", {"stand_in": "dies_holding_the_lock"})
@@ -202,8 +214,6 @@ def stale_lock_is_named_then_removed(tmp_path: Path) -> None:
         # the next batch: nothing runs, so the lock is stale: removed, said (the scheduler's log), and the run loads
         with LogLines("zerotune.run.scheduler") as lines:
             (after,) = scheduler.run([waiter])
-    finally:
-        launcher.node_launcher = original
     assert holder.status is Status.TIMEOUT
     assert lines == [f"removed {ext / 'fused_adam' / 'lock'}: a torch extension lock left by a killed process"]
     assert after.status is Status.OK and after.metric == 10.0
