@@ -110,7 +110,7 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
             "launch_note": rec["launch_note"],
             "num_nodes": str(rec["num_nodes"]), "num_slots": str(rec["num_slots"]),
             "device_s": str(rec["wall_s"] * rec["num_nodes"] * rec["num_slots"]), "exit_code": cell(rec["exit_code"]),
-            "error": rec["error"], "is_answer": str(rec["name"] == answer)}
+            "error": rec["error"], "is_answer": str(rec["name"] == answer), "origin": "launched"}
     assert [r["outcome"] for r in rows].count("oom") == 1 and [r["outcome"] for r in rows].count("stopped early") == 10
 
 
@@ -344,3 +344,34 @@ def test_a_saved_tuning_keeps_only_the_fields_of_the_types_zerotune_writes():
                                    "cost_per_device_hour": 3, "written_at": "2026-01-02"})
     assert saved == SavedTuning(exps_dir="", strategy_known=True, plan=TrainingPlan(None, None, 3), found=True)
     assert SavedTuning.from_dict({"written_at": "2026-01-02", "state": 1}) == SavedTuning()
+
+
+def test_the_summary_renders_from_disk_as_the_tuner_wrote_it(tuned):
+    """One model live and from disk: the summary's table made from the results dir alone is the tuner's own."""
+    from zerotune.report.results import render_table, table_text
+
+    results_dir, tuner, _ = tuned
+    data = load(results_dir)
+    assert (data.since, data.elapsed_s, data.launched) == (tuner.started_at, tuner.elapsed_s, 12)
+    assert (results_dir / "summary.txt").read_text().startswith(table_text(render_table(data)))
+
+
+def test_the_answer_read_back_is_the_ledgers_and_each_entry_says_where_it_came_from(tmp_path):
+    """The ledger's answer, z2, stays z2 from disk, where the answer rule over the runs alone reads a tie and takes
+    the lower stage; a run read back from an earlier tuning says so in every file."""
+    context = {"objective": "throughput", "cpu": True, "precision": 0.02}
+    runs = [run("z1_mbs4", 1, 4, 100.0, 0.01), run("z2_mbs4", 2, 4, 101.0, 0.01, started=60.0)]
+    for exp in runs:
+        (tmp_path / "exps" / exp.name).mkdir(parents=True)
+        write_record(exp, tmp_path / "exps" / exp.name, "k", context)
+    live = ReportData(runs, Objective.named("throughput"), None, None, runs[1], tmp_path / "exps", context=context,
+                      precision=0.02, cached=frozenset({"z2_mbs4"}), since=30.0, elapsed_s=90.0)
+    publish.write_report(tmp_path, live)
+    assert [r["origin"] for r in csv.DictReader(io.StringIO((tmp_path / "results.csv").read_text()))] == [
+        "launched", "cached"]
+    assert "<td>z2_mbs4 (answer)</td><td>cached</td>" in (tmp_path / "report.html").read_text()
+    data = load(tmp_path)
+    assert (data.answer.name, data.origin(data.experiments[1]), data.launched, data.runner_up().tie) == (
+        "z2_mbs4", "cached", 1, True)
+    (tmp_path / "results.json").unlink()  # the last resort: the answer rule over the runs alone
+    assert load(tmp_path).answer.name == "z1_mbs4"

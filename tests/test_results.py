@@ -1,6 +1,7 @@
 """The answer files and the summary: best experiment, cost, optimal config."""
 import io
 import math
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -8,6 +9,7 @@ from rich.console import Console
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.noise import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
+from zerotune.report.data import ReportData
 from zerotune.report.results import (
     answer_text,
     cost_line,
@@ -20,6 +22,11 @@ from zerotune.report.results import (
 from zerotune.strategy.answer import best_experiment
 
 THROUGHPUT = Objective.named("throughput")
+
+
+def report(runs, *, answer, elapsed_s=300.0, since=None):
+    """The report's model of ``runs`` with ``answer`` (the ledger's), as the tuner builds it."""
+    return ReportData(list(runs), THROUGHPUT, None, None, answer, Path("exps"), since=since, elapsed_s=elapsed_s)
 
 
 def exp(name, status, metric=None, wall_s=None, kind=ExperimentKind.MBS, space="z1"):
@@ -52,8 +59,7 @@ def test_best_ignores_the_profile_and_failures():
 
 
 def test_summary_rows_carry_device_hours():
-    text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4,
-                                   answer=best_experiment(RUNS, THROUGHPUT)))
+    text = table_text(render_table(report(RUNS, elapsed_s=2700.0, answer=best_experiment(RUNS, THROUGHPUT))))
     z1 = next(line for line in text.splitlines() if line.startswith("│ z1 "))
     assert [c.strip() for c in z1.split("│")[1:-1]] == ["z1", "3", "2", "1 oom", "4", "12", "z1_gas1_tmbspg2 *"]
     assert "tuning cost: 6 device-hours" in text
@@ -68,8 +74,7 @@ def test_the_answer_is_the_best_pooled_metric_over_re_measurements():
     steady_again.replica_of = steady.name
     runs = [lucky, again, steady, steady_again]
     assert best_experiment(runs, THROUGHPUT) is steady
-    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=1800.0, launched=4,
-                                   answer=best_experiment(runs, THROUGHPUT)))
+    text = table_text(render_table(report(runs, elapsed_s=1800.0, answer=best_experiment(runs, THROUGHPUT))))
     assert "12.6 (2 runs, spread 2%)" in text and "z1_gas1_tmbspg2 *" in text
 
 
@@ -95,11 +100,10 @@ def test_on_gpu_ranks_a_calm_fall_in_mbs_is_noise_and_the_answer_is_the_larger_m
     runs = [small, large, near]
     assert best_experiment(runs, THROUGHPUT, BUDGET) is large
     assert best_experiment(runs, THROUGHPUT) is small  # CPU ranks (no budget to read capacity against): the reading
-    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=3,
-                                   answer=best_experiment(runs, THROUGHPUT, BUDGET)))
+    text = table_text(render_table(report(runs, elapsed_s=300.0, answer=best_experiment(runs, THROUGHPUT, BUDGET))))
     z3 = next(line for line in text.splitlines() if line.startswith("│ z3 "))
     assert z3.split("│")[-2].strip() == "z3_gas1_tmbspg15 *"  # the table stars the answer as its space's best
-    assert "Optimal: z3_gas1_tmbspg15 (ZeRO stage 3, mbs 15, gas 1), throughput 401.3" in answer_text(runs, large, THROUGHPUT)
+    assert "Optimal: z3_gas1_tmbspg15 (ZeRO stage 3, mbs 15, gas 1), throughput 401.3" in answer_text(report(runs, answer=large))
 
 
 def test_each_config_is_its_own_curve_and_a_run_near_capacity_its_own_reading():
@@ -132,7 +136,7 @@ def test_the_answer_is_reported_with_the_run_to_run_noise_of_the_configs_run_twi
     assert noise.measured == pytest.approx(math.sqrt(v)) and noise.sigma == pytest.approx(sigma)  # 6.7%, 3.97%
     # the answer's one run, +-1% on its own steps, is what a run of it gives to +-sqrt(0.01 ** 2 + (2 sigma) ** 2)
     assert mean_half_width([0.01], noise.sigma) == pytest.approx(math.sqrt(0.01 ** 2 + 4 * sigma ** 2))  # 8.0%
-    text = answer_text(runs, best, THROUGHPUT)
+    text = answer_text(report(runs, answer=best))
     assert text.startswith("\nOptimal: z1_gas1_tmbspg8 (") and "throughput 12 ±8.0% samples/s (95%, mean of 1 run(s)" in text
     assert "run-to-run noise: sigma 4.0%, from 1 config(s) run more than once (1 degree(s) of freedom; the runs " \
            "alone give 6.7%)" in text
@@ -184,7 +188,7 @@ def test_the_summary_is_whole_when_the_output_is_not_a_terminal():
     """A CI log or `| tee` (rich assumes 80 columns there) and summary.txt get every name whole, on one line."""
     runs = [exp("profile_z3", Status.OK, None, 900.0, ExperimentKind.PROFILE, "profile"),
             exp(LONG, Status.OK, 12.0, 450.0, space="z1_knobs")]
-    table = render_table(runs, THROUGHPUT, elapsed_s=10.0, launched=2, answer=runs[1])
+    table = render_table(report(runs, elapsed_s=10.0, answer=runs[1]))
     out = io.StringIO()
     console = Console(file=out)
     assert not console.is_terminal and console.width == 80
@@ -224,7 +228,7 @@ def test_the_start_up_line_gives_the_share_of_launch_seconds_and_how_the_launche
     assert startup_line(cold) == "start-up: 50% of launch seconds (5.0 s of 10.0 s over 1 launch); launches: 1 cold"
     cold[0].launch = ""  # a backend that does not say how its ranks started
     assert startup_line(cold) == "start-up: 50% of launch seconds (5.0 s of 10.0 s over 1 launch)"
-    text = table_text(render_table(runs, THROUGHPUT, elapsed_s=300.0, launched=7, answer=runs[0], since=1000.0))
+    text = table_text(render_table(report(runs, elapsed_s=300.0, answer=runs[0], since=1000.0)))
     lines = [line.rstrip() for line in text.splitlines()]  # the caption, wrapped at the table's width
     caption = " ".join(lines[lines.index(cost_line(runs)) + 1:])
     assert caption == (f"start-up: 34% of launch seconds (22.5 s of 66.1 s over 6 launches); launches: 4 warm, "
@@ -236,7 +240,7 @@ def test_a_summary_without_start_up_times_has_no_start_up_line():
     assert startup_line(RUNS) is None
     reused = [launch("z1_gas1_tmbspg1", 2.0, 10.0, "warm", started_at=500.0)]
     assert startup_line(reused, since=1000.0) is None  # a rerun that launched nothing
-    text = table_text(render_table(RUNS, THROUGHPUT, elapsed_s=2700.0, launched=4, answer=RUNS[2], since=0.0))
+    text = table_text(render_table(report(RUNS, elapsed_s=2700.0, answer=RUNS[2], since=0.0)))
     assert "start-up" not in text and "launches:" not in text
 
 

@@ -169,6 +169,7 @@ class Autotuner:
         self.best: Experiment | None = None
         self.elapsed_s = 0.0
         self.started_at: float | None = None  # when tune() began, seconds since the epoch (the summary's launches)
+        self._started: float | None = None  # the same, time.monotonic()
         self.cost_plan: tuple[int, float] | None = None  # (launches, device-seconds) planned once the profile ran
 
     @property
@@ -192,7 +193,14 @@ class Autotuner:
         return ReportData.from_tuning(list(self.scheduler.history), self.result, objective=job.objective,
                                       budget_bytes=job.device_memory_bytes, capacity_bytes=job.capacity_bytes,
                                       exps_dir=job.exps_dir, context=self.scheduler.context, notes=self._notes,
-                                      state=state, plan=self.training_plan)
+                                      state=state, plan=self.training_plan, cached=frozenset(self.scheduler.cached),
+                                      since=self.started_at, elapsed_s=self._elapsed())
+
+    def _elapsed(self) -> float:
+        """The tuning time, s: so far while it runs, its whole once it ended."""
+        if self._started is not None and not self.elapsed_s:
+            return time.monotonic() - self._started
+        return self.elapsed_s
 
     @property
     def stage_results(self):
@@ -221,7 +229,7 @@ class Autotuner:
             Interrupted: a stop signal arrived.
         """
         started, job = time.monotonic(), self.job
-        self.started_at = time.time()
+        self.started_at, self._started = time.time(), started
         with to_console(self.console), _stop_signals_interrupt(), tuning_locks(job.results_dir, job.exps_dir):
             # experiments a killed earlier tuner left running on this dir: stopped before anything
             # is deleted or cached results are trusted (a fully cached rerun launches nothing)
@@ -326,18 +334,14 @@ class Autotuner:
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
-        return results.write_results(self.job.results_dir, list(self.scheduler.history), self.job.objective,
-                                     self.elapsed_s, self.scheduler.launched, self.optimal_command, self._notes,
-                                     answer=self.result.answer, since=self.started_at)
+        return results.write_results(self.job.results_dir, self.report_data("finished"), self.optimal_command)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
-        results.print_wide(self.console, results.render_table(self.scheduler.history, self.job.objective,
-                                                              self.elapsed_s, self.scheduler.launched, self._notes,
-                                                              answer=self.best, since=self.started_at))
-        if self.best is not None:
-            self.console.print(results.answer_text(self.scheduler.history, self.best, self.job.objective).strip(),
-                               soft_wrap=True, markup=False)
+        data = self.report_data("finished")
+        results.print_wide(self.console, results.render_table(data))
+        if data.answer is not None:
+            self.console.print(results.answer_text(data).strip(), soft_wrap=True, markup=False)
             self.console.print(f"report:         {self.job.results_dir / 'report.html'}", soft_wrap=True,
                                markup=False, highlight=False)
             self.console.print(f"optimal config: {self.job.results_dir / 'ds_config_optimal.json'}\n"

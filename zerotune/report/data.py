@@ -1,25 +1,28 @@
-"""What the report shows, as data: the runs, the answer, the runner-up, what was not run, the cost, the projection.
+"""The report's one model: the runs, the answer, the runner-up, what was not run, the cost, the projection.
 
 :class:`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
-it holds (:meth:`ReportData.from_tuning`, refreshed as experiments finish), or from a results dir on disk alone
-(:func:`load`, for ``zerotune report``), where the runs come from the experiments' verified records
-(``exp.json``, :func:`zerotune.run.store.load_records`) and what only the tuner knew (the stages and candidates not
-run, its notes, its state) from the ``results.json`` it last wrote (:mod:`zerotune.report.table_export`).
-The HTML page (:mod:`zerotune.report.html`) and the tables for programs (:mod:`zerotune.report.table_export`)
-read this module only.
+it holds (:meth:`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments
+finish), or from a results dir on disk alone (:func:`load`, for ``zerotune report``), where the runs come from the
+experiments' verified records (``exp.json``, :func:`zerotune.run.store.load_records`) and what only the tuner knew
+(its answer, the stages and candidates not run, its notes, its state) from the ``results.json`` it last wrote
+(:mod:`zerotune.report.table_export`). Every report file renders from it alone: ``summary.txt``
+(:mod:`zerotune.report.results`), ``report.html`` (:mod:`zerotune.report.html`), ``results.csv`` and
+``results.json`` (:mod:`zerotune.report.table_export`); as Ray Tune's ``ResultGrid``, the same object live and
+from disk.
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, pooled_metrics
-from zerotune.core.noise import comparison_noise, mean_half_width, run_noise
+from zerotune.core.noise import RunNoise, comparison_noise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
 from zerotune.run.store import RECORD_FILE, ExpRecord, load_records, read_json
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
     from zerotune.strategy.result import StrategyResult
 
 RESULTS_JSON = "results.json"
+
+ORIGINS = ("launched", "cached", "not launched")
+"""Where an entry of the report comes from: launched by this tuning, read back from an earlier one's records (a
+resumed tuning reuses what finished), or never launched (:class:`NotRun`: pruned, skipped or refused)."""
 
 OUTCOMES = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
 """How a launch ended, as the report names it (:func:`outcome`), in the legend's order."""
@@ -92,7 +99,10 @@ class SavedTuning:
             whether it has ``not_run``.
         not_run: what was never launched, and why. notes: the summary's notes.
         plan: the training run the tuner projected.
+        since: when that tuning started, seconds since the epoch. elapsed_s: its tuning time then, s.
         found: whether the section holds any of these fields as zerotune writes it.
+        answer: the answer it wrote (the ledger's, by name; the file's top-level ``answer``).
+        cached: the names of the rows it wrote as read back from an earlier tuning (``origin`` ``cached``).
     """
 
     exps_dir: str | None = None
@@ -102,13 +112,22 @@ class SavedTuning:
     not_run: tuple[NotRun, ...] = ()
     notes: tuple[str, ...] = ()
     plan: TrainingPlan = TrainingPlan()
+    since: float | None = None
+    elapsed_s: float | None = None
     found: bool = False
+    answer: str | None = None
+    cached: frozenset[str] = frozenset()
 
     @classmethod
     def read(cls, path: Path) -> "SavedTuning":
-        """The section in the ``results.json`` at ``path``; an empty one (``found`` False) where it has none."""
-        tuning = (read_json(path) or {}).get("tuning")
-        return cls.from_dict(tuning) if isinstance(tuning, dict) else cls()
+        """The section in the ``results.json`` at ``path``, with the file's answer and cached rows; an empty one
+        (``found`` False) where it has no section."""
+        body = read_json(path) or {}
+        tuning, answer, rows = body.get("tuning"), body.get("answer"), body.get("experiments")
+        saved = cls.from_dict(tuning) if isinstance(tuning, dict) else cls()
+        cached = frozenset(r["name"] for r in (rows if isinstance(rows, list) else ())
+                           if isinstance(r, dict) and r.get("origin") == "cached" and isinstance(r.get("name"), str))
+        return replace(saved, answer=answer if isinstance(answer, str) else None, cached=cached)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SavedTuning":
@@ -120,11 +139,12 @@ class SavedTuning:
         plan = TrainingPlan(kept.get("train_samples"), kept.get("train_steps"), kept.get("cost_per_device_hour"))
         return cls(kept.get("exps_dir"), kept.get("context"), kept.get("state"),
                    kept.get("strategy_known", "not_run" in kept), not_run, tuple(str(n) for n in kept.get("notes", [])),
-                   plan, found=bool(kept))
+                   plan, kept.get("since"), kept.get("elapsed_s"), found=bool(kept))
 
 
 _SAVED_TYPES = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list,
-                "notes": list, "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float)}
+                "notes": list, "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float),
+                "since": (int, float), "elapsed_s": (int, float)}
 
 
 @dataclass(frozen=True)
@@ -176,10 +196,15 @@ class Projection:
 
 @dataclass
 class ReportData:
-    """Everything the report shows.
+    """The one model every report file renders: ``summary.txt`` (:mod:`zerotune.report.results`), ``report.html``
+    (:mod:`zerotune.report.html`), ``results.csv`` and ``results.json`` (:mod:`zerotune.report.table_export`).
+
+    Its entries are the launches of this tuning and the runs read back from an earlier one (:meth:`origin`,
+    :data:`ORIGINS`), and what was never launched (``not_run``); the answer is the strategy's ledger's
+    (:attr:`zerotune.strategy.ledger.Ledger.answer`), read back by name from disk.
 
     Attributes:
-        experiments: the launches of this tuning (the profile run included), in launch order.
+        experiments: the runs of this tuning (the profile run included), in launch order.
         objective: the tuned metric. budget_bytes: the per-device memory budget, bytes.
         capacity_bytes: the budget the answer rule reads capacity against (None on CPU ranks,
             :attr:`zerotune.strategy.job.Job.capacity_bytes`).
@@ -191,6 +216,9 @@ class ReportData:
             tuner's ``results.json``, where they are unknown).
         written_at: when this was gathered, seconds since the epoch.
         precision: the target precision (relative) within which two configs tie (None: unknown).
+        cached: the names of the runs read back from an earlier tuning's records, not launched by this one.
+        since: when this tuning started, seconds since the epoch (None: unknown).
+        elapsed_s: the tuning time so far, s (None: unknown).
     """
 
     experiments: list[Experiment]
@@ -207,25 +235,46 @@ class ReportData:
     strategy_known: bool = True
     written_at: float = field(default_factory=time.time)
     precision: float | None = None
+    cached: frozenset[str] = frozenset()
+    since: float | None = None
+    elapsed_s: float | None = None
 
     @classmethod
     def from_tuning(cls, experiments: list[Experiment], result: "StrategyResult", *, objective: Objective,
                     budget_bytes: int | None, capacity_bytes: int | None, exps_dir: Path, context: dict[str, Any],
-                    notes: list[str], state: str, plan: TrainingPlan) -> "ReportData":
+                    notes: list[str], state: str, plan: TrainingPlan, cached: frozenset[str] = frozenset(),
+                    since: float | None = None, elapsed_s: float | None = None) -> "ReportData":
         """The report of a tuning in progress or just ended: ``experiments`` is the scheduler's history (what was
-        launched or reused from disk), ``result`` the strategy's record (the answer and what it did not run)."""
+        launched, and the runs ``cached`` from disk), ``result`` the strategy's record (the ledger's answer and what
+        it did not run)."""
         launched = {e.name for e in experiments}
         runs = sorted(experiments, key=_launch_order)
         answer = result.answer if result.answer is not None and result.answer.name in launched else None
         precision = result.ledger.precision
         return cls(runs, objective, budget_bytes, capacity_bytes,
                    answer or best_experiment(runs, objective, capacity_bytes, precision), Path(exps_dir),
-                   not_run_of(result, launched), list(notes), state, dict(context), plan, precision=precision)
+                   not_run_of(result, launched), list(notes), state, dict(context), plan, precision=precision,
+                   cached=frozenset(cached) & launched, since=since, elapsed_s=elapsed_s)
+
+    def origin(self, exp: Experiment) -> str:
+        """Where ``exp`` comes from: ``launched`` by this tuning or ``cached`` (:data:`ORIGINS`)."""
+        return "cached" if exp.name in self.cached else "launched"
 
     @property
+    def launched(self) -> int:
+        """How many of the experiments this tuning launched."""
+        return sum(1 for e in self.experiments if e.name not in self.cached)
+
+    @cached_property
     def pooled(self) -> dict[str, Pooled]:
-        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`)."""
+        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`),
+        computed once."""
         return pooled_metrics(self.experiments)
+
+    @cached_property
+    def noise(self) -> RunNoise:
+        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.noise.run_noise`)."""
+        return run_noise(self.experiments)
 
     @property
     def answer_half_width(self) -> float | None:
@@ -234,7 +283,7 @@ class ReportData:
             return None
         runs = [e.metric_rel_half_width for e in self.experiments if e.status is Status.OK and e.metric is not None
                 and self.answer.name in (e.name, e.replica_of)]
-        return mean_half_width(runs, run_noise(self.experiments).sigma) if runs else None
+        return mean_half_width(runs, self.noise.sigma) if runs else None
 
     def runner_up(self) -> RunnerUp | None:
         """The best other config by pooled metric (:class:`RunnerUp`); None without an answer or another config."""
@@ -247,7 +296,7 @@ class ReportData:
             return None
         a, o = pooled[answer.name], pooled[other.name]
         noise = comparison_noise([_own_half_width(answer, a), _own_half_width(other, o)], [a.runs, o.runs],
-                                 run_noise=run_noise(self.experiments).sigma)
+                                 run_noise=self.noise.sigma)
         gain = self.objective.gain(a.value, o.value)
         return RunnerUp(other.name, o.value, a.value, gain, noise,
                         tie=self.precision is not None and abs(gain) < self.precision)
@@ -293,9 +342,10 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     The experiments are the verified records (``exp.json``) under ``exps_dir`` (default: the one ``results.json``
     names, else ``<results_dir>/exps``) of one tuning: those with the resume context ``results.json`` records,
     else the latest record's (an exps dir may hold runs of other inputs). A record that does not verify is left
-    out. The objective and budget come from that context; the answer is recomputed from the runs
-    (:func:`~zerotune.strategy.answer.best_experiment`), so runs finished after the last ``results.json`` count; the
-    state from the files (:func:`_state_on_disk`).
+    out. The objective and budget come from that context; the answer is the one ``results.json`` names (the
+    ledger's, as the tuner last wrote it) where it is among the runs and ran ok, and only without one (no
+    ``results.json``, or a damaged one) recomputed from the runs (:func:`~zerotune.strategy.answer.best_experiment`);
+    the state from the files (:func:`_state_on_disk`).
 
     Args:
         plan: the training run to project, over the one ``results.json`` records.
@@ -320,11 +370,12 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
     precision = context.get("precision") or DEFAULT_PRECISION  # without adaptive runs, the strategy's default
-    answer = best_experiment(runs, objective, capacity, precision)
+    answer = next((e for e in runs if e.name == tuning.answer and e.replica_of is None and e.status is Status.OK
+                   and e.metric is not None), None) or best_experiment(runs, objective, capacity, precision)
     return ReportData(runs, objective, budget, capacity, answer, exps_dir, list(tuning.not_run), list(tuning.notes),
                       _state_on_disk(results_dir, exps_dir, runs, answer), context,
                       (plan or TrainingPlan()).over(tuning.plan), strategy_known=tuning.strategy_known,
-                      precision=precision)
+                      precision=precision, cached=tuning.cached, since=tuning.since, elapsed_s=tuning.elapsed_s)
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:

@@ -279,10 +279,10 @@ def _runs_table(data: ReportData) -> str:
         metric = "-" if e.metric is None else f"{e.metric:.4g}" + (
             f" ±{e.metric_rel_half_width:.1%}" if e.metric_rel_half_width else "")
         rows.append((e.name + (" (answer)" if data.answer is not None and e.name == data.answer.name else ""),
-                     outcome(e), metric, format_bytes(e.memory_bytes) if e.memory_bytes else "-",
+                     data.origin(e), outcome(e), metric, format_bytes(e.memory_bytes) if e.memory_bytes else "-",
                      format_bytes(e.peak_memory_bytes) if e.peak_memory_bytes else "-", f"{e.wall_s or 0:.1f}",
                      e.error[:160]))
-    return "<h2>Launches</h2>" + _table(("experiment", "ended", f"{data.objective.name} ({data.objective.unit})",
+    return "<h2>Launches</h2>" + _table(("experiment", "origin", "ended", f"{data.objective.name} ({data.objective.unit})",
                                          "predicted", "measured peak", "wall time (s)", "error"), rows)
 
 

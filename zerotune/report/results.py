@@ -1,4 +1,5 @@
-"""The answer: the optimal config, the command to run it, and the summary of every tuning space.
+"""The answer: the optimal config, the command to run it, and the summary of every tuning space, rendered from
+the report's model (:class:`~zerotune.report.data.ReportData`).
 
 Files in the results dir, readable without zerotune: ``ds_config_optimal.json`` (concrete values,
 no ``autotuning`` section, loadable by DeepSpeed), ``cmd_optimal.txt`` (the ``deepspeed``
@@ -17,8 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
-from zerotune.core.measure import Pooled, pooled_metrics
-from zerotune.core.noise import mean_half_width, run_noise
+from zerotune.core.measure import Pooled
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
@@ -26,6 +26,7 @@ from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.run.store import write_json_atomic, write_text_atomic
 
 if TYPE_CHECKING:
+    from zerotune.report.data import ReportData
     from zerotune.strategy.answer import Tie
     from zerotune.strategy.result import StrategyResult
 
@@ -164,11 +165,11 @@ def startup_line(experiments: Sequence[Experiment], since: float | None = None) 
     return line
 
 
-def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[SpaceSummary]:
-    """Group experiments by tuning space, in first-seen order; each space's best by pooled metric."""
+def summarize(data: "ReportData") -> list[SpaceSummary]:
+    """Group the report's experiments by tuning space, in first-seen order; each space's best by pooled metric."""
     rows: dict[str, SpaceSummary] = {}
-    pooled = pooled_metrics(experiments)
-    for exp in experiments:
+    pooled, objective = data.pooled, data.objective
+    for exp in data.experiments:
         row = rows.setdefault(exp.space, SpaceSummary(exp.space, 0, 0, {}, None))
         row.experiments += 1
         row.device_s += device_seconds(exp)
@@ -182,50 +183,41 @@ def summarize(experiments: Sequence[Experiment], objective: Objective) -> list[S
     return list(rows.values())
 
 
-def render_table(experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
-                 launched: int, notes: Sequence[str] = (), *, answer: Experiment | None,
-                 since: float | None = None) -> Table:
-    """The summary as a rich table (also written as text to ``summary.txt``); the ``answer`` (the strategy's,
-    :attr:`StrategyResult.answer <zerotune.strategy.result.StrategyResult.answer>`) is starred, shown as its
-    tuning space's best. Its caption: the cost line, the start-up line of the launches from ``since``
-    (:func:`startup_line`, where any launch has a start-up time), then ``notes``."""
-    unit = objective.unit
-    overall = answer
-    pooled = pooled_metrics(experiments)
-    table = Table(title=f"zerotune: {len(experiments)} experiments ({launched} launched now), "
-                        f"tuning time {elapsed_s:.1f} s", title_justify="left")
-    for col in ("tuning space", "experiments", "ok", "not ok", "device-h", f"best {objective.name} ({unit})",
+def render_table(data: "ReportData") -> Table:
+    """The summary as a rich table (also written as text to ``summary.txt``); the report's answer (the ledger's) is
+    starred, shown as its tuning space's best. Its caption: the cost line, the start-up line of the launches from
+    the tuning's start (:func:`startup_line`, where any launch has a start-up time), then the report's notes."""
+    objective, overall, pooled = data.objective, data.answer, data.pooled
+    table = Table(title=f"zerotune: {len(data.experiments)} experiments ({data.launched} launched now), "
+                        f"tuning time {data.elapsed_s or 0.0:.1f} s", title_justify="left")
+    for col in ("tuning space", "experiments", "ok", "not ok", "device-h", f"best {objective.name} ({objective.unit})",
                 "best experiment"):
         table.add_column(col)
-    for row in summarize(experiments, objective):
+    for row in summarize(data):
         if overall is not None and overall.space == row.space:
             row.best = overall  # the answer, which the curve's shape may put at another mbs
         failed = ", ".join(f"{n} {s}" for s, n in sorted(row.failed.items())) or "-"
         best = "-" if row.best is None else _metric_text(pooled[row.best.name], row.best)
         name = "-" if row.best is None else row.best.name + (" *" if row.best is overall else "")
         table.add_row(row.space, str(row.experiments), str(row.ok), failed, f"{row.device_s / 3600:.3g}", best, name)
-    startup = startup_line(experiments, since)
-    notes = [cost_line(experiments), *([startup] if startup else []), *notes]
-    if notes:
-        table.caption = "\n".join(notes)
-        table.caption_justify = "left"
+    startup = startup_line(data.experiments, data.since)
+    notes = [cost_line(data.experiments), *([startup] if startup else []), *data.notes]
+    table.caption = "\n".join(notes)
+    table.caption_justify = "left"
     return table
 
 
-def answer_text(experiments: Sequence[Experiment], best: Experiment, objective: Objective) -> str:
-    """The summary's answer lines: the optimal config, its metric over its runs with the interval of
-    what a run of it gives (its runs' own intervals and the run-to-run noise,
-    :func:`~zerotune.core.noise.mean_half_width`), and the run-to-run noise and where it comes from
-    (:func:`~zerotune.core.noise.run_noise`)."""
-    noise = run_noise(experiments)
-    runs = [e for e in experiments if (e.name == best.name or e.replica_of == best.name)
-            and e.status == Status.OK and e.metric is not None]
-    pooled = pooled_metrics(experiments)[best.name]
-    half_width = mean_half_width([e.metric_rel_half_width for e in runs], noise.sigma)
+def answer_text(data: "ReportData") -> str:
+    """The summary's answer lines (the report has an answer): the optimal config, its metric over its runs with
+    the interval of what a run of it gives (:attr:`ReportData.answer_half_width
+    <zerotune.report.data.ReportData.answer_half_width>`: its runs' own intervals and the run-to-run noise), and the
+    run-to-run noise and where it comes from (:func:`~zerotune.core.noise.run_noise`)."""
+    best, objective = data.answer, data.objective
+    pooled = data.pooled[best.name]
     savers = "".join(f", {name}" for name in saver_names(best.ds_config))
     return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}{savers}, mbs {best.mbs}, gas {best.gas}), "
-            f"{objective.name} {pooled.value:.4g} ±{half_width:.1%} {objective.unit} (95%, mean of {pooled.runs} "
-            f"run(s): each run's own interval and the run-to-run noise)\n{noise.describe()}\n")
+            f"{objective.name} {pooled.value:.4g} ±{data.answer_half_width:.1%} {objective.unit} (95%, mean of "
+            f"{pooled.runs} run(s): each run's own interval and the run-to-run noise)\n{data.noise.describe()}\n")
 
 
 def _metric_text(pooled: Pooled, exp: Experiment) -> str:
@@ -289,10 +281,8 @@ def natural_width(console: Console, renderable) -> int:
     return console.measure(renderable, options=console.options.update_width(10_000)).maximum
 
 
-def write_results(results_dir: Path, experiments: Sequence[Experiment], objective: Objective, elapsed_s: float,
-                  launched: int, command_for: callable, notes: Sequence[str] = (), *,
-                  answer: Experiment | None, since: float | None = None) -> Experiment | None:
-    """Write ``summary.txt`` and, when any experiment succeeded, the optimal config and command.
+def write_results(results_dir: Path, data: "ReportData", command_for: callable) -> Experiment | None:
+    """Write ``summary.txt`` of the report ``data`` and, when it has an answer, the optimal config and command.
 
     Each file is written whole or not at all (:func:`~zerotune.run.store.write_text_atomic`: a temp
     file, fsync, rename), every text made before the first is written; the config first, the summary
@@ -302,28 +292,24 @@ def write_results(results_dir: Path, experiments: Sequence[Experiment], objectiv
     Args:
         command_for: ``command_for(config_path, ds_config) -> str``, the paste-able launcher command for the
             config that will be written at ``config_path`` (not written yet when it is called).
-        answer: the optimal experiment (the strategy's answer; None: none succeeded).
-        since: when this tuning started, seconds since the epoch: the summary's start-up line counts the
-            launches from then (:func:`startup_line`; None: every launch).
 
     Returns:
-        The best experiment, or None (then no optimal files are written, and stale ones are removed).
+        The answer, or None (then no optimal files are written, and stale ones are removed).
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
-    table = render_table(experiments, objective, elapsed_s, launched, notes, answer=answer, since=since)
-    best = answer
-    text = table_text(table)
+    best = data.answer
+    text = table_text(render_table(data))
     config_path = results_dir / "ds_config_optimal.json"
     cmd_path = results_dir / "cmd_optimal.txt"
     if best is None:
         text += "\nNo experiment succeeded: there is no optimal configuration.\n"
     else:
-        text += answer_text(experiments, best, objective)
+        text += answer_text(data)
         config = optimal_config(best)
         # the command names the file (not a link's target) and maps the config's values it will hold
         command = command_for(str(results_dir.resolve() / config_path.name), config) + "\n"
-    memory = memory_table(experiments)
+    memory = memory_table(data.experiments)
     if memory is not None:
         text += "\n" + table_text(memory)
     if best is None:

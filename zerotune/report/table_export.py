@@ -4,8 +4,9 @@ A row (:func:`experiment_row`, columns :data:`COLUMNS`) carries the summary's co
 tuning space, how it ended, its metric) plus the memory model's prediction and the measured peak per device, the
 launch's start and wall time, its start-up seconds (launch to the first measured step, ``startup_s``) apart from
 its measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""`` not launched)
-and why a run of a warm tuning went cold (``launch_note``), and its device-seconds. Memory is in bytes, times in
-seconds, the metric in the objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the
+and why a run of a warm tuning went cold (``launch_note``), its device-seconds, and its ``origin``: ``launched``
+by this tuning or ``cached``, read back from an earlier one's records (:data:`~zerotune.report.data.ORIGINS`).
+Memory is in bytes, times in seconds, the metric in the objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the
 objective, the budget, where the experiments are, what was not run and why, the runner-up, the projection): what
 ``zerotune report`` reads back (:func:`zerotune.report.data.load`).
 """
@@ -27,7 +28,7 @@ SCHEMA_VERSION = 1  # of results.json
 COLUMNS = ("name", "space", "kind", "stage", "mbs", "gas", "knobs", "replica_of", "status", "outcome", "ended",
            "metric_name", "metric", "metric_unit", "metric_rel_half_width", "metric_source", "predicted_memory_bytes",
            "peak_memory_bytes", "memory_rel_error", "budget_bytes", "started_at", "wall_s", "startup_s", "measure_s",
-           "launch", "launch_note", "num_nodes", "num_slots", "device_s", "exit_code", "error", "is_answer")
+           "launch", "launch_note", "num_nodes", "num_slots", "device_s", "exit_code", "error", "is_answer", "origin")
 """``results.csv``'s columns, in order."""
 
 
@@ -47,7 +48,7 @@ def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
         "started_at": iso_time(exp.started_at), "wall_s": exp.wall_s, "startup_s": exp.startup_s,
         "measure_s": exp.measure_s, "launch": exp.launch, "launch_note": exp.launch_note, "num_nodes": exp.num_nodes,
         "num_slots": exp.num_slots, "device_s": device_seconds(exp), "exit_code": exp.exit_code, "error": exp.error,
-        "is_answer": data.answer is not None and exp.name == data.answer.name,
+        "is_answer": data.answer is not None and exp.name == data.answer.name, "origin": data.origin(exp),
     }
 
 
@@ -74,7 +75,7 @@ def json_text(data: ReportData) -> str:
     runner_up, projection = data.runner_up(), data.projection()
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,
               "unit": data.objective.unit, "budget_bytes": data.budget_bytes, "exps_dir": str(data.exps_dir.resolve()),
-              "context": data.context, **data.plan.to_json(),
+              "context": data.context, **data.plan.to_json(), "since": data.since, "elapsed_s": data.elapsed_s,
               "strategy_known": data.strategy_known, "not_run": [{"what": n.what, "reason": n.reason}
                                                                 for n in data.not_run], "notes": data.notes}
     body = {"schema_version": SCHEMA_VERSION, "tuning": tuning,

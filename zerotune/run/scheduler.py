@@ -59,6 +59,7 @@ class Scheduler:
         self._seeded = False
         self.history: list[Experiment] = []
         self.launched = 0
+        self.cached: set[str] = set()  # the names of the runs read back from disk, not launched
         self._cond = threading.Condition()
 
     def load(self, exp: Experiment) -> Experiment | None:
@@ -94,6 +95,7 @@ class Scheduler:
                 done.space = exp.space or done.space
                 results[i] = done
                 self.history.append(done)
+                self.cached.add(done.name)
                 self.on_update(done, "cached")
             else:
                 if not self.pool.can_ever_fit(exp.num_nodes, exp.num_slots):
