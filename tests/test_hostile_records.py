@@ -213,3 +213,16 @@ def test_an_atomic_write_stopped_midway_leaves_the_old_file_and_no_temp(tmp_path
     (tmp_path / "linked.txt").symlink_to(tmp_path / "elsewhere.txt")
     write_text_atomic(tmp_path / "linked.txt", "new\n")  # replaces the link, never writes through it
     assert (tmp_path / "elsewhere.txt").read_text() == "keep me" and not (tmp_path / "linked.txt").is_symlink()
+
+
+def test_a_running_record_round_trips_and_a_damaged_one_names_nothing_it_cannot(tmp_path):
+    from zerotune.run.processes import RunningRecord, write_running_record
+
+    path = write_running_record(tmp_path, "z1_gas1_tmbspg4", "tok", 29500, leader=4242, since=1700000000.5)
+    record = RunningRecord.from_dict(json.loads(path.read_text()), path.stem)
+    assert (record.name, record.token, record.master_port, record.tuner_pid, record.leader, record.since,
+            record.stop) == ("z1_gas1_tmbspg4", "tok", 29500, os.getpid(), 4242, 1700000000.5, None)
+    assert record.to_dict() == json.loads(path.read_text())
+    damaged = RunningRecord.from_dict({"token": 7, "master_port": True, "tuner_pid": "1", "leader": 1.5,
+                                       "since": "now", "host": ["h"]}, "z2")
+    assert damaged == RunningRecord("z2")  # a bool is not a port, a string not a pid: none is used

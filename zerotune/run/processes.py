@@ -32,6 +32,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from zerotune.run.backends.stop_handles import cancel_handle, record_handle
 from zerotune.run.store import read_json, write_json_atomic
 
 __all__ = [
-    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "adopt_orphans", "data_bytes", "descendants", "kill_token",
+    "RUNNING_DIR", "RUN_TOKEN_ENV", "SHM_DIR", "RunningRecord", "adopt_orphans", "data_bytes", "descendants", "kill_token",
     "kill_token_on", "kill_tree", "new_run_token", "reap_orphans", "remove_shm_buffers", "run_processes", "runs_script",
     "write_running_record",
 ]
@@ -181,6 +182,54 @@ def run_processes(token: str) -> list[psutil.Process]:
     return _of_run(token, None, None)
 
 
+@dataclass(frozen=True)
+class RunningRecord:
+    """A running record, ``<exps_dir>/.zerotune-running/<name>.json`` (module doc): a run this tuner process holds.
+
+    Attributes:
+        name: the experiment's name. token: its run token (:data:`RUN_TOKEN_ENV`). master_port: its rendezvous port.
+        host: the machine the tuner runs on. tuner_pid, tuner_create_time: the tuner process (``psutil``'s
+            create time, s since the epoch), so that a reused pid is not taken for it.
+        leader: the pid leading the launcher's session, once started. since: when the run was launched,
+            ``time.time()``.
+        stop: the run's stop handle where it holds more than processes here
+            (:mod:`zerotune.run.backends.stop_handles`).
+    """
+
+    name: str
+    token: str | None = None
+    master_port: int | None = None
+    host: str | None = None
+    tuner_pid: int | None = None
+    tuner_create_time: float | None = None
+    leader: int | None = None
+    since: float | None = None
+    stop: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], name: str) -> "RunningRecord":
+        """The record from its decoded JSON object; ``name``: the file's stem, where the object names none. A
+        field held with another type than zerotune writes is None (a damaged or foreign file stops nothing it
+        cannot name); an older zerotune's Slurm keys give the stop handle
+        (:func:`~zerotune.run.backends.stop_handles.record_handle`)."""
+        def typed(key: str, kind: type | tuple[type, ...]) -> Any:
+            value = data.get(key)
+            return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+        return cls(typed("name", str) or name, typed("token", str) or None, typed("master_port", int),
+                   typed("host", str), typed("tuner_pid", int), typed("tuner_create_time", (int, float)),
+                   typed("leader", int), typed("since", (int, float)), record_handle(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object :meth:`from_dict` reads back (``stop`` only where the run has a handle)."""
+        record = {"name": self.name, "token": self.token, "master_port": self.master_port, "host": self.host,
+                  "tuner_pid": self.tuner_pid, "tuner_create_time": self.tuner_create_time, "leader": self.leader,
+                  "since": self.since}
+        if self.stop is not None:
+            record["stop"] = dict(self.stop)
+        return record
+
+
 def write_running_record(running_dir: Path, name: str, token: str, master_port: int | None, leader: int | None = None,
                          since: float | None = None, stop: Mapping[str, Any] | None = None) -> Path:
     """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
@@ -190,18 +239,15 @@ def write_running_record(running_dir: Path, name: str, token: str, master_port: 
     are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
-    record = {"name": name, "token": token, "master_port": master_port, "host": socket.gethostname(),
-              "tuner_pid": os.getpid(), "tuner_create_time": psutil.Process().create_time(), "leader": leader,
-              "since": since}
-    if stop is not None:
-        record["stop"] = dict(stop)
-    write_json_atomic(path, record)
+    record = RunningRecord(name, token, master_port, socket.gethostname(), os.getpid(), psutil.Process().create_time(),
+                           leader, since, stop)
+    write_json_atomic(path, record.to_dict())
     return path
 
 
 def reap_orphans(running_dir: Path) -> list[str]:
-    """Kill the processes of experiments whose tuner died while they ran (their records are left in
-    ``running_dir``); records of a live tuner, or written on another host (a shared filesystem),
+    """Kill the processes of experiments whose tuner died while they ran (their records, :class:`RunningRecord`,
+    are left in ``running_dir``); records of a live tuner, or written on another host (a shared filesystem),
     are left alone. Returns the names reaped.
 
     Processes are found by the token in their environment, never by name, so nothing else is
@@ -210,23 +256,23 @@ def reap_orphans(running_dir: Path) -> list[str]:
     """
     reaped = []
     try:
-        records = sorted(Path(running_dir).glob("*.json"))
+        paths = sorted(Path(running_dir).glob("*.json"))
     except OSError:
         return reaped
-    for path in records:
+    for path in paths:
         data = read_json(path)
-        if (data is None or data.get("host") != socket.gethostname()
-                or _alive(data.get("tuner_pid"), data.get("tuner_create_time"))):
+        if data is None:
             continue
-        cancel_handle(record_handle(data))
-        if data.get("token"):
-            leader, since = data.get("leader"), data.get("since")
-            kill_token(str(data["token"]), leader if isinstance(leader, int) else None,
-                       since if isinstance(since, (int, float)) else None)
-        if isinstance(data.get("master_port"), int):
-            remove_shm_buffers(data["master_port"])
+        record = RunningRecord.from_dict(data, path.stem)
+        if record.host != socket.gethostname() or _alive(record.tuner_pid, record.tuner_create_time):
+            continue
+        cancel_handle(record.stop)
+        if record.token:
+            kill_token(record.token, record.leader, record.since)
+        if record.master_port is not None:
+            remove_shm_buffers(record.master_port)
         path.unlink(missing_ok=True)
-        reaped.append(str(data.get("name", path.stem)))
+        reaped.append(record.name)
     return reaped
 
 
