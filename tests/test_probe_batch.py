@@ -68,3 +68,24 @@ def test_the_wrapped_forward_notes_the_batch_from_the_first_call_on(tmp_path):
     state = probe.state(engine)
     assert (state["batch_samples"], state["seq_len"]) == (2, 64)
     assert state["last"] == probe.first_forward  # step 1 is still timed from the first forward
+
+
+def test_the_longest_batch_pads_token_ids_labels_with_the_ignored_index(monkeypatch):
+    from zerotune.probe._zerotune_probe.padding import _pad_length, pad_batch
+
+    ids = torch.arange(6, dtype=torch.int64).reshape(2, 3) + 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "pixel_values": torch.ones(2, 3), "mask": torch.ones(2, 3, dtype=torch.bool)}
+    args, kwargs = pad_batch((), batch, length=5)
+    assert args == () and kwargs["input_ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 0, 0]]
+    assert kwargs["attention_mask"].tolist() == [[1, 1, 1, 0, 0]] * 2
+    assert kwargs["labels"].tolist() == [[1, 2, 3, -100, -100], [4, 5, 6, -100, -100]]
+    assert kwargs["pixel_values"] is batch["pixel_values"] and kwargs["mask"] is batch["mask"]  # not token ids
+    (inner,), _ = pad_batch(({"input_ids": ids},), {}, length=4)  # engine(batch): one level into it
+    assert inner["input_ids"].shape == (2, 4) and _batch_shape((inner,), {}) == (2, 4)
+    longer = torch.zeros(2, 9, dtype=torch.int64)
+    assert pad_batch((longer, torch.zeros(2, 3, 4, dtype=torch.int64)), {}, length=5)[0][0] is longer
+    assert pad_batch((ids,), {}, length=None) == ((ids,), {})
+    for text, length in (("", None), ("0", None), ("2k", None), ("1024", 1024)):
+        monkeypatch.setenv("PYTHON_ZEROTUNE_PAD_SEQ_LEN", text)
+        assert _pad_length() == length

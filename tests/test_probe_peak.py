@@ -53,6 +53,7 @@ def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch
 
 
 def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it(monkeypatch):
+    import torch  # noqa: F401 - the figures below need a process that holds torch, run alone or in the suite
     monkeypatch.setattr(_DataPeak, "running", None)  # this test's own sampler, gone after it
     assert _data_peak() == {}  # no sampler (CUDA, or not a rank): nothing in the profile record
     _DataPeak.start()

@@ -6,11 +6,11 @@ imports this file at start-up in every process of the launch (the launcher too).
 ``PYTHON_ZEROTUNE_PROBE_DIR`` it installs the probe (:func:`install`); with or without it, it then runs the
 user's own ``sitecustomize`` (:func:`_chain`).
 
-This file only installs. The probe's parts are modules of the private package ``_zerotune_probe`` beside it:
-the step and exit records (``records``), the peak memory and the allocator's cap (``peak``), the import hook
-and the engine's wrapped methods (``engine``), what a batch held (``batch``), the profile run's saved
-activations and checkpointing (``activations``) and its step growth (``growth``). The names the tuner reads (the environment variables,
-the records' file names) are re-exported here.
+This file only installs. The probe's parts are modules of the private package ``_zerotune_probe`` beside it: the
+step and exit records (``records``), the peak memory and the allocator's cap (``peak``), the import hook and the
+engine's wrapped methods (``engine``), what a batch held (``batch``), the batch padded to the longest length on
+demand (``padding``), the profile run's saved activations and checkpointing (``activations``) and its step growth
+(``growth``). The names the tuner reads (the environment variables, the records' file names) are re-exported here.
 
 Only this file, ``__init__.py`` and ``_zerotune_probe`` are in this directory, since it is on the ranks' import
 path. The ranks import this file as ``sitecustomize`` and the package as ``_zerotune_probe``; the tuner (and a
@@ -22,10 +22,12 @@ import sys
 
 if __package__:  # zerotune.probe.sitecustomize
     from ._zerotune_probe import engine as _engine
+    from ._zerotune_probe import padding as _padding
     from ._zerotune_probe import peak as _peak
     from ._zerotune_probe import records as _records
 else:  # sitecustomize, imported by ``site`` with this directory on sys.path
     from _zerotune_probe import engine as _engine
+    from _zerotune_probe import padding as _padding
     from _zerotune_probe import peak as _peak
     from _zerotune_probe import records as _records
 
@@ -33,6 +35,7 @@ else:  # sitecustomize, imported by ``site`` with this directory on sys.path
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 BUDGET_ENV = _peak.BUDGET_ENV  # bytes per device, on CUDA ranks (:func:`cap_allocator`)
+PAD_ENV = _padding.PAD_ENV  # tokens: every micro batch padded to this sequence length (--verify-longest)
 STREAM_PREFIX, STREAM_SUFFIX = _records.STREAM_PREFIX, _records.STREAM_SUFFIX
 ENGINE_RECORD = _records.ENGINE_RECORD
 ACTIVATIONS_RECORD = _records.ACTIVATIONS_RECORD

@@ -4,7 +4,7 @@ engine record.
 :func:`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
 ``deepspeed.runtime.engine``; nothing imports deepspeed or torch at start-up. Once that module has run, the
 hook wraps ``DeepSpeedEngine.forward`` (to note the first forward's time, and the shapes of each forward's
-arguments: :mod:`.batch`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
+arguments: :mod:`.batch`, padded first to the longest length where asked: :mod:`.padding`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
 (:func:`_install`). Whether a call is the gradient-accumulation
 boundary is asked before the original ``step`` runs; after a boundary step returns, the rank records it
 (:class:`.records._Probe`).
@@ -30,6 +30,7 @@ import sys
 from .activations import _SavedActivations
 from .batch import _note_batch
 from .growth import _StepGrowth
+from .padding import PAD_TO, pad_batch
 from .peak import _cap_device, _DataPeak, _on_cuda
 from .records import ENGINE_RECORD, _Probe, _rank, _write_record
 
@@ -76,6 +77,11 @@ def _probed_forward(forward, probe: _Probe):
         first = probe.first_forward is None
         if first:
             probe.first_forward = time.monotonic()
+        if PAD_TO is not None:  # --verify-longest: the batch at the longest length (.padding)
+            try:
+                args, kwargs = pad_batch(args, kwargs)
+            except Exception as e:  # noqa: BLE001 - the probe never breaks training; its records say so
+                probe.fail("padding the batch to the longest length", e)
         _note_batch(probe, self, args, kwargs)
         if first:
             _cap_device(self)

@@ -1,0 +1,63 @@
+"""The longest batch on demand: every micro batch's token ids padded to one sequence length before the engine's
+forward, so that one run measures the peak of the longest batch the training can meet (``--verify-longest``).
+
+Set by ``PYTHON_ZEROTUNE_PAD_SEQ_LEN`` (a positive whole number of tokens, read once at import; unset or not a
+number: nothing is padded). :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
+and one level into the mappings, lists and tuples among them) and pads, at the end of their second dimension, the
+integer-dtype tensors of exactly two dimensions, ``[samples, tokens]``, shorter than that length: ``labels`` with
+-100 (the index Hugging Face's and torch's cross-entropy ignore), every other one (``input_ids``,
+``attention_mask``, ``token_type_ids``) with 0 (a pad token's id is never read: its attention mask is 0). The
+activations then have the shapes of a batch of that length, which is what the peak depends on.
+
+A script whose batch is not token ids as ``[samples, tokens]`` integer tensors (images, float features, packed or
+pre-embedded sequences) is not padded, and its peak is its own batches'.
+"""
+import os
+import sys
+from collections.abc import Mapping
+
+PAD_ENV = "PYTHON_ZEROTUNE_PAD_SEQ_LEN"
+LABEL_PAD = -100
+LABEL_KEYS = ("labels", "label", "lm_labels")
+
+
+def _pad_length():
+    """The sequence length of :data:`PAD_ENV`; None when it is unset or not a positive whole number."""
+    text = os.environ.get(PAD_ENV, "")
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+PAD_TO = _pad_length()
+
+
+def pad_batch(args: tuple, kwargs: dict, length=PAD_TO) -> tuple:
+    """``(args, kwargs)`` with their token-id tensors padded to ``length`` tokens (module docstring); the same
+    objects where ``length`` is None, torch is not imported, or nothing is shorter."""
+    torch = sys.modules.get("torch")
+    if length is None or torch is None:
+        return args, kwargs
+    pad = _Pad(torch, length)
+    return tuple(pad.value(v, None) for v in args), {k: pad.value(v, k) for k, v in kwargs.items()}
+
+
+class _Pad:
+    def __init__(self, torch, length: int):
+        self.torch, self.length = torch, length
+
+    def value(self, value, key, depth: int = 0):
+        """``value`` padded where it is a token-id tensor, or a container of them one level down."""
+        if isinstance(value, self.torch.Tensor):
+            return self.tensor(value, key)
+        if depth == 0 and isinstance(value, Mapping):
+            return {k: self.value(v, k, 1) for k, v in value.items()}
+        if depth == 0 and isinstance(value, (list, tuple)):
+            return type(value)(self.value(v, None, 1) for v in value)
+        return value
+
+    def tensor(self, t, key):
+        dtype = t.dtype
+        if (t.dim() != 2 or t.shape[1] >= self.length or dtype.is_floating_point or dtype.is_complex
+                or dtype == self.torch.bool):
+            return t
+        fill = LABEL_PAD if key in LABEL_KEYS else 0
+        return self.torch.nn.functional.pad(t, (0, self.length - t.shape[1]), value=fill)
