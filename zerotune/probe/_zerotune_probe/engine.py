@@ -30,7 +30,7 @@ import sys
 from .activations import _SavedActivations
 from .batch import _note_batch
 from .growth import _StepGrowth
-from .padding import PAD_TO, pad_batch
+from .padding import pad_batch, pad_length
 from .peak import _cap_device, _DataPeak, _on_cuda
 from .records import ENGINE_RECORD, _Probe, _rank, _write_record
 
@@ -77,9 +77,10 @@ def _probed_forward(forward, probe: _Probe):
         first = probe.first_forward is None
         if first:
             probe.first_forward = time.monotonic()
-        if PAD_TO is not None:  # --verify-longest: the batch at the longest length (.padding)
+            probe.pad_to = pad_length()
+        if probe.pad_to is not None:  # --verify-longest: the batch at the longest length (.padding)
             try:
-                args, kwargs = pad_batch(args, kwargs)
+                args, kwargs = pad_batch(args, kwargs, probe.pad_to)
             except Exception as e:  # noqa: BLE001 - the probe never breaks training; its records say so
                 probe.fail("padding the batch to the longest length", e)
         _note_batch(probe, self, args, kwargs)

@@ -1,8 +1,9 @@
 """The longest batch on demand: every micro batch's token ids padded to one sequence length before the engine's
 forward, so that one run measures the peak of the longest batch the training can meet (``--verify-longest``).
 
-Set by ``PYTHON_ZEROTUNE_PAD_SEQ_LEN`` (a positive whole number of tokens, read once at import; unset or not a
-number: nothing is padded). :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
+Set by ``PYTHON_ZEROTUNE_PAD_SEQ_LEN`` (a positive whole number of tokens, read at the process's first forward,
+:func:`pad_length`: a warm rank imports the probe before its run's environment is in place; unset or not a number:
+nothing is padded). :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
 and one level into the mappings, lists and tuples among them) and pads, at the end of their second dimension, the
 integer-dtype tensors of exactly two dimensions, ``[samples, tokens]``, shorter than that length: ``labels`` with
 -100 (the index Hugging Face's and torch's cross-entropy ignore), every other one (``input_ids``,
@@ -21,16 +22,13 @@ LABEL_PAD = -100
 LABEL_KEYS = ("labels", "label", "lm_labels")
 
 
-def _pad_length():
+def pad_length():
     """The sequence length of :data:`PAD_ENV`; None when it is unset or not a positive whole number."""
     text = os.environ.get(PAD_ENV, "")
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-PAD_TO = _pad_length()
-
-
-def pad_batch(args: tuple, kwargs: dict, length=PAD_TO) -> tuple:
+def pad_batch(args: tuple, kwargs: dict, length) -> tuple:
     """``(args, kwargs)`` with their token-id tensors padded to ``length`` tokens (module docstring); the same
     objects where ``length`` is None, torch is not imported, or nothing is shorter."""
     torch = sys.modules.get("torch")

@@ -75,6 +75,7 @@ class _Probe:
         self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file",
         #                                      "base", "batch_samples", "seq_len"}
         self.first_forward: float | None = None
+        self.pad_to: int | None = None  # tokens every micro batch is padded to (.padding), set at the first forward
         self.failed = False
         self.exit_rank: int | None = None  # set with the first step record: this process writes an exit record
         self.exit_status = None  # the last sys.exit argument after that
