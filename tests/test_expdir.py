@@ -41,6 +41,12 @@ def test_prepare_writes_the_autotuning_section_with_paths_in_the_dir(tmp_path, m
                        "end_profile_step": 4, "metric": "latency"}}
     assert sorted(p.name for p in d.iterdir()) == ["ds_config.json"]  # stale results removed
     assert e.ds_config == CONFIG  # the experiment's own config is untouched
+    e.pad_seq_len = 1024  # --verify-longest: the probe pads every batch to the length this file holds
+    expdir.prepare(e, Path("exps/a"), OBJECTIVES["latency"], start_profile_step=2, end_profile_step=4)
+    assert (d / "pad_seq_len.txt").read_text() == "1024\n"
+    e.pad_seq_len = None  # a later attempt without it leaves no pad file behind
+    expdir.prepare(e, Path("exps/a"), OBJECTIVES["latency"], start_profile_step=2, end_profile_step=4)
+    assert sorted(p.name for p in d.iterdir()) == ["ds_config.json"]
 
 
 def test_finish_converts_latency_microseconds_to_seconds(tmp_path):

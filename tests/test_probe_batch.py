@@ -70,7 +70,7 @@ def test_the_wrapped_forward_notes_the_batch_from_the_first_call_on(tmp_path):
     assert state["last"] == probe.first_forward  # step 1 is still timed from the first forward
 
 
-def test_the_longest_batch_pads_token_ids_labels_with_the_ignored_index(monkeypatch):
+def test_the_longest_batch_pads_token_ids_labels_with_the_ignored_index(tmp_path):
     from zerotune.probe._zerotune_probe.padding import pad_batch, pad_length
 
     ids = torch.arange(6, dtype=torch.int64).reshape(2, 3) + 1
@@ -86,18 +86,19 @@ def test_the_longest_batch_pads_token_ids_labels_with_the_ignored_index(monkeypa
     longer = torch.zeros(2, 9, dtype=torch.int64)
     assert pad_batch((longer, torch.zeros(2, 3, 4, dtype=torch.int64)), {}, length=5)[0][0] is longer
     assert pad_batch((ids,), {}, length=None) == ((ids,), {})
-    for text, length in (("", None), ("0", None), ("2k", None), ("1024", 1024)):
-        monkeypatch.setenv("PYTHON_ZEROTUNE_PAD_SEQ_LEN", text)
-        assert pad_length() == length
+    assert pad_length(str(tmp_path)) is None  # no file
+    for text, length in (("", None), ("0", None), ("2k", None), ("1024\n", 1024)):
+        (tmp_path / "pad_seq_len.txt").write_text(text)
+        assert pad_length(str(tmp_path)) == length
 
 
-def test_the_wrapped_forward_pads_to_the_length_its_environment_names_at_the_first_forward(tmp_path, monkeypatch):
+def test_the_wrapped_forward_pads_to_the_length_its_directory_names_at_the_first_forward(tmp_path):
     probe = _Probe(str(tmp_path))
     forward = _probed_forward(lambda self, *args, **kwargs: tuple(kwargs["input_ids"].shape), probe)
     engine = types.SimpleNamespace(global_rank=1, module=None, _config=None, train_batch_size=lambda: 2,
                                    train_micro_batch_size_per_gpu=lambda: 2, gradient_accumulation_steps=lambda: 1)
-    monkeypatch.setenv("PYTHON_ZEROTUNE_PAD_SEQ_LEN", "96")  # set before the first forward, as a warm rank's is
+    (tmp_path / "pad_seq_len.txt").write_text("96")  # written before the launch (zerotune.run.expdir.prepare)
     assert forward(engine, input_ids=torch.zeros(2, 64, dtype=torch.int64)) == (2, 96)
-    monkeypatch.delenv("PYTHON_ZEROTUNE_PAD_SEQ_LEN")  # read once: later forwards keep it
+    (tmp_path / "pad_seq_len.txt").unlink()  # read once: later forwards keep it
     assert forward(engine, input_ids=torch.zeros(2, 80, dtype=torch.int64)) == (2, 96)
     assert probe.state(engine)["seq_len"] == 96 and not probe.failed  # the record says what the model got

@@ -25,7 +25,7 @@ from zerotune.probe.sitecustomize import (
     BUDGET_ENV,
     EXIT_PREFIX,
     EXIT_SUFFIX,
-    PAD_ENV,
+    PAD_FILE,
     PROBE_DIR_ENV,
     STREAM_PREFIX,
     STREAM_SUFFIX,
@@ -33,7 +33,7 @@ from zerotune.probe.sitecustomize import (
     stream_name,
 )
 
-__all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PAD_ENV",
+__all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PAD_FILE",
            "PROBE_DIR_ENV",
            "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "clean_exits", "clear_streams", "exit_name",
            "read_exits", "read_model_shapes", "read_checkpointed_activations", "read_saved_activations", "read_streams",

@@ -35,7 +35,7 @@ else:  # sitecustomize, imported by ``site`` with this directory on sys.path
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
 BUDGET_ENV = _peak.BUDGET_ENV  # bytes per device, on CUDA ranks (:func:`cap_allocator`)
-PAD_ENV = _padding.PAD_ENV  # tokens: every micro batch padded to this sequence length (--verify-longest)
+PAD_FILE = _padding.PAD_FILE  # in the probe's dir: the length every micro batch is padded to (--verify-longest)
 STREAM_PREFIX, STREAM_SUFFIX = _records.STREAM_PREFIX, _records.STREAM_SUFFIX
 ENGINE_RECORD = _records.ENGINE_RECORD
 ACTIVATIONS_RECORD = _records.ACTIVATIONS_RECORD

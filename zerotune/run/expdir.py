@@ -52,13 +52,14 @@ from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
 from zerotune.probe import (
+    PAD_FILE,
     clear_streams,
     read_checkpointed_activations,
     read_model_shapes,
     read_saved_activations,
     read_streams,
 )
-from zerotune.run.store import read_object, write_json_atomic
+from zerotune.run.store import read_object, write_json_atomic, write_text_atomic
 
 __all__ = [
     "CMD_FILE", "CONFIG_FILE", "METRICS_FILE", "MODEL_INFO_FILE", "OOM_PATTERNS", "STDERR_LOG", "STDOUT_LOG",
@@ -94,7 +95,8 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
 
     Creates the directory, removes result files and probe streams of an earlier attempt (so a
     stale file is never read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
-    ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``.
+    ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``; for an
+    experiment with ``pad_seq_len``, also the probe's pad file (:data:`~zerotune.probe.PAD_FILE`).
 
     Args:
         exp: the experiment; its ``ds_config`` is not modified.
@@ -112,6 +114,11 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
     for stale in (metrics_path, model_info_path):
         stale.unlink(missing_ok=True)
     clear_streams(exp_dir)  # the step probe appends
+    pad_path = exp_dir / PAD_FILE  # the length the probe pads every batch to (--verify-longest), or none
+    if exp.pad_seq_len:
+        write_text_atomic(pad_path, f"{int(exp.pad_seq_len)}\n")
+    else:
+        pad_path.unlink(missing_ok=True)
     config = json.loads(json.dumps(exp.ds_config))
     config.setdefault("autotuning", {}).update(
         enabled=True, metric_path=str(metrics_path), model_info_path=str(model_info_path),

@@ -77,7 +77,7 @@ def _probed_forward(forward, probe: _Probe):
         first = probe.first_forward is None
         if first:
             probe.first_forward = time.monotonic()
-            probe.pad_to = pad_length()
+            probe.pad_to = pad_length(probe.directory)
         if probe.pad_to is not None:  # --verify-longest: the batch at the longest length (.padding)
             try:
                 args, kwargs = pad_batch(args, kwargs, probe.pad_to)

@@ -1,9 +1,9 @@
 """The longest batch on demand: every micro batch's token ids padded to one sequence length before the engine's
 forward, so that one run measures the peak of the longest batch the training can meet (``--verify-longest``).
 
-Set by ``PYTHON_ZEROTUNE_PAD_SEQ_LEN`` (a positive whole number of tokens, read at the process's first forward,
-:func:`pad_length`: a warm rank imports the probe before its run's environment is in place; unset or not a number:
-nothing is padded). :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
+Set by the file :data:`PAD_FILE` in the probe's directory (the experiment's, on every backend and node), which
+holds a positive whole number of tokens; it is read at the process's first forward (:func:`pad_length`: a warm rank
+imports the probe before its run's directory is known). No file, or not a number: nothing is padded. :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
 and one level into the mappings, lists and tuples among them) and pads, at the end of their second dimension, the
 integer-dtype tensors of exactly two dimensions, ``[samples, tokens]``, shorter than that length: ``labels`` with
 -100 (the index Hugging Face's and torch's cross-entropy ignore), every other one (``input_ids``,
@@ -17,14 +17,19 @@ import os
 import sys
 from collections.abc import Mapping
 
-PAD_ENV = "PYTHON_ZEROTUNE_PAD_SEQ_LEN"
+PAD_FILE = "pad_seq_len.txt"
 LABEL_PAD = -100
 LABEL_KEYS = ("labels", "label", "lm_labels")
 
 
-def pad_length():
-    """The sequence length of :data:`PAD_ENV`; None when it is unset or not a positive whole number."""
-    text = os.environ.get(PAD_ENV, "")
+def pad_length(directory: str):
+    """The sequence length :data:`PAD_FILE` in ``directory`` holds; None without one, or when it does not hold a
+    positive whole number."""
+    try:
+        with open(os.path.join(directory, PAD_FILE)) as f:
+            text = f.read(32).strip()
+    except OSError:
+        return None
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
