@@ -263,6 +263,7 @@ def test_the_record_keeps_the_longest_sequence_a_batch_of_the_run_held_and_an_ol
         write(tmp_path / f"probe.rank{rank}.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
     run = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert run.max_seq_len_seen == 512 and run.to_json()["max_seq_len_seen"] == 512
+    assert run.min_seq_len_seen == 128  # the steps' longest: 128, 512, 300: the lengths vary
     assert Experiment.from_json(run.to_json()) == run
     older = {k: v for k, v in run.to_json().items() if k != "max_seq_len_seen"}  # an exp.json written before it
     assert Experiment.from_json(older).max_seq_len_seen is None

@@ -195,7 +195,8 @@ TUNE = {"--hostfile": FILES, "--include": ["localhost:a", "localhost:-1", f"loca
         "--nvme-path": ["{tmp}/afile", "/dev/zero", "{tmp}/nope"], "--timeout": [*FLOATS, "0"],
         "--hang-timeout": [*FLOATS, "0"], "--var": ["X", "=3", "X=" + "[" * 100 + "]" * 100, "X=" + "[" * 5000],
         "--precision": [*FLOATS, "0", "1", "2"], "--backend": ["LOCAL", "mpi"], "--address": ["10.0.0.1:6379"],
-        "--max-launches": [*WHOLE, "0"], "--max-device-hours": [*FLOATS, "0"], **PROJECTION, "user_script": ["{bad}/missing", "/dev/zero", "{bad}/directory", "{bad}/fifo"],
+        "--max-launches": [*WHOLE, "0"], "--max-device-hours": [*FLOATS, "0"], "--max-seq-len": [*WHOLE, "0"],
+        **PROJECTION, "user_script": ["{bad}/missing", "/dev/zero", "{bad}/directory", "{bad}/fifo"],
         "--deepspeed_config": FILES}
 BAD = {"tune": TUNE, "run": TUNE,
        "estimate": {"--profile": FILES, "--hf-config": FILES, "--deepspeed": FILES, "--num-params": PARAMS,

@@ -8,7 +8,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import ExperimentKind
 from zerotune.core.launch import Node
 from zerotune.deepspeed.auto import ENGINE_RECORD, auto_paths, hidden_size_autos, resolve, script_autos
-from zerotune.probe._zerotune_probe.engine import _hidden_size
+from zerotune.probe._zerotune_probe.engine import _hidden_size, _max_positions
 from zerotune.report.results import optimal_config
 from zerotune.strategy.configs import PROFILE_BUCKET_SIZE, ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
@@ -159,6 +159,14 @@ def test_the_probe_reads_the_hidden_size_where_the_trainer_does():
     assert _hidden_size(cfg(config=cfg(hidden_sizes=[64, 256, 128]))) == 256
     assert _hidden_size(cfg(config=cfg(text_config=cfg(hidden_size=32)))) == 32
     assert _hidden_size(cfg(config=None)) is None and _hidden_size(None) is None
+
+
+def test_the_probe_reads_the_longest_sequence_the_model_takes():
+    cfg = SimpleNamespace
+    assert _max_positions(cfg(config=cfg(n_positions=1024))) == 1024  # GPT-2
+    assert _max_positions(cfg(config=cfg(max_position_embeddings=4096))) == 4096  # Llama, OPT, BERT
+    assert _max_positions(cfg(config=cfg(text_config=cfg(max_position_embeddings=512)))) == 512
+    assert _max_positions(cfg(config=cfg(n_positions=True))) is None and _max_positions(None) is None
 
 
 def test_the_optimal_command_and_zerotune_run_pass_the_optimal_configs_values(tmp_path):

@@ -30,6 +30,7 @@ from zerotune.report.log import set_verbosity
 from zerotune.run.backends import BACKENDS, backend_nodes
 from zerotune.run.resources import select_resources, slots_named
 from zerotune.strategy.job import cuda_available
+from zerotune.strategy.longest import LongestOptions
 from zerotune.strategy.variables import parse_cli_variable
 
 TRAINING_FAILED = 3
@@ -90,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         v = z.add_mutually_exclusive_group()
         v.add_argument("--quiet", action="store_true", help="log warnings and errors only (not each decision)")
         v.add_argument("--verbose", action="store_true", help="log debug lines too")
-        publish.add_projection_options(p)
-        _budget_options(p)
+        for add_options in (publish.add_projection_options, _budget_options, _longest_options):
+            add_options(p)
         p.add_argument("user_script", help="the training script")
         p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
     estimate.add_parser(sub)
@@ -109,6 +110,16 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-device-hours", type=positive_number, default=None, metavar="H",
                    help="launch no more experiments once those launched took H device-hours (wall time x devices); "
                         "then answer as with --max-launches")
+
+
+def _longest_options(p: argparse.ArgumentParser) -> None:
+    """``--max-seq-len`` and ``--verify-longest``: the answer at the longest batch (:mod:`zerotune.strategy.longest`)."""
+    g = p.add_argument_group("the longest batch the training can meet")
+    g.add_argument("--max-seq-len", type=whole(1, MAX_COUNT), default=None, metavar="N",
+                   help="the longest sequence a training batch holds, tokens: the answer must fit its peak there "
+                        "(default: the model's n_positions where the batches' lengths vary, else what the runs saw)")
+    g.add_argument("--verify-longest", action="store_true",
+                   help="run the answer once more with every batch's token ids padded to the longest length")
 
 
 def _launcher_options(p: argparse.ArgumentParser) -> None:
@@ -143,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                               host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,
                               train_samples=args.train_samples, train_steps=args.train_steps,
                               cost_per_device_hour=args.cost_per_device_hour, max_launches=args.max_launches,
-                              max_device_hours=args.max_device_hours)
+                              max_device_hours=args.max_device_hours,
+                              longest=LongestOptions(args.max_seq_len, args.verify_longest))
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:

@@ -93,6 +93,7 @@ class Experiment:
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
     max_seq_len_seen: int | None = None  # the longest sequence a micro batch of its run held, tokens (probe only)
+    min_seq_len_seen: int | None = None  # the shortest step's longest sequence, tokens (probe only): lengths vary
     pad_seq_len: int | None = None  # every micro batch's token ids padded to this length, tokens (--verify-longest)
     started_at: float | None = None  # when the scheduler launched it, seconds since the epoch (the report's timeline)
     launch: str = ""  # how its ranks started: LAUNCH_WARM (forked from a warm server) or LAUNCH_COLD; "" not launched

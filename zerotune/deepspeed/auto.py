@@ -145,7 +145,8 @@ def resolve(config: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, A
 def read_engine_record(exp_dir: Path) -> dict[str, Any] | None:
     """What the probe recorded of the engine in ``exp_dir`` (rank 0, first forward): ``ds_config``
     (the config as the engine got it, the Trainer's ``"auto"`` filled in), ``hidden_size`` (the
-    model's, as the Trainer reads it; None when it has none), ``train_micro_batch_size_per_gpu``,
+    model's, as the Trainer reads it; None when it has none), ``max_positions`` (the longest sequence the model
+    takes; None: none, or a probe before it), ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps``, ``train_batch_size``. None when there is no readable record."""
     try:
         data = json.loads((Path(exp_dir) / ENGINE_RECORD).read_text())

@@ -43,6 +43,7 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     notes += result.savers_notes
     notes += [f"not launched: {p.name}: {p.reason}" for p in result.predictions]
     notes += [f"{e.name}: {e.error}" for e in result.experiments if e.status is Status.REFUSED]
+    notes += result.longest.notes()
     if result.ledger.tie is not None:
         notes.append(tie_note(result.ledger.tie, result.ledger.precision, result.ledger.objective))
     replicas = [e for e in result.experiments if e.replica_of]

@@ -89,6 +89,11 @@ class Evaluator:
                               f"{', '.join(e.name for e in cut)} not launched")
         return [self.ledger[e.name] for e in experiments]
 
+    def launch_outside_ledger(self, experiments: Sequence[Experiment]) -> list[Experiment]:
+        """Run ``experiments`` as they are, outside the ledger: no candidate of the answer rule, no reading of the
+        memory fit, no launch budget (a verification run, :mod:`zerotune.strategy.longest`)."""
+        return list(self._evaluate(list(experiments)))
+
     def _not_launched(self, exp: Experiment, refusal: str) -> None:
         """Record ``exp`` as refused without launching it (``Status.REFUSED``, ``error`` = ``refusal``: its
         prediction and the margin, :meth:`~zerotune.model.online.OnlineMemory.refusal`). A stage's largest mbs is

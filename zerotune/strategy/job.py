@@ -1,12 +1,11 @@
 """The tuning job: every input resolved once, before anything runs.
 
-A :class:`Job` is built by :meth:`Job.build` from what the ``deepspeed`` launcher's user gives
-(the script, its arguments carrying the ds_config, the selected device slots) and zerotune's own
-options (:class:`TuneOptions`), by the CLI and the Python API alike. It is frozen: the strategy,
-the config builder, the scheduler's launch spec and the results all read the same resolved
-values (DP world size, per-device memory budget, objective, mbs bounds, paths), and every bad
-input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch (the checks
-themselves are in :mod:`zerotune.strategy.job_checks`).
+A :class:`Job` is built by :meth:`Job.build` from what the ``deepspeed`` launcher's user gives (the script, its
+arguments carrying the ds_config, the selected device slots) and zerotune's own options (:class:`TuneOptions`), by the
+CLI and the Python API alike. It is frozen: the strategy, the config builder, the scheduler's launch spec and the
+results all read the same resolved values (DP world size, per-device memory budget, objective, mbs bounds, paths), and
+every bad input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch (the checks themselves
+are in :mod:`zerotune.strategy.job_checks`).
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from zerotune.core.launch import LaunchSpec, Node
 from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import StopRule
+from zerotune.core.units import format_bytes
 from zerotune.deepspeed import auto
 from zerotune.deepspeed import config as ds_file
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
@@ -28,6 +28,7 @@ from zerotune.model.profile import ModelInfo
 from zerotune.strategy import job_checks
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.budget import LaunchBudget
+from zerotune.strategy.longest import LongestOptions
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
@@ -66,6 +67,7 @@ class TuneOptions:
             answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
             device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
         max_launches, max_device_hours: what the tuning may spend (:class:`~zerotune.strategy.budget.LaunchBudget`).
+        longest: ``--max-seq-len`` and ``--verify-longest`` (:class:`~zerotune.strategy.longest.LongestOptions`).
     """
 
     device_memory_bytes: int | None = None
@@ -89,6 +91,7 @@ class TuneOptions:
     cost_per_device_hour: float | None = None
     max_launches: int | None = None
     max_device_hours: float | None = None
+    longest: LongestOptions = LongestOptions()
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ class Job:
             see :class:`TuneOptions`).
         checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
             script takes it through ``arg_mappings[CHECKPOINTING]``.
-        savers, nvme_path: see :class:`TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
+        savers, nvme_path, longest: see :class:`TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
     """
 
     script: str
@@ -171,6 +174,7 @@ class Job:
     nvme_path: str | None = None
     warm: bool = True
     budget: LaunchBudget = LaunchBudget()
+    longest: LongestOptions = LongestOptions()
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -227,7 +231,7 @@ class Job:
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
                    savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None,
-                   budget=LaunchBudget(options.max_launches, options.max_device_hours))
+                   budget=LaunchBudget(options.max_launches, options.max_device_hours), longest=options.longest)
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -246,7 +250,6 @@ class Job:
 
     def describe(self) -> str:
         """One line for the log: ranks, DP world size, budget, stages, mbs bounds, objective."""
-        from zerotune.core.units import format_bytes
         return (f"job: {self.num_nodes} node(s) x {self.slots_per_node} rank(s), DP world size {self.dp_world_size}, "
                 f"{format_bytes(self.device_memory_bytes)} per device, ZeRO stages {list(self.stages)}, "
                 f"mbs {self.min_mbs}..{self.max_mbs}, objective {self.objective.name} ({self.objective.unit}); "

@@ -34,6 +34,9 @@ class Ledger:
         self.run_noise: RunNoise = run_noise(())
         """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.noise.run_noise`),
         updated by :meth:`update_run_noise` after every batch; every comparison of runs counts it."""
+        self.excluded: dict[str, str] = {}
+        """Config name -> why it cannot be the answer though it ran (it does not fit the longest batch,
+        :mod:`zerotune.strategy.longest`); its runs are left out of the answer rule, not out of the ledger."""
         self._by_name: dict[str, Experiment] = {}
         self._pooled: tuple[int, dict[str, Pooled]] = (0, {})
         self._answer: tuple[int, Experiment | None, Tie | None] = (0, None, None)
@@ -73,9 +76,17 @@ class Ledger:
         better than every other config by more than the precision."""
         return self._decided()[2]
 
+    def exclude(self, name: str, why: str) -> None:
+        """Keep config ``name`` (and its replicas) from being the answer, for ``why`` (:attr:`excluded`)."""
+        self.excluded[name] = why
+        self._answer = (-1, None, None)
+
+    def _candidates(self) -> list[Experiment]:
+        return [e for e in self.experiments if e.name not in self.excluded and e.replica_of not in self.excluded]
+
     def _decided(self) -> tuple[int, Experiment | None, Tie | None]:
         if self.objective is not None and self._answer[0] != len(self.experiments):
-            self._answer = (len(self.experiments), *decide(self.experiments, self.objective, self.budget_bytes,
+            self._answer = (len(self.experiments), *decide(self._candidates(), self.objective, self.budget_bytes,
                                                            self.precision))
         return self._answer
 
@@ -85,7 +96,7 @@ class Ledger:
         where it differs from :attr:`answer`; None before any ran ok or without an objective."""
         if self.objective is None:
             return None
-        return best_experiment([e for e in self.experiments if e.replica_of is None], self.objective,
+        return best_experiment([e for e in self._candidates() if e.replica_of is None], self.objective,
                                self.budget_bytes, self.precision)
 
     def update_run_noise(self) -> tuple[RunNoise, RunNoise]:

@@ -10,6 +10,7 @@ from zerotune.core.noise import RunNoise
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy.ledger import Ledger
+from zerotune.strategy.longest import LongestResult
 from zerotune.strategy.points import MbsTrace
 from zerotune.strategy.prediction import Prediction
 
@@ -95,6 +96,7 @@ class StrategyResult:
         savers_notes: what the savers phase did not try and why (:mod:`zerotune.strategy.savers`).
         stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
             not decided; :mod:`zerotune.strategy.budget`); empty when it ran them all.
+        longest: the answer checked at the longest batch (:mod:`zerotune.strategy.longest`).
     """
 
     model_info: ModelInfo | None = None
@@ -105,6 +107,7 @@ class StrategyResult:
     predictions: list[Prediction] = field(default_factory=list)
     savers_notes: list[str] = field(default_factory=list)
     stopped: str = ""
+    longest: LongestResult = field(default_factory=LongestResult)
 
     @property
     def experiments(self) -> list[Experiment]:

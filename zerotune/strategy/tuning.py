@@ -18,6 +18,8 @@ outcomes it is told, in phases:
 6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists and the
    answer re-measured where one run cannot tell them; the answer is the ledger's
    (:attr:`StrategyResult.answer`).
+7. **The longest batch** (:mod:`~zerotune.strategy.longest`): an answer over the budget at the longest batch the
+   training can meet gives way to the next that fits; ``--verify-longest`` runs it there once.
 
 An experiment whose name (its canonical content) was already evaluated is never evaluated again.
 """
@@ -30,6 +32,7 @@ from zerotune.core.errors import TuningFailed
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.units import format_bytes
+from zerotune.deepspeed.auto import read_engine_record
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
@@ -42,6 +45,7 @@ from zerotune.strategy.gas_phase import GasPhase
 from zerotune.strategy.job import Job
 from zerotune.strategy.knobs import tune_knobs
 from zerotune.strategy.ledger import Ledger
+from zerotune.strategy.longest import settle_longest
 from zerotune.strategy.points import Point
 from zerotune.strategy.result import StagePlan, StageResult, StrategyResult
 from zerotune.strategy.savers import SaverPhase
@@ -90,7 +94,7 @@ class Strategy:
         phases = [("ZeRO stages and mbs", self.explore), ("memory savers", self.savers), ("gas", self.gas)]
         phases += [("knobs", lambda: tune_knobs(self.ev, self.parallel, self.best_batch))] if not self.job.autotuning.fast \
             else []
-        phases += [("the answer's re-measurement", self.settle_answer)]
+        phases += [("the answer's re-measurement", self.settle_answer), ("the longest batch", self.longest)]
         for i, (_, phase) in enumerate(phases):
             try:
                 phase()
@@ -103,6 +107,14 @@ class Strategy:
     def gas(self) -> None:
         """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
+
+    def longest(self) -> None:
+        """The answer checked, and with ``--verify-longest`` run, at the longest batch
+        (:mod:`~zerotune.strategy.longest`); the model's maximum positions from the profile's engine record."""
+        record = read_engine_record(self.job.exps_dir / self.builder.profile().name) or {}
+        positions = record.get("max_positions")
+        self.result.longest = settle_longest(self.ev, self.job.longest,
+                                             positions if isinstance(positions, int) and positions > 0 else None)
 
     def settle_answer(self) -> None:
         """The finalists re-measured, then the answer itself where it must be (:mod:`zerotune.strategy.remeasure`)."""

@@ -181,13 +181,14 @@ def _end_step(state: dict | None, boundary: bool, start: float) -> None:
 def _record_engine(probe: _Probe, engine) -> None:
     """Rank 0 writes :data:`ENGINE_RECORD` once, before the first forward: the config the engine got
     (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
-    reads it, and the engine's batch sizes. A failure is reported and steps are still recorded."""
+    reads it, its maximum positions (the longest sequence it takes), and the engine's batch sizes. A failure is reported and steps are still recorded."""
     def record():
         if _rank(engine) != 0:
             return None
         config = getattr(getattr(engine, "_config", None), "_param_dict", None)
         return {"ds_config": config if isinstance(config, dict) else None,
                 "hidden_size": _hidden_size(getattr(engine, "module", None)),
+                "max_positions": _max_positions(getattr(engine, "module", None)),
                 "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
                 "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
                 "train_batch_size": int(engine.train_batch_size()), **_savers(engine)}
@@ -222,6 +223,18 @@ def _hidden_size(module) -> int | None:
             return int(owner.hidden_size)
         if getattr(owner, "hidden_sizes", None):
             return int(max(owner.hidden_sizes))
+    return None
+
+
+def _max_positions(module) -> int | None:
+    """The longest sequence the model takes: a Hugging Face config's ``n_positions`` or ``max_position_embeddings``
+    (or the same in ``config.text_config``); None for a model without one."""
+    config = getattr(module, "config", None)
+    for owner in (config, getattr(config, "text_config", None)):
+        for key in ("n_positions", "max_position_embeddings"):
+            value = getattr(owner, key, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
 
 

@@ -1,0 +1,143 @@
+"""Memory per token: the longest batch a training can meet, and a config's predicted peak there.
+
+A tuning's runs see a few batches; training meets its longest. The probe records each step's longest sequence
+(``seq_len``, tokens; :attr:`~zerotune.core.experiment.Experiment.max_seq_len_seen` is a run's largest), and a
+run's peak is its high-water mark, so a run's peak is the peak of its longest batch.
+
+**The longest batch** (:func:`longest_batch`), in this order of sources: ``--max-seq-len``; else, where the runs'
+batches were not all one length, the model's maximum positions (a Hugging Face config's ``n_positions`` or
+``max_position_embeddings``, which the probe records: no batch is longer) or, without one, the longest seen
+(a guess, said so). Where every batch of every run held one length (a fixed-shape workload: padded or packed to
+it), that length is the longest and nothing is predicted.
+
+**Bytes per token per sample** (:func:`token_slope`) of a family (:func:`~zerotune.model.online.family`): the
+activation part of each ok run's peak (the peak less the structural terms,
+:meth:`~zerotune.model.online.OnlineMemory.structural_bytes`) fitted as ``c + a * mbs * seq_len`` over the runs
+(:func:`~zerotune.model.linefit.fit_line`, ``a >= 0``) where they hold at least two lengths and two token counts;
+else the family's fitted bytes per sample (its line's slope) over the length its runs saw: activations are linear
+in tokens (each layer's saved tensors are ``[samples, tokens, hidden]``; attention kernels that keep a
+``tokens x tokens`` matrix are under-counted, docs/decisions.md D309).
+
+**At the longest** (:func:`check_longest`): ``peak(L) = peak(seen) + a * mbs * (L - seen)``, the run's measured peak
+(the mean over its runs) moved by the tokens the longest batch adds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.units import format_bytes
+from zerotune.model.linefit import fit_line
+from zerotune.model.online import OnlineMemory, family
+
+__all__ = ["LongestBatch", "LongestCheck", "check_longest", "longest_batch", "token_slope"]
+
+
+@dataclass(frozen=True)
+class LongestBatch:
+    """The longest batch the training can meet.
+
+    Attributes:
+        seq_len: its tokens per sample. source: where that comes from, as the summary says it.
+        seen: the longest a run of the tuning held (None: no run recorded one).
+        fixed: every run's batches held one length (a fixed-shape workload): nothing to predict.
+    """
+
+    seq_len: int
+    source: str
+    seen: int | None
+    fixed: bool = False
+
+
+def longest_batch(max_seq_len: int | None, max_positions: int | None,
+                  experiments: Iterable[Experiment]) -> LongestBatch | None:
+    """The longest batch (module docstring): ``max_seq_len`` (``--max-seq-len``) first; ``max_positions`` (the
+    model's, None: unknown) where the lengths varied (a step of a run, or a run, held fewer tokens than another);
+    else the longest of ``experiments`` seen. None without an option and without a run that recorded a length."""
+    runs = [e for e in experiments if e.max_seq_len_seen and e.pad_seq_len is None]
+    seen = max((e.max_seq_len_seen for e in runs), default=None)
+    varied = (any(e.min_seq_len_seen != e.max_seq_len_seen for e in runs)
+              or len({e.max_seq_len_seen for e in runs}) > 1)
+    if max_seq_len:
+        return LongestBatch(int(max_seq_len), "--max-seq-len", seen)
+    if seen is None:
+        return None
+    if not varied:
+        return LongestBatch(seen, f"every batch held {seen} tokens (a fixed-shape workload)", seen, fixed=True)
+    if max_positions:
+        return LongestBatch(int(max_positions), "the model's maximum positions (n_positions), which no batch "
+                                                "can exceed", seen)
+    return LongestBatch(seen, "the longest batch the runs saw: a guess, give --max-seq-len", seen)
+
+
+def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_config: dict) -> float | None:
+    """Bytes per token per sample of ``ds_config``'s family (module docstring); None where no run of the family
+    recorded its length."""
+    fam = family(memory.prior, ds_config)
+    runs = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is Status.OK
+            and e.peak_memory_bytes and e.max_seq_len_seen and e.pad_seq_len is None
+            and family(memory.prior, e.ds_config) == fam]
+    if not runs:
+        return None
+    seen = max(e.max_seq_len_seen for e in runs)
+    per_sample = memory.line(ds_config).slope / seen
+    points = [(float(e.mbs * e.max_seq_len_seen),
+               float(e.peak_memory_bytes - memory.structural_bytes(e.ds_config, e.mbs)), 1.0) for e in runs]
+    if len({e.max_seq_len_seen for e in runs}) < 2 or len({x for x, _, _ in points}) < 2:
+        return max(0.0, per_sample)
+    return fit_line(points, tie_slope=per_sample).slope
+
+
+@dataclass(frozen=True)
+class LongestCheck:
+    """A config's peak at the longest batch.
+
+    Attributes:
+        name: the experiment. mbs: its micro batch size. measured_bytes: its measured peak per rank, bytes, at
+        seen: its longest batch, tokens. longest: the longest batch, tokens. per_token_bytes: bytes per token per
+        sample. predicted_bytes: the predicted peak at the longest, bytes. budget_bytes: the per-rank budget.
+    """
+
+    name: str
+    mbs: int
+    measured_bytes: int
+    seen: int
+    longest: int
+    per_token_bytes: float
+    predicted_bytes: int
+    budget_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.predicted_bytes <= self.budget_bytes
+
+    @property
+    def margin_bytes(self) -> int:
+        """What the budget leaves at the longest batch (negative: over it)."""
+        return self.budget_bytes - self.predicted_bytes
+
+    def describe(self) -> str:
+        """``z1_gas1_tmbspg8: measured peak 2.10 GiB at 128 tokens; at 1024 tokens 2.90 GiB predicted (8 samples x
+        896 more tokens x 120 KiB per token per sample); budget 3.00 GiB, margin 0.10 GiB (3%)``."""
+        return (f"{self.name}: measured peak {format_bytes(self.measured_bytes)} at {self.seen} tokens; at "
+                f"{self.longest} tokens {format_bytes(self.predicted_bytes)} predicted ({self.mbs} sample(s) x "
+                f"{max(0, self.longest - self.seen)} more tokens x {format_bytes(round(self.per_token_bytes))} per "
+                f"token per sample); budget {format_bytes(self.budget_bytes)}, margin "
+                f"{'-' if self.margin_bytes < 0 else ''}{format_bytes(abs(self.margin_bytes))} "
+                f"({self.margin_bytes / self.budget_bytes:.0%})")
+
+
+def check_longest(exp: Experiment, memory: OnlineMemory, experiments: Iterable[Experiment], longest: LongestBatch,
+                  budget_bytes: int) -> LongestCheck | None:
+    """``exp``'s predicted peak at ``longest`` (module docstring); None where ``exp`` has no measured peak or
+    length, or its family no per-token term."""
+    experiments = list(experiments)
+    measured = memory.measured_bytes(exp.ds_config) or exp.peak_memory_bytes
+    seen = max((e.max_seq_len_seen for e in experiments if (e.name == exp.name or e.replica_of == exp.name)
+                and e.max_seq_len_seen), default=None)
+    slope = token_slope(memory, experiments, exp.ds_config)
+    if not measured or seen is None or slope is None:
+        return None
+    predicted = round(measured + slope * exp.mbs * max(0, longest.seq_len - seen))
+    return LongestCheck(exp.name, exp.mbs, int(measured), seen, longest.seq_len, slope, predicted, int(budget_bytes))

@@ -1,0 +1,111 @@
+"""The answer at the longest batch: a config that fits the batches the tuning saw but not the longest the training
+can meet is not the answer; the next one that fits is.
+
+After every other phase, :func:`settle_longest` takes the longest batch (:func:`~zerotune.model.tokens.longest_batch`:
+``--max-seq-len``, else the model's maximum positions where the batches' lengths vary, else the longest seen) and
+checks the answer's predicted peak there (:func:`~zerotune.model.tokens.check_longest`). An answer over the budget
+is excluded from the answer rule (:meth:`~zerotune.strategy.ledger.Ledger.exclude`) and the next answer is checked,
+until one fits or none is left to check (then the last stands, said so). With ``--verify-longest`` the answer then
+runs once with every micro batch padded to the longest length (the probe's pad file:
+:attr:`~zerotune.core.experiment.Experiment.pad_seq_len`); such a run is not a candidate and teaches the memory fit
+nothing. One that runs out of memory excludes its config, and the next answer is checked and verified the same way.
+A workload without token ids (no length recorded) or of one fixed length is left as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.core.units import format_bytes
+from zerotune.model.tokens import LongestBatch, LongestCheck, check_longest, longest_batch
+
+__all__ = ["LongestOptions", "LongestResult", "VERIFY_SPACE", "settle_longest"]
+
+logger = logging.getLogger(__name__)
+
+VERIFY_SPACE = "longest"
+"""The tuning space of a verification run (``<answer>_longest<L>``), for the summary."""
+MAX_VERIFICATIONS = 3
+"""Verification runs at most: each one that runs out of memory moves the answer to the next config."""
+
+
+@dataclass(frozen=True)
+class LongestOptions:
+    """``--max-seq-len N`` (the longest batch, tokens; None: from the model or the runs) and ``--verify-longest``
+    (run the answer once at that length)."""
+
+    max_seq_len: int | None = None
+    verify: bool = False
+
+
+@dataclass
+class LongestResult:
+    """What the check found: the longest batch (None: no length known), every config checked in order (the last
+    is the answer's), and the verification runs."""
+
+    batch: LongestBatch | None = None
+    checks: list[LongestCheck] = field(default_factory=list)
+    verified: list[Experiment] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """The summary's lines: the longest batch and its source, each check, each verification."""
+        if self.batch is None or self.batch.fixed:
+            return []
+        seen = f"; the runs saw at most {self.batch.seen}" if self.batch.seen else ""
+        lines = [f"longest batch: {self.batch.seq_len} tokens ({self.batch.source}{seen})"]
+        for check in self.checks:
+            verdict = "the answer" if check.fits else "not the answer: over the budget at the longest batch"
+            lines.append(f"longest batch: {check.describe()}: {verdict}")
+        for run in self.verified:
+            outcome = (f"ran, peak {format_bytes(run.peak_memory_bytes)}" if run.status is Status.OK and
+                       run.peak_memory_bytes else f"{run.status.value if run.status else 'did not run'}"
+                       + (f" ({run.error[:200]})" if run.error else ""))
+            lines.append(f"verified at the longest batch: {run.name} (every batch padded to {run.pad_seq_len} "
+                         f"tokens): {outcome}")
+        return lines
+
+
+def settle_longest(ev, options: LongestOptions, max_positions: int | None) -> LongestResult:
+    """Check (and with ``options.verify`` run) the answer at the longest batch (module docstring); ``ev``: the
+    strategy's :class:`~zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown)."""
+    result, ledger, budget = LongestResult(), ev.ledger, ev.job.device_memory_bytes
+    memory = ev.result.memory
+    runs = [e for e in ledger.experiments if e.kind is not ExperimentKind.PROFILE]
+    result.batch = longest_batch(options.max_seq_len, max_positions, runs)
+    if result.batch is None or result.batch.fixed or result.batch.seen is None or memory is None or not budget:
+        return result  # no token ids seen (images, the memory oracle), or one length: nothing to check
+    while (answer := ledger.answer) is not None:
+        check = check_longest(answer, memory, runs, result.batch, budget)
+        if check is not None:
+            result.checks.append(check)
+            logger.info(f"longest batch: {check.describe()}")
+        if check is not None and not check.fits and _others(ledger, answer):
+            ledger.exclude(answer.name, f"predicted {format_bytes(check.predicted_bytes)} at the longest batch "
+                                        f"({check.longest} tokens), over the {format_bytes(budget)} budget")
+            continue
+        if not options.verify or len(result.verified) >= MAX_VERIFICATIONS:
+            break
+        run = _verify(ev, answer, result.batch.seq_len)
+        result.verified.append(run)
+        if run.status is Status.OK or not run.status or not run.status.over_budget or not _others(ledger, answer):
+            break
+        ledger.exclude(answer.name, f"ran out of memory with every batch padded to {result.batch.seq_len} tokens")
+    return result
+
+
+def _others(ledger, answer: Experiment) -> bool:
+    """Whether another config ran ok that the answer rule may take instead."""
+    return any(e.status is Status.OK and e.replica_of is None and e.name != answer.name and e.name not in
+               ledger.excluded and e.kind is not ExperimentKind.PROFILE for e in ledger.experiments)
+
+
+def _verify(ev, answer: Experiment, seq_len: int) -> Experiment:
+    """One run of the answer's config with every batch padded to ``seq_len`` tokens, outside the ledger (not a
+    candidate; its peak is not of the family's line in mbs)."""
+    exp = dataclasses.replace(ev.builder.experiment(answer.ds_config, answer.kind, answer.knobs),
+                              name=f"{answer.name}_longest{seq_len}", space=VERIFY_SPACE, pad_seq_len=seq_len)
+    (done,) = ev.launch_outside_ledger([exp])
+    logger.info(f"verified at the longest batch: {done.name}: {done.status.value if done.status else '-'}")
+    return done
