@@ -69,6 +69,7 @@ def evaluator(runs, budget, launched=()):
     def launch(batch):
         (exp,) = batch
         exp.status = next(outcomes)
+        exp.peak_memory_bytes = 200 * 2 ** 20 if exp.status is Status.OK else None
         return [exp]
 
     builder = types.SimpleNamespace(experiment=lambda cfg, kind, knobs: Experiment("x", cfg, num_slots=2, kind=kind))
@@ -105,5 +106,7 @@ def test_a_verification_that_runs_out_of_memory_moves_the_answer_and_verifies_th
     assert [(e.name, e.pad_seq_len, e.status) for e in found.verified] == [
         ("z0_gas1_tmbspg8_longest1024", 1024, Status.OOM), ("z0_gas1_tmbspg4_longest1024", 1024, Status.OK)]
     assert ev.ledger.answer.name == "z0_gas1_tmbspg4" and found.verified[0].kind is ExperimentKind.MBS
-    assert found.notes()[-2] == ("verified at the longest batch: z0_gas1_tmbspg8_longest1024 (every batch padded "
-                                 "to 1024 tokens): oom")
+    assert found.notes()[-2:] == [
+        "verified at the longest batch: z0_gas1_tmbspg8_longest1024 (every batch padded to 1024 tokens): oom",
+        "verified at the longest batch: z0_gas1_tmbspg4_longest1024 (every batch padded to 1024 tokens): ran, peak "
+        "200.00 MiB (predicted 116.82 MiB: -42%)"]

@@ -58,13 +58,21 @@ class LongestResult:
         for check in self.checks:
             verdict = "the answer" if check.fits else "not the answer: over the budget at the longest batch"
             lines.append(f"longest batch: {check.describe()}: {verdict}")
+        predicted = {c.name: c.predicted_bytes for c in self.checks}
         for run in self.verified:
-            outcome = (f"ran, peak {format_bytes(run.peak_memory_bytes)}" if run.status is Status.OK and
-                       run.peak_memory_bytes else f"{run.status.value if run.status else 'did not run'}"
-                       + (f" ({run.error[:200]})" if run.error else ""))
             lines.append(f"verified at the longest batch: {run.name} (every batch padded to {run.pad_seq_len} "
-                         f"tokens): {outcome}")
+                         f"tokens): {_outcome(run, predicted.get(run.name.rsplit('_longest', 1)[0]))}")
         return lines
+
+
+def _outcome(run: Experiment, predicted: int | None) -> str:
+    """``ran, peak 2.84 GiB (predicted 2.38 GiB: -16%)``, or how it ended and why."""
+    if run.status is Status.OK and run.peak_memory_bytes:
+        error = "" if not predicted else (f" (predicted {format_bytes(predicted)}: "
+                                          f"{predicted / run.peak_memory_bytes - 1:+.0%})")
+        return f"ran, peak {format_bytes(run.peak_memory_bytes)}{error}"
+    why = run.error.strip().lstrip(":").strip()[:200]
+    return (run.status.value if run.status else "did not run") + (f" ({why})" if why else "")
 
 
 def settle_longest(ev, options: LongestOptions, max_positions: int | None) -> LongestResult:
