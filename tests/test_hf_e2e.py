@@ -76,7 +76,10 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
             f"--gradient_accumulation_steps {optimal['gradient_accumulation_steps']} --deepspeed") in command
     run = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     remove_shm_buffers(29500)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
-    assert run.returncode == 0, run.stderr[-3000:]
+    # gloo-backed CPU ranks sometimes abort in the interpreter's teardown after the script ended ("terminate called
+    # without an active exception"), as in test_e2e: the training itself must have run to its end
+    teardown_abort = run.stderr.strip().endswith("terminate called without an active exception")
+    assert run.returncode == 0 or teardown_abort, run.stderr[-3000:]
     assert "trained 8 steps" in run.stdout
     assert f"Instantaneous batch size per device = {optimal['train_micro_batch_size_per_gpu']}" in (
         run.stdout + run.stderr)
