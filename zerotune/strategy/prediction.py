@@ -76,26 +76,37 @@ def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading
 
 def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
             precision: float, cpu: bool = False) -> Prediction | None:
-    """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no reading
-    that bounds it, readings no affine curve fits, or an upper bound beating the best by more than
-    ``precision``). On CPU ranks (``cpu``) only an mbs above every reading of its family is gated: there
-    caches, not a fixed per-step cost, shape the curve, so a smaller micro-batch can be faster and the per-sample
-    compute is no floor for another config (docs/decisions.md, D104)."""
-    if best is None or exp.kind not in GATED_KINDS or not isinstance(exp.mbs, int):
+    """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no bound from
+    :func:`model_bounds`, or an upper bound beating the best by more than ``precision``)."""
+    if best is None:
+        return None
+    bound = model_bounds(exp, families, cpu)
+    if bound is None or can_beat(bound[1], best[1], precision):
+        return None
+    return Prediction(exp.name, bound[0], bound[1], best[1], best[0], precision, bound[2])
+
+
+def model_bounds(exp: Experiment, families: dict[str, list[Reading]],
+                 cpu: bool = False) -> tuple[float, float, str] | None:
+    """``(low, high, source)``: the throughput (samples/s) the runs so far bound ``exp`` within, and where the
+    bounds came from; None where nothing bounds it (a kind the model does not gate, no reading that bounds it, or
+    readings no affine curve fits). On CPU ranks (``cpu``) only an mbs above every reading of its family is
+    bounded: there caches, not a fixed per-step cost, shape the curve, so a smaller micro-batch can be faster and the
+    per-sample compute is no floor for another config (docs/decisions.md, D104)."""
+    if exp.kind not in GATED_KINDS or not isinstance(exp.mbs, int):
         return None
     own = families.get(family_key(exp.ds_config))
     if cpu and not (own and exp.mbs > max(r.mbs for r in own)):
         return None
     if own:
         b = bounds(own, exp.mbs)
-        if b is None:
-            return None
-        low, high, source = b.low, b.high, f"{len(own)} run(s) of its family, affine step time"
-    else:
-        ceilings = [c for rs in families.values() if len({r.mbs for r in rs}) >= 2 and (c := ceiling(rs)) is not None]
-        if not ceilings:
-            return None
-        low, high, source = 0.0, min(ceilings), "the compute roofline of a measured family"
-    if can_beat(high, best[1], precision):
-        return None
-    return Prediction(exp.name, low, high, best[1], best[0], precision, source)
+        return None if b is None else (b.low, b.high, f"{len(own)} run(s) of its family, affine step time")
+    top = roofline(families)
+    return None if top is None else (0.0, top, "the compute roofline of a measured family")
+
+
+def roofline(families: dict[str, list[Reading]]) -> float | None:
+    """The tightest compute roofline (:func:`~zerotune.model.throughput.ceiling`, samples/s) of the families with
+    readings at two or more mbs: the most any config of the model could reach; None where no family gives one."""
+    ceilings = [c for rs in families.values() if len({r.mbs for r in rs}) >= 2 and (c := ceiling(rs)) is not None]
+    return min(ceilings) if ceilings else None
