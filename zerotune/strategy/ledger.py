@@ -8,9 +8,9 @@ state of the ledger.
 """
 from __future__ import annotations
 
-from zerotune.core.experiment import Experiment
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled, pooled_metrics
-from zerotune.core.noise import RunNoise, run_noise
+from zerotune.core.noise import RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.strategy.answer import Tie, best_experiment, decide
 
@@ -64,6 +64,13 @@ class Ledger:
         if self._pooled[0] != len(self.experiments):
             self._pooled = (len(self.experiments), pooled_metrics(self.experiments))
         return self._pooled[1]
+
+    def half_width(self, name: str) -> float:
+        """The relative 95% half-width of experiment ``name``'s metric pooled over its ok runs, as an estimate of
+        what a run of it gives (:func:`~zerotune.core.noise.mean_half_width`: their own intervals, an unknown one as
+        0, and the run-to-run noise)."""
+        runs = [e.metric_rel_half_width for e in self.runs_of(name) if e.status is Status.OK]
+        return mean_half_width(runs or [None], self.run_noise.sigma)
 
     @property
     def answer(self) -> Experiment | None:

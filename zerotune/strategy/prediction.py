@@ -9,7 +9,7 @@ throughput model (:mod:`zerotune.model.throughput`) bounds its throughput from t
   (:func:`~zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
   per-step work; the tightest such ceiling.
 
-Each reading's half-width is what a run of that config gives (:func:`~zerotune.core.noise.mean_half_width`:
+Each reading's half-width is what a run of that config gives (:meth:`~zerotune.strategy.ledger.Ledger.half_width`:
 the runs' own intervals and the run-to-run noise). Readings near the device's capacity
 (``Capacity.NEAR``, :mod:`~zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.noise import can_beat, mean_half_width
+from zerotune.core.experiment import Experiment, ExperimentKind
+from zerotune.core.noise import can_beat
 from zerotune.model.throughput import Reading, bounds, ceiling
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 from zerotune.strategy.ledger import Ledger
@@ -60,7 +60,7 @@ def family_key(ds_config: dict) -> str:
 def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
     """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
     noise), calm or of unknown capacity (:mod:`~zerotune.strategy.capacity`)."""
-    pooled, sigma = ledger.pooled(), ledger.run_noise.sigma
+    pooled = ledger.pooled()
     out: dict[str, list[Reading]] = {}
     for exp in ledger.experiments:
         p = pooled.get(exp.name)
@@ -68,9 +68,7 @@ def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading
             continue
         if capacity(memory_fraction(exp.peak_memory_bytes, budget_bytes)) is Capacity.NEAR:
             continue
-        runs = [e.metric_rel_half_width for e in ledger.runs_of(exp.name) if e.status is Status.OK]
-        out.setdefault(family_key(exp.ds_config), []).append(
-            Reading(exp.mbs, p.value, mean_half_width(runs or [None], sigma)))
+        out.setdefault(family_key(exp.ds_config), []).append(Reading(exp.mbs, p.value, ledger.half_width(exp.name)))
     return out
 
 
