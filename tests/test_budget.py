@@ -1,14 +1,22 @@
 """The launch budget (--max-launches, --max-device-hours): the tuning launches no more, answers with the best of
-what ran and says what it did not decide (zerotune/strategy/budget.py)."""
+what ran and says what it did not decide (zerotune/strategy/budget.py) and by how much the answer could be beaten
+(zerotune/strategy/stop_bound.py)."""
+import json
+import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.simulated import tune_simulated
 from tests.helpers.tiny import SCRIPT, TINY, write_config
-from zerotune.core.experiment import Experiment, Status
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.run.resources import select_resources
 from zerotune.strategy.budget import LaunchBudget
+from zerotune.strategy.job import Job, TuneOptions
+from zerotune.strategy.result import StrategyResult
+from zerotune.strategy.tuning import Strategy
 
 
 def test_the_budget_counts_launches_and_their_device_hours_never_what_was_not_launched():
@@ -41,12 +49,98 @@ def test_a_simulated_tuning_launches_exactly_its_budget_and_answers_with_the_bes
     text = " ".join(summary.split())
     assert "stopped early: the launch budget is spent (4 of --max-launches 4 launches" in text
     assert "not decided: ZeRO stages and mbs, memory savers, gas, the answer's re-measurement" in text
+    # what the stop left and the bound (zerotune/strategy/stop_bound.py): the answer, ZeRO-0 mbs 25, reads 404.7 +-2.5%;
+    # mbs 17 (397-414) could beat it by its gain plus sqrt(2.5% ** 2 + its 2.2% ** 2), +3.4%, more than the 2%
+    # precision: a finalist left unconfirmed; the stages with no run are bounded by ZeRO-0's compute roofline,
+    # 458.1 / (404.7 x (1 - 2.5%)) - 1 = +16.1%
+    assert ("not decided: ZeRO stage 0 mbs 1-16, 18-24, 26-30 not run (ran 17, 25); ZeRO stage 1 mbs 1-30 not run; "
+            "ZeRO stage 2 mbs 1-30 not run; ZeRO stage 3 mbs 1-30 not run; memory savers; gas; measured configs that "
+            "could still beat the answer by more than the precision, not re-measured: z0_gas1_tmbspg17_fp1 ") in text
+    assert ("what ran or the throughput model bounds could beat the answer by at most 16.1%: z0_gas1_tmbspg25_fp1 reads "
+            "404.7 samples/s ±2.5%; a measured config by at most +3.4% (z0_gas1_tmbspg17_fp1: 397-414 samples/s, 1 "
+            "run(s)); an unmeasured one by at most +16.1% (z1_gas1_tmbspg30_fp1: at most 458.1 samples/s, the compute "
+            "roofline of a measured family) (95% intervals and the throughput model; docs/decisions.md, D310)") in text
+    assert "not bounded by the throughput model" not in text
     # without a budget the summary sets what the tuning planned once the profile ran (the dry run's plan on the
     # profiled memory model, 4 launches at the profile's 290 device-seconds each) against what it spent
     full_text = " ".join((tmp_path / "full" / "r" / "summary.txt").read_text().split())
     assert ("cost plan: 4 launch(es), 0.322 device-hours planned once the profile ran (the strategy on its memory "
             "model, each launch at the profile's device-seconds); spent 9 launch(es) (0 re-measurement(s)), 0.806 "
             "device-hours") in full_text
+
+
+def test_a_later_stop_bounds_an_unmeasured_mbs_by_its_family_under_the_compute_roofline(tmp_path):
+    rows, _, answer = tune_simulated(tmp_path, 0, True, "all", max_launches=8)
+    assert [r[:4] for r in rows][-3:] == [(2, 25, 1, "ok"), (2, 29, 1, "ok"), (3, 29, 1, "ok")] and answer[:3] == (2, 25, 1)
+    text = " ".join((tmp_path / "r" / "summary.txt").read_text().split())
+    # ZeRO-1 mbs 30: its family's one run (mbs 25) allows 458.1 or more by perfect scaling; ZeRO-0's runs at mbs 17
+    # and 25 cap every config at their roofline, 458.1 samples/s: 458.1 / (417 x (1 - 2.1%)) - 1 = +12.2%
+    assert ("ZeRO stage 2 mbs 1-24, 26-28, 30 not run (ran 25, 29); ZeRO stage 3 mbs 1-28, 30 not run (ran 29); memory "
+            "savers; gas; measured configs that could still beat the answer by more than the precision, not "
+            "re-measured: none") in text
+    assert ("could beat the answer by at most 12.2%: z2_gas1_tmbspg25_fp1 reads 417 samples/s ±2.1%; a measured config "
+            "by at most +1.7% (z2_gas1_tmbspg29_fp1: 403.3-420.1 samples/s, 1 run(s)); an unmeasured one by at most "
+            "+12.2% (z1_gas1_tmbspg30_fp1: 391.8-458.1 samples/s, 1 run(s) of its family, affine step time, under the "
+            "compute roofline of a measured family)") in text
+
+
+def make_job(tmp_path: Path, cpu: bool, max_launches: int) -> Job:
+    """ZeRO stages 0 and 1, mbs 1..32 on 2 ranks of 8 GiB, at most ``max_launches`` launches."""
+    (tmp_path / "ds.json").write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": [0, 1]},
+        "autotuning": {"enabled": True, "fast": True, "max_train_micro_batch_size_per_gpu": 32}}))
+    return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(tmp_path / "ds.json")],
+                     select_resources(local_slots=2),
+                     TuneOptions(device_memory_bytes=8 * 2**30, results_dir=str(tmp_path / "r"), cpu=cpu,
+                                 max_launches=max_launches))
+
+
+def stopped(tmp_path: Path, cpu: bool, max_launches: int) -> StrategyResult:
+    """A tuning of a known curve, tau(mbs) = 0.08 + 0.01 mbs s (100 mbs / (8 + mbs) samples/s), ZeRO-1 1% slower;
+    each run's own interval 0, so every config reads within 2 x the 1% run-to-run noise: +-2%."""
+    def evaluate(exps):
+        for e in exps:
+            e.status = Status.OK
+            if e.kind is not ExperimentKind.PROFILE:
+                e.metric, e.metric_rel_half_width = 100 * e.mbs / (8 + e.mbs) * (0.99 if e.stage == 1 else 1), 0.0
+        return exps
+    (tmp_path / f"{cpu}{max_launches}").mkdir()
+    return Strategy(make_job(tmp_path / f"{cpu}{max_launches}", cpu, max_launches), evaluate).run()
+
+
+def test_a_budget_stop_bounds_the_answer_from_the_intervals_and_the_throughput_model(tmp_path):
+    # 2 launches on GPU ranks: the profile and ZeRO-0 mbs 32 (80 samples/s +-2%); mbs 16 is skipped (it cannot beat
+    # 80 by more than the precision) and ZeRO-1's probe at 32 is cut. ZeRO-0 mbs 31, the largest not run, is bounded
+    # by mbs 32's reading: 80 x 0.98 x 31 / 32 = 75.95 to 80 x 1.02 = 81.6, and 81.6 / (80 x 0.98) - 1 = +4.1%.
+    # ZeRO-1 has no run and no family ran at two mbs (no roofline): not bounded, nor are the later phases.
+    bound = stopped(tmp_path, False, 2).stop_bound
+    assert bound is not None and (bound.answer, bound.value, bound.half_width) == ("z0_gas1_tmbspg32", 80.0,
+                                                                                     pytest.approx(0.02))
+    assert bound.measured == () and [(c.name, round(c.low, 2), round(c.high, 2), round(c.beats_by, 6))
+                                     for c in bound.unmeasured] == [("z0_gas1_tmbspg31", 75.95, 81.6, 0.040816)]
+    assert bound.beaten_by == pytest.approx(1.02 / 0.98 - 1)
+    assert bound.undecided == ("ZeRO stage 0 mbs 1-31 not run (ran 32)", "ZeRO stage 1 mbs 1-32 not run",
+                               "memory savers", "gas")
+    assert bound.unbounded == ("z1_gas1_tmbspg32", "memory savers", "gas")
+    # 3 launches: ZeRO-1's probe ran, 79.2 +-2%: it could beat the answer by -1% + sqrt(2%^2 + 2%^2) = +1.8%, within
+    # the precision (no finalist unconfirmed); the stages are decided, the gas phase (no roofline) is not bounded
+    bound = stopped(tmp_path, False, 3).stop_bound
+    assert [(c.name, round(c.beats_by, 6)) for c in bound.measured] == [("z1_gas1_tmbspg32", 0.018284)]
+    assert (bound.undecided, bound.unmeasured, bound.unbounded, bound.unconfirmed) == (("gas",), (),
+                                                                                       ("z0_gas2_tmbspg32", "gas"), [])
+    assert bound.describe()[1] == (
+        "what ran or the throughput model bounds could beat the answer by at most 1.8%: z0_gas1_tmbspg32 reads 80 "
+        "samples/s ±2.0%; a measured config by at most +1.8% (z1_gas1_tmbspg32: 77.62-80.78 samples/s, 1 run(s)); no "
+        "unmeasured config is bounded (95% intervals and the throughput model; docs/decisions.md, D310)")
+    # on CPU ranks mbs 16 runs (caches may favour it) and the model bounds no mbs below a family's runs (D104)
+    bound = stopped(tmp_path, True, 3).stop_bound
+    assert [(c.name, round(c.beats_by, 6)) for c in bound.measured] == [("z0_gas1_tmbspg16", round(
+        (100 * 16 / 24) / 80 - 1 + math.hypot(0.02, 0.02), 6))]
+    assert bound.unmeasured == () and bound.unbounded == ("ZeRO stage 0 mbs 1-15, 17-31", "z1_gas1_tmbspg32",
+                                                          "memory savers", "gas")
+    assert bound.describe()[2] == ("not bounded by the throughput model: ZeRO stage 0 mbs 1-15, 17-31; z1_gas1_tmbspg32; "
+                                   "memory savers; gas (on CPU ranks the model bounds only an mbs above its family's "
+                                   "runs, D104)")
 
 
 @pytest.mark.e2e

@@ -106,7 +106,7 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the tuning's budget (then the best of what ran is the answer)")
     g.add_argument("--max-launches", type=whole(1, MAX_COUNT), default=None, metavar="N",
                    help="launch at most N experiments, the profile run included; then answer with the best of what "
-                        "ran and say what was not decided")
+                        "ran, say what was not decided and by how much the answer could be beaten")
     g.add_argument("--max-device-hours", type=positive_number, default=None, metavar="H",
                    help="launch no more experiments once those launched took H device-hours (wall time x devices); "
                         "then answer as with --max-launches")

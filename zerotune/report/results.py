@@ -37,6 +37,7 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     launching and its prediction, each config the memory model refused and its prediction with the margin
     (``not launched: predicted ...``), the re-measurements, and the memory model's inputs and fit."""
     notes = [f"stopped early: {result.stopped}; the answer is the best of what ran"] if result.stopped else []
+    notes += result.stop_bound.describe() if result.stop_bound is not None else []
     notes += [f"{r.label}: {r.decision.value} - {r.reason}"
               + (f"; mbs search stopped: {r.trace.stop.value}" if r.trace.stop else "")
               for r in result.stages if r.decision is not None]

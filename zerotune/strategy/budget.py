@@ -4,12 +4,13 @@ Every experiment the tuning holds counts, the profile run and those a rerun read
 launch once), never one refused by the memory model or skipped by the throughput model (neither launched). A launch
 costs its wall time times the devices it held. The evaluator launches only what
 the budget has room for; when it cuts a batch, or finds the budget spent, it raises :class:`BudgetSpent`, and the
-strategy answers with the best of what ran and says which phases it did not decide.
+strategy answers with the best of what ran, says what it did not decide and by how much the answer could be beaten
+(:mod:`~zerotune.strategy.stop_bound`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from zerotune.core.experiment import Experiment, Status
 
@@ -17,7 +18,15 @@ NOT_LAUNCHED = (Status.REFUSED, Status.SKIPPED)
 
 
 class BudgetSpent(Exception):
-    """The tuning's launch budget is spent: no further launch (the message says which limit and the spend)."""
+    """The tuning's launch budget is spent: no further launch (the message says which limit and the spend).
+
+    Attributes:
+        cut: the experiments of the batch the budget had no room for (never launched, not in the ledger).
+    """
+
+    def __init__(self, message: str, cut: Sequence[Experiment] = ()):
+        super().__init__(message)
+        self.cut = tuple(cut)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class Evaluator:
                 logger.info(now.describe())
         if cut:
             raise BudgetSpent(f"the launch budget is spent ({self.job.budget.describe(self.ledger.experiments)}): "
-                              f"{', '.join(e.name for e in cut)} not launched")
+                              f"{', '.join(e.name for e in cut)} not launched", cut)
         return [self.ledger[e.name] for e in experiments]
 
     def launch_outside_ledger(self, experiments: Sequence[Experiment]) -> list[Experiment]:

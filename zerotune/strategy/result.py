@@ -13,6 +13,7 @@ from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import LongestResult
 from zerotune.strategy.points import MbsTrace
 from zerotune.strategy.prediction import Prediction
+from zerotune.strategy.stop_bound import StopBound
 
 
 class StageDecision(str, enum.Enum):
@@ -97,6 +98,8 @@ class StrategyResult:
         stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
             not decided; :mod:`zerotune.strategy.budget`); empty when it ran them all.
         longest: the answer checked at the longest batch (:mod:`zerotune.strategy.longest`).
+        stop_bound: with ``stopped``, what was left undecided and by how much the answer could be beaten
+            (:mod:`zerotune.strategy.stop_bound`); None otherwise, or when nothing ran ok.
     """
 
     model_info: ModelInfo | None = None
@@ -108,6 +111,7 @@ class StrategyResult:
     savers_notes: list[str] = field(default_factory=list)
     stopped: str = ""
     longest: LongestResult = field(default_factory=LongestResult)
+    stop_bound: StopBound | None = None
 
     @property
     def experiments(self) -> list[Experiment]:

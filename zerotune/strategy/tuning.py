@@ -29,7 +29,7 @@ import logging
 from typing import Sequence
 
 from zerotune.core.errors import TuningFailed
-from zerotune.core.experiment import Experiment, Status
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.auto import read_engine_record
@@ -50,10 +50,17 @@ from zerotune.strategy.points import Point
 from zerotune.strategy.result import StagePlan, StageResult, StrategyResult
 from zerotune.strategy.savers import SaverPhase
 from zerotune.strategy.stages import explore_stages
+from zerotune.strategy.stop_bound import Left, stop_bound
 
 __all__ = ["Strategy"]
 
 logger = logging.getLogger(__name__)
+
+EXPLORE = "ZeRO stages and mbs"
+"""The phase that decides the stages and their mbs: where a stop leaves every stage undecided."""
+LATER_PHASES = {"memory savers": ExperimentKind.MBS, "gas": ExperimentKind.GAS, "knobs": ExperimentKind.KNOBS}
+"""The phases after it that try other configs, each with the kind of experiment it runs (what the throughput model
+can bound of it, :mod:`~zerotune.strategy.stop_bound`)."""
 
 
 class Strategy:
@@ -84,14 +91,14 @@ class Strategy:
         knobs, settle the answer.
 
         A phase that finds the launch budget spent (:class:`~zerotune.strategy.budget.BudgetSpent`) ends the
-        tuning: :attr:`StrategyResult.stopped` says why and which phases were not decided.
+        tuning (:meth:`stop`).
 
         Raises:
             TuningFailed: the profile run failed (nothing can be estimated without it).
             ConfigError: a config the user's settings give is invalid.
         """
         self.profile()
-        phases = [("ZeRO stages and mbs", self.explore), ("memory savers", self.savers), ("gas", self.gas)]
+        phases = [(EXPLORE, self.explore), ("memory savers", self.savers), ("gas", self.gas)]
         phases += [("knobs", lambda: tune_knobs(self.ev, self.parallel, self.best_batch))] if not self.job.autotuning.fast \
             else []
         phases += [("the answer's re-measurement", self.settle_answer), ("the longest batch", self.longest)]
@@ -99,10 +106,22 @@ class Strategy:
             try:
                 phase()
             except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.strategy.budget)
-                self.result.stopped = f"{spent}; not decided: {', '.join(name for name, _ in phases[i:])}"
-                logger.warning(f"stopped: {self.result.stopped}")
+                self.stop(spent, [name for name, _ in phases[i:]])
                 break
         return self.result
+
+    def stop(self, spent: BudgetSpent, left: list[str]) -> None:
+        """End the tuning on ``spent`` with the phases ``left`` not decided: :attr:`StrategyResult.stopped` says why
+        and which, :attr:`StrategyResult.stop_bound` what they left and by how much the answer could be beaten."""
+        self.result.stopped = f"{spent}; not decided: {', '.join(left)}"
+        logger.warning(f"stopped: {self.result.stopped}")
+        stages = self.job.stages if EXPLORE in left else ()
+        later = [(name, LATER_PHASES[name]) for name in left if name in LATER_PHASES]
+        self.result.stop_bound = bound = stop_bound(self.result.ledger, self.job, self.builder,
+                                                    Left(stages, later, spent.cut, self.max_mbs_estimate,
+                                                         self.bounds.values))
+        for line in bound.describe() if bound is not None else []:
+            logger.warning(line)
 
     def gas(self) -> None:
         """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""

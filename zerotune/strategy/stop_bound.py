@@ -1,0 +1,233 @@
+"""The bound on a budget-stopped answer: what the tuning did not decide, and by how much its answer could be beaten.
+
+When the launch budget stops a tuning (:mod:`~zerotune.strategy.budget`), its answer ``A`` is the best of what ran. It
+reads ``v_A``, its metric pooled over its runs, within ``h_A``, the relative 95% half-width of that mean
+(:meth:`~zerotune.strategy.ledger.Ledger.half_width`: its runs' own intervals and the run-to-run noise). How much
+better than ``A`` a config ``C`` could truly be, relative, at 95%:
+
+- **measured** (``C`` ran ok; ``v_C`` and ``h_C`` likewise): ``g + sqrt(h_A ** 2 + h_C ** 2)``, with ``g`` the gain of
+  ``v_C`` over ``v_A`` (``v_C / v_A - 1`` for throughput, ``v_A / v_C - 1`` for latency): the upper limit of their
+  difference, the two independent errors in quadrature (:func:`~zerotune.core.noise.comparison_noise`'s rule);
+- **not measured** (throughput only): ``high / (v_A * (1 - h_A)) - 1``, with ``high`` the throughput model's upper bound
+  on ``C`` in samples/s (:func:`~zerotune.strategy.prediction.model_bounds`: the runs of its family under an affine
+  step time, or, with none, the compute roofline of a measured family; on GPU ranks never above that roofline, which
+  holds for every config of the model): the fastest ``C`` could be against the slowest ``A`` could be.
+
+What was not measured is what the strategy knows it left: in each ZeRO stage not decided, the mbs values with no run up
+to the memory model's largest fitting one (and below any run out of memory), of which the largest is bounded (within a
+family the model's upper bound ``m / (a + b m)``, ``a, b >= 0``, rises with mbs, so it bounds the rest); the
+experiments the budget cut; and each later phase not decided whose experiments the model gates (memory savers, gas),
+bounded by the compute roofline. The answer could be beaten by at most the largest of these figures (0 when none is
+positive). What the model does not bound is listed as such: on CPU ranks an mbs not above its family's runs and any
+config without a run of its family (caches shape the curve there, docs/decisions.md D104), the knob phase, a latency
+objective. The measured configs that could beat the answer by more than the precision are the finalists the budget
+left unconfirmed. docs/decisions.md, D310.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.model.throughput import Reading
+from zerotune.strategy.configs import ConfigBuilder
+from zerotune.strategy.job import Job
+from zerotune.strategy.ledger import Ledger
+from zerotune.strategy.prediction import GATED_KINDS, model_bounds, readings, roofline
+
+DECIDED = (Status.OK, Status.OOM, Status.REFUSED, Status.FAILED, Status.TIMEOUT)
+"""The outcomes that decide an mbs of a stage (a skipped one was only predicted, so it stays open)."""
+
+
+@dataclass(frozen=True)
+class Left:
+    """What a budget stop left undecided, as the strategy knows it.
+
+    Attributes:
+        stages: the ZeRO stages whose mbs search was not decided.
+        phases: the later phases not decided (memory savers, gas, knobs), each with the kind of experiment it runs.
+        cut: the experiments the budget cut from the batch it stopped (:attr:`BudgetSpent.cut`).
+        fit: stage -> the memory model's largest mbs fitting the budget (under the smallest mbs: the stage is pruned).
+        values: the mbs values a search may try, ascending.
+    """
+
+    stages: Sequence[int]
+    phases: Sequence[tuple[str, ExperimentKind]]
+    cut: Sequence[Experiment]
+    fit: Callable[[int], int]
+    values: Sequence[int]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A config that might beat the answer.
+
+    Attributes:
+        name: the config's name (a later phase's name for a phase bounded by the roofline alone).
+        low, high: its 95% interval when measured, the throughput model's bounds when not (the objective's unit).
+        beats_by: the most it could truly beat the answer by, relative (the module's formulas; under 0: it cannot).
+        source: how it is known (its runs, or where the model's bound came from).
+    """
+
+    name: str
+    low: float
+    high: float
+    beats_by: float
+    source: str
+
+
+@dataclass(frozen=True)
+class StopBound:
+    """What a budget-stopped tuning did not decide and by how much its answer could be beaten (the module docstring).
+
+    Attributes:
+        answer, value, half_width: the answer, its pooled metric and that metric's relative 95% half-width.
+        unit: the objective's unit.
+        precision: the target precision (relative), for the finalists left unconfirmed.
+        undecided: one line per stage with mbs values not run, and per later phase not decided.
+        measured, unmeasured: the contenders, largest ``beats_by`` first.
+        unbounded: what the throughput model does not bound.
+        unbounded_why: why it does not ("" when it bounds everything).
+    """
+
+    answer: str
+    value: float
+    half_width: float
+    unit: str
+    precision: float | None
+    undecided: tuple[str, ...]
+    measured: tuple[Contender, ...]
+    unmeasured: tuple[Contender, ...]
+    unbounded: tuple[str, ...]
+    unbounded_why: str = ""
+
+    @property
+    def beaten_by(self) -> float:
+        """The most a bounded config could truly beat the answer by, relative (0 when none could)."""
+        return max([0.0] + [c.beats_by for c in self.measured[:1] + self.unmeasured[:1]])
+
+    @property
+    def unconfirmed(self) -> list[Contender]:
+        """The measured configs that could beat the answer by more than the precision (every one that could beat it
+        where no precision is set)."""
+        return [c for c in self.measured if c.beats_by > (self.precision or 0.0)]
+
+    def describe(self) -> list[str]:
+        """The summary's lines: what was not decided, the bound and its two parts, what nothing bounds."""
+        finalists = ", ".join(c.name for c in self.unconfirmed) or "none"
+        lines = [f"not decided: {'; '.join(self.undecided) or 'every stage and later phase ran'}; measured configs "
+                 f"that could still beat the answer by more than the precision, not re-measured: {finalists}"]
+        best = (f"a measured config by at most {_figure(self.measured[0], self.unit)}" if self.measured
+                else "no other config ran ok")
+        best += (f"; an unmeasured one by at most {_figure(self.unmeasured[0], self.unit)}" if self.unmeasured
+                 else "; no unmeasured config is bounded")
+        lines.append(f"what ran or the throughput model bounds could beat the answer by at most {self.beaten_by:.1%}: "
+                     f"{self.answer} reads "
+                     f"{self.value:.4g} {self.unit} ±{self.half_width:.1%}; {best} (95% intervals and the throughput "
+                     f"model; docs/decisions.md, D310)")
+        if self.unbounded:
+            lines.append(f"not bounded by the throughput model: {'; '.join(self.unbounded)} ({self.unbounded_why})")
+        return lines
+
+
+def _figure(c: Contender, unit: str) -> str:
+    """``+3.4% (name: 397-414 samples/s, its source)``; ``at most 458.1`` where nothing bounds it from below."""
+    within = f"{c.low:.4g}-{c.high:.4g}" if c.low > 0 else f"at most {c.high:.4g}"
+    return f"{c.beats_by:+.1%} ({c.name}: {within} {unit}, {c.source})"
+
+
+def stop_bound(ledger: Ledger, job: Job, builder: ConfigBuilder, left: Left) -> StopBound | None:
+    """The :class:`StopBound` of ``ledger``'s answer given what the stop ``left``; None before any config ran ok."""
+    answer, objective = ledger.answer, ledger.objective
+    pooled = ledger.pooled()
+    if answer is None or objective is None or answer.name not in pooled:
+        return None
+    value, hw = pooled[answer.name].value, ledger.half_width(answer.name)
+    measured = []
+    for e in ledger.experiments:
+        if e.replica_of is None and e.name != answer.name and e.name in pooled:
+            v, h = pooled[e.name].value, ledger.half_width(e.name)
+            measured.append(Contender(e.name, v * (1 - h), v * (1 + h), objective.gain(v, value) + math.hypot(hw, h),
+                                      f"{pooled[e.name].runs} run(s)"))
+    undecided, candidates, unbounded = _left_configs(ledger, job, builder, left)
+    unmeasured = []
+    if objective.name == "throughput":
+        families, slowest = readings(ledger, job.capacity_bytes), value * (1 - min(hw, 0.5))
+        top = None if job.cpu else roofline(families)
+        for name, exp, kind in candidates:
+            b = _model_bound(exp, kind, families, top, job.cpu)
+            if b is None:
+                unbounded.append(name)
+            else:
+                unmeasured.append(Contender(name, b[0], b[1], b[1] / slowest - 1, b[2]))
+        why = ("on CPU ranks the model bounds only an mbs above its family's runs, D104" if job.cpu
+               else "no run of its family and no compute roofline, or a knob config")
+    else:
+        unbounded += [name for name, _, _ in candidates]
+        why = f"the throughput model bounds throughput only, the objective is {objective.name}"
+    def by_bound(c: Contender) -> float:
+        return -c.beats_by
+    return StopBound(answer.name, value, hw, objective.unit, ledger.precision, tuple(undecided),
+                     tuple(sorted(measured, key=by_bound)), tuple(sorted(unmeasured, key=by_bound)),
+                     tuple(unbounded), why if unbounded else "")
+
+
+def _model_bound(exp: Experiment | None, kind: ExperimentKind, families: dict[str, list[Reading]], top: float | None,
+                 cpu: bool) -> tuple[float, float, str] | None:
+    """``(low, high, source)`` of a config left (``exp``; None: a later phase's configs, of ``kind``): the throughput
+    model's bounds (:func:`~zerotune.strategy.prediction.model_bounds`), capped at the compute roofline ``top`` where
+    there is one (it holds for every config of the model on GPU ranks; None on CPU ranks)."""
+    if exp is None:
+        return None if top is None or kind not in GATED_KINDS else (0.0, top, "the compute roofline of a measured family")
+    b = model_bounds(exp, families, cpu)
+    if b is None or top is None or b[1] <= top:
+        return b
+    return min(b[0], top), top, f"{b[2]}, under the compute roofline of a measured family"
+
+
+def _left_configs(ledger: Ledger, job: Job, builder: ConfigBuilder,
+                  left: Left) -> tuple[list[str], list[tuple[str, Experiment | None, ExperimentKind]], list[str]]:
+    """(undecided lines, the configs to bound, what the model cannot bound): per stage not decided its largest mbs
+    with no run (on CPU ranks, where only those above its runs are bounded, the largest of those), each experiment
+    cut, each later phase (no experiment: the roofline bounds it where its kind is gated)."""
+    undecided, candidates, unbounded = [], [], []
+    opened: dict[int, list[int]] = {}  # stage -> its open mbs values
+    for stage in left.stages:
+        runs = {e.mbs: e for e in ledger.experiments if e.replica_of is None and e.kind is ExperimentKind.MBS
+                and e.stage == stage and e.name == builder.mbs_experiment(stage, e.mbs).name}
+        top = min([left.fit(stage)] + [m - 1 for m, e in runs.items() if e.status in (Status.OOM, Status.REFUSED)])
+        ran = sorted(m for m, e in runs.items() if e.status is Status.OK)
+        open_mbs = [m for m in left.values if job.min_mbs <= m <= top and (m not in runs or runs[m].status not in DECIDED)]
+        if not open_mbs:
+            continue
+        opened[stage] = open_mbs
+        undecided.append(f"ZeRO stage {stage} mbs {_ranges(open_mbs)} not run" + (f" (ran {_ranges(ran)})" if ran else ""))
+        bounded = [m for m in open_mbs if not (job.cpu and ran and m < ran[-1])]
+        if len(bounded) < len(open_mbs):
+            unbounded.append(f"ZeRO stage {stage} mbs {_ranges([m for m in open_mbs if m not in bounded])}")
+        if bounded:
+            exp = builder.mbs_experiment(stage, bounded[-1])
+            candidates.append((exp.name, exp, exp.kind))
+    candidates += [(e.name, e, e.kind) for e in left.cut if not _within(e, opened, builder)]
+    undecided += [name for name, _ in left.phases]
+    candidates += [(name, None, kind) for name, kind in left.phases]
+    return undecided, candidates, unbounded
+
+
+def _within(exp: Experiment, opened: dict[int, list[int]], builder: ConfigBuilder) -> bool:
+    """Whether ``exp`` is a stage's own config at one of its open mbs values (``opened``): the stage's largest open
+    one bounds it already."""
+    return (exp.kind is ExperimentKind.MBS and exp.mbs in opened.get(exp.stage, ())
+            and exp.name == builder.mbs_experiment(exp.stage, exp.mbs).name)
+
+
+def _ranges(values: Sequence[int]) -> str:
+    """``1-3, 5, 7-8`` for [1, 2, 3, 5, 7, 8] (ascending ints)."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
