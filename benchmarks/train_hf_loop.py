@@ -1,15 +1,20 @@
 """A Hugging Face GPT-2 trained by a plain DeepSpeed loop (no Trainer): the benchmarks' HF workload.
 
 transformers' ``GPT2LMHeadModel`` built from a ``GPT2Config`` (random weights, nothing downloaded) on synthetic
-tokens; the micro batch size and the rest come from ``--deepspeed_config``, as in ``examples/train_gpt.py``.
-The default size (4 layers of width 512, a 16,384-token vocabulary, 21M parameters, sequences of 128) steps in
-about a second on 2 CPU ranks. ``--long-seq-len L --long-every K`` mixes lengths: every K-th micro batch holds L
-tokens, the others ``--seq-len`` (the data a tuning's few steps may never show its longest batch from)::
+tokens; the micro batch size and the rest come from ``--deepspeed_config``, as in ``examples/train_gpt.py``, and as
+there ``--report-throughput PATH`` has rank 0 write the wall-clock samples/s of the steps after ``--warmup-steps`` to
+PATH (JSON: ``samples_per_s``, ``seconds``, ``timed_steps`` and the batch), what ``benchmarks.compare_deepspeed``
+re-measures an answer with. The default size (4 layers of width 512, a 16,384-token vocabulary, 21M parameters,
+sequences of 128) steps in about a second on 2 CPU ranks. ``--long-seq-len L --long-every K`` mixes lengths: every
+K-th micro batch holds L tokens, the others ``--seq-len`` (the data a tuning's few steps may never show its longest
+batch from)::
 
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 benchmarks/train_hf_loop.py --steps 10 \\
         --deepspeed_config examples/ds_config.json
 """
 import argparse
+import json
+import time
 
 import deepspeed
 import torch
@@ -28,8 +33,13 @@ def main() -> None:
     parser.add_argument("--long-seq-len", type=int, default=0,
                         help="mixed lengths: every --long-every-th micro batch holds this many tokens (0: none)")
     parser.add_argument("--long-every", type=int, default=0, help="see --long-seq-len")
+    parser.add_argument("--report-throughput", metavar="PATH", default=None,
+                        help="rank 0 writes the samples/s of the steps after --warmup-steps to PATH (JSON)")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps left out of that timing")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
+    if args.report_throughput is not None and not 0 <= args.warmup_steps < args.steps:
+        parser.error(f"--warmup-steps ({args.warmup_steps}) must be >= 0 and less than --steps ({args.steps})")
 
     deepspeed.init_distributed()
     torch.manual_seed(0)
@@ -39,6 +49,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(engine.global_rank)
     mbs = engine.train_micro_batch_size_per_gpu()
     micro = 0
+    timed_from = time.perf_counter()
     for step in range(args.steps):
         for _ in range(engine.gradient_accumulation_steps()):
             micro += 1
@@ -49,8 +60,22 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
         if engine.global_rank == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f}", flush=True)  # .item() waits for the step's work
+        if step == args.warmup_steps - 1:
+            timed_from = time.perf_counter()
+    if args.report_throughput is not None and engine.global_rank == 0:
+        write_report(args.report_throughput, engine, time.perf_counter() - timed_from, args.steps - args.warmup_steps)
     torch.distributed.destroy_process_group()
+
+
+def write_report(path: str, engine, seconds: float, steps: int) -> None:
+    """The throughput of ``steps`` timed steps that took ``seconds``, with the batch that gives it, as JSON."""
+    batch = {"train_batch_size": engine.train_batch_size(), "world_size": engine.world_size,
+             "micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+             "gradient_accumulation_steps": engine.gradient_accumulation_steps()}
+    report = {"samples_per_s": steps * batch["train_batch_size"] / seconds, "seconds": seconds, "timed_steps": steps}
+    with open(path, "w") as f:
+        f.write(json.dumps({**report, **batch}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
