@@ -6,14 +6,25 @@ section (ZeRO stages, metric, profile steps, mbs bounds, ``num_tuning_micro_batc
 ``tuner_num_trials``, ``tuner_early_stopping``, ``fast``) and a fresh results dir each. For each
 tuner it records the tuning wall time, the experiments launched, the chosen config and the metric
 the tuner reported; then it re-measures both chosen configs end to end with the same plain training
-loop (``examples/train_gpt.py --report-throughput``: wall-clock samples/s over at least ``--steps``
+loop (the workload's script with ``--report-throughput``: wall-clock samples/s over at least ``--steps``
 steps and ``--min-samples`` samples after a warm-up, median of ``--repeats`` runs, the two tuners'
 runs interleaved), because a tuner's own metric can flatter it.
 
-Output: one table (also written to ``benchmarks/results/compare_deepspeed.txt``) with the ratios
-zerotune / DeepSpeed, and the raw figures as JSON (``benchmarks/results/compare_deepspeed.json``),
-including the machine's load average before and after each phase and sampled during it (the cores
-may be shared: the figures are only as quiet as the machine was).
+Workloads (``--workload``): ``gpt``, ``examples/train_gpt.py`` (5.3M parameters); ``hf``,
+``benchmarks/train_hf_loop.py``, transformers' GPT-2 built from a config (4 layers of 256, vocabulary 8192,
+sequences of 128; nothing downloaded) in a plain DeepSpeed loop. ``--tunings N`` runs each mode's pair of tunings
+N times, each in fresh directories, who goes first alternating, each pair's answers re-measured; it prints per
+tuning the wall ratio and the answer ratio (zerotune / DeepSpeed, re-measured medians) and, over the N, each
+tuner's most and fewest launches, against issue 41's targets: every tuning's wall at most ``--wall-target``
+(0.6) of DeepSpeed's and its answer at least 0.97 of DeepSpeed's, zerotune's most launches at most 1.3x its
+fewest. ``--dry-run`` prints the commands and the plan and launches nothing.
+
+Output: one table (also written next to ``--out`` as ``.txt``, by default
+``benchmarks/results/compare_deepspeed.txt``) with the ratios zerotune / DeepSpeed, and the raw figures as JSON
+(``--out``): per mode (``runs.true``, ``runs.false``) ``tunings``, one block per tuning (each tuner's row,
+``ratios``), and ``over_tunings`` (launches, ratios, ``targets_met``), with the machine's load average before
+and after each phase and sampled during it (the cores may be shared: the figures are only as quiet as the
+machine was).
 
 Memory budget. On CPU DeepSpeed's autotuner takes ``get_accelerator().total_memory()`` as each
 rank's device memory, which on the CPU accelerator is ``psutil.virtual_memory().total``: the
@@ -48,10 +59,12 @@ what DeepSpeed tunes or measures):
   any timed phase (a short plain training run), so neither tuner pays for a build and no other
   user's build or stale lock in the shared cache stalls an experiment.
 
-Run from the repository root (about 35 minutes on 2 shared CPU cores with the defaults, after a
-one-time JIT build of a few minutes)::
+Run from the repository root (about 17 minutes on 2 shared CPU cores with the defaults, after a
+one-time JIT build of a few minutes; about 40 for 3 HF tunings in fast mode)::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.compare_deepspeed --fast both
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.compare_deepspeed --workload hf --fast true --tunings 3 \
+        --out benchmarks/results/compare_deepspeed_hf.json
 """
 from __future__ import annotations
 
@@ -79,6 +92,10 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+WORKLOADS = {"gpt": (ROOT / "examples" / "train_gpt.py", ""),
+             "hf": (ROOT / "benchmarks" / "train_hf_loop.py",
+                    "--n-layer 4 --n-embd 256 --n-head 4 --seq-len 128 --vocab 8192")}
+"""``--workload`` -> (the script, its arguments): both write their wall-clock throughput with ``--report-throughput``."""
 PDSH_SHIM = """#!/bin/sh
 # compare_deepspeed.py: a no-op pdsh for DeepSpeed's autotuner on one node. Its scheduler runs
 # `pdsh -w HOSTS pkill -f EXP_NAME` after each experiment, whose launcher has already exited; a
@@ -306,9 +323,9 @@ def autotuning_section(args, fast: bool, results_dir: Path, exps_dir: Path) -> d
             "results_dir": str(results_dir), "exps_dir": str(exps_dir)}
 
 
-def run_tuner(which: str, args, ctx: dict, fast: bool, workdir: Path, console: Console) -> dict:
-    d = workdir / which
-    d.mkdir(parents=True)
+def tuner_command(which: str, args, ctx: dict, fast: bool, d: Path) -> tuple[list[str], dict[str, str], int]:
+    """``which`` tuner's command in its directory ``d`` (its config written there), its environment and the signal
+    that interrupts it: (command, env, signal)."""
     results_dir, exps_dir = d / "results", d / "exps"
     cfg = copy.deepcopy(ctx["base_config"])
     cfg["autotuning"] = autotuning_section(args, fast, results_dir, exps_dir)
@@ -318,21 +335,26 @@ def run_tuner(which: str, args, ctx: dict, fast: bool, workdir: Path, console: C
     env = dict(ctx["env"])
     if which == "deepspeed":
         shim = d / "shim"
-        shim.mkdir()
+        shim.mkdir(exist_ok=True)
         (shim / "pdsh").write_text(PDSH_SHIM)
         (shim / "pdsh").chmod(0o755)
         env["PATH"] = f"{shim}{os.pathsep}{env['PATH']}"
         env["ZT_COMPARE_PDSH_LOG"] = str(d / "pdsh_calls.log")
         cmd = [str(BIN / "deepspeed"), "--autotuning", "tune", "--num_gpus", str(ctx["ranks"]),
                "--master_port", str(free_port_range(200)), ctx["script"]] + script_args
-        interrupt = signal.SIGTERM
-    else:
-        cmd = [str(BIN / "zerotune"), "tune", "--num_gpus", str(ctx["ranks"]), "--results-dir", str(results_dir),
-               "--timeout", str(args.exp_timeout)]
-        if ctx["budget"] is not None:
-            cmd += ["--device-memory", str(ctx["budget"])]
-        cmd += [ctx["script"]] + script_args
-        interrupt = signal.SIGINT  # zerotune's interrupt path stops its experiments' own sessions
+        return cmd, env, signal.SIGTERM
+    cmd = [str(BIN / "zerotune"), "tune", "--num_gpus", str(ctx["ranks"]), "--results-dir", str(results_dir),
+           "--timeout", str(args.exp_timeout)]
+    if ctx["budget"] is not None:
+        cmd += ["--device-memory", str(ctx["budget"])]
+    return cmd + [ctx["script"]] + script_args, env, signal.SIGINT  # SIGINT: zerotune stops its experiments' sessions
+
+
+def run_tuner(which: str, args, ctx: dict, fast: bool, workdir: Path, console: Console) -> dict:
+    d = workdir / which
+    d.mkdir(parents=True)
+    results_dir = d / "results"
+    cmd, env, interrupt = tuner_command(which, args, ctx, fast, d)
     console.print(f"[bold]{which}[/] fast={str(fast).lower()}: {shlex.join(cmd)}")
     before = load()
     with LoadSampler() as sampler:
@@ -370,15 +392,7 @@ def measure(cfg: dict, args, ctx: dict, path: Path, label: str, console: Console
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     report = path / "throughput.json"
     report.unlink(missing_ok=True)
-    # The same work for every config: at least --steps steps and --min-samples samples timed, after at
-    # least --warmup-steps steps and a tenth of those samples (a small batch's steps are short and noisy).
-    tbs = cfg.get("train_batch_size") or (cfg.get("train_micro_batch_size_per_gpu", 1)
-                                          * cfg.get("gradient_accumulation_steps", 1) * ctx["ranks"])
-    steps = max(args.steps, math.ceil(args.min_samples / tbs))
-    warmup = max(args.warmup_steps, math.ceil(args.min_samples / 10 / tbs))
-    cmd = [str(BIN / "deepspeed"), "--include", ctx["include"], "--master_port", str(free_port()), ctx["script"]] \
-        + ctx["script_args"] + ["--steps", str(warmup + steps), "--warmup-steps", str(warmup),
-                                "--report-throughput", str(report), "--deepspeed_config", str(cfg_path)]
+    cmd = measure_command(cfg, args, ctx, cfg_path, report)
     before = load()
     with LoadSampler(every_s=2.0) as sampler:
         rc, wall, timed_out = run_group(cmd, path, ctx["env"], path / "run", args.measure_timeout)
@@ -393,6 +407,19 @@ def measure(cfg: dict, args, ctx: dict, path: Path, label: str, console: Console
     return {"samples_per_s": value, "exit_code": rc, "timed_out": timed_out, "wall_s": round(wall, 1),
             "load_before": before, "load_after": after, "load_during": sampler.summary(), "report": data,
             "command": shlex.join(cmd)}
+
+
+def measure_command(cfg: dict, args, ctx: dict, cfg_path: Path, report: Path) -> list[str]:
+    """The plain training run of ``cfg`` (written at ``cfg_path``) that writes its wall-clock throughput to ``report``:
+    the same work for every config, at least --steps steps and --min-samples samples timed, after at least
+    --warmup-steps steps and a tenth of those samples (a small batch's steps are short and noisy)."""
+    tbs = cfg.get("train_batch_size") or (cfg.get("train_micro_batch_size_per_gpu", 1)
+                                          * cfg.get("gradient_accumulation_steps", 1) * ctx["ranks"])
+    steps = max(args.steps, math.ceil(args.min_samples / tbs))
+    warmup = max(args.warmup_steps, math.ceil(args.min_samples / 10 / tbs))
+    return [str(BIN / "deepspeed"), "--include", ctx["include"], "--master_port", str(free_port()), ctx["script"]] \
+        + ctx["script_args"] + ["--steps", str(warmup + steps), "--warmup-steps", str(warmup),
+                                "--report-throughput", str(report), "--deepspeed_config", str(cfg_path)]
 
 
 def remeasure(rows: dict, args, ctx: dict, workdir: Path, console: Console) -> None:
@@ -427,6 +454,82 @@ def ratios(rows: dict) -> dict:
             "remeasured_median": ratio(z.get("remeasured_median"), d.get("remeasured_median"))}
 
 
+# -- whole tunings, repeated ----------------------------------------------------------------------
+
+ANSWER_TARGET = 0.97
+"""Issue 41: every tuning's answer, re-measured end to end, at least this fraction of DeepSpeed's."""
+LAUNCH_SPREAD_TARGET = 1.3
+"""Issue 41: over the tunings, zerotune's most launches at most this multiple of its fewest."""
+IDEAL = {"launches": None, "why": "n/a: the simulated benchmark's ideal (D28) needs every config's noise-free "
+         "throughput, unknown for real runs"}
+
+
+def run_mode(args, ctx: dict, fast: bool, index: int, workdir: Path, mode: dict, save, console: Console) -> None:
+    """``--tunings`` tunings of both tuners in mode ``fast`` (the ``index``-th mode run), each in fresh directories,
+    who goes first alternating; each pair's answers re-measured end to end. Fills ``mode``: ``tunings``, one block per
+    tuning (``order``, each tuner's row, ``ratios``), and ``over_tunings`` (:func:`over_tunings`)."""
+    key = str(fast).lower()
+    mode["tunings"] = tunings = []
+    for t in range(args.tunings):
+        order = ("zerotune", "deepspeed") if (index + t) % 2 == 0 else ("deepspeed", "zerotune")
+        block: dict[str, Any] = {"order": list(order)}
+        tunings.append(block)
+        d = workdir / f"fast_{key}" / f"tuning{t + 1}"
+        for which in order:
+            block[which] = run_tuner(which, args, ctx, fast, d, console)
+            save()
+        remeasure(block, args, ctx, d, console)
+        block["ratios"], block["ideal"] = ratios(block), IDEAL
+        z, ds, r = block["zerotune"], block["deepspeed"], block["ratios"]
+        console.print(f"fast={key} tuning {t + 1} of {args.tunings}: wall zerotune {z['tuning_wall_s']} s, DeepSpeed "
+                      f"{ds['tuning_wall_s']} s, ratio {fmt(r['tuning_wall_s'], 2)} (target <= {args.wall_target:g}); "
+                      f"answer end to end zerotune {fmt(z.get('remeasured_median'), 2)}, DeepSpeed "
+                      f"{fmt(ds.get('remeasured_median'), 2)} samples/s, ratio {fmt(r['remeasured_median'], 2)} (target "
+                      f">= {ANSWER_TARGET:g}); launches zerotune {z['launches']}, DeepSpeed {ds['launches']}")
+        save()
+    mode["over_tunings"] = over = over_tunings(tunings, args.wall_target)
+    console.print(f"fast={key} over {len(tunings)} tuning(s): launches zerotune {over['zerotune']['fewest']}-"
+                  f"{over['zerotune']['most']} (most / fewest {fmt(over['zerotune']['most_over_fewest'], 2)}, target <= "
+                  f"{LAUNCH_SPREAD_TARGET:g}), DeepSpeed {over['deepspeed']['fewest']}-{over['deepspeed']['most']}; "
+                  f"targets met: {over['targets_met']}")
+
+
+def over_tunings(blocks: list[dict], wall_target: float) -> dict:
+    """Over the tunings of one mode: each tuner's launches (most, fewest, most / fewest), the per-tuning wall and
+    answer ratios, and which of issue 41's targets every tuning met (a ratio that could not be read misses)."""
+    out: dict[str, Any] = {"tunings": len(blocks)}
+    for which in ("zerotune", "deepspeed"):
+        launches = [b[which]["launches"] for b in blocks]
+        out[which] = {"launches": launches, "most": max(launches), "fewest": min(launches),
+                      "most_over_fewest": ratio(max(launches), min(launches))}
+    walls = [b["ratios"]["tuning_wall_s"] for b in blocks]
+    answers = [b["ratios"]["remeasured_median"] for b in blocks]
+    spread = out["zerotune"]["most_over_fewest"]
+    out.update(wall_ratios=walls, answer_ratios=answers, targets={
+        "wall_ratio_at_most": wall_target, "answer_ratio_at_least": ANSWER_TARGET,
+        "zerotune_launches_most_over_fewest_at_most": LAUNCH_SPREAD_TARGET})
+    out["targets_met"] = {"every_wall": all(w is not None and w <= wall_target for w in walls),
+                          "every_answer": all(a is not None and a >= ANSWER_TARGET for a in answers),
+                          "launch_spread": spread is not None and spread <= LAUNCH_SPREAD_TARGET}
+    return out
+
+
+def print_plan(args, ctx: dict, fasts: list[bool], workdir: Path, console: Console) -> None:
+    """``--dry-run``: the commands of the first tuning of each mode and of a re-measure run, and what the whole run
+    would launch; nothing is launched (the commands' config files are written under ``workdir``)."""
+    for fast in fasts:
+        for which in ("zerotune", "deepspeed"):
+            d = workdir / f"fast_{str(fast).lower()}" / "tuning1" / which
+            d.mkdir(parents=True, exist_ok=True)
+            console.print(f"[bold]{which}[/] fast={str(fast).lower()}: {shlex.join(tuner_command(which, args, ctx, fast, d)[0])}")
+    sample = dict(ctx["base_config"], train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    console.print(f"re-measure (a chosen config, {args.repeats} run(s) each, interleaved): "
+                  f"{shlex.join(measure_command(sample, args, ctx, workdir / 'ds_config.json', workdir / 'tp.json'))}")
+    console.print(f"plan: {len(fasts)} mode(s) x {args.tunings} tuning(s) x 2 tuners, then {2 * args.repeats} re-measure "
+                  f"run(s) per tuning; targets: every wall ratio <= {args.wall_target:g}, every answer ratio >= "
+                  f"{ANSWER_TARGET:g}, zerotune's most launches <= {LAUNCH_SPREAD_TARGET:g}x its fewest")
+
+
 # -- output --------------------------------------------------------------------------------------
 
 
@@ -444,20 +547,18 @@ def render(result: dict) -> Table:
                 "re-measured median samples/s", "re-measured runs", "load 1m tuning mean (max)",
                 "load 1m re-measure mean"):
         t.add_column(col)
-    for fast, block in result["runs"].items():
-        for which in block["order"]:
-            row = block[which]
-            flag = " (timed out)" if row["timed_out"] else ""
-            t.add_row(fast, which + flag, fmt(row["tuning_wall_s"], 0),
-                      f"{row['experiments_launched']} ({row['experiments_ok']})", short(row["chosen"]),
-                      fmt(row["reported_metric"], 2), fmt(row.get("remeasured_median"), 2),
-                      ", ".join(f"{v:.2f}" for v in row.get("remeasured_samples_per_s", [])) or "-",
-                      f"{fmt(row['load_during']['load1_mean'])} ({fmt(row['load_during']['load1_max'])})",
-                      fmt(row.get("remeasure_load1_mean")))
-        r = block["ratios"]
-        t.add_row(fast, "ideal", "n/a", "n/a", "", "", "", "", "", "")
-        t.add_row(fast, "[bold]zerotune / DeepSpeed[/]", fmt(r["tuning_wall_s"], 2), fmt(r["experiments_launched"], 2),
-                  "", fmt(r["reported_metric"], 2), fmt(r["remeasured_median"], 2), "", "", "", end_section=True)
+    for fast, mode in result["runs"].items():
+        for i, block in enumerate(mode.get("tunings", [])):
+            label = fast if len(mode["tunings"]) == 1 else f"{fast} #{i + 1}"
+            render_tuning(t, label, block)
+        over = mode.get("over_tunings")
+        if over and over["tunings"] > 1:
+            z, d = over["zerotune"], over["deepspeed"]
+            t.add_row(fast, f"[bold]over {over['tunings']} tunings[/]",
+                      f"ratio max {fmt(max((w for w in over['wall_ratios'] if w is not None), default=None), 2)}",
+                      f"{z['fewest']}-{z['most']} / {d['fewest']}-{d['most']}",
+                      f"zt {fmt(z['most_over_fewest'], 2)}x", "", f"ratio min {fmt(min((a for a in over['answer_ratios'] if a is not None), default=None), 2)}",
+                      "", "", "", end_section=True)
     t.caption = ("launches = experiments started, each tuner's profile run included; ideal n/a: the lower bound of "
                  "the simulated benchmark (profile + one run per ZeRO stage that can win + gas, D28) needs every "
                  "config's noise-free throughput, which real runs do not give; tuner metric = what each tuner reports for its "
@@ -465,10 +566,28 @@ def render(result: dict) -> Table:
                  "zerotune: its step probe's wall-clock throughput on the slowest rank, mean over the answer's runs); "
                  "re-measured = "
                  "wall-clock samples/s of a plain training run of the chosen config. Ratios: wall time and "
-                 "experiments below 1 and throughput above 1 favour zerotune. Shared cores: timings are noisy, "
-                 "see the load averages.")
+                 "experiments below 1 and throughput above 1 favour zerotune. Over N tunings: the largest wall ratio, "
+                 "each tuner's fewest-most launches (zerotune / DeepSpeed), zerotune's most / fewest (zt), the "
+                 "smallest answer ratio. Shared cores: timings are noisy, see the load averages.")
     t.caption_justify = "left"
     return t
+
+
+def render_tuning(t: Table, label: str, block: dict) -> None:
+    """One tuning's rows: each tuner's, then its ratios (zerotune / DeepSpeed)."""
+    for which in block["order"]:
+        row = block[which]
+        flag = " (timed out)" if row["timed_out"] else ""
+        t.add_row(label, which + flag, fmt(row["tuning_wall_s"], 0),
+                  f"{row['experiments_launched']} ({row['experiments_ok']})", short(row["chosen"]),
+                  fmt(row["reported_metric"], 2), fmt(row.get("remeasured_median"), 2),
+                  ", ".join(f"{v:.2f}" for v in row.get("remeasured_samples_per_s", [])) or "-",
+                  f"{fmt(row['load_during']['load1_mean'])} ({fmt(row['load_during']['load1_max'])})",
+                  fmt(row.get("remeasure_load1_mean")))
+    r = block["ratios"]
+    t.add_row(label, "ideal", "n/a", "n/a", "", "", "", "", "", "")
+    t.add_row(label, "[bold]zerotune / DeepSpeed[/]", fmt(r["tuning_wall_s"], 2), fmt(r["experiments_launched"], 2),
+              "", fmt(r["reported_metric"], 2), fmt(r["remeasured_median"], 2), "", "", "", end_section=True)
 
 
 def table_text(table: Table) -> str:
@@ -484,7 +603,14 @@ def human(n: int | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fast", choices=("true", "false", "both"), default="both")
+    ap.add_argument("--workload", choices=tuple(WORKLOADS), default="gpt",
+                    help="the script tuned and re-measured, with its arguments: gpt = examples/train_gpt.py; hf = "
+                         "benchmarks/train_hf_loop.py, a Hugging Face GPT-2 built from a config (nothing downloaded)")
+    ap.add_argument("--tunings", type=int, default=1, help="whole tunings of both tuners per mode, each fresh")
     ap.add_argument("--repeats", type=int, default=3, help="re-measure runs per chosen config (median)")
+    ap.add_argument("--wall-target", type=float, default=0.6,
+                    help="the wall ratio (zerotune / DeepSpeed) every tuning must stay under (issue 41: 0.6)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands and the plan; launch nothing")
     ap.add_argument("--steps", type=int, default=15, help="timed training steps of a re-measure run (at least)")
     ap.add_argument("--min-samples", type=int, default=1000,
                     help="timed samples of a re-measure run (at least; more steps for a small train batch)")
@@ -494,8 +620,9 @@ def main() -> int:
     ap.add_argument("--work-dir", default=None, help="where the results dirs go (default: a new temp dir)")
     ap.add_argument("--ranks", type=int, default=None, help="ranks (default: 2 on CPU, all CUDA devices)")
     ap.add_argument("--cpu", action="store_true", help="CPU ranks even where CUDA is present")
-    ap.add_argument("--script", default=str(ROOT / "examples" / "train_gpt.py"))
-    ap.add_argument("--script-args", default="", help="extra arguments for the script (one string)")
+    ap.add_argument("--script", default=None, help="the training script (default: the workload's)")
+    ap.add_argument("--script-args", default=None,
+                    help="extra arguments for the script (one string; default: the workload's)")
     ap.add_argument("--config", default=str(ROOT / "examples" / "ds_config.json"),
                     help="base ds_config; its autotuning section is replaced by the settings below")
     ap.add_argument("--max-mbs", type=int, default=32, help="max_train_micro_batch_size_per_gpu (both tuners)")
@@ -513,6 +640,10 @@ def main() -> int:
                     help="TORCH_EXTENSIONS_DIR for every run (built once before timing)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compare_deepspeed.json"))
     args = ap.parse_args()
+    if args.tunings < 1 or args.repeats < 1:
+        ap.error("--tunings and --repeats must be at least 1")
+    args.script = args.script or str(WORKLOADS[args.workload][0])
+    args.script_args = WORKLOADS[args.workload][1] if args.script_args is None else args.script_args
 
     console = Console(stderr=True, soft_wrap=True)
     started, t0 = time.strftime("%Y-%m-%dT%H:%M:%S"), time.monotonic()
@@ -560,7 +691,7 @@ def main() -> int:
         "script_name": Path(args.script).name, "script": ctx["script"], "script_args": ctx["script_args"],
         "base_config": base, "autotuning_common": common, "tune_script_steps": args.tune_script_steps,
         "steps": args.steps, "min_samples": args.min_samples, "warmup_steps": args.warmup_steps,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "workload": args.workload, "tunings": args.tunings,
         "tuner_timeout_s": args.tuner_timeout, "zerotune_exp_timeout_s": args.exp_timeout,
         "workarounds": [
             "tabulate installed (deepspeed[autotuning] extra)",
@@ -581,6 +712,11 @@ def main() -> int:
 
     console.print(f"work dir {workdir}; {ranks} {'CPU' if cpu else 'CUDA'} ranks; budget {human(budget)} per rank; "
                   f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}; load {load()}")
+    if args.dry_run:  # nothing launched, nothing written to --out
+        print_plan(args, ctx, fasts, workdir, console)
+        if not args.keep_dirs:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return 0
     ok = True
     try:
         # Build DeepSpeed's JIT ops once, before any timed phase (ZeRO 1: fused_adam and shm comm).
@@ -596,21 +732,8 @@ def main() -> int:
             ok = False
             return 1
         for i, fast in enumerate(fasts):
-            key = str(fast).lower()
-            order = ("zerotune", "deepspeed") if i % 2 == 0 else ("deepspeed", "zerotune")
-            block: dict[str, Any] = {"order": list(order)}
-            result["runs"][key] = block
-            for which in order:
-                block[which] = run_tuner(which, args, ctx, fast, workdir / f"fast_{key}", console)
-                save()
-            remeasure(block, args, ctx, workdir / f"fast_{key}", console)
-            block["ratios"] = ratios(block)
-            block["ideal"] = {"launches": None, "why": "n/a: the simulated benchmark's ideal (D28) needs every "
-                              "config's noise-free throughput, unknown for real runs"}
-            z, d = block["zerotune"], block["deepspeed"]
-            console.print(f"fast={key}: launches zerotune {z['launches']}, DeepSpeed {d['launches']}, ideal n/a: ratio "
-                          f"{fmt(block['ratios']['launches'], 2)}; tuning wall zerotune {z['tuning_wall_s']} s, DeepSpeed "
-                          f"{d['tuning_wall_s']} s, ideal n/a: ratio {fmt(block['ratios']['tuning_wall_s'], 2)}")
+            result["runs"][str(fast).lower()] = mode = {}
+            run_mode(args, ctx, fast, i, workdir, mode, save, console)
             save()
         table = render(result)
         text = table_text(table)
@@ -619,7 +742,8 @@ def main() -> int:
         out_path.with_suffix(".txt").write_text(text)
         Console(width=200).print(table)
         console.print(f"raw figures: {out_path}; total {time.monotonic() - t0:.0f} s")
-        ok = all(b[w]["chosen_config"] for b in result["runs"].values() for w in ("zerotune", "deepspeed"))
+        ok = all(b[w]["chosen_config"] for mode in result["runs"].values() for b in mode["tunings"]
+                 for w in ("zerotune", "deepspeed"))
         return 0 if ok else 1
     except BaseException:
         ok = False
