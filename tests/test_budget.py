@@ -136,11 +136,11 @@ def test_a_budget_stop_bounds_the_answer_from_the_intervals_and_the_throughput_m
     bound = stopped(tmp_path, True, 3).stop_bound
     assert [(c.name, round(c.beats_by, 6)) for c in bound.measured] == [("z0_gas1_tmbspg16", round(
         (100 * 16 / 24) / 80 - 1 + math.hypot(0.02, 0.02), 6))]
-    assert bound.unmeasured == () and bound.unbounded == ("ZeRO stage 0 mbs 1-15, 17-31", "z1_gas1_tmbspg32",
+    assert bound.unmeasured == () and bound.unbounded == ("ZeRO stage 0 mbs 1-15, 17-31", "ZeRO stage 1 mbs 1-32",
                                                           "memory savers", "gas")
-    assert bound.describe()[2] == ("not bounded by the throughput model: ZeRO stage 0 mbs 1-15, 17-31; z1_gas1_tmbspg32; "
-                                   "memory savers; gas (on CPU ranks the model bounds only an mbs above its family's "
-                                   "runs, D104)")
+    assert bound.describe()[2] == ("not bounded by the throughput model: ZeRO stage 0 mbs 1-15, 17-31; ZeRO stage 1 mbs "
+                                   "1-32; memory savers; gas (on CPU ranks the model bounds only an mbs above its "
+                                   "family's runs, D104)")
 
 
 @pytest.mark.e2e

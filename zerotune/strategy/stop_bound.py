@@ -203,7 +203,7 @@ def _left_configs(ledger: Ledger, job: Job, builder: ConfigBuilder,
             continue
         opened[stage] = open_mbs
         undecided.append(f"ZeRO stage {stage} mbs {_ranges(open_mbs)} not run" + (f" (ran {_ranges(ran)})" if ran else ""))
-        bounded = [m for m in open_mbs if not (job.cpu and ran and m < ran[-1])]
+        bounded = [m for m in open_mbs if not job.cpu or (ran and m > ran[-1])]
         if len(bounded) < len(open_mbs):
             unbounded.append(f"ZeRO stage {stage} mbs {_ranges([m for m in open_mbs if m not in bounded])}")
         if bounded:
