@@ -25,6 +25,7 @@ An experiment whose name (its canonical content) was already evaluated is never 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -107,6 +108,7 @@ class Strategy:
                 phase()
             except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.strategy.budget)
                 self.stop(spent, [name for name, _ in phases[i:]])
+                self.longest(verify=False)  # the answer is still checked at the longest batch: that launches nothing
                 break
         return self.result
 
@@ -127,12 +129,13 @@ class Strategy:
         """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
 
-    def longest(self) -> None:
-        """The answer checked, and with ``--verify-longest`` run, at the longest batch
+    def longest(self, verify: bool = True) -> None:
+        """The answer checked, and with ``--verify-longest`` (unless ``verify`` is False) run, at the longest batch
         (:mod:`~zerotune.strategy.longest`); the model's maximum positions from the profile's engine record."""
         record = read_engine_record(self.job.exps_dir / self.builder.profile().name) or {}
         positions = record.get("max_positions")
-        self.result.longest = settle_longest(self.ev, self.job.longest,
+        options = self.job.longest if verify else dataclasses.replace(self.job.longest, verify=False)
+        self.result.longest = settle_longest(self.ev, options,
                                              positions if isinstance(positions, int) and positions > 0 else None)
 
     def settle_answer(self) -> None:
