@@ -94,9 +94,11 @@ class LongestCheck:
     """A config's peak at the longest batch.
 
     Attributes:
-        name: the experiment. mbs: its micro batch size. measured_bytes: its measured peak per rank, bytes, at
-        seen: its longest batch, tokens. longest: the longest batch, tokens. per_token_bytes: bytes per token per
-        sample. predicted_bytes: the predicted peak at the longest, bytes. budget_bytes: the per-rank budget.
+        name: the experiment. mbs: its micro batch size.
+        measured_bytes: its measured peak per rank, bytes (the mean over its runs).
+        seen: the longest batch its runs held, tokens. longest: the longest batch the training can meet, tokens.
+        per_token_bytes: bytes per token per sample (:func:`token_slope`).
+        predicted_bytes: the predicted peak at the longest batch, bytes. budget_bytes: the per-rank budget.
     """
 
     name: str
@@ -110,6 +112,7 @@ class LongestCheck:
 
     @property
     def fits(self) -> bool:
+        """The predicted peak at the longest batch is within the budget."""
         return self.predicted_bytes <= self.budget_bytes
 
     @property
