@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--report-throughput", metavar="PATH", default=None,
                         help="rank 0 writes the samples/s of the steps after --warmup-steps to PATH (JSON)")
     parser.add_argument("--warmup-steps", type=int, default=3, help="optimizer steps left out of that timing")
+    parser.add_argument("--step-wait", type=float, default=0.0,
+                        help="seconds to sleep after each optimizer step: a stand-in for a data loader's time per step")
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if args.report_throughput is not None and not 0 <= args.warmup_steps < args.steps:
@@ -59,6 +61,7 @@ def main() -> None:
             loss = engine(input_ids=tokens, labels=tokens).loss
             engine.backward(loss)
             engine.step()
+        time.sleep(args.step_wait)
         if engine.global_rank == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)  # .item() waits for the step's work
         if step == args.warmup_steps - 1:
