@@ -93,6 +93,16 @@ def test_a_config_that_fits_only_the_seen_batches_is_not_the_answer_the_next_one
                         "118.32 MiB, margin 1.50 MiB (1%): the answer")
 
 
+def test_an_answer_over_the_budget_with_no_other_config_left_stands_and_says_so():
+    only = [run(8, 96, 110.0)]
+    ev = evaluator(only, only[0].peak_memory_bytes + 6_500_000)
+    found = settle_longest(ev, LongestOptions(max_seq_len=1024), None)
+    assert ev.ledger.answer.name == "z0_gas1_tmbspg8" and not ev.ledger.excluded
+    assert [c.fits for c in found.checks] == [False]  # one length: the fitted bytes per sample over 96 tokens
+    assert found.notes()[-1].endswith(": the answer still, though over the budget at the longest batch: no other "
+                                      "config that ran is left")
+
+
 def test_one_fixed_length_or_no_length_changes_nothing():
     fixed = [run(4, 128, 100.0, shortest=128), run(8, 128, 110.0, shortest=128)]
     ev = evaluator(fixed, fixed[1].peak_memory_bytes)
