@@ -1,9 +1,12 @@
 """The probe's peaks: on CPU the largest VmData (what RLIMIT_DATA limits), sampled every 5 ms in the rank
-until the end of optimizer step 2, then once per record; on CUDA the device's beside the allocator's."""
+until the end of optimizer step 2 and through any later step with a longer batch than before, then once per
+record; on CUDA the device's beside the allocator's."""
+import json
 import threading
 import time
 import types
 
+from zerotune.probe._zerotune_probe.batch import _note_batch
 from zerotune.probe._zerotune_probe.peak import _data_peak, _DataPeak, _peaks
 from zerotune.probe._zerotune_probe.records import _Probe
 
@@ -50,6 +53,44 @@ def test_the_sampling_thread_stops_once_step_2_is_recorded(tmp_path, monkeypatch
     assert sampler._stopped
     lines = (tmp_path / "probe.rank0.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all('"peak_bytes"' in ln and '"rss_peak_bytes"' in ln for ln in lines)
+
+
+def test_a_step_longer_than_every_earlier_one_is_sampled_again_until_its_record(tmp_path, monkeypatch):
+    """Steps 1-2 at 32 tokens, then 512 at step 3: its transient 256 MiB is in the peak; step 4 at 512 again,
+    no longer than before, runs without the thread, and step 5 at 1,024 brings it back."""
+    import torch
+    sampler = _DataPeak()
+    monkeypatch.setattr(_DataPeak, "running", sampler)
+    sampler.run_in_background()
+    probe = _Probe(str(tmp_path))
+    probe.first_forward = time.monotonic()
+    engine = types.SimpleNamespace(global_rank=0, train_batch_size=lambda: 4)
+    threads = len(sampler_threads())
+
+    def step(tokens: int, hold_s: float = 0.0) -> int:
+        _note_batch(probe, engine, (torch.zeros(4, tokens, dtype=torch.int64),), {})
+        running, before = not sampler._stopped, vmdata()
+        if hold_s:
+            buffer = bytearray(256 * 2**20)
+            time.sleep(hold_s)
+            del buffer
+            time.sleep(0.02)
+        assert vmdata() - before < 256 * 2**20  # freed before the record's own sample
+        probe.record(engine, probe.state(engine))
+        return running
+
+    assert step(32) and step(32) and sampler._stopped
+    time.sleep(0.05)
+    assert len(sampler_threads()) == threads - 1
+    peak = sampler._peak
+    assert step(512, hold_s=0.05) and sampler._stopped  # sampled through step 3, stopped at its record
+    assert sampler._peak - peak >= 256 * 2**20
+    assert not step(512) and step(1024) and sampler._stopped
+    time.sleep(0.05)
+    assert len(sampler_threads()) == threads - 1  # one thread at most, ended again
+    lines = [json.loads(ln) for ln in (tmp_path / "probe.rank0.jsonl").read_text().splitlines()]
+    assert [ln["seq_len"] for ln in lines] == [32, 32, 512, 512, 1024]
+    assert lines[2]["peak_bytes"] - lines[1]["peak_bytes"] >= 256 * 2**20
 
 
 def test_the_cpu_record_holds_the_vmdata_peak_and_the_resident_one_beside_it(monkeypatch):

@@ -17,6 +17,8 @@ import sys
 from collections.abc import Mapping
 from itertools import islice
 
+from .peak import _DataPeak
+
 SCANNED = 32  # values looked at per argument list and per container: a forward's cost stays a few attribute reads
 
 
@@ -54,11 +56,14 @@ def _integer(torch, dtype) -> bool:
 def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
     """Before ``engine``'s forward: keep the largest samples and sequence length of its optimizer step so far in
     the probe's state for it (``batch_samples``, ``seq_len``). Call it once the first forward's time is set (the
-    state's first step is timed from it). Never raises: a forward whose arguments cannot be read adds nothing."""
+    state's first step is timed from it). On a CPU rank a sequence longer than any before restarts the ``VmData``
+    sampler for this step (:meth:`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be read adds nothing."""
     if probe.failed:
         return
     try:
         samples, seq_len = _batch_shape(args, kwargs)
+        if seq_len is not None and _DataPeak.running is not None:
+            _DataPeak.running.note_seq_len(seq_len)
         state = probe.state(engine)
         for key, value in (("batch_samples", samples), ("seq_len", seq_len)):
             if value is not None and (state[key] is None or value > state[key]):

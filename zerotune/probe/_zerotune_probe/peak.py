@@ -5,7 +5,8 @@ On CUDA a step record's ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``,
 ``peak_reserved_bytes`` (``torch.cuda.max_memory_reserved()``) and ``device_peak_bytes``, the device at its
 peak: the reserved high-water mark plus what lies outside the allocator (:func:`_device_peak`). On CPU it is
 the largest ``VmData`` so far (what ``RLIMIT_DATA``, the per-rank budget, limits), sampled every 5 ms from
-the engine module's import to the end of step 2 and at each record after it (:class:`_DataPeak`), beside
+the engine module's import to the end of step 2, again through any later step whose batch is longer than every
+earlier one, and at each record after it (:class:`_DataPeak`), beside
 ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which leaves out pages allocated and never
 written; bytes.
 """
@@ -41,7 +42,9 @@ class _DataPeak:
     The thread runs until the end of optimizer step :attr:`SAMPLED_STEPS` (:meth:`stop`), then each
     record samples once: by then every step's allocations have happened (the first step creates the
     optimizer states, the second holds them with the activations, the gradients and the reduction's
-    copy), and the steps measured for the metric run without it."""
+    copy), and the steps measured for the metric run without it. A later step whose batch is longer than
+    every earlier one (:meth:`note_seq_len`) allocates more: the thread runs again until its record, so that
+    the run's peak is the peak of its longest batch, as ``zerotune.model.tokens`` reads it."""
 
     running: "_DataPeak | None" = None
     period_s = 0.005
@@ -51,10 +54,23 @@ class _DataPeak:
     def __init__(self):
         self._peak = 0
         self._stopped = False
+        self._thread = None
+        self._longest = 0  # tokens: the longest sequence length a forward has held so far (note_seq_len)
 
     def stop(self) -> None:
         """End the sampling thread (its last sample is kept; :meth:`peak` still samples once per call)."""
         self._stopped = True
+
+    def note_seq_len(self, seq_len: int) -> None:
+        """A forward's sequence length: one longer than every earlier forward's restarts a stopped thread,
+        which the step's record stops again (a longer batch's peak lies within its step)."""
+        if seq_len <= self._longest:
+            return
+        self._longest = seq_len
+        if self._stopped:
+            self._stopped = False
+            if self._thread is None or not self._thread.is_alive():  # else the stopped thread goes on
+                self.run_in_background()
 
     @classmethod
     def start(cls) -> None:
@@ -70,7 +86,8 @@ class _DataPeak:
     def run_in_background(self) -> None:
         """Sample every :attr:`period_s` in a daemon thread until :meth:`stop`."""
         import threading
-        threading.Thread(target=self._loop, name="zerotune-vmdata", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="zerotune-vmdata", daemon=True)
+        self._thread.start()
 
     def sample(self) -> int:
         """Read ``VmData`` now, bytes (0 when unknown), and keep the largest."""
