@@ -267,3 +267,12 @@ def test_the_record_keeps_the_longest_sequence_a_batch_of_the_run_held_and_an_ol
     assert Experiment.from_json(run.to_json()) == run
     older = {k: v for k, v in run.to_json().items() if k != "max_seq_len_seen"}  # an exp.json written before it
     assert Experiment.from_json(older).max_seq_len_seen is None
+
+
+def test_a_longer_batch_at_step_1_is_not_the_seen_one_its_peak_lacks_the_optimizer_states(tmp_path):
+    write(tmp_path / "metrics.json", '{"throughput": 10.0, "latency": 1000}')
+    lines = [{"rank": 0, "step": i, "t": 10.0 + i, "step_s": 0.1, "micro_steps": 1, "train_batch_size": 4,
+              "batch_samples": 2, "seq_len": n, "peak_bytes": 1_000 + i} for i, n in ((1, 512), (2, 128), (3, 300))]
+    write(tmp_path / "probe.rank0.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
+    run = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (run.max_seq_len_seen, run.min_seq_len_seen) == (300, 128)  # step 1's 512 is left out of the longest

@@ -128,6 +128,21 @@ def test_the_longest_sequence_is_per_step_the_ranks_longest_and_the_runs_longest
     assert core.max_seq_len({}) is None
 
 
+def test_the_longest_seen_is_from_step_2_on_where_a_later_step_gives_one_and_the_shortest_over_every_step():
+    # step 1 held 512 tokens without the optimizer states; steps 2-3 at most 200: the run's peak pairs with 200
+    lines = {0: [{"step": 1, "seq_len": 512}, {"step": 2, "seq_len": 96}, {"step": 3, "seq_len": 150}],
+             1: [{"step": 1, "seq_len": 128}, {"step": 2, "seq_len": 200}, {"step": 3, "seq_len": 64}]}
+    assert core.seen_seq_lens(step_records(lines)) == (200, 150)  # steps' longest: 512, 200, 150
+    lines[1][0]["seq_len"] = 100  # a shorter step 1 counts in the shortest
+    lines[0][0]["seq_len"] = 32
+    assert core.seen_seq_lens(step_records(lines)) == (200, 100)
+    # no step 2 (a run that ended in step 2), or no length after step 1: step 1's own
+    assert core.seen_seq_lens(step_records({0: [{"step": 1, "seq_len": 512}]})) == (512, 512)
+    assert core.seen_seq_lens(step_records({0: [{"step": 1, "seq_len": 512}, {"step": 2}]})) == (512, 512)
+    assert core.seen_seq_lens(step_records(TWO_RANKS)) == (None, None)
+    assert core.seen_seq_lens({}) == (None, None)
+
+
 def test_a_slowly_decaying_warm_up_is_cut_by_the_marginal_standard_error_rule():
     # a real run here (z0 mbs 32 on 2 CPU ranks, both ranks alike): steps 2-4 still warming up
     steps = [2.269, 1.679, 1.365, 1.296, 1.191, 1.141, 1.196, 1.17, 1.168, 1.184, 1.201]

@@ -92,7 +92,8 @@ class Experiment:
     ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
-    max_seq_len_seen: int | None = None  # the longest sequence a micro batch of its run held, tokens (probe only)
+    max_seq_len_seen: int | None = None  # the longest sequence a micro batch of its run held from step 2 on, tokens
+    #                                      (step 1's without a later step; probe only): what its peak pairs with
     min_seq_len_seen: int | None = None  # the shortest step's longest sequence, tokens (probe only): lengths vary
     pad_seq_len: int | None = None  # every micro batch's token ids padded to this length, tokens (--verify-longest)
     started_at: float | None = None  # when the scheduler launched it, seconds since the epoch (the report's timeline)

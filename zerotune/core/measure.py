@@ -48,7 +48,7 @@ from zerotune.core.objective import Objective
 from zerotune.core.step_record import StepRecord
 
 __all__ = ["CONFIDENCE", "WARMUP_FACTOR", "Measurement", "Pooled", "StepStats", "activation_slope_bytes", "max_seq_len",
-           "measure", "peak_bytes", "pool", "pooled_metrics", "seq_lens", "step_stats"]
+           "measure", "peak_bytes", "pool", "pooled_metrics", "seen_seq_lens", "seq_lens", "step_stats"]
 
 WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' median is warm-up
 CONFIDENCE = 0.95
@@ -239,6 +239,16 @@ def max_seq_len(streams: Streams) -> int | None:
     (:func:`seq_lens`); None where no record gives one. What the run saw, not what the training will: a
     longer batch later in the data needs more activation memory than the run measured."""
     return max(seq_lens(streams).values(), default=None)
+
+
+def seen_seq_lens(streams: Streams) -> tuple[int | None, int | None]:
+    """``(longest, shortest)`` of the run's steps' longest sequences (:func:`seq_lens`), tokens, as ``exp.json``
+    keeps them (``max_seq_len_seen``, ``min_seq_len_seen``); None, None where no record gives one. The longest is
+    from step 2 on where a record of step 2 or later gives one: step 1's peak lacks the optimizer states (that
+    step creates them), so its batch is not the one the run's peak pairs with; the shortest counts every step."""
+    lengths = seq_lens(streams)
+    later = [n for step, n in lengths.items() if step >= 2] or list(lengths.values())
+    return max(later, default=None), min(lengths.values(), default=None)
 
 
 def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:

@@ -1,8 +1,12 @@
 """Memory per token: the longest batch a training can meet, and a config's predicted peak there.
 
 A tuning's runs see a few batches; training meets its longest. The probe records each step's longest sequence
-(``seq_len``, tokens; :attr:`~zerotune.core.experiment.Experiment.max_seq_len_seen` is a run's largest), and a
-run's peak is its high-water mark, so a run's peak is the peak of its longest batch.
+(``seq_len``, tokens; :attr:`~zerotune.core.experiment.Experiment.max_seq_len_seen` is a run's largest from step 2
+on, the first step that holds the optimizer states step 1 creates), and a run's peak is its high-water mark (on CPU
+ranks the ``VmData`` sampler runs through every step whose batch is longer than any before), so a run's peak is at
+least the peak of that batch with the optimizer states held. A longer batch at step 1 alone is left out: its peak
+lacks the states, and pairing it with the run's peak would predict the longest batch without them; left out, the
+prediction is high by what step 1's peak exceeds the later steps' by, if it does (a safe error).
 
 **The longest batch** (:func:`longest_batch`), in this order of sources: ``--max-seq-len``; else, where the runs'
 batches were not all one length, the model's maximum positions (a Hugging Face config's ``n_positions`` or
@@ -40,7 +44,7 @@ class LongestBatch:
 
     Attributes:
         seq_len: its tokens per sample. source: where that comes from, as the summary says it.
-        seen: the longest a run of the tuning held (None: no run recorded one).
+        seen: the longest a run of the tuning held from step 2 on (``max_seq_len_seen``; None: no run recorded one).
         fixed: every run's batches held one length (a fixed-shape workload): nothing to predict.
     """
 
@@ -96,7 +100,8 @@ class LongestCheck:
     Attributes:
         name: the experiment. mbs: its micro batch size.
         measured_bytes: its measured peak per rank, bytes (the mean over its runs).
-        seen: the longest batch its runs held, tokens. longest: the longest batch the training can meet, tokens.
+        seen: the longest batch its runs held from step 2 on, tokens.
+        longest: the longest batch the training can meet, tokens.
         per_token_bytes: bytes per token per sample (:func:`token_slope`).
         predicted_bytes: the predicted peak at the longest batch, bytes. budget_bytes: the per-rank budget.
     """

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes, seq_lens
+from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes, seen_seq_lens
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
@@ -148,8 +148,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     becomes the largest over the ranks; else the backend's value stays. On CUDA, where the streams
     record the allocated bytes before each step, ``activation_slope_bytes`` is the run's own growth per
     sample (:func:`zerotune.core.measure.activation_slope_bytes`); else None. ``max_seq_len_seen`` and
-    ``min_seq_len_seen`` are the longest and the shortest of the steps' longest sequences
-    (:func:`zerotune.core.measure.seq_lens`; None without one).
+    ``min_seq_len_seen`` are the longest of the steps' longest sequences from step 2 on (step 1's where the run
+    has no later one) and the shortest over every step (:func:`zerotune.core.measure.seen_seq_lens`; None
+    without one).
 
     Args:
         exp: the experiment, updated in place.
@@ -212,8 +213,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     mbs = exp.ds_config.get("train_micro_batch_size_per_gpu")
     exp.activation_slope_bytes = (activation_slope_bytes(streams, mbs) if isinstance(mbs, int) and not profile
                                   else None)
-    lengths = seq_lens(streams).values()
-    exp.max_seq_len_seen, exp.min_seq_len_seen = max(lengths, default=None), min(lengths, default=None)
+    exp.max_seq_len_seen, exp.min_seq_len_seen = seen_seq_lens(streams)
     return exp
 
 
