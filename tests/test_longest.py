@@ -8,7 +8,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
-from zerotune.model.tokens import LongestBatch, check_longest, longest_batch, token_slope
+from zerotune.model.tokens import LongestBatch, check_longest, longest_batch, square_bytes, token_slope
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import LongestOptions, settle_longest
 
@@ -16,10 +16,11 @@ MEMORY = OnlineMemory(MemoryModel(1_000_000, 400_000, 2, overhead_bytes=50_000_0
 PER_TOKEN, FIXED = 1000, 100_000_000  # bytes per token per sample, and what a run holds whatever its batch
 
 
-def run(mbs, seen, metric, shortest=64, status=Status.OK):
-    """A ZeRO-0 run whose peak is its structural terms, FIXED, and PER_TOKEN for each token of its longest batch."""
+def run(mbs, seen, metric, shortest=64, status=Status.OK, square=0):
+    """A ZeRO-0 run whose peak is its structural terms, FIXED, PER_TOKEN for each token of its longest batch and
+    ``square`` bytes per token squared per sample."""
     cfg = {"train_micro_batch_size_per_gpu": mbs, "zero_optimization": {"stage": 0}}
-    peak = MEMORY.structural_bytes(cfg, mbs) + FIXED + PER_TOKEN * mbs * seen
+    peak = MEMORY.structural_bytes(cfg, mbs) + FIXED + PER_TOKEN * mbs * seen + square * mbs * seen ** 2
     return Experiment(f"z0_gas1_tmbspg{mbs}", cfg, num_slots=2, status=status, metric=metric, peak_memory_bytes=peak,
                       max_seq_len_seen=seen, min_seq_len_seen=shortest)
 
@@ -56,6 +57,17 @@ def test_the_peak_at_the_longest_batch_adds_the_tokens_it_holds_beyond_the_seen(
     # 256,000 fewer): 6,500,000 - 1,344,000 - 3,584,000 = 1,572,000 left
     small = check_longest(runs[0], MEMORY, runs, LongestBatch(1024, "--max-seq-len", 128), budget)
     assert (small.predicted_bytes - runs[0].peak_memory_bytes, small.margin_bytes) == (3_584_000, 1_572_000)
+
+
+def test_attention_scores_add_the_square_of_the_longest_length_and_leave_the_per_token_fit_exact():
+    runs = [run(4, 128, 100.0, square=2), run(8, 96, 110.0, square=2)]
+    assert token_slope(MEMORY, runs, runs[1].ds_config, square=2.0) == pytest.approx(PER_TOKEN)
+    check = check_longest(runs[1], MEMORY, runs, LongestBatch(1024, "--max-seq-len", 128), 10**10, square=2.0)
+    # 8 x 928 x 1000 = 7,424,000 for the tokens, 2 x 8 x (1024^2 - 96^2) = 16,629,760 for the scores
+    assert check.predicted_bytes - runs[1].peak_memory_bytes == 7_424_000 + 16_629_760
+    assert "and attention scores of 2.0 bytes per token squared per sample)" in check.describe()
+    assert square_bytes({"square_seq_len": 31, "square_saved_bytes": 138_384, "micro_batch_size": 3}) == 48.0
+    assert square_bytes(None) == 0.0
 
 
 def evaluator(runs, budget, launched=()):

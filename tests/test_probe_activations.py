@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from tests.helpers.probe import Checkpointed, LabelsLoss, counted_gpt2, engine_module, profile_record
-from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_saved_activations
+from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_saved_activations, read_square_activations
 from zerotune.probe._zerotune_probe.activations import _LayerCheckpointing, _SavedActivations
 from zerotune.probe._zerotune_probe.engine import _install
 from zerotune.probe._zerotune_probe.growth import _room_for, _StepGrowth, _widen, find_loss, growth_bytes
@@ -198,6 +198,20 @@ def test_a_plain_gpt2_prices_its_checkpointing_as_the_checkpointed_forward_count
     # each block more keeps its input only: fp32 3 x 32 x 64, 24,576 bytes
     assert plain["checkpointed_bytes"] - counted_gpt2(tmp_path / "plain2", 3, checkpointing=False, layers=2)[
         "checkpointed_bytes"] == 24_576
+
+
+def test_the_profile_counts_attention_scores_at_an_odd_length_below_the_batchs(tmp_path):
+    # GPT-2 at 32 tokens, heads 32 wide: its per-head queries, keys and values are [3, 2, 32, 32] too. At 31 tokens
+    # only the scores are square: 3 fp32 [3, 2, 31, 31] tensors a layer (SDPA's math path: the scores, their softmax
+    # and the dropped-out probabilities), 23,064 bytes each
+    for layers in (2, 3):
+        record = counted_gpt2(tmp_path / f"plain{layers}", 3, checkpointing=False, layers=layers)
+        assert (record["square_seq_len"], record["square_saved_bytes"]) == (31, layers * 3 * 23_064)
+    assert read_square_activations(tmp_path / "plain2") == {"square_seq_len": 31, "square_saved_bytes": 138_384,
+                                                            "micro_batch_size": 3}
+    # checkpointed blocks save only their inputs: the one block the backward recomputes at a time is not counted
+    assert counted_gpt2(tmp_path / "checkpointed", 3, checkpointing=True)["square_saved_bytes"] == 0
+    assert read_square_activations(tmp_path / "nothing") is None
 
 
 def test_a_plain_llama_prices_the_keyword_inputs_its_checkpoint_keeps(tmp_path):

@@ -92,6 +92,17 @@ def test_the_longest_batch_pads_token_ids_labels_with_the_ignored_index(tmp_path
         assert pad_length(str(tmp_path)) == length
 
 
+def test_the_profiles_score_count_cuts_token_ids_to_a_length_and_leaves_the_rest():
+    from zerotune.probe._zerotune_probe.padding import cut_batch
+
+    ids = torch.arange(8, dtype=torch.int64).reshape(2, 4)
+    features = torch.ones(2, 4)
+    args, kwargs = cut_batch((ids, features), {"labels": ids, "batch": {"input_ids": ids}}, 3)
+    assert args[0].tolist() == [[0, 1, 2], [4, 5, 6]] and args[1] is features
+    assert kwargs["labels"].shape == (2, 3) and kwargs["batch"]["input_ids"].shape == (2, 3)
+    assert cut_batch((ids,), {}, 5)[0][0].shape == (2, 4)  # shorter already: as it is
+
+
 def test_the_wrapped_forward_pads_to_the_length_its_directory_names_at_the_first_forward(tmp_path):
     probe = _Probe(str(tmp_path))
     forward = _probed_forward(lambda self, *args, **kwargs: tuple(kwargs["input_ids"].shape), probe)

@@ -19,11 +19,16 @@ activation part of each ok run's peak (the peak less the structural terms,
 :meth:`~zerotune.model.online.OnlineMemory.structural_bytes`) fitted as ``c + a * mbs * seq_len`` over the runs
 (:func:`~zerotune.model.linefit.fit_line`, ``a >= 0``) where they hold at least two lengths and two token counts;
 else the family's fitted bytes per sample (its line's slope) over the length its runs saw: activations are linear
-in tokens (each layer's saved tensors are ``[samples, tokens, hidden]``; attention kernels that keep a
-``tokens x tokens`` matrix are under-counted, docs/decisions.md D309).
+in tokens (each layer's saved tensors are ``[samples, tokens, hidden]``), less the square term's share below.
 
-**At the longest** (:func:`check_longest`): ``peak(L) = peak(seen) + a * mbs * (L - seen)``, the run's measured peak
-(the mean over its runs) moved by the tokens the longest batch adds.
+**Attention scores** (:func:`square_bytes`): an attention kernel that keeps a ``tokens x tokens`` matrix per head
+(eager attention, SDPA's math path) holds bytes that grow with the square of the length. The profile run's probe
+counts the saved ones (:func:`~zerotune.probe.read_square_activations`): ``q`` = saved / (mbs x seq_len^2), bytes
+per sample per token squared, at the odd length the probe counts at; 0 where the kernel keeps none (flash
+attention) or the profile recorded no length.
+
+**At the longest** (:func:`check_longest`): ``peak(L) = peak(seen) + a * mbs * (L - seen) + q * mbs * (L^2 -
+seen^2)``, the run's measured peak (the mean over its runs) moved by the tokens the longest batch adds.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from zerotune.core.units import format_bytes
 from zerotune.model.linefit import fit_line
 from zerotune.model.online import OnlineMemory, family
 
-__all__ = ["LongestBatch", "LongestCheck", "check_longest", "longest_batch", "token_slope"]
+__all__ = ["LongestBatch", "LongestCheck", "check_longest", "longest_batch", "square_bytes", "token_slope"]
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,18 @@ def longest_batch(max_seq_len: int | None, max_positions: int | None,
     return LongestBatch(seen, "the longest batch the runs saw: a guess, give --max-seq-len", seen)
 
 
-def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_config: dict) -> float | None:
-    """Bytes per token per sample of ``ds_config``'s family (module docstring); None where no run of the family
-    recorded its length."""
+def square_bytes(record: dict[str, int] | None) -> float:
+    """``q``, bytes per sample per token squared (module docstring), from the profile's
+    :func:`~zerotune.probe.read_square_activations` record (None: 0)."""
+    if not record:
+        return 0.0
+    return record["square_saved_bytes"] / (record["micro_batch_size"] * record["square_seq_len"] ** 2)
+
+
+def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_config: dict,
+                square: float = 0.0) -> float | None:
+    """Bytes per token per sample of ``ds_config``'s family (module docstring), less the square term ``square``
+    (:func:`square_bytes`) carries; None where no run of the family recorded its length."""
     fam = family(memory.prior, ds_config)
     runs = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is Status.OK
             and e.peak_memory_bytes and e.max_seq_len_seen and e.pad_seq_len is None
@@ -85,9 +99,9 @@ def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_conf
     if not runs:
         return None
     seen = max(e.max_seq_len_seen for e in runs)
-    per_sample = memory.line(ds_config).slope / seen
-    points = [(float(e.mbs * e.max_seq_len_seen),
-               float(e.peak_memory_bytes - memory.structural_bytes(e.ds_config, e.mbs)), 1.0) for e in runs]
+    per_sample = memory.line(ds_config).slope / seen - square * seen
+    points = [(float(e.mbs * e.max_seq_len_seen), float(e.peak_memory_bytes - memory.structural_bytes(
+        e.ds_config, e.mbs) - square * e.mbs * e.max_seq_len_seen ** 2), 1.0) for e in runs]
     if len({e.max_seq_len_seen for e in runs}) < 2 or len({x for x, _, _ in points}) < 2:
         return max(0.0, per_sample)
     return fit_line(points, tie_slope=per_sample).slope
@@ -104,6 +118,7 @@ class LongestCheck:
         longest: the longest batch the training can meet, tokens.
         per_token_bytes: bytes per token per sample (:func:`token_slope`).
         predicted_bytes: the predicted peak at the longest batch, bytes. budget_bytes: the per-rank budget.
+        per_square_bytes: attention scores' bytes per token squared per sample (:func:`square_bytes`; 0: none).
     """
 
     name: str
@@ -114,6 +129,7 @@ class LongestCheck:
     per_token_bytes: float
     predicted_bytes: int
     budget_bytes: int
+    per_square_bytes: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -127,25 +143,30 @@ class LongestCheck:
 
     def describe(self) -> str:
         """``z1_gas1_tmbspg8: measured peak 2.10 GiB at 128 tokens; at 1024 tokens 2.90 GiB predicted (8 samples x
-        896 more tokens x 120 KiB per token per sample); budget 3.00 GiB, margin 0.10 GiB (3%)``."""
+        896 more tokens x 120 KiB per token per sample, and attention scores of 96.0 bytes per token squared per
+        sample); budget 3.00 GiB, margin 0.10 GiB (3%)``."""
+        scores = (f", and attention scores of {self.per_square_bytes:.1f} bytes per token squared per sample"
+                  if self.per_square_bytes else "")
         return (f"{self.name}: measured peak {format_bytes(self.measured_bytes)} at {self.seen} tokens; at "
                 f"{self.longest} tokens {format_bytes(self.predicted_bytes)} predicted ({self.mbs} sample(s) x "
                 f"{max(0, self.longest - self.seen)} more tokens x {format_bytes(round(self.per_token_bytes))} per "
-                f"token per sample); budget {format_bytes(self.budget_bytes)}, margin "
+                f"token per sample{scores}); budget {format_bytes(self.budget_bytes)}, margin "
                 f"{'-' if self.margin_bytes < 0 else ''}{format_bytes(abs(self.margin_bytes))} "
                 f"({self.margin_bytes / self.budget_bytes:.0%})")
 
 
 def check_longest(exp: Experiment, memory: OnlineMemory, experiments: Iterable[Experiment], longest: LongestBatch,
-                  budget_bytes: int) -> LongestCheck | None:
-    """``exp``'s predicted peak at ``longest`` (module docstring); None where ``exp`` has no measured peak or
-    length, or its family no per-token term."""
+                  budget_bytes: int, square: float = 0.0) -> LongestCheck | None:
+    """``exp``'s predicted peak at ``longest`` (module docstring), ``square`` the attention scores' ``q``
+    (:func:`square_bytes`); None where ``exp`` has no measured peak or length, or its family no per-token term."""
     experiments = list(experiments)
     measured = memory.measured_bytes(exp.ds_config) or exp.peak_memory_bytes
     seen = max((e.max_seq_len_seen for e in experiments if (e.name == exp.name or e.replica_of == exp.name)
                 and e.max_seq_len_seen), default=None)
-    slope = token_slope(memory, experiments, exp.ds_config)
+    slope = token_slope(memory, experiments, exp.ds_config, square)
     if not measured or seen is None or slope is None:
         return None
-    predicted = round(measured + slope * exp.mbs * max(0, longest.seq_len - seen))
-    return LongestCheck(exp.name, exp.mbs, int(measured), seen, longest.seq_len, slope, predicted, int(budget_bytes))
+    more = max(0, longest.seq_len - seen)
+    predicted = round(measured + slope * exp.mbs * more + square * exp.mbs * ((seen + more) ** 2 - seen ** 2))
+    return LongestCheck(exp.name, exp.mbs, int(measured), seen, longest.seq_len, slope, predicted, int(budget_bytes),
+                        square)

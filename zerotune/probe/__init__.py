@@ -34,10 +34,10 @@ from zerotune.probe.sitecustomize import (
 )
 
 __all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PAD_FILE",
-           "PROBE_DIR_ENV",
-           "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "clean_exits", "clear_streams", "exit_name",
-           "read_exits", "read_model_shapes", "read_checkpointed_activations", "read_saved_activations", "read_streams",
-           "run_phases", "step_records", "stream_files", "stream_name"]
+           "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "SQUARE_KEYS", "clean_exits",
+           "clear_streams", "exit_name", "read_exits", "read_model_shapes", "read_checkpointed_activations",
+           "read_saved_activations", "read_square_activations", "read_streams", "run_phases", "step_records",
+           "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
 SHAPE_KEYS = ("largest_layer_params", "persistent_params")  # elements, in ACTIVATIONS_RECORD
@@ -180,6 +180,24 @@ def read_checkpointed_activations(exp_dir: Path) -> int | None:
     if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
         return None
     return checkpointed // mbs
+
+
+SQUARE_KEYS = ("square_seq_len", "square_saved_bytes", "micro_batch_size")
+
+
+def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
+    """What the profile run's first forward saved of tensors that grow with the square of the sequence length
+    (the probe's :data:`ACTIVATIONS_RECORD`, :data:`SQUARE_KEYS`): ``square_seq_len``, the length of the batch
+    counted, tokens; ``square_saved_bytes``, its saved ``[..., L, L]`` tensors (attention scores), bytes;
+    ``micro_batch_size``. None without a valid record (no token
+    ids in the batch, an older probe, not a profile run)."""
+    record = _activations_record(exp_dir)
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), int) and not isinstance(record[k], bool)
+                                               and record[k] >= 0 for k in SQUARE_KEYS):
+        return None
+    if record["square_seq_len"] < 2 or record["micro_batch_size"] < 1:
+        return None
+    return {k: record[k] for k in SQUARE_KEYS}
 
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:

@@ -78,9 +78,11 @@ def _outcome(run: Experiment, predicted: int | None) -> str:
     return (run.status.value if run.status else "did not run") + (f" ({why})" if why else "")
 
 
-def settle_longest(ev, options: LongestOptions, max_positions: int | None) -> LongestResult:
+def settle_longest(ev, options: LongestOptions, max_positions: int | None, square: float = 0.0) -> LongestResult:
     """Check (and with ``options.verify`` run) the answer at the longest batch (module docstring); ``ev``: the
-    strategy's :class:`~zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown)."""
+    strategy's :class:`~zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown);
+    ``square``: its attention scores' bytes per token squared per sample
+    (:func:`~zerotune.model.tokens.square_bytes`)."""
     result, ledger, budget = LongestResult(), ev.ledger, ev.job.device_memory_bytes
     memory = ev.result.memory
     runs = [e for e in ledger.experiments if e.kind is not ExperimentKind.PROFILE]
@@ -88,7 +90,7 @@ def settle_longest(ev, options: LongestOptions, max_positions: int | None) -> Lo
     if result.batch is None or result.batch.fixed or result.batch.seen is None or memory is None or not budget:
         return result  # no token ids seen (images, the memory oracle), or one length: nothing to check
     while (answer := ledger.answer) is not None:
-        check = check_longest(answer, memory, runs, result.batch, budget)
+        check = check_longest(answer, memory, runs, result.batch, budget, square)
         if check is not None:
             result.checks.append(check)
             logger.info(f"longest batch: {check.describe()}")

@@ -37,6 +37,8 @@ from zerotune.deepspeed.auto import read_engine_record
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
+from zerotune.model.tokens import square_bytes
+from zerotune.probe import read_square_activations
 from zerotune.strategy import remeasure
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.budget import BudgetSpent
@@ -131,12 +133,14 @@ class Strategy:
 
     def longest(self, verify: bool = True) -> None:
         """The answer checked, and with ``--verify-longest`` (unless ``verify`` is False) run, at the longest batch
-        (:mod:`~zerotune.strategy.longest`); the model's maximum positions from the profile's engine record."""
-        record = read_engine_record(self.job.exps_dir / self.builder.profile().name) or {}
-        positions = record.get("max_positions")
+        (:mod:`~zerotune.strategy.longest`); the model's maximum positions and attention scores from the profile's
+        records."""
+        profile_dir = self.job.exps_dir / self.builder.profile().name
+        positions = (read_engine_record(profile_dir) or {}).get("max_positions")
         options = self.job.longest if verify else dataclasses.replace(self.job.longest, verify=False)
         self.result.longest = settle_longest(self.ev, options,
-                                             positions if isinstance(positions, int) and positions > 0 else None)
+                                             positions if isinstance(positions, int) and positions > 0 else None,
+                                             square_bytes(read_square_activations(profile_dir)))
 
     def settle_answer(self) -> None:
         """The finalists re-measured, then the answer itself where it must be (:mod:`zerotune.strategy.remeasure`)."""

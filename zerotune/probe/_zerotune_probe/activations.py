@@ -22,6 +22,14 @@ Without activation checkpointing, where the model has checkpointable layers (Hug
 at the record's ``micro_batch_size``, and ``checkpoint_layers``, the layer calls counted
 (:class:`_LayerCheckpointing`).
 
+Where the forward's batch held token ids (:mod:`.batch`), every rank then runs the model's forward once more (with
+gradients, output dropped) on that batch cut to ``square_seq_len`` tokens, the largest odd length below the batch's
+(:meth:`_SavedActivations.count_square`), and the record holds ``square_seq_len`` and ``square_saved_bytes``: the
+bytes of the saved tensors whose last two dimensions are both that length (attention scores and probabilities,
+``[samples, heads, tokens, tokens]``, which grow with the square of the length; 0 where the attention kernel keeps
+none, as flash attention does). An odd length keeps out tensors that are square by coincidence: at 32 tokens and a
+head width of 32, a GPT-2's per-head queries, keys and values are ``[samples, heads, 32, 32]`` too.
+
 ``largest_layer_params``: the most parameters any one module holds directly (its own, not its
 children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
 elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
@@ -44,6 +52,7 @@ import contextlib
 import os
 import sys
 
+from .padding import cut_batch
 from .peak import _data_peak, _device_peak
 from .records import ACTIVATIONS_RECORD, _Probe, _rank, _write_record
 
@@ -177,6 +186,7 @@ class _SavedActivations:
         self.shapes = self._shapes(module) if module is not None else {}
         self.recompute_bytes, self.regions, self.measuring = 0, 0, True
         self.layers = self._layers(module) if module is not None else None
+        self.square: dict[str, int] = {}  # square_seq_len, square_saved_bytes (count_square)
 
     @staticmethod
     def _shapes(module) -> dict:
@@ -218,6 +228,30 @@ class _SavedActivations:
             print(f"zerotune probe: finding the checkpointable layers failed: {type(e).__name__}: {e}",
                   file=sys.stderr, flush=True)
             return None
+
+    def count_square(self, args: tuple, kwargs: dict) -> None:
+        """``square_seq_len`` and ``square_saved_bytes`` (module docstring) from one more forward of the module on
+        ``args`` and ``kwargs``, the counted forward's batch, cut. Every rank runs it (ZeRO-3 gathers stay matched);
+        nothing where the batch held no token ids or fewer than 4. A failure is printed and leaves the keys out."""
+        try:
+            seq_len = self.probe.state(self.engine)["seq_len"]
+            if not isinstance(seq_len, int) or seq_len < 4:
+                return
+            length = seq_len - 1 if seq_len % 2 == 0 else seq_len - 2
+            args, kwargs = cut_batch(args, kwargs, length)
+            square: dict[int, int] = {}
+
+            def pack(tensor):
+                if tensor.dim() >= 3 and tensor.shape[-1] == tensor.shape[-2] == length:
+                    self._count(square, tensor)
+                return tensor
+            with self.torch.enable_grad(), self.torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = self.engine.module(*args, **kwargs)
+            del out
+            self.square = {"square_seq_len": length, "square_saved_bytes": int(sum(square.values()))}
+        except Exception as e:  # noqa: BLE001 - the probe never breaks training
+            print(f"zerotune probe: counting attention scores failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)
 
     def pack(self, tensor):
         self._count(self.storages, tensor)
@@ -319,5 +353,6 @@ class _SavedActivations:
             **({"recompute_bytes": int(self.recompute_bytes), "recompute_regions": self.regions}
                if self.regions else {}),
             **(self.layers.figures(self.recompute_bytes) if self.layers is not None else {}),
+            **self.square,
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
             **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {})}, "recording activations")

@@ -98,6 +98,7 @@ def _probed_forward(forward, probe: _Probe):
                         growth.at_exit(self)
                     raise
                 finally:
+                    counter.count_square(args, kwargs)
                     counter.write(growth.figures() if growth is not None else {})
                     if growth is not None:
                         growth.close()

@@ -12,6 +12,9 @@ activations then have the shapes of a batch of that length, which is what the pe
 
 A script whose batch is not token ids as ``[samples, tokens]`` integer tensors (images, float features, packed or
 pre-embedded sequences) is not padded, and its peak is its own batches'.
+
+:func:`cut_batch` does the reverse for the profile's count of attention scores (:mod:`.activations`): the same
+tensors, longer than a length, cut to it.
 """
 import os
 import sys
@@ -43,9 +46,16 @@ def pad_batch(args: tuple, kwargs: dict, length) -> tuple:
     return tuple(pad.value(v, None) for v in args), {k: pad.value(v, k) for k, v in kwargs.items()}
 
 
+def cut_batch(args: tuple, kwargs: dict, length: int) -> tuple:
+    """``(args, kwargs)`` with their token-id tensors longer than ``length`` tokens cut to their first ``length``
+    (module docstring); torch must be imported."""
+    cut = _Pad(sys.modules["torch"], length, cut=True)
+    return tuple(cut.value(v, None) for v in args), {k: cut.value(v, k) for k, v in kwargs.items()}
+
+
 class _Pad:
-    def __init__(self, torch, length: int):
-        self.torch, self.length = torch, length
+    def __init__(self, torch, length: int, cut: bool = False):
+        self.torch, self.length, self.cut = torch, length, cut
 
     def value(self, value, key, depth: int = 0):
         """``value`` padded where it is a token-id tensor, or a container of them one level down."""
@@ -59,8 +69,9 @@ class _Pad:
 
     def tensor(self, t, key):
         dtype = t.dtype
-        if (t.dim() != 2 or t.shape[1] >= self.length or dtype.is_floating_point or dtype.is_complex
-                or dtype == self.torch.bool):
+        if t.dim() != 2 or dtype.is_floating_point or dtype.is_complex or dtype == self.torch.bool:
             return t
+        if self.cut or t.shape[1] >= self.length:
+            return t[:, :self.length] if self.cut else t
         fill = LABEL_PAD if key in LABEL_KEYS else 0
         return self.torch.nn.functional.pad(t, (0, self.length - t.shape[1]), value=fill)
