@@ -71,7 +71,9 @@ class _Pad:
         dtype = t.dtype
         if t.dim() != 2 or dtype.is_floating_point or dtype.is_complex or dtype == self.torch.bool:
             return t
-        if self.cut or t.shape[1] >= self.length:
-            return t[:, :self.length] if self.cut else t
+        if self.cut:
+            return t[:, :self.length]
+        if t.shape[1] >= self.length:
+            return t
         fill = LABEL_PAD if key in LABEL_KEYS else 0
         return self.torch.nn.functional.pad(t, (0, self.length - t.shape[1]), value=fill)
