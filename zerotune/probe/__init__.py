@@ -189,8 +189,8 @@ def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
     """What the profile run's first forward saved of tensors that grow with the square of the sequence length
     (the probe's :data:`ACTIVATIONS_RECORD`, :data:`SQUARE_KEYS`): ``square_seq_len``, the length of the batch
     counted, tokens; ``square_saved_bytes``, its saved ``[..., L, L]`` tensors (attention scores), bytes;
-    ``micro_batch_size``. None without a valid record (no token
-    ids in the batch, an older probe, not a profile run)."""
+    ``micro_batch_size``. None without a valid record (no token ids in the batch, an older probe, not a profile
+    run)."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict) or not all(isinstance(record.get(k), int) and not isinstance(record[k], bool)
                                                and record[k] >= 0 for k in SQUARE_KEYS):

@@ -57,7 +57,8 @@ def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
     """Before ``engine``'s forward: keep the largest samples and sequence length of its optimizer step so far in
     the probe's state for it (``batch_samples``, ``seq_len``). Call it once the first forward's time is set (the
     state's first step is timed from it). On a CPU rank a sequence longer than any before restarts the ``VmData``
-    sampler for this step (:meth:`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be read adds nothing."""
+    sampler for this step (:meth:`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be
+    read adds nothing."""
     if probe.failed:
         return
     try:
