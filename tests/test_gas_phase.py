@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.experiment import ExperimentKind, Status
-from zerotune.core.noise import RUN_NOISE
+from zerotune.core.noise import DEFAULT_PRECISION, RUN_NOISE
 from zerotune.run.resources import select_resources
 from zerotune.strategy import remeasure
 from zerotune.strategy.answer import best_experiment
@@ -23,8 +23,10 @@ from zerotune.strategy.tuning import Strategy
 GiB = 2**30
 
 
-def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True, cpu: bool = True) -> Job:
-    """A job tuning ZeRO stage 0 only, mbs 1..max_mbs, on 2 ranks (CPU ranks unless ``cpu`` is False) with 8 GiB each."""
+def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True, cpu: bool = True,
+             precision: float = DEFAULT_PRECISION) -> Job:
+    """A job tuning ZeRO stage 0 only, mbs 1..max_mbs, on 2 ranks (CPU ranks unless ``cpu`` is False) with 8 GiB each,
+    to ``precision``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
@@ -32,18 +34,21 @@ def make_job(tmp_path: Path, max_mbs: int = 32, gas: int = 1, fast: bool = True,
                                   "autotuning": {"enabled": True, "fast": fast,
                                                  "max_train_micro_batch_size_per_gpu": max_mbs}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
-                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
+                     TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu,
+                                 precision=precision))
 
 
 def run_strategy(tmp_path: Path, curve, max_mbs: int = 32, gas=1, first_runs=None,
                  rel_half_width: float = 0.01, fast: bool = True,
-                 boundary_share: float | None = None) -> tuple[list[tuple[int, int, int]], Strategy]:
+                 boundary_share: float | None = None,
+                 precision: float = DEFAULT_PRECISION) -> tuple[list[tuple[int, int, int]], Strategy]:
     """Tune ZeRO stage 0 only, mbs 1..max_mbs, with ``curve(mbs, gas)`` as each run's samples/s
     (``first_runs``: (mbs, gas) -> the first run's samples/s instead, a noisy run), each known to
     ``rel_half_width``, and each spending ``boundary_share`` of its step once per optimizer step
     (None: not measured); ([(stage, mbs, gas)] in the order evaluated, replicas included; the strategy).
-    With ``fast`` False the knob phase runs too (every knob setting on the curve's value)."""
-    job = make_job(tmp_path, max_mbs, gas, fast)
+    With ``fast`` False the knob phase runs too (every knob setting on the curve's value); ``precision`` the
+    tuning's."""
+    job = make_job(tmp_path, max_mbs, gas, fast, precision=precision)
     ran = []
 
     def evaluate(exps):
@@ -81,9 +86,10 @@ def test_where_throughput_plateaus_the_best_mbs_global_batch_is_split_in_two_and
 
 def test_where_throughput_still_climbs_the_split_is_not_tried(tmp_path):
     ran, strategy = run_strategy(tmp_path, lambda mbs, gas: 10.0 * mbs * (1.02 if gas == 2 else 1.0))
-    # 16 ran at half the speed of 32: no split, only gas 2 at the best mbs (CPU ranks: the throughput model gates
-    # no mbs below its family's largest there, so the fine pass runs)
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2)]
+    # 16 ran at half the speed of 32: no split, only gas 2 at the best mbs; and no fine pass below 32 either (CPU
+    # ranks: the throughput model gates no mbs below its family's largest there, but 16 reads 50% under 32, so
+    # even at the far end of their noise nothing between them beats 32 by more than a tie, D311)
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 32, 2)]
     assert strategy.result.predictions == []
     assert strategy.best_batch == {0: (32, 2)}
 
@@ -94,7 +100,7 @@ def test_a_gas_rung_is_not_run_where_the_once_per_step_share_bounds_its_gain_und
 
     # 1.9% of each step once per optimizer step: gas 2 gains at most 0.019 / 1.981 = 0.96%: not run
     ran, strategy = run_strategy(tmp_path / "small", climbing, boundary_share=0.019)
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1)]
+    assert ran == [(0, 32, 1), (0, 16, 1)]
     assert strategy.best_batch == {}
     # 2.1%: at most 1.06%: the rung runs (and on this curve wins by 2%, more than the bound: a curve no run can give)
     ran, strategy = run_strategy(tmp_path / "large", climbing, boundary_share=0.021)
@@ -142,7 +148,7 @@ def test_a_larger_batch_that_loses_within_the_noise_is_not_re_measured_and_races
     # intervals (±4.2% together) are wider than the 3%, so steps would decide, not a launch
     curve = lambda mbs, gas: 10.0 * mbs * (1.04 if gas == 2 else 1.0)  # noqa: E731
     ran, strategy = run_strategy(tmp_path, curve, first_runs={(32, 2): 310.4}, rel_half_width=0.03)
-    assert strategy.best_batch == {} and ran[-2:] == [(0, 30, 1), (0, 32, 2)]
+    assert strategy.best_batch == {} and ran[-2:] == [(0, 16, 1), (0, 32, 2)]
     assert not any(e.replica_of for e in strategy.result.experiments)
     assert strategy.result.answer.name == "z0_gas1_tmbspg32"
     # the rung raced the best config's own metric (320 samples/s), not its pessimistic bound
@@ -150,39 +156,48 @@ def test_a_larger_batch_that_loses_within_the_noise_is_not_re_measured_and_races
     assert rung.must_beat == 320.0
 
 
-def test_a_larger_batch_that_wins_within_the_run_to_run_noise_is_re_measured(tmp_path):
-    # gas 2 at mbs 32 is truly 4% faster and its one run reads 3% faster, each run known to ±1% (±1.4% together):
-    # the runs' own intervals tell them apart, the run-to-run noise does not (±3.2% in all), and it is beyond the
-    # 2% precision (within it, a tie): both sides are re-measured and the pooled metrics pick gas 2
-    # (329.6 + 332.8 against 320 + 320)
-    curve = lambda mbs, gas: 10.0 * mbs * (1.04 if gas == 2 else 1.0)  # noqa: E731
-    ran, strategy = run_strategy(tmp_path, curve, first_runs={(32, 2): 329.6}, rel_half_width=0.01)
+def test_a_larger_batch_that_wins_within_the_run_to_run_noise_is_re_measured_only_where_it_could_lose(tmp_path):
+    # to a 0.5% precision, gas 2 at mbs 32 is truly 4% faster and its one run reads 1% faster, each run known to
+    # ±0.5% (±0.7% together): the runs' own intervals tell them apart, the run-to-run noise does not (±2.9% in
+    # all), and the difference's interval reaches 1.9% below zero, past the precision: gas 2 could lose by more
+    # than a tie, so both sides are re-measured and the pooled metrics pick gas 2 (323.2 + 332.8 against 320 + 320)
+    faster = lambda mbs, gas: 10.0 * mbs * (1.04 if gas == 2 else 1.0)  # noqa: E731
+    slower = lambda mbs, gas: 10.0 * mbs * (0.96 if gas == 2 else 1.0)  # noqa: E731
+    ran, strategy = run_strategy(tmp_path, faster, first_runs={(32, 2): 323.2}, rel_half_width=0.005, precision=0.005)
     assert ran[-3:] == [(0, 32, 2), (0, 32, 2), (0, 32, 1)]  # the candidate, then both re-measured
     assert strategy.best_batch == {0: (32, 2)}
-    # truly 4% slower, the same lucky first run: re-measured, and the pooled metrics keep gas 1 (329.6 + 307.2)
-    curve = lambda mbs, gas: 10.0 * mbs * (0.96 if gas == 2 else 1.0)  # noqa: E731
-    ran, strategy = run_strategy(tmp_path / "slower", curve, first_runs={(32, 2): 329.6}, rel_half_width=0.01)
+    # truly 4% slower, the same lucky first run: re-measured, and the pooled metrics keep gas 1 (323.2 + 307.2)
+    ran, strategy = run_strategy(tmp_path / "slower", slower, first_runs={(32, 2): 323.2}, rel_half_width=0.005,
+                                 precision=0.005)
     assert ran[-3:] == [(0, 32, 2), (0, 32, 2), (0, 32, 1)] and strategy.best_batch == {}
-    # the same runs known to ±3% (±4.2% together, wider than the 3% win): not re-measured, the reading stands
-    ran, strategy = run_strategy(tmp_path / "imprecise", curve, first_runs={(32, 2): 329.6}, rel_half_width=0.03)
+    # to the default 2%, a first run 3% faster known to ±1% (±3.2% in all): at worst gas 2 is 0.2% slower, within
+    # the precision, so no launch can move the answer by more than it promises: the reading stands
+    ran, strategy = run_strategy(tmp_path / "at_2pct", slower, first_runs={(32, 2): 329.6}, rel_half_width=0.01)
+    assert ran[-1] == (0, 32, 2) and ran.count((0, 32, 2)) == 1 and strategy.best_batch == {0: (32, 2)}
+    # the same runs known to ±3% (±4.2% together, wider than the 3% win): steps would decide, not a launch
+    ran, strategy = run_strategy(tmp_path / "imprecise", slower, first_runs={(32, 2): 329.6}, rel_half_width=0.03)
     assert ran[-1] == (0, 32, 2) and ran.count((0, 32, 2)) == 1 and strategy.best_batch == {0: (32, 2)}
 
 
-def test_a_split_that_loses_within_the_run_to_run_noise_is_re_measured(tmp_path):
+def test_a_split_that_loses_within_the_run_to_run_noise_is_re_measured_only_where_it_could_win(tmp_path):
     # the split keeps the global batch, so a loss within the noise is re-measured too: mbs 16 at gas 2 is truly 6%
-    # faster than mbs 32 at gas 1 (53 against 51 samples/s), its one run reads 49.5: 2.9% slower, beyond the 2%
-    # precision, within the run-to-run noise of two runs known to ±1%
+    # faster than mbs 32 at gas 1 (53 against 51 samples/s); to a 0.5% precision its one run reads 50.49, 1% slower,
+    # within the run-to-run noise of two runs known to ±0.5%, and the difference's interval reaches 1.9% above
     def curve(mbs, gas):
         return cpu_like(mbs, 1) * (1.06 if gas == 2 and mbs <= 16 else 1.0)
-    ran, strategy = run_strategy(tmp_path, curve, first_runs={(16, 2): 49.5}, rel_half_width=0.01)
+    ran, strategy = run_strategy(tmp_path, curve, first_runs={(16, 2): 50.49}, rel_half_width=0.005, precision=0.005)
     assert ran == [(0, 32, 1), (0, 16, 1), (0, 16, 2), (0, 16, 2), (0, 32, 1), (0, 32, 2)]  # split, both re-measured
     assert strategy.best_batch[0] == (16, 2)
-    # known to ±3% each: the runs' own noise blocks, no replica; the split's reading loses, and the answer is mbs
-    # 16 at gas 1, which ties mbs 32 (50 against 51) and takes the smaller global batch
-    ran, strategy = run_strategy(tmp_path / "imprecise", curve, first_runs={(16, 2): 49.5}, rel_half_width=0.03)
-    assert ran[5:] == [(0, 16, 2), (0, 32, 2)] and strategy.best_batch == {}
+    # to the default 2%, a run 2.9% slower known to ±1% (±3.2% in all) could win by 0.3% at most, a tie: no
+    # replica; the split's reading loses, and the answer is mbs 16 at gas 1, which ties mbs 32 (50 against 51) and
+    # takes the smaller global batch
+    ran, strategy = run_strategy(tmp_path / "at_2pct", curve, first_runs={(16, 2): 49.5}, rel_half_width=0.01)
+    assert ran == [(0, 32, 1), (0, 16, 1), (0, 16, 2), (0, 32, 2)] and strategy.best_batch == {}
     assert (strategy.result.answer.name, strategy.result.ledger.tie.reason) == ("z0_gas1_tmbspg16",
                                                                                  "the smaller global batch")
+    # known to ±3% each: the runs' own noise blocks, no replica either
+    ran, strategy = run_strategy(tmp_path / "imprecise", curve, first_runs={(16, 2): 49.5}, rel_half_width=0.03)
+    assert ran[5:] == [(0, 16, 2), (0, 32, 2)] and strategy.best_batch == {}
 
 
 def test_with_fast_false_the_answer_is_reported_on_two_runs(tmp_path):
@@ -200,34 +215,40 @@ def test_with_fast_false_the_answer_is_reported_on_two_runs(tmp_path):
     assert ran.count((0, 32, 2)) == 1
 
 
-def test_finalists_are_re_measured_only_where_the_run_to_run_noise_blocks(tmp_path):
-    # mbs 32 reads 103 and mbs 16 reads 100: 3% apart, beyond the 2% precision (no tie)
-    values = {"z0_gas1_tmbspg32": 103.0, "z0_gas1_tmbspg16": 100.0, "z0_gas1_tmbspg32_r2": 101.0,
+def test_finalists_are_re_measured_only_where_the_run_to_run_noise_blocks_past_a_tie(tmp_path):
+    values = {"z0_gas1_tmbspg32": 101.0, "z0_gas1_tmbspg16": 100.0, "z0_gas1_tmbspg32_r2": 99.4,
               "z0_gas1_tmbspg16_r2": 100.0}
     ran = []
 
-    def strategy_with(path, rel_half_width):
+    def strategy_with(path, rel_half_width, precision=DEFAULT_PRECISION):
         def evaluate(exps):
             for exp in exps:
                 ran.append(exp.name)
                 exp.status, exp.metric, exp.metric_rel_half_width = Status.OK, values[exp.name], rel_half_width
             return exps
 
-        strategy = Strategy(make_job(path), evaluate)
+        strategy = Strategy(make_job(path, precision=precision), evaluate)
         strategy.evaluate([strategy.builder.mbs_experiment(0, m) for m in (32, 16)])
         return strategy
 
-    # each known to +-1% on its own steps (+-1.4% together): the runs' intervals tell them apart; the assumed 1%
-    # run-to-run noise (+-2.8% for two runs, +-3.2% in all) does not, and only another launch samples it: both
-    # finalists are re-measured (the best first), and the pooled 102 keeps mbs 32
-    strategy = strategy_with(tmp_path / "precise", 0.01)
+    # to a 0.5% precision, mbs 32 reads 101 and mbs 16 reads 100 (1% apart), each known to +-0.5% on its own steps
+    # (+-0.7% together): the runs' intervals tell them apart; the assumed 1% run-to-run noise (+-2.9% in all) does
+    # not, and mbs 16 could be 1.9% faster, past the precision: both finalists are re-measured (the best first),
+    # and the pooled 100.2 against 100 keeps mbs 32 (a tie to that precision would take the smaller batch)
+    strategy = strategy_with(tmp_path / "precise", 0.005, precision=0.005)
     remeasure.confirm_answer(strategy.ev)
     assert strategy.result.run_noise.sigma == RUN_NOISE
     assert ran == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16", "z0_gas1_tmbspg32_r2", "z0_gas1_tmbspg16_r2"]
-    answer = best_experiment(strategy.result.experiments, strategy.job.objective)
-    assert answer.name == "z0_gas1_tmbspg32" and strategy.pooled(answer.name).value == 102.0
-    # each known to +-3% only (+-4.2% together, wider than the 3%): steps would decide, not a launch, and the
-    # stop rule already bought what steps were worth: no replica, the better reading is the answer
+    assert strategy.pooled("z0_gas1_tmbspg32").value == pytest.approx(100.2)
+    # to the default 2%, 103 against 100, each known to +-1% (+-3.2% in all): mbs 16 is at most 0.2% faster, a tie,
+    # so no launch can move the answer by more than the precision: no replica, the better reading is the answer
+    values["z0_gas1_tmbspg32"] = 103.0
+    ran.clear()
+    strategy = strategy_with(tmp_path / "at_2pct", 0.01)
+    remeasure.confirm_answer(strategy.ev)
+    assert ran == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16"]
+    assert strategy.result.answer.name == "z0_gas1_tmbspg32"
+    # each known to +-3% only (+-4.2% together, wider than the 3%): steps would decide, not a launch
     ran.clear()
     strategy = strategy_with(tmp_path / "imprecise", 0.03)
     remeasure.confirm_answer(strategy.ev)
@@ -264,27 +285,42 @@ def test_a_smaller_mbs_of_the_answers_config_away_from_capacity_is_not_re_measur
 
 
 def saturating(mbs: int, gas: int) -> float:
-    """Samples/s rising and concave in mbs above 16 (a fixed per-step cost amortized), the same at any gas; at mbs
-    16 and below 2 samples/s per unit of mbs (32 at mbs 16), slower per step than mbs 32: no affine step time fits
-    mbs 16 and 32 together, so the throughput model bounds no mbs and every candidate the search picks is launched
-    (on the concave curve alone it would bound mbs 24 under mbs 32 plus the precision, and skip it)."""
-    return 100.0 * mbs / (mbs + 8) if mbs > 16 else 2.0 * mbs
+    """Samples/s rising and concave in mbs (a fixed per-step cost amortized), the same at any gas."""
+    return 100.0 * mbs / (mbs + 8)
+
+
+def settled(tmp_path: Path, mbs_values, first_runs) -> tuple[list[str], Strategy]:
+    """ZeRO-0 runs at ``mbs_values`` on the :func:`saturating` curve (``first_runs``: mbs -> the first run's samples/s
+    instead), each known to ±1%, then the answer settled as a ``"fast": true`` tuning settles it; (the experiments
+    run, in order; the strategy)."""
+    ran = []
+
+    def evaluate(exps):
+        for exp in exps:
+            ran.append(exp.name)
+            first = exp.replica_of is None and exp.mbs in first_runs
+            exp.status, exp.metric_rel_half_width = Status.OK, 0.01
+            exp.metric = first_runs[exp.mbs] if first else saturating(exp.mbs, exp.gas)
+        return exps
+
+    strategy = Strategy(make_job(tmp_path), evaluate)
+    strategy.evaluate([strategy.builder.mbs_experiment(0, m) for m in mbs_values])
+    strategy.settle_answer()
+    return ran, strategy
 
 
 def test_with_fast_true_an_answer_reading_above_the_line_through_its_mbs_neighbours_is_measured_again(tmp_path):
-    # the search runs mbs 32, 16, 24, 28 and 30, then gas 2 at the best mbs; mbs 28's first run reads 90.0 where the
-    # curve gives 77.8: the line through its neighbours mbs 24 (75.0) and 30 (78.9) predicts 77.6 at mbs 28, 16%
-    # below the read, beyond the noise of three runs known to +-1% with the assumed 1% run-to-run noise (2.7%)
-    ran, strategy = run_strategy(tmp_path, saturating, first_runs={(28, 1): 90.0})
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 28, 2), (0, 28, 1)], ran
-    assert strategy.result.predictions == []  # mbs 16 and 32 fit no affine step time: nothing skipped
+    # mbs 28's first run reads 90.0 where the curve gives 77.8: the line through its neighbours mbs 24 (75.0) and 30
+    # (78.9) predicts 77.6 at mbs 28, 16% below the read, beyond the noise of three runs known to +-1% with the
+    # assumed 1% run-to-run noise (2.7%)
+    ran, strategy = settled(tmp_path, (24, 28, 30, 32), {28: 90.0})
+    assert ran[4:] == ["z0_gas1_tmbspg28_r2"]
     answer = best_experiment(strategy.result.experiments, strategy.job.objective)
     assert answer.name == "z0_gas1_tmbspg28" and strategy.pooled(answer.name).value == pytest.approx((90 + 700 / 9) / 2)
-    assert strategy.result.experiments[-1].name == "z0_gas1_tmbspg28_r2"
     # the same curve without the lucky read: mbs 32 is the answer, below the line through mbs 24 and 28 (80.6 at
     # mbs 32: a concave curve falls under its chords' extensions), and it keeps its one run
-    ran, strategy = run_strategy(tmp_path / "smooth", saturating)
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 32, 2)]
+    ran, strategy = settled(tmp_path / "smooth", (24, 28, 32), {})
+    assert ran == ["z0_gas1_tmbspg24", "z0_gas1_tmbspg28", "z0_gas1_tmbspg32"]
     assert not remeasure.answer_stands_out(strategy.ev)
     assert best_experiment(strategy.result.experiments, strategy.job.objective).name == "z0_gas1_tmbspg32"
 
@@ -294,10 +330,10 @@ def test_an_answer_at_the_end_of_the_curve_is_compared_with_the_line_through_its
     # doubles the weight of mbs 30 and gives mbs 28 a weight of -1, so the prediction's noise counts 1 + 4 times a
     # neighbour's: sqrt(6) x 2.2% = 5.5% with the answer's own. A read of 90.0 (12.4% above) is measured again;
     # one of 84.0 (4.9% above) is not
-    ran, _ = run_strategy(tmp_path, saturating, first_runs={(32, 1): 90.0})
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2), (0, 32, 1)], ran
-    ran, _ = run_strategy(tmp_path / "within", saturating, first_runs={(32, 1): 84.0})
-    assert ran == [(0, 32, 1), (0, 16, 1), (0, 24, 1), (0, 28, 1), (0, 30, 1), (0, 32, 2)], ran
+    ran, _ = settled(tmp_path, (24, 28, 30, 32), {32: 90.0})
+    assert ran[4:] == ["z0_gas1_tmbspg32_r2"]
+    ran, _ = settled(tmp_path / "within", (24, 28, 30, 32), {32: 84.0})
+    assert ran[4:] == []
 
 
 def test_the_profile_gives_the_memory_model_the_checkpointed_activation_term(tmp_path):

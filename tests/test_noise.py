@@ -11,6 +11,7 @@ from zerotune.core.noise import (
     known_to_precision,
     must_beat,
     precise,
+    replica_decides,
     tie,
     within_noise,
 )
@@ -34,6 +35,23 @@ def test_the_noise_test_counts_the_larger_run_to_run_noise_of_the_two_points():
     assert not within_noise(0.05, a, b, floor=0.01)
     assert within_noise(0.05, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), floor=0.01)
     assert not within_noise(0.115, a, Point(32, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04), 0.01)
+
+
+def test_a_replica_runs_only_where_the_run_to_run_noise_blocks_a_decision_past_a_tie():
+    # two runs known to +-1% each (+-1.41% together), 4% run-to-run noise (+-11.4% in all), 2% precision
+    a, b = (Point(m, Status.OK, 100.0, rel_half_width=0.01, run_noise=0.04) for m in (16, 32))
+    noise = math.sqrt(2 * (0.01 ** 2 + 0.08 ** 2))
+    assert replica_decides(0.03, a, b, 0.01, 0.02)  # the other side reaches 8.4% past zero: a launch can decide
+    assert replica_decides(-0.09, a, b, 0.01, 0.02)  # the interval still reaches 2.4% past zero
+    assert not replica_decides(-(noise - 0.0199), a, b, 0.01, 0.02)  # at worst a tie: the reading stands
+    assert replica_decides(-(noise - 0.0201), a, b, 0.01, 0.02)
+    assert not replica_decides(0.0199, a, b, 0.01, 0.02)  # a tie
+    assert not replica_decides(0.0139, a, b, 0.01, None)  # the runs' own intervals (1.41%) block: steps decide
+    assert replica_decides(0.0142, a, b, 0.01, None)
+    # the assumed 1% run-to-run noise (+-3.16% in all): a 3% difference could at most turn into a 0.16% one
+    a, b = (Point(m, Status.OK, 100.0, rel_half_width=0.01) for m in (16, 32))
+    assert not replica_decides(0.03, a, b, 0.01, 0.02)
+    assert replica_decides(0.03, a, b, 0.01, 0.001)
 
 
 def test_a_tie_is_a_difference_strictly_within_the_precision():

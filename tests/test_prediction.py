@@ -96,12 +96,14 @@ def make_job(tmp_path: Path, metric: str = "throughput", cpu: bool = False) -> J
                      TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu))
 
 
-def tune(tmp_path: Path, curve, metric: str = "throughput", cpu: bool = False) -> Strategy:
-    """The Strategy with ``curve(mbs, gas)`` as every run's metric, known to +-1%."""
+def tune(tmp_path: Path, curve, metric: str = "throughput", cpu: bool = False, oom_above: int | None = None) -> Strategy:
+    """The Strategy with ``curve(mbs, gas)`` as every run's metric, known to +-1%; a run above ``oom_above`` (None:
+    none) runs out of memory."""
     def evaluate(exps):
         for exp in exps:
-            exp.status = Status.OK
-            if exp.kind is not ExperimentKind.PROFILE:
+            profile = exp.kind is ExperimentKind.PROFILE
+            exp.status = Status.OOM if oom_above is not None and exp.mbs > oom_above and not profile else Status.OK
+            if not profile and exp.status is Status.OK:
                 exp.metric, exp.metric_rel_half_width = curve(exp.mbs, exp.gas), 0.01
         return exps
 
@@ -111,22 +113,27 @@ def tune(tmp_path: Path, curve, metric: str = "throughput", cpu: bool = False) -
 
 
 def test_the_strategy_launches_only_what_the_throughput_model_cannot_rule_out(tmp_path):
-    # perfect scaling in mbs, 2% faster at gas 2: mbs 32 (the cap), 16 (one halving below); the fine pass's mbs 24
-    # is bounded by mbs 16 and 32 under 320 plus the precision: skipped, never launched; gas 2 at mbs 32 has no run
-    # of its family and the gas 1 family shows no finite roofline (all of its step time may be per-step): launched
-    strategy = tune(tmp_path, lambda mbs, gas: 10.0 * mbs * (1.02 if gas == 2 else 1.0))
+    # perfect scaling in mbs, 2% faster at gas 2, out of memory above mbs 26: mbs 32 (the cap) fails, 16 runs, the
+    # bisection runs 24, 28 (fails), 26, 27 (fails); at the memory boundary the fine pass bisects below the best, and
+    # its mbs 25 is bounded by mbs 16, 24 and 26 under 260 plus the precision: skipped, never launched; gas 2 at mbs
+    # 26 has no run of its family and the gas 1 family shows no finite roofline (all of its step time may be
+    # per-step): launched
+    def curve(mbs, gas):
+        return 10.0 * mbs * (1.02 if gas == 2 else 1.0)
+    strategy = tune(tmp_path, curve, oom_above=26)
     assert [(e.name, e.status.value) for e in strategy.result.experiments] == [
-        ("profile_z0_gas1_tmbspg1", "ok"), ("z0_gas1_tmbspg32", "ok"), ("z0_gas1_tmbspg16", "ok"),
-        ("z0_gas1_tmbspg24", "skipped"), ("z0_gas2_tmbspg32", "ok")]
+        ("profile_z0_gas1_tmbspg1", "ok"), ("z0_gas1_tmbspg32", "oom"), ("z0_gas1_tmbspg16", "ok"),
+        ("z0_gas1_tmbspg24", "ok"), ("z0_gas1_tmbspg28", "oom"), ("z0_gas1_tmbspg26", "ok"),
+        ("z0_gas1_tmbspg27", "oom"), ("z0_gas1_tmbspg25", "skipped"), ("z0_gas2_tmbspg26", "ok")]
     (skipped,) = [e for e in strategy.result.experiments if e.status is Status.SKIPPED]
     (prediction,) = strategy.result.predictions
     assert skipped.metric is None and skipped.error == prediction.reason == (
-        "throughput model: 234.6-245.4 samples/s predicted (2 run(s) of its family, affine step time); cannot beat "
-        "z0_gas1_tmbspg32's 320 by more than the precision (2%): not launched")
-    assert strategy.best_batch == {0: (32, 2)}
-    # on CPU ranks a smaller mbs than the family's largest is never gated (caches can make it faster): mbs 24 runs
-    on_cpu = tune(tmp_path / "cpu", lambda mbs, gas: 10.0 * mbs * (1.02 if gas == 2 else 1.0), cpu=True)
-    assert ("z0_gas1_tmbspg24", "ok") in [(e.name, e.status.value) for e in on_cpu.result.experiments]
+        "throughput model: 244.4-255.6 samples/s predicted (3 run(s) of its family, affine step time); cannot beat "
+        "z0_gas1_tmbspg26's 260 by more than the precision (2%): not launched")
+    assert strategy.best_batch == {0: (26, 2)}
+    # on CPU ranks a smaller mbs than the family's largest is never gated (caches can make it faster): mbs 25 runs
+    on_cpu = tune(tmp_path / "cpu", curve, cpu=True, oom_above=26)
+    assert ("z0_gas1_tmbspg25", "ok") in [(e.name, e.status.value) for e in on_cpu.result.experiments]
     assert on_cpu.result.predictions == []
 
 

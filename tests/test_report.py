@@ -81,7 +81,7 @@ def test_the_tuning_writes_the_report_as_it_runs_and_when_it_ends(tuned):
     results_dir, tuner, writes = tuned
     launches = len(tuner.scheduler.history)
     # the first finished launch (the profile run) writes it while tuning; the end writes it whatever the time
-    assert writes[0] == ("running", 1) and writes[-1] == ("finished", launches) and launches == 12
+    assert writes[0] == ("running", 1) and writes[-1] == ("finished", launches) and launches == 11
     assert {p.name for p in results_dir.iterdir()} >= {"report.html", "results.csv", "results.json", "summary.txt"}
     assert not list(results_dir.glob(".*.tmp*"))  # atomic writes leave no temp file
 
@@ -90,7 +90,7 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
     results_dir, tuner, _ = tuned
     recs = records(results_dir / "exps")
     rows = list(csv.DictReader((results_dir / "results.csv").open()))
-    assert list(rows[0]) == list(COLUMNS) and len(rows) == len(recs) == 12
+    assert list(rows[0]) == list(COLUMNS) and len(rows) == len(recs) == 11
     answer = json.loads((results_dir / "results.json").read_text())["answer"]
     assert answer == tuner.best.name == "z1_gas1_tmbspg14_fp1"  # ties z2 mbs 15 with more headroom
     for row, rec in zip(rows, recs):
@@ -111,7 +111,7 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
             "num_nodes": str(rec["num_nodes"]), "num_slots": str(rec["num_slots"]),
             "device_s": str(rec["wall_s"] * rec["num_nodes"] * rec["num_slots"]), "exit_code": cell(rec["exit_code"]),
             "error": rec["error"], "is_answer": str(rec["name"] == answer), "origin": "launched"}
-    assert [r["outcome"] for r in rows].count("oom") == 1 and [r["outcome"] for r in rows].count("stopped early") == 10
+    assert [r["outcome"] for r in rows].count("oom") == 1 and [r["outcome"] for r in rows].count("stopped early") == 9
 
 
 def test_results_json_carries_the_runner_up_the_projection_and_what_was_not_run(tuned):
@@ -200,10 +200,10 @@ def test_report_html_draws_every_point_in_a_real_browser_without_console_errors(
     parser.feed(dom.stdout)
     expected = expected_points(results_dir)
     assert parser.points == expected
-    # 4 series of ok runs (10 runs: 8 first runs, 2 re-measurements), the OOM, the answer; 11 predictions, 10 peaks
-    # (the OOM has none); the profile ok, 10 ended early, 1 OOM (the series' order is their launch order: pinned sorted)
-    assert (sorted(expected["throughput"][:4]), expected["throughput"][4:]) == ([2, 2, 2, 4], [1, 1])
-    assert (expected["memory"], expected["timeline"]) == ([11, 10], [1, 10, 1])
+    # 4 series of ok runs (9 runs: 8 first runs, 1 re-measurement), the OOM, the answer; 10 predictions, 9 peaks
+    # (the OOM has none); the profile ok, 9 ended early, 1 OOM (the series' order is their launch order: pinned sorted)
+    assert (sorted(expected["throughput"][:4]), expected["throughput"][4:]) == ([1, 2, 2, 4], [1, 1])
+    assert (expected["memory"], expected["timeline"]) == ([10, 9], [1, 9, 1])
     shot = tmp_path / "report.png"
     subprocess.run([*flags, "--window-size=1400,3000", f"--screenshot={shot}", page.as_uri()], capture_output=True,
                    timeout=120, check=True)
@@ -231,9 +231,9 @@ def test_report_of_an_interrupted_or_running_tuning_shows_what_finished(tuned, t
     (results_dir / "exps" / running.name).mkdir()
     write_record(running, results_dir / "exps" / running.name, last["resume_key"], last["resume_context"])
     assert cli.main(["report", str(results_dir), "--train-steps", "1000"]) == 0
-    assert "report of 13 launch(es) (running)" in capsys.readouterr().out
+    assert "report of 12 launch(es) (running)" in capsys.readouterr().out
     rows = list(csv.DictReader((results_dir / "results.csv").open()))
-    assert len(rows) == 13 and rows[-1]["name"] == running.name and rows[-1]["outcome"] == "interrupted"
+    assert len(rows) == 12 and rows[-1]["name"] == running.name and rows[-1]["outcome"] == "interrupted"
     body = json.loads((results_dir / "results.json").read_text())
     assert body["answer"] == tuned[1].best.name and body["projection"]["steps"] == 1000
     assert body["projection"]["samples"] == 1000 * 14 * 256 and body["tuning"]["state"] == "running"
@@ -334,7 +334,7 @@ def test_a_damaged_results_json_is_read_as_far_as_it_is_right(tuned, tmp_path):
     (results_dir / "results.json").write_text(json.dumps(body))
     data = load(results_dir)
     assert [(n.what, n.reason) for n in data.not_run] == [("z9", "why")] and data.notes == []
-    assert len(data.experiments) == 12 and data.plan == TrainingPlan(None, None, 2.5) and data.state == "finished"
+    assert len(data.experiments) == 11 and data.plan == TrainingPlan(None, None, 2.5) and data.state == "finished"
     (results_dir / "results.json").write_text("[1, 2")
     assert load(results_dir).answer.name == tuned[1].best.name
 
@@ -352,7 +352,7 @@ def test_the_summary_renders_from_disk_as_the_tuner_wrote_it(tuned):
 
     results_dir, tuner, _ = tuned
     data = load(results_dir)
-    assert (data.since, data.elapsed_s, data.launched) == (tuner.started_at, tuner.elapsed_s, 12)
+    assert (data.since, data.elapsed_s, data.launched) == (tuner.started_at, tuner.elapsed_s, 11)
     assert (results_dir / "summary.txt").read_text().startswith(table_text(render_table(data)))
 
 

@@ -307,16 +307,17 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # (not launched). ZeRO-1 halves to 9 and bisects to 14 and 16 (a plateau). ZeRO-2's and ZeRO-3's probes at 19 are
 # refused too (their predictions with the margin are over the budget); each runs halfway back, at 16, loses, and
 # is probed again at 15, the largest mbs the fit puts under 90% of the budget (it ran near capacity), and loses.
-# ZeRO-0 comes back capped at 14, loses within the noise and is re-measured with ZeRO-1's 14. The throughput model
-# keeps nothing from launching here. The fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step
-# is once per step). The answer, ZeRO-2 mbs 15, is the optimum (1.000; the one-way correction probed ZeRO-2 and 3
-# again at the best's mbs, 14, and answered ZeRO-1 mbs 14, 0.996). The runs are start-up bound, so ending them early
-# saves 2.1% of the GPU time. (Scenario 4 was pinned here until session 16, when deferring its ZeRO-0 and ZeRO-1
+# ZeRO-0 comes back capped at 14 and loses by 3.0% to ZeRO-1's 14, within the noise (3.5% in all), yet at most a tie
+# (it could be 0.5% faster, under the 2% precision): not re-measured (D311). The throughput model keeps nothing from
+# launching here. The fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step is once per step). The
+# answer is ZeRO-1 mbs 14, which ties ZeRO-2 mbs 15 (the optimum) with more headroom (D307), measured twice (it reads
+# high against its neighbours' line). The runs are start-up bound, so ending them early saves 2.2% of the GPU time.
+# (Scenario 4 was pinned here until session 16, when deferring its ZeRO-0 and ZeRO-1
 # made its adaptive and plain runs answer ZeRO-1 and ZeRO-3 at mbs 15, both within 1% of the optimum; scenario 0
 # until the memory model's session-6 changes.)
 PINNED_ADAPTIVE = [
     (0, 16, "oom", "exited"), (1, 9, "ok", "precise"), (1, 14, "ok", "precise"), (1, 16, "ok", "precise"),
     (2, 16, "ok", "precise"), (2, 15, "ok", "precise"), (3, 16, "ok", "precise"), (3, 15, "ok", "precise"),
-    (0, 14, "ok", "precise"), (0, 14, "ok", "precise"), (1, 14, "ok", "precise"),
+    (0, 14, "ok", "precise"), (1, 14, "ok", "precise"),
 ]
-PINNED_GPU_RATIO = 0.979
+PINNED_GPU_RATIO = 0.978

@@ -78,14 +78,20 @@ def within_noise(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float) -> b
 
 
 def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, precision: float | None) -> bool:
-    """Whether another run can decide between two measured metrics whose relative difference is ``gain``: it is
-    within their noise (:func:`within_noise`), no tie (:func:`tie`), and their own runs' intervals alone (an
-    unknown or pooled one counting as ``floor``) would tell them apart, so the run-to-run noise, which only
-    another launch samples, is what blocks. Where the runs' own intervals are wider than the difference, steps
-    would decide, not a launch: the stop rule buys them while a run goes on, up to what a launch costs
-    (:mod:`zerotune.core.stopping`); beyond that, the better reading stands (docs/decisions.md, D307)."""
+    """Whether another run can decide between two measured metrics whose relative difference is ``gain``, and it
+    matters: no tie (:func:`tie`); their own runs' intervals alone (an unknown or pooled one counting as ``floor``)
+    would tell them apart, so the run-to-run noise, which only another launch samples, is what blocks (where the
+    runs' own intervals are wider than the difference, steps would decide, not a launch: the stop rule buys them
+    while a run goes on, up to what a launch costs, :mod:`zerotune.core.stopping`); and the difference's 95%
+    interval (:func:`comparison_noise`, ``|gain| +- noise``) reaches past zero by more than ``precision``, so the
+    reading could be wrong by more than a tie. Where it reaches no further, the worse side is at most a tie with the
+    better one: a launch cannot move the answer by more than the precision promised, and the better reading stands
+    (docs/decisions.md, D307, D311)."""
     own = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor, run_noise=0.0)
-    return within_noise(gain, a, b, floor) and not tie(gain, precision) and abs(gain) >= own
+    noise = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
+                             run_noise=max(a.run_noise, b.run_noise))
+    stake = noise - abs(gain)  # how far past zero the difference's interval reaches on the other side
+    return not tie(gain, precision) and own <= abs(gain) and stake > (precision or 0.0)
 
 
 def tie(gain: float, precision: float | None) -> bool:

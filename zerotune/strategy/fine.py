@@ -7,12 +7,14 @@ where it may pay: a step time affine in mbs (fixed per-step work plus compute pe
 puts no peak between two measured points, so the gap above is skipped where that line predicts no gain the
 runs can resolve (:func:`_above_may_pay`), and the gap below unless the best ran near capacity or of
 unknown capacity (:func:`_below_may_pay`). The gap below is skipped, too, where the best and the point below
-it are a precise plateau (:func:`_plateau`), except at the memory boundary, where the allocator's flushes
-near the capacity can slow a step and a tie hides a peak between. The evidence is in docs/decisions.md, D105.
+it are a precise plateau (:func:`_plateau`), or where the point below reads so far under the best that even at the
+far end of their noise it would only tie it (:func:`_at_most_a_tie`): the curve does not rise towards the smaller
+mbs there. Neither skip holds at the memory boundary, where the allocator's flushes near the capacity can slow a
+step and a tie hides a peak between. The evidence is in docs/decisions.md, D105 and D311.
 """
 from __future__ import annotations
 
-from zerotune.core.noise import precise, within_noise
+from zerotune.core.noise import comparison_noise, precise, within_noise
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
@@ -40,7 +42,9 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
         if up is not None and (not gated or _above_may_pay(trace, best, up, threshold)):
             candidates.append(up)
         at_boundary = bool(above) and not trace.get(min(above)).ok and up is None
-        if (below and (at_boundary or not _plateau(trace.get(max(below)), best, threshold, precision))
+        low = trace.get(max(below)) if below else None
+        if (low is not None and (at_boundary or not (_plateau(low, best, threshold, precision)
+                                                      or gated and _at_most_a_tie(low, best, threshold, precision)))
                 and (not gated or _below_may_pay(best))):
             candidates.append(middle(values, max(below), best.mbs))
         candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
@@ -59,6 +63,18 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
         return False
     both_precise = all(precise(p.rel_half_width, precision) for p in (a, best))
     return both_precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
+
+
+def _at_most_a_tie(low: Point, best: Point, threshold: float, precision: float | None) -> bool:
+    """True when the measured point below the best (throughput), ``low``, could beat it by no more than
+    ``precision`` even at the far end of their noise: its reading's shortfall is at least their
+    :func:`~zerotune.core.noise.comparison_noise` less the precision. The curve does not rise towards the smaller
+    mbs there, so a bisection between them would at best find a tie (None: never)."""
+    if precision is None or not (low.ok and best.ok and low.metric and best.metric):
+        return False
+    noise = comparison_noise([low.rel_half_width, best.rel_half_width], [low.runs, best.runs], floor=threshold,
+                             run_noise=max(low.run_noise, best.run_noise))
+    return low.metric / best.metric - 1 + noise <= precision
 
 
 def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
