@@ -48,7 +48,7 @@ def test_a_simulated_tuning_launches_exactly_its_budget_and_answers_with_the_bes
     summary = (tmp_path / "cut" / "r" / "summary.txt").read_text()
     text = " ".join(summary.split())
     assert "stopped early: the launch budget is spent (4 of --max-launches 4 launches" in text
-    assert "not decided: ZeRO stages and mbs, memory savers, gas, the answer's re-measurement" in text
+    assert "not decided: ZeRO stages and mbs, memory savers, gas, the fine pass, the answer's re-measurement" in text
     # what the stop left and the bound (zerotune/strategy/stop_bound.py): the answer, ZeRO-0 mbs 25, reads 404.7 +-2.5%;
     # mbs 17 (397-414) could beat it by its gain plus sqrt(2.5% ** 2 + its 2.2% ** 2), +3.4%, more than the 2%
     # precision: a finalist left unconfirmed; the stages with no run are bounded by ZeRO-0's compute roofline,
@@ -141,6 +141,42 @@ def test_a_budget_stop_bounds_the_answer_from_the_intervals_and_the_throughput_m
     assert bound.describe()[2] == ("not bounded by the throughput model: ZeRO stage 0 mbs 1-15, 17-31; ZeRO stage 1 mbs "
                                    "1-32; memory savers; gas (on CPU ranks the model bounds only an mbs above its "
                                    "family's runs, D104)")
+
+
+def test_under_a_budget_the_fine_pass_runs_after_the_gas_phase(tmp_path):
+    # CPU ranks, ZeRO-0 only, 10 samples/s per unit of mbs (2% more at gas 2), out of memory above mbs 26: the mbs
+    # search runs 32 (fails), 16, 24, 28 (fails), 26, 27 (fails); without a budget the fine pass then bisects below
+    # the best at the memory boundary (25), and the gas phase runs gas 2 at 26
+    def evaluate(exps):
+        for e in exps:
+            profile = e.kind is ExperimentKind.PROFILE
+            e.status = Status.OOM if e.mbs > 26 and not profile else Status.OK
+            if not profile and e.status is Status.OK:
+                e.metric, e.metric_rel_half_width = 10.0 * e.mbs * (1.02 if e.gas == 2 else 1.0), 0.01
+        return exps
+
+    def tune(name, max_launches):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ds.json").write_text(json.dumps({
+            "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
+            "autotuning": {"enabled": True, "fast": True, "max_train_micro_batch_size_per_gpu": 32}}))
+        job = Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(tmp_path / name / "ds.json")],
+                        select_resources(local_slots=2),
+                        TuneOptions(device_memory_bytes=8 * 2**30, results_dir=str(tmp_path / name / "r"), cpu=True,
+                                    max_launches=max_launches))
+        result = Strategy(job, evaluate).run()
+        return [(e.mbs, e.gas) for e in result.experiments if e.kind is not ExperimentKind.PROFILE], result
+
+    search = [(32, 1), (16, 1), (24, 1), (28, 1), (26, 1), (27, 1)]
+    ran, _ = tune("free", None)
+    assert ran == search + [(25, 1), (26, 2)]
+    # under --max-launches the fine pass, which refines within one stage, comes after the gas phase, which tries
+    # another config: at 8 launches the gas phase is decided and the fine pass is what the stop leaves, its one gap
+    ran, result = tune("eight", 8)
+    assert ran == search + [(26, 2)] and result.stop_bound.undecided == ("ZeRO stage 0 mbs 25 not run (ran 16, 24, 26)",)
+    assert "not decided: the fine pass, the answer's re-measurement, the longest batch" in result.stopped
+    ran, result = tune("nine", 9)
+    assert ran == search + [(26, 2), (25, 1)] and not result.stopped
 
 
 @pytest.mark.e2e

@@ -13,7 +13,7 @@ outcomes it is told, in phases:
 3. **Savers** (:mod:`~zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
    stage (the best one, or one that could not run) and the throughput model says its larger mbs can win.
 4. **Gas** (:mod:`~zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
-   semantics allow it.
+   semantics allow it. Under a launch budget the fine pass (phase 2's last step) runs after it.
 5. **Knobs** (``"fast": false``, :mod:`~zerotune.strategy.knobs`).
 6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists and the
    answer re-measured where one run cannot tell them; the answer is the ledger's
@@ -44,9 +44,10 @@ from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator
+from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.gas_phase import GasPhase
 from zerotune.strategy.job import Job
-from zerotune.strategy.knobs import tune_knobs
+from zerotune.strategy.knobs import knob_stages, tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import settle_longest
 from zerotune.strategy.points import Point
@@ -59,6 +60,8 @@ __all__ = ["Strategy"]
 
 logger = logging.getLogger(__name__)
 
+FINE_PASS = "the fine pass"
+"""The fine pass on the best stage, a phase of its own under a launch budget (:attr:`Strategy.fine_last`)."""
 EXPLORE = "ZeRO stages and mbs"
 """The phase that decides the stages and their mbs: where a stop leaves every stage undecided."""
 LATER_PHASES = {"memory savers": ExperimentKind.MBS, "gas": ExperimentKind.GAS, "knobs": ExperimentKind.KNOBS}
@@ -86,6 +89,10 @@ class Strategy:
         self.bounds = SearchBounds(job.min_mbs, job.max_mbs, job.objective, allowed=job.allowed_mbs,
                                    threshold=PLATEAU_THRESHOLD, precision=self.ev.precision,
                                    num_fine=job.autotuning.num_tuning_micro_batch_sizes)
+        # under a launch budget the fine pass, which refines within one explored stage, runs after the phases that
+        # try other configs (their bound is wider, docs/decisions.md D312): the stage and saver phases run without it
+        self.fine_last = job.budget.max_launches is not None or job.budget.max_device_hours is not None
+        self.phase_bounds = dataclasses.replace(self.bounds, num_fine=0) if self.fine_last else self.bounds
         # StageResult.key (the stage, or "<stage>+<saver>") -> (mbs, gas) better than its mbs search's best
         self.best_batch: dict[int | str, tuple[int, int]] = {}
 
@@ -102,6 +109,7 @@ class Strategy:
         """
         self.profile()
         phases = [(EXPLORE, self.explore), ("memory savers", self.savers), ("gas", self.gas)]
+        phases += [(FINE_PASS, self.refine)] if self.fine_last else []
         phases += [("knobs", lambda: tune_knobs(self.ev, self.parallel, self.best_batch))] if not self.job.autotuning.fast \
             else []
         phases += [("the answer's re-measurement", self.settle_answer), ("the longest batch", self.longest)]
@@ -119,13 +127,33 @@ class Strategy:
         and which, :attr:`StrategyResult.stop_bound` what they left and by how much the answer could be beaten."""
         self.result.stopped = f"{spent}; not decided: {', '.join(left)}"
         logger.warning(f"stopped: {self.result.stopped}")
-        stages = self.job.stages if EXPLORE in left else ()
+        stages, values = (self.job.stages, self.bounds.values) if EXPLORE in left else self._fine_left(left)
         later = [(name, LATER_PHASES[name]) for name in left if name in LATER_PHASES]
         self.result.stop_bound = bound = stop_bound(self.result.ledger, self.job, self.builder,
-                                                    Left(stages, later, spent.cut, self.max_mbs_estimate,
-                                                         self.bounds.values))
+                                                    Left(stages, later, spent.cut, self.max_mbs_estimate, values))
         for line in bound.describe() if bound is not None else []:
             logger.warning(line)
+
+    def _fine_left(self, left: list[str]) -> tuple[tuple[int, ...], list[int]]:
+        """What a stop before the fine pass (:data:`FINE_PASS` in ``left``) leaves of the best stage (without a
+        saver): (its stage, the mbs values in the gaps the fine pass bisects, between its best and the nearest run ok
+        below it and the nearest run above it); else nothing."""
+        top = knob_stages(self.result.stages, self.job.objective)[:1]
+        if FINE_PASS not in left or not top or top[0][0].settings:
+            return (), []
+        variant, best = top[0]
+        low = max([p.mbs for p in variant.trace.ok_points if p.mbs < best.mbs], default=best.mbs)
+        high = min([p.mbs for p in variant.trace.points if p.mbs > best.mbs and p.status in (Status.OK, Status.OOM)],
+                   default=best.mbs)
+        return (variant.stage,), [m for m in self.bounds.values if low < m < high and m != best.mbs]
+
+    def refine(self) -> None:
+        """The fine pass on the best variant (:func:`~zerotune.strategy.fine.refine_mbs`), where a launch budget put it
+        after the gas phase (:attr:`fine_last`)."""
+        top = knob_stages(self.result.stages, self.job.objective)[:1]
+        if top:
+            variant = top[0][0]
+            refine_mbs(lambda ms: self._points(variant, ms), variant.trace, self.bounds)
 
     def gas(self) -> None:
         """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
@@ -225,7 +253,7 @@ class Strategy:
     def explore(self) -> None:
         """Explore the ZeRO stages and their mbs (:func:`~zerotune.strategy.stages.explore_stages`) on points
         measured through the evaluator."""
-        self.result.stages = explore_stages(self._points, self.plans(), self.bounds, self._confirmed_points)
+        self.result.stages = explore_stages(self._points, self.plans(), self.phase_bounds, self._confirmed_points)
         for r in self.result.stages:
             logger.info(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
                         + (f", stopped: {r.trace.stop.value}" if r.trace.stop else ""))
@@ -234,7 +262,7 @@ class Strategy:
     def savers(self) -> None:
         """Try activation checkpointing and offload where memory binds a stage
         (:class:`~zerotune.strategy.savers.SaverPhase`)."""
-        SaverPhase(self.ev, self._points, self.bounds, self._confirmed_points).run()
+        SaverPhase(self.ev, self._points, self.phase_bounds, self._confirmed_points).run()
 
     def _points(self, variant: StageResult, mbs_values: Sequence[int]) -> list[Point]:
         """Evaluate ``variant`` (its stage, with its memory saver's settings) at each mbs; their points for the mbs
