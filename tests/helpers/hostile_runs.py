@@ -66,6 +66,9 @@ def helper():  # a daemon: its own session, a cleared environment, orphaned by a
 
 stage, mbs = config["zero_optimization"]["stage"], config["train_micro_batch_size_per_gpu"]
 if fault == "false_oom":
+    # rank 0 first: two unbuffered tracebacks written at the same instant interleave byte by byte in the one log
+    # ("FileNotFoundErrorFileNotFoundError: : [E..."), which no reader can take apart
+    time.sleep(0.5 * rank)
     print("read 4096 samples out of memory-mapped shards", flush=True)
     raise FileNotFoundError(2, "No such file or directory", "/data/shard-00007.bin")
 if fault == "helper" and rank == 0:
