@@ -31,8 +31,8 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
 
 __all__ = ["DEFAULT_PRECISION", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "NoisyMetric", "RunNoise", "can_beat",
-           "cannot_beat", "comparison_noise", "known_to_precision", "mean_half_width", "must_beat", "precise",
-           "replica_decides", "run_noise", "tie", "within_noise"]
+           "cannot_beat", "comparison_noise", "known_to_precision", "mean_half_width", "must_beat", "pair_noise",
+           "precise", "replica_decides", "run_noise", "tie", "within_noise"]
 
 DEFAULT_PRECISION = 0.02
 """Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
@@ -69,12 +69,18 @@ def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int
     return math.sqrt(sum((hw or floor) ** 2 + (2 * run_noise) ** 2 / max(1, n) for hw, n in zip(rel_half_widths, runs)))
 
 
+def pair_noise(a: NoisyMetric, b: NoisyMetric, floor: float, with_runs: bool = True) -> float:
+    """The :func:`comparison_noise` of two measured metrics (relative, at 95%): each one's interval, an unknown or
+    pooled one counting as ``floor``, plus, ``with_runs``, the run-to-run noise (the larger of the two's
+    ``run_noise``), less for pooled metrics."""
+    return comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
+                            run_noise=max(a.run_noise, b.run_noise) if with_runs else 0.0)
+
+
 def within_noise(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float) -> bool:
     """Whether a relative difference ``gain`` between two measured metrics could be noise: smaller in
-    size than their :func:`comparison_noise` (each one's interval, an unknown or pooled one counting as
-    ``floor``, plus the run-to-run noise, less for pooled metrics; the larger of the two's ``run_noise``)."""
-    return abs(gain) < comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
-                                        run_noise=max(a.run_noise, b.run_noise))
+    size than their :func:`pair_noise`."""
+    return abs(gain) < pair_noise(a, b, floor)
 
 
 def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, precision: float | None) -> bool:
@@ -87,10 +93,8 @@ def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, p
     reading could be wrong by more than a tie. Where it reaches no further, the worse side is at most a tie with the
     better one: a launch cannot move the answer by more than the precision promised, and the better reading stands
     (docs/decisions.md, D307, D311)."""
-    own = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor, run_noise=0.0)
-    noise = comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
-                             run_noise=max(a.run_noise, b.run_noise))
-    stake = noise - abs(gain)  # how far past zero the difference's interval reaches on the other side
+    own = pair_noise(a, b, floor, with_runs=False)
+    stake = pair_noise(a, b, floor) - abs(gain)  # how far past zero the difference's interval reaches on the other side
     return not tie(gain, precision) and own <= abs(gain) and stake > (precision or 0.0)
 
 

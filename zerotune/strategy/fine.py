@@ -14,7 +14,7 @@ step and a tie hides a peak between. The evidence is in docs/decisions.md, D105 
 """
 from __future__ import annotations
 
-from zerotune.core.noise import comparison_noise, precise, within_noise
+from zerotune.core.noise import pair_noise, precise, within_noise
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
@@ -68,13 +68,11 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
 def _at_most_a_tie(low: Point, best: Point, threshold: float, precision: float | None) -> bool:
     """True when the measured point below the best (throughput), ``low``, could beat it by no more than
     ``precision`` even at the far end of their noise: its reading's shortfall is at least their
-    :func:`~zerotune.core.noise.comparison_noise` less the precision. The curve does not rise towards the smaller
+    :func:`~zerotune.core.noise.pair_noise` less the precision. The curve does not rise towards the smaller
     mbs there, so a bisection between them would at best find a tie (None: never)."""
     if precision is None or not (low.ok and best.ok and low.metric and best.metric):
         return False
-    noise = comparison_noise([low.rel_half_width, best.rel_half_width], [low.runs, best.runs], floor=threshold,
-                             run_noise=max(low.run_noise, best.run_noise))
-    return low.metric / best.metric - 1 + noise <= precision
+    return low.metric / best.metric - 1 + pair_noise(low, best, threshold) <= precision
 
 
 def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
