@@ -136,12 +136,12 @@ class Strategy:
 
     def _fine_left(self, left: list[str]) -> tuple[tuple[int, ...], list[int]]:
         """What a stop before the fine pass (:data:`FINE_PASS` in ``left``) leaves of the best stage (without a
-        saver): (its stage, the mbs values in the gaps the fine pass bisects, between its best and the nearest run ok
-        below it and the nearest run above it); else nothing."""
+        saver): (its stage, the mbs values in the gaps the fine pass bisects, between the point the answer rule picks
+        and the nearest run ok below it and the nearest run above it); else nothing."""
         top = knob_stages(self.result.stages, self.job.objective)[:1]
         if FINE_PASS not in left or not top or top[0][0].settings:
             return (), []
-        variant, best = top[0]
+        variant, best = top[0][0], top[0][0].trace.answer(self.job.objective)  # where fine.fine_pass bisects
         low = max([p.mbs for p in variant.trace.ok_points if p.mbs < best.mbs], default=best.mbs)
         high = min([p.mbs for p in variant.trace.points if p.mbs > best.mbs and p.status in (Status.OK, Status.OOM)],
                    default=best.mbs)
