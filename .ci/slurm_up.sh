@@ -8,7 +8,7 @@
 set -euo pipefail
 
 say() { echo "slurm_up: $*" >&2; }
-source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy
+source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy, alive
 
 if [[ -n "${ZEROTUNE_NO_SLURM:-}" ]]; then
     say "ZEROTUNE_NO_SLURM is set: not starting Slurm (the Slurm tests skip)"; exit 0
@@ -70,12 +70,11 @@ if [[ ! -f /etc/slurm/slurm.conf ]] || [[ "$(cat /etc/slurm/slurm.conf)" != "$co
     changed=1
 fi
 
-alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-if alive /run/slurmctld.pid && [[ $changed == 1 ]]; then
+if alive /run/slurmctld.pid slurmctld && [[ $changed == 1 ]]; then
     scontrol reconfigure || true
 fi
-alive /run/slurmctld.pid || slurmctld
-alive /run/slurmd.pid || slurmd
+alive /run/slurmctld.pid slurmctld || slurmctld
+alive /run/slurmd.pid slurmd || slurmd
 
 for _ in $(seq 60); do
     state=$(sinfo -h -n "$node" -o %T 2>/dev/null || true)

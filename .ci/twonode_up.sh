@@ -12,17 +12,17 @@
 set -euo pipefail
 
 say() { echo "twonode_up: $*" >&2; }
-source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy
+source "$(cd "$(dirname "$0")" && pwd)/slurm_lib.sh"  # slurm_policy, alive
 ETC=/etc/zerotune-twonode
 NS=(zt-node0 zt-node1)
 NAMES=(ztnode0 ztnode1)
 ADDRS=(10.77.0.1 10.77.0.2)
 export SLURM_CONF=$ETC/slurm.conf
 ON="$(cd "$(dirname "$0")" && pwd)/on_node"  # on_node I CMD: CMD on node I (its namespace and hostname)
-alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+daemon() { local d=${1#/run/zt2-}; d=${d%.pid}; echo "${d%%-*}"; }  # /run/zt2-sshd-ztnode0.pid: sshd
 
 if [[ "${1:-}" == down ]]; then
-    for pid in /run/zt2-*.pid; do alive "$pid" && kill "$(cat "$pid")"; rm -f "$pid"; done
+    for pid in /run/zt2-*.pid; do alive "$pid" "$(daemon "$pid")" && kill "$(cat "$pid")"; rm -f "$pid"; done
     for ns in "${NS[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
     say "down"; exit 0
 fi
@@ -77,8 +77,15 @@ EOF
 fi
 for i in 0 1; do
     pid=/run/zt2-sshd-${NAMES[$i]}.pid
-    alive "$pid" || "$ON" $i /usr/sbin/sshd -o ListenAddress="${ADDRS[$i]}" -o PidFile="$pid" \
+    alive "$pid" sshd || "$ON" $i /usr/sbin/sshd -o ListenAddress="${ADDRS[$i]}" -o PidFile="$pid" \
         -o PermitRootLogin=prohibit-password -o UsePAM=no
+done
+for name in "${NAMES[@]}"; do  # as DeepSpeed's runner checks a host: `ssh NAME hostname`, here from node 0
+    for try in 1 2 3 4 5; do
+        "$ON" 0 ssh -o BatchMode=yes -o ConnectTimeout=5 "$name" true 2>/dev/null && break
+        [[ $try == 5 ]] && { say "ssh from ${NAMES[0]} to $name fails: see /run/zt2-sshd-*.pid"; exit 1; }
+        sleep 1
+    done
 done
 
 # Slurm: a cluster of its own in the namespaces (the one-node cluster of slurm_up.sh is left alone)
@@ -109,12 +116,12 @@ if [[ ! -f $SLURM_CONF ]] || [[ "$(cat $SLURM_CONF)" != "$conf" ]]; then
     printf '%s\n' "$conf" >$SLURM_CONF
     changed=1
 fi
-if alive /run/zt2-slurmctld.pid && [[ $changed == 1 ]]; then
+if alive /run/zt2-slurmctld.pid slurmctld && [[ $changed == 1 ]]; then
     "$ON" 0 scontrol reconfigure || true
 fi
-alive /run/zt2-slurmctld.pid || "$ON" 0 slurmctld
+alive /run/zt2-slurmctld.pid slurmctld || "$ON" 0 slurmctld
 for i in 0 1; do
-    alive "/run/zt2-slurmd-${NAMES[$i]}.pid" || "$ON" $i slurmd -N "${NAMES[$i]}"
+    alive "/run/zt2-slurmd-${NAMES[$i]}.pid" slurmd || "$ON" $i slurmd -N "${NAMES[$i]}"
 done
 
 for _ in $(seq 60); do
