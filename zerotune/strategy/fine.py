@@ -14,6 +14,7 @@ step and a tie hides a peak between. The evidence is in docs/decisions.md, D105 
 """
 from __future__ import annotations
 
+from zerotune.core.experiment import Status
 from zerotune.core.noise import pair_noise, precise, within_noise
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
@@ -26,6 +27,19 @@ def refine_mbs(evaluate: Evaluate, trace: MbsTrace, bounds: SearchBounds) -> Non
     (recorded in ``trace``). Arguments as in :func:`~zerotune.strategy.mbs.search_mbs`."""
     if trace.best(bounds.objective) is not None:
         fine_pass(runner(trace, evaluate), trace, bounds)
+
+
+def fine_gaps(trace: MbsTrace, bounds: SearchBounds) -> list[int]:
+    """The mbs values (of ``bounds.values``) in the gaps :func:`fine_pass` bisects on ``trace``: strictly between
+    the nearest mbs run ok below the point the answer rule picks and the nearest run ok or out of memory above it,
+    that point left out; [] when the trace has no best. What a stop before the fine pass leaves undecided."""
+    if trace.best(bounds.objective) is None:
+        return []
+    best = trace.answer(bounds.objective)
+    low = max([p.mbs for p in trace.ok_points if p.mbs < best.mbs], default=best.mbs)
+    high = min([p.mbs for p in trace.points if p.mbs > best.mbs and p.status in (Status.OK, Status.OOM)],
+               default=best.mbs)
+    return [m for m in bounds.values if low < m < high and m != best.mbs]
 
 
 def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:

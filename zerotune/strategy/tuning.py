@@ -44,7 +44,7 @@ from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator
-from zerotune.strategy.fine import refine_mbs
+from zerotune.strategy.fine import fine_gaps, refine_mbs
 from zerotune.strategy.gas_phase import GasPhase
 from zerotune.strategy.job import Job
 from zerotune.strategy.knobs import knob_stages, tune_knobs
@@ -136,24 +136,24 @@ class Strategy:
 
     def _fine_left(self, left: list[str]) -> tuple[tuple[int, ...], list[int]]:
         """What a stop before the fine pass (:data:`FINE_PASS` in ``left``) leaves of the best stage (without a
-        saver): (its stage, the mbs values in the gaps the fine pass bisects, between the point the answer rule picks
-        and the nearest run ok below it and the nearest run above it); else nothing."""
-        top = knob_stages(self.result.stages, self.job.objective)[:1]
-        if FINE_PASS not in left or not top or top[0][0].settings:
+        saver): (its stage, the mbs in the gaps :func:`~zerotune.strategy.fine.fine_gaps`); else nothing."""
+        variant = self._best_variant()
+        if FINE_PASS not in left or variant is None or variant.settings:
             return (), []
-        variant, best = top[0][0], top[0][0].trace.answer(self.job.objective)  # where fine.fine_pass bisects
-        low = max([p.mbs for p in variant.trace.ok_points if p.mbs < best.mbs], default=best.mbs)
-        high = min([p.mbs for p in variant.trace.points if p.mbs > best.mbs and p.status in (Status.OK, Status.OOM)],
-                   default=best.mbs)
-        return (variant.stage,), [m for m in self.bounds.values if low < m < high and m != best.mbs]
+        return (variant.stage,), fine_gaps(variant.trace, self.bounds)
 
     def refine(self) -> None:
         """The fine pass on the best variant (:func:`~zerotune.strategy.fine.refine_mbs`), where a launch budget put it
         after the gas phase (:attr:`fine_last`)."""
-        top = knob_stages(self.result.stages, self.job.objective)[:1]
-        if top:
-            variant = top[0][0]
+        variant = self._best_variant()
+        if variant is not None:
             refine_mbs(lambda ms: self._points(variant, ms), variant.trace, self.bounds)
+
+    def _best_variant(self) -> StageResult | None:
+        """The best explored stage, with its saver if any (the first of
+        :func:`~zerotune.strategy.knobs.knob_stages`): where the gas phase and the fine pass work."""
+        top = knob_stages(self.result.stages, self.job.objective)[:1]
+        return top[0][0] if top else None
 
     def gas(self) -> None:
         """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
