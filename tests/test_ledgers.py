@@ -130,6 +130,11 @@ from tests.helpers.simulated import tune_simulated
 # 15 -> 14), as does its gas-doubling batch case; with stages 1-2 and "fast": false, ZeRO-1 mbs 7 (was ZeRO-2 mbs 8
 # with knobs), and scenario 16 with "fast": false keeps ZeRO-3 mbs 5 with the knob setting that ties it with more
 # headroom, re-measured in place of the plain config.
+# Then (D313): the tie order takes more memory headroom only where a tied config runs near the device's capacity
+# (a peak at least 0.9 of the budget), else the better reading (the lower stage and the smaller global batch no
+# longer decide). Scenario 11 with stages 1-2 and "fast": false answers ZeRO-2 mbs 8 with knobs again (ZeRO-1 mbs 7
+# under the old order); scenario 16 with "fast": false keeps ZeRO-3 mbs 5, the plain config. Each re-measures its
+# answer; the launches are unchanged.
 PINS, BATCH_PINS = ledger_pins.load()  # tests/data/ledger_pins.json, written by tests/regen_ledger_pins.py
 
 

@@ -256,29 +256,31 @@ def cpu_run(stage, mbs, metric, peak_gib, gas=1):
 
 def test_configs_within_the_precision_tie_and_the_tie_order_takes_one_without_a_launch():
     from zerotune.strategy.answer import decide
-    # z0 mbs 16 reads best (100.0); z1 mbs 16 is 1.5% under it, within the 2% precision: a tie. Its peak (2.0 GiB)
-    # is more than 5% under z0's (2.4 GiB): more headroom takes it. z2 mbs 16 reads 3% under: no tie.
+    # z0 mbs 16 reads best (100.0); z1 mbs 16 is 1.5% under it, within the 2% precision: a tie. z2 mbs 16 reads 3%
+    # under: no tie. Without a budget (CPU ranks) the better reading takes it.
     z0, z1, z2 = cpu_run(0, 16, 100.0, 2.4), cpu_run(1, 16, 98.5, 2.0), cpu_run(2, 16, 97.0, 1.5)
     answer, tie = decide([z0, z1, z2], THROUGHPUT, precision=0.02)
-    assert answer is z1 and tie.answer is z1 and tie.value == 98.5 and tie.others == ((z0, 100.0),)
-    assert tie.reason == "more memory headroom"
+    assert answer is z0 and tie.answer is z0 and tie.value == 100.0 and tie.others == ((z1, 98.5),)
+    assert tie.reason == "the better reading"
     assert decide([z0, z1, z2], THROUGHPUT, precision=0.01) == (z0, None)  # 1.5% is no tie at 1%
     assert decide([z0, z1, z2], THROUGHPUT) == (z0, None)  # no precision: no ties
-    # peaks within 5% of each other: the lower ZeRO stage, then the smaller global batch
+    # under a 2.6 GiB budget z0's 2.4 GiB peak is near the capacity (92%, at least 90%) and z1's is more than 5%
+    # lower: more headroom takes z1
+    answer, tie = decide([z0, z1, z2], THROUGHPUT, int(2.6 * GIB), precision=0.02)
+    assert answer is z1 and tie.answer is z1 and tie.value == 98.5 and tie.others == ((z0, 100.0),)
+    assert tie.reason == "more memory headroom"
+    # under 3 GiB z0 runs calm (80%): a lower peak buys nothing, the better reading
+    assert decide([z0, z1], THROUGHPUT, 3 * GIB, precision=0.02)[0] is z0
+    # near the capacity, but the peaks within 5% of each other: the better reading
     z1.peak_memory_bytes = int(2.35 * GIB)
-    assert decide([z0, z1], THROUGHPUT, precision=0.02)[1].reason == "the lower ZeRO stage"
-    assert decide([z0, z1], THROUGHPUT, precision=0.02)[0] is z0
-    gas2 = cpu_run(0, 8, 99.0, 2.35, gas=2)  # the same global batch (32) as z0 mbs 16: the better reading
-    answer, tie = decide([z0, gas2], THROUGHPUT, precision=0.02)
+    answer, tie = decide([z0, z1], THROUGHPUT, int(2.6 * GIB), precision=0.02)
     assert answer is z0 and tie.reason == "the better reading"
-    smaller = cpu_run(0, 15, 99.0, 2.35)  # global batch 30 < 32
-    answer, tie = decide([z0, smaller], THROUGHPUT, precision=0.02)
-    assert answer is smaller and tie.reason == "the smaller global batch"
-    # a three-way tie: z1 (more headroom than z0) then z0 mbs 15 (no more headroom than z1, the lower stage)
+    # a three-way tie: z1 mbs 16 (2.0 GiB, calm) for its headroom over z0 (near the capacity); z0 mbs 15, with a
+    # peak lower still, does not displace it: z1 runs calm, and it reads better
     three = [z0, cpu_run(1, 16, 99.5, 2.0), cpu_run(0, 15, 99.0, 1.95)]
-    answer, tie = decide(three, THROUGHPUT, precision=0.02)
-    assert answer is three[2] and [e for e, _ in tie.others] == [three[0], three[1]]
-    assert tie.reason == "the lower ZeRO stage"
+    answer, tie = decide(three, THROUGHPUT, int(2.6 * GIB), precision=0.02)
+    assert answer is three[1] and [e for e, _ in tie.others] == [three[0], three[2]]
+    assert tie.reason == "more memory headroom"
 
 
 def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
@@ -287,16 +289,18 @@ def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
     from zerotune.strategy.ledger import Ledger
     from zerotune.strategy.result import StrategyResult
 
-    ledger = Ledger(THROUGHPUT, precision=0.02)
+    budget = int(2.6 * GIB)  # z0's 2.4 GiB peak runs near the capacity
+    ledger = Ledger(THROUGHPUT, budget, precision=0.02)
     for e in (cpu_run(0, 16, 100.0, 2.4), cpu_run(1, 16, 98.5, 2.0)):
         ledger.add(e)
     result = StrategyResult(ledger=ledger)
-    assert strategy_notes(result, 3 * GIB, 2) == [
+    assert strategy_notes(result, budget, 2) == [
         "tie: z1_gas1_tmbspg16 98.5 samples/s, peak 2.00 GiB and z0_gas1_tmbspg16 100 samples/s, peak 2.40 GiB read "
         "within --precision 2.0% of each other; the answer is z1_gas1_tmbspg16, for more memory headroom (the tie "
-        "order: more memory headroom, then the lower ZeRO stage, then the smaller global batch; no run breaks a tie)"]
-    data = ReportData.from_tuning(ledger.experiments, result, objective=THROUGHPUT, budget_bytes=3 * GIB,
-                                  capacity_bytes=None, exps_dir=tmp_path, context={}, notes=[], state="finished",
+        "order: more memory headroom where a tied config runs near the device's capacity, else the better reading; "
+        "no run breaks a tie)"]
+    data = ReportData.from_tuning(ledger.experiments, result, objective=THROUGHPUT, budget_bytes=budget,
+                                  capacity_bytes=budget, exps_dir=tmp_path, context={}, notes=[], state="finished",
                                   plan=TrainingPlan())
     runner = data.runner_up()
     assert (data.answer.name, runner.name, runner.tie, round(runner.gain, 4)) == (

@@ -270,7 +270,7 @@ def test_simulated_adaptive_tuning_ends_runs_early_with_the_same_answer(tmp_path
     assert all(e.ended in ("step_cap", "exited") for e in plain)
     # every raced run got the bar of the best so far; re-measurements (replicas) are not raced
     assert all(e.must_beat is None for e in exps if e.replica_of)
-    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (1, 14)  # ties z2 mbs 15 (headroom)
+    assert (best.stage, best.mbs) == (plain_best.stage, plain_best.mbs) == (2, 15)  # ties z1 mbs 14 and z2 mbs 16
     assert round(gpu_s / plain_gpu_s, 3) == PINNED_GPU_RATIO
     # what the fitted memory model put over the budget is in the strategy's record as refused, never launched
     launched = {e.name for e in tuner.scheduler.history}
@@ -309,15 +309,17 @@ def test_finalists_are_re_measured_only_when_one_is_not_known_to_the_target_prec
 # is probed again at 15, the largest mbs the fit puts under 90% of the budget (it ran near capacity), and loses.
 # ZeRO-0 comes back capped at 14 and loses by 3.0% to ZeRO-1's 14, within the noise (3.5% in all), yet at most a tie
 # (it could be 0.5% faster, under the 2% precision): not re-measured (D311). The throughput model keeps nothing from
-# launching here. The fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step is once per step). The
-# answer is ZeRO-1 mbs 14, which ties ZeRO-2 mbs 15 (the optimum) with more headroom (D307), measured twice (it reads
-# high against its neighbours' line). The runs are start-up bound, so ending them early saves 2.2% of the GPU time.
+# launching here. The fine pass finds nothing to bisect; no gas phase (0.5% of ZeRO-2's step is once per step).
+# ZeRO-1 mbs 14 reads high against its neighbours' line and is measured twice; pooled, it falls under ZeRO-2 mbs 15
+# (the optimum), which ties it and ZeRO-2 mbs 16 and is the answer: the better reading against mbs 14 (both calm),
+# more headroom against 16 (near the capacity) (D313). It reads high too, and is measured twice. The runs are
+# start-up bound, so ending them early saves about 2% of the GPU time.
 # (Scenario 4 was pinned here until session 16, when deferring its ZeRO-0 and ZeRO-1
 # made its adaptive and plain runs answer ZeRO-1 and ZeRO-3 at mbs 15, both within 1% of the optimum; scenario 0
 # until the memory model's session-6 changes.)
 PINNED_ADAPTIVE = [
     (0, 16, "oom", "exited"), (1, 9, "ok", "precise"), (1, 14, "ok", "precise"), (1, 16, "ok", "precise"),
     (2, 16, "ok", "precise"), (2, 15, "ok", "precise"), (3, 16, "ok", "precise"), (3, 15, "ok", "precise"),
-    (0, 14, "ok", "precise"), (1, 14, "ok", "precise"),
+    (0, 14, "ok", "precise"), (1, 14, "ok", "precise"), (2, 15, "ok", "precise"),
 ]
-PINNED_GPU_RATIO = 0.978
+PINNED_GPU_RATIO = 0.979

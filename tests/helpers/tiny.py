@@ -33,31 +33,13 @@ def write_dry_run_config(path: Path, *, fast=True, model_info=True, **zero) -> P
     return path
 
 
-def best_pooled(records: list[dict], precision: float = 0.02) -> dict:
+def best_pooled(records: list[dict]) -> dict:
     """The exp.json record the answer must be: the highest metric averaged over its runs (the record and its
-    re-measurements, ``replica_of``), unless another reads within ``precision`` of it (a tie): then the tie order,
-    the best reading against each tied one in turn: a measured peak lower by more than 5%, the lower ZeRO stage,
-    the smaller global batch (CPU ranks: no curve is read)."""
+    re-measurements, ``replica_of``). A tie within the precision is taken by the better reading too: on CPU ranks
+    the tie order's headroom never decides (no budget to read the capacity against)."""
     runs: dict[str, list[float]] = {}
     for r in records:
         if r["status"] == "ok" and r["kind"] != "profile":
             runs.setdefault(r["replica_of"] or r["name"], []).append(r["metric"])
-    value = {n: sum(m) / len(m) for n, m in runs.items()}
-    by_name = {r["name"]: r for r in records}
-    ranked = sorted(value, key=lambda n: -value[n])
-    taken = by_name[ranked[0]]
-    for name in ranked[1:]:
-        if (value[ranked[0]] - value[name]) / value[ranked[0]] < precision:
-            taken = _tie_order(taken, by_name[name])
-    return taken
-
-
-def _tie_order(a: dict, b: dict) -> dict:
-    pa, pb = a["peak_memory_bytes"], b["peak_memory_bytes"]
-    if pa and pb and abs(pa - pb) > 0.05 * max(pa, pb):
-        return a if pa < pb else b
-    sa, sb = (r["ds_config"]["zero_optimization"]["stage"] for r in (a, b))
-    if sa != sb:
-        return a if sa < sb else b
-    ga, gb = (r["ds_config"]["train_batch_size"] for r in (a, b))
-    return b if gb < ga else a
+    best = max(runs, key=lambda n: sum(runs[n]) / len(runs[n]))
+    return next(r for r in records if r["name"] == best)

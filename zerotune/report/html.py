@@ -24,6 +24,7 @@ from zerotune.core.experiment import LAUNCH_COLD, Experiment, ExperimentKind, St
 from zerotune.core.units import format_bytes
 from zerotune.report.data import OUTCOMES, ReportData, outcome
 from zerotune.report.results import cost_line, saver_names
+from zerotune.strategy.answer import TIE_ORDER
 
 GiB = 2 ** 30
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "triangle-down", "cross", "hexagon", "pentagon",
@@ -233,7 +234,7 @@ def _answer(data: ReportData) -> str:
         verdict = "beyond the noise" if runner.beyond_noise else "within the noise"
         if runner.tie:
             verdict = (f"a tie (within the ±{data.precision:.1%} precision), decided without a launch by the tie "
-                       "order: more memory headroom, then the lower ZeRO stage, then the smaller global batch")
+                       f"order: {_e(TIE_ORDER)}")
         lines.append(f"Runner-up: {_e(runner.name)}, {runner.value:.4g} {_e(data.objective.unit)}; the answer is "
                      f"{runner.gain:+.1%} against it, {verdict} (two runs can differ by ±{runner.noise:.1%} at 95%).")
     return f"<div class=\"answer\">{'<br>'.join(lines)}{_projection(data)}</div>\n"

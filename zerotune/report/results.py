@@ -24,6 +24,7 @@ from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.run.store import write_json_atomic, write_text_atomic
+from zerotune.strategy.answer import TIE_ORDER
 
 if TYPE_CHECKING:
     from zerotune.report.data import ReportData
@@ -79,7 +80,7 @@ def tie_note(tie: "Tie", precision: float | None, objective: Objective | None) -
     within = f" within --precision {precision:.1%}" if precision is not None else ""
     return (f"tie: {figure(tie.answer, tie.value)} and " + ", ".join(figure(e, v) for e, v in tie.others)
             + f" read{within} of each other; the answer is {tie.answer.name}, for {tie.reason} (the tie order: "
-            "more memory headroom, then the lower ZeRO stage, then the smaller global batch; no run breaks a tie)")
+            f"{TIE_ORDER}; no run breaks a tie)")
 
 
 def saver_names(ds_config: dict) -> list[str]:

@@ -11,8 +11,9 @@ docs/decisions.md, D101.
 
 **A tie is an answer.** Configs whose reading is within the target precision (``--precision``) of the best one
 are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
-tie order takes one (:func:`tie_order`: more memory headroom, then the lower ZeRO stage, then the smaller global
-batch). The summary and the report say "tie" with every tied figure (docs/decisions.md, D307).
+tie order takes one (:func:`tie_order`: more memory headroom where a tied config runs near the device's capacity,
+else the better reading). The summary and the report say "tie" with every tied figure (docs/decisions.md, D307,
+D313).
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Cal
 
 HEADROOM_MARGIN = 0.05
 """Two tied configs' measured peaks closer than this fraction of the larger leave the headroom undecided."""
+TIE_ORDER = "more memory headroom where a tied config runs near the device's capacity, else the better reading"
+"""The tie order (:func:`tie_order`) in words, as the summary and the report state it."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,7 @@ class Tie:
     Attributes:
         answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).
         others: the tied configs not taken, each with its metric, best first.
-        reason: what decided: ``"more memory headroom"``, ``"the lower ZeRO stage"``, ``"the smaller global
-            batch"``, or ``"the better reading"`` where the order ties too.
+        reason: what decided: ``"more memory headroom"`` or ``"the better reading"``.
     """
 
     answer: Experiment
@@ -79,26 +81,21 @@ class Tie:
     reason: str
 
 
-def tie_order(a: Experiment, b: Experiment) -> tuple[Experiment, str]:
-    """Of two tied configs, ``a`` reading better than ``b``, the one the answer takes, and why: more memory
-    headroom (a measured peak lower by more than :data:`HEADROOM_MARGIN` of the larger: the training's longer
-    batches and the allocator's growth have room), then the lower ZeRO stage (less communication, fewer
-    moving parts), then the smaller global batch (an optimizer closer to the user's); else ``a``."""
+def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> tuple[Experiment, str]:
+    """Of two tied configs, ``a`` reading better than ``b``, the one the answer takes, and why: more memory headroom
+    where it protects the training, else ``a``, the better reading.
+
+    Headroom decides where the larger of the two measured peaks is at least
+    :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
+    allocator flushes, and the training's longer batches or the allocator's growth can run out of memory) and the
+    other's is lower by more than :data:`HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
+    ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config: on 2 CPU ranks
+    the lowest peak in a tie was the smallest mbs and ran 5% slower end to end (docs/decisions.md, D313)."""
     pa, pb = a.peak_memory_bytes, b.peak_memory_bytes
-    if pa and pb and abs(pa - pb) > HEADROOM_MARGIN * max(pa, pb):
+    if (pa and pb and capacity(memory_fraction(max(pa, pb), budget_bytes)) is Capacity.NEAR
+            and abs(pa - pb) > HEADROOM_MARGIN * max(pa, pb)):
         return (a if pa < pb else b), "more memory headroom"
-    if a.stage != b.stage:
-        return (a if a.stage < b.stage else b), "the lower ZeRO stage"
-    ga, gb = global_batch(a), global_batch(b)
-    if ga != gb:
-        return (a if ga < gb else b), "the smaller global batch"
     return a, "the better reading"
-
-
-def global_batch(exp: Experiment) -> int:
-    """Samples per optimizer step: the config's ``train_batch_size``, else mbs x gas x ranks."""
-    tbs = exp.ds_config.get("train_batch_size")
-    return tbs if isinstance(tbs, int) else exp.mbs * exp.gas * exp.num_slots
 
 
 def best_experiment(experiments: Iterable[Experiment], objective: Objective,
@@ -133,7 +130,7 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
     tied.sort(key=lambda r: r[0], reverse=objective.higher_is_better)
     taken, value, reasons = top[1], top[0], []
     for v, e in tied:
-        winner, why = tie_order(taken, e)
+        winner, why = tie_order(taken, e, budget_bytes)
         taken, value = (e, v) if winner is e else (taken, value)
         reasons.append(why)
     reason = next((r for r in reversed(reasons) if r != "the better reading"), "the better reading")
