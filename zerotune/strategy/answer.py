@@ -89,8 +89,8 @@ def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> 
     :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
     allocator flushes, and the training's longer batches or the allocator's growth can run out of memory) and the
     other's is lower by more than :data:`HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
-    ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config: on 2 CPU ranks
-    the lowest peak in a tie was the smallest mbs and ran 5% slower end to end (docs/decisions.md, D313)."""
+    ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config
+    (docs/decisions.md, D313)."""
     pa, pb = a.peak_memory_bytes, b.peak_memory_bytes
     if (pa and pb and capacity(memory_fraction(max(pa, pb), budget_bytes)) is Capacity.NEAR
             and abs(pa - pb) > HEADROOM_MARGIN * max(pa, pb)):
