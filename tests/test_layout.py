@@ -20,6 +20,7 @@ LAYERS = (  # lowest first: a module imports its own layer and those before it, 
     "core",  # the ground floor: errors, the records (experiment, step, launch), objective, units, measure
     "probe",  # the step probe (stdlib only in the ranks) and the tuner's reader of its streams
     "deepspeed",  # DeepSpeed's own facts: config, keys, validation, the launcher command
+    "launchers",  # the user's launcher (deepspeed, torchrun, accelerate, python): read, its rank contract, its answer
     "model",  # the memory and throughput models, the profile
     "run",  # slots, the scheduler, backends, an experiment's directory, the resume key
     "strategy",  # the job and what to try next

@@ -219,12 +219,12 @@ def test_the_local_backend_ends_a_run_once_its_metric_is_known_and_leaves_no_pro
 
 
 def test_the_profile_run_is_never_watched(tmp_path):
-    from zerotune.run.backends.local import _StreamWatch
+    from zerotune.run.backends.watch import StreamWatch
     exp_dir = ran(tmp_path, STEADY, None)
     profile = Experiment("profile_x", {"train_micro_batch_size_per_gpu": 1}, kind=ExperimentKind.PROFILE)
-    assert _StreamWatch(exp_dir, StopRule(THROUGHPUT), profile, 5).check() is None
+    assert StreamWatch(exp_dir, StopRule(THROUGHPUT), profile, 5).check() is None
     mbs = Experiment("x", {"train_micro_batch_size_per_gpu": 1})
-    watch = _StreamWatch(exp_dir, StopRule(THROUGHPUT), mbs, 5)
+    watch = StreamWatch(exp_dir, StopRule(THROUGHPUT), mbs, 5)
     assert watch.check() is EndReason.PRECISE
     assert watch.check() is None  # nothing grew since: not re-read
 

@@ -26,8 +26,16 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
-from zerotune.deepspeed.launcher import free_port, launch_command, launch_env, multi_node, paste_command
+from zerotune.deepspeed.launcher import (
+    free_port,
+    launch_command,
+    launch_env,
+    multi_node,
+    paste_command,
+    script_arguments,
+)
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file, user_env_texts
+from zerotune.launchers.base import Launcher
 from zerotune.report import results
 from zerotune.report.data import ReportData, TrainingPlan
 from zerotune.report.log import to_console
@@ -143,14 +151,17 @@ class Autotuner:
         backend: runs the experiments (default: the local ``deepspeed`` launcher, Ray with
             ``options.backend == "ray"``, Slurm job steps with ``"slurm"``); any :class:`Backend`, e.g. a simulated
             cluster.
+        launcher: the user's launcher (:func:`zerotune.launchers.command.read_command` reads it from their
+            command); None: the ``deepspeed`` launcher, with the config in ``script_args``.
 
     Raises:
         ConfigError: any bad input (:meth:`Job.build`).
     """
 
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
-                 options: TuneOptions | None = None, console: Console | None = None, backend: Backend | None = None):
-        self.job = job = Job.build(script, script_args, nodes, options)
+                 options: TuneOptions | None = None, console: Console | None = None, backend: Backend | None = None,
+                 launcher: Launcher | None = None):
+        self.job = job = Job.build(script, script_args, nodes, options, launcher)
         if backend is None and not Path(job.script).is_file():  # a simulated backend runs no script
             raise ConfigError(f"training script {job.script!r} does not exist (or is not a file)")
         _check_stage_configs(job)
@@ -178,7 +189,11 @@ class Autotuner:
             extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
         planned = [] if self.cost_plan is None else [results.plan_line(*self.cost_plan, self.scheduler.history)]
         return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
-                *planned, self.job.batch.describe(), *([built] if built else [])]
+                *planned, self.job.batch.describe(), self._launcher_line(), *([built] if built else [])]
+
+    def _launcher_line(self) -> str:
+        """The launcher read and where its DeepSpeed config came from (the summary's and the log's line)."""
+        return f"launcher: {self.job.launcher.describe(self.job.script)}; ds_config from {self.job.config_source}"
 
     def _on_update(self, exp: Experiment, event: str) -> None:
         """The scheduler's callback: the progress display, and the report refreshed as experiments finish."""
@@ -238,7 +253,7 @@ class Autotuner:
                 clear_experiments(job.exps_dir)  # zerotune's experiment dirs only, whatever exps_dir names
                 (job.results_dir / "summary.txt").unlink(missing_ok=True)
             self._prepare_extensions()
-            for note in (job.describe(), *job.notes):
+            for note in (job.describe(), self._launcher_line(), *job.notes):
                 self.console.print(note, markup=False, highlight=False)
             strategy = self._strategy(self.scheduler.run)
             self.result = strategy.result  # filled in as it runs: a failure still reports what was learnt
@@ -334,7 +349,8 @@ class Autotuner:
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
-        return results.write_results(self.job.results_dir, self.report_data("finished"), self.optimal_command)
+        return results.write_results(self.job.results_dir, self.report_data("finished"), self.optimal_command,
+                                     self.answer_files)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
@@ -358,16 +374,27 @@ class Autotuner:
         own = self.backend.training_launch(spec, every_slot, config_path, master_port, ds_config=ds_config)
         if own is not None:
             return own
+        if spec.launcher is not None:  # the user's own command, with the config in place
+            answer = self.job.launcher.answer(spec.script, script_arguments(spec, config_path, ds_config), config_path,
+                                              self.job.results_dir)
+            return launch_env(dataclasses.replace(spec, launcher=None), every_slot), list(answer.words)
         env = launch_env(spec, every_slot)
         if multi_node(spec, every_slot):  # the other nodes' ranks get the launch's environment from this file
             env.update(runner_env_file(env, self.job.results_dir / RUNNER_ENV_FILE))
         return env, launch_command(spec, every_slot, config_path, master_port, ds_config=ds_config)
 
     def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
-        """The ``deepspeed`` command that trains with ``config_path`` on all selected slots (the script and the
-        config by absolute path); ``ds_config``: that file's content, where it is not written yet (the results are
-        written after every text is made: :func:`zerotune.report.results.write_results`)."""
+        """The command that trains with ``config_path`` on all selected slots, in the user's launcher (the
+        ``deepspeed`` runner's line for the ``deepspeed`` form; the script and the config by absolute path);
+        ``ds_config``: that file's content, where it is not written yet (the results are written after every text is
+        made: :func:`zerotune.report.results.write_results`)."""
         return paste_command(*self._training_launch(config_path, master_port=29500, ds_config=ds_config))
+
+    def answer_files(self, config_path: str) -> dict[str, str]:
+        """The files the answer's command needs beside the config at ``config_path`` (name -> text): for Accelerate,
+        ``accelerate_config_optimal.yaml`` (:meth:`~zerotune.launchers.base.Launcher.answer`)."""
+        job = self.job
+        return dict(job.launcher.answer(job.script, job.script_args, config_path, job.results_dir).files)
 
     def run_after_tuning(self) -> int:
         """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit

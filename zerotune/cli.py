@@ -1,5 +1,8 @@
-"""The command line, launcher-style like ``deepspeed``: options first, then the script and its args.
+"""The command line: zerotune's options, then ``--`` and the user's own training command; or launcher-style like
+``deepspeed``: options first, then the script and its args (the same as ``-- deepspeed ...``).
 
+    zerotune tune [--device-memory 3GiB] [...] -- torchrun --nproc_per_node 2 train.py --deepspeed ds.json
+    zerotune tune [...] -- accelerate launch --config_file zero.yaml train.py ...
     zerotune tune [--hostfile F] [--include ...] [--num_gpus N] [--device-memory 3GiB] SCRIPT [ARGS...]
     zerotune run  ...same...   # tune, then train with the winning config
     zerotune tune --dry-run [--json] ...   # list the experiments it may generate, launch nothing
@@ -24,6 +27,8 @@ from zerotune.core.arguments import MAX_COUNT, positive_number, reject_empty, wh
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.units import parse_bytes
+from zerotune.launchers.base import Launcher
+from zerotune.launchers.command import UserCommand, read_command
 from zerotune.model import estimate
 from zerotune.report import publish
 from zerotune.report.log import set_verbosity
@@ -93,12 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
         v.add_argument("--verbose", action="store_true", help="log debug lines too")
         for add_options in (publish.add_projection_options, _budget_options, _longest_options):
             add_options(p)
-        p.add_argument("user_script", help="the training script")
-        p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
+        _command_arguments(p)
     estimate.add_parser(sub)
     publish.add_parser(sub)
     reject_empty(parser)
     return parser
+
+
+def _command_arguments(p: argparse.ArgumentParser) -> None:
+    """The training script and its arguments (the launcher-style form; :func:`parse` takes ``-- COMMAND...``)."""
+    p.add_argument("user_script", nargs="?", help="the training script (or: -- COMMAND, the command you train with: "
+                   "deepspeed, torchrun, accelerate launch, python SCRIPT)")
+    p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
 
 
 def _budget_options(p: argparse.ArgumentParser) -> None:
@@ -135,8 +146,24 @@ def _launcher_options(p: argparse.ArgumentParser) -> None:
                    help="accepted for compatibility; each experiment gets a free port")
 
 
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str] | None]:
+    """zerotune's options and, for ``tune`` and ``run`` with ``-- COMMAND...``, the user's command (None: the
+    launcher-style form, ``SCRIPT ARGS...``). A ``--`` after the script is the script's own."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        at = argv.index("--")
+        ours = parser.parse_args(argv[:at])
+        if ours.command in ("tune", "run") and ours.user_script is None:
+            return ours, argv[at + 1:]
+    args = parser.parse_args(argv)
+    if args.command in ("tune", "run") and args.user_script is None:
+        parser.error(f"{args.command}: expected '-- COMMAND...' (the command you train with) or SCRIPT [ARGS...]")
+    return args, None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, command = parse(argv)
     console = Console(stderr=True, soft_wrap=True)
     try:
         if args.command == "estimate":
@@ -144,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return publish.run(args)
         set_verbosity(quiet=args.quiet, verbose=args.verbose)
+        user = read_command(command) if command is not None else UserCommand(Launcher(), args.user_script,
+                                                                               tuple(args.user_args))
+        _launcher_resources(args, user.launcher)
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
         nodes, cpu = _resources(args)
@@ -160,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:
             raise ConfigError("--json goes with --dry-run")
-        tuner = Autotuner(args.user_script, args.user_args, nodes, options, console=console)
+        tuner = Autotuner(user.script, user.script_args, nodes, options, console=console, launcher=user.launcher)
         if args.dry_run:
             plan = tuner.plan()
             if args.json:
@@ -189,6 +219,28 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
                       "rerun to resume[/]")
         return 128 + signum
+
+
+def _launcher_resources(args: argparse.Namespace, launcher: Launcher) -> None:
+    """Set the launcher options zerotune was not given from the user's launcher: the ``deepspeed`` form's own
+    (``--hostfile``, ``--include``, ``--exclude``, ``--num_nodes``, ``--num_gpus``), the ranks per node and nodes of
+    torchrun's and Accelerate's.
+
+    Raises:
+        ConfigError: zerotune's option and the launcher's disagree (naming both).
+    """
+    given = dict(getattr(launcher, "options", ()))
+    if launcher.ranks_per_node is not None:
+        given["num_gpus"] = launcher.ranks_per_node
+    if launcher.num_nodes is not None:
+        given["num_nodes"] = launcher.num_nodes
+    for name, value in given.items():
+        ours = getattr(args, name)
+        if ours in (None, -1):
+            setattr(args, name, value)
+        elif ours != value:
+            raise ConfigError(f"--{name} {ours}, but the command after '--' ({' '.join(launcher.words)}) asks for "
+                              f"{value}: give it once")
 
 
 def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:

@@ -8,11 +8,30 @@ environment and command are made from both (:mod:`zerotune.deepspeed.launcher`) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 from zerotune.core.objective import OBJECTIVES, Objective
 from zerotune.core.stopping import StopRule
 
-__all__ = ["LaunchSpec", "Node", "Reservation"]
+__all__ = ["LaunchSpec", "Node", "Reservation", "UserLauncher"]
+
+
+class UserLauncher(Protocol):
+    """The user's launcher as the backends use it (:class:`zerotune.launchers.base.Launcher` implements it): its
+    rank contract (:mod:`zerotune.launchers.contract`), how an experiment's config reaches the ranks, the command
+    that starts them on one node, and why they cannot be forked warm ('' when they can)."""
+
+    name: str
+    contract: str
+    config_in_argv: bool
+
+    def script_arguments(self, script_args: Sequence[str], config_path: str) -> list[str]: ...
+
+    def rank_env(self, config_path: str | None) -> dict[str, str]: ...
+
+    def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]: ...
+
+    def warm_note(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,9 @@ class LaunchSpec:
         warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports once
             per tuning, where the backend can (:mod:`zerotune.run.warm`); False: every run through DeepSpeed's
             launcher (``--cold-launch``).
+        launcher: the user's launcher when it is not ``deepspeed`` (torchrun, Accelerate, a script that starts its
+            own ranks): its ranks get its contract, cold and warm; None: the ``deepspeed`` launcher's
+            (:mod:`zerotune.deepspeed.launcher`).
     """
 
     script: str
@@ -56,6 +78,7 @@ class LaunchSpec:
     stop_rule: StopRule | None = None
     arg_mappings: tuple[tuple[str, str], ...] = ()
     warm: bool = True
+    launcher: UserLauncher | None = None
 
 
 @dataclass(frozen=True)

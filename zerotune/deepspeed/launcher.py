@@ -73,10 +73,13 @@ def node_launcher() -> list[str]:
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
 
 
-def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None) -> dict[str, str]:
+def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None,
+               config_path: str | None = None) -> dict[str, str]:
     """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``): first the tuner's
     communication settings that every rank gets (:func:`zerotune.deepspeed.rank_env.passed_env`: ``NCCL_*``,
-    ``GLOO_*`` ...), over them ``spec.extra_env``, then the launch's own.
+    ``GLOO_*`` ...), over them ``spec.extra_env``, then the user's launcher's variables for a run of the config at
+    ``config_path`` (``spec.launcher.rank_env``: Accelerate's, the config's path where the launcher carries it), then
+    the launch's own.
 
     Args:
         spec: how the script is launched.
@@ -88,6 +91,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
             ``zerotune run``): no probe, no cap.
     """
     env = {**passed_env(), **spec.extra_env}
+    if spec.launcher is not None:
+        env.update(spec.launcher.rank_env(config_path))
     if probe_dir is not None:
         inherited = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROBE_PATH), inherited) if p)
@@ -98,6 +103,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
             env["TORCH_EXTENSIONS_DIR"] = str(own)
         if not spec.cpu and spec.device_memory_bytes:  # the probe caps each CUDA device's allocator at it
             env[BUDGET_ENV] = str(int(spec.device_memory_bytes))
+    if spec.launcher is not None and not spec.cpu:  # the slots, as a user sets them before torchrun
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in reservation.nodes[0].slots)
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.
@@ -117,7 +124,12 @@ def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str,
     replaced by ``config_path``, and with ``spec.arg_mappings`` the mapped values of the config at
     ``config_path`` (written before the launch; ``ds_config``, that file's content, where it is not written yet)
     are passed as the script's arguments (:func:`zerotune.deepspeed.args.apply_arg_mappings`).
+
+    With ``spec.launcher`` (not the ``deepspeed`` form), that launcher's command on the reservation's one node.
     """
+    if spec.launcher is not None:
+        return spec.launcher.command(spec.script, script_arguments(spec, config_path, ds_config),
+                                     reservation.world_size, master_port)
     if direct and [n.host for n in reservation.nodes] == ["localhost"]:  # this machine alone
         world = json.dumps({"localhost": list(reservation.nodes[0].slots)}).encode()
         cmd = node_launcher() + ["--world_info", base64.urlsafe_b64encode(world).decode(), "--master_addr",
@@ -140,8 +152,10 @@ def script_arguments(spec: LaunchSpec, config_path: str, ds_config: dict | None 
     """The training script's arguments for one launch: ``spec.script_args`` with the ds_config argument replaced
     by ``config_path`` and, with ``spec.arg_mappings``, the mapped values of that config (``ds_config``: its
     content where it is not written yet) passed as the script's arguments
-    (:func:`zerotune.deepspeed.args.apply_arg_mappings`)."""
-    args = replace_config_arg(list(spec.script_args), config_path)
+    (:func:`zerotune.deepspeed.args.apply_arg_mappings`). A launcher that carries the config itself
+    (``spec.launcher.config_in_argv`` false) leaves the arguments' config alone."""
+    args = (spec.launcher.script_arguments(spec.script_args, config_path) if spec.launcher is not None
+            else replace_config_arg(list(spec.script_args), config_path))
     if spec.arg_mappings:
         config = json.loads(Path(config_path).read_text()) if ds_config is None else ds_config
         args = apply_arg_mappings(args, dict(spec.arg_mappings), config)

@@ -284,7 +284,8 @@ def natural_width(console: Console, renderable) -> int:
     return console.measure(renderable, options=console.options.update_width(10_000)).maximum
 
 
-def write_results(results_dir: Path, data: "ReportData", command_for: callable) -> Experiment | None:
+def write_results(results_dir: Path, data: "ReportData", command_for: callable,
+                  files_for: callable | None = None) -> Experiment | None:
     """Write ``summary.txt`` of the report ``data`` and, when it has an answer, the optimal config and command.
 
     Each file is written whole or not at all (:func:`~zerotune.run.store.write_text_atomic`: a temp
@@ -295,6 +296,8 @@ def write_results(results_dir: Path, data: "ReportData", command_for: callable) 
     Args:
         command_for: ``command_for(config_path, ds_config) -> str``, the paste-able launcher command for the
             config that will be written at ``config_path`` (not written yet when it is called).
+        files_for: ``files_for(config_path) -> {name: text}``, the files the command needs beside the config
+            (the answer's Accelerate config), written after the config and before the command.
 
     Returns:
         The answer, or None (then no optimal files are written, and stale ones are removed).
@@ -312,6 +315,7 @@ def write_results(results_dir: Path, data: "ReportData", command_for: callable) 
         config = optimal_config(best)
         # the command names the file (not a link's target) and maps the config's values it will hold
         command = command_for(str(results_dir.resolve() / config_path.name), config) + "\n"
+        files = files_for(str(results_dir.resolve() / config_path.name)) if files_for else {}
     memory = memory_table(data.experiments)
     if memory is not None:
         text += "\n" + table_text(memory)
@@ -320,6 +324,8 @@ def write_results(results_dir: Path, data: "ReportData", command_for: callable) 
         cmd_path.unlink(missing_ok=True)
     else:
         write_json_atomic(config_path, config)
+        for name, file_text in files.items():
+            write_text_atomic(results_dir / name, file_text)
         write_text_atomic(cmd_path, command)
     write_text_atomic(results_dir / "summary.txt", text)
     return best

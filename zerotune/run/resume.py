@@ -29,7 +29,7 @@ from typing import Any, Mapping, Protocol, Sequence
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import StopRule
 from zerotune.deepspeed.canonical import config_hash
-from zerotune.deepspeed.config import AutotuningConfig, replace_config_arg
+from zerotune.deepspeed.config import AutotuningConfig
 
 CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed script arguments
 
@@ -49,6 +49,7 @@ class ResumedJob(Protocol):
     objective: Objective
     stop_rule: StopRule | None
     arg_mappings: Mapping[str, str]
+    launcher: Any  # zerotune.launchers.base.Launcher: name, words, script_arguments, rank_env
 
 
 def resume_context(job: ResumedJob) -> dict[str, Any]:
@@ -60,13 +61,20 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
         :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
         ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
         ``precision`` (the adaptive stop's target half-width; None when runs are not ended early),
-        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets).
+        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets); for a
+        launcher other than ``deepspeed``, ``launcher``: its words and the variables it gives every rank (the
+        ``deepspeed`` form keys as it always did).
     """
     script = Path(job.script).resolve()
+    launcher = job.launcher
+    own = {} if launcher.name == "deepspeed" else {
+        "launcher": {"words": list(launcher.words),
+                     "env": {k: v for k, v in launcher.rank_env(None).items() if k != "PYTHONPATH"}}}
     return {
+        **own,
         "script": str(script),
         "script_sha256": _sha256(script),
-        "script_args": replace_config_arg(list(job.script_args), CONFIG_PLACEHOLDER),
+        "script_args": launcher.script_arguments(job.script_args, CONFIG_PLACEHOLDER),
         "num_nodes": job.num_nodes,
         "slots_per_node": job.slots_per_node,
         "mp_size": job.mp_size,

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node
-from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import StopRule
 from zerotune.core.units import format_bytes
@@ -24,74 +23,18 @@ from zerotune.deepspeed import config as ds_file
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections
+from zerotune.launchers.base import Launcher
+from zerotune.launchers.contract import DEEPSPEED
 from zerotune.model.profile import ModelInfo
 from zerotune.strategy import job_checks
 from zerotune.strategy.batch import BatchSemantics
 from zerotune.strategy.budget import LaunchBudget
 from zerotune.strategy.longest import LongestOptions
+from zerotune.strategy.options import TuneOptions
 from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
 _SET_PER_EXPERIMENT = ("enabled", "metric_path", "model_info_path")
-
-
-@dataclass
-class TuneOptions:
-    """zerotune's own options (beyond the ds_config's ``autotuning`` section).
-
-    Attributes:
-        device_memory_bytes: per-device budget, bytes (required on CPU; None on CUDA: the
-            device's memory).
-        results_dir: overrides ``autotuning.results_dir``; experiments then go to ``<dir>/exps``.
-        timeout_s, hang_timeout_s: per-experiment wall-clock limit and no-output limit, seconds.
-        warm: fork ranks from a preloaded server (:mod:`zerotune.run.warm`); False: ``--cold-launch``.
-        overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
-        hostfile: the launcher's hostfile, for multi-node experiments.
-        cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
-        backend: ``local`` (the deepspeed launcher as a subprocess), ``ray`` (a Ray cluster) or ``slurm`` (srun).
-        ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
-        variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
-            (:mod:`zerotune.strategy.variables`).
-        precision: adaptive experiments: end a run once its metric's 95% interval is within this
-            relative half-width (0.02 = ±2%; :mod:`zerotune.core.stopping`).
-        adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
-            ``end_profile_step``, as DeepSpeed's autotuner runs them.
-        host_memory_bytes: host memory per node, bytes, that offloaded optimizer states and
-            parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
-            memory when every node is this machine (the local backend), else not checked. On CPU
-            ranks offload stays in the rank's own budget (:attr:`MemoryModel.host_on_device`).
-        savers: try checkpointing and offload where memory binds a stage (:mod:`zerotune.strategy.savers`);
-            False: only what the config says (``--no-savers``). nvme_path: a directory on local NVMe
-            (``--nvme-path``): the savers may offload there too, after the host.
-        train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
-            answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
-            device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
-        max_launches, max_device_hours: what the tuning may spend (:class:`~zerotune.strategy.budget.LaunchBudget`).
-        longest: ``--max-seq-len`` and ``--verify-longest`` (:class:`~zerotune.strategy.longest.LongestOptions`).
-    """
-
-    device_memory_bytes: int | None = None
-    results_dir: str | None = None
-    timeout_s: float | None = None
-    hang_timeout_s: float | None = None
-    warm: bool = True
-    overwrite: bool | None = None
-    hostfile: str | None = None
-    cpu: bool | None = None
-    backend: str = "local"
-    ray_address: str | None = None
-    variables: dict[str, Any] = field(default_factory=dict)
-    precision: float = DEFAULT_PRECISION
-    adaptive: bool = True
-    host_memory_bytes: int | None = None
-    savers: bool = True
-    nvme_path: str | None = None
-    train_samples: int | None = None
-    train_steps: int | None = None
-    cost_per_device_hour: float | None = None
-    max_launches: int | None = None
-    max_device_hours: float | None = None
-    longest: LongestOptions = LongestOptions()
 
 
 @dataclass(frozen=True)
@@ -133,6 +76,7 @@ class Job:
         checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
             script takes it through ``arg_mappings[CHECKPOINTING]``.
         savers, nvme_path, longest: see :class:`TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
+        launcher: the user's launcher (:mod:`zerotune.launchers`); config_source: where it carries the ds_config.
     """
 
     script: str
@@ -175,11 +119,13 @@ class Job:
     warm: bool = True
     budget: LaunchBudget = LaunchBudget()
     longest: LongestOptions = LongestOptions()
+    launcher: Launcher = Launcher()
+    config_source: str = ""
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
-              options: TuneOptions | None = None) -> "Job":
-        """Resolve every input of a tuning job.
+              options: TuneOptions | None = None, launcher: Launcher | None = None) -> "Job":
+        """Resolve every input of a tuning job (``launcher``: the user's, None: ``deepspeed``'s).
 
         Raises:
             ConfigError: an unreadable or invalid ds_config or ``autotuning`` section, no slots,
@@ -189,8 +135,8 @@ class Job:
         """
         options = options or TuneOptions()
         script_args = tuple(script_args)
-        _, config_path = ds_file.find_config_arg(list(script_args))
-        user = ds_file.load_ds_config(config_path)
+        launcher = launcher or Launcher()
+        config_path, user, config_source = launcher.load_config(script_args)  # where the launcher carries it
         job_checks.check_candidate_lists(user, config_path)
         at = ds_file.parse_autotuning(user.get("autotuning"), source=config_path)
         mappings = parse_arg_mappings(at.arg_mappings, config_path)
@@ -209,6 +155,7 @@ class Job:
         memory = job_checks.device_memory_bytes(options.device_memory_bytes, cpu)
         min_mbs, max_mbs, allowed = job_checks.mbs_bounds(at, batch, config_path)
         job_checks.check_options(options)
+        job_checks.check_launcher(launcher, options, nodes)
         results_dir = Path(options.results_dir or at.results_dir)
         concrete = substitute(user, first_values(variables))
         check_sections(concrete, config_path)
@@ -231,7 +178,8 @@ class Job:
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
                    savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None,
-                   budget=LaunchBudget(options.max_launches, options.max_device_hours), longest=options.longest)
+                   budget=LaunchBudget(options.max_launches, options.max_device_hours), longest=options.longest,
+                   launcher=launcher, config_source=config_source)
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -246,7 +194,8 @@ class Job:
                           hang_timeout_s=self.hang_timeout_s, hostfile=self.hostfile, warm=self.warm,
                           start_profile_step=self.autotuning.start_profile_step,
                           end_profile_step=self.autotuning.end_profile_step, objective=self.objective,
-                          stop_rule=self.stop_rule, arg_mappings=tuple(self.arg_mappings.items()))
+                          stop_rule=self.stop_rule, arg_mappings=tuple(self.arg_mappings.items()),
+                          launcher=None if self.launcher.name == DEEPSPEED else self.launcher)
 
     def describe(self) -> str:
         """One line for the log: ranks, DP world size, budget, stages, mbs bounds, objective."""

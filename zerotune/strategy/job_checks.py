@@ -14,6 +14,8 @@ import psutil
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import AutotuningConfig
 from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
+from zerotune.launchers.base import Launcher
+from zerotune.launchers.contract import DEEPSPEED, OWN
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends import BACKENDS
 from zerotune.strategy.batch import BatchSemantics
@@ -43,6 +45,22 @@ def check_options(options: Any) -> None:
             raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
     if options.nvme_path is not None and not os.path.isdir(options.nvme_path):
         raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")
+
+
+def check_launcher(launcher: Launcher, options: Any, nodes: Sequence[Any]) -> None:
+    """Where the user's launcher can run: a script that starts its own ranks only on the local backend (every other
+    backend starts each rank itself); a launcher other than ``deepspeed`` on one node, or on several through Slurm's
+    job steps (DeepSpeed's runner, which the local and Ray backends use across nodes, starts only its own form).
+
+    Raises:
+        ConfigError: naming the launcher and the backend or the nodes.
+    """
+    if launcher.contract == OWN and options.backend != "local":
+        raise ConfigError(f"{launcher.describe('SCRIPT')}: the script starts its own ranks, and --backend "
+                          f"{options.backend} starts every rank itself: launch it with torchrun or deepspeed")
+    if launcher.name != DEEPSPEED and options.backend != "slurm" and any(n.host != "localhost" for n in nodes):
+        raise ConfigError(f"{launcher.name}: zerotune runs a {launcher.name} job's experiments on this machine, or "
+                          "on several nodes with --backend slurm; across hosts of a hostfile use the deepspeed form")
 
 
 def mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:

@@ -41,8 +41,7 @@ import psutil
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
 from zerotune.core.launch import LaunchSpec, Reservation
 from zerotune.core.measure import load_quantiles
-from zerotune.core.step_record import StepRecord
-from zerotune.core.stopping import EndReason, StopRule, extended_end_step
+from zerotune.core.stopping import EndReason, extended_end_step
 from zerotune.deepspeed.launcher import (
     free_port,
     launch_command,
@@ -53,10 +52,12 @@ from zerotune.deepspeed.launcher import (
     script_arguments,
 )
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
-from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, clean_exits, read_streams, run_phases, stream_files
+from zerotune.launchers.contract import DEEPSPEED
+from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, clean_exits, read_streams, run_phases
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, limit_data
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
+from zerotune.run.backends.watch import RunProgress, StreamWatch
 from zerotune.run.processes import (
     RUN_TOKEN_ENV,
     RUNNING_DIR,
@@ -109,7 +110,7 @@ class LocalBackend(Backend):
         exp_dir = Path(exp_dir)
         running_dir = exp_dir.parent / RUNNING_DIR
         reap_orphans(running_dir)  # first: an orphan of a killed tuner could still write into exp_dir
-        watch = _StreamWatch(exp_dir, spec.stop_rule, exp, spec.end_profile_step)
+        watch = StreamWatch(exp_dir, spec.stop_rule, exp, spec.end_profile_step)
         if exp.kind is not ExperimentKind.PROFILE:
             load_quantiles()  # before the launch: its import would take CPU from the steps measured
         end_step = extended_end_step(spec.end_profile_step) if watch.rule is not None else spec.end_profile_step
@@ -123,7 +124,7 @@ class LocalBackend(Backend):
         child_setup = _child_setup(self._data_limit())
         record = write_running_record(running_dir, exp.name, token, port, stop=self._stop_handle(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
-        exp.launch, exp.launch_note = LAUNCH_COLD, ""
+        exp.launch, exp.launch_note = LAUNCH_COLD, _cold_note(spec)
         if warm is not None:  # its preload is the tuning's, not this run's: the run's clock starts after it
             try:
                 warm.ready(self._cancelled)
@@ -201,9 +202,10 @@ class LocalBackend(Backend):
             return self._warm
 
     def _warm_eligible(self, reservation: Reservation) -> bool:
-        """Whether runs on ``reservation`` go warm: warm launches are on, and it is this machine's alone."""
-        return self.spec.warm and [n.host for n in reservation.nodes] == ["localhost"] and not multi_node(
-            self.spec, reservation)
+        """Whether runs on ``reservation`` go warm: warm launches are on, the launcher's ranks can be forked
+        (:func:`warm_note`), and it is this machine's alone."""
+        return self.spec.warm and not warm_note(self.spec) and [n.host for n in reservation.nodes] == [
+            "localhost"] and not multi_node(self.spec, reservation)
 
     def _new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> WarmServer:
         """A warm server (not started) whose ranks get ``env``: this machine's."""
@@ -223,7 +225,7 @@ class LocalBackend(Backend):
         master port ``port``, the probe writing into ``exp_dir``; on several nodes, the launch's environment
         written into the runner's env file ``exp_dir/deepspeed_env`` for the other nodes' ranks
         (:func:`~zerotune.deepspeed.rank_env.runner_env_file`)."""
-        env = launch_env(self.spec, reservation, probe_dir=exp_dir)
+        env = launch_env(self.spec, reservation, probe_dir=exp_dir, config_path=config_path)
         if multi_node(self.spec, reservation):  # the token too, so the other nodes' ranks are found by it
             env.update(runner_env_file({**env, RUN_TOKEN_ENV: token}, exp_dir / RUNNER_ENV_FILE))
             with self._lock:
@@ -257,14 +259,14 @@ class LocalBackend(Backend):
             kill_token_on(hosts, token)
         kill_tree(proc, known, token, since)
 
-    def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: _StreamWatch, start: float,
+    def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: StreamWatch, start: float,
                    known: dict[int, psutil.Process], seen: _Supervised, token: str) -> None:
         """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
         noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
         follows)."""
         spec = self.spec
         script_name = Path(spec.script).name
-        progress = _Progress(exp_dir, start)
+        progress = RunProgress(exp_dir, start)
         watch.launched_at = start
         ranks: list[psutil.Process] = []
         scanned = float("-inf")
@@ -351,6 +353,19 @@ def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Pat
     return env
 
 
+def warm_note(spec: LaunchSpec) -> str:
+    """Why ``spec``'s ranks cannot be forked warm ('' when they can): its launcher's reason
+    (:meth:`~zerotune.core.launch.UserLauncher.warm_note`)."""
+    return spec.launcher.warm_note() if spec.launcher is not None else ""
+
+
+def _cold_note(spec: LaunchSpec) -> str:
+    """Why a run of ``spec`` starts cold when warm launches are on and its launcher's ranks cannot be forked ('':
+    no such reason)."""
+    why = warm_note(spec) if spec.warm else ""
+    return f"launched cold: {why}" if why else ""
+
+
 def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_name: str) -> bool:
     """Whether ``child``, a process of the run ``proc``, is one of its ranks: a cold rank runs the script
     (:func:`~zerotune.run.processes.runs_script`); a warm rank, forked with the server's command line, is a child of
@@ -367,7 +382,9 @@ def _warm_request(spec: LaunchSpec, reservation: Reservation, exp_dir: Path, con
                   env: dict[str, str], data_limit: int | None) -> dict:
     """The warm server's launch request for a run on this machine alone (:mod:`zerotune.run.warm.server`): what the
     direct launch's command line says (:func:`~zerotune.deepspeed.launcher.launch_command`), as data."""
+    contract = spec.launcher.contract if spec.launcher is not None else DEEPSPEED
     return {"script": spec.script, "args": script_arguments(spec, config_path), "env": env, "cwd": os.getcwd(),
+            "contract": contract,
             "slots": list(reservation.nodes[0].slots), "master_addr": "127.0.0.1", "master_port": port,
             "stdout": str(exp_dir / expdir.STDOUT_LOG), "stderr": str(exp_dir / expdir.STDERR_LOG),
             "data_limit": data_limit, "probe_dir": str(exp_dir.resolve()), "token": token}
@@ -381,70 +398,3 @@ def _child_setup(limit: int | None):
         limit_data(limit)
         adopt_orphans()
     return setup
-
-
-class _Progress:
-    """When a run last made progress: a step recorded in its probe streams (their bytes grew), or, before its
-    first step, output (``stdout.log`` and ``stderr.log`` grew). Once a step is recorded, output alone is no
-    progress (a hung collective's heartbeat or a warning printed in a loop is not a step)."""
-
-    def __init__(self, exp_dir: Path, start: float):
-        self.exp_dir, self.last_change = exp_dir, start
-        self._steps, self._output = 0, -1
-
-    @property
-    def stepped(self) -> bool:
-        """Whether the run has recorded a step."""
-        return self._steps > 0
-
-    def idle_s(self, now: float) -> float:
-        """Seconds since the last progress, at ``now`` (``time.monotonic()``)."""
-        steps = sum(expdir.file_size(path) for path in stream_files(self.exp_dir).values())
-        if steps != self._steps:
-            self._steps, self.last_change = steps, now
-        elif not steps:
-            output = expdir.output_bytes(self.exp_dir)
-            if output != self._output:
-                self._output, self.last_change = output, now
-        return now - self.last_change
-
-
-class _StreamWatch:
-    """Reads an experiment's probe streams while it runs and asks the stop rule whether it can end
-    (:mod:`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
-    few ``stat`` calls; the profile run (which exits in its first forward) is never watched.
-
-    The run was launched with an extended engine exit (:func:`~zerotune.core.stopping.extended_end_step`):
-    the rule ends it at ``end_profile_step`` unless more steps pay, within its start-up time, from the
-    launch (``launched_at``, ``time.monotonic()``) to its first step's start (the probe's ``t`` is the
-    same system-wide monotonic clock: the ranks run on this machine)."""
-
-    def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment, end_profile_step: int):
-        self.exp_dir, self.exp = exp_dir, exp
-        self.rule = None if exp.kind is ExperimentKind.PROFILE else rule
-        self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
-        self.launched_at: float | None = None
-        self._sizes: dict[int, int] = {}
-        self._streams: dict[int, list[StepRecord]] = {}
-
-    def check(self) -> EndReason | None:
-        if self.rule is None:
-            return None
-        sizes = {rank: expdir.file_size(path) for rank, path in stream_files(self.exp_dir).items()}
-        if sizes == self._sizes:
-            return None
-        self._sizes = sizes
-        self._streams = read_streams(self.exp_dir)
-        return self.rule.check(self._streams, self.exp.must_beat, self.cap_step, self.startup_s())
-
-    def startup_s(self) -> float | None:
-        """Seconds from the launch to the start of the first step (None: not known yet)."""
-        return run_phases(self._streams, self.launched_at)[0]
-
-    def reached_cap(self) -> bool:
-        """Whether every rank recorded ``end_profile_step``'s exiting step (read afresh)."""
-        if self.rule is None:
-            return False
-        streams = read_streams(self.exp_dir)
-        return bool(streams) and all(any(r.step is not None and r.step >= self.cap_step for r in records)
-                                     for records in streams.values())

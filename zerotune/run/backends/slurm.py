@@ -124,14 +124,15 @@ def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Map
     return [Node(host, tuple(range(slots))) for host in hosts]
 
 
-def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int,
-             probe_dir: Path | None = None) -> dict[str, str]:
+def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe_dir: Path | None = None,
+             config_path: str | None = None) -> dict[str, str]:
     """The environment a step adds to this process's (srun exports it to every rank): the local backend's
     (:func:`~zerotune.deepspeed.launcher.launch_env`, the probe with ``probe_dir``), ``MASTER_ADDR`` (the
     reservation's first node) and ``MASTER_PORT``, and on CPU ranks with a budget, each rank's
     ``RLIMIT_DATA`` (:data:`~zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`) for an experiment (``probe_dir``
-    given; the training after tuning runs unlimited, as the local backend's)."""
-    env = launch_env(spec, reservation, probe_dir=probe_dir)
+    given; the training after tuning runs unlimited, as the local backend's). ``config_path``: the run's config,
+    for a launcher that carries it in the environment."""
+    env = launch_env(spec, reservation, probe_dir=probe_dir, config_path=config_path)
     env.update(MASTER_ADDR=reservation.nodes[0].host, MASTER_PORT=str(master_port))
     if probe_dir is not None and spec.cpu and spec.device_memory_bytes:
         env[DATA_LIMIT_ENV] = str(int(spec.device_memory_bytes))
@@ -145,14 +146,18 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
     GPUs on its node, whose ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the
     ``LOCAL_RANK``-th: a binding of one GPU per task, from the cluster's defaults or an inherited
     ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named ``name``; the script's arguments as for the
-    deepspeed launcher (:func:`~zerotune.deepspeed.launcher.script_arguments`)."""
+    deepspeed launcher (:func:`~zerotune.deepspeed.launcher.script_arguments`); with ``spec.launcher``, the wrapper
+    gives each rank that launcher's contract (``--contract``)."""
     nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
     cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
            "--nodelist", ",".join(n.host for n in reservation.nodes), "--kill-on-bad-exit=1", "--exact",
            "--cpus-per-task", str(cpus_per_task)]
     if not spec.cpu:  # every rank sees the step's GPUs on its node and takes the LOCAL_RANK-th, as under DeepSpeed's
         cmd += ["--gpus-per-node", str(per_node), "--gpu-bind=none"]  # launcher; no per-task binding inherited
-    cmd += ["--job-name", name, "--export=ALL", sys.executable, "-u", "-m", RANK_MODULE, spec.script]
+    cmd += ["--job-name", name, "--export=ALL", sys.executable, "-u", "-m", RANK_MODULE]
+    if spec.launcher is not None:  # its ranks' contract (torchrun's), not DeepSpeed's
+        cmd += ["--contract", spec.launcher.contract]
+    cmd.append(spec.script)
     return cmd + script_arguments(spec, config_path, ds_config)
 
 
@@ -184,7 +189,7 @@ class SlurmBackend(LocalBackend):
                 token: str) -> tuple[dict[str, str], list[str]]:
         name = f"zerotune-{exp.name}-{token[-8:]}"
         self._steps[token] = name
-        return (step_env(self.spec, reservation, port, probe_dir=exp_dir),
+        return (step_env(self.spec, reservation, port, probe_dir=exp_dir, config_path=config_path),
                 srun_command(self.spec, reservation, config_path, self.cpus_per_task(reservation), name))
 
     def _stop_handle(self, token: str) -> dict[str, str] | None:
@@ -212,7 +217,7 @@ class SlurmBackend(LocalBackend):
     def _warm_launch(self, warm: SlurmWarmServers, reservation: Reservation, exp_dir: Path, config_path: str,
                      port: int, token: str, env: dict[str, str], cmd: list[str], logs: tuple) -> subprocess.Popen:
         """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``)."""
-        at = cmd.index(RANK_MODULE) + 1
+        at = cmd.index(RANK_MODULE) + 1  # --warm SOCKET first: the wrapper reads its options in that order
         return subprocess.Popen([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], stdout=logs[0],
                                 stderr=logs[1], stdin=subprocess.DEVNULL, env=env, start_new_session=True,
                                 preexec_fn=adopt_orphans)
@@ -269,6 +274,6 @@ class SlurmBackend(LocalBackend):
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
         """The environment additions and the ``srun`` line that train with ``config_path`` on ``reservation``
         (``zerotune run``, ``cmd_optimal.txt``): one step, no probe."""
-        return (step_env(spec, reservation, master_port),
+        return (step_env(spec, reservation, master_port, config_path=config_path),
                 srun_command(spec, reservation, config_path, self.cpus_per_task(reservation), "zerotune-train",
                              ds_config=ds_config))

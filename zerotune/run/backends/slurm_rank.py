@@ -4,7 +4,9 @@ srun starts every task of the step with Slurm's own variables (``SLURM_PROCID``,
 ``SLURM_NTASKS`` ...); this wrapper turns them into what DeepSpeed's per-node launcher gives each rank it starts
 (``deepspeed/launcher/launch.py``) and what ``torch.distributed`` reads (:func:`rank_env`), applies the CPU
 ranks' memory budget (:data:`DATA_LIMIT_ENV`, :func:`~zerotune.run.backends.base.limit_data`), and execs the
-training script as that launcher does: ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``.
+training script as that launcher does: ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``; with ``--contract
+torchrun`` (the user's launcher is torchrun or Accelerate) as torchrun does, with its variables too and no
+``--local_rank`` (:func:`contract_env`).
 
 ``MASTER_ADDR`` and ``MASTER_PORT`` come from the step's environment (the backend sets them: the step's first
 node and a port free there), as does the probe (``PYTHONPATH``, :mod:`zerotune.probe`).
@@ -27,11 +29,12 @@ import socket
 import sys
 from collections.abc import Mapping
 
+from zerotune.launchers.contract import DEEPSPEED, TORCHRUN, rank_argv, torchrun_env
 from zerotune.probe.sitecustomize import PROBE_DIR_ENV
 from zerotune.run.backends.base import limit_data
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
-__all__ = ["DATA_LIMIT_ENV", "attach", "expand_counts", "main", "rank_env"]
+__all__ = ["DATA_LIMIT_ENV", "attach", "contract_env", "expand_counts", "main", "rank_env"]
 
 DATA_LIMIT_ENV = "ZEROTUNE_DATA_LIMIT"
 """Each rank's ``RLIMIT_DATA``, bytes, set by the wrapper before it execs the script (CPU ranks' budget)."""
@@ -69,13 +72,14 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
             "LOCAL_SIZE": str(tasks[node]), "CROSS_RANK": str(node), "CROSS_SIZE": str(int(nodes))}
 
 
-def attach(socket_template: str, script: str, args: list[str], env: dict[str, str]) -> int:
-    """Have this node's warm server fork this task's rank (``env``: its environment) and wait for it (see the module
-    doc); the status to exit with (negative: the signal that killed the rank)."""
+def attach(socket_template: str, script: str, args: list[str], env: dict[str, str], contract: str = DEEPSPEED) -> int:
+    """Have this node's warm server fork this task's rank (``env``: its environment; ``contract``: its launcher's,
+    for its arguments) and wait for it (see the module doc); the status to exit with (negative: the signal that
+    killed the rank)."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     request = {"op": "launch", "script": script, "args": args, "rank_env": env, "cwd": os.getcwd(),
                "affinity": sorted(os.sched_getaffinity(0)), "data_limit": int(env.get(DATA_LIMIT_ENV) or 0) or None,
-               "probe_dir": env.get(PROBE_DIR_ENV)}
+               "probe_dir": env.get(PROBE_DIR_ENV), "contract": contract}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     answer: dict = {}
     try:
@@ -113,27 +117,41 @@ def attach(socket_template: str, script: str, args: list[str], env: dict[str, st
 
 def main(argv: list[str]) -> None:
     """Exec ``argv`` (``SCRIPT ARGS...``) as this task's rank; never returns. ``--warm SOCKET SCRIPT ARGS...``:
-    the rank forked by the warm server instead (:func:`attach`); exits with its status."""
-    warm = None
+    the rank forked by the warm server instead (:func:`attach`); exits with its status. ``--contract torchrun``
+    (after ``--warm SOCKET``, before the script): the rank gets torchrun's variables and no ``--local_rank``
+    (:mod:`zerotune.launchers.contract`)."""
+    warm, contract = None, DEEPSPEED
     if argv[:1] == ["--warm"] and len(argv) > 1:
         warm, argv = argv[1], argv[2:]
+    if argv[:1] == ["--contract"] and len(argv) > 1:
+        contract, argv = argv[1], argv[2:]
     if not argv:
-        sys.exit("usage: srun ... python -m zerotune.run.backends.slurm_rank [--warm SOCKET] SCRIPT [ARGS...]")
+        sys.exit("usage: srun ... python -m zerotune.run.backends.slurm_rank [--warm SOCKET] [--contract NAME] "
+                 "SCRIPT [ARGS...]")
     try:
-        env = {**os.environ, **rank_env(os.environ)}
+        env = contract_env({**os.environ, **rank_env(os.environ)}, contract)
     except (KeyError, ValueError, IndexError) as e:
         sys.exit(f"zerotune.run.backends.slurm_rank: not a task of a Slurm step ({type(e).__name__}: {e}); "
                  "it is started by srun")
     script, *args = argv
     if warm is not None:
-        status = attach(warm, script, args, env)
+        status = attach(warm, script, args, env, contract)
         if status < 0:
             signal.signal(-status, signal.SIG_DFL)
             os.kill(os.getpid(), -status)
         sys.exit(status & 0xFF)
     limit_data(int(os.environ.get(DATA_LIMIT_ENV) or 0))
     sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, "-u", script, f"--local_rank={env['LOCAL_RANK']}", *args], env)
+    os.execve(sys.executable, [sys.executable, "-u", script, *rank_argv(contract, env["LOCAL_RANK"]), *args], env)
+
+
+def contract_env(env: dict[str, str], contract: str) -> dict[str, str]:
+    """``env`` (a task's, with DeepSpeed's rank variables: :func:`rank_env`) with the variables of ``contract``'s
+    launcher: torchrun's (:func:`~zerotune.launchers.contract.torchrun_env`) for :data:`TORCHRUN`."""
+    if contract != TORCHRUN:
+        return env
+    return torchrun_env(env, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_SIZE"]),
+                        int(env["CROSS_RANK"]), int(env["CROSS_SIZE"]))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""One warm rank: a process forked from the warm server that becomes ``python -u SCRIPT --local_rank=N ARGS...``.
+"""One warm rank: a process forked from the warm server that becomes ``python -u SCRIPT --local_rank=N ARGS...``
+(DeepSpeed's launcher) or ``python -u SCRIPT ARGS...`` (torchrun's).
 
-What DeepSpeed's per-node launcher gives a rank it starts (``deepspeed/launcher/launch.py``) is given here without an
-exec: the environment (the launch's, with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``,
-``CROSS_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and the accelerator's visible devices, set by
-:mod:`zerotune.run.warm.server`), ``sys.argv``, ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
+What the launcher gives a rank it starts (``deepspeed/launcher/launch.py``, torchrun's agent) is given here without
+an exec: the environment (the launch's, with the rank's variables of the launcher's contract, set by
+:mod:`zerotune.run.warm.server`), ``sys.argv`` (:func:`~zerotune.launchers.contract.rank_argv`), ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
 the working directory, unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's file descriptors (``-u``), default
 signal handlers, fresh random seeds (Python's ``random`` reseeds itself at fork; NumPy's global state is reseeded
 here), and the step probe installed into the already-imported engine module
@@ -19,6 +19,8 @@ import os
 import signal
 import sys
 
+from zerotune.launchers.contract import DEEPSPEED, rank_argv
+
 __all__ = ["SETUP_FAILED", "become_rank"]
 
 SETUP_FAILED = 121
@@ -33,11 +35,12 @@ def _unbuffered(fd: int) -> io.TextIOWrapper:
 
 
 def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, probe_dir: str | None,
-                learn_path: str | None = None) -> None:
+                learn_path: str | None = None, contract: str = DEEPSPEED) -> None:
     """Turn this freshly forked process into the rank that ``env`` describes and run ``script`` in it; never
     returns (``os._exit``). With ``learn_path``, the names of the modules the rank imported (in import order) are
     written there as JSON once the script ended, for the server to import before its next fork
-    (:func:`zerotune.run.warm.preload.learn`)."""
+    (:func:`zerotune.run.warm.preload.learn`). ``contract``: the launcher's, whose arguments go before the script's
+    (:func:`~zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's)."""
     before = set(sys.modules)
     try:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
@@ -49,7 +52,7 @@ def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, pro
         os.chdir(cwd)
         sys.stdout = sys.__stdout__ = _unbuffered(1)
         sys.stderr = sys.__stderr__ = _unbuffered(2)
-        sys.argv = [script, f"--local_rank={env['LOCAL_RANK']}", *args]
+        sys.argv = [script, *rank_argv(contract, env["LOCAL_RANK"]), *args]
         sys.path[0] = os.path.dirname(os.path.realpath(script))
         numpy = sys.modules.get("numpy")
         if numpy is not None:

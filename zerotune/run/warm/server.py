@@ -7,9 +7,10 @@ thread: the server never starts another). The request is one JSON line; the serv
 
     -> {"op": "launch", "script": ..., "args": [...], "env": {...}, "cwd": ..., "slots": [0, 1],
         "master_addr": "127.0.0.1", "master_port": 29500, "stdout": PATH, "stderr": PATH,
-        "data_limit": BYTES or null, "probe_dir": PATH or null}
+        "data_limit": BYTES or null, "probe_dir": PATH or null, "contract": "deepspeed" or "torchrun"}
     -> {"op": "launch", "script": ..., "args": [...], "rank_env": {...}, "cwd": ..., "affinity": [CPU, ...],
-        "data_limit": BYTES or null, "probe_dir": PATH or null}   + file descriptors 0, 1, 2 (SCM_RIGHTS)
+        "data_limit": BYTES or null, "probe_dir": PATH or null, "contract": ...}   + file descriptors 0, 1, 2
+                                                                                   (SCM_RIGHTS)
     <- {"pid": PID}          the run's launcher, forked; it leads a session of its own
     <- {"exit": STATUS}      when it exits: its exit status (negative: killed by that signal)
     -> {"op": "ping"}
@@ -22,8 +23,8 @@ rank then writes where that task writes, and the task stands for it in its Slurm
 The run's launcher does what DeepSpeed's per-node launcher does (``deepspeed/launcher/launch.py``) without an exec:
 it leads a new session as a child subreaper (so the backend stops the run as one process group, and what its ranks
 orphan stays in its tree), takes the per-rank data limit (``RLIMIT_DATA``, inherited by its ranks), sends its output
-to the experiment's logs, forks one rank per slot with DeepSpeed's rank environment
-(:func:`rank_environment`; :mod:`zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
+to the experiment's logs, forks one rank per slot with the rank environment of the request's launcher contract (DeepSpeed's, or
+torchrun's: :func:`rank_environment`; :mod:`zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
 non-zero ends the run: the others get SIGTERM, then SIGKILL after 30 s, and the launcher exits with that rank's
 status, as DeepSpeed's launcher does; SIGTERM or SIGINT to the launcher stops its ranks the same way (exit 1).
 
@@ -45,6 +46,7 @@ import socket
 import sys
 import time
 
+from zerotune.launchers.contract import DEEPSPEED, TORCHRUN, torchrun_env
 from zerotune.run.warm import rank as warm_rank
 from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, preload_ops
 
@@ -60,17 +62,23 @@ RANK_TERM_WAIT_S = 30.0  # DeepSpeed's launcher: terminate_process_tree waits 30
 
 
 def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, master_addr: str,
-                     master_port: int) -> dict[str, str]:
-    """The environment DeepSpeed's per-node launcher gives local rank ``local_rank`` of a one-node run on ``slots``
-    (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices set to ``slots`` (DeepSpeed's
-    own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU), ``MASTER_ADDR``,
-    ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and ``LOCAL_RANK``."""
+                     master_port: int, contract: str = DEEPSPEED) -> dict[str, str]:
+    """The environment the launcher of ``contract`` gives local rank ``local_rank`` of a one-node run on ``slots``.
+
+    DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices
+    set to ``slots`` (DeepSpeed's own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU),
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and
+    ``LOCAL_RANK``. torchrun's (:func:`~zerotune.launchers.contract.torchrun_env`): ``env`` with ``MASTER_ADDR``,
+    ``MASTER_PORT``, the visible devices as for DeepSpeed's (as a user sets them before torchrun) and its worker
+    variables."""
     from deepspeed.accelerator import get_accelerator
     out = dict(env)
     get_accelerator().set_visible_devices_envs(out, slots)
-    out.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "WORLD_SIZE": str(len(slots)),
-                "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(len(slots)), "RANK": str(local_rank),
-                "LOCAL_RANK": str(local_rank)})
+    out.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+    if contract == TORCHRUN:
+        return torchrun_env(out, local_rank, local_rank, len(slots), len(slots))
+    out.update({"WORLD_SIZE": str(len(slots)), "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(len(slots)),
+                "RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
     return out
 
 
@@ -152,7 +160,7 @@ def _launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> Non
                 die_with_parent(launcher)
                 learn_path = os.path.join(learn_dir, f"{launcher}.json") if env.get("LOCAL_RANK") == "0" else None
                 warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
-                                      request.get("probe_dir"), learn_path)
+                                      request.get("probe_dir"), learn_path, request.get("contract", DEEPSPEED))
             ranks.append(pid)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
         status = _wait_ranks(ranks)
@@ -190,8 +198,9 @@ def _rank_envs(request: dict) -> list[dict[str, str]]:
     if "rank_env" in request:
         return [{str(k): str(v) for k, v in request["rank_env"].items()}]
     slots = [int(s) for s in request["slots"]]
-    return [rank_environment(request["env"], slots, local_rank, request["master_addr"], int(request["master_port"]))
-            for local_rank in range(len(slots))]
+    contract = request.get("contract", DEEPSPEED)
+    return [rank_environment(request["env"], slots, local_rank, request["master_addr"], int(request["master_port"]),
+                             contract) for local_rank in range(len(slots))]
 
 
 def _wait_ranks(ranks: list[int]) -> int:

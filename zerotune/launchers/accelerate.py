@@ -1,0 +1,238 @@
+"""``accelerate launch [options] SCRIPT ARGS...`` with a DeepSpeed configuration, read by Accelerate's own parser
+(``launch_command_parser``) and config loader (``_validate_launch_command``: the YAML merged under the command
+line's options, as ``accelerate launch`` merges them).
+
+Where the DeepSpeed config is: the YAML's ``deepspeed_config.deepspeed_config_file`` or the command's
+``--deepspeed_config_file``; else ``$ACCELERATE_DEEPSPEED_CONFIG_FILE``; else the YAML's (or the command's) inline
+fields (``zero_stage``, ``offload_optimizer_device``, ``gradient_accumulation_steps`` ...), turned into a ds_config by
+Accelerate's own ``DeepSpeedPlugin`` with the launch's mixed precision, as the ranks would build it.
+
+Each experiment is launched as ``accelerate launch`` launches a DeepSpeed job on one node (``deepspeed_launcher``:
+torchrun's ranks, :data:`~zerotune.launchers.contract.TORCHRUN`) with the variables Accelerate's
+``prepare_deepspeed_cmd_env`` sets, computed for a launch whose ``deepspeed_config_file`` is the experiment's config
+(``ACCELERATE_DEEPSPEED_CONFIG_FILE``) and whose inline DeepSpeed fields are in that config, not beside it (Accelerate
+refuses both at once). The answer is the user's line with ``--config_file accelerate_config_optimal.yaml``: their
+YAML with ``deepspeed_config_file`` naming ``ds_config_optimal.json`` and the inline fields it replaces left out.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+from zerotune.core import user_files
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.config import load_ds_config
+from zerotune.launchers.base import Answer, Launcher, torchrun_command
+from zerotune.launchers.contract import TORCHRUN
+
+__all__ = ["ANSWER_YAML", "CONFIG_FILE_ENV", "AccelerateLauncher", "read_accelerate"]
+
+CONFIG_FILE_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+ANSWER_YAML = "accelerate_config_optimal.yaml"
+"""The answer's Accelerate config, beside ``ds_config_optimal.json``."""
+INLINE_FIELDS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                 "offload_param_nvme_path", "gradient_accumulation_steps", "gradient_clipping",
+                 "zero3_save_16bit_model")
+"""Accelerate's DeepSpeed fields that a ``deepspeed_config_file`` replaces (``DeepSpeedPlugin._deepspeed_config_checks``
+refuses them beside one): in the YAML's ``deepspeed_config`` and as ``accelerate launch`` options."""
+_YAML_RULE = "expected an Accelerate config (accelerate config's YAML, with distributed_type: DEEPSPEED)"
+
+
+@dataclass(frozen=True)
+class AccelerateLauncher(Launcher):
+    """``accelerate launch``: torchrun's ranks, with Accelerate's DeepSpeed variables.
+
+    Attributes:
+        config_file: the Accelerate config the command names (or Accelerate's default one it uses); None: none.
+        yaml: that file's content, for the answer's YAML.
+        env: ``(name, value)`` of the variables Accelerate gives every rank, but the config file's.
+        config_path: the ds_config file the launch names (None: inline fields, :attr:`inline`).
+        inline: the ds_config Accelerate builds from the inline fields (None: a file).
+    """
+
+    name: ClassVar[str] = "accelerate"
+    contract: ClassVar[str] = TORCHRUN
+    config_file: str | None = None
+    yaml: dict[str, Any] = field(default_factory=dict, hash=False)
+    env: tuple[tuple[str, str], ...] = ()
+    config_path: str | None = None
+    inline: dict[str, Any] | None = field(default=None, hash=False)
+
+    def load_config(self, script_args: Sequence[str]) -> tuple[str, dict[str, Any], str]:
+        if self.config_path is not None:
+            where = (f"deepspeed_config_file of {self.config_file}" if self.yaml_names_config()
+                     else f"${CONFIG_FILE_ENV}" if os.environ.get(CONFIG_FILE_ENV) == self.config_path
+                     else "accelerate launch --deepspeed_config_file")
+            return self.config_path, load_ds_config(self.config_path), f"{where}: {self.config_path}"
+        where = f"the deepspeed_config fields of {self.config_file}" if self.config_file else "accelerate launch's options"
+        return f"{self.config_file or 'accelerate launch'} (inline DeepSpeed fields)", copy.deepcopy(self.inline), (
+            f"{where}, as Accelerate's DeepSpeedPlugin builds them")
+
+    def yaml_names_config(self) -> bool:
+        """Whether the YAML's ``deepspeed_config_file`` names the config."""
+        return bool((self.yaml.get("deepspeed_config") or {}).get("deepspeed_config_file"))
+
+    def rank_env(self, config_path: str | None) -> dict[str, str]:
+        env = dict(self.env)
+        if config_path is not None:
+            env[CONFIG_FILE_ENV] = config_path
+        return env
+
+    def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
+        return torchrun_command(script, script_args, ranks, master_port)
+
+    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
+        words = _without_inline_options(self.words)
+        files: tuple[tuple[str, str], ...] = ()
+        if self.config_file is not None:
+            yaml_path = str(Path(results_dir).absolute() / ANSWER_YAML)
+            files = ((ANSWER_YAML, answer_yaml(self.yaml, config_path, inline=self.config_path is None)),)
+            words = _set_option(words, "--config_file", yaml_path)
+        else:
+            words = _set_option(words, "--deepspeed_config_file", config_path)
+        return Answer((*words, script, *script_args), files)
+
+
+def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool) -> str:
+    """The text of the user's Accelerate ``yaml`` with ``deepspeed_config_file`` naming ``config_path`` and the inline
+    fields it replaces left out; where the config was built from inline fields, ``mixed_precision`` too (it is in the
+    config, and Accelerate refuses it from the YAML beside a config file)."""
+    import yaml as pyyaml
+    out = copy.deepcopy(yaml)
+    ds = {k: v for k, v in (out.get("deepspeed_config") or {}).items() if k not in INLINE_FIELDS}
+    ds["deepspeed_config_file"] = config_path
+    out["deepspeed_config"] = ds
+    if inline:
+        out.pop("mixed_precision", None)
+    return pyyaml.safe_dump(out, sort_keys=False)
+
+
+def _set_option(words: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
+    """``words`` with ``flag``'s value set to ``value``: replaced where it is given, else added after ``launch``."""
+    out, i, found = [], 0, False
+    while i < len(words):
+        if words[i] == flag and i + 1 < len(words):
+            out += [flag, value]
+            i, found = i + 2, True
+            continue
+        out.append(f"{flag}={value}" if words[i].startswith(flag + "=") else words[i])
+        found = found or words[i].startswith(flag + "=")
+        i += 1
+    if not found:
+        at = out.index("launch") + 1 if "launch" in out else len(out)
+        out[at:at] = [flag, value]
+    return tuple(out)
+
+
+def _without_inline_options(words: Sequence[str]) -> tuple[str, ...]:
+    """``words`` less the inline DeepSpeed options (each with its value) and ``--deepspeed_config_file``."""
+    drop = tuple(f"--{name}" for name in (*INLINE_FIELDS, "deepspeed_config_file"))
+    out, i = [], 0
+    while i < len(words):
+        if words[i] in drop:
+            i += 2
+        elif words[i].split("=", 1)[0] in drop:
+            i += 1
+        else:
+            out.append(words[i])
+            i += 1
+    return tuple(out)
+
+
+def read_accelerate(words: Sequence[str], launcher_words: int) -> tuple[AccelerateLauncher, str, list[str]]:
+    """Read ``accelerate launch [options] SCRIPT ARGS...`` (its first ``launcher_words`` words name Accelerate's
+    launcher) as ``accelerate launch`` does: ``(launcher, script, script arguments)``.
+
+    Raises:
+        ConfigError: naming the word, the file or the key: options Accelerate refuses, a config file that is
+            missing or not Accelerate's, a launch that is not DeepSpeed's (``distributed_type``, ``use_cpu``),
+            several machines, ``--module`` or ``--no_python``.
+    """
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    head, rest = " ".join(words[:launcher_words]), list(words[launcher_words:])
+    try:
+        args = launch_command_parser().parse_args(rest)
+    except SystemExit:
+        raise ConfigError(f"{head}: its options, as Accelerate reads them, are refused (see above)") from None
+    config_file = args.config_file or _default_config_file()
+    yaml = _yaml(config_file) if config_file else {}  # read first: a file that cannot be read is named as ours are
+    try:
+        args, defaults, _ = _validate_launch_command(args)
+    except Exception as e:  # Accelerate's own checks and loader: ValueError, KeyError, TypeError, yaml errors
+        where = config_file or head
+        raise ConfigError(f"{where}: {_YAML_RULE if config_file else 'refused by accelerate launch'}: "
+                          f"{type(e).__name__}: {e}") from None
+    _check_deepspeed(args, config_file, head)
+    config_path = args.deepspeed_config_file or os.environ.get(CONFIG_FILE_ENV) or None
+    env, inline = _accelerate_env(args, defaults, inline=not config_path)
+    launcher = AccelerateLauncher(words=tuple(words[:len(words) - len(args.training_script_args) - 1]),
+                                  ranks_per_node=int(args.num_processes), num_nodes=1, config_in_argv=False,
+                                  config_file=config_file, yaml=yaml, env=tuple(sorted(env.items())),
+                                  config_path=str(config_path) if config_path else None,
+                                  inline=None if config_path else inline)
+    return launcher, args.training_script, list(args.training_script_args)
+
+
+def _default_config_file() -> str | None:
+    """Accelerate's default config (``accelerate config`` writes it), where it exists: ``accelerate launch`` reads it
+    when it is given none."""
+    from accelerate.commands.config.config_args import default_config_file
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
+def _yaml(path: str) -> dict[str, Any]:
+    import yaml
+    text = user_files.read_text(path, f"Accelerate config {path}", _YAML_RULE)
+    content = yaml.safe_load(text) if not path.endswith(".json") else user_files.loads(text)
+    return content if isinstance(content, dict) else {}
+
+
+def _check_deepspeed(args, config_file: str | None, head: str) -> None:
+    where = config_file or head
+    if not args.use_deepspeed or args.cpu:
+        why = "use_cpu is set" if args.cpu else "distributed_type is not DEEPSPEED and there is no --use_deepspeed"
+        raise ConfigError(f"{where}: not a DeepSpeed launch ({why}): zerotune tunes DeepSpeed jobs")
+    if int(args.num_machines or 1) > 1:
+        raise ConfigError(f"{where}: num_machines {args.num_machines}: zerotune starts every rank of an accelerate job "
+                          "on one node; for several nodes run it inside a Slurm allocation with --backend slurm")
+    if args.module or args.no_python:
+        raise ConfigError(f"{head} {'--module' if args.module else '--no_python'}: zerotune tunes a training script "
+                          "given by its path")
+
+
+def _accelerate_env(args, defaults, inline: bool) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """(the variables Accelerate gives every rank of a launch whose DeepSpeed config is a file, with ``inline``
+    the ds_config its ``DeepSpeedPlugin`` builds from the launch's inline fields, else None)."""
+    from accelerate.utils import DeepSpeedPlugin, patch_environment
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+    fields = list(defaults.deepspeed_config.keys()) if defaults and defaults.deepspeed_config else []
+    user = copy.deepcopy(args)
+    user.main_process_port = user.main_process_port or 29500
+    user.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    built = None
+    if inline:
+        _, user_env = prepare_deepspeed_cmd_env(copy.deepcopy(user))
+        with patch_environment(**{k: v for k, v in user_env.items() if k.startswith("ACCELERATE_")}):
+            plugin = DeepSpeedPlugin()
+            plugin.set_mixed_precision(str(args.mixed_precision).lower())
+        built = _json_safe(plugin.deepspeed_config)
+    filed = copy.deepcopy(user)
+    for name in (*INLINE_FIELDS, "deepspeed_config_file"):
+        setattr(filed, name, None)
+    filed.deepspeed_fields_from_accelerate_config = ",".join(f for f in fields if f not in INLINE_FIELDS)
+    _, env = prepare_deepspeed_cmd_env(filed)
+    changed = {k: v for k, v in env.items() if os.environ.get(k) != v and k != CONFIG_FILE_ENV}
+    return changed, built
+
+
+def _json_safe(config: Any) -> Any:
+    """``config`` without the values JSON cannot hold or DeepSpeed reads as unset: None, and infinities
+    (Accelerate's ``steps_per_print``)."""
+    if isinstance(config, dict):
+        return {k: _json_safe(v) for k, v in config.items()
+                if v is not None and not (isinstance(v, float) and math.isinf(v))}
+    return config

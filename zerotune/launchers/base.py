@@ -1,0 +1,102 @@
+"""The user's launcher as zerotune reads and reproduces it: :class:`Launcher`, one subclass per launcher.
+
+A launcher object is data (a frozen dataclass, shipped to Ray nodes inside the launch spec) with four jobs:
+
+- where the DeepSpeed config is (:meth:`Launcher.load_config`: the script's arguments, the launcher's own config
+  file, the environment) and how an experiment's config reaches the ranks (:attr:`Launcher.config_in_argv`,
+  :meth:`Launcher.rank_env`);
+- how ranks are started (:attr:`Launcher.contract`, :mod:`zerotune.launchers.contract`): cold by the launcher's own
+  command (:meth:`Launcher.command`), warm by the warm server applying the same contract;
+- how many ranks and nodes its options ask for (:attr:`Launcher.ranks_per_node`, :attr:`Launcher.num_nodes`);
+- the answer in the user's own form (:meth:`Launcher.answer`): their command with the tuned config in place.
+
+The ``deepspeed`` launcher's commands stay :mod:`zerotune.deepspeed.launcher`'s (a launch spec without a launcher
+object is the ``deepspeed`` form).
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+from zerotune.deepspeed.config import find_config_arg, load_ds_config, replace_config_arg
+from zerotune.launchers.contract import DEEPSPEED
+
+__all__ = ["Answer", "Launcher", "torchrun_command"]
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The answer in the user's form: ``words`` (the command, the launcher first), the environment it needs
+    (``env``), and files to write beside ``ds_config_optimal.json`` (``files``: name -> text)."""
+
+    words: tuple[str, ...]
+    files: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A user's launcher (abstract: see the subclasses).
+
+    Attributes:
+        words: the launcher's part of the user's command as typed, before the script
+            (``("torchrun", "--nproc_per_node", "2")``).
+        ranks_per_node: the ranks per node its options ask for (None: they do not say; ``--num_gpus`` does).
+        num_nodes: the nodes its options ask for (None: they do not say).
+        config_in_argv: the ds_config path is in the script's arguments (``--deepspeed``, ``--deepspeed_config``);
+            False: the launcher carries it (its config file, the environment), and :meth:`rank_env` passes each
+            experiment's.
+    """
+
+    name: ClassVar[str] = DEEPSPEED
+    contract: ClassVar[str] = DEEPSPEED
+    words: tuple[str, ...] = ("deepspeed",)
+    ranks_per_node: int | None = None
+    num_nodes: int | None = None
+    config_in_argv: bool = True
+
+    def load_config(self, script_args: Sequence[str]) -> tuple[str, dict[str, Any], str]:
+        """``(path, content, where)`` of the user's ds_config: ``where`` says how it was found, for the summary.
+
+        Raises:
+            ConfigError: no config, or one that cannot be read (naming the file).
+        """
+        index, path = find_config_arg(list(script_args))
+        flag = script_args[index - 1] if script_args[index] == path else script_args[index].split("=", 1)[0]
+        return path, load_ds_config(path), f"{flag} {path} in the script's arguments"
+
+    def script_arguments(self, script_args: Sequence[str], config_path: str) -> list[str]:
+        """The script's arguments with the ds_config path at ``config_path`` (unchanged where the launcher carries
+        the config)."""
+        return replace_config_arg(list(script_args), config_path) if self.config_in_argv else list(script_args)
+
+    def rank_env(self, config_path: str | None) -> dict[str, str]:
+        """What the launcher puts into every rank's environment besides the rank's identity, for an experiment whose
+        config is at ``config_path`` (None: none yet, the warm server's environment)."""
+        return {}
+
+    def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
+        """The command that starts ``ranks`` ranks of ``script`` on this machine, as this launcher starts them."""
+        raise NotImplementedError(f"the {self.name} launcher's command is zerotune.deepspeed.launcher's")
+
+    def warm_note(self) -> str:
+        """Why this launcher's ranks cannot be forked warm ('' when they can)."""
+        return ""
+
+    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
+        """The user's command with the tuned config at ``config_path`` (absolute); ``script_args`` already carry the
+        config's mapped values (``autotuning.arg_mappings``)."""
+        return Answer((*self.words, script, *self.script_arguments(script_args, config_path)))
+
+    def describe(self, script: str) -> str:
+        """The launcher as the summary names it: ``torchrun (torchrun --nproc_per_node 2 train.py ...)``."""
+        return f"{self.name} ({shlex.join(self.words)} {script} ...)"
+
+
+def torchrun_command(script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
+    """torch's elastic launcher for one node of ``ranks`` ranks with a static rendezvous at
+    ``127.0.0.1:master_port``, started by this environment's Python."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+            "--master_addr", "127.0.0.1", "--master_port", str(master_port), script, *script_args]
