@@ -11,10 +11,10 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.deepspeed.launcher import launch_command, launch_env
 from zerotune.launchers.accelerate import ANSWER_YAML, AccelerateLauncher
-from zerotune.launchers.base import Launcher
+from zerotune.launchers.base import LIGHTNING_CONFIG_ENV, Launcher
 from zerotune.launchers.command import KNOWN, read_command
 from zerotune.launchers.contract import DEEPSPEED, OWN, TORCHRUN, rank_argv, torchrun_env
-from zerotune.launchers.python import LIGHTNING_CONFIG_ENV, PythonLauncher
+from zerotune.launchers.python import PythonLauncher
 from zerotune.launchers.torchrun import TorchrunLauncher
 from zerotune.run.backends.slurm_rank import contract_env, rank_env
 from zerotune.run.resources import select_resources
@@ -132,6 +132,17 @@ def test_python_script_starts_its_own_ranks_and_takes_lightnings_config_variable
     lightning = read_command(["python", "train.py", "--devices", "2"]).launcher
     assert not lightning.config_in_argv and lightning.load_config(())[1] == CONFIG
     assert lightning.rank_env("/exp/ds_config.json") == {LIGHTNING_CONFIG_ENV: "/exp/ds_config.json"}
+
+
+def test_a_lightning_script_under_torchrun_takes_its_config_from_lightnings_variable(job_dir, monkeypatch):
+    monkeypatch.setenv(LIGHTNING_CONFIG_ENV, "ds.json")
+    user = read_command(["torchrun", "--nproc_per_node", "2", "train.py", "--devices", "2"])
+    assert user.launcher.contract == TORCHRUN and not user.launcher.config_in_argv and user.launcher.warm_note() == ""
+    assert user.launcher.load_config(user.script_args) == ("ds.json", CONFIG, f"${LIGHTNING_CONFIG_ENV} = ds.json")
+    spec = LaunchSpec(script="train.py", script_args=user.script_args, cpu=True, launcher=user.launcher)
+    slots = Reservation((Node("localhost", (0, 1)),))
+    assert launch_env(spec, slots, config_path="/exp/ds.json")[LIGHTNING_CONFIG_ENV] == "/exp/ds.json"
+    assert launch_command(spec, slots, "/exp/ds.json", 29511)[-3:] == ["train.py", "--devices", "2"]
 
 
 @pytest.mark.parametrize("words, says", [

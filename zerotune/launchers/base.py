@@ -15,16 +15,23 @@ object is the ``deepspeed`` form).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
-from zerotune.deepspeed.config import find_config_arg, load_ds_config, replace_config_arg
+from zerotune.core.errors import ConfigError
+from zerotune.deepspeed.config import CONFIG_FLAGS, find_config_arg, load_ds_config, replace_config_arg
 from zerotune.launchers.contract import DEEPSPEED
 
-__all__ = ["Answer", "Launcher", "torchrun_command"]
+__all__ = ["LIGHTNING_CONFIG_ENV", "Answer", "Launcher", "config_in_argv", "torchrun_command"]
+
+LIGHTNING_CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
+"""Lightning's ``DeepSpeedStrategy`` reads its config from this file when it is given none
+(``lightning/pytorch/strategies/deepspeed.py``): where a script's arguments carry no config, the launchers that
+start a script's ranks as given (torchrun, python) take it from there, and each experiment sets it to its own."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ class Launcher:
         ranks_per_node: the ranks per node its options ask for (None: they do not say; ``--num_gpus`` does).
         num_nodes: the nodes its options ask for (None: they do not say).
         config_in_argv: the ds_config path is in the script's arguments (``--deepspeed``, ``--deepspeed_config``);
-            False: the launcher carries it (its config file, the environment), and :meth:`rank_env` passes each
-            experiment's.
+            False: the launcher carries it (its config file, or :data:`LIGHTNING_CONFIG_ENV`), and :meth:`rank_env`
+            passes each experiment's.
     """
 
     name: ClassVar[str] = DEEPSPEED
@@ -63,6 +70,9 @@ class Launcher:
         Raises:
             ConfigError: no config, or one that cannot be read (naming the file).
         """
+        if not self.config_in_argv:
+            path = os.environ[LIGHTNING_CONFIG_ENV]
+            return path, load_ds_config(path), f"${LIGHTNING_CONFIG_ENV} = {path}"
         index, path = find_config_arg(list(script_args))
         flag = script_args[index - 1] if script_args[index] == path else script_args[index].split("=", 1)[0]
         return path, load_ds_config(path), f"{flag} {path} in the script's arguments"
@@ -74,8 +84,9 @@ class Launcher:
 
     def rank_env(self, config_path: str | None) -> dict[str, str]:
         """What the launcher puts into every rank's environment besides the rank's identity, for an experiment whose
-        config is at ``config_path`` (None: none yet, the warm server's environment)."""
-        return {}
+        config is at ``config_path`` (None: none yet, the warm server's environment): the config's path in
+        :data:`LIGHTNING_CONFIG_ENV` where the arguments do not carry it."""
+        return {} if self.config_in_argv or config_path is None else {LIGHTNING_CONFIG_ENV: config_path}
 
     def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
         """The command that starts ``ranks`` ranks of ``script`` on this machine, as this launcher starts them."""
@@ -93,6 +104,21 @@ class Launcher:
     def describe(self, script: str) -> str:
         """The launcher as the summary names it: ``torchrun (torchrun --nproc_per_node 2 train.py ...)``."""
         return f"{self.name} ({shlex.join(self.words)} {script} ...)"
+
+
+def config_in_argv(script: str, script_args: Sequence[str]) -> bool:
+    """Whether ``script_args`` carry the ds_config (``--deepspeed``, ``--deepspeed_config``); False where they do not
+    and :data:`LIGHTNING_CONFIG_ENV` names it.
+
+    Raises:
+        ConfigError: neither says where the config is.
+    """
+    if any(a.split("=", 1)[0] in CONFIG_FLAGS for a in script_args):
+        return True
+    if os.environ.get(LIGHTNING_CONFIG_ENV):
+        return False
+    raise ConfigError(f"{script}: no DeepSpeed config: pass --deepspeed ds_config.json in its arguments, or set "
+                      f"{LIGHTNING_CONFIG_ENV} to the config a Lightning DeepSpeedStrategy reads")
 
 
 def torchrun_command(script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from zerotune.core.errors import ConfigError
-from zerotune.launchers.base import Launcher, torchrun_command
+from zerotune.launchers.base import Launcher, config_in_argv, torchrun_command
 from zerotune.launchers.contract import TORCHRUN
 
 __all__ = ["TorchrunLauncher", "read_torchrun"]
@@ -33,8 +33,8 @@ def read_torchrun(words: Sequence[str], launcher_words: int) -> tuple[TorchrunLa
 
     Raises:
         ConfigError: options torch's parser refuses, ``--nnodes`` above 1 (zerotune starts every rank on one node
-            here; several nodes: ``--backend slurm``), ``--module`` or ``--no-python``, or a ``--nproc_per_node``
-            torch cannot read.
+            here; several nodes: ``--backend slurm``), ``--module`` or ``--no-python``, a ``--nproc_per_node``
+            torch cannot read, or no DeepSpeed config (:func:`~zerotune.launchers.base.config_in_argv`).
     """
     import torch.distributed.run as run
     head, rest = list(words[:launcher_words]), list(words[launcher_words:])
@@ -56,7 +56,8 @@ def read_torchrun(words: Sequence[str], launcher_words: int) -> tuple[TorchrunLa
     except ValueError as e:
         raise ConfigError(f"{' '.join(head)} --nproc_per_node {args.nproc_per_node!r}: {e}") from None
     launcher = TorchrunLauncher(words=tuple(words[:len(words) - len(args.training_script_args) - 1]),
-                                ranks_per_node=ranks, num_nodes=1)
+                                ranks_per_node=ranks, num_nodes=1,
+                                config_in_argv=config_in_argv(args.training_script, args.training_script_args))
     return launcher, args.training_script, list(args.training_script_args)
 
 
