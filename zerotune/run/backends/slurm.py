@@ -133,6 +133,7 @@ def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe
     given; the training after tuning runs unlimited, as the local backend's). ``config_path``: the run's config,
     for a launcher that carries it in the environment."""
     env = launch_env(spec, reservation, probe_dir=probe_dir, config_path=config_path)
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # a torchrun-like launcher's slots: Slurm sets each node's for its step
     env.update(MASTER_ADDR=reservation.nodes[0].host, MASTER_PORT=str(master_port))
     if probe_dir is not None and spec.cpu and spec.device_memory_bytes:
         env[DATA_LIMIT_ENV] = str(int(spec.device_memory_bytes))
