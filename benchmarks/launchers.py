@@ -16,7 +16,7 @@ answers compared as a user would experience them.
 
     OMP_NUM_THREADS=1 python -m benchmarks.launchers [--only gpt|hf] [--modes warm,cold] [--repeats 3]
 
-Prints one table and writes benchmarks/results/launchers.json.
+Prints one table and writes benchmarks/results/launchers.json (``launchers_gpt.json`` with ``--only gpt``).
 """
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def main() -> None:
                         row["end_to_end"] = end_to_end(Path(tmp) / f"e2e_{form}_{mode}", row["optimal"], args.repeats)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "optimal"}), flush=True)
-    out = ROOT / "benchmarks" / "results" / "launchers.json"
+    out = ROOT / "benchmarks" / "results" / f"launchers{'_' + args.only if args.only else ''}.json"
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"\n{'job':4} {'form':10} {'mode':4} {'exit':>4} {'wall s':>7} {'launches':>8} {'start-up s':>10} "
           f"{'e2e /s':>7}  answer")

@@ -87,6 +87,8 @@ def test_the_deepspeed_form_keeps_the_slot_options_it_gave():
     assert user.launcher.name == DEEPSPEED and user.launcher.contract == DEEPSPEED
     assert dict(user.launcher.options) == {"include": "localhost:0,1", "num_gpus": 2}
     assert (user.script, user.script_args) == ("train.py", ("--deepspeed_config", "ds.json"))
+    other = read_command(["deepspeed", "--num_accelerators=4", "--hostfile", "hosts", "train.py", "--num_gpus", "1"])
+    assert dict(other.launcher.options) == {"hostfile": "hosts", "num_gpus": 4}  # the script's own flag is its own
 
 
 def test_accelerate_with_a_config_file_reads_its_deepspeed_config_file_and_sets_accelerates_variables(job_dir):

@@ -70,8 +70,9 @@ def test_a_strict_torchrun_script_is_tuned_warm_and_cold_and_its_torchrun_answer
     config["zero_optimization"]["stage"] = [0, 1]
     write_config(tmp_path / "ds.json", config, max_train_micro_batch_size_per_gpu=8)
     torchrun = str(BIN / "torchrun")
-    records = tune(tmp_path, ["--device-memory", "3GiB"], [torchrun, "--nproc_per_node", "2", TORCHRUN_SCRIPT,
-                                                           *TINY_GPT, "--deepspeed_config", "ds.json"])
+    records = tune(tmp_path, ["--device-memory", "3GiB", "--max-launches", "4"],
+                   [torchrun, "--nproc_per_node", "2", TORCHRUN_SCRIPT, *TINY_GPT, "--deepspeed_config", "ds.json"])
+    assert len(records) == 4
     for name, r in records.items():
         exp_dir = tmp_path / "results" / "exps" / name
         assert r["launch"] == "warm", (name, r["launch_note"])

@@ -129,6 +129,25 @@ def test_the_warm_wrapper_has_its_nodes_server_fork_the_rank_with_the_same_contr
     assert failed.returncode == 3
 
 
+def test_a_torchrun_contract_task_gets_torchruns_variables_and_no_local_rank_cold_and_warm(tmp_path, node_server):
+    show = tmp_path / "show_torchrun.py"
+    show.write_text("import json, os, sys\n"
+                    "print(json.dumps({'argv': sys.argv, 'env': {k: os.environ.get(k) for k in ('RANK', 'LOCAL_RANK',\n"
+                    "                  'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'ROLE_WORLD_SIZE')}}))\n")
+    run = subprocess.run([PY, "-u", "-m", "zerotune.run.backends.slurm_rank", "--contract", "torchrun", str(show),
+                          "--steps", "6"], env={**os.environ, **TASK}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {"argv": [str(show), "--steps", "6"], "env": {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
+        "ROLE_WORLD_SIZE": "2"}}
+    template, warm_show = node_server
+    warm = subprocess.run([PY, "-u", "-m", "zerotune.run.backends.slurm_rank", "--warm", template, "--contract",
+                           "torchrun", str(warm_show), "--steps", "6"], env={**os.environ, **TASK}, capture_output=True,
+                          text=True, timeout=60)
+    assert warm.returncode == 0, warm.stderr
+    assert json.loads(warm.stdout)["argv"] == [str(warm_show), "--steps", "6"]
+
+
 def test_the_warm_wrapper_without_a_server_exits_setup_failed_saying_why(tmp_path):
     run = subprocess.run([PY, "-m", "zerotune.run.backends.slurm_rank", "--warm", str(tmp_path / "{node}.sock"),
                           "train.py"], env={**os.environ, **TASK}, capture_output=True, text=True, timeout=60)
@@ -161,6 +180,15 @@ def test_the_warm_servers_step_overlaps_one_task_per_node():
         "--job-name", "zerotune-warm-1", "--gpus-per-node", "4", "--gpu-bind=none", "--export=ALL", PY, "-u", "-m",
         "zerotune.run.warm.server", "--socket", "/tmp/zw/{node}.sock", "--script", "train.py", "--parent", "0",
         "--ready", "/exps/.zerotune-warm-1"]
+
+
+def test_srun_line_of_a_torchrun_job_asks_the_wrapper_for_torchruns_contract():
+    from zerotune.launchers.command import read_command
+    user = read_command(["torchrun", "--nproc_per_node", "2", "train.py", "--deepspeed_config", "ds.json"])
+    spec = LaunchSpec(script="train.py", script_args=user.script_args, cpu=True, launcher=user.launcher)
+    cmd = srun_command(spec, Reservation((Node("node-a", (0, 1)),)), "/exp/ds.json", 1, "zerotune-x")
+    assert cmd[cmd.index("zerotune.run.backends.slurm_rank"):] == [
+        "zerotune.run.backends.slurm_rank", "--contract", "torchrun", "train.py", "--deepspeed_config", "/exp/ds.json"]
 
 
 def test_srun_line_on_cuda_asks_for_the_gpus_per_node():
@@ -351,6 +379,26 @@ def test_tune_inside_salloc_runs_each_experiment_as_a_step(slurm, tmp_path):
     assert " srun --nodes 1 --ntasks 2 " in (results / "cmd_optimal.txt").read_text()
     ports = [re.search(r"MASTER_PORT=(\d+)", (results / "exps" / n / "cmd.txt").read_text()).group(1) for n in records]
     assert [f for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*") if f.name.split("_")[-2] in ports] == []
+    assert processes_running(str(tmp_path)) == []
+
+
+@pytest.mark.e2e
+def test_a_torchrun_job_is_tuned_inside_salloc_each_rank_a_torchrun_rank(slurm, tmp_path):
+    cfg, results = stage1_config(tmp_path / "ds.json"), tmp_path / "results"
+    script = str(ROOT / "examples" / "train_torchrun.py")  # strict argparse: no --local_rank
+    run = subprocess.run(["salloc", "-N1", "--ntasks-per-node=2", "-J", "zerotune-test-torchrun", PY, "-m", "zerotune",
+                          "tune", "--backend", "slurm", "--device-memory", "3GiB", "--timeout", "240", "--results-dir",
+                          str(results), "--max-launches", "2", "--", "torchrun", "--nproc_per_node", "2", script,
+                          *TINY, "--steps", "6", "--deepspeed_config", str(cfg)], cwd=tmp_path, env=run_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    records = records_of(results)
+    assert len(records) == 2 and all(r["status"] == "ok" for r in records.values()), records
+    for name, record in records.items():
+        exp_dir = results / "exps" / name
+        assert " -m zerotune.run.backends.slurm_rank --contract torchrun " in (exp_dir / "cmd.txt").read_text()
+        assert (record["launch"], record["launch_note"]) == ("warm", ""), name
+        assert record["kind"] == "profile" or "(rank 0 of 2, local world 2)" in (exp_dir / "stdout.log").read_text()
     assert processes_running(str(tmp_path)) == []
 
 

@@ -16,6 +16,7 @@ __all__ = ["RUNNER_OPTIONS", "DeepSpeedLauncher", "read_deepspeed"]
 
 RUNNER_OPTIONS = ("hostfile", "include", "exclude", "num_nodes", "num_gpus")
 """The runner's options that select device slots, zerotune's launcher options of the same names."""
+_SPELLINGS = {"num_gpus": ("--num_gpus", "--num_accelerators")}
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ def read_deepspeed(words: Sequence[str], launcher_words: int) -> tuple[DeepSpeed
     if args.module or args.no_python:
         raise ConfigError(f"{head} {'--module' if args.module else '--no_python'}: zerotune tunes a training script "
                           "given by its path")
-    given = [o for o in RUNNER_OPTIONS if any(w == f"--{o}" or w.startswith(f"--{o}=") for w in rest[:len(rest) - len(
-        args.user_args) - 1])]
+    options = rest[:len(rest) - len(args.user_args) - 1]
+    given = [o for o in RUNNER_OPTIONS if any(w.split("=", 1)[0] in _SPELLINGS.get(o, (f"--{o}",)) for w in options)]
     launcher = DeepSpeedLauncher(words=tuple(words[:len(words) - len(args.user_args) - 1]),
                                  options=tuple((o, getattr(args, o)) for o in given))
     return launcher, args.user_script, list(args.user_args)
