@@ -229,12 +229,7 @@ def _launcher_resources(args: argparse.Namespace, launcher: Launcher) -> None:
     Raises:
         ConfigError: zerotune's option and the launcher's disagree (naming both).
     """
-    given = dict(getattr(launcher, "options", ()))
-    if launcher.ranks_per_node is not None:
-        given["num_gpus"] = launcher.ranks_per_node
-    if launcher.num_nodes is not None:
-        given["num_nodes"] = launcher.num_nodes
-    for name, value in given.items():
+    for name, value in launcher.slot_options().items():
         ours = getattr(args, name)
         if ours in (None, -1):
             setattr(args, name, value)

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Sequence
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import load_ds_config
+from zerotune.deepspeed.launcher import shell_word
 from zerotune.launchers.base import Answer, Launcher, torchrun_command
 from zerotune.launchers.contract import TORCHRUN
 
@@ -64,11 +65,12 @@ class AccelerateLauncher(Launcher):
 
     def load_config(self, script_args: Sequence[str]) -> tuple[str, dict[str, Any], str]:
         if self.config_path is not None:
-            where = (f"deepspeed_config_file of {self.config_file}" if self.yaml_names_config()
+            where = (f"deepspeed_config_file of {shell_word(self.config_file)}" if self.yaml_names_config()
                      else f"${CONFIG_FILE_ENV}" if os.environ.get(CONFIG_FILE_ENV) == self.config_path
                      else "accelerate launch --deepspeed_config_file")
-            return self.config_path, load_ds_config(self.config_path), f"{where}: {self.config_path}"
-        where = f"the deepspeed_config fields of {self.config_file}" if self.config_file else "accelerate launch's options"
+            return self.config_path, load_ds_config(self.config_path), f"{where}: {shell_word(self.config_path)}"
+        where = (f"the deepspeed_config fields of {shell_word(self.config_file)}" if self.config_file
+                 else "accelerate launch's options")
         return f"{self.config_file or 'accelerate launch'} (inline DeepSpeed fields)", copy.deepcopy(self.inline), (
             f"{where}, as Accelerate's DeepSpeedPlugin builds them")
 

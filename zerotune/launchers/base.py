@@ -16,7 +16,6 @@ object is the ``deepspeed`` form).
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, ClassVar, Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import CONFIG_FLAGS, find_config_arg, load_ds_config, replace_config_arg
+from zerotune.deepspeed.launcher import shell_word
 from zerotune.launchers.contract import DEEPSPEED
 
 __all__ = ["LIGHTNING_CONFIG_ENV", "Answer", "Launcher", "config_in_argv", "torchrun_command"]
@@ -65,17 +65,18 @@ class Launcher:
     config_in_argv: bool = True
 
     def load_config(self, script_args: Sequence[str]) -> tuple[str, dict[str, Any], str]:
-        """``(path, content, where)`` of the user's ds_config: ``where`` says how it was found, for the summary.
+        """``(path, content, where)`` of the user's ds_config: ``where`` says how it was found, for the summary (its
+        paths quoted as a shell line quotes them: printable whatever bytes they hold).
 
         Raises:
             ConfigError: no config, or one that cannot be read (naming the file).
         """
         if not self.config_in_argv:
             path = os.environ[LIGHTNING_CONFIG_ENV]
-            return path, load_ds_config(path), f"${LIGHTNING_CONFIG_ENV} = {path}"
+            return path, load_ds_config(path), f"${LIGHTNING_CONFIG_ENV} = {shell_word(path)}"
         index, path = find_config_arg(list(script_args))
         flag = script_args[index - 1] if script_args[index] == path else script_args[index].split("=", 1)[0]
-        return path, load_ds_config(path), f"{flag} {path} in the script's arguments"
+        return path, load_ds_config(path), f"{shell_word(flag)} {shell_word(path)} in the script's arguments"
 
     def script_arguments(self, script_args: Sequence[str], config_path: str) -> list[str]:
         """The script's arguments with the ds_config path at ``config_path`` (unchanged where the launcher carries
@@ -96,14 +97,24 @@ class Launcher:
         """Why this launcher's ranks cannot be forked warm ('' when they can)."""
         return ""
 
+    def slot_options(self) -> dict[str, object]:
+        """zerotune's launcher options (``num_gpus``, ``num_nodes`` ...) as the command's own options give them."""
+        given: dict[str, object] = {}
+        if self.ranks_per_node is not None:
+            given["num_gpus"] = self.ranks_per_node
+        if self.num_nodes is not None:
+            given["num_nodes"] = self.num_nodes
+        return given
+
     def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
         """The user's command with the tuned config at ``config_path`` (absolute); ``script_args`` already carry the
         config's mapped values (``autotuning.arg_mappings``)."""
         return Answer((*self.words, script, *self.script_arguments(script_args, config_path)))
 
     def describe(self, script: str) -> str:
-        """The launcher as the summary names it: ``torchrun (torchrun --nproc_per_node 2 train.py ...)``."""
-        return f"{self.name} ({shlex.join(self.words)} {script} ...)"
+        """The launcher as the summary names it: ``torchrun (torchrun --nproc_per_node 2 train.py ...)``, each word
+        quoted as a shell line quotes it (:func:`~zerotune.deepspeed.launcher.shell_word`)."""
+        return f"{self.name} ({' '.join(shell_word(w) for w in (*self.words, script))} ...)"
 
 
 def config_in_argv(script: str, script_args: Sequence[str]) -> bool:

@@ -29,6 +29,9 @@ class DeepSpeedLauncher(Launcher):
 
     options: tuple[tuple[str, object], ...] = ()
 
+    def slot_options(self) -> dict[str, object]:
+        return dict(self.options)
+
 
 def read_deepspeed(words: Sequence[str], launcher_words: int) -> tuple[DeepSpeedLauncher, str, list[str]]:
     """Read ``deepspeed [options] SCRIPT ARGS...`` (its first ``launcher_words`` words name the runner) with
