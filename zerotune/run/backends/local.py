@@ -347,8 +347,7 @@ def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Pat
     accelerator, ``PYTHONPATH`` and the exps dir's extension cache): this process's with the launch's
     (:func:`~zerotune.deepspeed.launcher.launch_env`), less an experiment's own probe variables (each run's request
     carries its own)."""
-    # running_dir stands for an experiment's dir: its parent, the exps dir, holds the extension cache the ranks use
-    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir)}
+    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir.parent)}
     env.pop(PROBE_DIR_ENV, None)
     env.pop(BUDGET_ENV, None)
     return env
