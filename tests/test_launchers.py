@@ -134,6 +134,9 @@ def test_python_script_starts_its_own_ranks_and_takes_lightnings_config_variable
     lightning = read_command(["python", "train.py", "--devices", "2"]).launcher
     assert not lightning.config_in_argv and lightning.load_config(())[1] == CONFIG
     assert lightning.rank_env("/exp/ds_config.json") == {LIGHTNING_CONFIG_ENV: "/exp/ds_config.json"}
+    # a bare --deepspeed is DeepSpeed's switch, not a config: the config is still Lightning's variable
+    switch = read_command(["python", "train.py", "--deepspeed", "--devices", "2"]).launcher
+    assert not switch.config_in_argv and switch.load_config(())[0] == "ds.json"
 
 
 def test_a_lightning_script_under_torchrun_takes_its_config_from_lightnings_variable(job_dir, monkeypatch):

@@ -349,8 +349,7 @@ class Autotuner:
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""
-        return results.write_results(self.job.results_dir, self.report_data("finished"), self.optimal_command,
-                                     self.answer_files)
+        return results.write_results(self.job.results_dir, self.report_data("finished"), self.optimal_answer)
 
     def print_tuning_results(self) -> None:
         """Print the summary table (the same as ``summary.txt``)."""
@@ -364,37 +363,39 @@ class Autotuner:
                                f"command:        {(self.job.results_dir / 'cmd_optimal.txt').read_text().strip()}")
 
     def _training_launch(self, config_path: str, master_port: int,
-                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
-        """The launcher's environment additions and command to train on all selected slots (``ds_config``: the
-        content of ``config_path`` where it is not written yet)."""
+                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str], dict[str, str]]:
+        """The launcher's environment additions, command and files to write beside the config (name -> text: the
+        answer's Accelerate config) to train on all selected slots (``ds_config``: the content of ``config_path``
+        where it is not written yet)."""
         every_slot = Reservation(tuple(Node(n.host, n.slots[:self.job.slots_per_node]) for n in self.job.nodes))
         # absolute paths: the command works from any directory
         spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
         config_path = str(Path(config_path).absolute())
         own = self.backend.training_launch(spec, every_slot, config_path, master_port, ds_config=ds_config)
         if own is not None:
-            return own
+            return (*own, {})
         if spec.launcher is not None:  # the user's own command, with the config in place
             answer = self.job.launcher.answer(spec.script, script_arguments(spec, config_path, ds_config), config_path,
                                               self.job.results_dir)
-            return launch_env(dataclasses.replace(spec, launcher=None), every_slot), list(answer.words)
+            return (launch_env(dataclasses.replace(spec, launcher=None), every_slot), list(answer.words),
+                    dict(answer.files))
         env = launch_env(spec, every_slot)
         if multi_node(spec, every_slot):  # the other nodes' ranks get the launch's environment from this file
             env.update(runner_env_file(env, self.job.results_dir / RUNNER_ENV_FILE))
-        return env, launch_command(spec, every_slot, config_path, master_port, ds_config=ds_config)
+        return env, launch_command(spec, every_slot, config_path, master_port, ds_config=ds_config), {}
 
     def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
         """The command that trains with ``config_path`` on all selected slots, in the user's launcher (the
         ``deepspeed`` runner's line for the ``deepspeed`` form; the script and the config by absolute path);
         ``ds_config``: that file's content, where it is not written yet (the results are written after every text is
         made: :func:`zerotune.report.results.write_results`)."""
-        return paste_command(*self._training_launch(config_path, master_port=29500, ds_config=ds_config))
+        return self.optimal_answer(config_path, ds_config)[0]
 
-    def answer_files(self, config_path: str) -> dict[str, str]:
-        """The files the answer's command needs beside the config at ``config_path`` (name -> text): for Accelerate,
-        ``accelerate_config_optimal.yaml`` (:meth:`~zerotune.launchers.base.Launcher.answer`)."""
-        job = self.job
-        return dict(job.launcher.answer(job.script, job.script_args, config_path, job.results_dir).files)
+    def optimal_answer(self, config_path: str, ds_config: dict | None = None) -> tuple[str, dict[str, str]]:
+        """:meth:`optimal_command` and the files it needs beside the config (name -> text: for Accelerate,
+        ``accelerate_config_optimal.yaml``, :meth:`~zerotune.launchers.base.Launcher.answer`)."""
+        env, words, files = self._training_launch(config_path, master_port=29500, ds_config=ds_config)
+        return paste_command(env, words), files
 
     def run_after_tuning(self) -> int:
         """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit
@@ -411,7 +412,7 @@ class Autotuner:
             raise TuningFailed("no optimal configuration to run")
         config_path = str((self.job.results_dir / "ds_config_optimal.json").resolve())
         port = free_port()
-        env, cmd = self._training_launch(config_path, master_port=port)
+        env, cmd, _ = self._training_launch(config_path, master_port=port)
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
         with _stop_signals_interrupt():
             proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)

@@ -27,7 +27,7 @@ from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import load_ds_config
 from zerotune.deepspeed.launcher import shell_word
-from zerotune.launchers.base import Answer, Launcher, torchrun_command
+from zerotune.launchers.base import Answer, Launcher
 from zerotune.launchers.contract import TORCHRUN
 
 __all__ = ["ANSWER_YAML", "CONFIG_FILE_ENV", "AccelerateLauncher", "read_accelerate"]
@@ -83,9 +83,6 @@ class AccelerateLauncher(Launcher):
         if config_path is not None:
             env[CONFIG_FILE_ENV] = config_path
         return env
-
-    def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
-        return torchrun_command(script, script_args, ranks, master_port)
 
     def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
         words = _without_inline_options(self.words)

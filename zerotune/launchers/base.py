@@ -24,9 +24,9 @@ from typing import Any, ClassVar, Sequence
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import CONFIG_FLAGS, find_config_arg, load_ds_config, replace_config_arg
 from zerotune.deepspeed.launcher import shell_word
-from zerotune.launchers.contract import DEEPSPEED
+from zerotune.launchers.contract import DEEPSPEED, TORCHRUN
 
-__all__ = ["LIGHTNING_CONFIG_ENV", "Answer", "Launcher", "config_in_argv", "torchrun_command"]
+__all__ = ["LIGHTNING_CONFIG_ENV", "Answer", "Launcher", "config_in_argv"]
 
 LIGHTNING_CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
 """Lightning's ``DeepSpeedStrategy`` reads its config from this file when it is given none
@@ -90,8 +90,13 @@ class Launcher:
         return {} if self.config_in_argv or config_path is None else {LIGHTNING_CONFIG_ENV: config_path}
 
     def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
-        """The command that starts ``ranks`` ranks of ``script`` on this machine, as this launcher starts them."""
-        raise NotImplementedError(f"the {self.name} launcher's command is zerotune.deepspeed.launcher's")
+        """The command that starts ``ranks`` ranks of ``script`` on this machine, as this launcher starts them: for
+        torchrun's contract, torch's elastic launcher for one node with a static rendezvous at
+        ``127.0.0.1:master_port``, started by this environment's Python."""
+        if self.contract != TORCHRUN:
+            raise NotImplementedError(f"the {self.name} launcher's command is zerotune.deepspeed.launcher's")
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
+                "--master_addr", "127.0.0.1", "--master_port", str(master_port), script, *script_args]
 
     def warm_note(self) -> str:
         """Why this launcher's ranks cannot be forked warm ('' when they can)."""
@@ -121,19 +126,19 @@ def config_in_argv(script: str, script_args: Sequence[str]) -> bool:
     """Whether ``script_args`` carry the ds_config (``--deepspeed``, ``--deepspeed_config``); False where they do not
     and :data:`LIGHTNING_CONFIG_ENV` names it.
 
+    The arguments carry it where :func:`~zerotune.deepspeed.config.find_config_arg` finds a path after a flag: a
+    bare ``--deepspeed`` is DeepSpeed's boolean switch, not a config.
+
     Raises:
-        ConfigError: neither says where the config is.
+        ConfigError: neither says where the config is, or a flag's path is the empty string.
     """
-    if any(a.split("=", 1)[0] in CONFIG_FLAGS for a in script_args):
+    try:
+        find_config_arg(list(script_args))
         return True
+    except ConfigError:
+        if any("=" in a and a.split("=", 1)[0] in CONFIG_FLAGS for a in script_args):
+            raise  # --deepspeed_config= with no path: an unset shell variable, named as such
     if os.environ.get(LIGHTNING_CONFIG_ENV):
         return False
     raise ConfigError(f"{script}: no DeepSpeed config: pass --deepspeed ds_config.json in its arguments, or set "
                       f"{LIGHTNING_CONFIG_ENV} to the config a Lightning DeepSpeedStrategy reads")
-
-
-def torchrun_command(script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
-    """torch's elastic launcher for one node of ``ranks`` ranks with a static rendezvous at
-    ``127.0.0.1:master_port``, started by this environment's Python."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
-            "--master_addr", "127.0.0.1", "--master_port", str(master_port), script, *script_args]

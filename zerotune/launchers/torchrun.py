@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 from zerotune.core.errors import ConfigError
-from zerotune.launchers.base import Launcher, config_in_argv, torchrun_command
+from zerotune.launchers.base import Launcher, config_in_argv
 from zerotune.launchers.contract import TORCHRUN
 
 __all__ = ["TorchrunLauncher", "read_torchrun"]
@@ -22,9 +22,6 @@ class TorchrunLauncher(Launcher):
 
     name: ClassVar[str] = "torchrun"
     contract: ClassVar[str] = TORCHRUN
-
-    def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
-        return torchrun_command(script, script_args, ranks, master_port)
 
 
 def read_torchrun(words: Sequence[str], launcher_words: int) -> tuple[TorchrunLauncher, str, list[str]]:

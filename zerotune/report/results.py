@@ -284,8 +284,7 @@ def natural_width(console: Console, renderable) -> int:
     return console.measure(renderable, options=console.options.update_width(10_000)).maximum
 
 
-def write_results(results_dir: Path, data: "ReportData", command_for: callable,
-                  files_for: callable | None = None) -> Experiment | None:
+def write_results(results_dir: Path, data: "ReportData", answer_for: callable) -> Experiment | None:
     """Write ``summary.txt`` of the report ``data`` and, when it has an answer, the optimal config and command.
 
     Each file is written whole or not at all (:func:`~zerotune.run.store.write_text_atomic`: a temp
@@ -294,10 +293,10 @@ def write_results(results_dir: Path, data: "ReportData", command_for: callable,
     (:meth:`zerotune.autotuner.Autotuner.tune`), so the three agree.
 
     Args:
-        command_for: ``command_for(config_path, ds_config) -> str``, the paste-able launcher command for the
-            config that will be written at ``config_path`` (not written yet when it is called).
-        files_for: ``files_for(config_path) -> {name: text}``, the files the command needs beside the config
-            (the answer's Accelerate config), written after the config and before the command.
+        answer_for: ``answer_for(config_path, ds_config) -> (command, {name: text})``, the paste-able launcher
+            command for the config that will be written at ``config_path`` (not written yet when it is called) and
+            the files it needs beside the config (the answer's Accelerate config), written after the config and
+            before the command.
 
     Returns:
         The answer, or None (then no optimal files are written, and stale ones are removed).
@@ -314,8 +313,8 @@ def write_results(results_dir: Path, data: "ReportData", command_for: callable,
         text += answer_text(data)
         config = optimal_config(best)
         # the command names the file (not a link's target) and maps the config's values it will hold
-        command = command_for(str(results_dir.resolve() / config_path.name), config) + "\n"
-        files = files_for(str(results_dir.resolve() / config_path.name)) if files_for else {}
+        command, files = answer_for(str(results_dir.resolve() / config_path.name), config)
+        command += "\n"
     memory = memory_table(data.experiments)
     if memory is not None:
         text += "\n" + table_text(memory)
