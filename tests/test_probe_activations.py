@@ -488,6 +488,20 @@ def test_an_experiment_on_cuda_ranks_carries_its_budget_and_a_training_command_d
     assert BUDGET_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")
 
 
+def test_cpu_ranks_under_a_budget_reserve_no_mimalloc_arena_unless_the_user_says(tmp_path, monkeypatch):
+    from zerotune.core.launch import LaunchSpec, Node, Reservation
+    from zerotune.deepspeed.launcher import MIMALLOC_RESERVE_ENV, launch_env
+    one = Reservation((Node("localhost", (0,)),))
+    monkeypatch.delenv(MIMALLOC_RESERVE_ENV, raising=False)
+    cpu = LaunchSpec("x.py", (), cpu=True, device_memory_bytes=2**31)
+    assert launch_env(cpu, one, probe_dir=tmp_path / "z0")[MIMALLOC_RESERVE_ENV] == "0"
+    assert MIMALLOC_RESERVE_ENV not in launch_env(cpu, one)  # the answer's command
+    for spec in (LaunchSpec("x.py", (), cpu=True), LaunchSpec("x.py", (), cpu=False, device_memory_bytes=2**31)):
+        assert MIMALLOC_RESERVE_ENV not in launch_env(spec, one, probe_dir=tmp_path / "z0")
+    monkeypatch.setenv(MIMALLOC_RESERVE_ENV, "64MiB")  # the ranks inherit the user's own
+    assert MIMALLOC_RESERVE_ENV not in launch_env(cpu, one, probe_dir=tmp_path / "z0")
+
+
 class Weighted(nn.Module):
     """``(x * w).sum()`` over ``x`` of shape (batch, n): the product, 4n bytes a sample, is the forward's only
     allocation beyond the loss, and the backward's gradient of ``w`` multiplies the same shape once more."""

@@ -11,6 +11,7 @@ import pytest
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.deepspeed.extensions import built_here, default_root
+from zerotune.deepspeed.launcher import MIMALLOC_RESERVE_ENV
 from zerotune.deepspeed.validate import validate
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
@@ -64,6 +65,17 @@ def built_ops():
                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, check=True, capture_output=True, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def trainer_imports_mib() -> int:
+    """``VmData`` (what the CPU ranks' budget limits) of a process after the example's imports, MiB: what each rank
+    holds before any model, more where transformers' ``Trainer`` also imports ``datasets`` (with pandas, pyarrow)."""
+    code = ("import deepspeed, transformers; from transformers import Trainer; "
+            "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmData')))")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", MIMALLOC_RESERVE_ENV: "0"}  # as ranks run
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True, timeout=300)
+    return int(out.stdout.split()[-1]) // 1024
+
+
 def tune_trainer(tmp_path: Path, budget: str, max_mbs: int) -> tuple[subprocess.CompletedProcess, Path, list[dict]]:
     config = json.loads((ROOT / "examples" / "ds_config_hf.json").read_text())
     config["zero_optimization"]["stage"] = 1
@@ -82,8 +94,10 @@ def engine_of(results: Path, record: dict) -> dict:
     return json.loads((results / "exps" / record["name"] / "engine_config.json").read_text())
 
 
-def test_where_only_mbs_1_2_fit_checkpointing_runs_its_larger_mbs_and_is_chosen(tmp_path, built_ops):
-    proc, results, records = tune_trainer(tmp_path, "1900MiB", 16)
+def test_where_only_mbs_1_2_fit_checkpointing_runs_its_larger_mbs_and_is_chosen(tmp_path, built_ops,
+                                                                                  trainer_imports_mib):
+    # the imports (361 MiB without datasets, 429 with) + 1540 MiB: the engine, ZeRO-1's buffers, mbs 1-2's activations
+    proc, results, records = tune_trainer(tmp_path, f"{trainer_imports_mib + 1540}MiB", 16)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [r for r in records if r["kind"] != "profile"]
     plain = [r for r in runs if "gradient_checkpointing" not in r["ds_config"]]

@@ -26,6 +26,7 @@ from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec, Node, Reservation
+from zerotune.deepspeed.launcher import MIMALLOC_RESERVE_ENV
 from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, PROBE_PATH, read_streams
 from zerotune.run.backends import stop_handles
 from zerotune.run.backends.local import _Supervised
@@ -209,7 +210,7 @@ def test_step_env_injects_the_probe_as_the_local_backend_does(tmp_path):
                    PROBE_DIR_ENV: str(exp_dir.resolve()),
                    "TORCH_EXTENSIONS_DIR": str((tmp_path / "exps" / ".torch_extensions").resolve()),
                    "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "2", "MASTER_ADDR": "node-a", "MASTER_PORT": "29611",
-                   DATA_LIMIT_ENV: str(3 * 2**30)}
+                   DATA_LIMIT_ENV: str(3 * 2**30), MIMALLOC_RESERVE_ENV: "0"}
     # on CUDA the probe caps the allocator instead; the training after tuning gets neither probe nor limit
     cuda = step_env(spec_for(device_memory_bytes=40 * 2**30), one, 29611, probe_dir=exp_dir)
     assert cuda[BUDGET_ENV] == str(40 * 2**30) and DATA_LIMIT_ENV not in cuda

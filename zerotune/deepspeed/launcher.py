@@ -73,6 +73,13 @@ def node_launcher() -> list[str]:
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
 
 
+MIMALLOC_RESERVE_ENV = "MIMALLOC_ARENA_RESERVE"
+"""mimalloc's arena reservation (pyarrow's default memory pool, which transformers' Trainer imports with ``datasets``
+installed, reserves 1 GiB of address space at its first allocation): ``RLIMIT_DATA``, the CPU ranks' budget, counts
+that reservation though no page backs it (``VmData`` 443 -> 1,533 MiB after the Trainer's imports), so an
+experiment's CPU ranks under a budget get 0 (none ahead; the user's own value stands)."""
+
+
 def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None,
                config_path: str | None = None) -> dict[str, str]:
     """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``): first the tuner's
@@ -87,7 +94,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
         probe_dir: for an experiment, its directory: the step probe (:mod:`zerotune.probe`) is put
             first on the ranks' ``PYTHONPATH`` and writes its streams there
             (``PYTHON_ZEROTUNE_PROBE_DIR``); on CUDA ranks with a budget, the probe caps each device's
-            caching allocator at it (``PYTHON_ZEROTUNE_DEVICE_BUDGET``, bytes). None (the optimal command,
+            caching allocator at it (``PYTHON_ZEROTUNE_DEVICE_BUDGET``, bytes); on CPU ranks with a budget, no
+            mimalloc arena reserved ahead (:data:`MIMALLOC_RESERVE_ENV`). None (the optimal command,
             ``zerotune run``): no probe, no cap.
     """
     env = {**passed_env(), **spec.extra_env}
@@ -105,6 +113,8 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
             env[BUDGET_ENV] = str(int(spec.device_memory_bytes))
     if spec.launcher is not None and not spec.cpu:  # the slots, as a user sets them before torchrun
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in reservation.nodes[0].slots)
+    if spec.cpu and spec.device_memory_bytes and probe_dir is not None and MIMALLOC_RESERVE_ENV not in os.environ:
+        env[MIMALLOC_RESERVE_ENV] = "0"  # the budget counts what a rank allocates, not an arena it reserves
     if spec.cpu:
         env["DS_ACCELERATOR"] = "cpu"
         # The launcher counts CPU "devices" from LOCAL_SIZE; it must cover the highest slot id.
