@@ -8,7 +8,7 @@ so DeepSpeed comes in as Accelerate's users bring it::
     accelerate launch --config_file zero.yaml examples/train_trl.py --output_dir /tmp/sft --max_steps 20 \\
         --per_device_train_batch_size 4 [--lora]
 
-Needs TRL and PEFT: ``pip install -e '.[trl]'``.
+Needs TRL and PEFT (``pip install trl peft``; ``make setup`` installs the tested versions).
 """
 from dataclasses import dataclass
 

@@ -130,7 +130,6 @@ def test_the_hf_trainer_is_tuned_under_accelerate_launch_and_torchrun(tmp_path):
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_a_trl_sft_script_is_tuned_under_accelerate_launch_and_its_answer_trains(tmp_path, lora):
-    pytest.importorskip("trl", reason="pip install -e '.[trl]' runs it (not in make setup: D314)")
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "gradient_clipping": "auto", "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
               "zero_optimization": {"stage": [1, 2]}}
