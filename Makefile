@@ -34,14 +34,18 @@ demo: setup
 # namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py; .ci/chromium_up.sh: Debian's
 # Chromium for tests/test_report.py (it renders report.html headless). As root with apt; else a message, and
 # those tests skip, naming why; a failed start says so and the rest of the suite still runs.
+# Two workers (pytest-xdist; an e2e test leaves half of the 2 cores idle), a group's tests on one worker
+# (xdist_group: the Slurm and Ray tests, the ones that train at DeepSpeed's default port); then, alone, the tests
+# marked serial, whose time or memory a neighbour's load moves.
 test: setup
 	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
 	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"
 	bash .ci/chromium_up.sh || echo "chromium_up failed: the report's browser test skips"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"; status=$$?; \
+	    OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial || status=1; exit $$status
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not e2e"
+	$(PY) -m pytest -q -n 2 -m "not e2e"
 
 clean:
 	rm -rf $(VENV) demo_results autotuning_results autotuning_exps

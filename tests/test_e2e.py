@@ -16,7 +16,8 @@ from zerotune.run.processes import remove_shm_buffers
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
+# one worker for the tests that train cmd_optimal.txt: it is the user's line, at DeepSpeed's default master port
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.xdist_group("port29500")]
 
 
 def zerotune(*args, cwd):

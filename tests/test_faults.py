@@ -410,6 +410,7 @@ def test_a_stop_signal_ends_the_tuner_with_its_code_and_leaves_nothing_running(w
 
 
 @pytest.mark.e2e  # a real tuner process: about 6 s
+@pytest.mark.serial  # it counts every new shared-memory file as the training's
 def test_zerotune_run_stopped_while_training_stops_the_training(work):
     shm = shm_files()
     tuner = start_tuner(work, ["run", *tune_argv(work, ranks=2)[1:]], STANDIN_TRAIN_S="60")

@@ -11,7 +11,8 @@ import pytest
 from zerotune.run.processes import remove_shm_buffers
 
 pytest.importorskip("transformers")
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
+# one worker for the tests that train cmd_optimal.txt: it is the user's line, at DeepSpeed's default master port
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.xdist_group("port29500")]
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_hf.py")
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--seq_len", "32", "--vocab_size", "256",

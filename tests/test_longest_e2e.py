@@ -11,7 +11,8 @@ import pytest
 
 from zerotune.run.processes import remove_shm_buffers
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
+# serial: memory under a per-rank cap, paced by time as in test_savers_e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "benchmarks" / "train_hf_loop.py")

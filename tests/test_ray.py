@@ -35,6 +35,7 @@ from zerotune.run.slots import SlotPool
 # Ray on loopback only (it otherwise replaces 127.0.0.1 by the machine's routable address), no
 # usage report, and no Ray out-of-memory killer: it kills workers when the whole machine is above
 # 95% memory, which on a shared test machine says nothing about the experiment.
+pytestmark = pytest.mark.xdist_group("cluster")  # one worker for the Slurm and Ray tests: one cluster each
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_memory_monitor_refresh_ms": "0", "OMP_NUM_THREADS": "1"}
 

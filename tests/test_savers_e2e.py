@@ -17,7 +17,8 @@ from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
 
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
+# serial: the probe paces its widening steps by time, so a neighbour's load moves which mbs run out of memory
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]

@@ -33,7 +33,7 @@ ON_NODE = str(ROOT / ".ci" / "on_node")
 SLURM_CONF = "/etc/zerotune-twonode/slurm.conf"
 ADDRESSES = {"10.77.0.1", "10.77.0.2"}
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("cluster")]  # one Slurm, one Ray at a time
 
 
 @functools.cache

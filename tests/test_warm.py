@@ -23,7 +23,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.warm.client import SERVER_RECORD, WarmRun, _exchange
 from zerotune.run.warm.preload import script_imports
 
-pytestmark = pytest.mark.usefixtures("one_thread_per_rank")  # 2 ranks on 2 cores
+pytestmark = [pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]  # 2 ranks on 2 cores; timed
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
