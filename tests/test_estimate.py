@@ -214,7 +214,11 @@ def test_hf_fallback_defaults_are_transformers_own(monkeypatch):
     # transformers not importable: the same count from zerotune's copy, and the note says so
     monkeypatch.setitem(sys.modules, "transformers.models.auto.configuration_auto", None)
     a = architecture(LLAMA2_7B)
-    assert (a.num_params, a.notes) == (6_738_415_616, (SILU_NOTE + " (transformers not importable: zerotune's copy)",))
+    assert (a.num_params, a.notes, a.built_by) == (6_738_415_616, (
+        SILU_NOTE + " (transformers not importable: zerotune's copy)",
+        "parameters counted by zerotune's closed form (transformers builds no llama model here): a dense gated "
+        "(3-matrix) MLP of width 11008 per layer, RMSNorm, no biases, rotary positions, head_dim = hidden 4096 / 32 "
+        "heads"), "")
 
 
 def test_estimate_names_the_defaults_it_assumed(tmp_path, capsys):

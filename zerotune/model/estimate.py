@@ -68,7 +68,8 @@ class Estimate:
     """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage, offload and checkpointing
     choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
     only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
-    model type for a key it omits)."""
+    model type for a key it omits). ``active_params``: the parameters a token runs through, with ``experts``
+    ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense)."""
 
     model_source: str
     num_params: int
@@ -85,6 +86,8 @@ class Estimate:
     host_memory_bytes: int | None
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
+    active_params: int | None = None
+    experts: tuple[int, int] = (0, 0)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -173,6 +176,8 @@ class _Model:
     extra: dict[str, int]
     checkpointed: int | None = None
     notes: tuple[str, ...] = ()
+    active: int | None = None
+    experts: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -210,7 +215,8 @@ def estimate(args: argparse.Namespace) -> Estimate:
     rows = _rows(model, cfg, hw, given.activations, choices)
     return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
-                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes))
+                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes), given.active,
+                    given.experts)
 
 
 def _model_flag(args: argparse.Namespace) -> str:
@@ -267,11 +273,12 @@ def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
     arch, checkpointed = (architecture(config, seq_len=args.seq_len, bytes_per_activation=4 if prec == "fp32" else 2,
                                        flash_attention=args.flash_attention, checkpointing=checkpointing,
                                        source=f"--hf-config {args.hf_config}") for checkpointing in (False, True))
-    source = (f"Hugging Face config {args.hf_config}, seq_len {arch.seq_len}"
+    source = (f"Hugging Face config {args.hf_config}" + (f" ({arch.built_by} on the meta device)" if arch.built_by
+                                                         else "") + f", seq_len {arch.seq_len}"
               + (", flash attention" if args.flash_attention else ""))
     return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
                   {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params},
-                  checkpointed.activation_bytes_per_sample, arch.notes)
+                  checkpointed.activation_bytes_per_sample, arch.notes, arch.active_params, arch.experts)
 
 
 def _hardware(args: argparse.Namespace) -> _Hardware:
@@ -317,7 +324,10 @@ def render(est: Estimate) -> str:
     act = "unknown" if not est.activation_bytes_per_sample else format_bytes(est.activation_bytes_per_sample)
     act += " per sample" + (f" ({format_bytes(est.checkpointed_activation_bytes_per_sample)} with activation "
                             "checkpointing)" if est.checkpointed_activation_bytes_per_sample is not None else "")
-    lines = [f"model: {est.model_source}: {est.num_params:,} parameters ({est.trainable_params:,} trainable), "
+    k, experts = est.experts
+    active = (f"; {est.active_params:,} active per token: {k} of {experts} experts, embeddings included"
+              if k else "")
+    lines = [f"model: {est.model_source}: {est.num_params:,} parameters ({est.trainable_params:,} trainable{active}), "
              f"activations {act}; {est.precision}, {est.optimizer}",
              f"hardware: {est.num_nodes} node(s) x {est.gpus_per_node} device(s), {format_bytes(est.device_memory_bytes)}"
              f" per device" + (f", {format_bytes(est.host_memory_bytes)} host memory per node" if est.host_memory_bytes

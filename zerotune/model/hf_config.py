@@ -1,7 +1,10 @@
 """A model's size and activation memory from its Hugging Face ``config.json``, with no weights.
 
-For decoder transformers (GPT-2, OPT, Llama, Mistral, Qwen2, ... and BERT-like encoders): the
-parameter count follows from the architecture, and the activation memory per sample follows
+Parameters are counted on the model transformers builds from the config on the meta device
+(:mod:`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included); for a type it does
+not know, or where it cannot be imported, in closed form from the keys below, each layout choice named in the notes.
+For decoder transformers (GPT-2, OPT, Llama, Mistral, Qwen2, ... and BERT-like encoders) the activation memory per
+sample follows
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1,
 eq. (1): a transformer layer stores ``s*h*(34 + 5*a*s/h)`` bytes per sample with 16-bit
 activations (s = sequence length, h = hidden size, a = attention heads); the ``5*a*s^2`` term is the
@@ -10,7 +13,9 @@ attention scores, softmax and its dropout mask, which a fused (flash) attention 
 the loss, ``6*s*V`` (V = vocabulary). Of the 34: attention 11, the two layer norms 4, the MLP 19 =
 2 (its input) + 1 (dropout mask) + 16 (the activation function's input and output, ``2*ffn/h`` each
 at 2 bytes); with another MLP width ffn the layer stores ``s*h*(18 + 4*ffn/h)`` (34 at ffn = 4h).
-A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate. With activation
+A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate; a mixture of experts' as one of
+the width a token runs through (``k`` routed experts and the shared ones). A vision-language config's activations are
+its language model's (``text_config``), and a note says the vision tower's are not counted. With activation
 checkpointing (``checkpointing=True``, sec. 5: full recomputation) a layer keeps only its input,
 ``2*s*h``, and one layer's activations are live again while it is recomputed in the backward pass
 (``zerotune estimate`` computes both, for the memory model's plain and checkpointed terms).
@@ -39,6 +44,7 @@ from typing import Any
 
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
+from zerotune.model import meta_model
 
 ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "gptj",
                 "falcon", "olmo", "olmo2", "starcoder2", "stablelm", "cohere", "deepseek_v2", "internlm2"}
@@ -96,7 +102,12 @@ class Architecture:
             (norms, biases): ZeRO-3 keeps them gathered.
         seq_len: the sequence length used for the activations.
         notes: one line per key the config omits and its model type's config class gave
-            (:func:`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'".
+            (:func:`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'", and per
+            value assumed where the model was not built (the closed form) or is approximated (MoE activations).
+        active_params: the parameters a token runs through (all but the routed experts it skips).
+        built_by: the class transformers built on the meta device (:mod:`zerotune.model.meta_model`) that counted
+            the parameters; '' where the closed form counted them.
+        experts: ``(k, E)``, experts per token and routed experts per layer; ``(0, 0)`` for a dense model.
     """
 
     num_params: int
@@ -105,6 +116,9 @@ class Architecture:
     persistent_params: int
     seq_len: int
     notes: tuple[str, ...] = ()
+    active_params: int = 0
+    built_by: str = ""
+    experts: tuple[int, int] = (0, 0)
 
 
 def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
@@ -181,8 +195,10 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     """
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: expected a JSON object (a Hugging Face config.json)")
+    full, cfg, vlm = _language_model(cfg)
     mtype = str(cfg.get("model_type", "")).lower()
     cfg, notes = _with_type_defaults(cfg, mtype)
+    notes += vlm
     h = _get(cfg, HIDDEN, "hidden size", source)
     layers = _get(cfg, LAYERS, "number of layers", source)
     heads = _get(cfg, HEADS, "attention heads", source)
@@ -213,14 +229,48 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     embeddings = [vocab * h] + ([] if mtype in ROTARY_TYPES else [(positions + offset) * h])
     head = [] if tied else [vocab * h]
     tensors = layer * layers + final_norm + embeddings + head
-    num_params = sum(tensors)
-    persistent = sum(t for t in tensors if t <= persistence_threshold)
+    built = meta_model.build(full, persistence_threshold, source)
+    if built is None:
+        built = meta_model.MetaModel("", sum(tensors), max(tensors),
+                                     sum(t for t in tensors if t <= persistence_threshold))
+        notes += (f"parameters counted by zerotune's closed form (transformers builds no {full.get('model_type')} "
+                  f"model here): a dense {'gated (3-matrix)' if gated else '2-matrix'} MLP of width {ffn} per layer, "
+                  f"{'RMSNorm' if rmsnorm else 'LayerNorm'}, {'biases' if bias else 'no biases'}, "
+                  f"{'rotary' if mtype in ROTARY_TYPES else 'learned'} positions, head_dim = hidden {h} / {heads} heads"
+                  + (", the language model only" if vlm else ""),)
+    elif built.experts_per_token:
+        ffn, note = _routed_width(cfg, built, ffn)
+        notes += (note,)
 
     per_layer = s * h * (18 + 4 * ffn / h) + (0 if flash_attention else 5 * heads * s * s)
     kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
     act = (kept + 6 * s * vocab) * bytes_per_activation / 2
-    return Architecture(num_params=num_params, activation_bytes_per_sample=int(act),
-                        largest_layer_params=max(tensors), persistent_params=persistent, seq_len=s, notes=notes)
+    return Architecture(num_params=built.num_params, activation_bytes_per_sample=int(act),
+                        largest_layer_params=built.largest_tensor, persistent_params=built.persistent_params,
+                        seq_len=s, notes=notes, active_params=built.active_params, built_by=built.class_name,
+                        experts=(built.experts_per_token, built.num_experts))
+
+
+def _language_model(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
+    """``(the whole config, the language model's, notes)``: a vision-language config (a ``text_config`` and no hidden
+    size of its own) has its language model's sizes in ``text_config``; its activations are the language model's."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict) or any(k in cfg for k in HIDDEN):
+        return cfg, cfg, ()
+    return cfg, text, (f"activations of the language model ({text.get('model_type')} text_config) only: the vision "
+                       f"tower's ({(cfg.get('vision_config') or {}).get('model_type')}) are not counted",)
+
+
+def _routed_width(cfg: dict[str, Any], built: meta_model.MetaModel, ffn: int) -> tuple[int, str]:
+    """The MLP width a token's activations see in a mixture-of-experts layer, and the note saying so: ``k`` routed
+    experts of ``moe_intermediate_size`` (else ``intermediate_size``) plus the shared experts'
+    (``shared_expert_intermediate_size``, else ``n_shared_experts`` of the routed width)."""
+    expert = cfg.get("moe_intermediate_size") or ffn
+    shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * expert
+    width = built.experts_per_token * expert + shared
+    return width, (f"MoE activations: each token through {built.experts_per_token} of {built.num_experts} experts "
+                   f"of MLP width {expert}" + (f" and shared experts of width {shared}" if shared else "")
+                   + f", counted as one MLP of width {width} in every layer")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

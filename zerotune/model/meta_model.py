@@ -1,0 +1,133 @@
+"""A Hugging Face config's model as transformers builds it: on the meta device (no weights, no download), its
+parameters counted as DeepSpeed counts them.
+
+transformers builds every architecture it knows from the config dict (its config class for ``model_type``, then
+``AutoModelForCausalLM.from_config``, else ``AutoModelForImageTextToText``, else ``AutoModel``) under ``torch.device("meta")``: the tensors have shapes and
+no storage, so Mixtral-8x7B builds in about 3 s. ``named_parameters`` yields a tied tensor once, as ZeRO partitions
+it once.
+
+Mixture of experts: the routed experts are the parameters under a module named ``experts`` (one fused tensor per
+projection with the expert index first, or a list of expert MLPs; a ``shared_experts`` module is not routed). A
+token runs ``num_experts_per_tok`` of the ``E`` experts, so the parameters active per token are
+``all - routed * (1 - k / E)``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from zerotune.core.errors import ConfigError
+
+MAX_LAYERS = 1024
+"""Layers above which the model is not built (a config's typo such as ``1e12`` would build for hours): the closed
+form counts it."""
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")
+
+
+@dataclass(frozen=True)
+class MetaModel:
+    """A model built on the meta device.
+
+    Attributes:
+        class_name: the class transformers built (``MixtralForCausalLM``).
+        num_params: all parameters, a tied tensor once.
+        largest_tensor: elements of the largest parameter tensor.
+        persistent_params: parameters in tensors of at most the persistence threshold (ZeRO-3 keeps them gathered).
+        routed_params: parameters of the routed experts (0: a dense model).
+        num_experts: routed experts per layer, ``E`` (0: dense).
+        experts_per_token: experts a token runs, ``k`` (0: dense, or the config does not say).
+    """
+
+    class_name: str
+    num_params: int
+    largest_tensor: int
+    persistent_params: int
+    routed_params: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs through: all but the routed experts it skips (all, for a dense model)."""
+        if not self.routed_params or not self.experts_per_token:
+            return self.num_params
+        return self.num_params - self.routed_params * (self.num_experts - self.experts_per_token) // self.num_experts
+
+
+def build(cfg: dict[str, Any], persistence_threshold: int, source: str = "config.json") -> MetaModel | None:
+    """The model of the config dict ``cfg`` built by transformers on the meta device; None where transformers is not
+    importable, does not know ``model_type``, or the config asks for more than :data:`MAX_LAYERS` layers. Built once
+    per config and threshold (``estimate`` asks with and without checkpointing).
+
+    Raises:
+        ConfigError: transformers knows the type and refuses the config (its message, naming ``source``).
+    """
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except Exception:  # noqa: BLE001 - not installed, or an install that fails to import: the closed form
+        return None
+    mtype = cfg.get("model_type")
+    layers = max((v for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(v := cfg.get(k), int)),
+                 default=0)
+    if not isinstance(mtype, str) or mtype not in CONFIG_MAPPING or layers > MAX_LAYERS:
+        return None
+    return _build(json.dumps(cfg, sort_keys=True), persistence_threshold, source)
+
+
+@functools.lru_cache(maxsize=8)
+def _build(text: str, persistence_threshold: int, source: str) -> MetaModel:
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = json.loads(text)
+    mtype = cfg["model_type"]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[mtype](**{k: v for k, v in cfg.items() if k != "model_type"})
+            with torch.device("meta"):
+                model = _from_config(config, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
+    except Exception as e:  # noqa: BLE001 - transformers refusing the config, in whichever error its checks raise
+        raise ConfigError(f"{source}: transformers cannot build a {mtype} model from it: {e}") from None
+    return count(model, persistence_threshold, _top_k(config))
+
+
+def _from_config(config, *autos):
+    """The model of ``config`` from the first of ``autos`` that maps its type: a causal LM, else an image-text-to-text
+    model (a vision-language config: the language model, the vision tower and the head), else the base model (an
+    encoder)."""
+    for auto in autos[:-1]:
+        try:
+            return auto.from_config(config)
+        except ValueError:  # "Unrecognized configuration class ... for this kind of AutoModel"
+            continue
+    return autos[-1].from_config(config)
+
+
+def count(model, persistence_threshold: int, experts_per_token: int = 0) -> MetaModel:
+    """:class:`MetaModel` of a built ``torch.nn.Module`` (on any device)."""
+    sizes = [p.numel() for p in model.parameters()]
+    routed, experts = 0, 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "experts":
+            continue
+        params = list(module.parameters())
+        routed += sum(p.numel() for p in params)
+        fused = [p for p in params if p.dim() == 3]
+        experts = experts or (fused[0].shape[0] if fused else len(module) if hasattr(module, "__len__") else 0)
+    return MetaModel(type(model).__name__, sum(sizes), max(sizes, default=0),
+                     sum(n for n in sizes if n <= persistence_threshold), routed, experts,
+                     experts_per_token if routed else 0)
+
+
+def _top_k(config) -> int:
+    """Experts per token from the config's key for it (0: none of :data:`TOP_K_KEYS`)."""
+    for key in TOP_K_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
