@@ -169,6 +169,23 @@ def test_list_valued_settings_not_expanded_list_of_lists_is():
     assert names(two) == [f"z0_gas1_tmbspg-_h{config_hash(c.ds_config)[:8]}" for c in two]
 
 
+def test_list_settings_are_known_from_deepspeeds_config_models_and_taken_as_given():
+    # compile.passes: CompileConfig's field is a list; lower_precision_safe_modules: read by hand, in the table
+    base = {"compile": {"deepcompile": True, "passes": ["z3"]},
+            "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Linear"]},
+            Z: {"leaf_module": {"classes": ["MixtralSparseMoeBlock"]}}}
+    one = generate(base, {}, stage=3, dp_world_size=1)
+    assert len(one) == 1 and one[0].knobs == {}
+    assert (one[0].ds_config["compile"]["passes"], one[0].ds_config["torch_autocast"]["lower_precision_safe_modules"],
+            one[0].ds_config[Z]["leaf_module"]["classes"]) == (["z3"], ["torch.nn.Linear"], ["MixtralSparseMoeBlock"])
+    assert [c.ds_config["compile"]["passes"] for c in generate(base, {"compile": {"passes": [["z3"], []]}},
+                                                               stage=3, dp_world_size=1)] == [["z3"], []]
+    assert keys.model_list_fields("compile") == {"passes"}
+    assert {"leaf_module.classes", "leaf_module.names", "leaf_module.name_suffixes"} <= keys.model_list_fields(Z)
+    # a knob DeepSpeed types as a number stays a list of candidates, without importing DeepSpeed to say so
+    assert not keys.is_list_valued(f"{Z}.reduce_bucket_size") and not keys.is_list_valued("compile")
+
+
 def test_generated_names_unique_when_values_format_alike():
     cands = generate({}, {"wandb": {"project": ["a-b", "a_b", "a b"]}, "steps_per_print": [10, "10"]},
                      stage=2, dp_world_size=1)

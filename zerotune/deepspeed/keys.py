@@ -8,7 +8,12 @@ them from here.
 """
 from __future__ import annotations
 
+import collections.abc
+import functools
+import importlib
 import sys
+import types
+import typing
 from typing import Any
 
 ZERO = "zero_optimization"
@@ -22,14 +27,13 @@ True: every checkpointable layer keeps only its input for the backward pass; abs
 own default. The memory model prices it (:mod:`zerotune.model.memory`), the savers phase tunes it
 (:mod:`zerotune.strategy.savers`)."""
 
-# Keys whose DeepSpeed value is itself a list: a flat list there is the setting, a list of lists is
-# a list of candidates. Dotted paths; a trailing ".*" covers a whole section.
+# Keys whose DeepSpeed value is itself a list, where DeepSpeed reads them by hand (no config model to ask:
+# MODEL_SECTIONS): a flat list there is the setting, a list of lists is a list of candidates. Dotted paths; a
+# trailing ".*" covers a whole section.
 LIST_VALUED_KEYS: tuple[str, ...] = (
     "optimizer.params.betas",
+    "torch_autocast.lower_precision_safe_modules",  # deepspeed/runtime/config.py, get_torch_autocast_... by hand
     "scheduler.params.*",  # passed to the scheduler's constructor as is (client schedulers take lists)
-    "zero_optimization.leaf_module.classes",
-    "zero_optimization.leaf_module.names",
-    "zero_optimization.leaf_module.name_suffixes",
     "comms_logger.prof_ops",
     "data_efficiency.*",
     "curriculum_learning.*",
@@ -135,15 +139,71 @@ def is_stage3_only(key: str) -> bool:
     return key.startswith("stage3_") or key in STAGE3_ONLY_KEYS
 
 
+MODEL_SECTIONS: dict[str, tuple[str, str]] = {
+    ZERO: ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),
+    "compile": ("deepspeed.compile.config", "CompileConfig"),
+    "tensor_parallel": ("deepspeed.runtime.tensor_parallel.config", "TPTrainingConfig"),
+    "weight_quantization": ("deepspeed.inference.config", "WeightQuantConfig"),
+    "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
+}
+"""Sections DeepSpeed reads through a pydantic model (``deepspeed/runtime/config.py`` builds each from
+``param_dict[section]``): whether a key there holds a list is the model field's type (:func:`model_list_fields`)."""
+
+
 def is_list_valued(path: str) -> bool:
     """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
-    ``optimizer.params.betas``), so a flat list there is the setting, not a list of candidates."""
+    ``optimizer.params.betas``, ``compile.passes``), so a flat list there is the setting, not a list of candidates:
+    in a section of :data:`MODEL_SECTIONS`, its config model's field type says (DeepSpeed imported for it only for a
+    key zerotune does not know as a scalar); elsewhere :data:`LIST_VALUED_KEYS`."""
     for rule in LIST_VALUED_KEYS:
         if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
             return True
         if path == rule:
             return True
-    return False
+    section, _, rest = path.partition(".")
+    if section not in MODEL_SECTIONS or not rest or (section == ZERO and (rest in SIZE_KEYS or rest in ZERO_DEFAULTS[3]
+                                                                          or rest == "stage")):
+        return False
+    return rest in model_list_fields(section)
+
+
+@functools.lru_cache(maxsize=None)
+def model_list_fields(section: str) -> frozenset[str]:
+    """The keys (dotted under ``section``, by field name and alias, nested models followed) whose field type in
+    DeepSpeed's config model for ``section`` is a list, tuple, set or sequence (an ``Optional`` of one included);
+    empty where DeepSpeed or the model cannot be imported."""
+    module, name = MODEL_SECTIONS[section]
+    try:
+        model = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - not installed, or a DeepSpeed without the section: the table alone
+        return frozenset()
+    return frozenset(_list_fields(model, ""))
+
+
+def _list_fields(model, prefix: str) -> list[str]:
+    found = []
+    for field_name, field in model.model_fields.items():
+        keys = {field_name, field.alias or field_name}
+        if _is_list_type(field.annotation):
+            found += [prefix + k for k in keys]
+        for sub in _models_in(field.annotation):
+            found += [path for k in keys for path in _list_fields(sub, f"{prefix}{k}.")]
+    return found
+
+
+def _is_list_type(annotation) -> bool:
+    origin = typing.get_origin(annotation) or annotation
+    if origin in (list, tuple, set, frozenset, collections.abc.Sequence, collections.abc.Set):
+        return True
+    return origin in (typing.Union, types.UnionType) and any(_is_list_type(a) for a in typing.get_args(annotation))
+
+
+def _models_in(annotation) -> list[type]:
+    """The pydantic models ``annotation`` names (itself, or the members of a union)."""
+    if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+        return [annotation]
+    return [m for a in typing.get_args(annotation) for m in _models_in(a)] \
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType) else []
 
 
 def candidate_lists(config: Any, path: str = "") -> list[tuple[str, list]]:

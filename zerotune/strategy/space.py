@@ -19,7 +19,8 @@ checks in :mod:`zerotune.deepspeed.validate`, identity and names in
 Which lists are candidates
 --------------------------
 Every list in the space is a list of candidates, except at the keys DeepSpeed itself expects a
-list (:data:`~zerotune.deepspeed.keys.LIST_VALUED_KEYS`, e.g. ``optimizer.params.betas``): there
+list (:func:`~zerotune.deepspeed.keys.is_list_valued`: the field's type in DeepSpeed's own config model, e.g.
+``compile.passes``, and for the keys DeepSpeed reads by hand its table, e.g. ``optimizer.params.betas``): there
 a flat list is the setting itself (``"betas": [0.9, 0.999]`` is kept as is) and only a list of
 lists is a list of candidates (``"betas": [[0.9, 0.999], [0.9, 0.95]]`` tunes betas). Lists in
 the *base* config are always settings, never candidates. A candidate is taken as a whole value:
