@@ -32,6 +32,7 @@ from zerotune.deepspeed.config import CONFIG_RULE
 from zerotune.deepspeed.config import precision as config_precision
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections
+from zerotune.model.coverage import unmodelled_keys
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY, ModelInfo
@@ -215,8 +216,9 @@ def estimate(args: argparse.Namespace) -> Estimate:
     rows = _rows(model, cfg, hw, given.activations, choices)
     return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
-                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes), given.active,
-                    given.experts)
+                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows,
+                    list(given.notes) + [f"{k} is not in the memory model: the bytes above leave it out"
+                                         for k in unmodelled_keys(cfg)], given.active, given.experts)
 
 
 def _model_flag(args: argparse.Namespace) -> str:

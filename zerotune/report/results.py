@@ -23,6 +23,7 @@ from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
+from zerotune.model.coverage import unmodelled_keys
 from zerotune.run.store import write_json_atomic, write_text_atomic
 from zerotune.strategy.answer import TIE_ORDER
 
@@ -65,6 +66,10 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
                      + f", overhead {format_bytes(prior.overhead_bytes)} (the profile's), budget "
                      f"{format_bytes(device_memory_bytes)} per rank, DP world size {dp_world_size}")
         notes += result.memory.describe()
+    unmodelled = list(dict.fromkeys(k for e in result.experiments for k in unmodelled_keys(e.ds_config)))
+    if unmodelled:
+        notes.append(f"not in the memory model: {', '.join(unmodelled)} (set in the launched configs): its "
+                     "predictions for them leave these keys out; what they move is in the measured peaks only")
     return notes
 
 
