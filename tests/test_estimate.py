@@ -136,6 +136,11 @@ def test_estimate_hf_config_rows_with_activation_checkpointing_off_and_on(tmp_pa
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(GPT2))
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000", "--json")
+    # the default attention, transformers' SDPA, keeps no scores: 5*a*s^2 = 327,680 bytes less in each of 2 layers
+    assert (json.loads(out)["activation_bytes_per_sample"], json.loads(out)["model_source"].split(", ", 2)[2]) == (
+        1_980_416 - 2 * 327_680, "attention sdpa (transformers' default; its CUDA kernels store no scores)")
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000", "--json",
+                       "--attention", "eager")
     est = json.loads(out)
     # bf16, s = 128: per layer 278,528 + 327,680 bytes, 2 layers, logits 6*s*V = 768,000: 1,980,416; checkpointed,
     # each layer's input 2*s*h = 16,384 twice, one layer recomputed, the logits: 1,406,976
@@ -153,10 +158,11 @@ def test_estimate_hf_config_rows_with_activation_checkpointing_off_and_on(tmp_pa
     assert (off["total_mbs1"], on["total_mbs1"]) == (3_445_760 + 1_980_416, 3_445_760 + 1_406_976)
     # --activation-checkpointing: the checkpointed rows only
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000",
-                       "--activation-checkpointing", "--json")
+                       "--activation-checkpointing", "--json", "--attention", "eager")
     rows = json.loads(out)["rows"]
     assert len(rows) == 8 and all(r["checkpointing"] for r in rows) and rows[0]["max_mbs"] == 25
-    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000")
+    code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000",
+                       "--attention", "eager")
     table = [line.split()[:3] for line in out.splitlines()[3:6]]
     assert "1.89 MiB per sample (1.34 MiB with activation checkpointing)" in out
     assert table == [["stage", "offload", "ckpt"], ["0", "none", "off"], ["0", "none", "on"]]

@@ -203,7 +203,7 @@ BAD = {"tune": TUNE, "run": TUNE,
                     "--trainable-params": [*PARAMS, "2e9"], "--activation-bytes": SIZES, "--seq-len": [*WHOLE, "0"],
                     "--num_gpus": [*WHOLE, "0"], "--num_nodes": [*WHOLE, "0"], "--device-memory": [*SIZES, "0"],
                     "--host-memory": [*SIZES, "0"], "--precision": ["fp8", "FP16"], "--mp-size": [*WHOLE, "0", "3"],
-                    "--overhead": SIZES, "--max-mbs": [*WHOLE, "0"]},
+                    "--overhead": SIZES, "--max-mbs": [*WHOLE, "0"], "--attention": ["EAGER", "flash_attention_2"]},
        "report": {"results_dir": ["/dev/zero", "{tmp}/afile", "{tmp}/nope", "{tmp}"],
                   "--exps-dir": ["/dev/zero", "{tmp}/afile", "{tmp}/nope"], **PROJECTION}}
 """command -> option (a positional argument by its name; ``--deepspeed_config``: the training script's argument

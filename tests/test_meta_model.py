@@ -44,8 +44,9 @@ def test_estimate_says_mixtrals_total_and_active_parameters_and_how_its_activati
                      "--device-memory", "80GiB", "--seq-len", "4096"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "(MixtralForCausalLM on the meta device), seq_len 4096: 46,702,792,704 parameters (46,702,792,704 " \
-           "trainable; 12,879,925,248 active per token: 2 of 8 experts, embeddings included)" in out
+    assert "(MixtralForCausalLM on the meta device), seq_len 4096, attention sdpa (transformers' default; its CUDA " \
+           "kernels store no scores): 46,702,792,704 parameters (46,702,792,704 trainable; 12,879,925,248 active per " \
+           "token: 2 of 8 experts, embeddings included)" in out
     assert "Assumed: MoE activations: each token through 2 of 8 experts of MLP width 14336, counted as one MLP of " \
            "width 28672 in every layer." in out.splitlines()
 

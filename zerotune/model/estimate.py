@@ -43,6 +43,11 @@ OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cp
 """The offload choices estimated: none (every stage), the optimizer (stages 1-3), both (stage 3)."""
 
 
+ATTENTIONS = ("eager", "sdpa", "flash")
+"""How a Hugging Face model runs attention (``attn_implementation``): ``eager`` stores each layer's scores, softmax
+and dropout mask (``5*a*s^2`` bytes per sample, :mod:`zerotune.model.hf_config`); ``sdpa`` (on CUDA, its flash and
+memory-efficient kernels) and ``flash`` store none of them."""
+
 @dataclass
 class Row:
     """One ZeRO stage, offload choice and activation checkpointing choice: bytes per device by component at
@@ -106,7 +111,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "not estimated)")
     m.add_argument("--seq-len", type=whole(1, 2**31 - 1), default=None,
                    help="with --hf-config: tokens per sample (default: its maximum positions)")
-    m.add_argument("--flash-attention", action="store_true", help="with --hf-config: attention scores not stored")
+    m.add_argument("--attention", choices=ATTENTIONS, default=None,
+                   help="with --hf-config: how the model runs attention (default: the config's attn_implementation, "
+                        "else transformers' default, sdpa); eager stores every layer's tokens x tokens scores, sdpa "
+                        "(on CUDA) and flash do not")
+    m.add_argument("--flash-attention", action="store_const", const="flash", dest="attention",
+                   help="with --hf-config: --attention flash")
     m.add_argument("--activation-checkpointing", action="store_true",
                    help="with --hf-config or --profile: only the rows with every layer checkpointed (keeps its "
                         "input, recomputes in backward); without it both, where the checkpointed term is known")
@@ -232,7 +242,7 @@ def _model_flag(args: argparse.Namespace) -> str:
     for flag, value, source in (("--trainable-params", args.trainable_params, "--num-params"),
                                 ("--activation-bytes", args.activation_bytes, "--num-params"),
                                 ("--seq-len", args.seq_len, "--hf-config"),
-                                ("--flash-attention", args.flash_attention or None, "--hf-config"),
+                                ("--attention", args.attention, "--hf-config"),
                                 ("--activation-checkpointing", args.activation_checkpointing or None,
                                  "--hf-config or --profile")):
         if value is not None and sources[0] not in source.split(" or "):
@@ -272,15 +282,29 @@ def _model_from_num_params(args: argparse.Namespace) -> _Model:
 
 def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
     config = read_config(args.hf_config)
+    attention, why = _attention(args.attention, config)
     arch, checkpointed = (architecture(config, seq_len=args.seq_len, bytes_per_activation=4 if prec == "fp32" else 2,
-                                       flash_attention=args.flash_attention, checkpointing=checkpointing,
+                                       flash_attention=attention != "eager", checkpointing=checkpointing,
                                        source=f"--hf-config {args.hf_config}") for checkpointing in (False, True))
     source = (f"Hugging Face config {args.hf_config}" + (f" ({arch.built_by} on the meta device)" if arch.built_by
                                                          else "") + f", seq_len {arch.seq_len}"
-              + (", flash attention" if args.flash_attention else ""))
+              + f", attention {attention} ({why})")
     return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
                   {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params},
                   checkpointed.activation_bytes_per_sample, arch.notes, arch.active_params, arch.experts)
+
+
+def _attention(given: str | None, config: dict[str, Any]) -> tuple[str, str]:
+    """The attention the model runs (:data:`ATTENTIONS`) and where that came from: ``--attention``, else the config's
+    ``attn_implementation`` (``flash_attention_2``/``_3`` read as flash), else transformers' default, SDPA."""
+    if given is not None:
+        return given, "--attention"
+    stated = str(config.get("attn_implementation") or config.get("_attn_implementation") or "")
+    if stated.startswith("flash"):
+        return "flash", f"the config's attn_implementation {stated}"
+    if stated in ATTENTIONS:
+        return stated, "the config's attn_implementation"
+    return "sdpa", "transformers' default; its CUDA kernels store no scores"
 
 
 def _hardware(args: argparse.Namespace) -> _Hardware:
