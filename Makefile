@@ -34,9 +34,9 @@ demo: setup
 # namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py; .ci/chromium_up.sh: Debian's
 # Chromium for tests/test_report.py (it renders report.html headless). As root with apt; else a message, and
 # those tests skip, naming why; a failed start says so and the rest of the suite still runs.
-# Two workers (pytest-xdist; an e2e test leaves half of the 2 cores idle), a group's tests on one worker
-# (xdist_group: the Slurm and Ray tests, the ones that train at DeepSpeed's default port); then, alone, the tests
-# marked serial, whose time or memory a neighbour's load moves.
+# Two workers (pytest-xdist; an e2e test leaves half of the 2 cores idle), the Slurm, two-node and Ray tests on one
+# of them (xdist_group "cluster": one cluster each); then, alone, the tests marked serial, whose readings, memory
+# or timing a neighbour's load moves.
 test: setup
 	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
 	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"

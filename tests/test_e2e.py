@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import on_free_port
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
@@ -16,8 +17,7 @@ from zerotune.run.processes import remove_shm_buffers
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
 
-# one worker for the tests that train cmd_optimal.txt: it is the user's line, at DeepSpeed's default master port
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.xdist_group("port29500")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 
 
 def zerotune(*args, cwd):
@@ -51,9 +51,9 @@ def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
     assert [f for f in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*") if f.name.split("_")[-2] in ports] == []
 
     # DeepSpeed itself accepts the optimal config: run the paste-able command for a few steps.
-    cmd = (results / "cmd_optimal.txt").read_text().strip().replace("--steps 6", "--steps 2")
+    cmd, port = on_free_port((results / "cmd_optimal.txt").read_text().strip().replace("--steps 6", "--steps 2"))
     run = subprocess.run(cmd, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    remove_shm_buffers(29500)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
+    remove_shm_buffers(port)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
     # gloo-backed CPU ranks sometimes abort in the interpreter's teardown, after the script ended ("terminate called
     # without an active exception", exit -6; the probe's clean_exits exists for it): that is not DeepSpeed refusing
     # the config, which would fail before the first step

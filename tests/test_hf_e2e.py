@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import on_free_port
 from zerotune.run.processes import remove_shm_buffers
 
 pytest.importorskip("transformers")
-# one worker for the tests that train cmd_optimal.txt: it is the user's line, at DeepSpeed's default master port
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.xdist_group("port29500")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(ROOT / "examples" / "train_hf.py")
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--seq_len", "32", "--vocab_size", "256",
@@ -75,8 +75,9 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
     command = (results / "cmd_optimal.txt").read_text().strip()
     assert (f"--per_device_train_batch_size={optimal['train_micro_batch_size_per_gpu']} "
             f"--gradient_accumulation_steps {optimal['gradient_accumulation_steps']} --deepspeed") in command
+    command, port = on_free_port(command)
     run = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    remove_shm_buffers(29500)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
+    remove_shm_buffers(port)  # what DeepSpeed's CPU comm leaves for the command's port (2 x 69 MB), as a user's run does
     # gloo-backed CPU ranks sometimes abort in the interpreter's teardown after the script ended ("terminate called
     # without an active exception"), as in test_e2e: the training itself must have run to its end
     teardown_abort = run.stderr.strip().endswith("terminate called without an active exception")

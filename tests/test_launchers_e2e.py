@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.processes import on_free_port
 from zerotune.run.processes import remove_shm_buffers
 
-# one worker for the tests that train cmd_optimal.txt: it is the user's line, at DeepSpeed's default master port
-pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.xdist_group("port29500")]
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TORCHRUN_SCRIPT = str(ROOT / "examples" / "train_torchrun.py")
@@ -50,10 +50,9 @@ def tune(cwd: Path, options: list[str], command: list[str]) -> dict:
 def train(cwd: Path) -> subprocess.CompletedProcess:
     """Run ``cmd_optimal.txt`` as a person pastes it. Its launcher is named by path, as the tests type it: the ``PATH``
     stays the tests' own, since another ``ninja`` on it would rebuild DeepSpeed's CPU ops (docs/decisions.md D314)."""
-    command = (cwd / "results" / "cmd_optimal.txt").read_text().strip()
+    command, port = on_free_port((cwd / "results" / "cmd_optimal.txt").read_text().strip())
     run = subprocess.run(["bash", "-c", command], cwd=cwd, capture_output=True, text=True, timeout=300)
-    for port in (29500, 29400):
-        remove_shm_buffers(port)  # what DeepSpeed's CPU comm leaves for a launcher's default port
+    remove_shm_buffers(port)  # what DeepSpeed's CPU comm leaves for the launcher's port
     # gloo-backed CPU ranks sometimes abort in the interpreter's teardown after the script ended (test_hf_e2e)
     teardown_abort = run.stderr.strip().endswith("terminate called without an active exception")
     assert run.returncode == 0 or teardown_abort, run.stderr[-3000:]

@@ -23,7 +23,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.warm.client import SERVER_RECORD, WarmRun, _exchange
 from zerotune.run.warm.preload import script_imports
 
-pytestmark = [pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]  # 2 ranks on 2 cores; timed
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")  # 2 ranks on 2 cores
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
@@ -175,6 +175,7 @@ def _interleaved(tmp: Path, rounds: int) -> dict[bool, list[Experiment]]:
 
 
 @pytest.mark.e2e  # 3 cold and 3 warm runs, interleaved: about 45 s
+@pytest.mark.serial  # it compares readings: a neighbour's load would move them
 def test_warm_and_cold_runs_of_one_config_measure_the_same(tmp_path):
     runs = _interleaved(tmp_path, rounds=3)
     cold, warm = runs[False], runs[True]
@@ -270,6 +271,7 @@ def test_no_warm_server_outlives_a_stopped_tuner(tmp_path, sig):
 
 
 @pytest.mark.e2e  # two real tunings, cold then warm: about 90 s
+@pytest.mark.serial  # it compares two tunings' answers: a neighbour's load would move their readings
 def test_a_tuning_runs_warm_to_the_same_answer_as_cold(tmp_path):
     answers = {}
     for mode, extra in (("cold", ("--cold-launch",)), ("warm", ())):

@@ -57,3 +57,17 @@ def processes_running(path: str) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
+
+
+def on_free_port(command: str) -> tuple[str, int]:
+    """``command`` (a ``cmd_optimal.txt`` line) made to rendezvous on a free port, so that tests running at once do
+    not meet at a launcher's default 29500: the ``deepspeed`` runner's ``--master_port``, torchrun's, or Accelerate's
+    ``--main_process_port``, as a user who trains two jobs on one machine sets it. Returns the line and the port."""
+    from zerotune.deepspeed.launcher import free_port
+    port = free_port()
+    for old, new in (("--master_port 29500", f"--master_port {port}"),
+                     ("accelerate launch ", f"accelerate launch --main_process_port {port} "),
+                     ("torchrun ", f"torchrun --master_port {port} ")):
+        if old in command:
+            return command.replace(old, new, 1), port
+    raise AssertionError(f"no launcher whose port the test can set in: {command}")
