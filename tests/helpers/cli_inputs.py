@@ -83,7 +83,9 @@ CONTENT = {"missing": ": cannot read it (No such file or directory)",
            "100000 deep": ": JSON nested deeper than the 64 levels zerotune reads",
            "5000 digits": ": a JSON number of more than 4300 digits",
            "invalid JSON": ":1:7: invalid JSON: Expecting value",
-           "JSON array": ": a JSON array, not an object"}
+           "JSON array": ": a JSON array, not an object",
+           "key twice": ": the key 'stage' appears twice in one object (JSON would keep the last without a word; "
+                        "DeepSpeed refuses the file)"}
 """Files a JSON reader opens and refuses, and what the message says after the file's label."""
 
 
@@ -104,7 +106,7 @@ def make_bad_files(root: Path) -> Path:
     for name, text in (("not UTF-8", b'{"a": "caf\xe9"}'), (f"{MAX_JSON_DEPTH + 1} deep",
                        ('{"a": ' + "[" * deep + "]" * deep + "}").encode()), ("100000 deep", b"[" * 100000),
                        ("5000 digits", b'{"a": ' + b"9" * 5000 + b"}"), ("invalid JSON", b'{"a": }'),
-                       ("JSON array", b"[1]")):
+                       ("JSON array", b"[1]"), ("key twice", b'{"a": {"stage": 1, "stage": 3}}')):
         (root / name).write_bytes(text)
     (root / "ds.json").write_text(json.dumps(CONFIG))
     return root

@@ -44,6 +44,20 @@ class JSONTooDeep(ValueError):
     """JSON that nests deeper than :data:`MAX_JSON_DEPTH` (raised by :func:`loads`)."""
 
 
+class DuplicateKey(Exception):
+    """A JSON object that names one key twice (raised by :func:`loads`): ``json`` would keep the last silently, and
+    DeepSpeed refuses such a config (``deepspeed/runtime/config_utils.py``, ``dict_raise_error_on_duplicate_keys``)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
 def _check_stat(st: os.stat_result, label: str, rule: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
@@ -137,10 +151,11 @@ def loads(text: str) -> Any:
     Raises:
         JSONTooDeep: the JSON nests deeper than :data:`MAX_JSON_DEPTH` (or so deep that the parser recursed out).
         json.JSONDecodeError: invalid JSON.
+        DuplicateKey: an object names a key twice.
         ValueError: a number Python does not convert (an integer of more than 4300 digits).
     """
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise JSONTooDeep(_TOO_DEEP) from None
     if json_depth(value) > MAX_JSON_DEPTH:
@@ -153,7 +168,8 @@ def load_json(path: str | Path, label: str, rule: str) -> Any:
 
     Raises:
         ConfigError: as :func:`read_text`; invalid JSON (``"{label}:{line}:{column}: invalid JSON: ..."``); a
-            number Python does not convert; nesting deeper than :data:`MAX_JSON_DEPTH`.
+            number Python does not convert; nesting deeper than :data:`MAX_JSON_DEPTH`; a key named twice in one
+            object.
     """
     text = read_text(path, label, rule)
     try:
@@ -162,6 +178,9 @@ def load_json(path: str | Path, label: str, rule: str) -> Any:
         raise ConfigError(f"{label}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}; {rule}") from None
     except JSONTooDeep as e:
         raise ConfigError(f"{label}: {e}; {rule}") from None
+    except DuplicateKey as e:
+        raise ConfigError(f"{label}: the key {str(e)!r} appears twice in one object (JSON would keep the last "
+                          f"without a word; DeepSpeed refuses the file); {rule}") from None
     except ValueError:  # int() refuses the digits
         raise ConfigError(f"{label}: a JSON number of more than {sys.get_int_max_str_digits()} digits; {rule}") \
             from None
