@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from zerotune import cli
+from zerotune.core.errors import ConfigError
 from zerotune.model.hf_config import architecture
 
 CONFIGS = Path(__file__).parent / "data" / "hf_configs"
@@ -87,3 +88,17 @@ def test_a_config_transformers_refuses_is_exit_2_naming_the_file_and_the_key(tmp
     err = capsys.readouterr().err
     assert code == 2 and f"--hf-config {bad}: transformers cannot build a llama model from it" in err
     assert "hidden_size" in err and "4096.5" in err
+
+
+def test_heads_that_do_not_divide_the_hidden_size_without_a_head_dim_are_refused(tmp_path, capsys):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**read("llama-3-8b"), "hidden_size": 16}))  # 32 heads of width 0.5
+    code = cli.main(["estimate", "--hf-config", str(bad), "--num_gpus", "1", "--device-memory", "80GiB"])
+    assert code == 2 and capsys.readouterr().err == (
+        f"zerotune: error: --hf-config {bad}: hidden size 16 is not a multiple of 32 attention heads, and no head_dim "
+        "says the heads' width\n")
+    # a type transformers knows is refused in its own words, head_dim or not; the closed form takes a stated head_dim
+    with pytest.raises(ConfigError, match="The hidden size .16. is not a multiple of the number of attention heads"):
+        architecture({**read("llama-3-8b"), "hidden_size": 16, "head_dim": 8})
+    assert architecture({**read("llama-3-8b"), "model_type": "my_llama", "hidden_size": 16, "head_dim": 8}).built_by \
+        == ""

@@ -209,6 +209,9 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     s = seq_len or positions
     if not s:
         raise ConfigError(f"{source}: no max_position_embeddings or n_positions: give --seq-len")
+    if h % heads and not cfg.get("head_dim"):  # transformers' attention reshapes hidden into heads x (hidden / heads)
+        raise ConfigError(f"{source}: hidden size {h} is not a multiple of {heads} attention heads, and no head_dim "
+                          "says the heads' width")
     head_dim = h // heads
     gated = str(cfg.get("hidden_act", cfg.get("activation_function", ""))).lower() in ("silu", "swiglu", "swish",
                                                                                          "gelu_pytorch_tanh") \
