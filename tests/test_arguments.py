@@ -65,8 +65,8 @@ def test_a_value_the_options_type_cannot_hold_is_refused_by_the_parser(tmp_path,
 
 
 CHECK_REFUSES = [  # (flags, the message): values the parser takes and zerotune's checks refuse
-    (["--timeout", "inf"], "--timeout inf: expected a positive number of seconds"),
-    (["--hang-timeout", "1e400"], "--hang-timeout inf: expected a positive number of seconds"),
+    (["--timeout", "inf"], "--timeout inf: expected seconds from 1 to 10,000,000 (about 115 days)"),
+    (["--hang-timeout", "1e400"], "--hang-timeout inf: expected seconds from 1 to 10,000,000 (about 115 days)"),
     (["--include", f"localhost:{HUGE}"], f"--include 'localhost:{HUGE}': a device id above {MAX_COUNT - 1}, more than "
                                          "a node has"),
     (["--var", "X=" + "[" * 100 + "]" * 100],

@@ -61,7 +61,7 @@ def test_keys_zerotune_sets_itself_are_logged(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"timeout_s": -5.0}, r"--timeout -5: expected a positive number of seconds"),
+    ({"timeout_s": -5.0}, r"--timeout -5: expected seconds from 1 to 10,000,000 \(about 115 days\)"),
     ({"backend": "pbs"}, r"unknown backend 'pbs': expected 'local', 'ray' or 'slurm'"),
     ({"device_memory_bytes": None}, r"--device-memory is required"),
 ])

@@ -4,7 +4,6 @@ file and key, never a failed launch later.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,17 +31,22 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
                               f"expected at least one")
 
 
+MAX_TIMEOUT_S = 1e7
+"""The longest ``--timeout``/``--hang-timeout``, seconds: below 1 s no DeepSpeed run starts, and above this a
+timeout is a typo (``1e308``), not a limit."""
+
+
 def check_options(options: Any) -> None:
     """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
-    precision between 0 and 1, positive finite timeouts, an ``--nvme-path`` that is a directory."""
+    precision between 0 and 1, timeouts from 1 s to :data:`MAX_TIMEOUT_S`, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}: expected 'local', 'ray' or 'slurm'")
     if not 0 < options.precision < 1:
         raise ConfigError(f"--precision {options.precision:g}: expected a relative half-width between 0 and 1, "
                           "e.g. 0.02 for ±2%")
     for flag, value in (("--timeout", options.timeout_s), ("--hang-timeout", options.hang_timeout_s)):
-        if value is not None and not 0 < value < math.inf:
-            raise ConfigError(f"{flag} {value:g}: expected a positive number of seconds")
+        if value is not None and not 1 <= value <= MAX_TIMEOUT_S:
+            raise ConfigError(f"{flag} {value:g}: expected seconds from 1 to {MAX_TIMEOUT_S:,.0f} (about 115 days)")
     if options.nvme_path is not None and not os.path.isdir(options.nvme_path):
         raise ConfigError(f"--nvme-path {options.nvme_path}: not a directory (expected one on local NVMe)")
 
