@@ -195,7 +195,7 @@ TUNE = {"--hostfile": FILES, "--include": ["localhost:a", "localhost:-1", f"loca
         "--nvme-path": ["{tmp}/afile", "/dev/zero", "{tmp}/nope"],
         "--timeout": [*FLOATS, "0", "1e-9", "1e308"], "--hang-timeout": [*FLOATS, "0", "0.5", "2e7"], "--var": ["X", "=3", "X=" + "[" * 100 + "]" * 100, "X=" + "[" * 5000],
         "--precision": [*FLOATS, "0", "1", "2"], "--backend": ["LOCAL", "mpi"], "--address": ["10.0.0.1:6379"],
-        "--max-launches": [*WHOLE, "0"], "--max-device-hours": [*FLOATS, "0"], "--max-seq-len": [*WHOLE, "0"],
+        "--max-launches": [*WHOLE, "0", "1"], "--max-device-hours": [*FLOATS, "0"], "--max-seq-len": [*WHOLE, "0"],
         **PROJECTION, "user_script": ["{bad}/missing", "/dev/zero", "{bad}/directory", "{bad}/fifo"],
         "--deepspeed_config": FILES}
 BAD = {"tune": TUNE, "run": TUNE,

@@ -115,9 +115,10 @@ def _command_arguments(p: argparse.ArgumentParser) -> None:
 def _budget_options(p: argparse.ArgumentParser) -> None:
     """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (:mod:`zerotune.strategy.budget`)."""
     g = p.add_argument_group("the tuning's budget (then the best of what ran is the answer)")
-    g.add_argument("--max-launches", type=whole(1, MAX_COUNT), default=None, metavar="N",
-                   help="launch at most N experiments, the profile run included; then answer with the best of what "
-                        "ran, say what was not decided and by how much the answer could be beaten")
+    g.add_argument("--max-launches", type=whole(2, MAX_COUNT), default=None, metavar="N",
+                   help="launch at most N experiments, the profile run included (so at least 2: the profile and one "
+                        "run with a reading); then answer with the best of what ran, say what was not decided and by "
+                        "how much the answer could be beaten")
     g.add_argument("--max-device-hours", type=positive_number, default=None, metavar="H",
                    help="launch no more experiments once those launched took H device-hours (wall time x devices); "
                         "then answer as with --max-launches")
