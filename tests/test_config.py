@@ -51,6 +51,11 @@ def test_config_arg_forms():
     assert replace_config_arg(["--deepspeed_config=c.json", "-x"], "/r/d.json") == ["--deepspeed_config=/r/d.json", "-x"]
     with pytest.raises(ConfigError, match="carry no DeepSpeed config"):
         find_config_arg(["--deepspeed"])
+    with pytest.raises(ConfigError) as twice:
+        find_config_arg(["--deepspeed_config", "a.json", "--steps", "3", "--deepspeed=b.json"])
+    assert str(twice.value) == ("the training script's arguments carry a DeepSpeed config twice (--deepspeed_config "
+                                "'a.json' and --deepspeed 'b.json'): give it once, so that the config zerotune tunes "
+                                "is the one the script reads")
     for args in (["--deepspeed_config", ""], ["--deepspeed_config="]):  # an unset shell variable
         with pytest.raises(ConfigError, match="^--deepspeed_config '': expected the path of a DeepSpeed config, not "
                                               "the empty string$"):

@@ -123,8 +123,10 @@ def find_config_arg(script_args: list[str]) -> tuple[int, str]:
         (index of the argument holding the path, the path).
 
     Raises:
-        ConfigError: when no argument carries a path, or the path is the empty string (an unset shell variable).
+        ConfigError: when no argument carries a path, the path is the empty string (an unset shell variable), or
+            two arguments carry one (which the script reads is its parser's choice, not zerotune's).
     """
+    found: list[tuple[int, str, str]] = []
     for i, arg in enumerate(script_args):
         for flag in CONFIG_FLAGS:
             if arg == flag and i + 1 < len(script_args) and not script_args[i + 1].startswith("-"):
@@ -135,7 +137,13 @@ def find_config_arg(script_args: list[str]) -> tuple[int, str]:
                 continue
             if not path:
                 raise ConfigError(f"{flag} '': expected the path of a DeepSpeed config, not the empty string")
-            return index, path
+            found.append((index, flag, path))
+    if len(found) > 1:
+        raise ConfigError("the training script's arguments carry a DeepSpeed config twice ("
+                          + " and ".join(f"{flag} {path!r}" for _, flag, path in found)
+                          + "): give it once, so that the config zerotune tunes is the one the script reads")
+    if found:
+        return found[0][0], found[0][2]
     raise ConfigError("the training script's arguments carry no DeepSpeed config: pass "
                       "'--deepspeed_config ds_config.json' (or '--deepspeed ds_config.json') after the script")
 
