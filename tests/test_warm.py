@@ -73,6 +73,41 @@ print(json.dumps({"imported": done.imported, "skipped": done.skipped, "unsafe": 
 '''
 
 
+PRELOADING = """
+import os, subprocess, sys, time
+if sys.argv[1] == "tuner":  # a tuner that starts a server (its own session, as the tuner starts one) and is killed
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[2], "server"], start_new_session=True)
+    print(child.pid, flush=True)
+    time.sleep(60)
+from zerotune.run.warm.preload import watch_parent
+stop = watch_parent(os.getppid())
+builder = subprocess.Popen(["sleep", "60"])  # a build the preload started, in the server's process group
+print(builder.pid, flush=True)
+time.sleep(60)  # a preload that takes long
+"""
+
+
+def test_a_preloading_server_and_its_build_end_with_their_tuner_and_the_watch_leaves_no_thread():
+    import psutil
+    tuner = subprocess.Popen([sys.executable, "-c", PRELOADING, "tuner", PRELOADING], stdout=subprocess.PIPE, text=True)
+    server = psutil.Process(int(tuner.stdout.readline()))
+    deadline = time.monotonic() + 30
+    while len(server.children()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (builder,) = server.children()
+    tuner.kill()
+    tuner.wait()
+    gone, alive = psutil.wait_procs([server, builder], timeout=3)
+    assert alive == [] or all(p.status() == psutil.STATUS_ZOMBIE for p in alive)
+    # stopped, the watch's thread is gone: the server may fork
+    from zerotune.run.warm.preload import watch_parent
+    before = threading.active_count()
+    stop = watch_parent(os.getppid())
+    assert threading.active_count() == before + 1
+    stop()
+    assert threading.active_count() == before
+
+
 def test_the_preload_takes_installed_distributions_only_and_stays_fork_safe(tmp_path):
     (tmp_path / "yaml.py").write_text("raise RuntimeError('the script directory is never imported')\n")
     script = tmp_path / "train.py"

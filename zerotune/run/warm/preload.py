@@ -15,6 +15,10 @@ The preload must leave the server fork-safe: no Python thread started (a library
 CUDA context (a CUDA context does not survive ``fork``; DeepSpeed's import asks ``torch.cuda`` questions that
 initialize it unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server sets). :func:`fork_unsafe` says what
 broke it; the server then launches nothing warm.
+
+While it preloads (seconds; longer on a loaded machine or where an op's load builds it) the server is not yet
+serving, so nothing else sees its tuner die: :func:`watch_parent` ends it and its process group (a build's
+compilers included) when its parent goes, and stops before the first fork.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ALWAYS", "OPS", "Preloaded", "fork_unsafe", "learn", "learnable", "preload", "preload_ops",
+__all__ = ["ALWAYS", "OPS", "Preloaded", "fork_unsafe", "learn", "learnable", "preload", "preload_ops", "watch_parent",
            "script_imports"]
 
 log = logging.getLogger(__name__)
@@ -232,3 +238,29 @@ def fork_unsafe() -> str | None:
     if cuda is not None and cuda.is_initialized():
         return "CUDA was initialized by the preload (a CUDA context does not survive fork)"
     return None
+
+
+PARENT_POLL_S = 0.2
+"""How often the preload's watch looks for its parent, seconds."""
+
+
+def watch_parent(parent: int):
+    """Watch, from a thread, that ``parent`` stays this process's parent; once it does not, SIGKILL this process's
+    group where this process leads it (a warm server is a session leader: its builds die with it), else this process.
+    Returns ``stop()``, which ends the watch and joins its thread (before a fork: :func:`fork_unsafe`)."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(PARENT_POLL_S):
+            if os.getppid() != parent:
+                if os.getpgid(0) == os.getpid():
+                    os.killpg(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="zerotune-parent-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        done.set()
+        thread.join()
+    return stop

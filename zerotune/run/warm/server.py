@@ -48,7 +48,7 @@ import time
 
 from zerotune.launchers.contract import DEEPSPEED, TORCHRUN, torchrun_env
 from zerotune.run.warm import rank as warm_rank
-from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, preload_ops
+from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, preload_ops, watch_parent
 
 __all__ = ["main", "rank_environment"]
 
@@ -262,9 +262,9 @@ def serve(socket_path: str, script: str, parent: int, ready_dir: str | None = No
     ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once it accepts (see the module doc)."""
     parent = parent or os.getppid()
     socket_path = socket_path.replace("{node}", node_name())
-    started = time.monotonic()
-    done = preload(script)
-    ops = preload_ops()
+    started, stop_watch = time.monotonic(), watch_parent(parent)
+    done, ops = preload(script), preload_ops()
+    stop_watch()  # the serve loop watches from here; no thread may be left at a fork
     unsafe = fork_unsafe()
     print(f"zerotune warm server {os.getpid()}: preloaded {len(done.imported)} modules and {len(ops)} ops in "
           f"{time.monotonic() - started:.2f} s: {', '.join(done.imported + ops)}", file=sys.stderr, flush=True)
