@@ -184,6 +184,7 @@ def test_list_settings_are_known_from_deepspeeds_config_models_and_taken_as_give
     assert {"leaf_module.classes", "leaf_module.names", "leaf_module.name_suffixes"} <= keys.model_list_fields(Z)
     # a knob DeepSpeed types as a number stays a list of candidates, without importing DeepSpeed to say so
     assert not keys.is_list_valued(f"{Z}.reduce_bucket_size") and not keys.is_list_valued("compile")
+    assert not keys.is_list_valued(f"{Z}.offload_optimizer") and not keys.is_list_valued(f"{Z}.offload_param.device")
 
 
 def test_generated_names_unique_when_values_format_alike():

@@ -161,8 +161,9 @@ def is_list_valued(path: str) -> bool:
         if path == rule:
             return True
     section, _, rest = path.partition(".")
-    if section not in MODEL_SECTIONS or not rest or (section == ZERO and (rest in SIZE_KEYS or rest in ZERO_DEFAULTS[3]
-                                                                          or rest == "stage")):
+    if section not in MODEL_SECTIONS or not rest or (section == ZERO and (
+            rest in SIZE_KEYS or rest in ZERO_DEFAULTS[3] or rest == "stage"
+            or rest.split(".")[0] in ("offload_optimizer", "offload_param"))):  # OffloadConfig: no list field
         return False
     return rest in model_list_fields(section)
 
