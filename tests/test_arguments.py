@@ -42,7 +42,7 @@ PARSER_REFUSES = [  # (command, flags, the argument as argparse names it, the me
                                                                      f"{MAX_COUNT}"),
     ("run", ["--num_nodes", "1.5"], "--num_nodes", f"'1.5': expected a whole number from -1 to {MAX_COUNT}"),
     ("tune", ["--num_nodes", "-2"], "--num_nodes", f"'-2': expected a whole number from -1 to {MAX_COUNT}"),
-    ("tune", ["--master_port", "70000"], "--master_port", "'70000': expected a whole number from 0 to 65535"),
+    ("tune", ["--master_port", "70000"], "--master_port", "'70000': expected a whole number from 1 to 65535"),
     ("tune", ["--results-dir", "a\0b"], "--results-dir", "'a\\x00b': holds a NUL character, which no argument can"),
     ("tune", ["--train-samples", "1e400"], "--train-samples",
      "'1e400': expected a positive whole number, e.g. 1000000 or 1e6"),

@@ -142,6 +142,23 @@ def test_optimal_command_names_the_script_and_config_by_absolute_path(tmp_path, 
                       TuneOptions(device_memory_bytes=2 * 2**30, cpu=True, results_dir="results"))
     line = tuner.optimal_command("results/ds_config_optimal.json")
     assert f" {tmp_path / 'rank.py'} --deepspeed_config {tmp_path / 'results' / 'ds_config_optimal.json'}" in line
+    assert " --master_port 29500 " in line  # DeepSpeed's default, where the user gave none
+
+
+def test_the_users_master_port_reaches_the_answers_command_in_either_form(tmp_path, monkeypatch):
+    from zerotune import cli
+    from zerotune.autotuner import Autotuner, TuneOptions
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "ds.json").write_text(json.dumps(BASE_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    # the -- deepspeed form's --master_port fills zerotune's, as its slot options do
+    args, command = cli.parse(["tune", "--device-memory", "2GiB", "--", "deepspeed", "--master_port", "29611",
+                               "rank.py", "--deepspeed_config", "ds.json"])
+    cli._launcher_resources(args, cli.read_command(command).launcher)
+    assert args.master_port == 29611
+    tuner = Autotuner("rank.py", ["--deepspeed_config", "ds.json"], select_resources(local_slots=1),
+                      TuneOptions(device_memory_bytes=2 * 2**30, cpu=True, results_dir="results", master_port=29611))
+    assert " --master_port 29611 " in tuner.optimal_command("results/ds_config_optimal.json")
 
 
 # --- the results tree: nothing created or removed outside it ---------------------------------------

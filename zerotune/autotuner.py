@@ -27,6 +27,7 @@ from zerotune.core.launch import Node, Reservation
 from zerotune.deepspeed import extensions
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import (
+    DEFAULT_MASTER_PORT,
     free_port,
     launch_command,
     launch_env,
@@ -175,6 +176,7 @@ class Autotuner:
                                    context=resume_context(job))
         options = options or TuneOptions()
         self.training_plan = TrainingPlan(options.train_samples, options.train_steps, options.cost_per_device_hour)
+        self.answer_port = options.master_port or DEFAULT_MASTER_PORT
         self.report = Refresher(job.results_dir, self.report_data)
         self.result = StrategyResult()
         self.best: Experiment | None = None
@@ -394,7 +396,7 @@ class Autotuner:
     def optimal_answer(self, config_path: str, ds_config: dict | None = None) -> tuple[str, dict[str, str]]:
         """:meth:`optimal_command` and the files it needs beside the config (name -> text: for Accelerate,
         ``accelerate_config_optimal.yaml``, :meth:`~zerotune.launchers.base.Launcher.answer`)."""
-        env, words, files = self._training_launch(config_path, master_port=29500, ds_config=ds_config)
+        env, words, files = self._training_launch(config_path, master_port=self.answer_port, ds_config=ds_config)
         return paste_command(env, words), files
 
     def run_after_tuning(self) -> int:

@@ -143,8 +143,8 @@ def _launcher_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num_nodes", type=whole(-1, MAX_COUNT), default=-1, help="nodes (default -1: all)")
     g.add_argument("--num_gpus", "--num_accelerators", type=whole(-1, MAX_COUNT), default=-1,
                    help="devices per node; on CPU the number of ranks (default -1: all)")
-    g.add_argument("--master_port", type=whole(0, 65535), default=None,
-                   help="accepted for compatibility; each experiment gets a free port")
+    g.add_argument("--master_port", type=whole(1, 65535), default=None,
+                   help="the answer's port (cmd_optimal.txt; default 29500); each experiment gets a free port")
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str] | None]:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                               host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,
                               train_samples=args.train_samples, train_steps=args.train_steps,
                               cost_per_device_hour=args.cost_per_device_hour, max_launches=args.max_launches,
-                              max_device_hours=args.max_device_hours,
+                              max_device_hours=args.max_device_hours, master_port=args.master_port,
                               longest=LongestOptions(args.max_seq_len, args.verify_longest))
         if args.address is not None and args.backend != "ray":
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")

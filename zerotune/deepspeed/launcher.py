@@ -73,6 +73,9 @@ def node_launcher() -> list[str]:
     return [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
 
 
+DEFAULT_MASTER_PORT = 29500
+"""DeepSpeed's runner's default ``--master_port`` (``TORCH_DISTRIBUTED_DEFAULT_PORT``): the answer's, unless the user
+gave one."""
 MIMALLOC_RESERVE_ENV = "MIMALLOC_ARENA_RESERVE"
 """mimalloc's arena reservation (pyarrow's default memory pool, which transformers' Trainer imports with ``datasets``
 installed, reserves 1 GiB of address space at its first allocation): ``RLIMIT_DATA``, the CPU ranks' budget, counts

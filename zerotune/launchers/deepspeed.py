@@ -14,8 +14,9 @@ from zerotune.launchers.base import Launcher
 
 __all__ = ["RUNNER_OPTIONS", "DeepSpeedLauncher", "read_deepspeed"]
 
-RUNNER_OPTIONS = ("hostfile", "include", "exclude", "num_nodes", "num_gpus")
-"""The runner's options that select device slots, zerotune's launcher options of the same names."""
+RUNNER_OPTIONS = ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port")
+"""The runner's options zerotune's launcher options of the same names take: the device slots, and the answer's port
+(each experiment takes a free one)."""
 _SPELLINGS = {"num_gpus": ("--num_gpus", "--num_accelerators")}
 
 

@@ -44,6 +44,8 @@ class TuneOptions:
             device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
         max_launches, max_device_hours: what the tuning may spend (:class:`~zerotune.strategy.budget.LaunchBudget`).
         longest: ``--max-seq-len`` and ``--verify-longest`` (:class:`~zerotune.strategy.longest.LongestOptions`).
+        master_port: the answer's rendezvous port (``cmd_optimal.txt``): the user's ``--master_port``; None:
+            DeepSpeed's default, 29500. Each experiment takes a free port of its own.
     """
 
     device_memory_bytes: int | None = None
@@ -68,3 +70,4 @@ class TuneOptions:
     max_launches: int | None = None
     max_device_hours: float | None = None
     longest: LongestOptions = LongestOptions()
+    master_port: int | None = None
