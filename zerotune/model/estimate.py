@@ -75,7 +75,8 @@ class Estimate:
     choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
     only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
     model type for a key it omits). ``active_params``: the parameters a token runs through, with ``experts``
-    ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense)."""
+    ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense). ``unmodelled``: the
+    ``--deepspeed`` config's keys the memory model does not price (:func:`~zerotune.model.coverage.unmodelled_keys`)."""
 
     model_source: str
     num_params: int
@@ -94,6 +95,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     active_params: int | None = None
     experts: tuple[int, int] = (0, 0)
+    unmodelled: list[str] = field(default_factory=list)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -226,9 +228,8 @@ def estimate(args: argparse.Namespace) -> Estimate:
     rows = _rows(model, cfg, hw, given.activations, choices)
     return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
-                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows,
-                    list(given.notes) + [f"{k} is not in the memory model: the bytes above leave it out"
-                                         for k in unmodelled_keys(cfg)], given.active, given.experts)
+                    hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes), given.active,
+                    given.experts, unmodelled_keys(cfg))
 
 
 def _model_flag(args: argparse.Namespace) -> str:
@@ -381,6 +382,8 @@ def render(est: Estimate) -> str:
         lines.append("Activations unknown (--activation-bytes): the largest mbs is not estimated; "
                      "'does not fit' means the model states alone are over the device memory.")
     lines += [f"Assumed: {note}." for note in est.notes]
+    if est.unmodelled:
+        lines.append(f"Not in the memory model: {', '.join(est.unmodelled)}: the bytes above leave them out.")
     return "\n".join(lines)
 
 
