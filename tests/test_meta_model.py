@@ -102,3 +102,11 @@ def test_heads_that_do_not_divide_the_hidden_size_without_a_head_dim_are_refused
         architecture({**read("llama-3-8b"), "hidden_size": 16, "head_dim": 8})
     assert architecture({**read("llama-3-8b"), "model_type": "my_llama", "hidden_size": 16, "head_dim": 8}).built_by \
         == ""
+
+
+def test_active_parameters_skip_the_routed_experts_a_token_does_not_run():
+    from zerotune.model.meta_model import MetaModel
+    # 8 experts of 10 parameters, 2 per token: 60 of the 80 skipped; unknown expert count or k: all active
+    assert MetaModel("M", 100, 10, 0, routed_params=80, num_experts=8, experts_per_token=2).active_params == 40
+    assert MetaModel("M", 100, 10, 0, routed_params=80, num_experts=0, experts_per_token=2).active_params == 100
+    assert MetaModel("M", 100, 10, 0, routed_params=80, num_experts=8, experts_per_token=0).active_params == 100

@@ -52,7 +52,7 @@ class MetaModel:
     @property
     def active_params(self) -> int:
         """Parameters a token runs through: all but the routed experts it skips (all, for a dense model)."""
-        if not self.routed_params or not self.experts_per_token:
+        if not self.routed_params or not self.experts_per_token or not self.num_experts:
             return self.num_params
         return self.num_params - self.routed_params * (self.num_experts - self.experts_per_token) // self.num_experts
 
@@ -125,9 +125,11 @@ def count(model, persistence_threshold: int, experts_per_token: int = 0) -> Meta
 
 
 def _top_k(config) -> int:
-    """Experts per token from the config's key for it (0: none of :data:`TOP_K_KEYS`)."""
+    """Experts per token from the config's key for it, a vision-language config's in its text config (0: none of
+    :data:`TOP_K_KEYS`)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in TOP_K_KEYS:
-        value = getattr(config, key, None)
+        value = getattr(text, key, getattr(config, key, None))
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return 0
