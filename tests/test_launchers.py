@@ -137,6 +137,10 @@ def test_python_script_starts_its_own_ranks_and_takes_lightnings_config_variable
     # a bare --deepspeed is DeepSpeed's switch, not a config: the config is still Lightning's variable
     switch = read_command(["python", "train.py", "--deepspeed", "--devices", "2"]).launcher
     assert not switch.config_in_argv and switch.load_config(())[0] == "ds.json"
+    # a config given twice in the arguments is refused, not read from the variable instead
+    with pytest.raises(ConfigError, match="carry a DeepSpeed config twice"):
+        read_command(["python", "train.py", "--deepspeed", "a.json", "--deepspeed_config", "b.json"]).launcher.load_config(
+            ["--deepspeed", "a.json", "--deepspeed_config", "b.json"])
 
 
 def test_a_lightning_script_under_torchrun_takes_its_config_from_lightnings_variable(job_dir, monkeypatch):

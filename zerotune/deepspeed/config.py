@@ -7,7 +7,7 @@ file and the key or value at fault (``ConfigError``, exit status 2 at the CLI).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -113,18 +113,14 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
     return user_files.load_object(path, str(path), CONFIG_RULE)
 
 
-def find_config_arg(script_args: list[str]) -> tuple[int, str]:
-    """Locate the ds_config path in the training script's arguments.
+def config_args(script_args: Sequence[str]) -> list[tuple[int, str, str]]:
+    """Every ds_config path in the training script's arguments: ``(index of the argument holding it, flag, path)``.
 
     Accepts ``--deepspeed_config PATH``, ``--deepspeed PATH`` and the ``--flag=PATH`` forms, as the
     ``deepspeed`` launcher's users write them (``--deepspeed`` alone is DeepSpeed's boolean switch).
 
-    Returns:
-        (index of the argument holding the path, the path).
-
     Raises:
-        ConfigError: when no argument carries a path, the path is the empty string (an unset shell variable), or
-            two arguments carry one (which the script reads is its parser's choice, not zerotune's).
+        ConfigError: a path is the empty string (an unset shell variable).
     """
     found: list[tuple[int, str, str]] = []
     for i, arg in enumerate(script_args):
@@ -138,6 +134,20 @@ def find_config_arg(script_args: list[str]) -> tuple[int, str]:
             if not path:
                 raise ConfigError(f"{flag} '': expected the path of a DeepSpeed config, not the empty string")
             found.append((index, flag, path))
+    return found
+
+
+def find_config_arg(script_args: list[str]) -> tuple[int, str]:
+    """Locate the one ds_config path in the training script's arguments (:func:`config_args`).
+
+    Returns:
+        (index of the argument holding the path, the path).
+
+    Raises:
+        ConfigError: when no argument carries a path, the path is the empty string (an unset shell variable), or
+            two arguments carry one (which the script reads is its parser's choice, not zerotune's).
+    """
+    found = config_args(script_args)
     if len(found) > 1:
         raise ConfigError("the training script's arguments carry a DeepSpeed config twice ("
                           + " and ".join(f"{flag} {path!r}" for _, flag, path in found)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 from zerotune.core.errors import ConfigError
-from zerotune.deepspeed.config import CONFIG_FLAGS, find_config_arg, load_ds_config, replace_config_arg
+from zerotune.deepspeed.config import config_args, find_config_arg, load_ds_config, replace_config_arg
 from zerotune.deepspeed.launcher import shell_word
 from zerotune.launchers.contract import DEEPSPEED, TORCHRUN
 
@@ -126,18 +126,14 @@ def config_in_argv(script: str, script_args: Sequence[str]) -> bool:
     """Whether ``script_args`` carry the ds_config (``--deepspeed``, ``--deepspeed_config``); False where they do not
     and :data:`LIGHTNING_CONFIG_ENV` names it.
 
-    The arguments carry it where :func:`~zerotune.deepspeed.config.find_config_arg` finds a path after a flag: a
+    The arguments carry it where :func:`~zerotune.deepspeed.config.config_args` finds a path after a flag: a
     bare ``--deepspeed`` is DeepSpeed's boolean switch, not a config.
 
     Raises:
         ConfigError: neither says where the config is, or a flag's path is the empty string.
     """
-    try:
-        find_config_arg(list(script_args))
-        return True
-    except ConfigError:
-        if any("=" in a and a.split("=", 1)[0] in CONFIG_FLAGS for a in script_args):
-            raise  # --deepspeed_config= with no path: an unset shell variable, named as such
+    if config_args(script_args):
+        return True  # the one config is read, or two are refused, by find_config_arg when it is loaded
     if os.environ.get(LIGHTNING_CONFIG_ENV):
         return False
     raise ConfigError(f"{script}: no DeepSpeed config: pass --deepspeed ds_config.json in its arguments, or set "

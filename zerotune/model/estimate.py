@@ -48,6 +48,7 @@ ATTENTIONS = ("eager", "sdpa", "flash")
 and dropout mask (``5*a*s^2`` bytes per sample, :mod:`zerotune.model.hf_config`); ``sdpa`` (on CUDA, its flash and
 memory-efficient kernels) and ``flash`` store none of them."""
 
+
 @dataclass
 class Row:
     """One ZeRO stage, offload choice and activation checkpointing choice: bytes per device by component at
