@@ -161,8 +161,10 @@ class _HostStepGrowth(_StepGrowth):
         if profiler is None:
             return 0, 0
         profiler.stop()
-        events = sorted((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
+        # by time, and at equal times in the order recorded: sorting on the size too put a free before the
+        # allocation it followed within one nanosecond, and the peak lost the smaller one
+        events = sorted(((e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events()
+                         if e.name() == "[memory]"), key=lambda event: event[0])
         level = high = 0
         self.levels = []
         for _, nbytes in events:
