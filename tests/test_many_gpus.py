@@ -13,7 +13,7 @@ import pytest
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.core.launch import LaunchSpec, Node, Reservation
+from zerotune.core.launch import LaunchSpec, Node, Reservation, RunLaunch
 from zerotune.core.objective import OBJECTIVES
 from zerotune.deepspeed.launcher import launch_command, launch_env
 from zerotune.deepspeed.rank_env import passed_env, runner_env_file
@@ -171,8 +171,8 @@ def test_a_multi_node_run_writes_the_runners_env_file_for_the_other_nodes(clean_
     exp_dir = tmp_path / "exps" / "z2_mbs1"
     exp_dir.mkdir(parents=True)
     backend = LocalBackend(LaunchSpec("train.py", ("--deepspeed_config", "ds.json"), cpu=True, hostfile=str(hostfile)))
-    env, cmd = backend._launch(Experiment("z2_mbs1", {}, num_nodes=2, num_slots=4), both, exp_dir,
-                               str(exp_dir / "ds_config.json"), 29602, "token")
+    env, cmd = backend.starter.command(RunLaunch("z2_mbs1", both, exp_dir, str(exp_dir / "ds_config.json"), 29602,
+                                                 "token"))
     assert env["DS_ENV_FILE"] == str(exp_dir / "deepspeed_env") and "--force_multi" in cmd
     # every launch variable but PYTHON* (which the runner forwards itself), in launch_env's order, the run's token
     # (the other nodes' processes are stopped by it), then the user's
@@ -180,9 +180,9 @@ def test_a_multi_node_run_writes_the_runners_env_file_for_the_other_nodes(clean_
         "FI_PROVIDER=efa\nGLOO_SOCKET_IFNAME=eth1\nNCCL_DEBUG=INFO\nNCCL_IB_HCA=mlx5_0,mlx5_1\n"
         "NCCL_SOCKET_IFNAME=ib0\nTORCH_NCCL_ASYNC_ERROR_HANDLING=1\nDS_ACCELERATOR=cpu\nLOCAL_SIZE=4\n"
         "ZEROTUNE_RUN_TOKEN=token\nNCCL_DEBUG=TRACE\nOMP_NUM_THREADS=4\n")
-    assert backend._remote == {"token": ["worker-0", "worker-1"]}
+    assert backend.starter._remote == {"token": ["worker-0", "worker-1"]}
     one = Reservation((Node("localhost", (0, 1)),))
-    env, _ = backend._launch(Experiment("z2_mbs2", {}, num_slots=2), one, exp_dir, "c.json", 29603, "token")
+    env, _ = backend.starter.command(RunLaunch("z2_mbs2", one, exp_dir, "c.json", 29603, "token"))
     assert "DS_ENV_FILE" not in env  # one node: the launcher's own environment reaches its ranks
 
 

@@ -251,15 +251,16 @@ def test_slurm_nodes_come_from_the_allocation():
     with pytest.raises(ConfigError, match=r"inside a Slurm allocation \(salloc, or an sbatch script\): "
                                           "SLURM_JOB_NODELIST is not set"):
         slurm_nodes(True, environ={}, expand=hosts)
-    assert SlurmBackend(spec_for(cpu=True), environ=env).cpus_per_task(Reservation((Node("node-1", (0, 1)),))) == 4
+    starter = SlurmBackend(spec_for(cpu=True), environ=env).starter
+    assert starter.cpus_per_task(Reservation((Node("node-1", (0, 1)),))) == 4
 
 
 def test_a_steps_record_holds_its_stop_handle_read_as_an_older_zerotune_wrote_it_too(tmp_path):
-    backend = SlurmBackend(spec_for(cpu=True), environ={"SLURM_JOB_ID": "42", "SLURM_JOB_CPUS_PER_NODE": "2"})
-    backend._steps["tok"] = "zerotune-z1-abcd1234"
-    assert backend._stop_handle("tok") == {"kind": "slurm_step", "job_id": "42", "step_name": "zerotune-z1-abcd1234"}
-    assert backend._stop_handle("another") is None
-    path = write_running_record(tmp_path, "z1", "tok", 29500, stop=backend._stop_handle("tok"))
+    starter = SlurmBackend(spec_for(cpu=True), environ={"SLURM_JOB_ID": "42", "SLURM_JOB_CPUS_PER_NODE": "2"}).starter
+    starter._steps["tok"] = "zerotune-z1-abcd1234"
+    assert starter.stop_handle("tok") == {"kind": "slurm_step", "job_id": "42", "step_name": "zerotune-z1-abcd1234"}
+    assert starter.stop_handle("another") is None
+    path = write_running_record(tmp_path, "z1", "tok", 29500, stop=starter.stop_handle("tok"))
     record = json.loads(path.read_text())
     assert stop_handles.record_handle(record) == step_handle("42", "zerotune-z1-abcd1234")
     older = {k: v for k, v in record.items() if k != "stop"} | {"slurm_job": "42",

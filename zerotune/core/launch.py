@@ -1,5 +1,6 @@
 """What a launch is: the spec every experiment's launch follows (:class:`LaunchSpec`), the hosts and device slots
-zerotune may use (:class:`Node`), and the slots one experiment holds (:class:`Reservation`).
+zerotune may use (:class:`Node`), the slots one experiment holds (:class:`Reservation`), and one experiment's launch
+as the backends start, watch and stop it (:class:`RunLaunch`).
 
 Records only, on the ground floor: the job builds the spec (:meth:`zerotune.strategy.job.Job.launch_spec`), the
 slot pool hands out reservations (:class:`zerotune.run.slots.SlotPool`), and the ``deepspeed`` launcher's
@@ -8,12 +9,13 @@ environment and command are made from both (:mod:`zerotune.deepspeed.launcher`) 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence
 
 from zerotune.core.objective import OBJECTIVES, Objective
 from zerotune.core.stopping import StopRule
 
-__all__ = ["LaunchSpec", "Node", "Reservation", "UserLauncher"]
+__all__ = ["LaunchSpec", "Node", "Reservation", "RunLaunch", "UserLauncher"]
 
 
 class UserLauncher(Protocol):
@@ -136,3 +138,25 @@ class Reservation:
            ``--force_multi`` with the hostfile, or it runs on the local machine.
         """
         return "@".join(f"{n.host}:{','.join(str(s) for s in n.slots)}" for n in self.nodes)
+
+
+@dataclass(frozen=True)
+class RunLaunch:
+    """One experiment's launch, made once before its ranks start: what every step of the launch path (the command,
+    the warm request, the stop) takes.
+
+    Attributes:
+        name: the experiment's name.
+        reservation: the slots it runs on.
+        exp_dir: its directory (the probe's streams, the logs, ``cmd.txt``).
+        config_path: the ds_config file it runs, written before the launch.
+        port: its master port, free on this machine.
+        token: its run token (:func:`zerotune.run.processes.new_run_token`), in every rank's environment.
+    """
+
+    name: str
+    reservation: Reservation
+    exp_dir: Path
+    config_path: str
+    port: int
+    token: str

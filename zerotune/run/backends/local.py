@@ -2,7 +2,8 @@
 
 The backend only starts, supervises and stops processes: the experiment directory (the config it
 ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
-:mod:`zerotune.deepspeed.launcher`'s. It writes ``cmd.txt`` (a command a person can paste) and
+:mod:`zerotune.deepspeed.launcher`'s, and what starts and stops the ranks its starter's
+(:mod:`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes ``cmd.txt`` (a command a person can paste) and
 redirects the launcher's output into ``stdout.log`` and ``stderr.log``. The launcher is started in
 a new session, as a child subreaper, so the whole tree (launcher and ranks, and any process they orphan) is
 killed as one process group on timeout, hang or Ctrl-C, and any straggler, found by the run's session, group
@@ -39,23 +40,14 @@ from pathlib import Path
 import psutil
 
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
-from zerotune.core.launch import LaunchSpec, Reservation
+from zerotune.core.launch import LaunchSpec, Reservation, RunLaunch
 from zerotune.core.measure import load_quantiles
 from zerotune.core.stopping import EndReason, extended_end_step
-from zerotune.deepspeed.launcher import (
-    free_port,
-    launch_command,
-    launch_env,
-    multi_node,
-    paste_command,
-    release_port,
-    script_arguments,
-)
-from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file
-from zerotune.launchers.contract import DEEPSPEED
-from zerotune.probe import BUDGET_ENV, PROBE_DIR_ENV, clean_exits, read_streams, run_phases
+from zerotune.deepspeed.launcher import free_port, paste_command, release_port
+from zerotune.probe import clean_exits, read_streams, run_phases
 from zerotune.run import expdir
 from zerotune.run.backends.base import Backend, limit_data
+from zerotune.run.backends.direct import DirectStarter, RankStarter, popen_cold, warm_note, warm_server_env
 from zerotune.run.backends.timeout import Timeout, experiment_timeout
 from zerotune.run.backends.watch import RunProgress, StreamWatch
 from zerotune.run.processes import (
@@ -63,9 +55,6 @@ from zerotune.run.processes import (
     RUNNING_DIR,
     adopt_orphans,
     data_bytes,
-    descendants,
-    kill_token_on,
-    kill_tree,
     new_run_token,
     reap_orphans,
     remove_shm_buffers,
@@ -73,9 +62,8 @@ from zerotune.run.processes import (
     write_running_record,
 )
 from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
-from zerotune.run.warm.rank import SETUP_FAILED
 
-__all__ = ["LocalBackend", "warm_server_env"]
+__all__ = ["LocalBackend"]
 
 RESCAN_S = 1.0
 """How often a running run's process tree is walked again, s (the walk reads every process's ``stat``: about 1 ms a
@@ -83,14 +71,15 @@ poll on a quiet machine); its known ranks' memory is sampled at every poll."""
 
 
 class LocalBackend(Backend):
-    """Runs each experiment through the ``deepspeed`` launcher as a subprocess of this machine."""
+    """Runs and supervises each experiment; ``starter`` starts and stops its ranks (:mod:`.direct`; default: from
+    this machine, :class:`~zerotune.run.backends.direct.DirectStarter`)."""
 
     poll_s = 0.2
 
-    def __init__(self, spec: LaunchSpec):
+    def __init__(self, spec: LaunchSpec, starter: RankStarter | None = None):
         self.spec = spec
+        self.starter: RankStarter = starter if starter is not None else DirectStarter(spec)
         self._running: dict[int, subprocess.Popen] = {}
-        self._remote: dict[str, list[str]] = {}  # run token -> the hosts of a multi-node run
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._warm: WarmServer | None = None
@@ -116,13 +105,12 @@ class LocalBackend(Backend):
         end_step = extended_end_step(spec.end_profile_step) if watch.rule is not None else spec.end_profile_step
         config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, end_step)
 
-        port = free_port()
-        token = new_run_token()
-        env, cmd = self._launch(exp, reservation, exp_dir, str(config_path), port, token)
+        run = RunLaunch(exp.name, reservation, exp_dir, str(config_path), free_port(), new_run_token())
+        starter, port, token = self.starter, run.port, run.token
+        env, cmd = starter.command(run)
         (exp_dir / expdir.CMD_FILE).write_text(paste_command(env, cmd) + "\n")
 
-        child_setup = _child_setup(self._data_limit())
-        record = write_running_record(running_dir, exp.name, token, port, stop=self._stop_handle(token))
+        record = write_running_record(running_dir, exp.name, token, port, stop=starter.stop_handle(token))
         seen = _Supervised(timeout=experiment_timeout(spec.timeout_s, exp, exp_dir.parent))
         exp.launch, exp.launch_note = LAUNCH_COLD, _cold_note(spec)
         if warm is not None:  # its preload is the tuning's, not this run's: the run's clock starts after it
@@ -136,15 +124,14 @@ class LocalBackend(Backend):
                 proc = None
                 if warm is not None:
                     try:
-                        proc = self._warm_launch(warm, reservation, exp_dir, str(config_path), port, token,
-                                                 {**os.environ, **env, RUN_TOKEN_ENV: token}, cmd, (out, err))
+                        proc = starter.warm_launch(warm, run, {**os.environ, **env, RUN_TOKEN_ENV: token}, cmd,
+                                                   (out, err))
                         exp.launch = LAUNCH_WARM
                     except WarmUnavailable as e:
                         exp.launch_note = f"launched cold: {e}"
                 if proc is None:
-                    proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, **env, RUN_TOKEN_ENV: token}, start_new_session=True,
-                                            preexec_fn=child_setup)
+                    proc = popen_cold(cmd, {**os.environ, **env, RUN_TOKEN_ENV: token}, (out, err),
+                                      _child_setup(starter.data_limit()))
             except BaseException:
                 record.unlink(missing_ok=True)
                 release_port(port)
@@ -154,10 +141,10 @@ class LocalBackend(Backend):
             known: dict[int, psutil.Process] = {}
             try:
                 write_running_record(running_dir, exp.name, token, port, leader=proc.pid, since=since,
-                                     stop=self._stop_handle(token))
-                self._supervise(proc, exp, exp_dir, watch, start, known, seen, token)
+                                     stop=starter.stop_handle(token))
+                self._supervise(proc, exp, run, watch, start, known, seen)
             finally:
-                self._stop(proc, known, token, since)
+                starter.stop(proc, known, token, since)
                 remove_shm_buffers(port)
                 record.unlink(missing_ok=True)
                 with self._lock:
@@ -165,51 +152,21 @@ class LocalBackend(Backend):
                 release_port(port)
         exp = self._finish(exp, exp_dir, proc.returncode, start, seen)
         if exp.launch == LAUNCH_WARM:
-            exp.launch_note = self._warm_failure(proc, exp_dir)
+            exp.launch_note = starter.warm_failure(proc, exp_dir)
         return exp
-
-    def _warm_launch(self, warm: WarmServer, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
-                     token: str, env: dict[str, str], cmd: list[str], logs: tuple) -> WarmRun:
-        """Launch the run from ``warm``: its launch request (:func:`_warm_request`), from what the cold launch
-        (``cmd``, ``env``: the whole environment) would run; ``logs``: the open ``stdout.log``, ``stderr.log``.
-
-        Raises:
-            WarmUnavailable: the server cannot launch it.
-        """
-        return warm.launch(_warm_request(self.spec, reservation, exp_dir, config_path, port, token, env,
-                                         self._data_limit()))
-
-    def _warm_failure(self, proc: WarmRun, exp_dir: Path) -> str:
-        """Why the warm run ``proc`` failed for a reason of the warm start's, not the script's ('' when it did
-        not): its server went away, or its ranks failed before the script started."""
-        if proc.lost:
-            return "its warm server went away during the run"
-        if proc.returncode == SETUP_FAILED:
-            return "its warm ranks failed before the script started (stderr.log says why)"
-        return ""
 
     def _warm_server(self, reservation: Reservation, running_dir: Path) -> WarmServer | None:
         """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold,
-        :meth:`_warm_eligible`). Its environment is the ranks' less the experiment's own probe variables."""
-        if not self._warm_eligible(reservation):
+        the starter's ``warm_eligible``). Its environment is the ranks' less the experiment's own probe variables."""
+        if not self.starter.warm_eligible(reservation):
             return None
         with self._lock:
             if self._warm is None:
-                self._warm = self._new_warm_server(warm_server_env(self.spec, reservation, running_dir), reservation,
-                                                   running_dir)
+                self._warm = self.starter.new_warm_server(warm_server_env(self.spec, reservation, running_dir),
+                                                          reservation, running_dir)
                 self._warm.start()
                 weakref.finalize(self, self._warm.stop)  # a backend dropped without close() (the API, tests)
             return self._warm
-
-    def _warm_eligible(self, reservation: Reservation) -> bool:
-        """Whether runs on ``reservation`` go warm: warm launches are on, the launcher's ranks can be forked
-        (:func:`warm_note`), and it is this machine's alone."""
-        return self.spec.warm and not warm_note(self.spec) and [n.host for n in reservation.nodes] == [
-            "localhost"] and not multi_node(self.spec, reservation)
-
-    def _new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> WarmServer:
-        """A warm server (not started) whose ranks get ``env``: this machine's."""
-        return WarmServer(self.spec.script, env, running_dir)
 
     def close(self) -> None:
         """Stop the warm rank server, if one was started (every run it launched ends with it)."""
@@ -218,62 +175,21 @@ class LocalBackend(Backend):
         if warm is not None:
             warm.stop()
 
-    def _launch(self, exp: Experiment, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
-                token: str) -> tuple[dict[str, str], list[str]]:
-        """The environment additions (shown in ``cmd.txt``) and the command that start ``exp``'s ranks (the run's
-        ``token`` is added to the environment by the caller): here, DeepSpeed's launcher on ``reservation`` with
-        master port ``port``, the probe writing into ``exp_dir``; on several nodes, the launch's environment
-        written into the runner's env file ``exp_dir/deepspeed_env`` for the other nodes' ranks
-        (:func:`~zerotune.deepspeed.rank_env.runner_env_file`)."""
-        env = launch_env(self.spec, reservation, probe_dir=exp_dir, config_path=config_path)
-        if multi_node(self.spec, reservation):  # the token too, so the other nodes' ranks are found by it
-            env.update(runner_env_file({**env, RUN_TOKEN_ENV: token}, exp_dir / RUNNER_ENV_FILE))
-            with self._lock:
-                self._remote[token] = [n.host for n in reservation.nodes]
-        return env, launch_command(self.spec, reservation, config_path, port, direct=True)
-
-    def _data_limit(self) -> int | None:
-        """The ``RLIMIT_DATA`` the launched command gets, bytes, inherited by its ranks (None: none)."""
-        return self.spec.device_memory_bytes if self.spec.cpu else None
-
-    def _stop_handle(self, token: str) -> dict[str, str] | None:
-        """What a later tuner needs, besides the run's token and its launcher's session, to stop the run of
-        ``token`` if this tuner dies: the running record's stop handle (:mod:`zerotune.run.backends.stop_handles`).
-        None here: the token and the session find every process of a local run."""
-        return None
-
-    def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
-        """The processes of the run to watch (sampled for peak memory, killed at the end): the launcher's tree."""
-        return descendants(proc.pid)
-
-    def _stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
-        """Stop the run and return once every process of it is gone (:func:`~zerotune.run.processes.kill_tree`).
-        A multi-node run's runner is SIGKILLed first, alone (its own SIGTERM handler would pkill every DeepSpeed
-        launcher on its hosts), then the run's processes on every node are killed by its token
-        (:func:`~zerotune.run.processes.kill_token_on`)."""
-        with self._lock:
-            hosts = self._remote.pop(token, None)
-        if hosts is not None:
-            if proc.poll() is None:
-                proc.kill()
-            kill_token_on(hosts, token)
-        kill_tree(proc, known, token, since)
-
-    def _supervise(self, proc: subprocess.Popen, exp: Experiment, exp_dir: Path, watch: StreamWatch, start: float,
-                   known: dict[int, psutil.Process], seen: _Supervised, token: str) -> None:
+    def _supervise(self, proc: subprocess.Popen, exp: Experiment, run: RunLaunch, watch: StreamWatch, start: float,
+                   known: dict[int, psutil.Process], seen: _Supervised) -> None:
         """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
         noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
         follows)."""
         spec = self.spec
         script_name = Path(spec.script).name
-        progress = RunProgress(exp_dir, start)
+        progress = RunProgress(run.exp_dir, start)
         watch.launched_at = start
         ranks: list[psutil.Process] = []
         scanned = float("-inf")
         while proc.poll() is None:
             now = time.monotonic()
             if now - scanned >= RESCAN_S:
-                scanned, tree = now, self._ranks(proc, token)
+                scanned, tree = now, self.starter.ranks(proc, run.token)
                 for child in tree:
                     known.setdefault(child.pid, child)
                 ranks = [c for c in tree if _is_rank(proc, c, script_name)]  # not the launcher, nor a JIT compiler
@@ -294,7 +210,7 @@ class LocalBackend(Backend):
             except subprocess.TimeoutExpired:
                 pass
         if seen.ended is None and watch.reached_cap() and (
-                proc.returncode == 0 or clean_exits(exp_dir, exp.num_nodes * exp.num_slots)):
+                proc.returncode == 0 or clean_exits(run.exp_dir, exp.num_nodes * exp.num_slots)):
             # the script ended past end_profile_step, before the extended exit (a non-zero exit after
             # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
             seen.ended = EndReason.STEP_CAP
@@ -321,7 +237,12 @@ class LocalBackend(Backend):
                          else f"no output for {spec.hang_timeout_s:g} s: killed as hung")
         elif exp.status is Status.TIMEOUT:
             exp.error = seen.timeout.reason()
-        return exp
+        return self.starter.finish(exp)
+
+    def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
+                        ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:
+        """The starter's (:meth:`RankStarter.training_launch <zerotune.run.backends.direct.RankStarter>`)."""
+        return self.starter.training_launch(spec, reservation, config_path, master_port, ds_config)
 
     def cancel_all(self) -> None:
         """Stop every running experiment: each run's supervising loop sees it within ``poll_s`` and
@@ -342,23 +263,6 @@ class _Supervised:
     peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
 
 
-def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Path) -> dict[str, str]:
-    """The environment of a warm server for ``spec``'s runs on ``reservation`` (its imports need the ranks'
-    accelerator, ``PYTHONPATH`` and the exps dir's extension cache): this process's with the launch's
-    (:func:`~zerotune.deepspeed.launcher.launch_env`), less an experiment's own probe variables (each run's request
-    carries its own)."""
-    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir.parent)}
-    env.pop(PROBE_DIR_ENV, None)
-    env.pop(BUDGET_ENV, None)
-    return env
-
-
-def warm_note(spec: LaunchSpec) -> str:
-    """Why ``spec``'s ranks cannot be forked warm ('' when they can): its launcher's reason
-    (:meth:`~zerotune.core.launch.UserLauncher.warm_note`)."""
-    return spec.launcher.warm_note() if spec.launcher is not None else ""
-
-
 def _cold_note(spec: LaunchSpec) -> str:
     """Why a run of ``spec`` starts cold when warm launches are on and its launcher's ranks cannot be forked ('':
     no such reason)."""
@@ -376,18 +280,6 @@ def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_nam
         return child.ppid() == proc.pid
     except psutil.Error:
         return False
-
-
-def _warm_request(spec: LaunchSpec, reservation: Reservation, exp_dir: Path, config_path: str, port: int, token: str,
-                  env: dict[str, str], data_limit: int | None) -> dict:
-    """The warm server's launch request for a run on this machine alone (:mod:`zerotune.run.warm.server`): what the
-    direct launch's command line says (:func:`~zerotune.deepspeed.launcher.launch_command`), as data."""
-    contract = spec.launcher.contract if spec.launcher is not None else DEEPSPEED
-    return {"script": spec.script, "args": script_arguments(spec, config_path), "env": env, "cwd": os.getcwd(),
-            "contract": contract,
-            "slots": list(reservation.nodes[0].slots), "master_addr": "127.0.0.1", "master_port": port,
-            "stdout": str(exp_dir / expdir.STDOUT_LOG), "stderr": str(exp_dir / expdir.STDERR_LOG),
-            "data_limit": data_limit, "probe_dir": str(exp_dir.resolve()), "token": token}
 
 
 def _child_setup(limit: int | None):

@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from zerotune.core.launch import LaunchSpec, Node, Reservation
-from zerotune.run.backends.local import warm_server_env
+from zerotune.run.backends.direct import warm_server_env
 from zerotune.run.slots import LOCALHOST
 from zerotune.run.warm.client import SERVER_RECORD, WarmServer, WarmUnavailable
 

@@ -16,7 +16,7 @@ free on this machine. The probe is injected as the local backend injects it
 CPUs per node over S) lets two experiments share a node side by side, as the slot pool places them.
 
 Supervision, timeouts, hangs, adaptive stops and the experiment directory are the local backend's
-(:class:`~zerotune.run.backends.local.LocalBackend`, of which this is a subclass): srun is the supervised
+(:class:`~zerotune.run.backends.local.LocalBackend`, composed with :class:`SrunStarter`): srun is the supervised
 process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the step is cancelled by its id
 (``scancel JOB.STEP``, found by its unique name in ``squeue --steps``): Slurm signals every rank on every node
 (SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
@@ -51,8 +51,9 @@ import psutil
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.core.launch import LaunchSpec, Node, Reservation
+from zerotune.core.launch import LaunchSpec, Node, Reservation, RunLaunch
 from zerotune.deepspeed.launcher import launch_env, script_arguments
+from zerotune.run.backends.direct import popen_cold
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.backends.slurm_rank import DATA_LIMIT_ENV, expand_counts
 from zerotune.run.backends.slurm_step import SLURM_STEP_GONE_S, cancel_slurm_step, slurm_step_id, step_handle
@@ -61,7 +62,7 @@ from zerotune.run.expdir import STDERR_LOG
 from zerotune.run.processes import adopt_orphans, descendants, kill_tree, run_processes
 from zerotune.run.warm.rank import SETUP_FAILED_LINE
 
-__all__ = ["SlurmBackend", "slurm_nodes", "srun_command", "step_env"]
+__all__ = ["SlurmBackend", "SrunStarter", "slurm_nodes", "srun_command", "step_env"]
 
 RANK_MODULE = "zerotune.run.backends.slurm_rank"
 ALLOCATION_ENDING = "Job/step already completing or completed"  # srun's error when it cannot create a step
@@ -162,11 +163,12 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
     return cmd + script_arguments(spec, config_path, ds_config)
 
 
-class SlurmBackend(LocalBackend):
-    """Runs each experiment as a job step of the allocation this process runs in (see the module docstring).
+class SrunStarter:
+    """Starts each run as a job step of the allocation this process runs in, and stops it by the step's id (see the
+    module docstring): the Slurm backend's starter (:class:`~zerotune.run.backends.direct.RankStarter`).
 
     Args:
-        spec: how to launch the training script (as for :class:`LocalBackend`).
+        spec: how to launch the training script.
         environ: Slurm's environment (``SLURM_JOB_ID``, ``SLURM_JOB_CPUS_PER_NODE``).
 
     Raises:
@@ -174,7 +176,7 @@ class SlurmBackend(LocalBackend):
     """
 
     def __init__(self, spec: LaunchSpec, environ: Mapping[str, str] = os.environ):
-        super().__init__(spec)
+        self.spec = spec
         self.environ = environ
         self._hosts: list[str] | None = None
         self.job_id = _allocation_env(environ, "SLURM_JOB_ID")
@@ -186,67 +188,24 @@ class SlurmBackend(LocalBackend):
         """CPUs per rank: the allocation's CPUs per node (the fewest) over the ranks per node, at least 1."""
         return max(1, self.cpus_per_node // reservation.nodes[0].num_slots)
 
-    def _launch(self, exp: Experiment, reservation: Reservation, exp_dir: Path, config_path: str, port: int,
-                token: str) -> tuple[dict[str, str], list[str]]:
-        name = f"zerotune-{exp.name}-{token[-8:]}"
-        self._steps[token] = name
-        return (step_env(self.spec, reservation, port, probe_dir=exp_dir, config_path=config_path),
-                srun_command(self.spec, reservation, config_path, self.cpus_per_task(reservation), name))
+    def command(self, run: RunLaunch) -> tuple[dict[str, str], list[str]]:
+        """The step's environment (:func:`step_env`) and its ``srun`` line (:func:`srun_command`), named
+        ``zerotune-<experiment>-<token's end>``."""
+        name = f"zerotune-{run.name}-{run.token[-8:]}"
+        self._steps[run.token] = name
+        return (step_env(self.spec, run.reservation, run.port, probe_dir=run.exp_dir, config_path=run.config_path),
+                srun_command(self.spec, run.reservation, run.config_path, self.cpus_per_task(run.reservation), name))
 
-    def _stop_handle(self, token: str) -> dict[str, str] | None:
+    def stop_handle(self, token: str) -> dict[str, str] | None:
         """The run's job step (:func:`~zerotune.run.backends.slurm_step.step_handle`): its ranks on other nodes
         have no process on this machine."""
         return step_handle(self.job_id, self._steps[token]) if token in self._steps else None
 
-    def _warm_eligible(self, reservation: Reservation) -> bool:
-        """Whether runs go warm: warm launches are on (every node of the allocation has a server)."""
-        return self.spec.warm
+    def data_limit(self) -> int | None:
+        """None: each rank's is set by the rank wrapper; srun itself runs unlimited."""
+        return None
 
-    def _new_warm_server(self, env: dict[str, str], reservation: Reservation,
-                         running_dir: Path) -> SlurmWarmServers:
-        """The warm rank servers' step on every node of the allocation (:mod:`zerotune.run.backends.slurm_warm`),
-        not started."""
-        return SlurmWarmServers(self.job_id, self.hosts(), self.spec.script, env, running_dir,
-                                0 if self.spec.cpu else reservation.nodes[0].num_slots)
-
-    def hosts(self) -> list[str]:
-        """The allocation's nodes (``SLURM_JOB_NODELIST`` expanded), asked of Slurm once."""
-        if self._hosts is None:
-            self._hosts = hostnames(_allocation_env(self.environ, "SLURM_JOB_NODELIST"))
-        return self._hosts
-
-    def _warm_launch(self, warm: SlurmWarmServers, reservation: Reservation, exp_dir: Path, config_path: str,
-                     port: int, token: str, env: dict[str, str], cmd: list[str], logs: tuple) -> subprocess.Popen:
-        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``)."""
-        at = cmd.index(RANK_MODULE) + 1  # --warm SOCKET first: the wrapper reads its options in that order
-        return subprocess.Popen([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], stdout=logs[0],
-                                stderr=logs[1], stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                preexec_fn=adopt_orphans)
-
-    def _warm_failure(self, proc: subprocess.Popen, exp_dir: Path) -> str:
-        """A task's line on why its warm rank did not run the script (no server, a server gone, a failed fork:
-        :func:`~zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
-        if proc.returncode == 0:
-            return ""
-        try:
-            text = (exp_dir / STDERR_LOG).read_text(errors="replace")
-        except OSError:
-            return ""
-        line = next((ln for ln in text.splitlines() if ln.startswith(SETUP_FAILED_LINE)), "")
-        return line[len(SETUP_FAILED_LINE):].lstrip(": ")
-
-    def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float, seen) -> Experiment:
-        """The local backend's outcome, except that a step srun could not create because the allocation is ending
-        (``scancel`` of the job, its time limit) is INTERRUPTED, re-run on resume, not a failed config."""
-        exp = super()._finish(exp, exp_dir, exit_code, start, seen)
-        if exp.status is Status.FAILED and ALLOCATION_ENDING in exp.error:
-            exp.status, exp.error = Status.INTERRUPTED, f"the allocation is ending: {exp.error}"
-        return exp
-
-    def _data_limit(self) -> int | None:
-        return None  # each rank's, set by the rank wrapper: srun itself runs unlimited
-
-    def _ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
+    def ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
         """srun's tree and, looked up by the run's token at most every second, its ranks on this machine
         (started by slurmd, not by srun)."""
         when, found = self._scans.get(token, (0.0, []))
@@ -255,7 +214,7 @@ class SlurmBackend(LocalBackend):
             self._scans[token] = (time.monotonic(), found)
         return descendants(proc.pid) + [p for p in found if p.pid != proc.pid]
 
-    def _stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
+    def stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
         """Cancel the run's step (``scancel JOB.STEP``) while srun runs, wait for srun to exit (Slurm's
         ``KillWait`` and a margin), kill what is left on this machine, and wait until the step has left
         ``squeue``."""
@@ -271,6 +230,47 @@ class SlurmBackend(LocalBackend):
         kill_tree(proc, known, token, since)
         cancel_slurm_step(self.job_id, name)
 
+    def warm_eligible(self, reservation: Reservation) -> bool:
+        """Whether runs go warm: warm launches are on (every node of the allocation has a server)."""
+        return self.spec.warm
+
+    def new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> SlurmWarmServers:
+        """The warm rank servers' step on every node of the allocation (:mod:`zerotune.run.backends.slurm_warm`),
+        not started."""
+        return SlurmWarmServers(self.job_id, self.hosts(), self.spec.script, env, running_dir,
+                                0 if self.spec.cpu else reservation.nodes[0].num_slots)
+
+    def hosts(self) -> list[str]:
+        """The allocation's nodes (``SLURM_JOB_NODELIST`` expanded), asked of Slurm once."""
+        if self._hosts is None:
+            self._hosts = hostnames(_allocation_env(self.environ, "SLURM_JOB_NODELIST"))
+        return self._hosts
+
+    def warm_launch(self, warm: SlurmWarmServers, run: RunLaunch, env: dict[str, str], cmd: list[str],
+                    logs: tuple) -> subprocess.Popen:
+        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``)."""
+        at = cmd.index(RANK_MODULE) + 1  # --warm SOCKET first: the wrapper reads its options in that order
+        return popen_cold([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], env, logs, adopt_orphans)
+
+    def warm_failure(self, proc: subprocess.Popen, exp_dir: Path) -> str:
+        """A task's line on why its warm rank did not run the script (no server, a server gone, a failed fork:
+        :func:`~zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
+        if proc.returncode == 0:
+            return ""
+        try:
+            text = (exp_dir / STDERR_LOG).read_text(errors="replace")
+        except OSError:
+            return ""
+        line = next((ln for ln in text.splitlines() if ln.startswith(SETUP_FAILED_LINE)), "")
+        return line[len(SETUP_FAILED_LINE):].lstrip(": ")
+
+    def finish(self, exp: Experiment) -> Experiment:
+        """A step srun could not create because the allocation is ending (``scancel`` of the job, its time limit)
+        is INTERRUPTED, re-run on resume, not a failed config."""
+        if exp.status is Status.FAILED and ALLOCATION_ENDING in exp.error:
+            exp.status, exp.error = Status.INTERRUPTED, f"the allocation is ending: {exp.error}"
+        return exp
+
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
         """The environment additions and the ``srun`` line that train with ``config_path`` on ``reservation``
@@ -278,3 +278,15 @@ class SlurmBackend(LocalBackend):
         return (step_env(spec, reservation, master_port, config_path=config_path),
                 srun_command(spec, reservation, config_path, self.cpus_per_task(reservation), "zerotune-train",
                              ds_config=ds_config))
+
+
+class SlurmBackend(LocalBackend):
+    """The local backend's supervision with job steps as its starter (:class:`SrunStarter`; see the module
+    docstring).
+
+    Raises:
+        ConfigError: not inside an allocation.
+    """
+
+    def __init__(self, spec: LaunchSpec, environ: Mapping[str, str] = os.environ):
+        super().__init__(spec, SrunStarter(spec, environ))
