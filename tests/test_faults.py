@@ -25,6 +25,7 @@ import os
 import random
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -216,14 +217,17 @@ def test_overwrite_removes_experiment_dirs_and_nothing_else(tmp_path):
 
 
 def built_op(root: Path, name: str, torch_dir: str, deepspeed_dir: str | None = None) -> Path:
-    """A stand-in for an op torch built under ``root``: its library and a ``build.ninja`` naming the
-    install's include dirs as torch writes them (a DeepSpeed op: its sources under ``deepspeed/ops``)."""
+    """A stand-in for an op torch built under ``root``, built for real by ninja (its log and library as a build
+    leaves them, up to date): a ``build.ninja`` naming the install's include dirs as torch writes them (a DeepSpeed
+    op: its sources under ``deepspeed/ops``), its one command writing ``<name>.so``."""
     op = root / name
     op.mkdir(parents=True)
-    (op / f"{name}.so").write_bytes(b"\x7fELF")
     ds = f"-I{deepspeed_dir}/ops/csrc/includes " if deepspeed_dir else ""
-    (op / "build.ninja").write_text(f"cflags = -DTORCH_EXTENSION_NAME={name} {ds}-isystem {torch_dir}/include\n"
-                                    + (f"build {name}.o: compile {deepspeed_dir}/ops/csrc/{name}.cpp\n" if ds else ""))
+    (op / "build.ninja").write_text(
+        f"cflags = -DTORCH_EXTENSION_NAME={name} {ds}-isystem {torch_dir}/include\n"
+        + (f"sources = {deepspeed_dir}/ops/csrc/{name}.cpp\n" if ds else "")
+        + f"rule link\n  command = printf '\\177ELF' > $out\nbuild {name}.so: link\ndefault {name}.so\n")
+    subprocess.run(["ninja"], cwd=op, check=True, capture_output=True)
     return op
 
 
@@ -235,9 +239,17 @@ def test_experiments_get_their_own_seeded_extension_cache(tmp_path):
     os.utime(machine / "fused_adam" / "lock", (time.time() - 3600,) * 2)
     built_op(machine, "building", *here)
     (machine / "building" / "lock").write_text("")  # fresh: a build in progress, not copied
+    built_op(machine, "no_log", *here)
+    (machine / "no_log" / ".ninja_log").unlink()  # torch's load would run ninja, which would rebuild it: not copied
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in machine.rglob("*") if p.is_file()}
     ext = extensions.extensions_dir(tmp_path / "exps")
     assert extensions.seed(ext, [machine], install=here) == ["fused_adam"]
-    assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == ["build.ninja", "fused_adam.so"]  # no lock
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in machine.rglob("*") if p.is_file()} == before
+    shutil.copytree(machine / "no_log", tmp_path / "no_log_copy")
+    assert extensions.would_build(tmp_path / "no_log_copy") == "command line not found in log for no_log.so"
+    # no lock; ninja's log and timestamps kept, so the copy loads with no build
+    assert sorted(p.name for p in (ext / "fused_adam").iterdir()) == [".ninja_log", "build.ninja", "fused_adam.so"]
+    assert extensions.would_build(ext / "fused_adam") == ""
     assert (ext / "fused_adam" / "fused_adam.so").stat().st_mtime == (machine / "fused_adam" / "fused_adam.so").stat().st_mtime
     from zerotune.core.launch import Node, Reservation
     from zerotune.deepspeed.launcher import launch_env
@@ -259,12 +271,16 @@ def test_the_summary_says_which_jit_builds_a_tuning_paid_and_how_long(tmp_path):
     os.utime(machine / "fused_adam" / "fused_adam.so", (1_000_000_000,) * 2)  # built long ago, elsewhere
     assert extensions.seed(ext, [machine], install=here) == ["fused_adam"]  # a seed keeps its timestamps
     started = time.time()
-    op = built_op(ext, "cpu_adam", *here)  # built by this tuning's experiments: build.ninja first, the .so last
-    os.utime(op / "build.ninja", (started + 1,) * 2)
+    op = built_op(ext, "cpu_adam", *here)  # built by this tuning's experiments: its log as ninja 1.11 writes it, ms
+    (op / ".ninja_log").write_text("# ninja log v5\n0\t30012\t1796218684827458618\tcpu_adam.o\t15283e4d9fd286de\n"
+                                   "30012\t31000\t1796218686997256212\tcpu_adam.so\tf1ddaf1c9ebcf7ba\n"  # a build before
+                                   "1\t60880\t1796219151327480142\tcpu_adam.o\t47daf56593daa74f\n"
+                                   "60880\t61437\t1796219152233228920\tcpu_adam.so\tea3dd364d2268cbb\n")
+    os.utime(op / "build.ninja", (started + 1,) * 2)  # build.ninja's time is not the build's: torch rewrites it
     os.utime(op / "cpu_adam.so", (started + 62.4,) * 2)
     built_op(ext, "failed", *here)
     (ext / "failed" / "failed.so").unlink()  # no library: a build that failed or still runs
-    assert extensions.builds_since(ext, started) == {"cpu_adam": pytest.approx(61.4)}
+    assert extensions.builds_since(ext, started) == {"cpu_adam": 61.437}
     assert extensions.build_note(extensions.builds_since(ext, started)) == (
         "JIT builds paid by this tuning: cpu_adam 61 s (kept in zerotune's cache: the next tuning loads them)")
     assert extensions.build_note(extensions.builds_since(ext, started + 100)) is None

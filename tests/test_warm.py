@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import pytest
 
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
+from zerotune.deepspeed.extensions import default_root, last_build_s
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUNNING_DIR, reap_orphans, run_processes
 from zerotune.run.resources import SlotPool, select_resources
@@ -253,9 +256,10 @@ def test_a_run_whose_server_goes_away_is_rerun_cold_and_says_so(tmp_path):
     assert "deepspeed.launcher.launch" in (exps / "z0" / "cmd.txt").read_text()
 
 
-def _tune(tmp: Path, *extra: str) -> subprocess.Popen:
+def _tune(tmp: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A real tuning whose answer is not a matter of noise: ZeRO-0 at mbs 1 or 16 (the tiny model's step time barely
-    grows with mbs: 16 is several times the samples/s), gas 1 (the global batch is capped at 32)."""
+    grows with mbs: 16 is several times the samples/s), gas 1 (the global batch is capped at 32); ``env``: the
+    tuner's environment (default this process's)."""
     (tmp / "ds.json").write_text(json.dumps({
         "train_micro_batch_size_per_gpu": [1, 16], "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 0},
@@ -263,7 +267,7 @@ def _tune(tmp: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "zerotune", "tune", "--num_gpus", "2", "--device-memory", "3GiB",
                              "--results-dir", str(tmp / "results"), "--timeout", "240", *extra, GPT, *TINY, "--steps",
                              "6", "--deepspeed_config", str(tmp / "ds.json")], cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
 
 
 def _server_token(running: Path, tuner: subprocess.Popen) -> str:
@@ -305,18 +309,33 @@ def test_no_warm_server_outlives_a_stopped_tuner(tmp_path, sig):
     assert list(running.glob("*.json")) == []
 
 
-@pytest.mark.e2e  # two real tunings, cold then warm: about 90 s
+def _machine_cache(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root`` with its mtime (ns) and bytes."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.e2e  # two real tunings, cold then warm, and one JIT build of the shared-memory op: about 2 min
 @pytest.mark.serial  # it compares two tunings' answers: a neighbour's load would move their readings
-def test_a_tuning_runs_warm_to_the_same_answer_as_cold(tmp_path):
-    answers = {}
+def test_a_tuning_runs_warm_to_the_same_answer_as_cold_and_never_writes_the_machines_cache(tmp_path):
+    # the machine's JIT cache as the tuner sees it (TORCH_EXTENSIONS_DIR), its ops copied from this machine's; the
+    # shared-memory op's ninja log is missing, so loading it there would rebuild it in place
+    machine = tmp_path / "machine_cache"
+    for op in ("deepspeed_shm_comm", "fused_adam"):
+        shutil.copytree(default_root() / op, machine / op, ignore=shutil.ignore_patterns("lock"))
+    (machine / "deepspeed_shm_comm" / ".ninja_log").unlink(missing_ok=True)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(machine), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    before = _machine_cache(machine)
+    answers, summaries, walls = {}, {}, {}
     for mode, extra in (("cold", ("--cold-launch",)), ("warm", ())):
         work = tmp_path / mode
         work.mkdir()
-        tuner = _tune(work, *extra)
+        started = time.monotonic()
+        tuner = _tune(work, *extra, env=env)
         running = work / "results" / "exps" / RUNNING_DIR
         token = _server_token(running, tuner) if mode == "warm" else None
         _, err = tuner.communicate(timeout=600)
         assert tuner.returncode == 0, err[-3000:]
+        summaries[mode], walls[mode] = (work / "results" / "summary.txt").read_text(), time.monotonic() - started
         records = [json.loads(p.read_text()) for p in (work / "results" / "exps").glob("*/exp.json")]
         assert {r["launch"] for r in records} == {mode}, [(r["name"], r["launch"], r["launch_note"]) for r in records]
         optimal = json.loads((work / "results" / "ds_config_optimal.json").read_text())
@@ -324,3 +343,11 @@ def test_a_tuning_runs_warm_to_the_same_answer_as_cold(tmp_path):
         if token is not None:
             assert run_processes(token) == []  # the tuning's answer ends its server
     assert answers["warm"] == answers["cold"] == (0, 16)
+    assert _machine_cache(machine) == before  # neither tuning nor its warm server wrote a byte there
+    # the cold tuning's ranks built the op in its exps dir's cache, and its summary gives ninja's own time for it;
+    # the warm tuning seeded that build from zerotune's cache and built nothing
+    built = re.search(r"JIT builds paid by this tuning: deepspeed_shm_comm (\d+) s", summaries["cold"])
+    log = tmp_path / "cold" / "results" / "exps" / ".torch_extensions" / "deepspeed_shm_comm" / ".ninja_log"
+    assert built and 1 <= int(built[1]) < walls["cold"], summaries["cold"]
+    assert int(built[1]) == round(last_build_s(log, "deepspeed_shm_comm.so"))
+    assert "JIT builds paid" not in summaries["warm"]

@@ -306,10 +306,12 @@ class Autotuner:
         ext = extensions.extensions_dir(self.job.exps_dir)
         extensions.seed(ext)
         machine = extensions.default_root()
-        for op in sorted(p.parent.name for p in machine.glob("*/build.ninja")
-                         if not (ext / p.parent.name).exists() and not extensions.built_here(p.parent)):
-            logger.info(f"note: {machine / op} was built by another install (its build.ninja names other paths): the "
-                      f"experiments build it again, once (about a minute), and zerotune keeps that build")
+        for op in sorted(p.parent.name for p in machine.glob("*/build.ninja") if not (ext / p.parent.name).exists()):
+            why = ("was built by another install (its build.ninja names other paths)"
+                   if not extensions.built_here(machine / op) else "would be rebuilt by its load (ninja's log or "
+                   "timestamps are not its build's)")
+            logger.info(f"note: {machine / op} {why}: the experiments build it again, once (about a minute), and "
+                        f"zerotune keeps that build")
         for lock in extensions.remove_stale_locks(ext):
             logger.info(f"removed {lock}: a torch extension lock left by a killed process")
         old = time.time() - extensions.BUILD_S

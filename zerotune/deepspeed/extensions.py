@@ -18,8 +18,10 @@ be loading. A seeded file is its own inode (link count 1).
 
 A built op is reusable only by the install that built it: torch rewrites the op's ``build.ninja``
 when the include and library paths it would write now differ (a venv moved or recreated, another
-venv), and ninja then rebuilds the op, about a minute per op on a 2-core machine. So an op is seeded
-only when its ``build.ninja`` names this install's torch and DeepSpeed (:func:`built_here`). Ops
+venv), and ninja then rebuilds the op, about a minute per op on a 2-core machine; so does a build dir whose
+``.ninja_log`` is missing or another ninja's. So an op is seeded only when its ``build.ninja`` names this install's
+torch and DeepSpeed (:func:`built_here`) and its copy loads with no build (ninja's own dry run in the copy,
+:func:`would_build`). Ops
 the experiments had to build themselves are kept in zerotune's own cache when the tuning ends
 (:func:`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
 next time, so they are built once per install, not once per results dir; the machine's cache is
@@ -36,13 +38,14 @@ import importlib.util
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 __all__ = ["EXTENSIONS_DIR", "LOCK_FILE", "build_note", "builds_since", "built_here", "default_root", "extensions_dir", "own_root", "publish",
-           "remove_stale_locks", "seed", "stale_locks"]
+           "remove_stale_locks", "seed", "stale_locks", "would_build"]
 
 EXTENSIONS_DIR = ".torch_extensions"  # under the exps dir
 LOCK_FILE = "lock"  # torch.utils.file_baton.FileBaton's file in each op's build directory
@@ -140,8 +143,32 @@ def seed(target: Path, sources: Sequence[Path] | None = None,
                     stale_locks(op.parent, None, op.name) or not built_here(op, install):
                 continue
             if _copy_whole(op, target / op.name):
+                if would_build(target / op.name):  # torch would run ninja on load: left to the experiments
+                    shutil.rmtree(target / op.name, ignore_errors=True)
+                    continue
                 copied.append(op.name)
     return copied
+
+
+def would_build(op: Path, environ: dict[str, str] | None = None) -> str:
+    """Why loading the op built in ``op`` would build (ninja's first reason, e.g. ``command line not found in log
+    for fused_adam.o``), or '' when it loads with no build: ninja's own dry run (``ninja -n -d explain``) in ``op``,
+    with the ``ninja`` torch would run (the first on ``environ``'s ``PATH``, default this process's), so its build
+    log, dependencies and timestamps are read as torch's build would read them. Run only in a cache that is
+    zerotune's: ninja rewrites a log another version wrote. No ninja: 'no ninja on PATH' (torch loads no op
+    without one)."""
+    env = os.environ if environ is None else environ
+    ninja = shutil.which("ninja", path=env.get("PATH"))
+    if ninja is None:
+        return "no ninja on PATH"
+    try:
+        out = subprocess.run([ninja, "-n", "-d", "explain"], cwd=op, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"ninja's dry run failed: {e}"
+    if out.returncode == 0 and "no work to do" in out.stdout:
+        return ""
+    lines = [ln.removeprefix("ninja explain: ") for ln in (out.stderr + out.stdout).splitlines() if ln.strip()]
+    return lines[0] if lines else f"ninja's dry run exited {out.returncode}"
 
 
 def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
@@ -177,10 +204,10 @@ def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
 
 
 def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
-    """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its build
-    took, s: from its ``build.ninja`` (torch writes it as the build starts) to its ``<op>.so`` (ninja writes it
-    last). A seeded op keeps its source's timestamps, so only a build paid since then counts; an op without a
-    ``.so`` (a build that failed or still runs) does not."""
+    """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its last build
+    took, s: ninja's own time in the op's ``.ninja_log`` (:func:`last_build_s`), from ninja's start to the library. An op counts when its ``<op>.so``
+    was written since then (a seeded op keeps its source's timestamps); one without a ``.so`` (a build that failed
+    or still runs) or without a log ninja wrote is not counted."""
     builds = {}
     try:
         ops = sorted(p for p in Path(ext_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -188,12 +215,28 @@ def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
         return builds
     for op in ops:
         try:
-            ninja, lib = (op / "build.ninja").stat().st_mtime, (op / f"{op.name}.so").stat().st_mtime
+            written = (op / f"{op.name}.so").stat().st_mtime
         except OSError:
             continue
-        if lib >= since:
-            builds[op.name] = max(0.0, lib - ninja)
+        took = last_build_s(op / ".ninja_log", f"{op.name}.so") if written >= since else None
+        if took is not None:
+            builds[op.name] = took
     return builds
+
+
+def last_build_s(log: Path, output: str) -> float | None:
+    """How long ninja's last run that wrote ``output`` took, s, from a build dir's ``.ninja_log``: each line is
+    ``start end mtime output hash``, the times in ms from the start of the ninja run that wrote it, so the last line
+    for ``output`` (the library, linked last) ends when that run ended. None: no log, or no such line."""
+    try:
+        lines = Path(log).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        fields = line.split("\t")
+        if len(fields) >= 4 and fields[3] == output and fields[1].isdigit():
+            return int(fields[1]) / 1000
+    return None
 
 
 def build_note(builds: dict[str, float]) -> str | None:

@@ -153,7 +153,7 @@ def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Pat
     accelerator, ``PYTHONPATH`` and the exps dir's extension cache): this process's with the launch's
     (:func:`~zerotune.deepspeed.launcher.launch_env`), less an experiment's own probe variables (each run's request
     carries its own)."""
-    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir.parent)}
+    env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir)}  # the exps dir's cache, beside it
     env.pop(PROBE_DIR_ENV, None)
     env.pop(BUDGET_ENV, None)
     return env

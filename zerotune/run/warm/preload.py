@@ -34,6 +34,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zerotune.deepspeed.extensions import EXTENSIONS_DIR, would_build
+
 __all__ = ["ALWAYS", "OPS", "Preloaded", "fork_unsafe", "learn", "learnable", "preload", "preload_ops", "watch_parent",
            "script_imports"]
 
@@ -189,9 +191,12 @@ cold launch."""
 
 
 def preload_ops() -> list[str]:
-    """Load the ops of :data:`OPS` that this accelerator has and that are already built in this process's torch
-    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`); an op not
-    built yet is left to the rank that needs it (the server never compiles). DeepSpeed keeps a loaded op in its
+    """Load the ops of :data:`OPS` that this accelerator has and that load with no build from this process's torch
+    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`; ninja's dry
+    run there finds no work, :func:`~zerotune.deepspeed.extensions.would_build`); an op not built yet, or one whose
+    load would build, is left to the rank that needs it (the server never compiles). Where that variable names no
+    exps dir's cache, none: another cache (the machine's) is never loaded from, so never written (a load may
+    rebuild it). DeepSpeed keeps a loaded op in its
     builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
     on CUDA a builder's compatibility check may create the CUDA context, after which nothing could be forked. Returns
     the ops loaded; a failure is logged and skipped."""
@@ -202,15 +207,15 @@ def preload_ops() -> list[str]:
     except Exception as e:  # noqa: BLE001 - an optimisation only
         log.warning("warm server: no op preloaded: %s: %s", type(e).__name__, e)
         return loaded
-    if get_accelerator()._name != "cpu":  # a CUDA op's compatibility check may create the CUDA context
-        return loaded
+    if get_accelerator()._name != "cpu" or Path(os.environ.get("TORCH_EXTENSIONS_DIR", "")).name != EXTENSIONS_DIR:
+        return loaded  # a CUDA op's compatibility check may create the CUDA context; no cache of zerotune's
     for class_name in OPS:
         try:
             builder = get_accelerator().create_op_builder(class_name)
             if builder is None or not builder.is_compatible(verbose=False):
                 continue
-            if not os.path.exists(os.path.join(_get_build_directory(builder.name, verbose=False),
-                                               f"{builder.name}.so")):
+            build_dir = _get_build_directory(builder.name, verbose=False)
+            if not os.path.exists(os.path.join(build_dir, f"{builder.name}.so")) or would_build(Path(build_dir)):
                 continue
             builder.load(verbose=False)
         except BaseException as e:  # noqa: BLE001 - the rank loads it again and meets the error as its own
