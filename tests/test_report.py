@@ -312,6 +312,39 @@ def test_results_csv_and_the_timeline_carry_start_up_apart_from_measuring():
                                                     "<extra>%{fullData.name}</extra>")
 
 
+def test_a_records_own_text_is_shown_as_text_in_the_page_the_plots_and_the_csv():
+    from zerotune.report.html import page
+    hostile = run("z1<a href=x>", 1, 4, 100.0, 0.01)
+    failed = run("=cmd|' /C calc'!A0", 2, 8, None, status=Status.OOM, started=60.0)
+    failed.error = "<!--<script>alert(1)</script>"
+    hostile.memory_bytes = failed.memory_bytes = 2 ** 30
+    data = ReportData([hostile, failed], Objective.named("throughput"), 40 * 2 ** 30, None, hostile, Path("exps"))
+    text = page(data)
+    script = text[text.rindex("<script>") + len("<script>"):text.rindex("</script>")]
+    assert "<" not in script and ">" not in script  # nothing ends or comments out the plots' script
+    plots = figures(data)
+    assert plots["memory"]["data"][0]["x"] == ["z1&lt;a href=x&gt;", "=cmd|' /C calc'!A0"]  # never a link
+    (oom,) = [t for t in plots["throughput"]["data"] if t["name"] == "oom (at its mbs)"]
+    assert oom["hovertext"] == ["=cmd|' /C calc'!A0: &lt;!--&lt;script&gt;alert(1)&lt;/script&gt;"]
+    assert plots["throughput"]["data"][0]["hovertemplate"].startswith("%{text}<br>")  # the page's own markup
+    rows = list(csv.DictReader(io.StringIO(csv_text(data))))
+    assert [r["name"] for r in rows] == ["z1<a href=x>", "'=cmd|' /C calc'!A0"]  # text to a spreadsheet
+
+
+def test_report_with_an_exps_dir_holding_no_record_is_refused_and_results_json_kept(tuned, tmp_path, capsys):
+    results = tmp_path / "results"
+    shutil.copytree(tuned[0], results)
+    before = (results / "results.json").read_text()
+    assert cli.main(["report", str(results), "--exps-dir", str(tmp_path / "typo")]) == 2
+    assert f"--exps-dir {tmp_path / 'typo'}: no experiment record of zerotune's there" in capsys.readouterr().err
+    assert (results / "results.json").read_text() == before
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text('{"name": "not ours"}')
+    assert cli.main(["report", str(other)]) == 2
+    assert "a results.json that is not zerotune's (no 'tuning' section)" in capsys.readouterr().err
+
+
 def test_a_report_that_cannot_be_written_never_fails_the_tuning(tmp_path):
     def broken(state):
         raise RuntimeError("disk on fire")

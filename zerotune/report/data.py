@@ -351,18 +351,24 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
         plan: the training run to project, over the one ``results.json`` records.
 
     Raises:
-        ConfigError: ``results_dir`` is not a directory, or neither it nor ``exps_dir`` holds any zerotune result
-            (the message names the path and what was expected).
+        ConfigError: ``results_dir`` is not a directory, neither it nor ``exps_dir`` holds any zerotune result, or
+            an ``exps_dir`` given holds no record (the message names the path and what was expected).
     """
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         raise ConfigError(f"{results_dir}: not a directory: expected a zerotune results dir (autotuning.results_dir "
                           f"or --results-dir)")
     tuning = SavedTuning.read(results_dir / RESULTS_JSON)
+    records = load_records(Path(exps_dir)) if exps_dir else []
+    if exps_dir and not records:  # a typo would otherwise rewrite results.json as a tuning with no run
+        raise ConfigError(f"--exps-dir {exps_dir}: no experiment record of zerotune's there (exp.json in each "
+                          f"experiment's directory): expected the tuning's exps dir")
     exps_dir = Path(exps_dir or tuning.exps_dir or results_dir / "exps")
-    records = load_records(exps_dir)
+    records = records or load_records(exps_dir)
     if not records and not tuning.found:
-        raise ConfigError(f"{results_dir}: no {RESULTS_JSON} and no experiment records under {exps_dir}: expected a "
+        found = "no " + RESULTS_JSON if not (results_dir / RESULTS_JSON).exists() else \
+            f"a {RESULTS_JSON} that is not zerotune's (no 'tuning' section)"
+        raise ConfigError(f"{results_dir}: {found} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
     context = tuning.context or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
     runs = sorted((_experiment(r) for r in records if r.resume_context == context), key=_launch_order)

@@ -182,7 +182,20 @@ def figures(data: ReportData) -> dict[str, dict[str, Any]]:
     """The page's plots by element id (:data:`FIGURE_IDS`), each a plotly figure dict; a plot with nothing to show
     is left out."""
     made = {"throughput": throughput_figure(data), "memory": memory_figure(data), "timeline": timeline_figure(data)}
-    return {k: v for k, v in made.items() if v is not None}
+    return {k: _plain_text(v) for k, v in made.items() if v is not None}
+
+
+def _plain_text(value: Any, key: str = "") -> Any:
+    """``value`` with ``&``, ``<`` and ``>`` in every string as HTML entities, but in the figures' own hover
+    templates: plotly.js reads its texts as a subset of HTML (``<a href>``, ``<b>``), and a record's name or error is
+    shown as written, never as a link or markup."""
+    if isinstance(value, dict):
+        return {k: _plain_text(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_text(v, key) for v in value]
+    if isinstance(value, str) and key != "hovertemplate":
+        return html.escape(value, quote=False)
+    return value
 
 
 def page(data: ReportData) -> str:
@@ -200,8 +213,13 @@ def page(data: ReportData) -> str:
 
 
 def _json(value: Any) -> str:
-    """JSON safe inside a ``<script>`` element."""
-    return json.dumps(value, default=str).replace("</", "<\\/")
+    """JSON safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and the two JavaScript line breaks as ``\\u``
+    escapes (the same string to JavaScript), so no text a record holds (``</script>``, ``<!--``) ends or comments out
+    the element."""
+    text = json.dumps(value, default=str)
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
 
 
 _CSS = ("body{font-family:sans-serif;margin:2em auto;max-width:1300px;color:#212529}"

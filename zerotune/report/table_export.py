@@ -65,8 +65,19 @@ def csv_text(data: ReportData) -> str:
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()
     for exp in data.experiments:
-        writer.writerow({k: "" if v is None else v for k, v in experiment_row(exp, data).items()})
+        writer.writerow({k: _cell(v) for k, v in experiment_row(exp, data).items()})
     return out.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    """A csv cell: None empty; a text a spreadsheet would read as a formula (its first character ``=``, ``+``,
+    ``-``, ``@``, a tab or a carriage return) after a ``'``, which spreadsheets show as text (OWASP's CSV injection
+    advice); numbers as they are."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value
 
 
 def json_text(data: ReportData) -> str:
