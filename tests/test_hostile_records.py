@@ -197,6 +197,24 @@ def test_a_lock_file_that_is_a_symlink_is_not_followed(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
+def test_a_log_at_a_symlink_is_written_in_its_place_and_the_target_kept(tmp_path):
+    from zerotune.run.warm.client import WarmServer
+    (tmp_path / "precious.txt").write_text("keep me")
+    exps = tmp_path / "exps"
+    exps.mkdir()
+    (exps / ".zerotune-warm.log").symlink_to(tmp_path / "precious.txt")  # the warm server's log
+    server = WarmServer("train.py", {}, exps / ".running")
+    assert server.log_path == exps / ".zerotune-warm.log"
+    for append in (True, False):
+        with store.open_log(server.log_path, append=append) as log:
+            log.write(b"server line\n")
+        assert not server.log_path.is_symlink() and server.log_path.read_bytes() == b"server line\n"
+        server.log_path.unlink()
+        server.log_path.symlink_to(tmp_path / "precious.txt")
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
+    server.stop()
+
+
 def test_an_atomic_write_stopped_midway_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
     write_text_atomic(tmp_path / "summary.txt", "old\n")
 

@@ -111,6 +111,26 @@ def test_a_preloading_server_and_its_build_end_with_their_tuner_and_the_watch_le
     assert threading.active_count() == before
 
 
+def test_a_killed_tuners_warm_socket_dir_is_removed_by_the_rerun_and_nothing_else_is(tmp_path):
+    import tempfile
+
+    from zerotune.run.backends.stop_handles import remove_socket_dir, socket_dir_handle
+    from zerotune.run.warm.client import WarmServer
+    server = WarmServer("train.py", {}, tmp_path / RUNNING_DIR)  # its socket dir is made with it
+    assert server._dir.parent == Path(tempfile.gettempdir()) and server._dir.is_dir()
+    record = {"name": SERVER_RECORD, "token": "no-process-has-this-token", "master_port": None,
+              "host": socket.gethostname(), "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None,
+              "since": None, "stop": socket_dir_handle(server._dir)}  # as a SIGKILLed tuner left it
+    (tmp_path / RUNNING_DIR).mkdir()
+    (tmp_path / RUNNING_DIR / f"{SERVER_RECORD}.json").write_text(json.dumps(record))
+    assert reap_orphans(tmp_path / RUNNING_DIR) == [SERVER_RECORD] and not server._dir.exists()
+    # a handle naming anything but a zerotune-warm-* dir directly in the temp dir removes nothing
+    for other in (tmp_path, Path(tempfile.gettempdir()) / "not-zerotunes", tmp_path / "zerotune-warm-x"):
+        other.mkdir(exist_ok=True)
+        assert not remove_socket_dir(socket_dir_handle(other)) and other.is_dir()
+    (Path(tempfile.gettempdir()) / "not-zerotunes").rmdir()
+
+
 def test_the_preload_takes_installed_distributions_only_and_stays_fork_safe(tmp_path):
     (tmp_path / "yaml.py").write_text("raise RuntimeError('the script directory is never imported')\n")
     script = tmp_path / "train.py"

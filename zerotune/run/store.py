@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, BinaryIO, Iterator, Mapping
 
 from zerotune.core.errors import ConfigError, RecordError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
@@ -73,6 +73,21 @@ def write_text_atomic(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def open_log(path: Path, append: bool = True) -> BinaryIO:
+    """A log file of zerotune's opened for writing (binary; ``append``, else emptied), never through a symlink: one at
+    ``path`` is removed and the file created in its place (``O_NOFOLLOW``), so a link planted there never has a
+    file outside the results tree written.
+
+    Raises:
+        OSError: it cannot be opened.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return open(os.open(path, flags, 0o644), "ab" if append else "wb")
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -61,6 +61,7 @@ from zerotune.run.processes import (
     runs_script,
     write_running_record,
 )
+from zerotune.run.store import open_log
 from zerotune.run.warm.client import WarmRun, WarmServer, WarmUnavailable
 
 __all__ = ["LocalBackend"]
@@ -119,7 +120,8 @@ class LocalBackend(Backend):
             except WarmUnavailable as e:
                 warm, exp.launch_note = None, f"launched cold: {e}"
         start, since = time.monotonic(), time.time()
-        with open(exp_dir / expdir.STDOUT_LOG, "wb") as out, open(exp_dir / expdir.STDERR_LOG, "wb") as err:
+        with open_log(exp_dir / expdir.STDOUT_LOG, append=False) as out, \
+                open_log(exp_dir / expdir.STDERR_LOG, append=False) as err:
             try:
                 proc = None
                 if warm is not None:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from zerotune.run.backends.slurm_step import SLURM_STEP_GONE_S, cancel_slurm_step, step_handle
 from zerotune.run.processes import RUN_TOKEN_ENV, kill_token, new_run_token, write_running_record
+from zerotune.run.store import open_log
 from zerotune.run.warm.client import READY_TIMEOUT_S, SERVER_RECORD, STOP_WAIT_S, WarmUnavailable
 
 __all__ = ["SlurmWarmServers", "server_step_command"]
@@ -83,7 +84,7 @@ class SlurmWarmServers:
                 env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
                 cmd = server_step_command(self.hosts, self.name, self.socket_template, self.script, self.ready_dir,
                                           self.gpus_per_node)
-                with open(self.log_path, "ab") as out:
+                with open_log(self.log_path) as out:
                     self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                                                  start_new_session=True)
 

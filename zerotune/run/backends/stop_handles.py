@@ -3,19 +3,44 @@ run's token, launcher and master port, so that a later tuner can stop the run on
 gone: something the run holds outside this machine's processes.
 
 A handle is a JSON object with a ``kind``; each kind is a backend's, stopped by that backend's canceller
-(:data:`CANCELLERS`): ``slurm_step``, a Slurm job step (:mod:`zerotune.run.backends.slurm_step`). The local backend's
-runs have none: their token and their launcher's session find every process.
+(:data:`CANCELLERS`): ``slurm_step``, a Slurm job step (:mod:`zerotune.run.backends.slurm_step`);
+``warm_socket_dir``, a warm server's socket directory in this machine's temp dir (:func:`socket_dir_handle`). The
+local backend's runs have none: their token and their launcher's session find every process.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from zerotune.run.backends.slurm_step import STOP_KIND, cancel_step_handle, legacy_handle
 
-__all__ = ["CANCELLERS", "cancel_handle", "record_handle"]
+__all__ = ["CANCELLERS", "cancel_handle", "record_handle", "remove_socket_dir", "socket_dir_handle"]
 
-CANCELLERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {STOP_KIND: cancel_step_handle}
+SOCKET_DIR_KIND = "warm_socket_dir"
+SOCKET_DIR_PREFIX = "zerotune-warm-"
+
+
+def socket_dir_handle(path: Path) -> dict[str, str]:
+    """The handle of a warm server's socket directory ``path`` (``<temp dir>/zerotune-warm-*``), removed once its
+    tuner is gone (a SIGKILLed tuner removes nothing)."""
+    return {"kind": SOCKET_DIR_KIND, "path": str(path)}
+
+
+def remove_socket_dir(handle: Mapping[str, Any]) -> bool:
+    """Remove the directory a :func:`socket_dir_handle` names, only where it is one of zerotune's (directly in this
+    machine's temp dir, named ``zerotune-warm-*``). Returns whether it is gone."""
+    path = Path(str(handle.get("path", "")))
+    if path.parent != Path(tempfile.gettempdir()) or not path.name.startswith(SOCKET_DIR_PREFIX):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not path.exists()
+
+
+CANCELLERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {STOP_KIND: cancel_step_handle,
+                                                              SOCKET_DIR_KIND: remove_socket_dir}
 """Each handle kind's canceller: it stops what the handle names and returns whether it is gone."""
 
 

@@ -16,6 +16,7 @@ a run whose ranks failed before the script started (:data:`~zerotune.run.warm.ra
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,9 @@ from pathlib import Path
 
 import psutil
 
+from zerotune.run.backends.stop_handles import SOCKET_DIR_PREFIX, socket_dir_handle
 from zerotune.run.processes import RUN_TOKEN_ENV, kill_token, new_run_token, write_running_record
+from zerotune.run.store import open_log
 
 __all__ = ["LOST", "AttachedWarmServer", "WarmRun", "WarmServer", "WarmUnavailable"]
 
@@ -154,7 +157,7 @@ class WarmServer:
 
     def __init__(self, script: str, env: Mapping[str, str], running_dir: Path, record: str = SERVER_RECORD):
         self.script, self.env, self.running_dir, self.record = script, dict(env), Path(running_dir), record
-        self._dir = Path(tempfile.mkdtemp(prefix="zerotune-warm-"))
+        self._dir = Path(tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX))
         self.socket_path = self._dir / "server.sock"
         self.log_path = self.running_dir.parent / ".zerotune-warm.log"
         self.token = new_run_token()
@@ -173,9 +176,10 @@ class WarmServer:
         """:meth:`start`, the lock held."""
         if self.proc is None:
             self.running_dir.mkdir(parents=True, exist_ok=True)
-            self._record = write_running_record(self.running_dir, self.record, self.token, None)
+            self._record = write_running_record(self.running_dir, self.record, self.token, None,
+                                                stop=socket_dir_handle(self._dir))
             env = {**self.env, RUN_TOKEN_ENV: self.token, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-            with open(self.log_path, "ab") as out:
+            with open_log(self.log_path) as out:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "zerotune.run.warm.server", "--socket", str(self.socket_path),
                      "--script", self.script, "--parent", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=out,
@@ -273,9 +277,10 @@ class WarmServer:
                 proc.wait()
         if proc is not None:  # what it forked carries its token (a fork keeps the server's environ): none outlives it
             kill_token(self.token)
-        if self._record is not None:
-            self._record.unlink(missing_ok=True)
         shutil.rmtree(self._dir, ignore_errors=True)
+        if self._record is not None:
+            with contextlib.suppress(OSError):  # a results tree made read-only: the rerun reaps the record
+                self._record.unlink(missing_ok=True)
 
 
 class AttachedWarmServer(WarmServer):
