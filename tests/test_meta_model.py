@@ -90,6 +90,14 @@ def test_a_config_transformers_refuses_is_exit_2_naming_the_file_and_the_key(tmp
     assert "hidden_size" in err and "4096.5" in err
 
 
+def test_a_config_of_a_trillion_layers_is_counted_by_arithmetic_not_a_list_of_its_tensors():
+    from zerotune.model.meta_model import MAX_LAYERS
+    one, two = (architecture({**read("llama-3-8b"), "num_hidden_layers": n}) for n in (1, 2))  # built on meta
+    big = architecture({**read("llama-3-8b"), "num_hidden_layers": 10**12})  # beyond MAX_LAYERS: the closed form
+    assert 10**12 > MAX_LAYERS and big.built_by == "" and one.built_by == "LlamaForCausalLM"
+    assert big.num_params == two.num_params + (two.num_params - one.num_params) * (10**12 - 2)  # once a MemoryError
+
+
 def test_heads_that_do_not_divide_the_hidden_size_without_a_head_dim_are_refused(tmp_path, capsys):
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({**read("llama-3-8b"), "hidden_size": 16}))  # 32 heads of width 0.5

@@ -231,11 +231,12 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     offset = 2 if mtype == "opt" else 0  # OPTLearnedPositionalEmbedding keeps 2 extra positions
     embeddings = [vocab * h] + ([] if mtype in ROTARY_TYPES else [(positions + offset) * h])
     head = [] if tied else [vocab * h]
-    tensors = layer * layers + final_norm + embeddings + head
-    built = meta_model.build(full, persistence_threshold, source)
+    rest = final_norm + embeddings + head  # the layers' tensors counted by arithmetic: a list of them all is as long
+    built = meta_model.build(full, persistence_threshold, source)  # as num_hidden_layers (1e12 in a config)
     if built is None:
-        built = meta_model.MetaModel("", sum(tensors), max(tensors),
-                                     sum(t for t in tensors if t <= persistence_threshold))
+        built = meta_model.MetaModel("", sum(layer) * layers + sum(rest), max(layer + rest),
+                                     sum(t for t in layer if t <= persistence_threshold) * layers
+                                     + sum(t for t in rest if t <= persistence_threshold))
         notes += (f"parameters counted by zerotune's closed form (transformers builds no {full.get('model_type')} "
                   f"model here): a dense {'gated (3-matrix)' if gated else '2-matrix'} MLP of width {ffn} per layer, "
                   f"{'RMSNorm' if rmsnorm else 'LayerNorm'}, {'biases' if bias else 'no biases'}, "
