@@ -353,6 +353,26 @@ def test_a_timeout_behind_a_lock_older_than_the_run_names_the_lock(tmp_path):
                                  f"it started: a torch extension lock left by a killed process"), done.error
 
 
+def test_a_timeout_during_an_op_build_names_the_build_it_killed(tmp_path):
+    with lock_waiter_scheduler(tmp_path, 1.5, 1) as (scheduler, ext):  # the stand-in takes torch's lock, "builds"
+        (done,) = scheduler.run([Experiment("holder", {"stand_in": "dies_holding_the_lock"})])
+    assert done.status is Status.TIMEOUT
+    assert done.error == (f"killed after the 1.5 s timeout; it was stopped while the JIT op fused_adam was "
+                          f"being built ({ext / 'fused_adam' / 'lock'} taken during the run): the build died "
+                          f"with it, and the next run builds the op again; a --timeout above the build's time (about "
+                          f"a minute per op on 2 cores), or the ops built once before tuning (make setup), avoids it")
+
+
+def test_a_run_whose_directory_was_removed_while_it_ran_says_so(tmp_path):
+    from zerotune.core.objective import OBJECTIVES
+    from zerotune.run import expdir
+    exp_dir = tmp_path / "exps" / "z1_gas1_tmbspg2"
+    exp = Experiment("z1_gas1_tmbspg2", {"train_micro_batch_size_per_gpu": 2})
+    done = expdir.finish(exp, exp_dir, OBJECTIVES["throughput"], 1)  # never there, or removed: the same
+    assert (done.status, done.error) == (Status.FAILED, f"exit code 1: its directory {exp_dir} was removed while it "
+                                                        f"ran, its logs and results with it")
+
+
 # --- process faults through the real CLI -------------------------------------------------------------
 
 

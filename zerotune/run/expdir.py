@@ -185,6 +185,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     else:
         exp.status, exp.error = classify(exit_code, data, PROFILE_KEY if profile else objective.metric_key,
                                          _logs(Path(exp_dir)), timed_out, result_file=path.name, invalid=invalid)
+        if exp.status is Status.FAILED and not Path(exp_dir).is_dir():  # not the config's failure: its files went
+            exp.error = (f"exit code {exit_code}: its directory {exp_dir} was removed while it ran, its logs and "
+                         f"results with it")
     exp.metrics = data or {}
     saved = read_saved_activations(exp_dir) if profile and data else None
     if saved is not None:

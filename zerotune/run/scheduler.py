@@ -151,11 +151,7 @@ class Scheduler:
             self.on_update(exp, "start")
             self.backend.run(exp, reservation, exp_dir)
             if exp.status is Status.TIMEOUT:
-                locks = stale_locks(extensions_dir(self.exps_dir), older_than=started)
-                if locks:
-                    exp.error = (f"{exp.error}; {', '.join(map(str, locks))} was there before it started: a torch "
-                                 f"extension lock left by a killed process, which DeepSpeed's op loader waits on "
-                                 f"(removed before the next experiment when none runs)")
+                exp.error += _timeout_locks(extensions_dir(self.exps_dir), started)
         except Exception as e:  # a backend (or disk) error must not kill the tuner or lose other results
             exp.status, exp.error = Status.FAILED, f"backend error: {e!r}"
         finally:
@@ -169,3 +165,21 @@ class Scheduler:
                 self.history.append(exp)
                 self._cond.notify_all()
             self.on_update(exp, "end")
+
+
+def _timeout_locks(ext_dir: Path, started: float) -> str:
+    """What the torch extension locks in ``ext_dir`` say of a run started at ``started`` (``time.time()``) that timed
+    out ('' when none is there): one older than the run was left by a killed process, and the op loader waited on
+    it; one taken since is an op build the stop killed (this run's, or a run's beside it)."""
+    old = stale_locks(ext_dir, older_than=started)
+    new = [lock for lock in stale_locks(ext_dir) if lock not in old]
+    said = ""
+    if old:
+        said += (f"; {', '.join(map(str, old))} was there before it started: a torch extension lock left by a killed "
+                 f"process, which DeepSpeed's op loader waits on (removed before the next experiment when none runs)")
+    if new:
+        said += (f"; it was stopped while the JIT op {', '.join(lock.parent.name for lock in new)} was being built "
+                 f"({', '.join(map(str, new))} taken during the run): the build died with it, and the next run "
+                 f"builds the op again; a --timeout above the build's time (about a minute per op on 2 cores), or "
+                 f"the ops built once before tuning (make setup), avoids it")
+    return said
