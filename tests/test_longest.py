@@ -115,10 +115,20 @@ def test_an_answer_over_the_budget_with_no_other_config_left_stands_and_says_so(
                                       "config that ran is left")
 
 
-def test_one_fixed_length_or_no_length_changes_nothing():
+def test_one_fixed_length_or_no_length_changes_nothing_and_verify_longest_says_why_it_ran_nothing():
     fixed = [run(4, 128, 100.0, shortest=128), run(8, 128, 110.0, shortest=128)]
     ev = evaluator(fixed, fixed[1].peak_memory_bytes)
-    assert settle_longest(ev, LongestOptions(verify=True), 4096).notes() == [] and not ev.ledger.excluded
+    assert settle_longest(ev, LongestOptions(), 4096).notes() == [] and not ev.ledger.excluded
+    found = settle_longest(ev, LongestOptions(verify=True), 4096)
+    assert found.verified == [] and not ev.ledger.excluded
+    assert found.notes() == ["--verify-longest: nothing run: every batch the runs saw has one length (128 tokens): the "
+                             "runs measured the longest"]
+    images = [Experiment("z0_gas1_tmbspg4", {"train_micro_batch_size_per_gpu": 4}, status=Status.OK, metric=1.0,
+                         peak_memory_bytes=10**8)]  # no token ids recorded
+    ev = evaluator(images, 2 * 10**8)
+    assert settle_longest(ev, LongestOptions(max_seq_len=1024, verify=True), None).notes() == [
+        "--verify-longest: nothing run: the runs recorded no sequence length (no token ids in the script's batches): "
+        "the longest batch is not known"]
 
 
 def test_a_verification_that_runs_out_of_memory_moves_the_answer_and_verifies_the_next():

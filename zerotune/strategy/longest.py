@@ -48,9 +48,13 @@ class LongestResult:
     batch: LongestBatch | None = None
     checks: list[LongestCheck] = field(default_factory=list)
     verified: list[Experiment] = field(default_factory=list)
+    not_verified: str = ""  # with --verify-longest, why no run was made ('' when one was, or none was asked)
 
     def notes(self) -> list[str]:
-        """The summary's lines: the longest batch and its source, each check, each verification."""
+        """The summary's lines: the longest batch and its source, each check, each verification, or why
+        ``--verify-longest`` ran nothing."""
+        if self.not_verified:
+            return [f"--verify-longest: nothing run: {self.not_verified}"]
         if self.batch is None or self.batch.fixed:
             return []
         seen = f"; the runs saw at most {self.batch.seen}" if self.batch.seen else ""
@@ -88,7 +92,9 @@ def settle_longest(ev, options: LongestOptions, max_positions: int | None, squar
     runs = [e for e in ledger.experiments if e.kind is not ExperimentKind.PROFILE]
     result.batch = longest_batch(options.max_seq_len, max_positions, runs)
     if result.batch is None or result.batch.fixed or result.batch.seen is None or memory is None or not budget:
-        return result  # no token ids seen (images, the memory oracle), or one length: nothing to check
+        if options.verify:  # no token ids seen (images, the memory oracle), or one length: nothing to check
+            result.not_verified = _why_not(result.batch, memory is not None and bool(budget))
+        return result
     while (answer := ledger.answer) is not None:
         check = check_longest(answer, memory, runs, result.batch, budget, square)
         if check is not None:
@@ -106,6 +112,16 @@ def settle_longest(ev, options: LongestOptions, max_positions: int | None, squar
             break
         ledger.exclude(answer.name, f"ran out of memory with every batch padded to {result.batch.seq_len} tokens")
     return result
+
+
+def _why_not(batch: LongestBatch | None, checkable: bool) -> str:
+    """Why ``--verify-longest`` has nothing to run: no length seen, one length, or nothing to check against."""
+    if batch is None or batch.seen is None:
+        return ("the runs recorded no sequence length (no token ids in the script's batches): the longest batch is "
+                "not known")
+    if batch.fixed:
+        return f"every batch the runs saw has one length ({batch.seq_len} tokens): the runs measured the longest"
+    return "no memory model or budget to check the answer against" if not checkable else ""
 
 
 def _others(ledger, answer: Experiment) -> bool:
