@@ -44,6 +44,10 @@ HOSTILE_INPUTS = [
      None, r"--results-dir '.*afile': .*afile is a file, not a directory"),
     ("results-dir-under-a-file", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir",
                                   "{tmp}/afile/sub"], {}, None, r"afile is a file, not a directory"),
+    ("results-dir-symlink-loop", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", "{tmp}/loop"], {},
+     None, r"--results-dir '.*loop': it never resolves to a directory \(Symlink loop from .*\): a symlink loop"),
+    ("results-dir-dangling-symlink", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir", "{tmp}/dangling"],
+     {}, None, r"--results-dir '.*dangling': a symlink to '.*gone', which is not there"),
     # /proc/self is read-only even for root (os.access honours it), so the case holds whoever runs the suite
     ("results-dir-unwritable", ["--num_gpus", "1", "--device-memory", "2GiB", "--results-dir",
                                 "/proc/self/zerotune-results"], {}, None,
@@ -106,6 +110,9 @@ special file the config's path links to), the script (None: the stand-in rank), 
 
 def hostile_argv(tmp: Path, args: list[str], config, script: str | None) -> list[str]:
     (tmp / "afile").write_text("a file, not a directory\n")
+    for link, target in (("loop", "loop2"), ("loop2", "loop"), ("dangling", "gone")):
+        if not (tmp / link).is_symlink():
+            (tmp / link).symlink_to(tmp / target)
     (tmp / "rank.py").write_text(RANK)
     cfg = tmp / "ds.json"
     cfg.unlink(missing_ok=True)

@@ -162,10 +162,17 @@ def check_output_dirs(options: Any, at: AutotuningConfig, config_path: str, resu
 
 
 def check_writable_dir(what: str, path: Path | None) -> None:
-    """``path`` is a directory or can be made one: neither it nor an ancestor is a file, and its
-    nearest existing ancestor is writable (checked, nothing created)."""
+    """``path`` is a directory or can be made one: it resolves (no symlink loop, no dangling symlink), neither it nor
+    an ancestor is a file, and its nearest existing ancestor is writable (checked, nothing created)."""
     if path is None:
         return
+    try:
+        path.resolve()
+    except (RuntimeError, OSError) as e:  # Python 3.11 raises RuntimeError on a symlink loop
+        raise ConfigError(f"{what} {str(path)!r}: it never resolves to a directory ({e}): a symlink loop") from None
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(f"{what} {str(path)!r}: a symlink to {os.readlink(path)!r}, which is not there: expected a "
+                          "directory or a path zerotune can create")
     probe = path.absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
