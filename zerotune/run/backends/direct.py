@@ -33,7 +33,10 @@ __all__ = ["DirectStarter", "RankStarter", "warm_note", "warm_server_env"]
 
 class RankStarter(Protocol):
     """What a supervising backend asks of the thing that starts a run's ranks (:class:`DirectStarter`, the Slurm
-    backend's ``SrunStarter``)."""
+    backend's ``SrunStarter``); ``spec`` is the backend's, replaced with it
+    (:meth:`~zerotune.run.backends.local.LocalBackend.use_spec`)."""
+
+    spec: LaunchSpec
 
     def command(self, run: RunLaunch) -> tuple[dict[str, str], list[str]]:
         """The environment additions (shown in ``cmd.txt``) and the cold command that start ``run``'s ranks."""

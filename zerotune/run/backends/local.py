@@ -85,6 +85,11 @@ class LocalBackend(Backend):
         self._cancelled = threading.Event()
         self._warm: WarmServer | None = None
 
+    def use_spec(self, spec: LaunchSpec) -> None:
+        """Launch the runs that follow as ``spec`` says, the starter's included (the Ray node actor's hostfile and
+        warm setting, set per run); call only between runs."""
+        self.spec = self.starter.spec = spec
+
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
         warm = self._warm_server(reservation, Path(exp_dir).parent / RUNNING_DIR)
         exp = self._run(exp, reservation, exp_dir, warm)

@@ -341,7 +341,7 @@ class NodeLauncher:
         else:
             nodes = [Node(LOCALHOST, tuple(mine[1]))]
             spec = dataclasses.replace(self.spec, hostfile=None)
-        self.backend.spec = dataclasses.replace(spec, warm=bool(warm_socket))
+        self.backend.use_spec(dataclasses.replace(spec, warm=bool(warm_socket)))
         self.backend._warm = AttachedWarmServer(warm_socket) if warm_socket else None
         running = threading.Event()
         watch = threading.Thread(target=self._report_launchers, args=(running,), daemon=True)
