@@ -41,8 +41,8 @@ test: setup
 	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
 	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"
 	bash .ci/chromium_up.sh || echo "chromium_up failed: the report's browser test skips"
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial"; status=$$?; \
-	    OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial || status=1; exit $$status
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not serial" --durations=25; status=$$?; \
+	    OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial --durations=10 || status=1; exit $$status
 
 test-fast: setup
 	$(PY) -m pytest -q -n 2 -m "not e2e"
