@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerotune.deepspeed.extensions import EXTENSIONS_DIR, would_build
+from zerotune.deepspeed.extensions import EXTENSIONS_DIR, LOCK_FILE, would_build
 
 __all__ = ["ALWAYS", "OPS", "Preloaded", "fork_unsafe", "learn", "learnable", "preload", "preload_ops", "watch_parent",
            "script_imports"]
@@ -193,8 +193,9 @@ cold launch."""
 def preload_ops() -> list[str]:
     """Load the ops of :data:`OPS` that this accelerator has and that load with no build from this process's torch
     extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`; ninja's dry
-    run there finds no work, :func:`~zerotune.deepspeed.extensions.would_build`); an op not built yet, or one whose
-    load would build, is left to the rank that needs it (the server never compiles). Where that variable names no
+    run there finds no work, :func:`~zerotune.deepspeed.extensions.would_build`); an op not built yet, one whose
+    load would build, or one whose build dir holds torch's lock (a build running, or one a killed process left, on
+    which the load would wait without end), is left to the rank that needs it (the server never compiles). Where that variable names no
     exps dir's cache, none: another cache (the machine's) is never loaded from, so never written (a load may
     rebuild it). DeepSpeed keeps a loaded op in its
     builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
@@ -215,8 +216,9 @@ def preload_ops() -> list[str]:
             if builder is None or not builder.is_compatible(verbose=False):
                 continue
             build_dir = _get_build_directory(builder.name, verbose=False)
-            if not os.path.exists(os.path.join(build_dir, f"{builder.name}.so")) or would_build(Path(build_dir)):
-                continue
+            if not os.path.exists(os.path.join(build_dir, f"{builder.name}.so")) or os.path.exists(
+                    os.path.join(build_dir, LOCK_FILE)) or would_build(Path(build_dir)):
+                continue  # torch's load waits, without end, on a lock a killed build left: the rank meets it
             builder.load(verbose=False)
         except BaseException as e:  # noqa: BLE001 - the rank loads it again and meets the error as its own
             if isinstance(e, KeyboardInterrupt):
