@@ -174,8 +174,10 @@ def would_build(op: Path, environ: dict[str, str] | None = None) -> str:
 def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
             install: tuple[str, str | None] | None = None) -> list[str]:
     """Keep in zerotune's own cache (``own``, default :func:`own_root`) each op in ``ext_dir`` that
-    this install built (:func:`built_here`; ``install`` as there), has no lock, and neither that
-    cache nor the machine's (``machine``, default :func:`default_root`) holds as built here; call only
+    this install built (:func:`built_here`; ``install`` as there), has no lock, that cache does not hold as built
+    here, and is not the machine's own library seeded (``machine``, default :func:`default_root`: the same
+    ``<op>.so``, size and mtime; a machine op that loads only with a build was not seeded, so the experiments'
+    build of it is kept); call only
     while no experiment may be building in ``ext_dir``. Returns the ops kept. Failures (a full disk,
     a read-only home) keep nothing and raise nothing."""
     own = own_root() if own is None else Path(own)
@@ -187,7 +189,7 @@ def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
         return kept
     for op in ops:
         if (op / LOCK_FILE).exists() or not built_here(op, install) or built_here(own / op.name, install) \
-                or built_here(machine / op.name, install):
+                or _same_library(op, machine / op.name):
             continue
         old = own / f".{op.name}.old"
         try:
@@ -201,6 +203,15 @@ def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
             pass
         shutil.rmtree(old, ignore_errors=True)
     return kept
+
+
+def _same_library(op: Path, other: Path) -> bool:
+    """Whether ``op``'s ``<op>.so`` is ``other``'s as seeding copies it (the same size and mtime)."""
+    try:
+        mine, theirs = (op / f"{op.name}.so").stat(), (other / f"{op.name}.so").stat()
+    except OSError:
+        return False
+    return (mine.st_size, mine.st_mtime_ns) == (theirs.st_size, theirs.st_mtime_ns)
 
 
 def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
