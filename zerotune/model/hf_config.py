@@ -231,9 +231,8 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     offset = 2 if mtype == "opt" else 0  # OPTLearnedPositionalEmbedding keeps 2 extra positions
     embeddings = [vocab * h] + ([] if mtype in ROTARY_TYPES else [(positions + offset) * h])
     head = [] if tied else [vocab * h]
-    rest = final_norm + embeddings + head  # the layers' tensors counted by arithmetic: a list of them all is as long
-    built = meta_model.build(full, persistence_threshold, source)  # as num_hidden_layers (1e12 in a config)
-    if built is None:
+    rest = final_norm + embeddings + head  # the layers' tensors by arithmetic: a list of all is num_hidden_layers long
+    if (built := meta_model.build(full, persistence_threshold, source)) is None:
         built = meta_model.MetaModel("", sum(layer) * layers + sum(rest), max(layer + rest),
                                      sum(t for t in layer if t <= persistence_threshold) * layers
                                      + sum(t for t in rest if t <= persistence_threshold))
