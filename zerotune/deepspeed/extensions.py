@@ -216,9 +216,9 @@ def _same_library(op: Path, other: Path) -> bool:
 
 def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
     """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its last build
-    took, s: ninja's own time in the op's ``.ninja_log`` (:func:`last_build_s`), from ninja's start to the library. An op counts when its ``<op>.so``
-    was written since then (a seeded op keeps its source's timestamps); one without a ``.so`` (a build that failed
-    or still runs) or without a log ninja wrote is not counted."""
+    took, s: ninja's own time in the op's ``.ninja_log`` (:func:`last_build_s`), from ninja's start to the library.
+    An op counts when its ``<op>.so`` was written since then (a seeded op keeps its source's timestamps); one without
+    a ``.so`` (a build that failed or still runs) or without a log ninja wrote is not counted."""
     builds = {}
     try:
         ops = sorted(p for p in Path(ext_dir).iterdir() if p.is_dir() and not p.name.startswith("."))

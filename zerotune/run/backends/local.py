@@ -3,8 +3,9 @@
 The backend only starts, supervises and stops processes: the experiment directory (the config it
 ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
 :mod:`zerotune.deepspeed.launcher`'s, and what starts and stops the ranks its starter's
-(:mod:`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes ``cmd.txt`` (a command a person can paste) and
-redirects the launcher's output into ``stdout.log`` and ``stderr.log``. The launcher is started in
+(:mod:`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes
+``cmd.txt`` (a command a person can paste) and redirects the launcher's output into ``stdout.log`` and
+``stderr.log``. The launcher is started in
 a new session, as a child subreaper, so the whole tree (launcher and ranks, and any process they orphan) is
 killed as one process group on timeout, hang or Ctrl-C, and any straggler, found by the run's session, group
 or token, is killed after it exits (:mod:`zerotune.run.processes`).

@@ -195,10 +195,9 @@ def preload_ops() -> list[str]:
     extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`; ninja's dry
     run there finds no work, :func:`~zerotune.deepspeed.extensions.would_build`); an op not built yet, one whose
     load would build, or one whose build dir holds torch's lock (a build running, or one a killed process left, on
-    which the load would wait without end), is left to the rank that needs it (the server never compiles). Where that variable names no
-    exps dir's cache, none: another cache (the machine's) is never loaded from, so never written (a load may
-    rebuild it). DeepSpeed keeps a loaded op in its
-    builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
+    which the load would wait without end), is left to the rank that needs it (the server never compiles). Where
+    that variable names no exps dir's cache, none: another cache (the machine's) is never loaded from, so never
+    written (a load may rebuild it). DeepSpeed keeps a loaded op in its builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
     on CUDA a builder's compatibility check may create the CUDA context, after which nothing could be forked. Returns
     the ops loaded; a failure is logged and skipped."""
     loaded = []
