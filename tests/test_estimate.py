@@ -24,16 +24,18 @@ def test_hf_parameter_counts_match_transformers(cfg, params):
     assert architecture(cfg).num_params == params
 
 
-def test_hf_activations_follow_korthikanti():
-    a = architecture(GPT2)
+def test_hf_activations_follow_korthikanti_where_transformers_does_not_know_the_type():
+    closed = {**GPT2, "model_type": "my_gpt2"}  # no transformers class: the closed form
+    a = architecture(closed)
     # per layer s*h*(18 + 4*ffn/h) + 5*a*s^2 = 128*64*34 + 5*4*128^2 = 278,528 + 327,680; 2 layers; logits 6*s*V
-    assert a.activation_bytes_per_sample == 2 * (278_528 + 327_680) + 6 * 128 * 1000
-    assert architecture(GPT2, flash_attention=True).activation_bytes_per_sample == 2 * 278_528 + 6 * 128 * 1000
-    assert architecture(GPT2, seq_len=64, bytes_per_activation=4).activation_bytes_per_sample == \
+    assert (a.activation_bytes_per_sample, a.activations_counted) == (2 * (278_528 + 327_680) + 6 * 128 * 1000, "")
+    assert architecture(closed, attention="sdpa").activation_bytes_per_sample == 2 * 278_528 + 6 * 128 * 1000
+    assert architecture(closed, seq_len=64, bytes_per_activation=4).activation_bytes_per_sample == \
         2 * (2 * (64 * 64 * 34 + 5 * 4 * 64 * 64) + 6 * 64 * 1000)
     # checkpointing: each layer keeps its input 2*s*h, one layer is recomputed at a time
-    assert architecture(GPT2, checkpointing=True).activation_bytes_per_sample == \
+    assert architecture(closed, checkpointing=True).activation_bytes_per_sample == \
         2 * (2 * 128 * 64) + (278_528 + 327_680) + 6 * 128 * 1000
+    a = architecture(GPT2)
     assert (a.largest_layer_params, a.seq_len) == (64_000, 128)  # the token embedding
     # persistent (<= 1e5 elements): every tensor of this tiny model
     assert a.persistent_params == a.num_params
@@ -136,35 +138,36 @@ def test_estimate_hf_config_rows_with_activation_checkpointing_off_and_on(tmp_pa
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(GPT2))
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000", "--json")
-    # the default attention, transformers' SDPA, keeps no scores: 5*a*s^2 = 327,680 bytes less in each of 2 layers
+    # the default attention, transformers' SDPA, keeps no scores (counted on GPT2LMHeadModel's own forward)
     assert (json.loads(out)["activation_bytes_per_sample"], json.loads(out)["model_source"].split(", ", 2)[2]) == (
-        1_980_416 - 2 * 327_680, "attention sdpa (transformers' default; its CUDA kernels store no scores)")
+        1_619_468, "attention sdpa (transformers' default; its CUDA kernels store no scores)")
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000", "--json",
                        "--attention", "eager")
     est = json.loads(out)
-    # bf16, s = 128: per layer 278,528 + 327,680 bytes, 2 layers, logits 6*s*V = 768,000: 1,980,416; checkpointed,
-    # each layer's input 2*s*h = 16,384 twice, one layer recomputed, the logits: 1,406,976
+    # eager keeps, in each of 2 layers, the 4 heads' 128 x 128 scores, softmax and dropout output in bf16, 393,216
+    # bytes, where SDPA keeps a log-sum-exp of 4 x 128 fp32, 2,048: 782,336 more; checkpointed (one layer
+    # recomputed at a time), 423,936 more
     assert (est["activation_bytes_per_sample"], est["checkpointed_activation_bytes_per_sample"]) == \
-        (1_980_416, 1_406_976)
+        (1_619_468 + 782_336, 1_108_492 + 423_936)
     rows = {(r["stage"], r["offload"], r["checkpointing"]): r for r in est["rows"]}
     assert len(rows) == 16 and [r["checkpointing"] for r in est["rows"][:2]] == [False, True]
     off, on = rows[(0, "none", False)], rows[(0, "none", True)]
     # stage 0 bf16, Psi = 172,288: params 2*Psi, grads 6*Psi, AdamW and master 12*Psi, the flat copy 2*Psi:
     # 3,790,336 fixed; the activations share the copy's 344,576 bytes (reduced after the backward), so the room
-    # is 40,000,000 - 3,790,336 + 344,576 = 36,554,240 bytes: 18 samples of 1,980,416, 25 of 1,406,976
-    assert (off["activations_mbs1"], off["max_mbs"], off["activations_max_mbs"]) == (1_980_416, 18, 18 * 1_980_416)
-    assert (on["activations_mbs1"], on["max_mbs"], on["activations_max_mbs"]) == (1_406_976, 25, 25 * 1_406_976)
+    # is 40,000,000 - 3,790,336 + 344,576 = 36,554,240 bytes: 15 samples of 2,401,804, 23 of 1,532,428
+    assert (off["activations_mbs1"], off["max_mbs"], off["activations_max_mbs"]) == (2_401_804, 15, 15 * 2_401_804)
+    assert (on["activations_mbs1"], on["max_mbs"], on["activations_max_mbs"]) == (1_532_428, 23, 23 * 1_532_428)
     # at mbs 1 the activations, larger than the copy, take its place: 3,790,336 - 344,576 + activations
-    assert (off["total_mbs1"], on["total_mbs1"]) == (3_445_760 + 1_980_416, 3_445_760 + 1_406_976)
+    assert (off["total_mbs1"], on["total_mbs1"]) == (3_445_760 + 2_401_804, 3_445_760 + 1_532_428)
     # --activation-checkpointing: the checkpointed rows only
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000",
                        "--activation-checkpointing", "--json", "--attention", "eager")
     rows = json.loads(out)["rows"]
-    assert len(rows) == 8 and all(r["checkpointing"] for r in rows) and rows[0]["max_mbs"] == 25
+    assert len(rows) == 8 and all(r["checkpointing"] for r in rows) and rows[0]["max_mbs"] == 23
     code, out, _ = run(capsys, "--hf-config", str(cfg), "--num_gpus", "2", "--device-memory", "40000000",
                        "--attention", "eager")
     table = [line.split()[:3] for line in out.splitlines()[3:6]]
-    assert "1.89 MiB per sample (1.34 MiB with activation checkpointing)" in out
+    assert "2.29 MiB per sample (1.46 MiB with activation checkpointing)" in out
     assert table == [["stage", "offload", "ckpt"], ["0", "none", "off"], ["0", "none", "on"]]
 
 

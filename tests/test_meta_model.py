@@ -1,35 +1,13 @@
 """Published model configs (tests/data/hf_configs: their config.json files as released, no download) counted by the
 model transformers builds on the meta device (zerotune.model.meta_model), and `zerotune estimate` saying so."""
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.hf_configs import CONFIGS, PUBLISHED, read
 from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.model.hf_config import architecture
-
-CONFIGS = Path(__file__).parent / "data" / "hf_configs"
-# name: (parameters, active per token, (k, E)), as the model cards state them (DeepSeek's 2.4B active leaves out its
-# 0.42B of embeddings; these include them)
-PUBLISHED = {
-    "gpt2-xl": (1_557_611_200, 1_557_611_200, (0, 0)),
-    "llama-3-8b": (8_030_261_248, 8_030_261_248, (0, 0)),
-    "llama-3-70b": (70_553_706_496, 70_553_706_496, (0, 0)),
-    "mistral-7b": (7_241_732_096, 7_241_732_096, (0, 0)),
-    "qwen2-7b": (7_615_616_512, 7_615_616_512, (0, 0)),
-    "qwen3-8b": (8_190_735_360, 8_190_735_360, (0, 0)),  # head_dim 128 over hidden 4096 / 32 heads: the same
-    "phi-3-mini-4k": (3_821_079_552, 3_821_079_552, (0, 0)),
-    "gemma-2-9b": (9_241_705_984, 9_241_705_984, (0, 0)),  # head_dim 256, not hidden 3584 / 16 heads = 224
-    "llava-1.5-7b": (7_063_427_072, 7_063_427_072, (0, 0)),  # the language model, the CLIP tower, the projector
-    "mixtral-8x7b": (46_702_792_704, 12_879_925_248, (2, 8)),
-    "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704, (8, 128)),
-    "deepseek-v2-lite": (15_706_484_224, 2_661_150_208, (6, 64)),  # latent attention, 2 shared experts
-}
-
-
-def read(name: str) -> dict:
-    return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -45,21 +23,21 @@ def test_estimate_says_mixtrals_total_and_active_parameters_and_how_its_activati
                      "--device-memory", "80GiB", "--seq-len", "4096"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "(MixtralForCausalLM on the meta device), seq_len 4096, attention sdpa (transformers' default; its CUDA " \
-           "kernels store no scores): 46,702,792,704 parameters (46,702,792,704 trainable; 12,879,925,248 active per " \
-           "token: 2 of 8 experts, embeddings included)" in out
-    assert "Assumed: MoE activations: each token through 2 of 8 experts of MLP width 14336, counted as one MLP of " \
-           "width 28672 in every layer." in out.splitlines()
+    assert "(MixtralForCausalLM on the meta device; activations counted on its sdpa forward over fake CPU tensors), " \
+           "seq_len 4096, attention sdpa (transformers' default; its CUDA kernels store no scores): 46,702,792,704 " \
+           "parameters (46,702,792,704 trainable; 12,879,925,248 active per token: 2 of 8 experts, embeddings " \
+           "included), activations 43.15 GiB per sample (2.94 GiB with activation checkpointing)" in out
+    assert "Assumed:" not in out
 
 
-def test_moe_activations_count_the_routed_and_shared_experts_widths():
-    dense = read("deepseek-v2-lite")
-    arch = architecture(dense, seq_len=1024)
-    # 6 routed experts of 1408 and 2 shared of 1408: one MLP of 11264 per layer (s*h*(18 + 4*ffn/h) + 5*a*s^2)
-    s, h, heads, layers, vocab = 1024, 2048, 16, 27, 102400
-    assert arch.activation_bytes_per_sample == int(layers * (s * h * (18 + 4 * 11264 / h) + 5 * heads * s * s)
-                                                   + 6 * s * vocab)
-    assert "shared experts of width 2816" in " ".join(arch.notes)
+def test_moe_activations_grow_with_the_experts_each_token_runs():
+    def saved(k: int) -> int:
+        return architecture({**read("deepseek-v2-lite"), "num_experts_per_tok": k}, seq_len=1024, attention="sdpa") \
+            .activation_bytes_per_sample
+    # each routed token's pass through one expert keeps the same bytes, in each of the 26 MoE layers (the first of
+    # 27 is dense): k = 6 keeps three times what k = 1 keeps above k = 0... measured from k = 1 and 2
+    assert saved(6) - saved(3) == 3 * (saved(2) - saved(1)) > 0
+    assert architecture(read("deepseek-v2-lite"), seq_len=1024).activations_counted == "eager"
 
 
 def test_a_vision_language_config_names_the_activations_it_leaves_out():

@@ -44,9 +44,9 @@ OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cp
 
 
 ATTENTIONS = ("eager", "sdpa", "flash")
-"""How a Hugging Face model runs attention (``attn_implementation``): ``eager`` stores each layer's scores, softmax
-and dropout mask (``5*a*s^2`` bytes per sample, :mod:`zerotune.model.hf_config`); ``sdpa`` (on CUDA, its flash and
-memory-efficient kernels) and ``flash`` store none of them."""
+"""How a Hugging Face model runs attention (``attn_implementation``): ``eager`` stores each layer's scores and
+softmax; ``sdpa`` (CPU's and CUDA's flash kernels, CUDA's memory-efficient one) and ``flash`` store none of them
+(:mod:`zerotune.model.fake_forward` counts both on the model's own forward)."""
 
 
 @dataclass
@@ -286,10 +286,12 @@ def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
     config = read_config(args.hf_config)
     attention, why = _attention(args.attention, config)
     arch, checkpointed = (architecture(config, seq_len=args.seq_len, bytes_per_activation=4 if prec == "fp32" else 2,
-                                       flash_attention=attention != "eager", checkpointing=checkpointing,
+                                       attention=attention, checkpointing=checkpointing,
                                        source=f"--hf-config {args.hf_config}") for checkpointing in (False, True))
-    source = (f"Hugging Face config {args.hf_config}" + (f" ({arch.built_by} on the meta device)" if arch.built_by
-                                                         else "") + f", seq_len {arch.seq_len}"
+    counted = (f"; activations counted on its {arch.activations_counted} forward over fake CPU tensors"
+               if arch.activations_counted else "")
+    source = (f"Hugging Face config {args.hf_config}" + (f" ({arch.built_by} on the meta device{counted})"
+                                                         if arch.built_by else "") + f", seq_len {arch.seq_len}"
               + f", attention {attention} ({why})")
     return _Model(source, arch.num_params, arch.num_params, arch.activation_bytes_per_sample,
                   {"largest_layer_params": arch.largest_layer_params, "persistent_params": arch.persistent_params},

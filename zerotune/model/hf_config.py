@@ -1,15 +1,16 @@
 """A model's size and activation memory from its Hugging Face ``config.json``, with no weights.
 
 Parameters are counted on the model transformers builds from the config on the meta device
-(:mod:`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included); for a type it does
-not know, or where it cannot be imported, in closed form from the keys below, each layout choice named in the notes.
-For decoder transformers (GPT-2, OPT, Llama, Mistral, Qwen2, ... and BERT-like encoders) the activation memory per
-sample follows
+(:mod:`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included), and its activations
+on that model's own training forward over fake CPU tensors (:mod:`zerotune.model.fake_forward`: what autograd saves,
+with the attention kernel asked for). For a type transformers does not know, where it cannot be imported, or where
+the forward does not run on fake tensors, both are counted in closed form from the keys below, each layout choice
+named in the notes. The closed form's activations per sample for decoder transformers follow
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1,
 eq. (1): a transformer layer stores ``s*h*(34 + 5*a*s/h)`` bytes per sample with 16-bit
 activations (s = sequence length, h = hidden size, a = attention heads); the ``5*a*s^2`` term is the
-attention scores, softmax and its dropout mask, which a fused (flash) attention does not store
-(``flash_attention=True``). On top of the layers: the logits in 16 bits and their fp32 copy for
+attention scores, softmax and its dropout mask, which SDPA's and flash kernels do not store
+(``attention`` other than ``eager``). On top of the layers: the logits in 16 bits and their fp32 copy for
 the loss, ``6*s*V`` (V = vocabulary). Of the 34: attention 11, the two layer norms 4, the MLP 19 =
 2 (its input) + 1 (dropout mask) + 16 (the activation function's input and output, ``2*ffn/h`` each
 at 2 bytes); with another MLP width ffn the layer stores ``s*h*(18 + 4*ffn/h)`` (34 at ffn = 4h).
@@ -44,7 +45,7 @@ from typing import Any
 
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
-from zerotune.model import meta_model
+from zerotune.model import fake_forward, meta_model
 
 ROTARY_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "gptj",
                 "falcon", "olmo", "olmo2", "starcoder2", "stablelm", "cohere", "deepseek_v2", "internlm2"}
@@ -108,6 +109,8 @@ class Architecture:
         built_by: the class transformers built on the meta device (:mod:`zerotune.model.meta_model`) that counted
             the parameters; '' where the closed form counted them.
         experts: ``(k, E)``, experts per token and routed experts per layer; ``(0, 0)`` for a dense model.
+        activations_counted: the attention kernel whose forward over fake CPU tensors counted the activations
+            (:mod:`zerotune.model.fake_forward`); '' where the closed form counted them.
     """
 
     num_params: int
@@ -119,6 +122,7 @@ class Architecture:
     active_params: int = 0
     built_by: str = ""
     experts: tuple[int, int] = (0, 0)
+    activations_counted: str = ""
 
 
 def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
@@ -179,14 +183,15 @@ def _get(cfg: dict[str, Any], names: tuple[str, ...], what: str, source: str, de
 
 
 def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_activation: int = 2,
-                 flash_attention: bool = False, checkpointing: bool = False, source: str = "config.json",
+                 attention: str = "eager", checkpointing: bool = False, source: str = "config.json",
                  persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> Architecture:
     """The :class:`Architecture` of a Hugging Face config (the dict of its ``config.json``).
 
     Args:
         seq_len: tokens per sample (default: the config's maximum positions).
         bytes_per_activation: 2 for fp16/bf16 training, 4 for fp32.
-        flash_attention: leave out the attention-score term (module docstring).
+        attention: ``eager``, ``sdpa`` or ``flash`` (:data:`zerotune.model.fake_forward.KERNELS`; the closed form
+            leaves out the attention-score term for the last two).
         checkpointing: activation checkpointing of every layer (module docstring).
         source: the file name, for messages.
 
@@ -241,17 +246,42 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
                   f"{'RMSNorm' if rmsnorm else 'LayerNorm'}, {'biases' if bias else 'no biases'}, "
                   f"{'rotary' if mtype in ROTARY_TYPES else 'learned'} positions, head_dim = hidden {h} / {heads} heads"
                   + (", the language model only" if vlm else ""),)
-    elif built.experts_per_token:
-        ffn, note = _routed_width(cfg, built, ffn)
-        notes += (note,)
-
-    per_layer = s * h * (18 + 4 * ffn / h) + (0 if flash_attention else 5 * heads * s * s)
-    kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
-    act = (kept + 6 * s * vocab) * bytes_per_activation / 2
+    act, kernel, more = _activations(full, cfg, built, (s, h, heads, ffn, layers, vocab), bytes_per_activation,
+                                     attention, checkpointing)
     return Architecture(num_params=built.num_params, activation_bytes_per_sample=int(act),
                         largest_layer_params=built.largest_tensor, persistent_params=built.persistent_params,
-                        seq_len=s, notes=notes, active_params=built.active_params, built_by=built.class_name,
-                        experts=(built.experts_per_token, built.num_experts))
+                        seq_len=s, notes=notes + more, active_params=built.active_params, built_by=built.class_name,
+                        experts=(built.experts_per_token, built.num_experts),
+                        activations_counted=kernel)
+
+
+def _activations(full: dict[str, Any], cfg: dict[str, Any], built: meta_model.MetaModel, dims: tuple[int, ...],
+                 bytes_per_activation: int, attention: str, checkpointing: bool) -> tuple[int, str, tuple[str, ...]]:
+    """``(bytes, kernel, notes)``: one sample's activations counted on the built model's forward over fake tensors
+    (``kernel``: its attention), else by the closed form (``kernel`` '') for ``dims`` = ``(s, h, heads, ffn, layers,
+    vocab)``."""
+    counted = (fake_forward.count(full, dims[0], "float32" if bytes_per_activation == 4 else "bfloat16", attention)
+               if built.class_name else None)
+    if counted is not None and (counted.checkpointed is not None or not checkpointing):
+        return (counted.checkpointed if checkpointing else counted.plain), counted.attention, \
+            (counted.note,) if counted.note else ()
+    notes: tuple[str, ...] = ()
+    s, h, heads, ffn, layers, vocab = dims
+    if built.experts_per_token:
+        ffn, note = _routed_width(cfg, built, ffn)
+        notes += (note,)
+    if built.class_name:
+        notes += (f"activations by the closed form: {built.class_name}'s forward did not run on fake tensors",)
+    act = _closed_form(s, h, heads, ffn, layers, vocab, attention, checkpointing) * bytes_per_activation / 2
+    return int(act), "", notes
+
+
+def _closed_form(s: int, h: int, heads: int, ffn: int, layers: int, vocab: int, attention: str,
+                 checkpointing: bool) -> float:
+    """One sample's activations in 16 bits by Korthikanti et al.'s eq. (1) (module docstring), bytes."""
+    per_layer = s * h * (18 + 4 * ffn / h) + (0 if attention != "eager" else 5 * heads * s * s)
+    kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
+    return kept + 6 * s * vocab
 
 
 def _language_model(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], tuple[str, ...]]:
