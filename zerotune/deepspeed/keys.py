@@ -181,6 +181,18 @@ def model_list_fields(section: str) -> frozenset[str]:
     return frozenset(_list_fields(model, ""))
 
 
+@functools.lru_cache(maxsize=None)
+def model_fields(section: str) -> frozenset[str] | None:
+    """Every key (field name and alias) of DeepSpeed's config model for ``section`` at its top level; None where
+    DeepSpeed or the model cannot be imported."""
+    module, name = MODEL_SECTIONS[section]
+    try:
+        model = getattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001 - not installed, or a DeepSpeed without the section
+        return None
+    return frozenset(k for f_name, f in model.model_fields.items() for k in (f_name, f.alias or f_name))
+
+
 def _list_fields(model, prefix: str) -> list[str]:
     found = []
     for field_name, field in model.model_fields.items():

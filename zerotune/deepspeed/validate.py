@@ -20,6 +20,7 @@ from zerotune.deepspeed.keys import (
     TBS,
     ZERO,
     is_stage3_only,
+    model_fields,
 )
 
 __all__ = ["OBJECT_SECTIONS", "check_sections", "prune", "validate"]
@@ -69,6 +70,24 @@ def prune(ds_config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _check_removed(ds_config: dict[str, Any]) -> None:
+    """DeepSpeed's own refusal of the settings it has removed (``runtime/config.py``,
+    ``_reject_removed_config_keys``: MiCS's ``mics_shard_size``, LoCo-ZeRO++ ...), run where the ZeRO section holds
+    a key DeepSpeed's config model does not know; nothing where the installed DeepSpeed has no such check.
+
+    Raises:
+        ConfigError: DeepSpeed's message, e.g. ``"MiCS ZeRO-3 sharding has been removed; ..."``.
+    """
+    try:
+        from deepspeed.runtime.config import _reject_removed_config_keys
+    except Exception:  # noqa: BLE001 - not installed, or a DeepSpeed without the check
+        return
+    try:
+        _reject_removed_config_keys(ds_config)
+    except Exception as e:  # noqa: BLE001 - DeepSpeedConfigError
+        raise ConfigError(f"DeepSpeed refuses the config: {e}") from None
+
+
 def _positive_int(value: Any) -> bool:
     return _is_int(value) and value > 0
 
@@ -116,6 +135,8 @@ def validate(ds_config: dict[str, Any], dp_world_size: int) -> None:
     stage = zero.get("stage", 0)
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ConfigError(f"{ZERO}.stage = {stage!r}: expected 0, 1, 2 or 3")
+    if set(zero) - (model_fields(ZERO) or set(zero)):
+        _check_removed(ds_config)
 
     mbs, gas, tbs = ds_config.get(MBS), ds_config.get(GAS), ds_config.get(TBS)
     if mbs is not None and not _positive_int(mbs):

@@ -5,8 +5,10 @@ The sections that decide device memory are searched: ``zero_optimization`` (its 
 ``fp16``, ``bf16``, ``compile``, ``tensor_parallel``, and the top-level ``sequence_parallel_size``. A key there is
 *priced* (the model reads it), *memory-neutral* (DeepSpeed reads it for logging, checkpoints, numerics or the host's
 side of an offload, none of which the device holds), or *not in the memory model*: every other key, the new ones of
-each DeepSpeed release included (``mics_shard_size``, ``zero_hpz_partition_size``, ``offload_optimizer.ratio``,
-``bf16.bf16_optimizer_states`` ...), which :func:`unmodelled_keys` returns.
+each DeepSpeed release included (``zero_quantized_weights``, ``zero_quantized_gradients`` ...), which
+:func:`unmodelled_keys` returns. The options :mod:`zerotune.model.zero_options` prices (hpZ, ``sub_group_size``,
+``offload_optimizer.ratio``, the 16-bit master weights and optimizer states, ``tensor_parallel.autotp_size``,
+``sequence_parallel_size``) are priced here.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ PRICED_ZERO = frozenset({
     "stage", "offload_optimizer", "offload_param", "contiguous_gradients", "overlap_comm", "reduce_bucket_size",
     "reduce_scatter", "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_max_live_parameters",
     "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance", "stage3_param_persistence_threshold",
-    "param_persistence_threshold"})
+    "param_persistence_threshold", "zero_hpz_partition_size", "sub_group_size"})
 """``zero_optimization`` keys :mod:`zerotune.model.memory` reads (by the key and by DeepSpeed's field name)."""
 NEUTRAL_ZERO = frozenset({
     "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "use_multi_rank_bucket_allreduce", "ignore_unused_parameters",
@@ -33,15 +35,17 @@ NEUTRAL_ZERO = frozenset({
 """``zero_optimization`` keys that move no device memory (``deepspeed/runtime/zero/config.py``: logging, checkpoint
 saving, communication order, which modules ZeRO-3 hooks; ZeRO 1/2 all-gather their shards in place, so
 ``allgather_bucket_size`` holds no buffer of its own, :mod:`zerotune.model.memory`)."""
-PRICED_OFFLOAD = frozenset({"device"})
+PRICED_OFFLOAD = frozenset({"device", "ratio"})
 NEUTRAL_OFFLOAD = frozenset({"pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline",
                              "pipeline_read", "pipeline_write", "fast_init"})
 """``offload_optimizer`` / ``offload_param`` keys: the device is priced; these size the host's or NVMe's side
 (``deepspeed/runtime/zero/offload_config.py``)."""
-KNOWN_PRECISION = frozenset({"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+KNOWN_PRECISION = frozenset({"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states",
+                             "fp16_master_weights_and_grads", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                              "consecutive_hysteresis", "min_loss_scale", "auto_cast", "immediate_grad_update",
                              "check_grad_overflow"})
-"""``fp16``/``bf16`` keys: ``enabled`` is priced (the precision), the rest is loss scaling (numbers, no tensors)."""
+"""``fp16``/``bf16`` keys: ``enabled`` and the master weights' and states' dtypes are priced
+(:mod:`zerotune.model.zero_options`), the rest is loss scaling (numbers, no tensors)."""
 
 
 def unmodelled_keys(ds_config: dict[str, Any]) -> list[str]:
@@ -62,9 +66,4 @@ def unmodelled_keys(ds_config: dict[str, Any]) -> list[str]:
     compile_ = ds_config.get("compile")
     if isinstance(compile_, dict) and (compile_.get("enabled") or compile_.get("deepcompile")):
         found += [f"compile.{k}" for k in compile_ if k != "enabled"] or ["compile.enabled"]
-    tp = ds_config.get("tensor_parallel")
-    if isinstance(tp, dict):
-        found += [f"tensor_parallel.{k}" for k in tp if k == "autotp_size" and tp[k] not in (None, 0, 1)]
-    if ds_config.get("sequence_parallel_size") not in (None, 1):
-        found.append("sequence_parallel_size")
     return [k for k in found if k != CHECKPOINTING]

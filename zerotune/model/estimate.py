@@ -36,6 +36,7 @@ from zerotune.model.coverage import unmodelled_keys
 from zerotune.model.hf_config import architecture, read_config
 from zerotune.model.memory import MemoryModel
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY, ModelInfo
+from zerotune.model.zero_options import approximations
 from zerotune.probe import read_checkpointed_activations, read_model_shapes, read_saved_activations
 
 OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cpu"}}),
@@ -77,7 +78,8 @@ class Estimate:
     only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
     model type for a key it omits). ``active_params``: the parameters a token runs through, with ``experts``
     ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense). ``unmodelled``: the
-    ``--deepspeed`` config's keys the memory model does not price (:func:`~zerotune.model.coverage.unmodelled_keys`)."""
+    ``--deepspeed`` config's keys the memory model does not price (:func:`~zerotune.model.coverage.unmodelled_keys`),
+    ``approximated`` what it assumes for those it prices in part (:func:`~zerotune.model.zero_options.approximations`)."""
 
     model_source: str
     num_params: int
@@ -97,6 +99,7 @@ class Estimate:
     active_params: int | None = None
     experts: tuple[int, int] = (0, 0)
     unmodelled: list[str] = field(default_factory=list)
+    approximated: list[str] = field(default_factory=list)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -230,7 +233,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
     return Estimate(given.source, given.num_params, given.trainable, given.activations, given.checkpointed, prec,
                     str((cfg.get("optimizer") or {}).get("type", "adam")),
                     hw.nodes, hw.gpus, hw.mp, hw.dp, hw.budget, hw.host, rows, list(given.notes), given.active,
-                    given.experts, unmodelled_keys(cfg))
+                    given.experts, unmodelled_keys(cfg), approximations(cfg))
 
 
 def _model_flag(args: argparse.Namespace) -> str:
@@ -387,6 +390,7 @@ def render(est: Estimate) -> str:
     lines += [f"Assumed: {note}." for note in est.notes]
     if est.unmodelled:
         lines.append(f"Not in the memory model: {', '.join(est.unmodelled)}: the bytes above leave them out.")
+    lines += [f"Approximated: {n}." for n in est.approximated]
     return "\n".join(lines)
 
 

@@ -72,9 +72,7 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   all-reduced in place (``stage3.py:1863-1880``). Where the reduction runs after the backward pass
   (stage 0, stage 1 without ``overlap_comm``, a bucket that holds all of T:
   :meth:`MemoryModel.copy_after_backward_bytes`), autograd has freed the activations by then, so the
-  peak holds the larger of the two, not their sum (:attr:`MemoryBreakdown.apart`). Measured on 2 CPU
-  ranks (gpt-wide fp32, ranks under a 64 KiB ``MALLOC_MMAP_THRESHOLD_``): the ZeRO-0 peak is 634 MiB at
-  mbs 1 and 635 MiB at mbs 8, 44 MiB of activations apart.
+  peak holds the larger of the two, not their sum (:attr:`MemoryBreakdown.apart`).
 - **Stage 3 all-gather copy** (:meth:`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
   one flat buffer (``zero/partition_parameters.py:1343``) and gives each parameter its own copy of
   its part (``:795``, ``torch.cat``); the buffer lives until the copies are made. One all-gather
@@ -87,34 +85,24 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   ``offload_param`` (stage 3) the parameter partition is on the host; gathered parameters stay on
   the device. nvme moves the master and optimizer states (``offload_optimizer``) or the parameter
   partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
-  modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`); a node needs them times its
-  ranks (:meth:`MemoryModel.host_fits`, checked by ``tune`` against ``--host-memory``). On CPU ranks
-  the host is the rank's own process: the per-rank budget counts them (:attr:`MemoryModel.host_on_device`).
-- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs. From a profile
-  run it is what the first forward saved for the backward pass (zerotune's probe,
-  :mod:`zerotune.model.profile`); else DeepSpeed's ``model_info.activation_mem_per_gpu`` (the change
-  in ``memory_allocated`` over the first forward, ``engine.py:2994-3027``), or
-  :mod:`zerotune.model.hf_config` from the architecture. What the backward pass allocates on top
-  (gradients of activations, e.g. of the logits) is counted by the profile on CUDA only, where it measures
-  the whole step's growth (docs/decisions.md, D204); elsewhere the online fit learns it from the runs' peaks.
+  modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`; a node's: :meth:`MemoryModel.host_fits`);
+  on CPU ranks the host is the rank's own process (:attr:`MemoryModel.host_on_device`).
+- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs: what the profile run's first
+  forward saved for the backward pass (:mod:`zerotune.model.profile`), DeepSpeed's ``activation_mem_per_gpu``
+  (``engine.py:2994-3027``), or :mod:`zerotune.model.hf_config`'s count. What the backward pass allocates on top
+  the profile counts on CUDA only (D204); elsewhere the online fit learns it from the runs' peaks.
 - **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, :data:`~zerotune.deepspeed.keys.CHECKPOINTING`,
   True: every checkpointable layer recomputed): ``checkpointed_activation_bytes_per_sample`` times mbs instead
-  (:meth:`MemoryModel.activation_bytes`). ``torch.utils.checkpoint`` with ``use_reentrant=False`` (the
-  Trainer's default in transformers 5) keeps a checkpointed layer's inputs for the backward pass and saves
-  nothing inside it (``_checkpoint_without_reentrant_generator``'s saved-tensor hooks); the backward pass
-  recomputes one layer at a time, holding what that layer saves. So the term is what the forward saves
-  outside the layers, the layers' inputs, and the most one layer saves beyond its inputs: the profile run,
-  which runs without checkpointing, prices it (``checkpointed_bytes``,
-  :mod:`zerotune.probe._zerotune_probe.activations`), or :mod:`zerotune.model.hf_config` from the architecture.
-  Unknown (None): a config with checkpointing gets the plain term, an overestimate.
-- **The profile run** exits in its first forward, which records the stage-3 trace: no prefetch
-  (``zero/partitioned_param_coordinator.py:422``) and each module's parameters released when it is
-  done (``:498``), so it holds L + persistent gathered parameters, one module's all-gather copy, no
-  optimizer state and no reduction copy (:meth:`MemoryModel.profile_exit_bytes`).
-- ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator
-  reserve, or on CPU the process's own data: Python, torch, the communication backend), calibrated
-  from the profile run's measured peak (:meth:`MemoryModel.calibrated`); each experiment's measured peak then
-  refits it with the activations, per stage and saver (:mod:`zerotune.model.online`).
+  (:meth:`MemoryModel.activation_bytes`): what the forward saves outside the layers, the layers' inputs, and the most
+  one layer saves beyond its inputs (non-reentrant ``torch.utils.checkpoint``; priced by the profile run's probe,
+  :mod:`zerotune.probe._zerotune_probe.activations`, or :mod:`zerotune.model.hf_config`). Unknown (None): a config
+  with checkpointing gets the plain term, an overestimate.
+- **The profile run** exits in its first forward: :meth:`MemoryModel.profile_exit_bytes`.
+- ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator reserve; on CPU the
+  process's own data), calibrated from the profile run's peak (:meth:`MemoryModel.calibrated`) and refitted with the
+  activations from each experiment's peak, per stage and saver (:mod:`zerotune.model.online`).
+- **Options beyond these** (16-bit master weights and optimizer states, ``offload_optimizer.ratio``, hpZ, AutoTP,
+  Ulysses): :mod:`zerotune.model.zero_options`.
 
 Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
 optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
@@ -129,6 +117,7 @@ from typing import Any
 
 from zerotune.deepspeed import keys
 from zerotune.deepspeed.config import precision
+from zerotune.model.zero_options import ZeroOptions
 
 
 @dataclass(frozen=True)
@@ -200,6 +189,8 @@ class MemoryModel:
         checkpointed_activation_bytes_per_sample: the activation term of a config with activation
             checkpointing (``ds_config[keys.CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
             such a config uses ``activation_bytes_per_sample`` (:meth:`activation_bytes`).
+        activation_sp: the Ulysses degree (``sequence_parallel_size``) the activation figures hold for: a rank's
+            share of a sample (1: the whole sample, as ``estimate`` gives it).
     """
 
     num_params: int
@@ -214,6 +205,7 @@ class MemoryModel:
                                                                          repr=False)
     host_on_device: bool = False
     checkpointed_activation_bytes_per_sample: int | None = None
+    activation_sp: int = 1
 
     def checkpointed(self, ds_config: dict[str, Any]) -> bool:
         """Whether ``ds_config`` gets the checkpointed activation term: its
@@ -222,10 +214,11 @@ class MemoryModel:
 
     def activation_bytes(self, ds_config: dict[str, Any]) -> int:
         """The activation term of ``ds_config``, bytes per sample: ``checkpointed_activation_bytes_per_sample``
-        where :meth:`checkpointed`, else ``activation_bytes_per_sample``."""
-        if self.checkpointed(ds_config):
-            return int(self.checkpointed_activation_bytes_per_sample)
-        return int(self.activation_bytes_per_sample)
+        where :meth:`checkpointed`, else ``activation_bytes_per_sample``; times ``activation_sp`` over the config's
+        ``sequence_parallel_size`` (:mod:`zerotune.model.zero_options`)."""
+        per_sample = (self.checkpointed_activation_bytes_per_sample if self.checkpointed(ds_config)
+                      else self.activation_bytes_per_sample)
+        return int(per_sample * self.activation_sp / ZeroOptions.of(ds_config).sp)
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
         """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
@@ -238,11 +231,9 @@ class MemoryModel:
         zero = ds_config.get("zero_optimization") or {}
         stage = int(_number(zero.get("stage"), 0)) if isinstance(zero, dict) else 0
         zero = zero if isinstance(zero, dict) else {}
-        psi = self.num_params / self.mp_size
-        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
-        n = self.dp_world_size
+        psi, t, n, options = self._sizes(ds_config)
         b = 4 if precision(ds_config) == "fp32" else 2
-        k = keys.optimizer_state_bytes(ds_config)
+        k = keys.optimizer_state_bytes(ds_config) * options.states_scale
         opt_dev = _offload_device(zero.get("offload_optimizer")) if stage >= 1 else "none"
         param_dev = _offload_device(zero.get("offload_param")) if stage == 3 else "none"
         offload_opt = opt_dev in ("cpu", "nvme")
@@ -257,8 +248,8 @@ class MemoryModel:
             grads, optim = b * t + step_grad, k * t + master
             buffers = self.reduction_copy_bytes(ds_config)
         else:
-            master = 4 * t / n  # stage3.py:1168-1170 (fp32 too: the reuse test at :1162-1163 is never true)
-            fp32_grad = 4 * t / n
+            master = options.master_bytes * t / n  # stage3.py:1168-1170 (fp32 too: :1162-1163 is never true)
+            fp32_grad = options.master_bytes * t / n
             if stage == 1:
                 low_grads = b * t
             elif stage == 2:
@@ -266,17 +257,18 @@ class MemoryModel:
             else:
                 low_grads = b * t / n
             if stage == 3:
-                params = b * self.gathered_params(ds_config) + (0 if param_dev != "none" else b * psi / n)
-                host += b * psi / n if param_dev == "cpu" else 0
+                partition = b * psi / n + (b * psi / options.hpz if options.hpz > 1 else 0)  # hpZ: zero_options
+                params = b * self.gathered_params(ds_config) + (0 if param_dev != "none" else partition)
+                host += partition if param_dev == "cpu" else 0
                 if offload_opt:  # the gradient partition buffer is on the host too (stage3.py:333,791)
                     host += low_grads
                     low_grads = 0
             else:
                 params = b * psi
-            if offload_opt:
-                grads, optim = low_grads, 0
-                master_host = master if master else 4 * t / n  # offload always makes an fp32 copy (stage3.py:1155-1160)
-                host += fp32_grad + ((k * t / n + master_host) if opt_dev == "cpu" else 0)
+            if offload_opt:  # offload_optimizer.ratio leaves a fraction f on the device (zero_options)
+                f = options.device_fraction(t / n, self.largest_layer_params / n)
+                grads, optim = low_grads + f * fp32_grad, f * (k * t / n + master)
+                host += (1 - f) * (fp32_grad + ((k * t / n + master) if opt_dev == "cpu" else 0))
             else:
                 grads, optim = low_grads + fp32_grad, k * t / n + master
             if stage == 3:
@@ -293,6 +285,14 @@ class MemoryModel:
                                host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)),
                                host_on_device=self.host_on_device)
 
+    def _sizes(self, ds_config: dict[str, Any]) -> tuple[float, float, float, ZeroOptions]:
+        """``(Psi, T, N, options)``: parameters and trainable parameters per model-parallel rank and the DP world
+        size, AutoTP's degree taken as model parallelism (:mod:`zerotune.model.zero_options`)."""
+        options = ZeroOptions.of(ds_config)
+        t = self.num_params if self.trainable_params is None else self.trainable_params
+        mp = self.mp_size * options.tp
+        return self.num_params / mp, t / mp, self.dp_world_size / options.tp, options
+
     def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
         bytes: ``b*min(T, 5e8)`` at stage 0 (``engine.py:3795-3796``), ``b*min(R, T)`` at stages 1-3 with
@@ -301,7 +301,7 @@ class MemoryModel:
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         stage = int(_number(zero.get("stage"), 0))
-        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        t = self._sizes(ds_config)[1]
         b = 4 if precision(ds_config) == "fp32" else 2
         if stage <= 0:
             return int(b * min(t, keys.STAGE0_ALLREDUCE_ELEMENTS))
@@ -322,7 +322,7 @@ class MemoryModel:
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         stage = int(_number(zero.get("stage"), 0))
-        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
+        t = self._sizes(ds_config)[1]
         overlap = zero.get("overlap_comm")
         overlap = overlap if isinstance(overlap, bool) else stage == 3  # zero/config.py:384-386
         after = (stage <= 0 or (stage == 1 and not overlap)
@@ -347,7 +347,7 @@ class MemoryModel:
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
         """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
         zero = ds_config.get("zero_optimization") or {}
-        psi = self.num_params / self.mp_size
+        psi = self._sizes(ds_config)[0]
         live = _number(zero.get("stage3_max_live_parameters"), keys.DEFAULT_STAGE3_MAX_LIVE_PARAMETERS)
         reuse = _number(zero.get("stage3_max_reuse_distance"), keys.DEFAULT_STAGE3_MAX_REUSE_DISTANCE)
         prefetch = _number(zero.get("stage3_prefetch_bucket_size"), keys.DEFAULT_STAGE3_PREFETCH_BUCKET_SIZE)
@@ -401,14 +401,14 @@ class MemoryModel:
             # The first forward records the trace: no prefetch (partitioned_param_coordinator.py:422) and
             # each module's parameters released after it (:498): L + persistent gathered, one module's copy.
             b = 4 if precision(ds_config) == "fp32" else 2
-            psi = self.num_params / self.mp_size
+            psi = self._sizes(ds_config)[0]
             first = min(psi, self.largest_layer_params + self.persistent_params)
             full_total += int(b * first + b * min(psi, self.largest_layer_params)
                               - b * self.gathered_params(ds_config) - self.gather_copy_bytes(ds_config))
         if _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
             return full_total
-        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
-        k = keys.optimizer_state_bytes(ds_config)
+        _, t, n, options = self._sizes(ds_config)
+        k = keys.optimizer_state_bytes(ds_config) * options.states_scale
         stage = int(_number(zero.get("stage"), 0))
         if stage < 3:
             # Below stage 3 only the parameters and the fp32 master copy exist at the first forward: the
@@ -416,9 +416,9 @@ class MemoryModel:
             # initialization, stage_1_and_2.py:949-951), and so do the reduction buckets (setup_buckets,
             # stage_1_and_2.py:3256-3280); torch's optimizers create their states at the first step.
             buckets = full.buffers - self.reduction_copy_bytes(ds_config) - self.gather_copy_bytes(ds_config)
-            states = k * t / (1 if stage == 0 else self.dp_world_size)
+            states = k * t / (1 if stage == 0 else n)
             return int(full_total - full.gradients - states - buckets)
-        return int(full_total - k * t / self.dp_world_size - 4 * t / self.dp_world_size)
+        return int(full_total - (k + options.master_bytes) * t / n)
 
     def profile_step_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device after its first backward (on CPU the probe runs it after
@@ -429,8 +429,8 @@ class MemoryModel:
         stage = int(_number(zero.get("stage"), 0))
         if stage >= 1 and _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
             return self.bytes_per_device(ds_config, mbs)
-        t = (self.num_params if self.trainable_params is None else self.trainable_params) / self.mp_size
-        states = keys.optimizer_state_bytes(ds_config) * t / (1 if stage == 0 else self.dp_world_size)
+        _, t, n, options = self._sizes(ds_config)
+        states = keys.optimizer_state_bytes(ds_config) * options.states_scale * t / (1 if stage == 0 else n)
         return int(self.bytes_per_device(ds_config, mbs) - states)
 
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1,

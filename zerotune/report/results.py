@@ -24,6 +24,7 @@ from zerotune.core.stopping import EARLY_ENDS
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.coverage import unmodelled_keys
+from zerotune.model.zero_options import approximations
 from zerotune.run.store import write_json_atomic, write_text_atomic
 from zerotune.strategy.answer import TIE_ORDER
 
@@ -70,6 +71,8 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     if unmodelled:
         notes.append(f"not in the memory model: {', '.join(unmodelled)} (set in the launched configs): its "
                      "predictions for them leave these keys out; what they move is in the measured peaks only")
+    notes += [f"memory model: {n}" for n in dict.fromkeys(n for e in result.experiments
+                                                         for n in approximations(e.ds_config))]
     return notes
 
 

@@ -15,9 +15,8 @@ outcomes it is told, in phases:
 4. **Gas** (:mod:`~zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
    semantics allow it. Under a launch budget the fine pass (phase 2's last step) runs after it.
 5. **Knobs** (``"fast": false``, :mod:`~zerotune.strategy.knobs`).
-6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists and the
-   answer re-measured where one run cannot tell them; the answer is the ledger's
-   (:attr:`StrategyResult.answer`).
+6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists re-measured
+   where one run cannot tell them; the answer is the ledger's (:attr:`StrategyResult.answer`).
 7. **The longest batch** (:mod:`~zerotune.strategy.longest`): an answer over the budget at the longest batch the
    training can meet gives way to the next that fits; ``--verify-longest`` runs it there once.
 
@@ -38,6 +37,7 @@ from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.model.tokens import square_bytes
+from zerotune.model.zero_options import ZeroOptions
 from zerotune.probe import read_square_activations
 from zerotune.strategy import remeasure
 from zerotune.strategy.bounds import SearchBounds
@@ -210,7 +210,7 @@ class Strategy:
         memory = MemoryModel(info.num_params, info.activation_mem_per_gpu, self.job.dp_world_size, self.job.mp_size,
                              trainable_params=info.trainable_num_params,
                              largest_layer_params=info.largest_layer_params, persistent_params=info.persistent_params,
-                             host_on_device=self.job.cpu,
+                             host_on_device=self.job.cpu, activation_sp=ZeroOptions.of(exp.ds_config).sp,
                              checkpointed_activation_bytes_per_sample=info.checkpointed_activation_mem_per_gpu)
         if info.peak_memory_bytes:
             memory = memory.calibrated(exp.ds_config, info.peak_memory_bytes, mbs=self.job.min_mbs,
