@@ -283,6 +283,24 @@ def test_configs_within_the_precision_tie_and_the_tie_order_takes_one_without_a_
     assert tie.reason == "more memory headroom"
 
 
+def test_a_tied_reading_known_only_to_more_than_3x_the_precision_counts_at_its_lower_bound():
+    from zerotune.strategy.answer import decide
+    # issue 52's held-out tunings: a config read once to ±20.9% (its run's own interval) 0.2% over one read three
+    # times, each to ±0.7%; the run-to-run noise of 1% (nothing re-measured disagrees)
+    wide, narrow = cpu_run(0, 16, 30.06, 1.0, gas=2), cpu_run(0, 14, 30.0, 1.0)
+    wide.metric_rel_half_width, narrow.metric_rel_half_width = 0.209, 0.007
+    replicas = []
+    for i in (1, 2):
+        r = cpu_run(0, 14, 30.0, 1.0)
+        r.name, r.replica_of, r.metric_rel_half_width = f"{narrow.name}_r{i}", narrow.name, 0.007
+        replicas.append(r)
+    answer, tie = decide([wide, narrow, *replicas], THROUGHPUT, precision=0.02)
+    # wide: sqrt(0.209^2 + 0.02^2) = 21.0%, over 3 x 2%: it counts at its lower bound, 23.75; narrow over 3 runs:
+    # sqrt((0.007^2 + 0.02^2) / 3) = 1.22%: at its reading, 30.0
+    assert (answer, tie.reason, [e for e, _ in tie.others]) == (narrow, "the better lower bound", [wide])
+    assert (round(tie.half_widths[wide.name], 4), round(tie.half_widths[narrow.name], 4)) == (0.21, 0.0122)
+
+
 def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
     from zerotune.report.data import ReportData, TrainingPlan
     from zerotune.report.results import strategy_notes
@@ -295,10 +313,11 @@ def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
         ledger.add(e)
     result = StrategyResult(ledger=ledger)
     assert strategy_notes(result, budget, 2) == [
-        "tie: z1_gas1_tmbspg16 98.5 samples/s, peak 2.00 GiB and z0_gas1_tmbspg16 100 samples/s, peak 2.40 GiB read "
-        "within --precision 2.0% of each other; the answer is z1_gas1_tmbspg16, for more memory headroom (the tie "
-        "order: more memory headroom where a tied config runs near the device's capacity, else the better reading; "
-        "no run breaks a tie)"]
+        "tie: z1_gas1_tmbspg16 98.5 ±2.0% samples/s, peak 2.00 GiB and z0_gas1_tmbspg16 100 ±2.0% samples/s, peak "
+        "2.40 GiB read within --precision 2.0% of each other; the answer is z1_gas1_tmbspg16, for more memory headroom "
+        "(the tie order: more memory headroom where a tied config runs near the device's capacity, else the better "
+        "reading, a reading known only to more than 3x the precision counting at its lower bound (less its 95% "
+        "half-width); no run breaks a tie)"]
     data = ReportData.from_tuning(ledger.experiments, result, objective=THROUGHPUT, budget_bytes=budget,
                                   capacity_bytes=budget, exps_dir=tmp_path, context={}, notes=[], state="finished",
                                   plan=TrainingPlan())

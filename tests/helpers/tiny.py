@@ -33,13 +33,27 @@ def write_dry_run_config(path: Path, *, fast=True, model_info=True, **zero) -> P
     return path
 
 
-def best_pooled(records: list[dict]) -> dict:
+def best_pooled(records: list[dict], precision: float = 0.02) -> dict:
     """The exp.json record the answer must be: the highest metric averaged over its runs (the record and its
-    re-measurements, ``replica_of``). A tie within the precision is taken by the better reading too: on CPU ranks
-    the tie order's headroom never decides (no budget to read the capacity against)."""
-    runs: dict[str, list[float]] = {}
+    re-measurements, ``replica_of``), where a config within ``precision`` of it whose reading is known only to more
+    than 3x the precision counts at its lower bound (docs/decisions.md, D321; the half-widths are zerotune's noise
+    rule over the records). On CPU ranks the tie order's headroom never decides (no budget to read the capacity
+    against)."""
+    from zerotune.core.noise import mean_half_width, run_noise
+    from zerotune.run.store import ExpRecord
+
+    exps = [ExpRecord.from_dict(r).experiment for r in records]
+    sigma = run_noise(exps).sigma
+    runs: dict[str, list[tuple[float, float | None]]] = {}
     for r in records:
         if r["status"] == "ok" and r["kind"] != "profile":
-            runs.setdefault(r["replica_of"] or r["name"], []).append(r["metric"])
-    best = max(runs, key=lambda n: sum(runs[n]) / len(runs[n]))
+            runs.setdefault(r["replica_of"] or r["name"], []).append((r["metric"], r["metric_rel_half_width"]))
+    mean = {n: sum(m for m, _ in v) / len(v) for n, v in runs.items()}
+    top = max(mean, key=mean.get)
+
+    def counted(name: str) -> float:
+        half = mean_half_width([hw for _, hw in runs[name]], sigma)
+        return mean[name] * (1 - half) if half > 3 * precision else mean[name]
+    tied = [n for n in mean if abs(mean[n] / mean[top] - 1) < precision]
+    best = max(tied, key=counted)
     return next(r for r in records if r["name"] == best)

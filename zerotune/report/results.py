@@ -83,7 +83,8 @@ def tie_note(tie: "Tie", precision: float | None, objective: Objective | None) -
 
     def figure(exp: Experiment, value: float) -> str:
         peak = f", peak {format_bytes(exp.peak_memory_bytes)}" if exp.peak_memory_bytes else ""
-        return f"{exp.name} {value:.4g} {unit}{peak}"
+        width = f" ±{tie.half_widths[exp.name]:.1%}" if exp.name in tie.half_widths else ""
+        return f"{exp.name} {value:.4g}{width} {unit}{peak}"
 
     within = f" within --precision {precision:.1%}" if precision is not None else ""
     return (f"tie: {figure(tie.answer, tie.value)} and " + ", ".join(figure(e, v) for e, v in tie.others)

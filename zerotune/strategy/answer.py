@@ -12,17 +12,18 @@ docs/decisions.md, D101.
 **A tie is an answer.** Configs whose reading is within the target precision (``--precision``) of the best one
 are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
 tie order takes one (:func:`tie_order`: more memory headroom where a tied config runs near the device's capacity,
-else the better reading). The summary and the report say "tie" with every tied figure (docs/decisions.md, D307,
-D313).
+else the better reading; a reading known only to more than 3x the precision counts at its lower bound, the reading
+less its 95% half-width, so a config known to ±1.2% is taken over one known to ±21% that read 0.2% higher). The summary and the report say "tie" with every tied figure and its interval
+(docs/decisions.md, D307, D313, D321).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TypeVar
 
-from zerotune.core.experiment import Experiment
+from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled, pooled_metrics
-from zerotune.core.noise import tie
+from zerotune.core.noise import mean_half_width, run_noise, tie
 from zerotune.core.objective import Objective
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 
@@ -60,7 +61,8 @@ def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Cal
 
 HEADROOM_MARGIN = 0.05
 """Two tied configs' measured peaks closer than this fraction of the larger leave the headroom undecided."""
-TIE_ORDER = "more memory headroom where a tied config runs near the device's capacity, else the better reading"
+TIE_ORDER = ("more memory headroom where a tied config runs near the device's capacity, else the better reading, "
+             "a reading known only to more than 3x the precision counting at its lower bound (less its 95% half-width)")
 """The tie order (:func:`tie_order`) in words, as the summary and the report state it."""
 
 
@@ -72,18 +74,22 @@ class Tie:
     Attributes:
         answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).
         others: the tied configs not taken, each with its metric, best first.
-        reason: what decided: ``"more memory headroom"`` or ``"the better reading"``.
+        reason: what decided: ``"more memory headroom"``, ``"the better reading"`` or ``"the better lower bound"``
+            (the best reading was too imprecise, :func:`tie_reading`).
+        half_widths: config name -> the relative 95% half-width of its reading
+            (:func:`~zerotune.core.noise.mean_half_width` over its runs), for every tied config.
     """
 
     answer: Experiment
     value: float
     others: tuple[tuple[Experiment, float], ...]
     reason: str
+    half_widths: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> tuple[Experiment, str]:
-    """Of two tied configs, ``a`` reading better than ``b``, the one the answer takes, and why: more memory headroom
-    where it protects the training, else ``a``, the better reading.
+    """Of two tied configs, ``a`` first in the tie order (:func:`tie_reading`), the one the answer takes, and why: more
+    memory headroom where it protects the training, else ``a``, the better reading.
 
     Headroom decides where the larger of the two measured peaks is at least
     :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
@@ -111,8 +117,11 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
     The best reading: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks
     read with the shape of the throughput curve (:func:`answer_readings`). The configs whose reading is within
     the target ``precision`` of it (None: none) tie with it (:func:`~zerotune.core.noise.tie`), and the tie
-    order (:func:`tie_order`) takes one of them without a launch: the best reading against each tied one in
-    turn, best reading first. Failed, OOM and timed-out runs are never candidates (they carry no metric).
+    order (:func:`tie_order`) takes one of them without a launch, best first by :func:`tie_reading`: the reading,
+    or, for one known only to more than :data:`IMPRECISE` times the precision, its lower bound; the half-width is
+    :func:`~zerotune.core.noise.mean_half_width` of the config's runs with this tuning's run-to-run noise
+    (:func:`~zerotune.core.noise.run_noise`). Failed, OOM and timed-out runs are never candidates (they carry no
+    metric).
 
     Args:
         budget_bytes: the per-device memory budget, bytes, against which a run's measured peak tells how near
@@ -127,15 +136,42 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
     tied = [r for r in readings if r[1] is not top[1] and tie(objective.gain(r[0], top[0]), precision)]
     if not tied:
         return top[1], None
-    tied.sort(key=lambda r: r[0], reverse=objective.higher_is_better)
-    taken, value, reasons = top[1], top[0], []
-    for v, e in tied:
+    widths = half_widths(experiments, [e for _, e in [top] + tied])
+    sign = 1 if objective.higher_is_better else -1
+    order = sorted([top] + tied, key=lambda r: tie_reading(r[0], widths[r[1].name], precision, sign), reverse=sign > 0)
+    (value, taken), reasons = order[0], []
+    for v, e in order[1:]:
         winner, why = tie_order(taken, e, budget_bytes)
         taken, value = (e, v) if winner is e else (taken, value)
         reasons.append(why)
     reason = next((r for r in reversed(reasons) if r != "the better reading"), "the better reading")
-    others = tuple((e, v) for v, e in [top] + tied if e is not taken)
-    return taken, Tie(taken, value, others, reason)
+    if reason == "the better reading" and taken is not top[1]:
+        reason = "the better lower bound"  # the best reading was known only to more than IMPRECISE x the precision
+    others = tuple((e, v) for v, e in sorted([top] + tied, key=lambda r: r[0], reverse=sign > 0) if e is not taken)
+    return taken, Tie(taken, value, others, reason, widths)
+
+
+IMPRECISE = 3
+"""A tied reading whose 95% half-width is over this many times the target precision counts at its lower bound."""
+
+
+def tie_reading(value: float, half_width: float, precision: float | None, sign: int = 1) -> float:
+    """What a tied config's reading counts for in the tie order: the reading itself where it is known to
+    :data:`IMPRECISE` times the precision, else its lower bound, ``value * (1 - half_width)`` (``sign`` -1: a metric
+    where lower is better, ``value * (1 + half_width)``)."""
+    return value * (1 - sign * half_width) if half_width > IMPRECISE * (precision or 0.0) else value
+
+
+def half_widths(experiments: Sequence[Experiment], configs: Sequence[Experiment]) -> dict[str, float]:
+    """Config name -> the relative 95% half-width of its reading over its ok runs (the config and its
+    re-measurements): :func:`~zerotune.core.noise.mean_half_width` with the run-to-run noise of ``experiments``."""
+    sigma = run_noise(experiments).sigma
+    runs: dict[str, list[float | None]] = {c.name: [] for c in configs}
+    for e in experiments:
+        name = e.replica_of or e.name
+        if name in runs and e.status is Status.OK and e.metric is not None:
+            runs[name].append(e.metric_rel_half_width)
+    return {name: mean_half_width(hws or [None], sigma) for name, hws in runs.items()}
 
 
 def answer_readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], objective: Objective,
