@@ -51,18 +51,17 @@ def count(cfg: dict[str, Any], seq_len: int, dtype: str, attention: str) -> Save
     operator), so that the caller counts in closed form. Counted once per argument set (a few seconds: a
     70B model's 80 layers take about 2 s)."""
     try:
-        return _count(json.dumps(cfg, sort_keys=True), seq_len, dtype, attention)
+        return _count(json.dumps(cfg, sort_keys=True), seq_len, dtype, KERNELS[attention])
     except Exception:  # noqa: BLE001 - any failure of transformers' forward on fake tensors: the closed form
         return None
 
 
 @functools.lru_cache(maxsize=16)
-def _count(text: str, seq_len: int, dtype: str, attention: str) -> SavedActivations:
+def _count(text: str, seq_len: int, dtype: str, kernel: str) -> SavedActivations:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    cfg = json.loads(text)
-    kernel, note = KERNELS[attention], ""
+    cfg, note = json.loads(text), ""
     with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("ignore")
         try:
