@@ -13,8 +13,8 @@ docs/decisions.md, D101.
 are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
 tie order takes one (:func:`tie_order`: more memory headroom where a tied config runs near the device's capacity,
 else the better reading; a reading known only to more than 3x the precision counts at its lower bound, the reading
-less its 95% half-width, so a config known to ±1.2% is taken over one known to ±21% that read 0.2% higher). The summary and the report say "tie" with every tied figure and its interval
-(docs/decisions.md, D307, D313, D321).
+less its 95% half-width, so a config known to ±1.2% is taken over one known to ±21% that read 0.2% higher). The
+summary and the report say "tie" with every tied figure and its interval (docs/decisions.md, D307, D313, D321).
 """
 from __future__ import annotations
 
@@ -61,8 +61,11 @@ def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Cal
 
 HEADROOM_MARGIN = 0.05
 """Two tied configs' measured peaks closer than this fraction of the larger leave the headroom undecided."""
+IMPRECISE = 3
+"""A tied reading whose 95% half-width is over this many times the target precision counts at its lower bound."""
 TIE_ORDER = ("more memory headroom where a tied config runs near the device's capacity, else the better reading, "
-             "a reading known only to more than 3x the precision counting at its lower bound (less its 95% half-width)")
+             f"a reading known only to more than {IMPRECISE}x the precision counting at its lower bound (less its 95% "
+             "half-width)")
 """The tie order (:func:`tie_order`) in words, as the summary and the report state it."""
 
 
@@ -149,10 +152,6 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
         reason = "the better lower bound"  # the best reading was known only to more than IMPRECISE x the precision
     others = tuple((e, v) for v, e in sorted([top] + tied, key=lambda r: r[0], reverse=sign > 0) if e is not taken)
     return taken, Tie(taken, value, others, reason, widths)
-
-
-IMPRECISE = 3
-"""A tied reading whose 95% half-width is over this many times the target precision counts at its lower bound."""
 
 
 def tie_reading(value: float, half_width: float, precision: float | None, sign: int = 1) -> float:
