@@ -97,19 +97,8 @@ def _model(cfg: dict[str, Any], kernel: str, dtype):
     config = CONFIG_MAPPING[cfg["model_type"]](**{k: v for k, v in cfg.items() if k != "model_type"})
     if kernel != "eager":
         _no_attention_dropout(config)
-    autos = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
-    return _from_config(config, *(_Auto(a, kernel, dtype) for a in autos))
-
-
-class _Auto:
-    """``auto.from_config(config, attn_implementation=kernel, dtype=dtype)``, in the shape
-    :func:`~zerotune.model.meta_model._from_config` calls."""
-
-    def __init__(self, auto, kernel: str, dtype):
-        self.auto, self.kernel, self.dtype = auto, kernel, dtype
-
-    def from_config(self, config):
-        return self.auto.from_config(config, attn_implementation=self.kernel, dtype=self.dtype)
+    return _from_config(config, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel,
+                        attn_implementation=kernel, dtype=dtype)
 
 
 def _saved(model, torch, seq_len: int) -> tuple[int, int | None]:

@@ -96,16 +96,16 @@ def _build(text: str, persistence_threshold: int, source: str) -> MetaModel:
     return count(model, persistence_threshold, _top_k(config))
 
 
-def _from_config(config, *autos):
+def _from_config(config, *autos, **kwargs):
     """The model of ``config`` from the first of ``autos`` that maps its type: a causal LM, else an image-text-to-text
     model (a vision-language config: the language model, the vision tower and the head), else the base model (an
-    encoder)."""
+    encoder); ``kwargs`` go to each ``from_config`` (``attn_implementation``, ``dtype``)."""
     for auto in autos[:-1]:
         try:
-            return auto.from_config(config)
+            return auto.from_config(config, **kwargs)
         except ValueError:  # "Unrecognized configuration class ... for this kind of AutoModel"
             continue
-    return autos[-1].from_config(config)
+    return autos[-1].from_config(config, **kwargs)
 
 
 def count(model, persistence_threshold: int, experts_per_token: int = 0) -> MetaModel:

@@ -36,11 +36,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from zerotune.deepspeed.keys import ZERO
+from zerotune.deepspeed.keys import ZERO, ZERO_DEFAULTS
 
 __all__ = ["ZeroOptions", "approximations"]
 
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # zero/config.py:182
+DEFAULT_SUB_GROUP_SIZE: int = ZERO_DEFAULTS[3]["sub_group_size"]  # zero/config.py:182
 
 
 def _int(value: Any, default: int) -> int:
