@@ -135,6 +135,10 @@ from tests.helpers.simulated import tune_simulated
 # longer decide). Scenario 11 with stages 1-2 and "fast": false answers ZeRO-2 mbs 8 with knobs again (ZeRO-1 mbs 7
 # under the old order); scenario 16 with "fast": false keeps ZeRO-3 mbs 5, the plain config. Each re-measures its
 # answer; the launches are unchanged.
+# Then (issue 52, D322): a candidate is launched only where what it could gain at most is more than one run of it and
+# the best can read apart by noise alone (zerotune.core.noise.resolvable). Scenario 11 no longer runs ZeRO-2 at 6
+# (at most +2.1% over ZeRO-1's 55.59 at mbs 6, against a noise of ±3.3%), so ZeRO-2 is probed, not explored, and
+# its mbs 8 is not run either: 14 -> 12 launches, as its gas-doubling batch case; the same answer.
 PINS, BATCH_PINS = ledger_pins.load()  # tests/data/ledger_pins.json, written by tests/regen_ledger_pins.py
 
 

@@ -12,7 +12,9 @@ from zerotune.core.noise import (
     must_beat,
     precise,
     replica_decides,
+    resolvable,
     tie,
+    typical_half_width,
     within_noise,
 )
 from zerotune.core.objective import OBJECTIVES
@@ -75,6 +77,17 @@ def test_can_beat_only_beyond_the_precision():
     assert can_beat(100.0 + 1e-9, 80.0, 0.25)
     assert not can_beat(100.0 - 1e-9, 80.0, 0.25)
     assert not can_beat(80.0, 80.0, 0.0)
+
+
+def test_a_launch_resolves_only_a_gain_beyond_both_the_precision_and_its_noise():
+    # the held-out GPT-2 (issue 52): mbs 8 read 3% under mbs 16, both known to ±8%; one more run known to ±8% and the
+    # best read up to sqrt(0.08^2 + 0.08^2 + (2 * 0.01)^2 * 2) = 11.7% apart by noise alone
+    noise = comparison_noise([0.08, 0.08])
+    gain_high = -0.03 + noise  # what mbs 8 could truly beat 16 by
+    assert round(noise, 4) == 0.1166 and not resolvable(gain_high, noise, 0.02)
+    assert resolvable(0.05, 0.04, 0.02) and not resolvable(0.05, 0.05, 0.02) and not resolvable(0.02, 0.0, 0.02)
+    assert resolvable(1e-9, 0.0, None)
+    assert typical_half_width([0.05, None, 0.01, 0.03]) == 0.03 and typical_half_width([None]) is None
 
 
 def test_a_run_is_precise_at_an_interval_within_the_precision_and_known_to_it_under_a_run_noise_as_narrow():

@@ -138,7 +138,7 @@ def test_the_strategy_launches_only_what_the_throughput_model_cannot_rule_out(tm
 
 
 def test_a_latency_search_is_never_gated(tmp_path):
-    # the same runs, mbs 32 then 16, then mbs 24: tuning throughput (perfect scaling, 10 samples/s per unit of mbs)
+    # the same runs, mbs 16 then 32, then mbs 24: tuning throughput (perfect scaling, 10 samples/s per unit of mbs)
     # the throughput model skips mbs 24; tuning latency (0.1 s a step at every mbs) it is launched
     def runs(metric, value):
         launched = []
@@ -149,13 +149,13 @@ def test_a_latency_search_is_never_gated(tmp_path):
                 exp.status, exp.metric, exp.metric_rel_half_width = Status.OK, value(exp.mbs), 0.01
             return exps
         strategy = Strategy(make_job(tmp_path / metric, metric), evaluate)
-        for mbs in (32, 16, 24):
+        for mbs in (16, 32, 24):
             strategy.evaluate([strategy.builder.mbs_experiment(0, mbs)])
         return launched, [(e.name, e.status.value) for e in strategy.result.experiments], strategy.result.predictions
 
     launched, ledger, predictions = runs("throughput", lambda mbs: 10.0 * mbs)
-    assert launched == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16"]
+    assert launched == ["z0_gas1_tmbspg16", "z0_gas1_tmbspg32"]
     assert ledger[-1] == ("z0_gas1_tmbspg24", "skipped") and [p.name for p in predictions] == ["z0_gas1_tmbspg24"]
     launched, ledger, predictions = runs("latency", lambda mbs: 0.1)
-    assert launched == ["z0_gas1_tmbspg32", "z0_gas1_tmbspg16", "z0_gas1_tmbspg24"]
+    assert launched == ["z0_gas1_tmbspg16", "z0_gas1_tmbspg32", "z0_gas1_tmbspg24"]
     assert ledger[-1] == ("z0_gas1_tmbspg24", "ok") and predictions == []

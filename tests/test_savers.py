@@ -43,10 +43,12 @@ def saver_of(ds_config: dict) -> str:
     return ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
 
 
-def tune(tmp_path: Path, step_s, cpu: bool = False, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False,
+         **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
-    estimate is over the budget; ([(mbs, saver, status)] in launch order, the strategy)."""
+    estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ([(mbs, saver,
+    status)] in launch order, the strategy)."""
     ran = []
 
     def evaluate(exps):
@@ -56,8 +58,10 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, **options) -> tuple[list[tup
                 exp.metrics = {"num_params": PSI, "trainable_num_params": PSI, "activation_mem_per_gpu": ACTIVATIONS}
                 continue
             saver = saver_of(exp.ds_config)
-            fits = strategy.result.memory.bytes_per_device(exp.ds_config) <= 8 * GiB
+            predicted = strategy.result.memory.bytes_per_device(exp.ds_config)
+            fits = predicted <= 8 * GiB
             exp.status = Status.OK if fits else Status.OOM
+            exp.peak_memory_bytes = predicted if fits and peaks else None  # it peaks where the model says
             ran.append((exp.mbs, saver, exp.status.value))
             if fits:
                 exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
@@ -89,11 +93,12 @@ OFFLOAD_COSTS = {"": 0.0, "offload_optimizer": 3.0, "offload_optimizer+offload_p
 
 def test_where_memory_binds_the_best_stage_offload_runs_its_larger_mbs_and_wins(tmp_path):
     # step = 1 s + 0.1 s per sample (+0.5 s with the optimizer offloaded, +1 s with the parameters too). ZeRO-3
-    # fits mbs 5 (its search: 5, 2): 6.667 samples/s. Offloading the optimizer fits 17: 2*17/3.2 = 10.62, a win,
-    # so it is searched (17, then 8 below it) and becomes the best; the parameters too fit 19: 9.744, a loss.
+    # fits mbs 5: 6.667 samples/s. Offloading the optimizer fits 17: 2*17/3.2 = 10.62, a win, so it is searched
+    # and becomes the best; the parameters too fit 19: 9.744, a loss. The halvings below 5 and 17 are not launched:
+    # the affine step time lets each gain 2.2% at most, within what one run resolves (±3.2%, D322).
     ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver])
-    assert ran[:5] == [(5, "", "ok"), (2, "", "ok"), (17, "offload_optimizer", "ok"), (8, "offload_optimizer", "ok"),
-                       (19, "offload_optimizer+offload_param", "ok")]
+    assert ran[:3] == [(5, "", "ok"), (17, "offload_optimizer", "ok"), (19, "offload_optimizer+offload_param", "ok")]
+    assert [p.name for p in strategy.result.predictions] == ["z3_gas1_tmbspg2", "z3_gas1_tmbspg8_oocpu"]
     assert decisions(strategy) == [("ZeRO stage 3", "explored", 5), ("ZeRO stage 3 + offload optimizer", "explored", 17),
                                    ("ZeRO stage 3 + offload optimizer+params", "probed", 19)]
     assert [r.reason for r in strategy.result.stages[1:]] == [
@@ -105,8 +110,7 @@ def test_where_memory_binds_the_best_stage_offload_runs_its_larger_mbs_and_wins(
 
 def test_offload_that_costs_more_than_its_larger_mbs_gains_is_probed_and_lost(tmp_path):
     ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_COSTS[saver])
-    assert ran[:4] == [(5, "", "ok"), (2, "", "ok"), (17, "offload_optimizer", "ok"),
-                       (19, "offload_optimizer+offload_param", "ok")]
+    assert ran[:3] == [(5, "", "ok"), (17, "offload_optimizer", "ok"), (19, "offload_optimizer+offload_param", "ok")]
     assert [(label, d) for label, d, _ in decisions(strategy)] == [
         ("ZeRO stage 3", "explored"), ("ZeRO stage 3 + offload optimizer", "probed"),
         ("ZeRO stage 3 + offload optimizer+params", "probed")]
@@ -125,17 +129,18 @@ def test_on_cpu_ranks_offload_to_the_host_is_not_tried(tmp_path):
 
 def test_a_stage_whose_best_is_below_its_largest_runnable_mbs_tries_no_saver(tmp_path):
     # a step of 0.01 s + 0.5 s per sample, 5% more per sample from mbs 3: mbs 2 (3.96 samples/s) beats mbs 5
-    # (3.80), so memory does not bind ZeRO-3 and no saver is visited
+    # (3.80), so memory does not bind ZeRO-3 and no saver is visited. Mbs 5 peaks near the capacity, so the
+    # halving below it is off the affine curve and runs (of unknown peak it would not: at most a 2.2% gain)
     ran, strategy = tune(tmp_path, lambda mbs, saver: 0.01 + 0.5 * mbs * (1.05 if mbs >= 3 else 1.0)
-                         + OFFLOAD_PAYS[saver])
-    assert ran == [(5, "", "ok"), (2, "", "ok")]
+                         + OFFLOAD_PAYS[saver], peaks=True)
+    assert ran[:2] == [(5, "", "ok"), (2, "", "ok")] and all(saver == "" for _, saver, _ in ran)
     assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
     assert strategy.result.answer.name == "z3_gas1_tmbspg2"
 
 
 def test_with_no_savers_none_is_visited_and_the_summary_says_so(tmp_path):
     ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver], savers=False)
-    assert ran == [(5, "", "ok"), (2, "", "ok"), (5, "", "ok")]  # the answer re-measured
+    assert ran == [(5, "", "ok"), (5, "", "ok")]  # the answer re-measured
     assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
     assert strategy.result.savers_notes == ["memory savers (activation checkpointing, offload): off (--no-savers)"]
 
@@ -154,7 +159,7 @@ def test_nvme_offload_runs_where_the_host_cannot_hold_the_cpu_offload(tmp_path):
         ("ZeRO stage 3 + offload optimizer+params", "pruned"), ("ZeRO stage 3 + offload optimizer (nvme)", "explored"),
         ("ZeRO stage 3 + offload optimizer+params (nvme)", "probed")]
     assert strategy.result.stages[1].reason == "memory model: the host memory cannot hold what it offloads"
-    assert ran[2] == (17, "offload_optimizer:nvme", "ok")
+    assert ran[1] == (17, "offload_optimizer:nvme", "ok")
     answer = strategy.result.answer.ds_config["zero_optimization"]["offload_optimizer"]
     assert answer == {"device": "nvme", "nvme_path": str(nvme)}
 

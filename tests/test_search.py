@@ -513,13 +513,19 @@ def test_the_fine_pass_skips_the_gap_below_a_precise_plateau_only():
 
         def evaluate(ms):
             calls.extend(ms)
-            return [Point(m, Status.OK, {32: 100.0, 16: 99.0}.get(m, 99.5), rel_half_width=hw) for m in ms]
+            return [Point(m, Status.OK, {32: 100.0, 16: 99.0}.get(m, 99.5),
+                          rel_half_width=hw.get(m, 0.045) if isinstance(hw, dict) else hw) for m in ms]
         search_mbs(evaluate, SearchBounds(1, 32, THROUGHPUT, precision=0.02, num_fine=3), estimate=32)
         return calls
     # 32 and 16 known to 1.5% and 1% apart: a plateau, nothing between them is run
     assert run(0.015) == [32, 16]
-    # the same metrics known to 5% only: a tie of ignorance, the gap is bisected
-    assert run(0.05) == [32, 16, 24, 28, 30]
+    # the same metrics known to 5% only: a tie of ignorance, yet a run between them, as noisy, could not resolve the
+    # most it could gain over 32 (D322): nothing is run
+    assert run(0.05) == [32, 16]
+    # 32 known to 1%, 16 to 8% only: 16 could beat 32 by up to 7.7%, which a run known to the trace's typical 4.5%
+    # resolves (±5.6% against 32): the gap is bisected once; 24 reads 99.5 to ±4.5%, and could beat 32 by 4.9% at
+    # most, within what a run resolves: no more
+    assert run({32: 0.01, 16: 0.08}) == [32, 16, 24]
 
 
 def test_a_precise_tie_with_a_best_at_the_memory_boundary_is_no_plateau():

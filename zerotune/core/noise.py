@@ -32,7 +32,7 @@ from zerotune.core.objective import Objective
 
 __all__ = ["DEFAULT_PRECISION", "RUN_NOISE", "RUN_NOISE_PRIOR_RUNS", "NoisyMetric", "RunNoise", "can_beat",
            "cannot_beat", "comparison_noise", "known_to_precision", "mean_half_width", "must_beat", "pair_noise",
-           "precise", "replica_decides", "run_noise", "tie", "within_noise"]
+           "precise", "replica_decides", "resolvable", "run_noise", "tie", "typical_half_width", "within_noise"]
 
 DEFAULT_PRECISION = 0.02
 """Target relative half-width of a metric's 95% interval (0.02 = ±2%)."""
@@ -96,6 +96,22 @@ def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, p
     own = pair_noise(a, b, floor, with_runs=False)
     stake = pair_noise(a, b, floor) - abs(gain)  # how far past zero the difference's interval reaches on the other side
     return not tie(gain, precision) and own <= abs(gain) and stake > (precision or 0.0)
+
+
+def typical_half_width(rel_half_widths: Iterable[float | None]) -> float | None:
+    """What one more run's own interval will be (relative 95% half-width): the median of the intervals of runs of
+    the same length (the script's and the stop rule's) so far, unknown ones left out; None when none is known."""
+    known = sorted(hw for hw in rel_half_widths if hw is not None)
+    return statistics.median(known) if known else None
+
+
+def resolvable(gain_high: float, expected_noise: float, precision: float | None) -> bool:
+    """Whether a launch can move the answer beyond the ``precision`` (None: 0): the most the candidate could truly
+    beat the incumbent by, ``gain_high`` (relative), is over the precision (else it is at best a tie) and over
+    ``expected_noise``, the :func:`comparison_noise` of one run of it against the incumbent as runs of this length
+    read. Where it is not, even the candidate at its best would read within the noise of the incumbent: its reading
+    could move the answer only by chance, and the two are tied to what a run can resolve (docs/decisions.md, D322)."""
+    return gain_high > max(precision or 0.0, expected_noise)
 
 
 def tie(gain: float, precision: float | None) -> bool:

@@ -12,11 +12,12 @@ evaluate; this module only evaluates it.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
-from zerotune.core.noise import DEFAULT_PRECISION, known_to_precision, must_beat
+from zerotune.core.noise import DEFAULT_PRECISION, known_to_precision, must_beat, typical_half_width
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import memory_fraction
 from zerotune.strategy.configs import ConfigBuilder
@@ -115,7 +116,8 @@ class Evaluator:
         if best is None:
             return False
         families = readings(self.ledger, self.job.capacity_bytes)
-        prediction = predict(exp, families, (best, pooled[best].value), self.precision, cpu=self.job.cpu)
+        prediction = predict(exp, families, (best, pooled[best].value), self.precision, cpu=self.job.cpu,
+                             noise=self.launch_noise(exp.stage, best))
         if prediction is None:
             return False
         exp.status, exp.metric, exp.error = Status.SKIPPED, None, prediction.reason
@@ -150,6 +152,18 @@ class Evaluator:
         hw = self.ledger[best].metric_rel_half_width if pooled[best].runs == 1 else None
         return must_beat(objective, pooled[best].value, hw or PLATEAU_THRESHOLD, runs=pooled[best].runs,
                          run_noise=self.ledger.run_noise.sigma)
+
+    def launch_noise(self, stage: int, best: str) -> float:
+        """How far apart (relative, at 95%) one new run of ZeRO ``stage`` and the config ``best`` can read by noise
+        alone: ``sqrt(h ** 2 + hw ** 2 + (2 * sigma) ** 2)``, with ``h`` the best's half-width over its runs
+        (:meth:`~zerotune.strategy.ledger.Ledger.half_width`), ``hw`` what a run's own interval will be
+        (:func:`~zerotune.core.noise.typical_half_width` of the stage's runs, else of every run; unknown: 0) and
+        ``sigma`` the run-to-run noise. Runs are as long as the script and the stop rule let them be, so this is
+        the finest difference one more launch can resolve."""
+        ran = [e for e in self.ledger.experiments if e.status is Status.OK and e.kind is not ExperimentKind.PROFILE]
+        own = [e.metric_rel_half_width for e in ran if e.stage == stage]
+        hw = typical_half_width(own) or typical_half_width(e.metric_rel_half_width for e in ran) or 0.0
+        return math.sqrt(self.ledger.half_width(best) ** 2 + hw ** 2 + (2 * self.ledger.run_noise.sigma) ** 2)
 
     def known_to_precision(self, exp: Experiment) -> bool:
         """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`), under the

@@ -8,14 +8,15 @@ puts no peak between two measured points, so the gap above is skipped where that
 runs can resolve (:func:`_above_may_pay`), and the gap below unless the best ran near capacity or of
 unknown capacity (:func:`_below_may_pay`). The gap below is skipped, too, where the best and the point below
 it are a precise plateau (:func:`_plateau`), or where the point below reads so far under the best that even at the
-far end of their noise it would only tie it (:func:`_at_most_a_tie`): the curve does not rise towards the smaller
+far end of their noise it would only tie it, or beat it by no more than one run of the trace's length resolves
+(:func:`_at_most_a_tie`): the curve does not rise towards the smaller
 mbs there. Neither skip holds at the memory boundary, where the allocator's flushes near the capacity can slow a
-step and a tie hides a peak between. The evidence is in docs/decisions.md, D105 and D311.
+step and a tie hides a peak between. The evidence is in docs/decisions.md, D105, D311 and D322.
 """
 from __future__ import annotations
 
 from zerotune.core.experiment import Status
-from zerotune.core.noise import pair_noise, precise, within_noise
+from zerotune.core.noise import comparison_noise, pair_noise, precise, resolvable, typical_half_width, within_noise
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.capacity import Capacity
 from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
@@ -58,7 +59,7 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
         at_boundary = bool(above) and not trace.get(min(above)).ok and up is None
         low = trace.get(max(below)) if below else None
         if (low is not None and (at_boundary or not (_plateau(low, best, threshold, precision)
-                                                      or gated and _at_most_a_tie(low, best, threshold, precision)))
+                                                      or gated and _at_most_a_tie(low, best, trace, threshold, precision)))
                 and (not gated or _below_may_pay(best))):
             candidates.append(middle(values, max(below), best.mbs))
         candidates = [m for m in candidates if m is not None and trace.get(m) is None][:budget]
@@ -79,14 +80,20 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
     return both_precise and within_noise(abs(a.metric - best.metric) / best.metric, a, best, threshold)
 
 
-def _at_most_a_tie(low: Point, best: Point, threshold: float, precision: float | None) -> bool:
+def _at_most_a_tie(low: Point, best: Point, trace: MbsTrace, threshold: float, precision: float | None) -> bool:
     """True when the measured point below the best (throughput), ``low``, could beat it by no more than
-    ``precision`` even at the far end of their noise: its reading's shortfall is at least their
-    :func:`~zerotune.core.noise.pair_noise` less the precision. The curve does not rise towards the smaller
-    mbs there, so a bisection between them would at best find a tie (None: never)."""
+    ``precision``, or no more than one run between them could resolve, even at the far end of their noise: its
+    reading's shortfall less their :func:`~zerotune.core.noise.pair_noise` (``gain_high``) is not
+    :func:`~zerotune.core.noise.resolvable` against one more run of the trace's length (its interval the trace's
+    :func:`~zerotune.core.noise.typical_half_width`) compared with the best. The curve does not rise towards the
+    smaller mbs there, so a bisection between them would at best find a tie, or a reading that moves the answer
+    only by chance (None: never)."""
     if precision is None or not (low.ok and best.ok and low.metric and best.metric):
         return False
-    return low.metric / best.metric - 1 + pair_noise(low, best, threshold) <= precision
+    gain_high = low.metric / best.metric - 1 + pair_noise(low, best, threshold)
+    hw = typical_half_width(p.rel_half_width for p in trace.ok_points)
+    noise = comparison_noise([hw, best.rel_half_width], [1, best.runs], floor=threshold, run_noise=best.run_noise)
+    return not resolvable(gain_high, noise, precision)
 
 
 def affine_gain(low: Point, best: Point, mbs: int) -> float | None:

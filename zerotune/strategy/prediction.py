@@ -13,10 +13,11 @@ Each reading's half-width is what a run of that config gives (:meth:`~zerotune.s
 the runs' own intervals and the run-to-run noise). Readings near the device's capacity
 (``Capacity.NEAR``, :mod:`~zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
 affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
-the best pooled metric by more than the target precision (``--precision``): within it, it is a tie the
-answer would not move for. Throughput only (a latency or FLOP/s search is not gated), and never a
+the best pooled metric by more than the target precision (``--precision``), or by more than one run of it and the
+best can read apart by noise alone (runs as long as this tuning's read: :func:`~zerotune.core.noise.resolvable`):
+within either it is a tie the answer would not move for, or move for only by chance. Throughput only (a latency or FLOP/s search is not gated), and never a
 re-measurement; on CPU ranks only an mbs above its family's readings (:func:`predict`).
-docs/decisions.md, D108.
+docs/decisions.md, D108, D322.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import json
 from dataclasses import dataclass
 
 from zerotune.core.experiment import Experiment, ExperimentKind
-from zerotune.core.noise import can_beat
+from zerotune.core.noise import resolvable
 from zerotune.model.throughput import Reading, bounds, ceiling
 from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 from zerotune.strategy.ledger import Ledger
@@ -45,11 +46,18 @@ class Prediction:
     best_name: str
     precision: float
     source: str
+    noise: float = 0.0  # how far apart (relative, 95%) one run of it and the best can read by noise alone
 
     @property
     def reason(self) -> str:
-        return (f"throughput model: {self.low:.4g}-{self.high:.4g} samples/s predicted ({self.source}); cannot beat "
-                f"{self.best_name}'s {self.best:.4g} by more than the precision ({self.precision:.0%}): not launched")
+        predicted = f"throughput model: {self.low:.4g}-{self.high:.4g} samples/s predicted ({self.source}); "
+        gain = self.high / self.best - 1
+        if gain <= self.precision:
+            return (f"{predicted}cannot beat {self.best_name}'s {self.best:.4g} by more than the precision "
+                    f"({self.precision:.0%}): not launched")
+        return (f"{predicted}at most {gain:+.1%} over {self.best_name}'s {self.best:.4g}, while one run of it and "
+                f"the best read up to ±{self.noise:.1%} apart by noise alone: tied to what a run resolves, "
+                "not launched")
 
 
 def family_key(ds_config: dict) -> str:
@@ -73,15 +81,16 @@ def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading
 
 
 def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
-            precision: float, cpu: bool = False) -> Prediction | None:
+            precision: float, cpu: bool = False, noise: float = 0.0) -> Prediction | None:
     """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no bound from
-    :func:`model_bounds`, or an upper bound beating the best by more than ``precision``)."""
+    :func:`model_bounds`, or an upper bound beating the best by more than ``precision`` and more than ``noise``, the
+    relative 95% noise of one run of it against the best: :func:`~zerotune.core.noise.resolvable`)."""
     if best is None:
         return None
     bound = model_bounds(exp, families, cpu)
-    if bound is None or can_beat(bound[1], best[1], precision):
+    if bound is None or resolvable(bound[1] / best[1] - 1, noise, precision):
         return None
-    return Prediction(exp.name, bound[0], bound[1], best[1], best[0], precision, bound[2])
+    return Prediction(exp.name, bound[0], bound[1], best[1], best[0], precision, bound[2], noise)
 
 
 def model_bounds(exp: Experiment, families: dict[str, list[Reading]],
