@@ -15,6 +15,8 @@ from zerotune.deepspeed.args import (
     flag_value,
     mapped_value,
     parse_arg_mappings,
+    raise_steps,
+    step_flag,
 )
 from zerotune.deepspeed.launcher import launch_command
 
@@ -129,6 +131,31 @@ def test_launch_command_passes_the_launched_configs_values(tmp_path):
     plain = LaunchSpec(script="train.py", script_args=("--deepspeed", "user.json", "--bs", "1"))
     assert launch_command(plain, Reservation((Node("localhost", (0,)),)), "/x.json", 1)[-4:] == [
         "--deepspeed", "/x.json", "--bs", "1"]
+
+
+def test_an_experiments_steps_flag_is_raised_past_the_last_measured_step_and_the_answers_is_not(tmp_path):
+    # end_profile_step 15 (an adaptive run's extended exit) at gas 3: 17 optimizer steps are 51 micro steps
+    exp = {"gradient_accumulation_steps": 3, "autotuning": {"end_profile_step": 15}}
+    assert raise_steps(["--steps", "6", "--lr=1"], "--steps", exp) == ["--steps", "51", "--lr=1"]
+    assert raise_steps(["--max_steps=4"], "--max_steps", exp) == ["--max_steps=51"]
+    assert raise_steps(["--lr", "1"], "--steps", exp) == ["--lr", "1", "--steps", "51"]  # absent: appended
+    assert raise_steps(["--steps", "1000"], "--steps", exp) == ["--steps", "1000"]  # already long enough
+    answer = {"gradient_accumulation_steps": 3}  # ds_config_optimal.json: no autotuning section
+    assert raise_steps(["--steps", "6"], "--steps", answer) == ["--steps", "6"]
+    # through the launch: the experiment's config file carries its end_profile_step
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "autotuning": {"end_profile_step": 5}}))
+    spec = LaunchSpec(script="train.py", script_args=("--deepspeed", "user.json", "--steps", "2"),
+                      max_steps_arg="--steps")
+    cmd = launch_command(spec, Reservation((Node("localhost", (0,)),)), str(config), 29501)
+    assert cmd[cmd.index("train.py"):] == ["train.py", "--deepspeed", str(config), "--steps", "7"]
+
+
+def test_the_steps_flag_named_is_max_steps_arg_else_the_first_known_one_in_the_command():
+    assert step_flag(["--max_steps", "40", "--steps", "3"]) == "--max_steps"
+    assert step_flag(["--train-iters=9"]) == "--train-iters"
+    assert step_flag(["--epochs", "1"]) is None
+    assert step_flag(["--epochs", "1"], "--iters") == "--iters"
 
 
 def test_an_experiment_on_this_machine_starts_deepspeeds_node_launcher_with_the_runners_arguments():

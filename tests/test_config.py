@@ -30,6 +30,11 @@ def test_unknown_key_and_bad_values_are_named():
         parse_autotuning({"metric": "speed"})
     with pytest.raises(ConfigError, match=r"end_profile_step \(2\) must be >= start_profile_step \(3\)"):
         parse_autotuning({"end_profile_step": 2})
+    for bad in ("max steps", "steps", "--steps=3", "--deepspeed_config"):
+        with pytest.raises(ConfigError, match=r"'autotuning.max_steps_arg' = .*expected the script's flag for its "
+                                              r"length in steps, such as '--max_steps'"):
+            parse_autotuning({"max_steps_arg": bad}, source="ds.json")
+    assert parse_autotuning({"max_steps_arg": "--train-iters"}).max_steps_arg == "--train-iters"
 
 
 @pytest.mark.parametrize("value,expected", [(1, [1]), ([3, 1, 1], [1, 3]), ("all", [0, 1, 2, 3]), (None, [0, 1, 2, 3])])

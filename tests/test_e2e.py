@@ -110,6 +110,27 @@ def test_every_experiment_failing_exits_nonzero_without_an_optimal_config(tmp_pa
     assert "No experiment succeeded" in (results / "summary.txt").read_text()
 
 
+def test_a_short_script_runs_its_experiments_to_the_measured_steps_with_max_steps_arg(tmp_path):
+    # the same --steps 2 with "max_steps_arg": "--steps": each experiment's command raises it past the last step
+    # DeepSpeed's engine measures (an adaptive run's extended exit, 5 x end_profile_step 3, plus 2), and the runs
+    # are measured; the answer's command keeps the user's --steps 2
+    cfg = write_config(tmp_path / "ds.json", max_train_micro_batch_size_per_gpu=1, max_steps_arg="--steps")
+    data = json.loads(cfg.read_text())
+    data["zero_optimization"]["stage"] = 0
+    cfg.write_text(json.dumps(data))
+    results = tmp_path / "results"
+    proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", "--results-dir", str(results), SCRIPT,
+                    *TINY, "--steps", "2", "--deepspeed_config", str(cfg), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(p.read_text()) for p in (results / "exps").glob("*/exp.json")]
+    measured = [r for r in records if r["space"] != "profile"]
+    assert measured and all(r["status"] == "ok" and r["ended"] != "script_end" for r in measured), measured
+    for r in measured:
+        gas = r["ds_config"].get("gradient_accumulation_steps", 1)
+        assert f" --steps {17 * gas} " in (results / "exps" / r["name"] / "cmd.txt").read_text() + " "
+    assert " --steps 2 " in (results / "cmd_optimal.txt").read_text()
+
+
 def test_bad_autotuning_key_is_exit_2_naming_it(tmp_path):
     cfg = write_config(tmp_path / "ds.json", fastt=True)
     proc = zerotune("tune", "--num_gpus", "2", "--device-memory", "3GiB", SCRIPT, "--deepspeed_config", str(cfg),

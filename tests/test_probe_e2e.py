@@ -14,6 +14,7 @@ from zerotune.core.measure import measure
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.stopping import StopRule
 from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, clean_exits, read_exits, read_streams
+from zerotune.report.results import run_length_note
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler
@@ -258,9 +259,15 @@ def test_a_rank_aborting_in_teardown_after_its_script_ended_past_the_cap_is_meas
 
     exp_dir = tmp_path / "exps" / done.name
     assert done.exit_code not in (0, None), done.exit_code  # the launch failed...
-    assert (done.status, done.ended) == (Status.OK, "step_cap"), (done.error, (exp_dir / "stderr.log").read_text()[-2000:])
+    assert (done.status, done.ended) == (Status.OK, "script_end"), (done.error, (exp_dir / "stderr.log").read_text()[-2000:])
     assert done.error == (f"exit code {done.exit_code} after every rank's script ended cleanly (a crash in the "
                           f"interpreter's teardown): the steps measured count")
     assert {r: e["steps"] for r, e in read_exits(exp_dir).items()} == {0: 6, 1: 6}
+    # the summary's run-length line from the real run, at half its half-width as the precision: 3x its steady steps more
+    line = run_length_note([done], done, done.metric_rel_half_width / 2, "--steps", raised=False)
+    assert line.startswith(f"run length: 1 of 1 run(s) ended at the script's own last step before the precision "
+                           f"(±{done.metric_rel_half_width / 2:.1%}); the answer, {done.name}, was known to "
+                           f"±{done.metric_rel_half_width:.1%} over {done.steady_steps} steady steps, and about "
+                           f"{3 * done.steady_steps} more"), line
     streams = read_streams(exp_dir)
     assert (done.metric, done.metric_source) == (measure(streams, OBJECTIVES["throughput"]).value, "probe")

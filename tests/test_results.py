@@ -16,6 +16,7 @@ from zerotune.report.results import (
     device_seconds,
     print_wide,
     render_table,
+    run_length_note,
     startup_line,
     table_text,
 )
@@ -324,3 +325,26 @@ def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
     runner = data.runner_up()
     assert (data.answer.name, runner.name, runner.tie, round(runner.gain, 4)) == (
         "z1_gas1_tmbspg16", "z0_gas1_tmbspg16", True, -0.015)
+
+
+def test_runs_the_scripts_end_cut_short_say_how_many_more_steps_and_which_flag():
+    def run(name, hw, steps, ended="script_end"):
+        return Experiment(name, {"train_micro_batch_size_per_gpu": 1}, status=Status.OK, metric=10.0,
+                          metric_rel_half_width=hw, steady_steps=steps, ended=ended)
+    answer, noisy, precise = run("z0_a", 0.08, 12), run("z0_b", 0.2, 10), run("z0_c", 0.015, 12, "precise")
+    runs = [answer, noisy, precise]
+    # the answer: 12 * ((0.08 / 0.02) ** 2 - 1) = 180 more steady steps
+    assert run_length_note(runs, answer, 0.02, "--max_steps", raised=False) == (
+        "run length: 2 of 3 run(s) ended at the script's own last step before the precision (±2.0%); the answer, "
+        "z0_a, was known to ±8.0% over 12 steady steps, and about 180 more (its step times' measured variance) would "
+        "have reached ±2.0%; the command's --max_steps sets the script's length: with \"autotuning\": "
+        "{\"max_steps_arg\": \"--max_steps\"} zerotune raises it for its runs")
+    # the answer ran to the precision: the least precise run, 10 * ((0.2 / 0.02) ** 2 - 1) = 990
+    line = run_length_note(runs, precise, 0.02, None, raised=False)
+    assert "the least precise, z0_b, was known to ±20.0% over 10 steady steps, and about 990 more" in line
+    assert line.endswith("name the script's flag for its length in steps as autotuning.max_steps_arg (such as "
+                         "\"--max_steps\") and zerotune raises it for its runs")
+    assert run_length_note(runs, answer, 0.02, "--steps", raised=True).endswith(
+        "--steps was raised for them (autotuning.max_steps_arg), yet the script ended first: check that --steps sets "
+        "its length")
+    assert run_length_note([precise, run("z0_d", 0.08, 12, "step_cap")], precise, 0.02, "--steps", False) is None

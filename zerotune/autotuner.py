@@ -25,6 +25,7 @@ from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
 from zerotune.deepspeed import extensions
+from zerotune.deepspeed.args import step_flag
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import (
     DEFAULT_MASTER_PORT,
@@ -190,8 +191,12 @@ class Autotuner:
         built = None if self.started_at is None else extensions.build_note(
             extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
         planned = [] if self.cost_plan is None else [results.plan_line(*self.cost_plan, self.scheduler.history)]
+        steps_arg = self.job.autotuning.max_steps_arg
+        length = results.run_length_note(self.result.experiments, self.result.ledger.answer, self.result.ledger.precision,
+                                         step_flag(self.job.script_args, steps_arg), bool(steps_arg))
         return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
-                *planned, self.job.batch.describe(), self._launcher_line(), *([built] if built else [])]
+                *([length] if length else []), *planned, self.job.batch.describe(), self._launcher_line(),
+                *([built] if built else [])]
 
     def _launcher_line(self) -> str:
         """The launcher read and where its DeepSpeed config came from (the summary's and the log's line)."""

@@ -58,6 +58,8 @@ class LaunchSpec:
             :mod:`zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
         arg_mappings: ``autotuning.arg_mappings`` as (ds_config key, script flag) pairs: each launch
             passes its config's values as these script arguments (:mod:`zerotune.deepspeed.args`).
+        max_steps_arg: ``autotuning.max_steps_arg``, the script's flag for its length in steps: each experiment
+            raises it past the last step DeepSpeed measures (:func:`zerotune.deepspeed.args.raise_steps`).
         warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports once
             per tuning, where the backend can (:mod:`zerotune.run.warm`); False: every run through DeepSpeed's
             launcher (``--cold-launch``).
@@ -79,6 +81,7 @@ class LaunchSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     stop_rule: StopRule | None = None
     arg_mappings: tuple[tuple[str, str], ...] = ()
+    max_steps_arg: str | None = None
     warm: bool = True
     launcher: UserLauncher | None = None
 

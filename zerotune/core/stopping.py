@@ -30,7 +30,9 @@ only while the interval can still reach the precision within that time (it narro
 root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The run then ends
 ``step_cap`` at the cap or as soon as it is precise. Where a launch costs much more than a step, a noisy
 run gets more steps instead of a second run; where a step costs as much as a launch, it gets none
-(docs/decisions.md, D201).
+(docs/decisions.md, D201). A script whose own loop ends during an extension ends the run there, short of the
+precision (:attr:`EndReason.SCRIPT_END`): the summary says how many more steps it needed
+(:func:`steps_to_precision`), and ``autotuning.max_steps_arg`` raises the script's steps for the runs (D323).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ from zerotune.core.measure import Measurement, Streams, measure
 from zerotune.core.noise import DEFAULT_PRECISION, cannot_beat, precise
 from zerotune.core.objective import Objective
 
-__all__ = ["EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule", "extended_end_step"]
+__all__ = ["EARLY_ENDS", "EXTENSION_FACTOR", "EndReason", "MIN_STEADY_STEPS", "StopRule", "extended_end_step",
+           "steps_to_precision"]
 
 MIN_STEADY_STEPS = 3
 """Steady steps (warm-up left out) before the rule may end a run."""
@@ -63,6 +66,7 @@ class EndReason(str, enum.Enum):
     PRECISE = "precise"  # zerotune ended it: its metric reached the target precision
     CANNOT_BEAT = "cannot_beat"  # zerotune ended it: its interval lies wholly below the incumbent's bar
     STEP_CAP = "step_cap"  # it ran to the cap: end_profile_step (or past it, while an extension paid)
+    SCRIPT_END = "script_end"  # past the cap on an extension, the script's own last step came before the precision
     EXITED = "exited"  # it ended on its own otherwise (a failure, an OOM, the script's end)
     STOPPED = "stopped"  # the backend killed it: timeout, hang, or the tuner interrupted
 
@@ -75,7 +79,7 @@ class EndReason(str, enum.Enum):
     def by_rule(self) -> bool:
         """True when the stop rule ended the run (early, or at the cap after an extension did not pay):
         the run is OK from the probe's metric, without DeepSpeed's ``metrics.json``."""
-        return self in (EndReason.PRECISE, EndReason.CANNOT_BEAT, EndReason.STEP_CAP)
+        return self in (EndReason.PRECISE, EndReason.CANNOT_BEAT, EndReason.STEP_CAP, EndReason.SCRIPT_END)
 
 
 EARLY_ENDS = frozenset(r.value for r in EndReason if r.early)
@@ -133,8 +137,18 @@ class StopRule:
             return False
         spent = _time_at(streams, _last_step(streams)) - _time_at(streams, cap_step)
         left_steps = (startup_s - spent) / m.mean_step_s
-        needed = m.steady_steps * ((m.rel_half_width / self.precision) ** 2 - 1)
+        needed = steps_to_precision(m.steady_steps, m.rel_half_width, self.precision)
         return 0 < needed <= left_steps
+
+
+def steps_to_precision(steady_steps: int, rel_half_width: float, precision: float) -> float:
+    """How many more steady steps a run of ``steady_steps`` steps known to ``rel_half_width`` (relative 95%
+    half-width) needs to be known to ``precision``: the interval narrows as the square root of the steps (their
+    times' variance as measured), so ``steady_steps * ((rel_half_width / precision) ** 2 - 1)``; 0 when it is
+    already known to the precision (and for a ``precision`` of 0, which never stops a run)."""
+    if precision <= 0 or rel_half_width <= precision:
+        return 0.0
+    return steady_steps * ((rel_half_width / precision) ** 2 - 1)
 
 
 def _last_step(streams: Streams) -> int:

@@ -20,6 +20,10 @@ written into the script's arguments:
 Any ds_config key may be mapped (a dotted path such as ``"optimizer.params.lr"``, or a key name
 found at the top level or, failing that, the first section holding it), so a script flag can be a
 tuning dimension: a list of candidates in the config, each passed to the script as its value.
+
+``autotuning.max_steps_arg`` (zerotune's) names the script's flag for its length in steps: each experiment's
+arguments get it raised past the last step DeepSpeed's engine measures (:func:`raise_steps`), so a script whose
+own loop is short does not end a run before its reading is precise; the answer's command keeps the user's value.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import CONFIG_FLAGS
 from zerotune.deepspeed.keys import CHECKPOINTING
 
-__all__ = ["apply_arg_mappings", "arg_text", "check_mapped_keys", "flag_value", "mapped_value", "parse_arg_mappings"]
+__all__ = ["STEP_FLAGS", "apply_arg_mappings", "arg_text", "check_mapped_keys", "flag_value", "mapped_value",
+           "parse_arg_mappings", "raise_steps", "set_flag", "step_flag"]
 
 _MISSING = object()
 
@@ -116,22 +121,59 @@ def apply_arg_mappings(script_args: Sequence[str], mappings: Mapping[str, str],
         value = mapped_value(ds_config, key)
         if value is None or value == "auto":
             continue
-        text = arg_text(value)
-        out, found, i = [], False, 0
-        while i < len(args):
-            arg = args[i]
-            if arg == flag:
-                found = True
-                out += [flag, text]
-                i += 2 if _takes_value(args, i) else 1
-                continue
-            if arg.startswith(flag + "="):
-                found = True
-                arg = f"{flag}={text}"
-            out.append(arg)
-            i += 1
-        args = out if found else out + [flag, text]
+        args = set_flag(args, flag, arg_text(value))
     return args
+
+
+def set_flag(script_args: Sequence[str], flag: str, text: str) -> list[str]:
+    """The script's arguments with every occurrence of ``flag`` given ``text`` (``--flag v`` and ``--flag=v``; a flag
+    without a value gets it after), or ``flag text`` appended where it is absent."""
+    args = list(script_args)
+    out, found, i = [], False, 0
+    while i < len(args):
+        arg = args[i]
+        if arg == flag:
+            found = True
+            out += [flag, text]
+            i += 2 if _takes_value(args, i) else 1
+            continue
+        if arg.startswith(flag + "="):
+            found = True
+            arg = f"{flag}={text}"
+        out.append(arg)
+        i += 1
+    return out if found else out + [flag, text]
+
+
+STEP_FLAGS = ("--max_steps", "--max-steps", "--max_train_steps", "--num_train_steps", "--train_steps",
+              "--total_steps", "--num_steps", "--steps", "--train_iters", "--train-iters")
+"""Flags that set a training script's length in steps (Hugging Face's Trainer, Accelerate's examples, Megatron,
+common loops), by which the summary names the one the user's command holds."""
+
+
+def step_flag(script_args: Sequence[str], max_steps_arg: str | None = None) -> str | None:
+    """The script's flag for its length in steps: ``max_steps_arg`` (``autotuning.max_steps_arg``) where set, else the
+    first of :data:`STEP_FLAGS` the arguments hold; None when neither names one."""
+    if max_steps_arg:
+        return max_steps_arg
+    return next((f for f in STEP_FLAGS if flag_value(script_args, f) is not None), None)
+
+
+def raise_steps(script_args: Sequence[str], flag: str, ds_config: Mapping[str, Any]) -> list[str]:
+    """An experiment's arguments with its steps flag (``autotuning.max_steps_arg``) raised so the script runs past
+    the last step DeepSpeed's engine measures, which then exits: to ``(end_profile_step + 2) * gas`` (a step counted
+    as an optimizer step or as a micro step, it is enough), or left as it is where it already asks for as many. A
+    config without ``autotuning.end_profile_step`` (the answer's, ``cmd_optimal.txt``) leaves the arguments as the
+    user gave them: the training's own length is the user's."""
+    end = (ds_config.get("autotuning") or {}).get("end_profile_step")
+    if not isinstance(end, int) or isinstance(end, bool):
+        return list(script_args)
+    gas = ds_config.get("gradient_accumulation_steps", 1)
+    steps = (end + 2) * (gas if isinstance(gas, int) and not isinstance(gas, bool) and gas > 0 else 1)
+    current = flag_value(script_args, flag)
+    if current is not None and current.strip().isdigit() and int(current) >= steps:
+        return list(script_args)
+    return set_flag(script_args, flag, str(steps))
 
 
 def flag_value(script_args: Sequence[str], flag: str) -> str | None:

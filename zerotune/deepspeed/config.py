@@ -52,6 +52,7 @@ class AutotuningConfig(BaseModel):
     tuner_early_stopping: int = Field(5, ge=1)
     arg_mappings: dict[str, str] | None = None
     variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.strategy.variables)
+    max_steps_arg: str | None = None  # zerotune's: the script's steps flag, raised for experiments (deepspeed.args)
 
     @field_validator("results_dir", "exps_dir")
     @classmethod
@@ -59,6 +60,14 @@ class AutotuningConfig(BaseModel):
         if "\0" in path:
             raise ValueError("a path cannot hold a NUL character")
         return path
+
+    @field_validator("max_steps_arg")
+    @classmethod
+    def _a_flag(cls, flag: str | None) -> str | None:
+        if flag is not None and (not flag.startswith("-") or flag.strip("-") == "" or "=" in flag
+                                 or any(c.isspace() for c in flag) or flag in CONFIG_FLAGS):
+            raise ValueError("expected the script's flag for its length in steps, such as '--max_steps'")
+        return flag
 
     @model_validator(mode="after")
     def _check_ranges(self) -> "AutotuningConfig":

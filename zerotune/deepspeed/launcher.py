@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from zerotune.core.launch import LaunchSpec, Reservation
-from zerotune.deepspeed.args import apply_arg_mappings
+from zerotune.deepspeed.args import apply_arg_mappings, raise_steps
 from zerotune.deepspeed.config import replace_config_arg
 from zerotune.deepspeed.extensions import extensions_dir
 from zerotune.deepspeed.rank_env import passed_env
@@ -165,13 +165,16 @@ def script_arguments(spec: LaunchSpec, config_path: str, ds_config: dict | None 
     """The training script's arguments for one launch: ``spec.script_args`` with the ds_config argument replaced
     by ``config_path`` and, with ``spec.arg_mappings``, the mapped values of that config (``ds_config``: its
     content where it is not written yet) passed as the script's arguments
-    (:func:`zerotune.deepspeed.args.apply_arg_mappings`). A launcher that carries the config itself
+    (:func:`zerotune.deepspeed.args.apply_arg_mappings`), and with ``spec.max_steps_arg`` an experiment's steps flag
+    raised (:func:`zerotune.deepspeed.args.raise_steps`). A launcher that carries the config itself
     (``spec.launcher.config_in_argv`` false) leaves the arguments' config alone."""
     args = (spec.launcher.script_arguments(spec.script_args, config_path) if spec.launcher is not None
             else replace_config_arg(list(spec.script_args), config_path))
-    if spec.arg_mappings:
+    if spec.arg_mappings or spec.max_steps_arg:
         config = json.loads(Path(config_path).read_text()) if ds_config is None else ds_config
         args = apply_arg_mappings(args, dict(spec.arg_mappings), config)
+        if spec.max_steps_arg:
+            args = raise_steps(args, spec.max_steps_arg, config)
     return args
 
 

@@ -8,6 +8,7 @@ command with the config path) and ``summary.txt`` (the table printed at the end)
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from rich.table import Table
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.objective import Objective
-from zerotune.core.stopping import EARLY_ENDS
+from zerotune.core.stopping import EARLY_ENDS, EndReason, steps_to_precision
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.coverage import unmodelled_keys
@@ -74,6 +75,38 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
     notes += [f"memory model: {n}" for n in dict.fromkeys(n for e in result.experiments
                                                          for n in approximations(e.ds_config))]
     return notes
+
+
+def run_length_note(experiments: Sequence[Experiment], answer: Experiment | None, precision: float | None,
+                    flag: str | None, raised: bool) -> str | None:
+    """The summary's line where runs ended at the script's own last step before the ``precision`` (``ended``
+    ``script_end``: the stop rule was still buying steps, :mod:`zerotune.core.stopping`): how many did, how many more
+    steady steps a run would have needed (:func:`~zerotune.core.stopping.steps_to_precision` of the answer's run
+    where it is one of them, else the most any needed), and the script's steps ``flag`` (``raised``: zerotune raised
+    it, ``autotuning.max_steps_arg``; None: no known flag in the command); None where no run ended so."""
+    short = [e for e in experiments if e.status is Status.OK and e.ended == EndReason.SCRIPT_END.value
+             and e.steady_steps and e.metric_rel_half_width and precision
+             and e.metric_rel_half_width > precision]
+    if not short:
+        return None
+    ok = sum(1 for e in experiments if e.status is Status.OK and e.kind is not ExperimentKind.PROFILE)
+    needs = {e.name: math.ceil(steps_to_precision(e.steady_steps, e.metric_rel_half_width, precision))
+             for e in short}
+    run = answer if answer is not None and answer.name in needs else max(short, key=lambda e: needs[e.name])
+    which = "the answer" if run is answer else "the least precise"
+    if raised:
+        how = (f"{flag} was raised for them (autotuning.max_steps_arg), yet the script ended first: check that {flag} "
+               "sets its length")
+    elif flag:
+        how = (f"the command's {flag} sets the script's length: with \"autotuning\": {{\"max_steps_arg\": "
+               f"\"{flag}\"}} zerotune raises it for its runs")
+    else:
+        how = ("name the script's flag for its length in steps as autotuning.max_steps_arg (such as \"--max_steps\") "
+               "and zerotune raises it for its runs")
+    return (f"run length: {len(short)} of {ok} run(s) ended at the script's own last step before the precision "
+            f"(±{precision:.1%}); {which}, {run.name}, was known to ±{run.metric_rel_half_width:.1%} over "
+            f"{run.steady_steps} steady steps, and about {needs[run.name]} more (its step times' measured variance) "
+            f"would have reached ±{precision:.1%}; {how}")
 
 
 def tie_note(tie: "Tie", precision: float | None, objective: Objective | None) -> str:

@@ -161,8 +161,9 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             ``error`` with a more precise reason afterwards.
         interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
             (re-run on resume) rather than classified.
-        ended: :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT` or :attr:`EndReason.STEP_CAP`
-            when the backend ended the run on its :class:`~zerotune.core.stopping.StopRule` (early, or
+        ended: :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` or
+            :attr:`EndReason.SCRIPT_END` (the script's end came during an extension) when the backend ended the run
+            on its :class:`~zerotune.core.stopping.StopRule` (early, or
             at ``end_profile_step`` of an extended run: :attr:`EndReason.by_rule`): the run is OK with
             the probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
             derived here: STEP_CAP (the engine's result file), STOPPED (timeout, interruption) or
@@ -199,11 +200,11 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             exp.metrics[CHECKPOINTED_ACTIVATIONS_KEY] = checkpointed
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
-    exp.boundary_share = None
+    exp.boundary_share = exp.steady_steps = None
     measured = probed if early is not None or exp.metric is not None else None
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
-        exp.boundary_share = measured.boundary_share
+        exp.boundary_share, exp.steady_steps = measured.boundary_share, measured.steady_steps
     if early is not None:
         exp.ended = ended.value
     elif exp.status is Status.OK:

@@ -61,7 +61,8 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
         :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
         ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
         ``precision`` (the adaptive stop's target half-width; None when runs are not ended early),
-        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets); for a
+        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets), and
+        ``max_steps_arg`` where set (the steps flag raised for each run); for a
         launcher other than ``deepspeed``, ``launcher``: its words and the variables it gives every rank (the
         ``deepspeed`` form keys as it always did).
     """
@@ -85,6 +86,7 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
         "objective": job.objective.name,
         "precision": job.stop_rule.precision if job.stop_rule else None,
         "arg_mappings": dict(sorted(job.arg_mappings.items())),
+        **({"max_steps_arg": job.autotuning.max_steps_arg} if job.autotuning.max_steps_arg else {}),
     }
 
 

@@ -195,6 +195,7 @@ class Job:
                           start_profile_step=self.autotuning.start_profile_step,
                           end_profile_step=self.autotuning.end_profile_step, objective=self.objective,
                           stop_rule=self.stop_rule, arg_mappings=tuple(self.arg_mappings.items()),
+                          max_steps_arg=self.autotuning.max_steps_arg,
                           launcher=None if self.launcher.name == DEEPSPEED else self.launcher)
 
     def describe(self) -> str:

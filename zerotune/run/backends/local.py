@@ -219,9 +219,10 @@ class LocalBackend(Backend):
                 pass
         if seen.ended is None and watch.reached_cap() and (
                 proc.returncode == 0 or clean_exits(run.exp_dir, exp.num_nodes * exp.num_slots)):
-            # the script ended past end_profile_step, before the extended exit (a non-zero exit after
-            # every rank's clean exit record is a crash in the interpreter's teardown: measured all the same)
-            seen.ended = EndReason.STEP_CAP
+            # the script ended past end_profile_step, before the extended exit: the stop rule was still buying
+            # steps (a non-zero exit after every rank's clean exit record is a crash in the interpreter's
+            # teardown: measured all the same)
+            seen.ended = EndReason.SCRIPT_END
             seen.teardown_crash = proc.returncode != 0
 
     def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,
@@ -266,7 +267,7 @@ class _Supervised:
     timed_out: bool = False  # killed for its timeout or a hang
     hung: bool = False  # no progress for hang_timeout_s
     stepped: bool = False  # with hung: steps were recorded (no new step for hang_timeout_s)
-    ended: EndReason | None = None  # the stop rule's answer, or STEP_CAP when the script ended past the cap
+    ended: EndReason | None = None  # the stop rule's answer, or SCRIPT_END when the script ended past the cap
     teardown_crash: bool = False  # a non-zero exit after every rank's clean exit record
     peak: int = 0  # the ranks' largest sampled VmData, bytes (0: none seen)
 
