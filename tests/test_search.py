@@ -625,3 +625,26 @@ def test_the_fine_pass_bisects_above_only_a_gain_the_runs_can_tell_and_below_onl
                              Point(64, Status.OOM)])
     refine_mbs(evaluate, trace, SearchBounds(1, 64, THROUGHPUT, precision=0.02, num_fine=3))
     assert calls == []
+
+
+def test_the_fine_pass_skips_the_gap_above_when_its_far_point_off_capacity_could_only_tie():
+    # stop 58's real run (HF GPT-2, 2 CPU ranks, ZeRO-0, so no measured capacity fraction): mbs 32 read 25.48
+    # samples/s ±15.4%, mbs 16 29.37 ±3.1%. At the far end of their noise 32 beats 16 by -13.2% + 15.7% = +2.5% at most,
+    # which one more run as noisy as the trace's (±9.2% typical) cannot resolve against 16: the gap above is not
+    # bisected (the fine pass ran 24 and 20 there, 28.36 and 29.63, and moved the answer within the noise)
+    calls = []
+
+    def evaluate(ms):
+        calls.extend(ms)
+        return [Point(m, Status.OK, {24: 28.36, 20: 29.63}[m], rel_half_width=0.05) for m in ms]
+    known = [Point(32, Status.OK, 25.48, rel_half_width=0.154),
+             Point(16, Status.OK, 29.37, rel_half_width=0.031)]
+    trace = MbsTrace(points=list(known))
+    refine_mbs(evaluate, trace, SearchBounds(1, 32, THROUGHPUT, precision=0.02, num_fine=3))
+    assert calls == [] and trace.best(THROUGHPUT).mbs == 16
+    # near the capacity the allocator's flushes may slow 32: the same readings there are bisected, 24 runs; 24
+    # (28.36 ±5%, no capacity fraction) then beats 16 by -3.4% + 5.9% = +2.4% at most: 20 is not run
+    calls.clear()
+    near = [Point(32, Status.OK, 25.48, rel_half_width=0.154, memory_fraction=0.97), known[1]]
+    refine_mbs(evaluate, MbsTrace(points=near), SearchBounds(1, 32, THROUGHPUT, precision=0.02, num_fine=3))
+    assert calls == [24]

@@ -7,11 +7,11 @@ where it may pay: a step time affine in mbs (fixed per-step work plus compute pe
 puts no peak between two measured points, so the gap above is skipped where that line predicts no gain the
 runs can resolve (:func:`_above_may_pay`), and the gap below unless the best ran near capacity or of
 unknown capacity (:func:`_below_may_pay`). The gap below is skipped, too, where the best and the point below
-it are a precise plateau (:func:`_plateau`), or where the point below reads so far under the best that even at the
-far end of their noise it would only tie it, or beat it by no more than one run of the trace's length resolves
-(:func:`_at_most_a_tie`): the curve does not rise towards the smaller
-mbs there. Neither skip holds at the memory boundary, where the allocator's flushes near the capacity can slow a
-step and a tie hides a peak between. The evidence is in docs/decisions.md, D105, D311 and D322.
+it are a precise plateau (:func:`_plateau`); either gap where its far point reads so far under the best that even
+at the far end of their noise it would only tie it, or beat it by no more than one run of the trace's length
+resolves (:func:`_at_most_a_tie`): the curve does not rise towards that point there. Neither skip holds at the
+memory boundary (an out-of-memory point above, or one near the capacity), where the allocator's flushes can slow
+a step and a tie hides a peak between. The evidence is in docs/decisions.md, D105, D311 and D322.
 """
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
         candidates = []
         up = middle(values, best.mbs, min(above)) if above else None
         gated = objective.higher_is_better  # throughput: a gap is bisected only where it may pay
-        if up is not None and (not gated or _above_may_pay(trace, best, up, threshold)):
+        high = trace.get(min(above)) if above else None
+        if up is not None and (not gated or _above_may_pay(trace, best, up, threshold) and not (
+                high.ok and high.capacity is not Capacity.NEAR and _at_most_a_tie(high, best, trace, threshold,
+                                                                                  precision))):
             candidates.append(up)
         at_boundary = bool(above) and not trace.get(min(above)).ok and up is None
         low = trace.get(max(below)) if below else None
@@ -81,13 +84,14 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
 
 
 def _at_most_a_tie(low: Point, best: Point, trace: MbsTrace, threshold: float, precision: float | None) -> bool:
-    """True when the measured point below the best (throughput), ``low``, could beat it by no more than
+    """True when the measured point next to the best (throughput), ``low``, could beat it by no more than
     ``precision``, or no more than one run between them could resolve, even at the far end of their noise: its
     reading's shortfall less their :func:`~zerotune.core.noise.pair_noise` (``gain_high``) is not
     :func:`~zerotune.core.noise.resolvable` against one more run of the trace's length (its interval the trace's
     :func:`~zerotune.core.noise.typical_half_width`) compared with the best. The curve does not rise towards the
-    smaller mbs there, so a bisection between them would at best find a tie, or a reading that moves the answer
-    only by chance (None: never)."""
+    neighbour there, so a bisection between them would at best find a tie, or a reading that moves the answer
+    only by chance (None: never). Above the best it is asked only of a neighbour that ran ok off the capacity: the
+    allocator's flushes slow a step near it, and an out-of-memory neighbour is the memory boundary."""
     if precision is None or not (low.ok and best.ok and low.metric and best.metric):
         return False
     gain_high = low.metric / best.metric - 1 + pair_noise(low, best, threshold)
