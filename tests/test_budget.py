@@ -67,6 +67,15 @@ def test_a_simulated_tuning_launches_exactly_its_budget_and_answers_with_the_bes
     assert ("cost plan: 4 launch(es), 0.322 device-hours planned once the profile ran (the strategy on its memory "
             "model, each launch at the profile's device-seconds); spent 9 launch(es) (0 re-measurement(s)), 0.806 "
             "device-hours") in full_text
+    # each launch the plan did not name says which rule bought it: the plan's first run, ZeRO-0 at mbs 34, ran
+    # out of memory as planned; everything after it was bought by the search from there
+    assert [line.rstrip() for line in (tmp_path / "full" / "r" / "summary.txt").read_text().splitlines()
+            if line.startswith("not in the plan")] == [
+        f"not in the plan: {name} (ok), bought by ZeRO stages and mbs: ZeRO stage {name[1]}: {rule}" for name, rule in [
+            ("z0_gas1_tmbspg17_fp1", "its mbs search"), ("z0_gas1_tmbspg25_fp1", "its mbs search"),
+            ("z1_gas1_tmbspg25_fp1", "its probe"), ("z2_gas1_tmbspg25_fp1", "its probe"),
+            ("z2_gas1_tmbspg29_fp1", "its mbs search"), ("z3_gas1_tmbspg29_fp1", "its probe"),
+            ("z3_gas1_tmbspg27_fp1", "its probe"), ("z2_gas1_tmbspg27_fp1", "the fine pass")]]
 
 
 def test_a_later_stop_bounds_an_unmeasured_mbs_by_its_family_under_the_compute_roofline(tmp_path):

@@ -12,6 +12,7 @@ from zerotune.core.objective import Objective
 from zerotune.report.data import ReportData
 from zerotune.report.results import (
     answer_text,
+    beyond_plan_lines,
     cost_line,
     device_seconds,
     print_wide,
@@ -348,3 +349,15 @@ def test_runs_the_scripts_end_cut_short_say_how_many_more_steps_and_which_flag()
         "--steps was raised for them (autotuning.max_steps_arg), yet the script ended first: check that --steps sets "
         "its length")
     assert run_length_note([precise, run("z0_d", 0.08, 12, "step_cap")], precise, 0.02, "--steps", False) is None
+
+
+def test_each_launch_beyond_the_cost_plan_says_which_rule_bought_it():
+    runs = [Experiment("profile", {}, kind=ExperimentKind.PROFILE, status=Status.OK),
+            Experiment("z0_a", {}, status=Status.OK, bought_by="ZeRO stages and mbs: ZeRO stage 0: its mbs search"),
+            Experiment("z0_b", {}, status=Status.OOM, bought_by="ZeRO stages and mbs: ZeRO stage 0: the fine pass"),
+            Experiment("z0_a_r2", {}, status=Status.OK, replica_of="z0_a", bought_by="gas: a re-measurement"),
+            Experiment("z1_c", {}, status=Status.REFUSED), Experiment("z1_d", {}, status=Status.OK),
+            Experiment("z2_e", {}, status=Status.SKIPPED), Experiment("z2_f", {})]  # never launched
+    assert beyond_plan_lines(frozenset({"z0_a", "z1_d"}), runs) == [
+        "not in the plan: z0_b (oom), bought by ZeRO stages and mbs: ZeRO stage 0: the fine pass",
+        "not in the plan: z0_a_r2 (ok), bought by gas: a re-measurement"]

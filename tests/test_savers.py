@@ -99,6 +99,11 @@ def test_where_memory_binds_the_best_stage_offload_runs_its_larger_mbs_and_wins(
     ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver])
     assert ran[:3] == [(5, "", "ok"), (17, "offload_optimizer", "ok"), (19, "offload_optimizer+offload_param", "ok")]
     assert [p.name for p in strategy.result.predictions] == ["z3_gas1_tmbspg2", "z3_gas1_tmbspg8_oocpu"]
+    # each launch records the rule that bought it (the summary's cost plan names those beyond the plan)
+    assert [(e.name, e.bought_by) for e in strategy.result.experiments if e.status is Status.OK][1:4] == [
+        ("z3_gas1_tmbspg5", "ZeRO stages and mbs: ZeRO stage 3: its mbs search"),
+        ("z3_gas1_tmbspg17_oocpu", "memory savers: ZeRO stage 3 + offload optimizer: its probe"),
+        ("z3_gas1_tmbspg19_oocpu_opcpu", "memory savers: ZeRO stage 3 + offload optimizer+params: its probe")]
     assert decisions(strategy) == [("ZeRO stage 3", "explored", 5), ("ZeRO stage 3 + offload optimizer", "explored", 17),
                                    ("ZeRO stage 3 + offload optimizer+params", "probed", 19)]
     assert [r.reason for r in strategy.result.stages[1:]] == [

@@ -184,13 +184,15 @@ class Autotuner:
         self.elapsed_s = 0.0
         self.started_at: float | None = None  # when tune() began, seconds since the epoch (the summary's launches)
         self._started: float | None = None  # the same, time.monotonic()
-        self.cost_plan: tuple[int, float] | None = None  # (launches, device-seconds) planned once the profile ran
+        self.cost_plan: tuple[int, float, frozenset[str]] | None = None  # launches, device-s, names: once profiled
 
     @property
     def _notes(self) -> list[str]:
         built = None if self.started_at is None else extensions.build_note(
             extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
-        planned = [] if self.cost_plan is None else [results.plan_line(*self.cost_plan, self.scheduler.history)]
+        planned = [] if self.cost_plan is None else [
+            results.plan_line(*self.cost_plan[:2], self.scheduler.history),
+            *results.beyond_plan_lines(self.cost_plan[2], self.scheduler.history)]
         steps_arg = self.job.autotuning.max_steps_arg
         length = results.run_length_note(self.result.experiments, self.result.ledger.answer, self.result.ledger.precision,
                                          step_flag(self.job.script_args, steps_arg), bool(steps_arg))
@@ -334,11 +336,12 @@ class Autotuner:
         return Plan.from_experiments(result.experiments, oracle.model_info_source, self.job.device_memory_bytes,
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
 
-    def _cost_plan(self) -> tuple[int, float] | None:
-        """(launches, device-seconds) the tuning planned once its profile ran: :meth:`plan`'s experiments besides
-        the profile (the strategy against the memory model calibrated on the profile, each config at the oracle's
-        assumed metric: :mod:`zerotune.strategy.oracle`), each priced at the profile run's device-seconds. None
-        without a profile run that finished ok, or where the plan cannot be made (said in the log)."""
+    def _cost_plan(self) -> tuple[int, float, frozenset[str]] | None:
+        """(launches, device-seconds, their names) the tuning planned once its profile ran: :meth:`plan`'s
+        experiments besides the profile (the strategy against the memory model calibrated on the profile, each config
+        at the oracle's assumed metric: :mod:`zerotune.strategy.oracle`), each priced at the profile run's
+        device-seconds. None without a profile run that finished ok, or where the plan cannot be made (said in the
+        log)."""
         profile = next((e for e in self.scheduler.history
                         if e.kind is ExperimentKind.PROFILE and e.status is Status.OK), None)
         if profile is None:
@@ -353,8 +356,9 @@ class Autotuner:
             return None
         finally:
             root.setLevel(level)
-        launches = sum(1 for e in planned if e.kind is not ExperimentKind.PROFILE and e.status in (Status.OK, Status.OOM))
-        return launches, launches * results.device_seconds(profile)
+        names = frozenset(e.name for e in planned
+                          if e.kind is not ExperimentKind.PROFILE and e.status in (Status.OK, Status.OOM))
+        return len(names), len(names) * results.device_seconds(profile), names
 
     def write_optimal_config(self) -> Experiment | None:
         """Write ``summary.txt``, ``ds_config_optimal.json`` and ``cmd_optimal.txt``; return the best."""

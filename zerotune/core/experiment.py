@@ -92,6 +92,7 @@ class Experiment:
     ended: str = ""  # why its run ended (zerotune.core.stopping.EndReason value); "" before it ran
     boundary_share: float | None = None  # share of its step in once-per-optimizer-step work (probe only), 0..1
     steady_steps: int | None = None  # the steps its metric is measured over, warm-up left out (probe only)
+    bought_by: str = ""  # the strategy's rule that launched it ("gas: a re-measurement"); "" for the profile
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
     max_seq_len_seen: int | None = None  # the longest sequence a micro batch of its run held from step 2 on, tokens
     #                                      (step 1's without a later step; probe only): what its peak pairs with

@@ -185,6 +185,16 @@ def plan_line(launches: int, device_s: float, experiments: Sequence[Experiment])
             f" ({replicas} re-measurement(s)), {sum(device_seconds(e) for e in spent) / 3600:.3g} device-hours")
 
 
+def beyond_plan_lines(planned: frozenset[str], experiments: Sequence[Experiment]) -> list[str]:
+    """One line per launch ``experiments`` spent that the cost plan did not name (not among the ``planned`` names; the
+    profile, what the memory model refused and what the throughput model skipped are no launches), saying which
+    rule of the strategy bought it (``Experiment.bought_by``) and how it ended."""
+    extra = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is not None
+             and e.status not in (Status.REFUSED, Status.SKIPPED) and e.name not in planned]
+    return [f"not in the plan: {e.name} ({e.status.value}), bought by "
+            f"{e.bought_by or 'a rule not recorded'}" for e in extra]
+
+
 def startup_line(experiments: Sequence[Experiment], since: float | None = None) -> str | None:
     """The start-up share of the launches and how they started, e.g. ``start-up: 41% of launch seconds (12.3 s of
     30.1 s over 7 launches); launches: 5 warm, 2 cold (re-run cold: its warm server went away during the run)``.

@@ -11,9 +11,11 @@ evaluate; this module only evaluates it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
@@ -32,6 +34,24 @@ PLATEAU_THRESHOLD = 0.01
 
 Evaluate = Callable[[Sequence[Experiment]], Sequence[Experiment]]
 """Runs a batch of experiments (possibly at once) and returns them, in order, with their outcomes."""
+
+_RULE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("zerotune_rule", default=())
+
+
+@contextlib.contextmanager
+def buying(rule: str) -> Iterator[None]:
+    """Within it, what the evaluator launches was bought by ``rule``, nested rules joined by ": " (``ZeRO stages and
+    mbs: ZeRO stage 1: its probe``): each launch records it (``Experiment.bought_by``) for the summary's cost plan."""
+    token = _RULE.set(_RULE.get() + (rule,))
+    try:
+        yield
+    finally:
+        _RULE.reset(token)
+
+
+def current_rule() -> str:
+    """The rule buying launches now (:func:`buying`); "" outside any."""
+    return ": ".join(_RULE.get())
 
 
 class Evaluator:
@@ -75,6 +95,8 @@ class Evaluator:
                         continue
                 todo[exp.name] = exp
         batch = list(todo.values())
+        for exp in batch:
+            exp.bought_by = exp.bought_by or current_rule()
         room = self.job.budget.room(self.ledger.experiments)
         launch = batch if room is None else batch[:room]
         cut = batch[len(launch):]
@@ -182,7 +204,8 @@ class Evaluator:
             replica = self.builder.experiment(base.ds_config, base.kind, base.knobs)
             replica.name, replica.replica_of = f"{base.name}_r{len(self.ledger.runs_of(base.name)) + 1}", base.name
             replicas.append(replica)
-        self.evaluate(replicas, race=False)
+        with buying("a re-measurement"):
+            self.evaluate(replicas, race=False)
         return [self.pooled(base.name) for base in experiments]
 
     def memory_fraction(self, exp: Experiment) -> float | None:

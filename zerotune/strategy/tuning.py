@@ -43,7 +43,7 @@ from zerotune.strategy import remeasure
 from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
-from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator
+from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator, buying
 from zerotune.strategy.fine import fine_gaps, refine_mbs
 from zerotune.strategy.gas_phase import GasPhase
 from zerotune.strategy.job import Job
@@ -113,9 +113,10 @@ class Strategy:
         phases += [("knobs", lambda: tune_knobs(self.ev, self.parallel, self.best_batch))] if not self.job.autotuning.fast \
             else []
         phases += [("the answer's re-measurement", self.settle_answer), ("the longest batch", self.longest)]
-        for i, (_, phase) in enumerate(phases):
+        for i, (name, phase) in enumerate(phases):
             try:
-                phase()
+                with buying(name):
+                    phase()
             except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.strategy.budget)
                 self.stop(spent, [name for name, _ in phases[i:]])
                 self.longest(verify=False)  # the answer is still checked at the longest batch: that launches nothing
@@ -143,8 +144,7 @@ class Strategy:
         return (variant.stage,), fine_gaps(variant.trace, self.bounds)
 
     def refine(self) -> None:
-        """The fine pass on the best variant (:func:`~zerotune.strategy.fine.refine_mbs`), where a launch budget put it
-        after the gas phase (:attr:`fine_last`)."""
+        """The fine pass on the best variant (:func:`~zerotune.strategy.fine.refine_mbs`) after gas (:attr:`fine_last`)."""
         variant = self._best_variant()
         if variant is not None:
             refine_mbs(lambda ms: self._points(variant, ms), variant.trace, self.bounds)

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 from zerotune.core.experiment import Status
 from zerotune.core.noise import tie
 from zerotune.strategy.bounds import SearchBounds
+from zerotune.strategy.evaluation import buying
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
 from zerotune.strategy.points import MbsTrace, Point, launched, refusals
@@ -60,7 +61,8 @@ class VariantExplorer:
 
     def probe(self, result: StageResult, mbs: int) -> Point:
         """Run ``result``'s variant at ``mbs``; its point, recorded in its trace."""
-        (point,) = self.evaluate(result, [mbs])
+        with buying(f"{result.label}: its probe"):
+            (point,) = self.evaluate(result, [mbs])
         result.trace.points.append(point)
         return point
 
@@ -116,9 +118,10 @@ class VariantExplorer:
         best (:meth:`improve`)."""
         confirm = self.confirm
         result.decision = StageDecision.EXPLORED
-        result.trace = search_mbs(lambda ms: self.evaluate(result, ms), self.bounds.coarse(cap),
-                                  estimate=min(result.estimate, cap), known=result.trace.points,
-                                  confirm=None if confirm is None else (lambda ms: confirm(result, ms)))
+        with buying(f"{result.label}: its mbs search"):
+            result.trace = search_mbs(lambda ms: self.evaluate(result, ms), self.bounds.coarse(cap),
+                                      estimate=min(result.estimate, cap), known=result.trace.points,
+                                      confirm=None if confirm is None else (lambda ms: confirm(result, ms)))
         return self.improve(result)
 
     def improve(self, result: StageResult) -> bool:
@@ -135,4 +138,5 @@ class VariantExplorer:
         decided: while variants are compared each search is coarse."""
         if self.best is not None and self.bounds.num_fine > 0:
             top = self.best.result
-            refine_mbs(lambda ms: self.evaluate(top, ms), top.trace, self.bounds)
+            with buying(f"{top.label}: the fine pass"):
+                refine_mbs(lambda ms: self.evaluate(top, ms), top.trace, self.bounds)
