@@ -150,7 +150,7 @@ def run_zerotune(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, A
     # would carry the winner's curse the re-measure corrects)
     reported = pooled_metrics(tuner.scheduler.history)[tuner.best.name].value if tuner.best else None
     return {"chosen": chosen, "reported": reported, "ledger": backend.ledger,
-            "decisions": decisions, "error": error}
+            "decisions": decisions, "error": error, "bought_by": {e.name: e.bought_by for e in tuner.scheduler.history}}
 
 
 def run_deepspeed(sim: Simulator, workdir: Path, hosts: list[str]) -> dict[str, Any]:
@@ -178,7 +178,8 @@ def summarize_tuner(sim: Simulator, run: dict[str, Any], optimum: float) -> dict
         "decisions": run["decisions"],
         "error": run["error"],
         "launches": [{"name": e.name, "config": describe(e.ds_config), "status": e.status,
-                      "duration_s": round(e.duration_s, 1)} for e in ledger],
+                      "duration_s": round(e.duration_s, 1)}
+                     | ({"bought_by": run["bought_by"].get(e.name, "")} if "bought_by" in run else {}) for e in ledger],
     }
 
 
