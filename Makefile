@@ -33,15 +33,15 @@ demo: setup
 # .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py; .ci/twonode_up.sh: two nodes in network
 # namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py; .ci/chromium_up.sh: Debian's
 # Chromium for tests/test_report.py (it renders report.html headless). As root with apt; else a message, and
-# those tests skip, naming why; a failed start says so and the rest of the suite still runs.
+# those tests skip, naming why (fail, with ZEROTUNE_REQUIRE_SERVICES=1: .ci/run); the rest of the suite still runs.
 # Two workers (pytest-xdist; an e2e test leaves half of the 2 cores idle), the Slurm, two-node and Ray tests on one
 # of them (xdist_group "cluster": one cluster each); then, alone, the tests marked serial, whose readings, memory
 # or timing a neighbour's load moves. A worker that dies is not replaced (--max-worker-restart=0): its test fails
 # and the run ends, where a new worker re-ran it (nine times, in a trial) and once left the controller waiting forever.
 test: setup
-	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip"
-	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip"
-	bash .ci/chromium_up.sh || echo "chromium_up failed: the report's browser test skips"
+	bash .ci/slurm_up.sh || echo "slurm_up failed: the Slurm tests skip (fail in CI)"
+	bash .ci/twonode_up.sh || echo "twonode_up failed: the two-node tests skip (fail in CI)"
+	bash .ci/chromium_up.sh || echo "chromium_up failed: the report's browser test skips (fails in CI)"
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --max-worker-restart=0 -m "not serial" --durations=25; status=$$?; \
 	    OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial --durations=10 || status=1; exit $$status
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from tests.helpers.services import need
 from zerotune import cli
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.objective import Objective
@@ -184,9 +185,8 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", path.read_bytes()[16:24])
 
 
-@pytest.mark.skipif(chromium() is None, reason="no chromium on PATH: `bash .ci/chromium_up.sh` (as root) installs "
-                                               "Debian's package")
 def test_report_html_draws_every_point_in_a_real_browser_without_console_errors(tuned, tmp_path):
+    need("" if chromium() else "no chromium on PATH: `bash .ci/chromium_up.sh` (as root) installs Debian's package")
     results_dir, _, _ = tuned
     page = (results_dir / "report.html").resolve()
     assert "<script src=" not in page.read_text()  # self-contained: plotly.js inlined, nothing fetched

@@ -21,6 +21,7 @@ import pytest
 
 from tests.helpers.cluster_env import run_env
 from tests.helpers.processes import processes_running
+from tests.helpers.services import need
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune import cli
 from zerotune.core.errors import ConfigError
@@ -314,9 +315,9 @@ def _slurm_down() -> str:
 
 @pytest.fixture
 def slurm():
-    """Skips the test, saying why, unless a Slurm cluster with a usable node answers here."""
-    if _slurm_down():
-        pytest.skip(_slurm_down())
+    """Skips the test (fails it under ``ZEROTUNE_REQUIRE_SERVICES=1``), saying why, unless a Slurm cluster with a
+    usable node answers here."""
+    need(_slurm_down())
 
 
 def steps_of(job: str) -> list[str]:

@@ -24,6 +24,7 @@ import pytest
 
 from tests.helpers.cluster_env import run_env
 from tests.helpers.processes import processes_running
+from tests.helpers.services import need
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.probe import read_exits
 
@@ -56,8 +57,7 @@ def _cluster_down() -> str:
 
 @pytest.fixture
 def two_nodes():
-    if _cluster_down():
-        pytest.skip(_cluster_down())
+    need(_cluster_down())
 
 
 def node_env(**extra: str) -> dict[str, str]:

@@ -5,6 +5,7 @@ module (tests/test_layout.py holds that).
 - :mod:`tests.helpers.standins`: a stand-in ``deepspeed`` launcher and rank, and the real CLI driven with them;
 - :mod:`tests.helpers.processes`: what a run leaves behind (processes, ``/dev/shm`` files);
 - :mod:`tests.helpers.cluster_env`: the environment Slurm and the two-node namespaces give the ranks;
+- :mod:`tests.helpers.services`: a test whose service (Slurm, two nodes, Chromium) is down skips, or fails in CI;
 - :mod:`tests.helpers.simulated`: the whole tuner on the SIMULATED cluster (benchmarks/simcluster);
 - :mod:`tests.helpers.probe`: the probe's profile record on a stand-in engine, and the models it counts;
 - :mod:`tests.helpers.cli_inputs`: a valid command line around one bad value, and bad files by class;
