@@ -10,7 +10,6 @@ import json
 import shutil
 import struct
 import subprocess
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -240,18 +239,6 @@ def test_report_of_an_interrupted_or_running_tuning_shows_what_finished(tuned, t
     assert "Not known: the tuner records what it did not run" in (results_dir / "report.html").read_text()
 
 
-def test_a_record_without_a_start_time_starts_its_wall_time_before_it_was_recorded(tmp_path):
-    """Records of a zerotune before the report have no started_at: the timeline places them by recorded_at."""
-    exp = run("z1_mbs4", 1, 4, 100.0)
-    exp.started_at = None
-    (tmp_path / "exps" / exp.name).mkdir(parents=True)
-    write_record(exp, tmp_path / "exps" / exp.name, "k", {"objective": "throughput", "cpu": True})
-    record = json.loads((tmp_path / "exps" / exp.name / "exp.json").read_text())
-    data = load(tmp_path)
-    recorded = time.mktime(time.strptime(record["recorded_at"], "%Y-%m-%dT%H:%M:%S"))
-    assert [e.started_at for e in data.experiments] == [recorded - 60.0] and data.state == "running"
-
-
 def test_report_of_a_bad_dir_is_exit_2_naming_it(tmp_path, capsys):
     missing = tmp_path / "nope"
     assert cli.main(["report", str(missing)]) == 2
@@ -375,7 +362,9 @@ def test_a_damaged_results_json_is_read_as_far_as_it_is_right(tuned, tmp_path):
 def test_a_saved_tuning_keeps_only_the_fields_of_the_types_zerotune_writes():
     saved = SavedTuning.from_dict({"exps_dir": "", "strategy_known": 1, "train_steps": True, "not_run": [],
                                    "cost_per_device_hour": 3, "written_at": "2026-01-02"})
-    assert saved == SavedTuning(exps_dir="", strategy_known=True, plan=TrainingPlan(None, None, 3), found=True)
+    # strategy_known held as 1, not a bool, is dropped: without it what the strategy did not run is not known
+    assert saved == SavedTuning(exps_dir="", strategy_known=False, plan=TrainingPlan(None, None, 3), found=True)
+    assert SavedTuning.from_dict({"strategy_known": True}).strategy_known
     assert SavedTuning.from_dict({"written_at": "2026-01-02", "state": 1}) == SavedTuning()
 
 

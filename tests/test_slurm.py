@@ -256,7 +256,7 @@ def test_slurm_nodes_come_from_the_allocation():
     assert starter.cpus_per_task(Reservation((Node("node-1", (0, 1)),))) == 4
 
 
-def test_a_steps_record_holds_its_stop_handle_read_as_an_older_zerotune_wrote_it_too(tmp_path):
+def test_a_steps_record_holds_its_stop_handle(tmp_path):
     starter = SlurmBackend(spec_for(cpu=True), environ={"SLURM_JOB_ID": "42", "SLURM_JOB_CPUS_PER_NODE": "2"}).starter
     starter._steps["tok"] = "zerotune-z1-abcd1234"
     assert starter.stop_handle("tok") == {"kind": "slurm_step", "job_id": "42", "step_name": "zerotune-z1-abcd1234"}
@@ -264,10 +264,8 @@ def test_a_steps_record_holds_its_stop_handle_read_as_an_older_zerotune_wrote_it
     path = write_running_record(tmp_path, "z1", "tok", 29500, stop=starter.stop_handle("tok"))
     record = json.loads(path.read_text())
     assert stop_handles.record_handle(record) == step_handle("42", "zerotune-z1-abcd1234")
-    older = {k: v for k, v in record.items() if k != "stop"} | {"slurm_job": "42",
-                                                                "slurm_step_name": "zerotune-z1-abcd1234"}
-    assert stop_handles.record_handle(older) == step_handle("42", "zerotune-z1-abcd1234")
-    assert stop_handles.record_handle({"slurm_job": 42, "slurm_step_name": "x"}) is None
+    # a step named by top-level keys (a format no released zerotune wrote) is no handle
+    assert stop_handles.record_handle({"slurm_job": "42", "slurm_step_name": "zerotune-z1-abcd1234"}) is None
     assert not stop_handles.cancel_handle(None) and not stop_handles.cancel_handle({"kind": ["a newer zerotune's"]})
     assert not stop_handles.cancel_handle({"kind": "slurm_step", "job_id": 42})  # not a step's name: nothing cancelled
 
@@ -276,12 +274,12 @@ def test_the_reaper_stops_an_orphans_handle_through_its_kinds_canceller(tmp_path
     stopped = []
     monkeypatch.setitem(stop_handles.CANCELLERS, "slurm_step", lambda handle: stopped.append(dict(handle)) or True)
     for name, handle in (("new", {"stop": step_handle("42", "step-a")}),
-                         ("older", {"slurm_job": "42", "slurm_step_name": "step-b"}), ("local", {})):
+                         ("unknown", {"slurm_job": "42", "slurm_step_name": "step-b"}), ("local", {})):
         (tmp_path / f"{name}.json").write_text(json.dumps({
             "name": name, "token": "no-process-has-this-token", "master_port": None, "host": socket.gethostname(),
             "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None, **handle}))
-    assert reap_orphans(tmp_path) == ["local", "new", "older"]
-    assert stopped == [step_handle("42", "step-a"), step_handle("42", "step-b")]
+    assert reap_orphans(tmp_path) == ["local", "new", "unknown"]
+    assert stopped == [step_handle("42", "step-a")]  # only a stop handle names what to stop
     assert list(tmp_path.iterdir()) == []
 
 
@@ -486,11 +484,9 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("older", [False, True], ids=["stop_handle", "older_keys"])
-def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp_path, older):
+def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp_path):
     """A tuner SIGKILLed mid-step leaves its running record; the next tuner's reap cancels the step by the job id
-    and step name recorded there (its ranks on other nodes have no process here to kill), as its stop handle or
-    as an older zerotune recorded them."""
+    and step name its stop handle records (its ranks on other nodes have no process here to kill)."""
     name = "zerotune-orphan-abcd1234"
     srun = subprocess.Popen(["srun", "-n1", "--job-name", name, "sleep", "300"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -504,8 +500,7 @@ def test_a_step_left_by_a_killed_tuner_is_cancelled_by_the_rerun(allocation, tmp
         (running / "orphan.json").write_text(json.dumps({
             "name": "orphan", "token": "no-process-has-this-token", "master_port": 1, "host": socket.gethostname(),
             "tuner_pid": 2**22 + 1, "tuner_create_time": 0.0, "leader": None, "since": None,
-            **({"slurm_job": allocation, "slurm_step_name": name} if older
-               else {"stop": step_handle(allocation, name)})}))
+            "stop": step_handle(allocation, name)}))
         assert reap_orphans(running) == ["orphan"]  # its tuner (a pid above Linux's largest) is gone
         assert slurm_step_id(allocation, name) is None and steps_of(allocation) == []
         assert srun.wait(timeout=30) != 0  # srun ends with its cancelled step

@@ -25,7 +25,7 @@ from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.noise import RunNoise, comparison_noise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
-from zerotune.run.store import RECORD_FILE, ExpRecord, load_records, read_json
+from zerotune.run.store import RECORD_FILE, load_records, read_json
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:
@@ -95,8 +95,7 @@ class SavedTuning:
         exps_dir: where the experiments ran.
         context: the resume context of the tuning's runs (:func:`zerotune.run.resume.resume_context`).
         state: one of :data:`STATES`, when it was written.
-        strategy_known: whether the tuner knew what the strategy did not run; in a section without the field,
-            whether it has ``not_run``.
+        strategy_known: whether the tuner knew what the strategy did not run (False where the section lacks it).
         not_run: what was never launched, and why. notes: the summary's notes.
         plan: the training run the tuner projected.
         since: when that tuning started, seconds since the epoch. elapsed_s: its tuning time then, s.
@@ -138,7 +137,7 @@ class SavedTuning:
                         for n in kept.get("not_run", []) if isinstance(n, dict))
         plan = TrainingPlan(kept.get("train_samples"), kept.get("train_steps"), kept.get("cost_per_device_hour"))
         return cls(kept.get("exps_dir"), kept.get("context"), kept.get("state"),
-                   kept.get("strategy_known", "not_run" in kept), not_run, tuple(str(n) for n in kept.get("notes", [])),
+                   kept.get("strategy_known", False), not_run, tuple(str(n) for n in kept.get("notes", [])),
                    plan, kept.get("since"), kept.get("elapsed_s"), found=bool(kept))
 
 
@@ -371,7 +370,7 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
         raise ConfigError(f"{results_dir}: {found} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
     context = tuning.context or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
-    runs = sorted((_experiment(r) for r in records if r.resume_context == context), key=_launch_order)
+    runs = sorted((r.experiment for r in records if r.resume_context == context), key=_launch_order)
     objective = Objective.named(context.get("objective") or "throughput")
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
@@ -398,19 +397,6 @@ def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], an
     if any(e.status in (None, Status.INTERRUPTED) for e in runs):
         return "interrupted"
     return "finished" if answer is not None else "failed"
-
-
-def _experiment(record: ExpRecord) -> Experiment:
-    """A record's :class:`Experiment`; a record of a zerotune without ``started_at`` gets its end
-    (``recorded_at``, local time) less its wall time."""
-    exp = record.experiment
-    if exp.started_at is None and record.recorded_at:
-        try:
-            ended = time.mktime(time.strptime(record.recorded_at, "%Y-%m-%dT%H:%M:%S"))
-        except ValueError:
-            return exp
-        exp.started_at = ended - (exp.wall_s or 0.0)
-    return exp
 
 
 def _launch_order(exp: Experiment) -> tuple:

@@ -210,7 +210,7 @@ class RunningRecord:
     def from_dict(cls, data: Mapping[str, Any], name: str) -> "RunningRecord":
         """The record from its decoded JSON object; ``name``: the file's stem, where the object names none. A
         field held with another type than zerotune writes is None (a damaged or foreign file stops nothing it
-        cannot name); an older zerotune's Slurm keys give the stop handle
+        cannot name); its ``stop`` object is the stop handle
         (:func:`~zerotune.run.backends.stop_handles.record_handle`)."""
         def typed(key: str, kind: type | tuple[type, ...]) -> Any:
             value = data.get(key)

@@ -13,8 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SLURM_STEP_GONE_S", "STOP_KIND", "cancel_slurm_step", "cancel_step_handle", "legacy_handle",
-           "slurm_step_id", "step_handle"]
+__all__ = ["SLURM_STEP_GONE_S", "STOP_KIND", "cancel_slurm_step", "cancel_step_handle", "slurm_step_id", "step_handle"]
 
 SLURM_STEP_GONE_S = 30.0  # how long a cancelled Slurm step may take to leave squeue (KillWait and a margin), s
 STOP_KIND = "slurm_step"
@@ -48,13 +47,6 @@ def step_handle(job_id: str, name: str) -> dict[str, str]:
     """The stop handle of job ``job_id``'s step named ``name``: ``{"kind": "slurm_step", "job_id": ...,
     "step_name": ...}``."""
     return {"kind": STOP_KIND, "job_id": job_id, "step_name": name}
-
-
-def legacy_handle(record: Mapping[str, Any]) -> dict[str, str] | None:
-    """The stop handle of a running record an older zerotune wrote, which named its step by top-level
-    ``slurm_job`` and ``slurm_step_name`` keys; None when it names none."""
-    job_id, name = record.get("slurm_job"), record.get("slurm_step_name")
-    return step_handle(job_id, name) if isinstance(job_id, str) and isinstance(name, str) else None
 
 
 def cancel_step_handle(handle: Mapping[str, Any]) -> bool:

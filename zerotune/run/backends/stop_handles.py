@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from zerotune.run.backends.slurm_step import STOP_KIND, cancel_step_handle, legacy_handle
+from zerotune.run.backends.slurm_step import STOP_KIND, cancel_step_handle
 
 __all__ = ["CANCELLERS", "cancel_handle", "record_handle", "remove_socket_dir", "socket_dir_handle"]
 
@@ -45,10 +45,9 @@ CANCELLERS: dict[str, Callable[[Mapping[str, Any]], bool]] = {STOP_KIND: cancel_
 
 
 def record_handle(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """The stop handle of a running record: its ``stop`` object, or in a record an older zerotune wrote, the Slurm
-    step its own keys name (:func:`~zerotune.run.backends.slurm_step.legacy_handle`); None when it has none."""
+    """The stop handle of a running record: its ``stop`` object; None when it has none."""
     handle = record.get("stop")
-    return handle if isinstance(handle, Mapping) else legacy_handle(record)
+    return handle if isinstance(handle, Mapping) else None
 
 
 def cancel_handle(handle: Mapping[str, Any] | None) -> bool:
