@@ -125,6 +125,19 @@ def test_dry_run_never_lists_an_experiment_above_max_train_batch_size(tmp_path, 
     assert batches and max(batches) <= 4, plan["experiments"]
 
 
+def test_a_dry_runs_json_is_all_of_stdout_whatever_deepspeed_prints_on_import(tmp_path):
+    # DeepSpeed logs "Setting accelerator to CPU" to stdout the first time its accelerator is asked for (without
+    # DS_ACCELERATOR): a fresh `zerotune tune --dry-run --json` process keeps stdout for the JSON alone
+    argv = hostile_argv(tmp_path, ["--num_gpus", "2", "--device-memory", "2GiB", "--dry-run", "--json"],
+                        {"autotuning": {"max_train_batch_size": 4, "model_info": {"num_params": 1000}}}, None)
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    done = subprocess.run([sys.executable, "-m", "zerotune", *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dp_world_size"] == 2
+    assert "Setting accelerator to CPU" in done.stderr
+
+
 def test_garbage_and_truncated_metrics_are_named_invalid_not_missing(tmp_path):
     from zerotune.core.objective import Objective
     for content, why in ((b"\x00\xff\xfe garbage {", "cannot be read"), (b'{"throughput": 12', "not JSON")):

@@ -16,6 +16,7 @@ Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (results on disk are kept; rerun to resume
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 
@@ -191,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:
             raise ConfigError("--json goes with --dry-run")
-        tuner = Autotuner(user.script, user.script_args, nodes, options, console=console, launcher=user.launcher)
-        if args.dry_run:
-            plan = tuner.plan()
+        # with --json stdout holds the JSON alone: what DeepSpeed prints on import (its accelerator) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            tuner = Autotuner(user.script, user.script_args, nodes, options, console=console, launcher=user.launcher)
+            plan = tuner.plan() if args.dry_run else None
+        if plan is not None:
             if args.json:
                 print(plan.json_text())
             else:
