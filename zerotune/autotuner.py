@@ -4,17 +4,13 @@ Build it from the launcher's arguments and resources, then ``tune()``, ``print_t
 ``write_optimal_config()`` and ``run_after_tuning()``; ``plan()`` is the dry run. It only wires
 the parts together: the :class:`~zerotune.strategy.job.Job` (inputs), the
 :class:`~zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a backend (running
-it), and :mod:`zerotune.report` (the answer).
+it), and :mod:`zerotune.report` (the answer). Signals, locks, reaping and the extension cache, a run's lifetime on
+its directories, are :mod:`zerotune.run._lifetime`'s.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -24,7 +20,6 @@ from rich.console import Console
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
-from zerotune.deepspeed import extensions
 from zerotune.deepspeed.args import step_flag
 from zerotune.deepspeed.auto import auto_paths
 from zerotune.deepspeed.launcher import (
@@ -44,13 +39,19 @@ from zerotune.report.log import to_console
 from zerotune.report.plan import Plan
 from zerotune.report.progress import Progress
 from zerotune.report.publish import Refresher
+from zerotune.run._lifetime import (
+    Interrupted,
+    build_note,
+    publish_extensions,
+    run_training,
+    signals_deferred,
+    tuning_lifetime,
+)
 from zerotune.run.backends import make_backend
 from zerotune.run.backends.base import Backend
-from zerotune.run.processes import RUNNING_DIR, reap_orphans, remove_shm_buffers
 from zerotune.run.resources import SlotPool
 from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import Scheduler
-from zerotune.run.store import clear_experiments, tuning_locks
 from zerotune.strategy.configs import ConfigBuilder
 from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
@@ -60,68 +61,6 @@ from zerotune.strategy.tuning import Strategy
 __all__ = ["Autotuner", "Interrupted", "TuneOptions"]
 
 logger = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-"""What Ctrl-C, Slurm's scancel, ``docker stop``, ``timeout``, Kubernetes and a closed terminal send."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """The tuner was stopped by a signal (:data:`STOP_SIGNALS`); ``signum`` says which. A
-    KeyboardInterrupt, so every path that cleans up after Ctrl-C cleans up after it too."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _stop_signals_interrupt():
-    """While tuning, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread: the
-    running experiments are killed (with every process) and recorded as interrupted, finished
-    results are kept. Later signals while that cleanup runs are ignored, so it is never cut short
-    (it is bounded: a process tree gets SIGTERM, then SIGKILL after 10 s). Off the main thread,
-    where Python cannot install handlers, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    raised = []
-
-    def handler(signum, frame):
-        if not raised:
-            raised.append(signum)
-            raise Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred():
-    """While the results are written, a stop signal (:data:`STOP_SIGNALS`) waits until they are whole,
-    then is handled as it would have been (under :func:`_stop_signals_interrupt`: :class:`Interrupted`,
-    unless one is already in flight). So a signal leaves the old answer or the new one, never a new
-    config beside an old summary. Off the main thread nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: arrived.append(signum)) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-        if arrived:
-            handler = previous[arrived[0]]
-            if callable(handler):
-                handler(arrived[0], None)
-            else:
-                signal.raise_signal(arrived[0])  # its default action, as if it arrived now
-
 
 def _check_stage_configs(job: Job) -> None:
     """The user's config at every ZeRO stage to explore, at the smallest mbs, built and validated as
@@ -188,8 +127,7 @@ class Autotuner:
 
     @property
     def _notes(self) -> list[str]:
-        built = None if self.started_at is None else extensions.build_note(
-            extensions.builds_since(extensions.extensions_dir(self.job.exps_dir), self.started_at))
+        built = build_note(self.job.exps_dir, self.started_at)
         planned = [] if self.cost_plan is None else [
             results.plan_line(*self.cost_plan[:2], self.scheduler.history),
             *results.beyond_plan_lines(self.cost_plan[2], self.scheduler.history)]
@@ -254,14 +192,7 @@ class Autotuner:
         """
         started, job = time.monotonic(), self.job
         self.started_at, self._started = time.time(), started
-        with to_console(self.console), _stop_signals_interrupt(), tuning_locks(job.results_dir, job.exps_dir):
-            # experiments a killed earlier tuner left running on this dir: stopped before anything
-            # is deleted or cached results are trusted (a fully cached rerun launches nothing)
-            reap_orphans(job.exps_dir / RUNNING_DIR)
-            if job.overwrite:
-                clear_experiments(job.exps_dir)  # zerotune's experiment dirs only, whatever exps_dir names
-                (job.results_dir / "summary.txt").unlink(missing_ok=True)
-            self._prepare_extensions()
+        with to_console(self.console), tuning_lifetime(job.results_dir, job.exps_dir, job.overwrite):
             for note in (job.describe(), self._launcher_line(), *job.notes):
                 self.console.print(note, markup=False, highlight=False)
             strategy = self._strategy(self.scheduler.run)
@@ -270,13 +201,13 @@ class Autotuner:
             try:
                 self.progress.start(started)
                 strategy.run()
-                extensions.publish(extensions.extensions_dir(job.exps_dir))  # built once per install, not per dir
+                publish_extensions(job.exps_dir)
             except KeyboardInterrupt:
                 interrupted = True
                 raise
             finally:
                 self.backend.close()  # the warm rank server ends with the tuning, however it ends
-                with _stop_signals_deferred():  # the old answer or the new one, whole
+                with signals_deferred():  # the old answer or the new one, whole
                     self.progress.stop()
                     self.elapsed_s = time.monotonic() - started
                     self.cost_plan = None if interrupted else self._cost_plan()
@@ -300,31 +231,6 @@ class Autotuner:
             logger.error(f"zerotune: cannot write the results: {e}")
             return e
         return None
-
-    def _prepare_extensions(self) -> None:
-        """The experiments' own torch extension cache (:mod:`zerotune.deepspeed.extensions`): created,
-        seeded from the ops this install built (the machine's cache, then zerotune's own), cleared of
-        locks (nothing of this tuner runs yet and orphans are reaped); an op the machine's cache holds
-        from another install, which the experiments will build, and a stale lock there are said."""
-        try:
-            self.job.exps_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"exps dir {self.job.exps_dir}: cannot create it: {e.strerror or e}") from None
-        ext = extensions.extensions_dir(self.job.exps_dir)
-        extensions.seed(ext)
-        machine = extensions.default_root()
-        for op in sorted(p.parent.name for p in machine.glob("*/build.ninja") if not (ext / p.parent.name).exists()):
-            why = ("was built by another install (its build.ninja names other paths)"
-                   if not extensions.built_here(machine / op) else "would be rebuilt by its load (ninja's log or "
-                   "timestamps are not its build's)")
-            logger.info(f"note: {machine / op} {why}: the experiments build it again, once (about a minute), and "
-                        f"zerotune keeps that build")
-        for lock in extensions.remove_stale_locks(ext):
-            logger.info(f"removed {lock}: a torch extension lock left by a killed process")
-        old = time.time() - extensions.BUILD_S
-        for lock in extensions.stale_locks(extensions.default_root(), older_than=old):
-            logger.warning(f"note: {lock} is older than {extensions.BUILD_S / 60:g} min: DeepSpeed runs outside zerotune "
-                      f"that load this op wait on it forever; remove it if no build is running")
 
     def plan(self) -> Plan:
         """The dry run: the experiments the strategy would try if the memory model were right
@@ -415,11 +321,8 @@ class Autotuner:
         status (negative: killed by that signal), which ``zerotune run`` turns into its own status 3 with a
         line when it is not 0 (:func:`zerotune.cli.training_status`).
 
-        A stop signal (SIGINT, SIGTERM, SIGHUP) is passed on to the launcher as SIGTERM (DeepSpeed's
-        launcher then stops its ranks), which gets 30 s before its process group is killed; then
-        :class:`Interrupted` is raised. The training never outlives zerotune, nor do the shared-memory
-        files DeepSpeed's CPU communication leaves on this machine for its master port
-        (:func:`~zerotune.run.processes.remove_shm_buffers`, as after every experiment).
+        A stop signal is passed on to it and raises :class:`Interrupted`; the training never outlives zerotune
+        (:func:`zerotune.run._lifetime.run_training`).
         """
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")
@@ -427,19 +330,4 @@ class Autotuner:
         port = free_port()
         env, cmd, _ = self._training_launch(config_path, master_port=port)
         self.console.print(f"[bold]running[/]: {paste_command(env, cmd)}")
-        with _stop_signals_interrupt():
-            proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    pass
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
-            finally:
-                remove_shm_buffers(port)
+        return run_training(cmd, env, port)
