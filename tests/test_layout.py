@@ -5,6 +5,7 @@ What docs/how-it-works.md draws stays readable only while these hold (docs/decis
 """
 import ast
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -150,6 +151,14 @@ def test_the_probe_directory_holds_only_its_shim_and_a_standard_library_package(
             elif isinstance(node, ast.ImportFrom) and not node.level:
                 imported.add(node.module.split(".")[0])
     assert imported - set(sys.stdlib_module_names) == {"_zerotune_probe"}
+
+
+def test_no_docstring_in_the_package_carries_sphinx_roles():
+    """No documentation build reads them (issue 53): a name is written `as it is`, without ``:func:`` and its kin."""
+    role = re.compile(r":(func|mod|data|class|meth|attr|exc|obj|const):`")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
+    assert found == []
 
 
 def test_the_package_has_no_import_cycle():

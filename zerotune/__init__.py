@@ -1,15 +1,15 @@
 """zerotune: find the fastest DeepSpeed configuration for a model and cluster.
 
-The public API is :data:`__all__`; everything else is internal and may change.
+The public API is `__all__`; everything else is internal and may change.
 
-- **Tune**: :class:`Autotuner` (shaped like DeepSpeed's own: ``tune()``, ``print_tuning_results()``,
-  ``write_optimal_config()``, ``run_after_tuning()``; ``plan()`` is the dry run) with :class:`TuneOptions`;
-  it raises :class:`ConfigError` on bad input, :class:`TuningFailed` when nothing ran ok, and
-  :class:`Interrupted` on a stop signal.
-- **Estimate**: :class:`MemoryModel`, the bytes per device of a ds_config (``bytes_per_device``,
+- **Tune**: `Autotuner` (shaped like DeepSpeed's own: ``tune()``, ``print_tuning_results()``,
+  ``write_optimal_config()``, ``run_after_tuning()``; ``plan()`` is the dry run) with `TuneOptions`;
+  it raises `ConfigError` on bad input, `TuningFailed` when nothing ran ok, and
+  `Interrupted` on a stop signal.
+- **Estimate**: `MemoryModel`, the bytes per device of a ds_config (``bytes_per_device``,
   ``breakdown``, ``max_mbs``), what ``zerotune estimate`` prints.
-- **Read results**: :class:`StrategyResult` (``Autotuner.result``: each ZeRO stage's decision, the ledger of
-  experiments, the answer), whose records are :class:`Experiment` with a :class:`Status`; on disk each
+- **Read results**: `StrategyResult` (``Autotuner.result``: each ZeRO stage's decision, the ledger of
+  experiments, the answer), whose records are `Experiment` with a `Status`; on disk each
   experiment's ``exp.json`` is ``Experiment.to_json()``.
 
 The packages follow the data flow (docs/how-it-works.md): ``core`` is the ground floor, ``probe`` and

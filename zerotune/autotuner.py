@@ -2,10 +2,10 @@
 
 Build it from the launcher's arguments and resources, then ``tune()``, ``print_tuning_results()``,
 ``write_optimal_config()`` and ``run_after_tuning()``; ``plan()`` is the dry run. It only wires
-the parts together: the :class:`~zerotune.strategy.job.Job` (inputs), the
-:class:`~zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a backend (running
-it), and :mod:`zerotune.report` (the answer). Signals, locks, reaping and the extension cache, a run's lifetime on
-its directories, are :mod:`zerotune.run._lifetime`'s.
+the parts together: the `zerotune.strategy.job.Job` (inputs), the
+`zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a backend (running
+it), and `zerotune.report` (the answer). Signals, locks, reaping and the extension cache, a run's lifetime on
+its directories, are `zerotune.run._lifetime`'s.
 """
 from __future__ import annotations
 
@@ -88,15 +88,15 @@ class Autotuner:
         script: the training script.
         script_args: its arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
         nodes: the device slots to use (``resources.select_resources``).
-        options: see :class:`TuneOptions`.
+        options: see `TuneOptions`.
         backend: runs the experiments (default: the local ``deepspeed`` launcher, Ray with
-            ``options.backend == "ray"``, Slurm job steps with ``"slurm"``); any :class:`Backend`, e.g. a simulated
+            ``options.backend == "ray"``, Slurm job steps with ``"slurm"``); any `Backend`, e.g. a simulated
             cluster.
-        launcher: the user's launcher (:func:`zerotune.launchers.command.read_command` reads it from their
+        launcher: the user's launcher (`zerotune.launchers.command.read_command` reads it from their
             command); None: the ``deepspeed`` launcher, with the config in ``script_args``.
 
     Raises:
-        ConfigError: any bad input (:meth:`Job.build`).
+        ConfigError: any bad input (`Job.build`).
     """
 
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -150,7 +150,7 @@ class Autotuner:
 
     def report_data(self, state: str = "running") -> ReportData:
         """What ``report.html``, ``results.csv`` and ``results.json`` show of this tuning now
-        (:mod:`zerotune.report.data`); ``state``: one of :data:`~zerotune.report.data.STATES`."""
+        (`zerotune.report.data`); ``state``: one of `zerotune.report.data.STATES`."""
         job = self.job
         return ReportData.from_tuning(list(self.scheduler.history), self.result, objective=job.objective,
                                       budget_bytes=job.device_memory_bytes, capacity_bytes=job.capacity_bytes,
@@ -166,7 +166,7 @@ class Autotuner:
 
     @property
     def stage_results(self):
-        """How each ZeRO stage was handled (:class:`~zerotune.strategy.stages.StageResult`)."""
+        """How each ZeRO stage was handled (`zerotune.strategy.stages.StageResult`)."""
         return self.result.stages
 
     def _strategy(self, evaluate) -> Strategy:
@@ -177,11 +177,11 @@ class Autotuner:
 
         SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (when called from the main thread): the
         running experiments are killed with all their processes and recorded as interrupted, the
-        finished results and the summary are written, and :class:`Interrupted` (a
+        finished results and the summary are written, and `Interrupted` (a
         KeyboardInterrupt naming the signal) is raised; a rerun resumes. A signal while the results
         are written waits until they are whole.
 
-        It holds the results dir's lock and the exps dir's (:func:`~zerotune.run.store.tuning_locks`)
+        It holds the results dir's lock and the exps dir's (`zerotune.run.store.tuning_locks`)
         throughout: one tuner per directory.
 
         Raises:
@@ -223,7 +223,7 @@ class Autotuner:
         return self.best
 
     def _write_results(self) -> OSError | None:
-        """:meth:`write_optimal_config`, or the OSError that stopped it (a full disk), said in the log."""
+        """`write_optimal_config`, or the OSError that stopped it (a full disk), said in the log."""
         try:
             self.best = self.write_optimal_config()
         except OSError as e:
@@ -234,7 +234,7 @@ class Autotuner:
 
     def plan(self) -> Plan:
         """The dry run: the experiments the strategy would try if the memory model were right
-        (:mod:`zerotune.strategy.oracle`), with bytes per device and fits; nothing is launched
+        (`zerotune.strategy.oracle`), with bytes per device and fits; nothing is launched
         or written."""
         oracle = MemoryOracle(self.job, self.scheduler.load)
         with to_console(self.console):
@@ -243,9 +243,9 @@ class Autotuner:
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
 
     def _cost_plan(self) -> tuple[int, float, frozenset[str]] | None:
-        """(launches, device-seconds, their names) the tuning planned once its profile ran: :meth:`plan`'s
+        """(launches, device-seconds, their names) the tuning planned once its profile ran: `plan`'s
         experiments besides the profile (the strategy against the memory model calibrated on the profile, each config
-        at the oracle's assumed metric: :mod:`zerotune.strategy.oracle`), each priced at the profile run's
+        at the oracle's assumed metric: `zerotune.strategy.oracle`), each priced at the profile run's
         device-seconds. None without a profile run that finished ok, or where the plan cannot be made (said in the
         log)."""
         profile = next((e for e in self.scheduler.history
@@ -307,22 +307,22 @@ class Autotuner:
         """The command that trains with ``config_path`` on all selected slots, in the user's launcher (the
         ``deepspeed`` runner's line for the ``deepspeed`` form; the script and the config by absolute path);
         ``ds_config``: that file's content, where it is not written yet (the results are written after every text is
-        made: :func:`zerotune.report.results.write_results`)."""
+        made: `zerotune.report.results.write_results`)."""
         return self.optimal_answer(config_path, ds_config)[0]
 
     def optimal_answer(self, config_path: str, ds_config: dict | None = None) -> tuple[str, dict[str, str]]:
-        """:meth:`optimal_command` and the files it needs beside the config (name -> text: for Accelerate,
-        ``accelerate_config_optimal.yaml``, :meth:`~zerotune.launchers.base.Launcher.answer`)."""
+        """`optimal_command` and the files it needs beside the config (name -> text: for Accelerate,
+        ``accelerate_config_optimal.yaml``, `zerotune.launchers.base.Launcher.answer`)."""
         env, words, files = self._training_launch(config_path, master_port=self.answer_port, ds_config=ds_config)
         return paste_command(env, words), files
 
     def run_after_tuning(self) -> int:
         """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit
         status (negative: killed by that signal), which ``zerotune run`` turns into its own status 3 with a
-        line when it is not 0 (:func:`zerotune.cli.training_status`).
+        line when it is not 0 (`zerotune.cli.training_status`).
 
-        A stop signal is passed on to it and raises :class:`Interrupted`; the training never outlives zerotune
-        (:func:`zerotune.run._lifetime.run_training`).
+        A stop signal is passed on to it and raises `Interrupted`; the training never outlives zerotune
+        (`zerotune.run._lifetime.run_training`).
         """
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")

@@ -42,7 +42,7 @@ from zerotune.strategy.variables import parse_cli_variable
 TRAINING_FAILED = 3
 """``zerotune run``'s exit status when the training it launched with the optimal config failed: the
 training's own status (2, or 247 from DeepSpeed's launcher for a rank killed by SIGKILL) would read as
-zerotune's "bad input" or be lost; :func:`training_status` says it in a line."""
+zerotune's "bad input" or be lost; `training_status` says it in a line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,14 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _command_arguments(p: argparse.ArgumentParser) -> None:
-    """The training script and its arguments (the launcher-style form; :func:`parse` takes ``-- COMMAND...``)."""
+    """The training script and its arguments (the launcher-style form; `parse` takes ``-- COMMAND...``)."""
     p.add_argument("user_script", nargs="?", help="the training script (or: -- COMMAND, the command you train with: "
                    "deepspeed, torchrun, accelerate launch, python SCRIPT)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments, with --deepspeed_config ds.json")
 
 
 def _budget_options(p: argparse.ArgumentParser) -> None:
-    """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (:mod:`zerotune.strategy.budget`)."""
+    """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (`zerotune.strategy.budget`)."""
     g = p.add_argument_group("the tuning's budget (then the best of what ran is the answer)")
     g.add_argument("--max-launches", type=whole(2, MAX_COUNT), default=None, metavar="N",
                    help="launch at most N experiments, the profile run included (so at least 2: the profile and one "
@@ -126,7 +126,7 @@ def _budget_options(p: argparse.ArgumentParser) -> None:
 
 
 def _longest_options(p: argparse.ArgumentParser) -> None:
-    """``--max-seq-len`` and ``--verify-longest``: the answer at the longest batch (:mod:`zerotune.strategy.longest`)."""
+    """``--max-seq-len`` and ``--verify-longest``: the answer at the longest batch (`zerotune.strategy.longest`)."""
     g = p.add_argument_group("the longest batch the training can meet")
     g.add_argument("--max-seq-len", type=whole(1, MAX_COUNT), default=None, metavar="N",
                    help="the longest sequence a training batch holds, tokens: the answer must fit its peak there "
@@ -270,7 +270,7 @@ def _resources(args: argparse.Namespace) -> tuple[list, bool | None]:
 
 def _check_allocation_options(args: argparse.Namespace) -> None:
     """``--backend slurm`` takes no hostfile or node filter: the allocation's nodes are its nodes
-    (:func:`zerotune.run.backends.backend_nodes`), which Slurm's own options choose."""
+    (`zerotune.run.backends.backend_nodes`), which Slurm's own options choose."""
     for flag, value in (("--hostfile", args.hostfile), ("--include", args.include), ("--exclude", args.exclude)):
         if value:
             raise ConfigError(f"{flag} goes with the local backend: with --backend slurm the allocation names the "
@@ -279,7 +279,7 @@ def _check_allocation_options(args: argparse.Namespace) -> None:
 
 def training_status(code: int, results_dir) -> int:
     """``zerotune run``'s exit status for the training's ``code`` (the launcher's exit status; negative:
-    killed by that signal): 0 when it is 0, else :data:`TRAINING_FAILED`, with a line on stderr giving
+    killed by that signal): 0 when it is 0, else `TRAINING_FAILED`, with a line on stderr giving
     the training's own status and where the tuning's results are kept."""
     if code == 0:
         return 0

@@ -1,9 +1,9 @@
 """Command-line values: every option rejects the empty string and values its type cannot hold.
 
-argparse passes each option's text through the option's ``type``. :func:`reject_empty` wraps the type of
+argparse passes each option's text through the option's ``type``. `reject_empty` wraps the type of
 every option of a parser (its subcommands' too, positional arguments included, a script's own arguments
 excepted) so that the empty string, what an unset shell variable gives (``--results-dir "$DIR"``), and text
-holding a NUL character are refused before the type reads them; :func:`whole` is the type of an option that
+holding a NUL character are refused before the type reads them; `whole` is the type of an option that
 counts. argparse then prints ``zerotune tune: error: argument --results-dir: '': ...``, naming the option and
 the value, and exits with status 2, as for any bad input (docs/decisions.md D304).
 """

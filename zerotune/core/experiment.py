@@ -26,7 +26,7 @@ class Status(str, enum.Enum):
     @property
     def reusable(self) -> bool:
         """True when a rerun of the same experiment (the same resume key,
-        :mod:`zerotune.run.resume`) reuses this recorded outcome instead of launching: OK, and
+        `zerotune.run.resume`) reuses this recorded outcome instead of launching: OK, and
         OOM (the budget is in the key). FAILED, TIMEOUT and INTERRUPTED may come from the
         moment (a port clash, a wrong data path, a busy machine) and are re-run."""
         return self in (Status.OK, Status.OOM)
@@ -59,15 +59,15 @@ class Experiment:
         ds_config: the complete DeepSpeed config to launch (without zerotune's own paths).
         num_nodes: nodes requested.
         num_slots: device slots (ranks) per node requested.
-        kind: the phase that asked for it (:class:`ExperimentKind`).
+        kind: the phase that asked for it (`ExperimentKind`).
         space: the tuning space it belongs to (``z1``, ``z1_knobs``, ``profile``), for the summary.
         knobs: dotted key -> value of the settings that vary in its tuning space (knob phase).
         status/metric/metrics/exit_code/wall_s/error: filled in after it ran; ``metric`` is the
-            step probe's (:mod:`zerotune.core.measure`) where it measured the run, else DeepSpeed's
+            step probe's (`zerotune.core.measure`) where it measured the run, else DeepSpeed's
             (``metric_source`` says which); ``metrics`` is DeepSpeed's ``metrics.json``.
         must_beat, ended: the adaptive-experiment bar the strategy set (the incumbent's pessimistic
             bound, in the objective's unit; None: none) and why the run ended
-            (:class:`zerotune.core.stopping.EndReason`), see :mod:`zerotune.core.stopping`.
+            (`zerotune.core.stopping.EndReason`), see `zerotune.core.stopping`.
     """
 
     name: str

@@ -1,10 +1,10 @@
-"""What a launch is: the spec every experiment's launch follows (:class:`LaunchSpec`), the hosts and device slots
-zerotune may use (:class:`Node`), the slots one experiment holds (:class:`Reservation`), and one experiment's launch
-as the backends start, watch and stop it (:class:`RunLaunch`).
+"""What a launch is: the spec every experiment's launch follows (`LaunchSpec`), the hosts and device slots
+zerotune may use (`Node`), the slots one experiment holds (`Reservation`), and one experiment's launch
+as the backends start, watch and stop it (`RunLaunch`).
 
-Records only, on the ground floor: the job builds the spec (:meth:`zerotune.strategy.job.Job.launch_spec`), the
-slot pool hands out reservations (:class:`zerotune.run.slots.SlotPool`), and the ``deepspeed`` launcher's
-environment and command are made from both (:mod:`zerotune.deepspeed.launcher`) for the backends that start them.
+Records only, on the ground floor: the job builds the spec (`zerotune.strategy.job.Job.launch_spec`), the
+slot pool hands out reservations (`zerotune.run.slots.SlotPool`), and the ``deepspeed`` launcher's
+environment and command are made from both (`zerotune.deepspeed.launcher`) for the backends that start them.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ __all__ = ["LaunchSpec", "Node", "Reservation", "RunLaunch", "UserLauncher"]
 
 
 class UserLauncher(Protocol):
-    """The user's launcher as the backends use it (:class:`zerotune.launchers.base.Launcher` implements it): its
-    rank contract (:mod:`zerotune.launchers.contract`), how an experiment's config reaches the ranks, the command
+    """The user's launcher as the backends use it (`zerotune.launchers.base.Launcher` implements it): its
+    rank contract (`zerotune.launchers.contract`), how an experiment's config reaches the ranks, the command
     that starts them on one node, and why they cannot be forked warm ('' when they can)."""
 
     name: str
@@ -47,7 +47,7 @@ class LaunchSpec:
         cpu: run DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
         device_memory_bytes: per-rank memory budget, enforced for real: on CPU with ``RLIMIT_DATA`` on every
             rank, so an over-budget config fails as a GPU OOM does; on CUDA by the probe, which caps each
-            device's caching allocator at it (:func:`zerotune.probe.sitecustomize.cap_allocator`).
+            device's caching allocator at it (`zerotune.probe.sitecustomize.cap_allocator`).
         timeout_s: wall-clock limit per experiment (None: no limit).
         hang_timeout_s: kill an experiment whose logs have not grown for this long (None: off).
         hostfile: passed to the launcher for multi-node reservations.
@@ -55,17 +55,17 @@ class LaunchSpec:
             experiment's config so DeepSpeed's engine measures and exits.
         objective: the metric DeepSpeed is asked to write, and how to read it.
         stop_rule: ends a run early once its probe streams say enough (adaptive experiments,
-            :mod:`zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
+            `zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
         arg_mappings: ``autotuning.arg_mappings`` as (ds_config key, script flag) pairs: each launch
-            passes its config's values as these script arguments (:mod:`zerotune.deepspeed.args`).
+            passes its config's values as these script arguments (`zerotune.deepspeed.args`).
         max_steps_arg: ``autotuning.max_steps_arg``, the script's flag for its length in steps: each experiment
-            raises it past the last step DeepSpeed measures (:func:`zerotune.deepspeed.args.raise_steps`).
+            raises it past the last step DeepSpeed measures (`zerotune.deepspeed.args.raise_steps`).
         warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports once
-            per tuning, where the backend can (:mod:`zerotune.run.warm`); False: every run through DeepSpeed's
+            per tuning, where the backend can (`zerotune.run.warm`); False: every run through DeepSpeed's
             launcher (``--cold-launch``).
         launcher: the user's launcher when it is not ``deepspeed`` (torchrun, Accelerate, a script that starts its
             own ranks): its ranks get its contract, cold and warm; None: the ``deepspeed`` launcher's
-            (:mod:`zerotune.deepspeed.launcher`).
+            (`zerotune.deepspeed.launcher`).
     """
 
     script: str
@@ -154,7 +154,7 @@ class RunLaunch:
         exp_dir: its directory (the probe's streams, the logs, ``cmd.txt``).
         config_path: the ds_config file it runs, written before the launch.
         port: its master port, free on this machine.
-        token: its run token (:func:`zerotune.run.processes.new_run_token`), in every rank's environment.
+        token: its run token (`zerotune.run.processes.new_run_token`), in every rank's environment.
     """
 
     name: str

@@ -1,6 +1,6 @@
 """The metric zerotune decides on, from the step probe's streams: what the user gets, with its uncertainty.
 
-The probe (:mod:`zerotune.probe.sitecustomize`) writes, per rank, one record per optimizer step
+The probe (`zerotune.probe.sitecustomize`) writes, per rank, one record per optimizer step
 with ``step_s``, the wall time from the end of the previous optimizer step to the end of this one:
 everything the training loop does, data loading and the script's own work included, not only
 the engine's forward, backward and step timers DeepSpeed's autotuning metric sums. The method is
@@ -13,19 +13,19 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
    collectives, so the job advances at its slowest rank's pace.
 2. **Leave out the warm-up.** Step 1 is always left out (compilation, first allocations, and it
    is timed from the first forward). Then, while a leading step is more than
-   :data:`WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; then
-   a slowly decaying warm-up is cut where the Marginal Standard Error Rule puts it (:func:`_mser`,
+   `WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; then
+   a slowly decaying warm-up is cut where the Marginal Standard Error Rule puts it (`_mser`,
    at most half of the remaining steps); the rest is the steady state. A rule on the stream
    itself, so a script whose warm-up is longer than ``start_profile_step`` is still measured on
    steady steps.
 3. **The value.** With ``m`` the mean of the steady steps' slowest ``step_s``: throughput =
    ``train_batch_size / m`` samples/s (global samples per optimizer step over seconds per step),
-   latency = ``m`` s/step. FLOPS are not measured by the probe (:func:`measure` returns None and
+   latency = ``m`` s/step. FLOPS are not measured by the probe (`measure` returns None and
    DeepSpeed's metric is used).
 4. **The once-per-step share.** Where the records carry ``boundary_s`` (the time spent in the work
    done once per optimizer step: optimizer step, boundary gradient reduction), the mean over the
    steady steps of the largest ``boundary_s`` among the ranks, over ``m``: the share of a step that a
-   larger gas amortizes (:attr:`Measurement.boundary_share`).
+   larger gas amortizes (`Measurement.boundary_share`).
 5. **The uncertainty.** The relative half-width of the 95% Student-t confidence interval of
    ``m``: ``t(0.975, n - 1) * s / sqrt(n) / m`` with ``s`` the sample standard deviation of the
    ``n`` steady steps; None for fewer than 2 steady steps. Throughput, a function of ``m``, gets
@@ -33,7 +33,7 @@ warm-up, report the mean of the steady iterations with a Student-t confidence in
    consecutive steps only roughly are: read it as the measurement's noise, not a guarantee.
 6. **The run-to-run noise.** A whole run can read faster or slower than the next run of the same
    config, which no run's own interval shows. This module measures one run; the run-to-run noise's
-   estimate and every comparison of runs are :mod:`zerotune.core.noise`'s.
+   estimate and every comparison of runs are `zerotune.core.noise`'s.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ WARMUP_FACTOR = 1.5  # a leading step slower than this times the later steps' me
 CONFIDENCE = 0.95
 
 Streams = Mapping[int, Sequence[StepRecord]]
-"""rank -> the probe's step records, in order, each parsed and validated once (:func:`zerotune.probe.read_streams`;
-records held in memory, a simulated run's, go through :func:`zerotune.probe.step_records`)."""
+"""rank -> the probe's step records, in order, each parsed and validated once (`zerotune.probe.read_streams`;
+records held in memory, a simulated run's, go through `zerotune.probe.step_records`)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Measurement:
         steady_steps, warmup_steps: how many steps were measured and how many left out.
         train_batch_size: global samples per optimizer step.
         slowest_rank_share: rank -> share of the steady steps on which it was the slowest.
-        peak_bytes: rank -> its peak memory, bytes (:func:`peak_bytes`).
+        peak_bytes: rank -> its peak memory, bytes (`peak_bytes`).
         boundary_share: the share of the mean step spent in the work done once per optimizer step
             (the probe's ``boundary_s``, step 4 of the module's method), 0..1; None when a steady step
             lacks it on some rank.
@@ -134,7 +134,7 @@ def _mser(x: Sequence[float]) -> int:
     ``d`` (at most half of ``x``) that minimises the standard error of the mean of what remains,
     ``sum((x_i - mean)^2) / (n - d)^2`` over ``i >= d`` (the Marginal Standard Error Rule, K. P. White,
     "An effective truncation heuristic for bias reduction in simulation output", Simulation 69(6),
-    1997). It catches the warm-up that decays too slowly for the :data:`WARMUP_FACTOR` rule
+    1997). It catches the warm-up that decays too slowly for the `WARMUP_FACTOR` rule
     (docs/decisions.md, D200)."""
     best_d, best = 0, math.inf
     for d in range(len(x) // 2 + 1):
@@ -153,7 +153,7 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
 
     Args:
         streams: rank -> that rank's probe records in file order
-            (:func:`zerotune.probe.read_streams`).
+            (`zerotune.probe.read_streams`).
         objective: the metric tuned; only throughput and latency are measured.
 
     Returns:
@@ -196,7 +196,7 @@ def peak_bytes(streams: Streams) -> dict[int, int]:
     ``device_peak_bytes`` (the caching allocator's reserved high-water mark plus what lies outside it: the CUDA
     context, NCCL's buffers), where it holds one, not ``peak_bytes`` (allocated bytes, which leave both out:
     a run can fill the device while its allocated peak reads 0.85 of it); on CPU ``peak_bytes``, the largest
-    ``VmData``, sampled every 5 ms (:attr:`zerotune.core.step_record.StepRecord.peak`). Ranks without one are absent."""
+    ``VmData``, sampled every 5 ms (`zerotune.core.step_record.StepRecord.peak`). Ranks without one are absent."""
     peaks = {}
     for rank, records in streams.items():
         values = [r.peak for r in records if r.peak is not None]
@@ -236,13 +236,13 @@ def seq_lens(streams: Streams) -> dict[int, int]:
 
 def max_seq_len(streams: Streams) -> int | None:
     """The longest sequence a micro batch held in the run, on any rank and at any step, tokens
-    (:func:`seq_lens`); None where no record gives one. What the run saw, not what the training will: a
+    (`seq_lens`); None where no record gives one. What the run saw, not what the training will: a
     longer batch later in the data needs more activation memory than the run measured."""
     return max(seq_lens(streams).values(), default=None)
 
 
 def seen_seq_lens(streams: Streams) -> tuple[int | None, int | None]:
-    """``(longest, shortest)`` of the run's steps' longest sequences (:func:`seq_lens`), tokens, as ``exp.json``
+    """``(longest, shortest)`` of the run's steps' longest sequences (`seq_lens`), tokens, as ``exp.json``
     keeps them (``max_seq_len_seen``, ``min_seq_len_seen``); None, None where no record gives one. The longest is
     from step 2 on where a record of step 2 or later gives one: step 1's peak lacks the optimizer states (that
     step creates them), so its batch is not the one the run's peak pairs with; the shortest counts every step."""
@@ -266,7 +266,7 @@ def load_quantiles() -> None:
 
 @functools.lru_cache(maxsize=1024)
 def _t_quantile(df: int) -> float:
-    """Student's t quantile at :data:`CONFIDENCE` (two-sided) for ``df`` degrees of freedom. Cached: the stop rule
+    """Student's t quantile at `CONFIDENCE` (two-sided) for ``df`` degrees of freedom. Cached: the stop rule
     asks for it at every step of a running experiment, and ``scipy.stats.t.ppf`` takes about a millisecond."""
     from scipy.stats import t  # imported here: scipy.stats takes a while to import
     return float(t.ppf(0.5 + CONFIDENCE / 2, df))
@@ -306,7 +306,7 @@ def pool(metrics: Sequence[float]) -> Pooled | None:
 
 def pooled_metrics(experiments: Iterable[Experiment]) -> dict[str, Pooled]:
     """Experiment name -> its metric pooled over its ok runs (the experiment and its re-measurements,
-    :attr:`~zerotune.core.experiment.Experiment.replica_of`); the profile run and experiments with no
+    `zerotune.core.experiment.Experiment.replica_of`); the profile run and experiments with no
     ok run are absent."""
     runs: dict[str, list[float]] = {}
     for e in experiments:

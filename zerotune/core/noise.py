@@ -4,21 +4,21 @@ and whether a candidate can still beat the best. Every decision between runs rea
 A metric's noise has two parts (relative, at 95%):
 
 - **Its run's interval**: the relative half-width ``hw`` of the 95% Student-t interval of the mean of one run's
-  steady steps (:mod:`zerotune.core.measure`). It sees only the jitter of the run's own steps.
+  steady steps (`zerotune.core.measure`). It sees only the jitter of the run's own steps.
 - **The run-to-run noise**: a whole run can read faster or slower than the next run of the same config
   (placement, the machine's other load, clocks), which no run's own interval shows. It is a relative standard
-  deviation ``sigma``: :data:`RUN_NOISE` until configs are re-measured, then estimated from their runs
-  (:func:`run_noise`, never below :data:`RUN_NOISE`); at 95% it is a term of about ``2 * sigma``, which
+  deviation ``sigma``: `RUN_NOISE` until configs are re-measured, then estimated from their runs
+  (`run_noise`, never below `RUN_NOISE`); at 95% it is a term of about ``2 * sigma``, which
   shrinks as ``1 / runs`` in variance when runs are pooled.
 
 Independent errors add in quadrature, so two metrics are apart by noise alone while their difference is within
-``sqrt(sum of hw ** 2 + (2 * sigma) ** 2 / runs)`` (:func:`comparison_noise`, :func:`within_noise`). A difference
-within the target precision (``--precision``, :data:`DEFAULT_PRECISION`) is a tie (:func:`tie`): the answer is
+``sqrt(sum of hw ** 2 + (2 * sigma) ** 2 / runs)`` (`comparison_noise`, `within_noise`). A difference
+within the target precision (``--precision``, `DEFAULT_PRECISION`) is a tie (`tie`): the answer is
 promised to that precision, so no run is spent to break it. A metric is known to the precision
-(:func:`known_to_precision`) when its interval and the run-to-run noise are both that narrow. A candidate is
-raced against the incumbent's pessimistic bound (:func:`must_beat`), ended once its optimistic bound cannot
-reach it (:func:`cannot_beat`), and not launched where the throughput model bounds it under the best plus the
-precision (:func:`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
+(`known_to_precision`) when its interval and the run-to-run noise are both that narrow. A candidate is
+raced against the incumbent's pessimistic bound (`must_beat`), ended once its optimistic bound cannot
+reach it (`cannot_beat`), and not launched where the throughput model bounds it under the best plus the
+precision (`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
 """
 from __future__ import annotations
 
@@ -41,16 +41,16 @@ RUN_NOISE = 0.01
 """The run-to-run noise assumed before any config has run twice, and its floor: relative standard
 deviation (1%). One run's interval sees only the jitter of its own steps; a whole run can be faster
 or slower (placement, the machine's other load, clocks). Comparing two runs, each carries a run term
-of about ``2 * sigma`` at 95% (:func:`comparison_noise`). Once configs are re-measured, the tuner
-uses :func:`run_noise`'s estimate from their runs instead, never below this."""
+of about ``2 * sigma`` at 95% (`comparison_noise`). Once configs are re-measured, the tuner
+uses `run_noise`'s estimate from their runs instead, never below this."""
 
 RUN_NOISE_PRIOR_RUNS = 2
-"""The weight of :data:`RUN_NOISE` in :func:`run_noise`'s estimate, in degrees of freedom (as many
+"""The weight of `RUN_NOISE` in `run_noise`'s estimate, in degrees of freedom (as many
 as three runs of one config would give)."""
 
 
 class NoisyMetric(Protocol):
-    """What :func:`within_noise` reads of a measured metric (a strategy's measured point)."""
+    """What `within_noise` reads of a measured metric (a strategy's measured point)."""
 
     rel_half_width: float | None  # of one run's 95% interval (None: unknown, or pooled)
     runs: int  # how many runs the metric pools
@@ -63,14 +63,14 @@ def comparison_noise(rel_half_widths: Sequence[float | None], runs: Sequence[int
     ``sqrt(sum over metrics of (hw ** 2 + (2 * run_noise) ** 2 / runs))``, with ``hw`` each one's
     interval half-width (None, unknown or pooled: ``floor``) and ``runs`` how many runs each pools
     (default 1). Independent errors add in quadrature; the run term is the run-to-run noise
-    ``run_noise`` (a relative standard deviation: :data:`RUN_NOISE`, or :func:`run_noise`'s estimate),
+    ``run_noise`` (a relative standard deviation: `RUN_NOISE`, or `run_noise`'s estimate),
     which shrinks as runs are pooled."""
     runs = list(runs) or [1] * len(rel_half_widths)
     return math.sqrt(sum((hw or floor) ** 2 + (2 * run_noise) ** 2 / max(1, n) for hw, n in zip(rel_half_widths, runs)))
 
 
 def pair_noise(a: NoisyMetric, b: NoisyMetric, floor: float, with_runs: bool = True) -> float:
-    """The :func:`comparison_noise` of two measured metrics (relative, at 95%): each one's interval, an unknown or
+    """The `comparison_noise` of two measured metrics (relative, at 95%): each one's interval, an unknown or
     pooled one counting as ``floor``, plus, ``with_runs``, the run-to-run noise (the larger of the two's
     ``run_noise``), less for pooled metrics."""
     return comparison_noise([a.rel_half_width, b.rel_half_width], [a.runs, b.runs], floor=floor,
@@ -79,17 +79,17 @@ def pair_noise(a: NoisyMetric, b: NoisyMetric, floor: float, with_runs: bool = T
 
 def within_noise(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float) -> bool:
     """Whether a relative difference ``gain`` between two measured metrics could be noise: smaller in
-    size than their :func:`pair_noise`."""
+    size than their `pair_noise`."""
     return abs(gain) < pair_noise(a, b, floor)
 
 
 def replica_decides(gain: float, a: NoisyMetric, b: NoisyMetric, floor: float, precision: float | None) -> bool:
     """Whether another run can decide between two measured metrics whose relative difference is ``gain``, and it
-    matters: no tie (:func:`tie`); their own runs' intervals alone (an unknown or pooled one counting as ``floor``)
+    matters: no tie (`tie`); their own runs' intervals alone (an unknown or pooled one counting as ``floor``)
     would tell them apart, so the run-to-run noise, which only another launch samples, is what blocks (where the
     runs' own intervals are wider than the difference, steps would decide, not a launch: the stop rule buys them
-    while a run goes on, up to what a launch costs, :mod:`zerotune.core.stopping`); and the difference's 95%
-    interval (:func:`comparison_noise`, ``|gain| +- noise``) reaches past zero by more than ``precision``, so the
+    while a run goes on, up to what a launch costs, `zerotune.core.stopping`); and the difference's 95%
+    interval (`comparison_noise`, ``|gain| +- noise``) reaches past zero by more than ``precision``, so the
     reading could be wrong by more than a tie. Where it reaches no further, the worse side is at most a tie with the
     better one: a launch cannot move the answer by more than the precision promised, and the better reading stands
     (docs/decisions.md, D307, D311)."""
@@ -108,7 +108,7 @@ def typical_half_width(rel_half_widths: Iterable[float | None]) -> float | None:
 def resolvable(gain_high: float, expected_noise: float, precision: float | None) -> bool:
     """Whether a launch can move the answer beyond the ``precision`` (None: 0): the most the candidate could truly
     beat the incumbent by, ``gain_high`` (relative), is over the precision (else it is at best a tie) and over
-    ``expected_noise``, the :func:`comparison_noise` of one run of it against the incumbent as runs of this length
+    ``expected_noise``, the `comparison_noise` of one run of it against the incumbent as runs of this length
     read. Where it is not, even the candidate at its best would read within the noise of the incumbent: its reading
     could move the answer only by chance, and the two are tied to what a run can resolve (docs/decisions.md, D322)."""
     return gain_high > max(precision or 0.0, expected_noise)
@@ -127,7 +127,7 @@ def precise(rel_half_width: float | None, precision: float) -> bool:
 
 def known_to_precision(rel_half_width: float | None, precision: float, run_noise: float) -> bool:
     """Whether one run tells its metric to the target ``precision``: its interval (``rel_half_width``) is that
-    narrow (:func:`precise`), and the run-to-run noise it cannot show (``2 * run_noise`` at 95%, ``run_noise`` a
+    narrow (`precise`), and the run-to-run noise it cannot show (``2 * run_noise`` at 95%, ``run_noise`` a
     relative sigma) is no wider."""
     return precise(rel_half_width, precision) and 2 * run_noise <= precision * (1 + 1e-9)
 
@@ -138,16 +138,16 @@ def must_beat(objective: Objective, incumbent: float, rel_half_width: float | No
     over ``runs`` runs): the incumbent's pessimistic bound with the run-to-run noise of a comparison,
     ``incumbent * (1 - n)`` where higher is better and ``incumbent * (1 + n)`` where lower is, with
     ``n = sqrt(hw ** 2 + (2 r) ** 2 / runs + (2 r) ** 2)``, ``r`` the run-to-run noise ``run_noise``
-    (a relative standard deviation: :data:`RUN_NOISE`, or the tuning's estimate, :func:`run_noise`): the
+    (a relative standard deviation: `RUN_NOISE`, or the tuning's estimate, `run_noise`): the
     incumbent's interval and run term, and the racing run's run term.
-    A run ended below it (:func:`cannot_beat`) differs from the incumbent by more than their comparison
-    noise, so :func:`within_noise` reads it as a clear loss, not a tie to re-measure."""
+    A run ended below it (`cannot_beat`) differs from the incumbent by more than their comparison
+    noise, so `within_noise` reads it as a clear loss, not a tie to re-measure."""
     n = math.sqrt((rel_half_width or 0.0) ** 2 + (2 * run_noise) ** 2 / max(1, runs) + (2 * run_noise) ** 2)
     return incumbent * (1 - n) if objective.higher_is_better else incumbent * (1 + n)
 
 
 def cannot_beat(objective: Objective, value: float, rel_half_width: float, bar: float) -> bool:
-    """Whether a run's whole interval lies on the losing side of ``bar`` (:func:`must_beat`): its optimistic
+    """Whether a run's whole interval lies on the losing side of ``bar`` (`must_beat`): its optimistic
     bound, ``value * (1 + rel_half_width)`` where higher is better (``value * (1 - rel_half_width)`` where lower
     is), does not reach the bar, so more steps would only sharpen a number that loses."""
     higher = objective.higher_is_better
@@ -164,12 +164,12 @@ def can_beat(bounds_high: float, best_value: float, precision: float) -> bool:
 
 @dataclass(frozen=True)
 class RunNoise:
-    """The run-to-run noise of this tuning's runs (:func:`run_noise`).
+    """The run-to-run noise of this tuning's runs (`run_noise`).
 
     Attributes:
         sigma: the relative standard deviation of one run's metric around its config's mean, beyond
             what the run's own interval shows (0.03 = 3%): the value the decisions use.
-        configs: how many configs ran ok more than once (0: ``sigma`` is :data:`RUN_NOISE`).
+        configs: how many configs ran ok more than once (0: ``sigma`` is `RUN_NOISE`).
         df: the estimate's degrees of freedom, the sum over those configs of their runs less one.
         measured: the estimate from the runs alone, before the prior and the floor (None: no config
             ran twice).
@@ -190,19 +190,19 @@ class RunNoise:
 
 def run_noise(experiments: Iterable[Experiment]) -> RunNoise:
     """Estimate the run-to-run noise from the configs that ran ok more than once (a first run and its
-    replicas, :attr:`~zerotune.core.experiment.Experiment.replica_of`; the profile run is left out).
+    replicas, `zerotune.core.experiment.Experiment.replica_of`; the profile run is left out).
 
     On the log of the metric (relative deviations), per config with ``k >= 2`` runs: the squared
     deviations from the config's mean, summed over configs, less the part the runs' own intervals
     explain (each run's mean has a variance of about ``(hw / 2) ** 2``; a deviation from a mean of
     ``k`` carries ``(k - 1) / k`` of it); over the degrees of freedom ``df = sum(k - 1)`` that is the
     between-run variance ``v`` (at least 0): the one-way random-effects ANOVA estimate (method of
-    moments). It is pooled with the assumed :data:`RUN_NOISE` as a prior worth
-    :data:`RUN_NOISE_PRIOR_RUNS` degrees of freedom, ``sigma ** 2 = (p * RUN_NOISE ** 2 + df * v) /
-    (p + df)``, so one pair of runs does not swing it, and never below :data:`RUN_NOISE`.
+    moments). It is pooled with the assumed `RUN_NOISE` as a prior worth
+    `RUN_NOISE_PRIOR_RUNS` degrees of freedom, ``sigma ** 2 = (p * RUN_NOISE ** 2 + df * v) /
+    (p + df)``, so one pair of runs does not swing it, and never below `RUN_NOISE`.
 
     Returns:
-        The estimate (:class:`RunNoise`); ``sigma`` is :data:`RUN_NOISE` while no config ran twice.
+        The estimate (`RunNoise`); ``sigma`` is `RUN_NOISE` while no config ran twice.
     """
     runs: dict[str, list[Experiment]] = {}
     for e in experiments:
@@ -231,7 +231,7 @@ def mean_half_width(rel_half_widths: Sequence[float | None], sigma: float) -> fl
     """The relative half-width (95%) of the mean of ``k`` runs' metrics of one config, as an estimate
     of what a run of it gives on average: ``sqrt((mean(hw ** 2) + (2 * sigma) ** 2) / k)``, with ``hw``
     each run's own interval half-width (None counts as 0) and ``sigma`` the run-to-run noise
-    (:func:`run_noise`). What the summary reports with the answer.
+    (`run_noise`). What the summary reports with the answer.
 
     Raises:
         ValueError: no runs.

@@ -1,6 +1,6 @@
 """The objective: which metric is tuned, its direction, its unit, and where DeepSpeed writes it.
 
-Every part of zerotune that compares, reports or reads a metric takes one :class:`Objective`
+Every part of zerotune that compares, reports or reads a metric takes one `Objective`
 (the search, the tuners, the results, the progress line, the experiment directory), so the
 metric's knowledge lives here only. The names are DeepSpeed's ``autotuning.metric`` values.
 """
@@ -67,8 +67,8 @@ class Objective:
         return best
 
     def read(self, metrics: dict[str, Any] | None) -> float | None:
-        """The metric in :attr:`unit` from DeepSpeed's ``metrics.json`` content; None when it has no
-        positive finite value under :attr:`metric_key`."""
+        """The metric in `unit` from DeepSpeed's ``metrics.json`` content; None when it has no
+        positive finite value under `metric_key`."""
         if not metrics:
             return None
         value = metrics.get(self.metric_key)

@@ -1,7 +1,7 @@
 """One optimizer step of one rank as the step probe records it (one line of its stream), validated once.
 
-:mod:`zerotune.probe` parses the streams into these records (:func:`zerotune.probe.read_streams`); the metric
-(:mod:`zerotune.core.measure`), the early end (:mod:`zerotune.core.stopping`) and the backends read them.
+`zerotune.probe` parses the streams into these records (`zerotune.probe.read_streams`); the metric
+(`zerotune.core.measure`), the early end (`zerotune.core.stopping`) and the backends read them.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ __all__ = ["StepRecord"]
 @dataclass(frozen=True)
 class StepRecord:
     """One line of a probe stream: one optimizer step of one rank (the fields
-    :mod:`zerotune.probe._zerotune_probe.records` writes, same names and units), validated once
-    (:meth:`from_dict`).
+    `zerotune.probe._zerotune_probe.records` writes, same names and units), validated once
+    (`from_dict`).
 
     A field is None where the line lacks it or holds anything but a finite number that is not a bool
     (for ``step`` and ``rank``, anything but an ``int``; for ``batch_samples`` and ``seq_len``, anything but

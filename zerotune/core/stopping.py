@@ -1,19 +1,19 @@
 """Adaptive experiments: when a running experiment has told us enough, and why it ended.
 
-A backend reads the step probe's streams while an experiment runs and asks :meth:`StopRule.check`
+A backend reads the step probe's streams while an experiment runs and asks `StopRule.check`
 after each new step; when it answers, the backend stops the run with the same clean process-group
-stop as a timeout, and the experiment is OK with the probe's metric (:mod:`zerotune.core.measure`).
-The experiment records why it ended (:class:`EndReason`). The rule ends a run as soon as either:
+stop as a timeout, and the experiment is OK with the probe's metric (`zerotune.core.measure`).
+The experiment records why it ended (`EndReason`). The rule ends a run as soon as either:
 
 - **precise**: its metric is known to the target precision: the 95% interval's relative
-  half-width is at most :attr:`StopRule.precision` (2% by default,
-  :data:`~zerotune.core.noise.DEFAULT_PRECISION`), after at least :attr:`StopRule.min_steady_steps`
+  half-width is at most `StopRule.precision` (2% by default,
+  `zerotune.core.noise.DEFAULT_PRECISION`), after at least `StopRule.min_steady_steps`
   steady steps; or
 - **cannot beat**: its whole interval lies on the losing side of the bar the strategy set for it
   (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included,
-  :func:`~zerotune.core.noise.must_beat`). Its optimistic bound, the metric times ``1 + half-width``
+  `zerotune.core.noise.must_beat`). Its optimistic bound, the metric times ``1 + half-width``
   (``1 - half-width`` where lower is better), cannot beat the incumbent
-  (:func:`~zerotune.core.noise.cannot_beat`), so more steps would only sharpen a number that loses. This
+  (`zerotune.core.noise.cannot_beat`), so more steps would only sharpen a number that loses. This
   is the median-stopping and successive-halving idea of Ray Tune's and Optuna's pruners (stop a trial
   whose intermediate result cannot win), applied inside one experiment, with the interval instead of a
   quantile.
@@ -23,7 +23,7 @@ autotuning protocol), or the experiment timeout. The rule never ends a run befor
 ``min_steady_steps`` steady steps, whatever the bar: one step's interval is not an interval.
 
 **Extension.** A run that reaches ``end_profile_step`` without being precise may go on (the backend
-writes a later engine exit, :func:`extended_end_step`) while more steps cost less than a new launch
+writes a later engine exit, `extended_end_step`) while more steps cost less than a new launch
 would: the steps past the cap may take at most the run's own start-up time (launcher, rank start,
 model and engine construction: what a re-measurement would spend again before its first step), and
 only while the interval can still reach the precision within that time (it narrows as the square
@@ -31,8 +31,8 @@ root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The r
 ``step_cap`` at the cap or as soon as it is precise. Where a launch costs much more than a step, a noisy
 run gets more steps instead of a second run; where a step costs as much as a launch, it gets none
 (docs/decisions.md, D201). A script whose own loop ends during an extension ends the run there, short of the
-precision (:attr:`EndReason.SCRIPT_END`): the summary says how many more steps it needed
-(:func:`steps_to_precision`), and ``autotuning.max_steps_arg`` raises the script's steps for the runs (D323).
+precision (`EndReason.SCRIPT_END`): the summary says how many more steps it needed
+(`steps_to_precision`), and ``autotuning.max_steps_arg`` raises the script's steps for the runs (D323).
 """
 from __future__ import annotations
 
@@ -107,16 +107,16 @@ class StopRule:
         """Whether the run whose probe streams are ``streams`` (so far) can end now.
 
         Args:
-            streams: rank -> the probe's step records so far (:func:`zerotune.probe.read_streams`).
+            streams: rank -> the probe's step records so far (`zerotune.probe.read_streams`).
             bar: the run's ``must_beat`` (None: no incumbent, only the precision stop applies).
             cap_step: the probe's step at which DeepSpeed's engine would have exited
                 (``end_profile_step + 1``: the exiting step is recorded too) when the run was launched
-                with an extended exit (:func:`extended_end_step`); None: the engine's exit is the cap.
+                with an extended exit (`extended_end_step`); None: the engine's exit is the cap.
             startup_s: seconds from the launch to the start of the run's first step (the extension
                 budget, see the module docstring); None: no extension.
 
         Returns:
-            :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` (the
+            `EndReason.PRECISE`, `EndReason.CANNOT_BEAT`, `EndReason.STEP_CAP` (the
             cap reached and an extension does not pay), or None to go on.
         """
         m = measure(streams, self.objective)

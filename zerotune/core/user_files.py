@@ -2,9 +2,9 @@
 ``model_info.json``, DeepSpeed's env file.
 
 One rule for every such reader: the file is a regular file (not a directory, a FIFO, a device such as
-``/dev/zero``, a socket) of at most :data:`MAX_FILE_BYTES`, its text is UTF-8, and its JSON nests at most
-:data:`MAX_JSON_DEPTH` arrays and objects deep. Anything else, and any error reading it, is a
-:class:`~zerotune.core.errors.ConfigError` naming the file, what is wrong and what the file must be (exit
+``/dev/zero``, a socket) of at most `MAX_FILE_BYTES`, its text is UTF-8, and its JSON nests at most
+`MAX_JSON_DEPTH` arrays and objects deep. Anything else, and any error reading it, is a
+`zerotune.core.errors.ConfigError` naming the file, what is wrong and what the file must be (exit
 status 2 at the CLI): never a traceback, a ``MemoryError`` or a read that never ends (docs/decisions.md D304).
 
 Each reader passes a ``label`` (how the message names the file: its path, or the option and the path, e.g.
@@ -41,11 +41,11 @@ _TOO_DEEP = f"JSON nested deeper than the {MAX_JSON_DEPTH} levels zerotune reads
 
 
 class JSONTooDeep(ValueError):
-    """JSON that nests deeper than :data:`MAX_JSON_DEPTH` (raised by :func:`loads`)."""
+    """JSON that nests deeper than `MAX_JSON_DEPTH` (raised by `loads`)."""
 
 
 class DuplicateKey(Exception):
-    """A JSON object that names one key twice (raised by :func:`loads`): ``json`` would keep the last silently, and
+    """A JSON object that names one key twice (raised by `loads`): ``json`` would keep the last silently, and
     DeepSpeed refuses such a config (``deepspeed/runtime/config_utils.py``, ``dict_raise_error_on_duplicate_keys``)."""
 
 
@@ -72,12 +72,12 @@ def _unreadable(label: str, rule: str, error: OSError | ValueError) -> ConfigErr
 
 
 def check_file(path: str | Path, label: str, rule: str) -> None:
-    """Check, without opening it, that ``path`` is a regular file of at most :data:`MAX_FILE_BYTES`: for a
+    """Check, without opening it, that ``path`` is a regular file of at most `MAX_FILE_BYTES`: for a
     reader that reads the file itself. A path that does not exist passes (the reader names it).
 
     Raises:
         ConfigError: ``"{label}: a FIFO (named pipe), not a regular file; {rule}"`` (a directory, a device, a
-            socket), or the file is larger than :data:`MAX_FILE_BYTES`, or ``stat`` fails otherwise.
+            socket), or the file is larger than `MAX_FILE_BYTES`, or ``stat`` fails otherwise.
     """
     try:
         st = os.stat(path)
@@ -98,7 +98,7 @@ def file_in(path: str | Path, name: str, option: str) -> tuple[Path, str]:
 
 
 def _read_bytes(path: str | Path, label: str, rule: str) -> bytes:
-    """At most :data:`MAX_FILE_BYTES` of a regular file: its kind checked before it is opened (a socket cannot be),
+    """At most `MAX_FILE_BYTES` of a regular file: its kind checked before it is opened (a socket cannot be),
     and again once open, opened without blocking (a FIFO put in its place meanwhile)."""
     check_file(path, label, rule)
     try:
@@ -123,7 +123,7 @@ def read_text(path: str | Path, label: str, rule: str) -> str:
 
     Raises:
         ConfigError: naming ``label``: it cannot be opened or read (missing, a permission), it is not a regular
-            file, it is larger than :data:`MAX_FILE_BYTES`, or it is not UTF-8 (the first bad byte and its offset).
+            file, it is larger than `MAX_FILE_BYTES`, or it is not UTF-8 (the first bad byte and its offset).
     """
     data = _read_bytes(path, label, rule)
     try:
@@ -149,7 +149,7 @@ def loads(text: str) -> Any:
     """``json.loads``, nesting bounded.
 
     Raises:
-        JSONTooDeep: the JSON nests deeper than :data:`MAX_JSON_DEPTH` (or so deep that the parser recursed out).
+        JSONTooDeep: the JSON nests deeper than `MAX_JSON_DEPTH` (or so deep that the parser recursed out).
         json.JSONDecodeError: invalid JSON.
         DuplicateKey: an object names a key twice.
         ValueError: a number Python does not convert (an integer of more than 4300 digits).
@@ -167,8 +167,8 @@ def load_json(path: str | Path, label: str, rule: str) -> Any:
     """The JSON value of the file at ``path``, read by the rule of this module.
 
     Raises:
-        ConfigError: as :func:`read_text`; invalid JSON (``"{label}:{line}:{column}: invalid JSON: ..."``); a
-            number Python does not convert; nesting deeper than :data:`MAX_JSON_DEPTH`; a key named twice in one
+        ConfigError: as `read_text`; invalid JSON (``"{label}:{line}:{column}: invalid JSON: ..."``); a
+            number Python does not convert; nesting deeper than `MAX_JSON_DEPTH`; a key named twice in one
             object.
     """
     text = read_text(path, label, rule)
@@ -193,7 +193,7 @@ def load_object(path: str | Path, label: str, rule: str) -> dict[str, Any]:
     """The JSON object of the file at ``path``, read by the rule of this module.
 
     Raises:
-        ConfigError: as :func:`load_json`, or the JSON is not an object (``"{label}: a JSON array, not an
+        ConfigError: as `load_json`, or the JSON is not an object (``"{label}: a JSON array, not an
             object; {rule}"``).
     """
     value = load_json(path, label, rule)

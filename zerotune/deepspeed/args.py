@@ -22,7 +22,7 @@ found at the top level or, failing that, the first section holding it), so a scr
 tuning dimension: a list of candidates in the config, each passed to the script as its value.
 
 ``autotuning.max_steps_arg`` (zerotune's) names the script's flag for its length in steps: each experiment's
-arguments get it raised past the last step DeepSpeed's engine measures (:func:`raise_steps`), so a script whose
+arguments get it raised past the last step DeepSpeed's engine measures (`raise_steps`), so a script whose
 own loop is short does not end a run before its reading is precise; the answer's command keeps the user's value.
 """
 from __future__ import annotations
@@ -153,7 +153,7 @@ common loops), by which the summary names the one the user's command holds."""
 
 def step_flag(script_args: Sequence[str], max_steps_arg: str | None = None) -> str | None:
     """The script's flag for its length in steps: ``max_steps_arg`` (``autotuning.max_steps_arg``) where set, else the
-    first of :data:`STEP_FLAGS` the arguments hold; None when neither names one."""
+    first of `STEP_FLAGS` the arguments hold; None when neither names one."""
     if max_steps_arg:
         return max_steps_arg
     return next((f for f in STEP_FLAGS if flag_value(script_args, f) is not None), None)
@@ -191,7 +191,7 @@ def flag_value(script_args: Sequence[str], flag: str) -> str | None:
 ZEROTUNE_SET = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
                 "zero_optimization.stage", "stage", CHECKPOINTING)
 """Keys zerotune sets in experiments' configs whatever the user's config says (the batch and the stage in every
-one; :data:`~zerotune.deepspeed.keys.CHECKPOINTING` in those of the savers phase)."""
+one; `zerotune.deepspeed.keys.CHECKPOINTING` in those of the savers phase)."""
 
 
 def check_mapped_keys(mappings: Mapping[str, str], ds_config: Mapping[str, Any], source: str = "ds_config") -> None:

@@ -25,7 +25,7 @@ concrete values to name, validate and estimate each experiment, so it resolves t
 ``zero_optimization.reduce_bucket_size``        from the model's hidden size h, as the Trainer
 ``zero_optimization.stage3_prefetch_bucket_``   fills them: h*h, int(0.9*h*h) and 10*h. The profile
 ``size``, ``..stage3_param_persistence_``       run records h as the engine saw the model (the
-``threshold``                                   probe's :data:`ENGINE_RECORD`); the profile itself
+``threshold``                                   probe's `ENGINE_RECORD`); the profile itself
                                                 runs with zerotune's small buckets
 everything else (``optimizer.params.lr``,       stays ``"auto"``: the Trainer fills it in every
 ``betas``, ``scheduler.params.*``,              experiment, and the optimal config keeps it
@@ -113,7 +113,7 @@ def _flag_on(script_args: Sequence[str], flag: str, source: str) -> bool:
 
 
 def hidden_size_autos(hidden_size: int) -> dict[str, int]:
-    """The Trainer's values for :data:`MODEL_AUTO_KEYS` from the model's hidden size h
+    """The Trainer's values for `MODEL_AUTO_KEYS` from the model's hidden size h
     (``trainer_config_finalize``: h*h, int(0.9*h*h), 10*h)."""
     h = int(hidden_size)
     return dict(zip(MODEL_AUTO_KEYS, (h * h, int(0.9 * h * h), 10 * h)))
@@ -184,13 +184,13 @@ TRAINER_CHECKPOINTING_FLAG = "--gradient_checkpointing"
 
 
 def checkpointing_flag(user: dict[str, Any], script_args: Sequence[str], mappings: dict[str, str]) -> bool:
-    """Whether the job may tune activation checkpointing (:data:`~zerotune.deepspeed.keys.CHECKPOINTING`), given
+    """Whether the job may tune activation checkpointing (`zerotune.deepspeed.keys.CHECKPOINTING`), given
     the user's ds_config, the script's arguments and ``autotuning.arg_mappings``:
 
     - the user mapped ``gradient_checkpointing`` to a flag and the config does not set the key: yes, through
       that flag;
     - a Hugging Face Trainer config (it holds ``"auto"`` values) whose arguments do not set
-      :data:`TRAINER_CHECKPOINTING_FLAG` and whose config does not set the key: yes, through that flag (the
+      `TRAINER_CHECKPOINTING_FLAG` and whose config does not set the key: yes, through that flag (the
       caller adds the mapping);
     - otherwise no: the user's own choice (the flag in the arguments, the key in the config) stands.
     """

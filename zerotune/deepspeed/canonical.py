@@ -2,13 +2,13 @@
 
 Two configs are the same experiment when DeepSpeed reads them the same way:
 
-- :func:`canonical_json` is the literal canonical text of a config (sorted keys, no whitespace,
+- `canonical_json` is the literal canonical text of a config (sorted keys, no whitespace,
   ``5e8`` written ``500000000``); it keeps every key the config spells.
-- :func:`without_defaults` drops the zero_optimization settings equal to DeepSpeed's default for
-  the config's stage (:data:`~zerotune.deepspeed.keys.ZERO_DEFAULTS`).
-- :func:`config_hash` hashes the canonical text *without defaults*, so a config that spells a
+- `without_defaults` drops the zero_optimization settings equal to DeepSpeed's default for
+  the config's stage (`zerotune.deepspeed.keys.ZERO_DEFAULTS`).
+- `config_hash` hashes the canonical text *without defaults*, so a config that spells a
   default (``"reduce_bucket_size": 5e8`` at stage 1) has the same hash as one that leaves it out.
-- :func:`canonical_name` is a readable name in the style of DeepSpeed's own autotuner
+- `canonical_name` is a readable name in the style of DeepSpeed's own autotuner
   (``z1_gas1_tmbspg8``) plus an acronym and value per named knob that is not at its default.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def canonical_json(ds_config: dict[str, Any]) -> str:
 
     The literal canonical text: two configs that differ only in key order or in how a number is
     spelled (``5e8`` and ``500000000``) give the same text, but a setting spelled at its default
-    is kept (identity ignores defaults: :func:`config_hash`).
+    is kept (identity ignores defaults: `config_hash`).
     """
     return json.dumps(normalize(ds_config), sort_keys=True, separators=(",", ":"))
 
@@ -108,8 +108,8 @@ def canonical_json(ds_config: dict[str, Any]) -> str:
 def without_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
     """The config without the zero_optimization settings that equal DeepSpeed's default at its stage.
 
-    Defaults are :data:`~zerotune.deepspeed.keys.ZERO_DEFAULTS` (DeepSpeed 0.19); numbers are
-    compared after :func:`normalize` (``5e8`` equals the default 500000000) and a bool only equals
+    Defaults are `zerotune.deepspeed.keys.ZERO_DEFAULTS` (DeepSpeed 0.19); numbers are
+    compared after `normalize` (``5e8`` equals the default 500000000) and a bool only equals
     a bool default (``0`` is not ``False``). ``stage`` itself and every other section are kept.
     A config whose stage is missing counts as stage 0 (DeepSpeed's default); one whose stage is not
     0..3, or whose zero_optimization is not a dict, is returned unchanged.
@@ -134,8 +134,8 @@ def without_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_hash(ds_config: dict[str, Any]) -> str:
-    """The config's identity: SHA-256 (hex, 64 characters) of the :func:`canonical_json` of
-    :func:`without_defaults`, so spelling a DeepSpeed default does not change it. Names carry its
+    """The config's identity: SHA-256 (hex, 64 characters) of the `canonical_json` of
+    `without_defaults`, so spelling a DeepSpeed default does not change it. Names carry its
     first 8 characters."""
     return hashlib.sha256(canonical_json(without_defaults(ds_config)).encode()).hexdigest()
 
@@ -214,20 +214,20 @@ def canonical_name(ds_config: dict[str, Any], extra_keys: Iterable[str] = ()) ->
     """A readable name for a config, unique among the configs of one tuning job.
 
     The name is ``z{stage}_gas{gas}_tmbspg{mbs}`` as DeepSpeed's autotuner names its experiments
-    (``z1_gas1_tmbspg8``), then ``_{acronym}{value}`` for each key of :data:`ACRONYMS` the config
-    sets to something other than DeepSpeed's default (:func:`without_defaults`), in the order of
-    :data:`ACRONYMS`: ``z2_gas2_tmbspg8_oc1_rbs5e7``. Numbers are compact (``5e7``, ``1e6``, powers
+    (``z1_gas1_tmbspg8``), then ``_{acronym}{value}`` for each key of `ACRONYMS` the config
+    sets to something other than DeepSpeed's default (`without_defaults`), in the order of
+    `ACRONYMS`: ``z2_gas2_tmbspg8_oc1_rbs5e7``. Numbers are compact (``5e7``, ``1e6``, powers
     of two as is), booleans ``1``/``0``. A missing stage is 0 and a missing gas is 1 (DeepSpeed's
     defaults); ``train_batch_size`` is named only when mbs or gas is missing (otherwise it is
     mbs × gas × DP world size).
 
-    ``_h`` and the first 8 hex digits of :func:`config_hash` are appended when the readable part
+    ``_h`` and the first 8 hex digits of `config_hash` are appended when the readable part
     does not identify the config among the configs of its job: a named value whose text is lossy
     (a float, a string other than lowercase letters and digits, a value of the wrong kind), a
     missing mbs (``tmbspg-``) or a gas DeepSpeed derives from ``train_batch_size`` (``gas-``), or
     a key of ``extra_keys`` present in the config. Settings neither named nor in ``extra_keys``
     (the user's optimizer, fp16 section...) are taken to be the same for the whole job and do not
-    add the hash. Keys outside :data:`ACRONYMS` are never written into a name, and the name is
+    add the hash. Keys outside `ACRONYMS` are never written into a name, and the name is
     made of ``[A-Za-z0-9._-]`` only, whatever the keys and values.
 
     Args:

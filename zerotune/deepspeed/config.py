@@ -111,7 +111,7 @@ CONFIG_RULE = "a DeepSpeed config is UTF-8 JSON (non-ASCII text may be written a
 
 
 def load_ds_config(path: str | Path) -> dict[str, Any]:
-    """Read a ds_config JSON file, bounded as every file the user names (:mod:`zerotune.core.user_files`).
+    """Read a ds_config JSON file, bounded as every file the user names (`zerotune.core.user_files`).
 
     Raises:
         ConfigError: naming the file: missing or unreadable, not a regular file (a directory, a FIFO,
@@ -147,7 +147,7 @@ def config_args(script_args: Sequence[str]) -> list[tuple[int, str, str]]:
 
 
 def find_config_arg(script_args: list[str]) -> tuple[int, str]:
-    """Locate the one ds_config path in the training script's arguments (:func:`config_args`).
+    """Locate the one ds_config path in the training script's arguments (`config_args`).
 
     Returns:
         (index of the argument holding the path, the path).

@@ -9,8 +9,8 @@ A rank killed inside that window (a timeout, a hang, Ctrl-C, a reap) leaves the 
 from then on every DeepSpeed run on the machine that loads the op waits on it forever.
 
 So zerotune's experiments never use the machine's cache: each exps dir has its own
-(:func:`extensions_dir`, ``<exps_dir>/.torch_extensions``), seeded from the machine's already-built
-ops (:func:`seed`, so nothing is rebuilt), and only this tuner's experiments load from it (the
+(`extensions_dir`, ``<exps_dir>/.torch_extensions``), seeded from the machine's already-built
+ops (`seed`, so nothing is rebuilt), and only this tuner's experiments load from it (the
 results-dir lock keeps a second tuner out). Seeding copies each file (a reflink, sharing blocks
 copy-on-write, where the filesystem has one), never a hard link: a hard link is one inode, so a
 rebuild or a write in one cache would rewrite the files every other cache, the machine's included, may
@@ -20,16 +20,16 @@ A built op is reusable only by the install that built it: torch rewrites the op'
 when the include and library paths it would write now differ (a venv moved or recreated, another
 venv), and ninja then rebuilds the op, about a minute per op on a 2-core machine; so does a build dir whose
 ``.ninja_log`` is missing or another ninja's. So an op is seeded only when its ``build.ninja`` names this install's
-torch and DeepSpeed (:func:`built_here`) and its copy loads with no build (ninja's own dry run in the copy,
-:func:`would_build`). Ops
+torch and DeepSpeed (`built_here`) and its copy loads with no build (ninja's own dry run in the copy,
+`would_build`). Ops
 the experiments had to build themselves are kept in zerotune's own cache when the tuning ends
-(:func:`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
+(`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
 next time, so they are built once per install, not once per results dir; the machine's cache is
 never written.
 
 A lock in an exps dir's cache while none of its experiments runs can only be left by a killed
-process: :func:`remove_stale_locks` removes it, and a run that timed out while a lock older than the
-run was present says so by path (:func:`stale_locks`).
+process: `remove_stale_locks` removes it, and a run that timed out while a lock older than the
+run was present says so by path (`stale_locks`).
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _build_tag() -> str:
 
 
 def own_root(environ: dict[str, str] | None = None) -> Path:
-    """zerotune's own cache of ops its experiments built (:func:`publish`):
+    """zerotune's own cache of ops its experiments built (`publish`):
     ``$XDG_CACHE_HOME/zerotune/torch_extensions/<py>_<accelerator>`` (default ``~/.cache``)."""
     env = os.environ if environ is None else environ
     cache = Path(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
@@ -125,8 +125,8 @@ def _names(ninja: str, path: str) -> bool:
 def seed(target: Path, sources: Sequence[Path] | None = None,
          install: tuple[str, str | None] | None = None) -> list[str]:
     """Copy into ``target`` each op that it lacks from the first of ``sources`` (default: the
-    machine's cache, :func:`default_root`, then zerotune's own, :func:`own_root`) where that op was
-    built by this install (:func:`built_here`; ``install`` as there), with its timestamps (so torch's
+    machine's cache, `default_root`, then zerotune's own, `own_root`) where that op was
+    built by this install (`built_here`; ``install`` as there), with its timestamps (so torch's
     build check finds it up to date), never a lock; returns the ops copied. An op being built in a
     source right now (its lock younger than ``BUILD_S``) is not taken from it. An op no source has
     built here is left to the experiments, which build it in ``target``."""
@@ -173,9 +173,9 @@ def would_build(op: Path, environ: dict[str, str] | None = None) -> str:
 
 def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
             install: tuple[str, str | None] | None = None) -> list[str]:
-    """Keep in zerotune's own cache (``own``, default :func:`own_root`) each op in ``ext_dir`` that
-    this install built (:func:`built_here`; ``install`` as there), has no lock, that cache does not hold as built
-    here, and is not the machine's own library seeded (``machine``, default :func:`default_root`: the same
+    """Keep in zerotune's own cache (``own``, default `own_root`) each op in ``ext_dir`` that
+    this install built (`built_here`; ``install`` as there), has no lock, that cache does not hold as built
+    here, and is not the machine's own library seeded (``machine``, default `default_root`: the same
     ``<op>.so``, size and mtime; a machine op that loads only with a build was not seeded, so the experiments'
     build of it is kept); call only
     while no experiment may be building in ``ext_dir``. Returns the ops kept. Failures (a full disk,
@@ -216,7 +216,7 @@ def _same_library(op: Path, other: Path) -> bool:
 
 def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
     """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its last build
-    took, s: ninja's own time in the op's ``.ninja_log`` (:func:`last_build_s`), from ninja's start to the library.
+    took, s: ninja's own time in the op's ``.ninja_log`` (`last_build_s`), from ninja's start to the library.
     An op counts when its ``<op>.so`` was written since then (a seeded op keeps its source's timestamps); one without
     a ``.so`` (a build that failed or still runs) or without a log ninja wrote is not counted."""
     builds = {}
@@ -251,7 +251,7 @@ def last_build_s(log: Path, output: str) -> float | None:
 
 
 def build_note(builds: dict[str, float]) -> str | None:
-    """The summary's line on the JIT builds a tuning paid (:func:`builds_since`), e.g. ``JIT builds paid by this
+    """The summary's line on the JIT builds a tuning paid (`builds_since`), e.g. ``JIT builds paid by this
     tuning: cpu_adam 61 s, deepspeed_shm_comm 17 s (kept in zerotune's cache: the next tuning loads them)``; None
     when there were none."""
     if not builds:

@@ -2,8 +2,8 @@
 which keys hold lists, integer sizes and their bounds, and DeepSpeed's defaults.
 
 Facts only, each with its source in DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` unless
-said otherwise); the modules that check (:mod:`zerotune.deepspeed.validate`), name
-(:mod:`zerotune.deepspeed.canonical`) and generate (:mod:`zerotune.strategy.space`) configs read
+said otherwise); the modules that check (`zerotune.deepspeed.validate`), name
+(`zerotune.deepspeed.canonical`) and generate (`zerotune.strategy.space`) configs read
 them from here.
 """
 from __future__ import annotations
@@ -24,8 +24,8 @@ CHECKPOINTING = "gradient_checkpointing"
 """zerotune's own top-level key (DeepSpeed reads no such key and ignores it): whether the script recomputes
 activations (a Hugging Face ``Trainer``'s ``--gradient_checkpointing``, passed by ``autotuning.arg_mappings``).
 True: every checkpointable layer keeps only its input for the backward pass; absent or False: the script's
-own default. The memory model prices it (:mod:`zerotune.model.memory`), the savers phase tunes it
-(:mod:`zerotune.strategy.savers`)."""
+own default. The memory model prices it (`zerotune.model.memory`), the savers phase tunes it
+(`zerotune.strategy.savers`)."""
 
 # Keys whose DeepSpeed value is itself a list, where DeepSpeed reads them by hand (no config model to ask:
 # MODEL_SECTIONS): a flat list there is the setting, a list of lists is a list of candidates. Dotted paths; a
@@ -147,14 +147,14 @@ MODEL_SECTIONS: dict[str, tuple[str, str]] = {
     "hybrid_engine": ("deepspeed.runtime.config", "HybridEngineConfig"),
 }
 """Sections DeepSpeed reads through a pydantic model (``deepspeed/runtime/config.py`` builds each from
-``param_dict[section]``): whether a key there holds a list is the model field's type (:func:`model_list_fields`)."""
+``param_dict[section]``): whether a key there holds a list is the model field's type (`model_list_fields`)."""
 
 
 def is_list_valued(path: str) -> bool:
     """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
     ``optimizer.params.betas``, ``compile.passes``), so a flat list there is the setting, not a list of candidates:
-    in a section of :data:`MODEL_SECTIONS`, its config model's field type says (DeepSpeed imported for it only for a
-    key zerotune does not know as a scalar); elsewhere :data:`LIST_VALUED_KEYS`."""
+    in a section of `MODEL_SECTIONS`, its config model's field type says (DeepSpeed imported for it only for a
+    key zerotune does not know as a scalar); elsewhere `LIST_VALUED_KEYS`."""
     for rule in LIST_VALUED_KEYS:
         if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
             return True
@@ -221,7 +221,7 @@ def _models_in(annotation) -> list[type]:
 
 def candidate_lists(config: Any, path: str = "") -> list[tuple[str, list]]:
     """(dotted key, list) of each list of candidates (a tuning-space key) in a ds_config, in order: every list but
-    the settings that are lists themselves (:func:`is_list_valued`), ``autotuning`` and the keys the search owns
+    the settings that are lists themselves (`is_list_valued`), ``autotuning`` and the keys the search owns
     (``zero_optimization.stage``, mbs, gas)."""
     if isinstance(config, dict):
         return [pair for key, value in config.items() if path or key != "autotuning"

@@ -1,10 +1,10 @@
 """What every rank gets from the tuner's environment, on every node and every backend: one rule.
 
-**The rule.** The variables of the tuner's environment whose names start with :data:`PASSED_PREFIXES` (the
+**The rule.** The variables of the tuner's environment whose names start with `PASSED_PREFIXES` (the
 communication libraries' settings: ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_HCA``, ``NCCL_DEBUG``,
 ``GLOO_SOCKET_IFNAME``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``FI_PROVIDER`` ...) reach every rank of every
 experiment and of the training after tuning, on every node, as they are set where ``zerotune`` runs.
-:func:`~zerotune.deepspeed.launcher.launch_env` adds them to each launch's environment (so ``cmd.txt`` and
+`zerotune.deepspeed.launcher.launch_env` adds them to each launch's environment (so ``cmd.txt`` and
 ``cmd_optimal.txt`` show them), and each way ranks are started carries that environment to them:
 
 - one node (the local backend's direct launch, docs/decisions.md D14): the launcher's own environment, which
@@ -12,7 +12,7 @@ experiment and of the training after tuning, on every node, as they are set wher
 - several nodes through DeepSpeed's runner (a hostfile; the Ray backend's multi-node runs): the runner forwards
   only names starting with its ``EXPORT_ENVS`` (``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, and ``NCCL`` on CUDA)
   and the lines of its env file, so every other variable of the launch (``GLOO_*``, ``DS_ACCELERATOR``,
-  ``TORCH_EXTENSIONS_DIR`` ...) is written into an env file of the run (:func:`runner_env_file`), named to the
+  ``TORCH_EXTENSIONS_DIR`` ...) is written into an env file of the run (`runner_env_file`), named to the
   runner by ``DS_ENV_FILE``;
 - Ray: the actor on a node has the raylet's environment, not the tuner's: the backend puts the tuner's passed
   variables into the launch spec it ships to the actor;
@@ -48,14 +48,14 @@ _RUNNER_FORWARDS = "PYTHON"  # the runner forwards these itself, PYTHONPATH with
 
 
 def passed_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """The variables of ``environ`` whose names start with :data:`PASSED_PREFIXES`, sorted by name."""
+    """The variables of ``environ`` whose names start with `PASSED_PREFIXES`, sorted by name."""
     return {k: environ[k] for k in sorted(environ) if k.startswith(PASSED_PREFIXES)}
 
 
 def user_env_texts(environ: Mapping[str, str] = os.environ, cwd: Path | None = None) -> list[str]:
     """The text of each env file DeepSpeed's runner reads (``~/NAME`` and ``cwd/NAME``, ``NAME`` being
     ``environ``'s ``DS_ENV_FILE`` or ``.deepspeed_env``; an absolute ``NAME`` once), where it is a regular file,
-    read as every file the user names is (:mod:`zerotune.core.user_files`).
+    read as every file the user names is (`zerotune.core.user_files`).
 
     Raises:
         ConfigError: naming the env file: unreadable, larger than 4 MiB or not UTF-8.
@@ -79,13 +79,13 @@ def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, st
     ``.deepspeed_env``), which win as they do in the runner.
 
     Args:
-        env: the launch's environment additions (:func:`~zerotune.deepspeed.launcher.launch_env`).
+        env: the launch's environment additions (`zerotune.deepspeed.launcher.launch_env`).
         path: where to write the file (the experiment's directory, or the results dir for the training).
         environ: the tuner's environment.
         cwd: the working directory the runner starts in (None: this process's).
 
     Raises:
-        ConfigError: an env file that cannot be read (:func:`user_env_texts`).
+        ConfigError: an env file that cannot be read (`user_env_texts`).
     """
     lines = []
     for name, value in env.items():

@@ -1,6 +1,6 @@
-"""Checks on a DeepSpeed config before anything runs: :func:`prune` drops the zero_optimization
-settings its stage does not read, :func:`validate` refuses what DeepSpeed would refuse (or silently
-misread), with a :class:`~zerotune.core.errors.ConfigError` naming the key, the value and what was
+"""Checks on a DeepSpeed config before anything runs: `prune` drops the zero_optimization
+settings its stage does not read, `validate` refuses what DeepSpeed would refuse (or silently
+misread), with a `zerotune.core.errors.ConfigError` naming the key, the value and what was
 expected.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ OBJECT_SECTIONS = ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", 
 
 
 def check_sections(ds_config: dict[str, Any], source: str, candidates: bool = True) -> None:
-    """Each of :data:`OBJECT_SECTIONS` the config holds is an object, or where ``candidates`` a list of objects (the
+    """Each of `OBJECT_SECTIONS` the config holds is an object, or where ``candidates`` a list of objects (the
     candidates to tune between); a section that is ``null`` counts as absent.
 
     Raises:
@@ -52,8 +52,8 @@ def prune(ds_config: dict[str, Any]) -> dict[str, Any]:
 
     Stage 0 keeps only ``stage``; stages 1 and 2 lose the stage-3-only keys (``stage3_*``,
     ``offload_param``, ``sub_group_size``...
-    :data:`~zerotune.deepspeed.keys.STAGE3_ONLY_KEYS`); stage 3 loses the stage-1/2-only keys
-    (:data:`~zerotune.deepspeed.keys.STAGE12_ONLY_KEYS`). ``offload_optimizer`` stays for stages
+    `zerotune.deepspeed.keys.STAGE3_ONLY_KEYS`); stage 3 loses the stage-1/2-only keys
+    (`zerotune.deepspeed.keys.STAGE12_ONLY_KEYS`). ``offload_optimizer`` stays for stages
     1-3. Keys zerotune does not know are kept.
     """
     cfg = copy.deepcopy(ds_config)
@@ -102,7 +102,7 @@ def _is_int(value: Any) -> bool:
 
 
 def validate(ds_config: dict[str, Any], dp_world_size: int) -> None:
-    """Check a config before anything runs; raise :class:`ConfigError` naming key, value, expectation.
+    """Check a config before anything runs; raise `ConfigError` naming key, value, expectation.
 
     Checks:
         - ``zero_optimization`` is a dict and its ``stage`` is 0, 1, 2 or 3;
@@ -115,7 +115,7 @@ def validate(ds_config: dict[str, Any], dp_world_size: int) -> None:
           ``offload_param``... only stage 3; ``allgather_bucket_size``... only stages 1/2);
         - offload devices are none/cpu/nvme, nvme needs ``nvme_path``; optimizer offload needs
           an optimizer DeepSpeed can run on the CPU
-          (:data:`~zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`) unless the optimizer is the
+          (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`) unless the optimizer is the
           client's (no ``optimizer`` section: DeepSpeed then requires
           DeepSpeedCPUAdam/CPULion, which zerotune cannot see) or
           ``zero_force_ds_cpu_optimizer`` is false.

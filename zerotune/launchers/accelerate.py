@@ -8,7 +8,7 @@ fields (``zero_stage``, ``offload_optimizer_device``, ``gradient_accumulation_st
 Accelerate's own ``DeepSpeedPlugin`` with the launch's mixed precision, as the ranks would build it.
 
 Each experiment is launched as ``accelerate launch`` launches a DeepSpeed job on one node (``deepspeed_launcher``:
-torchrun's ranks, :data:`~zerotune.launchers.contract.TORCHRUN`) with the variables Accelerate's
+torchrun's ranks, `zerotune.launchers.contract.TORCHRUN`) with the variables Accelerate's
 ``prepare_deepspeed_cmd_env`` sets, computed for a launch whose ``deepspeed_config_file`` is the experiment's config
 (``ACCELERATE_DEEPSPEED_CONFIG_FILE``) and whose inline DeepSpeed fields are in that config, not beside it (Accelerate
 refuses both at once). The answer is the user's line with ``--config_file accelerate_config_optimal.yaml``: their
@@ -51,7 +51,7 @@ class AccelerateLauncher(Launcher):
         config_file: the Accelerate config the command names (or Accelerate's default one it uses); None: none.
         yaml: that file's content, for the answer's YAML.
         env: ``(name, value)`` of the variables Accelerate gives every rank, but the config file's.
-        config_path: the ds_config file the launch names (None: inline fields, :attr:`inline`).
+        config_path: the ds_config file the launch names (None: inline fields, `inline`).
         inline: the ds_config Accelerate builds from the inline fields (None: a file).
     """
 

@@ -1,16 +1,16 @@
-"""The user's launcher as zerotune reads and reproduces it: :class:`Launcher`, one subclass per launcher.
+"""The user's launcher as zerotune reads and reproduces it: `Launcher`, one subclass per launcher.
 
 A launcher object is data (a frozen dataclass, shipped to Ray nodes inside the launch spec) with four jobs:
 
-- where the DeepSpeed config is (:meth:`Launcher.load_config`: the script's arguments, the launcher's own config
-  file, the environment) and how an experiment's config reaches the ranks (:attr:`Launcher.config_in_argv`,
-  :meth:`Launcher.rank_env`);
-- how ranks are started (:attr:`Launcher.contract`, :mod:`zerotune.launchers.contract`): cold by the launcher's own
-  command (:meth:`Launcher.command`), warm by the warm server applying the same contract;
-- how many ranks and nodes its options ask for (:attr:`Launcher.ranks_per_node`, :attr:`Launcher.num_nodes`);
-- the answer in the user's own form (:meth:`Launcher.answer`): their command with the tuned config in place.
+- where the DeepSpeed config is (`Launcher.load_config`: the script's arguments, the launcher's own config
+  file, the environment) and how an experiment's config reaches the ranks (`Launcher.config_in_argv`,
+  `Launcher.rank_env`);
+- how ranks are started (`Launcher.contract`, `zerotune.launchers.contract`): cold by the launcher's own
+  command (`Launcher.command`), warm by the warm server applying the same contract;
+- how many ranks and nodes its options ask for (`Launcher.ranks_per_node`, `Launcher.num_nodes`);
+- the answer in the user's own form (`Launcher.answer`): their command with the tuned config in place.
 
-The ``deepspeed`` launcher's commands stay :mod:`zerotune.deepspeed.launcher`'s (a launch spec without a launcher
+The ``deepspeed`` launcher's commands stay `zerotune.deepspeed.launcher`'s (a launch spec without a launcher
 object is the ``deepspeed`` form).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Launcher:
         ranks_per_node: the ranks per node its options ask for (None: they do not say; ``--num_gpus`` does).
         num_nodes: the nodes its options ask for (None: they do not say).
         config_in_argv: the ds_config path is in the script's arguments (``--deepspeed``, ``--deepspeed_config``);
-            False: the launcher carries it (its config file, or :data:`LIGHTNING_CONFIG_ENV`), and :meth:`rank_env`
+            False: the launcher carries it (its config file, or `LIGHTNING_CONFIG_ENV`), and `rank_env`
             passes each experiment's.
     """
 
@@ -86,7 +86,7 @@ class Launcher:
     def rank_env(self, config_path: str | None) -> dict[str, str]:
         """What the launcher puts into every rank's environment besides the rank's identity, for an experiment whose
         config is at ``config_path`` (None: none yet, the warm server's environment): the config's path in
-        :data:`LIGHTNING_CONFIG_ENV` where the arguments do not carry it."""
+        `LIGHTNING_CONFIG_ENV` where the arguments do not carry it."""
         return {} if self.config_in_argv or config_path is None else {LIGHTNING_CONFIG_ENV: config_path}
 
     def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
@@ -118,15 +118,15 @@ class Launcher:
 
     def describe(self, script: str) -> str:
         """The launcher as the summary names it: ``torchrun (torchrun --nproc_per_node 2 train.py ...)``, each word
-        quoted as a shell line quotes it (:func:`~zerotune.deepspeed.launcher.shell_word`)."""
+        quoted as a shell line quotes it (`zerotune.deepspeed.launcher.shell_word`)."""
         return f"{self.name} ({' '.join(shell_word(w) for w in (*self.words, script))} ...)"
 
 
 def config_in_argv(script: str, script_args: Sequence[str]) -> bool:
     """Whether ``script_args`` carry the ds_config (``--deepspeed``, ``--deepspeed_config``); False where they do not
-    and :data:`LIGHTNING_CONFIG_ENV` names it.
+    and `LIGHTNING_CONFIG_ENV` names it.
 
-    The arguments carry it where :func:`~zerotune.deepspeed.config.config_args` finds a path after a flag: a
+    The arguments carry it where `zerotune.deepspeed.config.config_args` finds a path after a flag: a
     bare ``--deepspeed`` is DeepSpeed's boolean switch, not a config.
 
     Raises:

@@ -27,7 +27,7 @@ from zerotune.launchers.base import Launcher
 __all__ = ["KNOWN", "UserCommand", "read_command"]
 
 KNOWN = ("deepspeed", "torchrun", "python -m torch.distributed.run", "accelerate launch", "python SCRIPT")
-"""The launchers :func:`read_command` reads, as its messages name them."""
+"""The launchers `read_command` reads, as its messages name them."""
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _MODULES = {"torch.distributed.run": "torchrun", "deepspeed.launcher.runner": "deepspeed",
             "accelerate.commands.launch": "accelerate"}
@@ -47,7 +47,7 @@ def read_command(words: Sequence[str]) -> UserCommand:
 
     Raises:
         ConfigError: an empty command, a word that names no launcher zerotune knows (the message names it and
-            :data:`KNOWN`), or what the launcher's own reader refuses.
+            `KNOWN`), or what the launcher's own reader refuses.
     """
     words = list(words)
     if not words:

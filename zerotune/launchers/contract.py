@@ -1,17 +1,17 @@
 """What a launcher gives each rank it starts: its environment and its arguments, per launcher contract.
 
-A contract is named by a string, so that the warm server (:mod:`zerotune.run.warm.server`) and a Slurm task
-(:mod:`zerotune.run.backends.slurm_rank`) can apply it from a request or a flag, importing only this module:
+A contract is named by a string, so that the warm server (`zerotune.run.warm.server`) and a Slurm task
+(`zerotune.run.backends.slurm_rank`) can apply it from a request or a flag, importing only this module:
 
-- :data:`DEEPSPEED`: DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``RANK``, ``LOCAL_RANK``,
+- `DEEPSPEED`: DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ``LOCAL_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and the script is
   given ``--local_rank=N``.
-- :data:`TORCHRUN`: torch's elastic agent (``torch/distributed/elastic/agent/server/local_elastic_agent.py``,
+- `TORCHRUN`: torch's elastic agent (``torch/distributed/elastic/agent/server/local_elastic_agent.py``,
   ``_start_workers``): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
   ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_NAME``, ``ROLE_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
   ``TORCHELASTIC_*``; no ``--local_rank`` argument. Accelerate's DeepSpeed launch on one node is torchrun's
   (``accelerate/commands/launch.py``, ``deepspeed_launcher``) with its own variables in the environment.
-- :data:`OWN`: the script starts its own ranks (a Lightning script under plain ``python``): zerotune starts one
+- `OWN`: the script starts its own ranks (a Lightning script under plain ``python``): zerotune starts one
   process and gives it nothing of a rank's.
 
 Standard library only: the warm server's heap is every warm rank's.
@@ -29,7 +29,7 @@ WARM_RUN_ID = "zerotune"
 
 
 def rank_argv(contract: str, local_rank: int | str) -> list[str]:
-    """The arguments the launcher puts before the script's own: ``["--local_rank=N"]`` for :data:`DEEPSPEED`, none
+    """The arguments the launcher puts before the script's own: ``["--local_rank=N"]`` for `DEEPSPEED`, none
     for the others."""
     return [f"--local_rank={local_rank}"] if contract == DEEPSPEED else []
 

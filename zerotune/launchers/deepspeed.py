@@ -2,7 +2,7 @@
 
 The ``deepspeed`` form is zerotune's launcher-style form: its options (``--hostfile``, ``--include``,
 ``--exclude``, ``--num_nodes``, ``--num_gpus``) select the device slots as zerotune's own options of those names do,
-and its experiments and answer are :mod:`zerotune.deepspeed.launcher`'s.
+and its experiments and answer are `zerotune.deepspeed.launcher`'s.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class DeepSpeedLauncher(Launcher):
     """The ``deepspeed`` runner (the base class's behaviour), with the slot options its command gave.
 
     Attributes:
-        options: ``(name, value)`` of each :data:`RUNNER_OPTIONS` the command set.
+        options: ``(name, value)`` of each `RUNNER_OPTIONS` the command set.
     """
 
     options: tuple[tuple[str, object], ...] = ()

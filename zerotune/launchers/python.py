@@ -1,10 +1,10 @@
 """``python SCRIPT ARGS...``: a script that starts its own ranks (Lightning's ``DeepSpeedStrategy``), or one rank.
 
 zerotune starts one process per experiment, as the user does, and gives it nothing of a rank's
-(:data:`~zerotune.launchers.contract.OWN`): the script's own launcher forks or spawns its ranks, so the run cannot be
+(`zerotune.launchers.contract.OWN`): the script's own launcher forks or spawns its ranks, so the run cannot be
 warm. The number of ranks is the script's to choose at run time: ``--num_gpus`` tells zerotune what it will be. The
 DeepSpeed config is the one its arguments name, else the one ``PL_DEEPSPEED_CONFIG_PATH`` names
-(:data:`~zerotune.launchers.base.LIGHTNING_CONFIG_ENV`), which each experiment then sets to its own.
+(`zerotune.launchers.base.LIGHTNING_CONFIG_ENV`), which each experiment then sets to its own.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def read_python(words: Sequence[str]) -> tuple[PythonLauncher, str, list[str]]:
 
     Raises:
         ConfigError: no script, ``-m``/``-c`` (zerotune tunes a script by its path), an interpreter option it
-            does not know, or no DeepSpeed config (:func:`~zerotune.launchers.base.config_in_argv`).
+            does not know, or no DeepSpeed config (`zerotune.launchers.base.config_in_argv`).
     """
     i = 1
     while i < len(words) and words[i].startswith("-"):

@@ -1,6 +1,6 @@
 """``torchrun`` and ``python -m torch.distributed.run``, read by torch's own argument parser.
 
-Experiments start ranks as torchrun does (:data:`~zerotune.launchers.contract.TORCHRUN`): cold through torchrun itself
+Experiments start ranks as torchrun does (`zerotune.launchers.contract.TORCHRUN`): cold through torchrun itself
 on one node with a static rendezvous at a port of zerotune's, warm forked with the same variables. The answer is the
 user's own torchrun line with the tuned config in place.
 """
@@ -31,7 +31,7 @@ def read_torchrun(words: Sequence[str], launcher_words: int) -> tuple[TorchrunLa
     Raises:
         ConfigError: options torch's parser refuses, ``--nnodes`` above 1 (zerotune starts every rank on one node
             here; several nodes: ``--backend slurm``), ``--module`` or ``--no-python``, a ``--nproc_per_node``
-            torch cannot read, or no DeepSpeed config (:func:`~zerotune.launchers.base.config_in_argv`).
+            torch cannot read, or no DeepSpeed config (`zerotune.launchers.base.config_in_argv`).
     """
     import torch.distributed.run as run
     head, rest = list(words[:launcher_words]), list(words[launcher_words:])

@@ -1,4 +1,4 @@
-"""Which of a config's memory-relevant keys the memory model prices (:mod:`zerotune.model.memory`), so that a key it
+"""Which of a config's memory-relevant keys the memory model prices (`zerotune.model.memory`), so that a key it
 does not know is named, never ignored silently.
 
 The sections that decide device memory are searched: ``zero_optimization`` (its ``offload_*`` sections included),
@@ -6,7 +6,7 @@ The sections that decide device memory are searched: ``zero_optimization`` (its 
 *priced* (the model reads it), *memory-neutral* (DeepSpeed reads it for logging, checkpoints, numerics or the host's
 side of an offload, none of which the device holds), or *not in the memory model*: every other key, the new ones of
 each DeepSpeed release included (``zero_quantized_weights``, ``zero_quantized_gradients`` ...), which
-:func:`unmodelled_keys` returns. The options :mod:`zerotune.model.zero_options` prices (hpZ, ``sub_group_size``,
+`unmodelled_keys` returns. The options `zerotune.model.zero_options` prices (hpZ, ``sub_group_size``,
 ``offload_optimizer.ratio``, the 16-bit master weights and optimizer states, ``tensor_parallel.autotp_size``,
 ``sequence_parallel_size``) are priced here.
 """
@@ -23,7 +23,7 @@ PRICED_ZERO = frozenset({
     "reduce_scatter", "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_max_live_parameters",
     "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance", "stage3_param_persistence_threshold",
     "param_persistence_threshold", "zero_hpz_partition_size", "sub_group_size"})
-"""``zero_optimization`` keys :mod:`zerotune.model.memory` reads (by the key and by DeepSpeed's field name)."""
+"""``zero_optimization`` keys `zerotune.model.memory` reads (by the key and by DeepSpeed's field name)."""
 NEUTRAL_ZERO = frozenset({
     "allgather_partitions", "allgather_bucket_size", "round_robin_gradients", "use_multi_rank_bucket_allreduce", "ignore_unused_parameters",
     "legacy_stage1", "elastic_checkpoint", "load_from_fp32_weights", "stage3_gather_16bit_weights_on_model_save",
@@ -34,7 +34,7 @@ NEUTRAL_ZERO = frozenset({
     "stage3_model_persistence_threshold", "model_persistence_threshold"})
 """``zero_optimization`` keys that move no device memory (``deepspeed/runtime/zero/config.py``: logging, checkpoint
 saving, communication order, which modules ZeRO-3 hooks; ZeRO 1/2 all-gather their shards in place, so
-``allgather_bucket_size`` holds no buffer of its own, :mod:`zerotune.model.memory`)."""
+``allgather_bucket_size`` holds no buffer of its own, `zerotune.model.memory`)."""
 PRICED_OFFLOAD = frozenset({"device", "ratio"})
 NEUTRAL_OFFLOAD = frozenset({"pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline",
                              "pipeline_read", "pipeline_write", "fast_init"})
@@ -45,11 +45,11 @@ KNOWN_PRECISION = frozenset({"enabled", "bf16_master_weights_and_grads", "bf16_o
                              "consecutive_hysteresis", "min_loss_scale", "auto_cast", "immediate_grad_update",
                              "check_grad_overflow"})
 """``fp16``/``bf16`` keys: ``enabled`` and the master weights' and states' dtypes are priced
-(:mod:`zerotune.model.zero_options`), the rest is loss scaling (numbers, no tensors)."""
+(`zerotune.model.zero_options`), the rest is loss scaling (numbers, no tensors)."""
 
 
 def unmodelled_keys(ds_config: dict[str, Any]) -> list[str]:
-    """The dotted keys ``ds_config`` sets that may change device memory and :mod:`zerotune.model.memory` does not
+    """The dotted keys ``ds_config`` sets that may change device memory and `zerotune.model.memory` does not
     price, in the config's order (module docstring); a disabled ``compile`` section and zerotune's own
     ``gradient_checkpointing`` are not among them."""
     found: list[str] = []

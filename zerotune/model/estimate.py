@@ -12,9 +12,9 @@ table or JSON::
     zerotune estimate --profile autotuning_exps/profile_z3_gas1_tmbspg1 --num_gpus 4 --device-memory 24GiB
 
 A checkpointing row's config carries zerotune's ``gradient_checkpointing: true``
-(:data:`~zerotune.deepspeed.keys.CHECKPOINTING`), so its bytes are the ones the tuner's memory model gives
+(`zerotune.deepspeed.keys.CHECKPOINTING`), so its bytes are the ones the tuner's memory model gives
 that config; ``--activation-checkpointing`` keeps only those rows. The hardware options carry the launcher's names (``--num_gpus``, ``--num_nodes``) as ``tune`` uses
-them. Bad input raises :class:`~zerotune.core.errors.ConfigError` naming the argument (exit 2).
+them. Bad input raises `zerotune.core.errors.ConfigError` naming the argument (exit 2).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ OFFLOADS = (("none", {}), ("optimizer cpu", {"offload_optimizer": {"device": "cp
 ATTENTIONS = ("eager", "sdpa", "flash")
 """How a Hugging Face model runs attention (``attn_implementation``): ``eager`` stores each layer's scores and
 softmax; ``sdpa`` (CPU's and CUDA's flash kernels, CUDA's memory-efficient one) and ``flash`` store none of them
-(:mod:`zerotune.model.fake_forward` counts both on the model's own forward)."""
+(`zerotune.model.fake_forward` counts both on the model's own forward)."""
 
 
 @dataclass
@@ -73,13 +73,13 @@ class Row:
 
 @dataclass
 class Estimate:
-    """What ``zerotune estimate`` prints: the inputs and one :class:`Row` per stage, offload and checkpointing
+    """What ``zerotune estimate`` prints: the inputs and one `Row` per stage, offload and checkpointing
     choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
     only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
     model type for a key it omits). ``active_params``: the parameters a token runs through, with ``experts``
     ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense). ``unmodelled``: the
-    ``--deepspeed`` config's keys the memory model does not price (:func:`~zerotune.model.coverage.unmodelled_keys`),
-    ``approximated`` what it assumes for those it prices in part (:func:`~zerotune.model.zero_options.approximations`)."""
+    ``--deepspeed`` config's keys the memory model does not price (`zerotune.model.coverage.unmodelled_keys`),
+    ``approximated`` what it assumes for those it prices in part (`zerotune.model.zero_options.approximations`)."""
 
     model_source: str
     num_params: int
@@ -184,7 +184,7 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
 class _Model:
     """The model as given: its description for the header, parameters, activation bytes per sample
     (None: unknown), with activation checkpointing (None: unknown) and the layer sizes the memory model takes
-    as keyword arguments, and what the source assumed (:attr:`Estimate.notes`)."""
+    as keyword arguments, and what the source assumed (`Estimate.notes`)."""
 
     source: str
     num_params: int
@@ -302,7 +302,7 @@ def _model_from_hf_config(args: argparse.Namespace, prec: str) -> _Model:
 
 
 def _attention(given: str | None, config: dict[str, Any]) -> tuple[str, str]:
-    """The attention the model runs (:data:`ATTENTIONS`) and where that came from: ``--attention``, else the config's
+    """The attention the model runs (`ATTENTIONS`) and where that came from: ``--attention``, else the config's
     ``attn_implementation`` (``flash_attention_2``/``_3`` read as flash), else transformers' default, SDPA."""
     if given is not None:
         return given, "--attention"
@@ -329,7 +329,7 @@ def _hardware(args: argparse.Namespace) -> _Hardware:
 
 def _rows(model: MemoryModel, cfg: dict[str, Any], hw: _Hardware, activations: int | None,
           checkpointing: tuple[bool, ...] = (False,)) -> list[Row]:
-    """One :class:`Row` per ZeRO stage, offload choice the stage allows (:data:`OFFLOADS`) and activation
+    """One `Row` per ZeRO stage, offload choice the stage allows (`OFFLOADS`) and activation
     checkpointing choice in ``checkpointing`` (True: the config carries ``gradient_checkpointing: true``), in
     order."""
     rows = []

@@ -7,7 +7,7 @@ included). Every operator dispatches as on a CPU rank, so the attention kernel i
 keeps each layer's scores and softmax, ``sdpa`` runs CPU's flash kernel, which keeps its output and log-sum-exp
 only, as CUDA's flash and memory-efficient kernels do (so ``flash`` is counted as ``sdpa``). A saved-tensors hook
 counts each storage kept for the backward pass once, parameters and buffers never: the rule of the profile run's
-probe (:mod:`zerotune.probe._zerotune_probe.activations`), whose layer counter also gives the bytes under
+probe (`zerotune.probe._zerotune_probe.activations`), whose layer counter also gives the bytes under
 non-reentrant activation checkpointing of every decoder layer. Mixtures of experts are counted as transformers
 routes them on fake tensors: ``k`` of ``E`` experts per token. A vision-language model runs its language model (token
 ids only: the vision tower is not run).

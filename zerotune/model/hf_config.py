@@ -1,8 +1,8 @@
 """A model's size and activation memory from its Hugging Face ``config.json``, with no weights.
 
 Parameters are counted on the model transformers builds from the config on the meta device
-(:mod:`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included), and its activations
-on that model's own training forward over fake CPU tensors (:mod:`zerotune.model.fake_forward`: what autograd saves,
+(`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included), and its activations
+on that model's own training forward over fake CPU tensors (`zerotune.model.fake_forward`: what autograd saves,
 with the attention kernel asked for). For a type transformers does not know, where it cannot be imported, or where
 the forward does not run on fake tensors, both are counted in closed form from the keys below, each layout choice
 named in the notes. The closed form's activations per sample for decoder transformers follow
@@ -30,10 +30,10 @@ Read: ``hidden_size``/``n_embd``/``d_model``, ``num_hidden_layers``/``n_layer``/
 ``model_type`` (learned position embeddings for gpt2/opt/bert-like; none for rotary models).
 
 A key the config omits takes the default of transformers' config class for its ``model_type``
-(:func:`type_defaults`: ``LlamaConfig`` defaults ``hidden_act`` to ``silu`` and ``tie_word_embeddings`` to
-false), as ``from_pretrained`` would build the model, for the families named here (:data:`FAMILIES`); each
-default taken is named in :attr:`Architecture.notes`. The defaults are read from the installed
-transformers; where it cannot be imported, from :data:`FALLBACK_DEFAULTS`. A key set to ``null`` takes no
+(`type_defaults`: ``LlamaConfig`` defaults ``hidden_act`` to ``silu`` and ``tie_word_embeddings`` to
+false), as ``from_pretrained`` would build the model, for the families named here (`FAMILIES`); each
+default taken is named in `Architecture.notes`. The defaults are read from the installed
+transformers; where it cannot be imported, from `FALLBACK_DEFAULTS`. A key set to ``null`` takes no
 class default: it is derived as above, as transformers derives it.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ RMSNORM_TYPES = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemm
 NO_BIAS_TYPES = RMSNORM_TYPES | {"olmo", "stablelm"}
 LEARNED_POSITION_TYPES = {"gpt2", "opt", "bert", "roberta"}
 FAMILIES = ROTARY_TYPES | RMSNORM_TYPES | NO_BIAS_TYPES | LEARNED_POSITION_TYPES
-"""The model types whose omitted keys take transformers' defaults (:func:`type_defaults`)."""
+"""The model types whose omitted keys take transformers' defaults (`type_defaults`)."""
 
 # The keys read, each a group of the names different model types give it (the first present is taken).
 HIDDEN = ("hidden_size", "n_embd", "d_model")
@@ -103,14 +103,14 @@ class Architecture:
             (norms, biases): ZeRO-3 keeps them gathered.
         seq_len: the sequence length used for the activations.
         notes: one line per key the config omits and its model type's config class gave
-            (:func:`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'", and per
+            (`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'", and per
             value assumed where the model was not built (the closed form) or is approximated (MoE activations).
         active_params: the parameters a token runs through (all but the routed experts it skips).
-        built_by: the class transformers built on the meta device (:mod:`zerotune.model.meta_model`) that counted
+        built_by: the class transformers built on the meta device (`zerotune.model.meta_model`) that counted
             the parameters; '' where the closed form counted them.
         experts: ``(k, E)``, experts per token and routed experts per layer; ``(0, 0)`` for a dense model.
         activations_counted: the attention kernel whose forward over fake CPU tensors counted the activations
-            (:mod:`zerotune.model.fake_forward`); '' where the closed form counted them.
+            (`zerotune.model.fake_forward`); '' where the closed form counted them.
     """
 
     num_params: int
@@ -131,8 +131,8 @@ def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
     Returns:
         the class's name, ``{key: default}`` for each read key with a default that is not None (a None
         default is derived from other keys: this module's own defaults derive it the same way), and whether
-        it came from :data:`FALLBACK_DEFAULTS` (transformers not importable). ``("", {}, False)`` for a type
-        not in :data:`FAMILIES`, or one neither transformers nor the table knows.
+        it came from `FALLBACK_DEFAULTS` (transformers not importable). ``("", {}, False)`` for a type
+        not in `FAMILIES`, or one neither transformers nor the table knows.
     """
     if model_type not in FAMILIES:
         return "", {}, False
@@ -153,7 +153,7 @@ def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
 
 def _with_type_defaults(cfg: dict[str, Any], mtype: str) -> tuple[dict[str, Any], tuple[str, ...]]:
     """``cfg`` with each key group that matters for ``mtype`` and that it omits (no name of the group present)
-    filled from :func:`type_defaults`, and a note per key filled. transformers is imported only when a group
+    filled from `type_defaults`, and a note per key filled. transformers is imported only when a group
     is omitted."""
     groups = [g for g in KEY_GROUPS if (g != ACTIVATION or mtype in RMSNORM_TYPES)
               and (g != BIAS or mtype not in NO_BIAS_TYPES) and not any(k in cfg for k in g)]
@@ -185,12 +185,12 @@ def _get(cfg: dict[str, Any], names: tuple[str, ...], what: str, source: str, de
 def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_activation: int = 2,
                  attention: str = "eager", checkpointing: bool = False, source: str = "config.json",
                  persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD) -> Architecture:
-    """The :class:`Architecture` of a Hugging Face config (the dict of its ``config.json``).
+    """The `Architecture` of a Hugging Face config (the dict of its ``config.json``).
 
     Args:
         seq_len: tokens per sample (default: the config's maximum positions).
         bytes_per_activation: 2 for fp16/bf16 training, 4 for fp32.
-        attention: ``eager``, ``sdpa`` or ``flash`` (:data:`zerotune.model.fake_forward.KERNELS`; the closed form
+        attention: ``eager``, ``sdpa`` or ``flash`` (`zerotune.model.fake_forward.KERNELS`; the closed form
             leaves out the attention-score term for the last two).
         checkpointing: activation checkpointing of every layer (module docstring).
         source: the file name, for messages.
@@ -308,7 +308,7 @@ def _routed_width(cfg: dict[str, Any], built: meta_model.MetaModel, ffn: int) ->
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The JSON object of a ``config.json`` (a directory holding one is accepted), read as every file the user
-    names is (:mod:`zerotune.core.user_files`: a regular file of at most 4 MiB, UTF-8, nested at most 64 deep).
+    names is (`zerotune.core.user_files`: a regular file of at most 4 MiB, UTF-8, nested at most 64 deep).
 
     Raises:
         ConfigError: naming ``--hf-config`` and the path: missing, unreadable, not a regular file, too large,

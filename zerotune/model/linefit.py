@@ -9,9 +9,9 @@ slope by about ``TIE_BREAK / sum((x - mean x)**2)`` of the gap, well under a byt
 
 The problem is a convex quadratic program in two variables, so its minimum is the minimum of the problem with
 some set of its constraints held as equalities (the active set at the optimum, Karush-Kuhn-Tucker), and any
-feasible such candidate is no better: :func:`fit_line` solves the problem for every set of at most two
+feasible such candidate is no better: `fit_line` solves the problem for every set of at most two
 constraints held as equalities (more fix a line twice over) and keeps the best feasible solution, exactly, as
-:mod:`zerotune.model.throughput` does for its linear program (docs/decisions.md, D110). Pure arithmetic.
+`zerotune.model.throughput` does for its linear program (docs/decisions.md, D110). Pure arithmetic.
 """
 from __future__ import annotations
 

@@ -57,9 +57,9 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
   L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
   ``persistent_params`` (0 when unknown; the probe records both in the profile run,
-  :mod:`zerotune.probe._zerotune_probe.activations`, and :mod:`zerotune.model.hf_config` gives both from the
+  `zerotune.probe._zerotune_probe.activations`, and `zerotune.model.hf_config` gives both from the
   architecture).
-- **The reduction's flat copy** (every stage, :meth:`MemoryModel.reduction_copy_bytes`): the
+- **The reduction's flat copy** (every stage, `MemoryModel.reduction_copy_bytes`): the
   backward pass reduces gradients by flattening a bucket into a new tensor, which lives while the
   optimizer states do. Stage 0: buckets of at most 5e8 elements (``engine.py:151``,
   ``buffered_allreduce_fallback`` ``:3921``, ``allreduce_bucket`` flattens at ``:3795-3796``).
@@ -71,9 +71,9 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   (``comm/coalesced_collectives.py:104-122``): ``b*min(R, T)``; without it, a contiguous bucket is
   all-reduced in place (``stage3.py:1863-1880``). Where the reduction runs after the backward pass
   (stage 0, stage 1 without ``overlap_comm``, a bucket that holds all of T:
-  :meth:`MemoryModel.copy_after_backward_bytes`), autograd has freed the activations by then, so the
-  peak holds the larger of the two, not their sum (:attr:`MemoryBreakdown.apart`).
-- **Stage 3 all-gather copy** (:meth:`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
+  `MemoryModel.copy_after_backward_bytes`), autograd has freed the activations by then, so the
+  peak holds the larger of the two, not their sum (`MemoryBreakdown.apart`).
+- **Stage 3 all-gather copy** (`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
   one flat buffer (``zero/partition_parameters.py:1343``) and gives each parameter its own copy of
   its part (``:795``, ``torch.cat``); the buffer lives until the copies are made. One all-gather
   carries a module's parameters or a prefetch of at most F elements: ``b*min(G, max(L, F))``.
@@ -85,24 +85,24 @@ R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguo
   ``offload_param`` (stage 3) the parameter partition is on the host; gathered parameters stay on
   the device. nvme moves the master and optimizer states (``offload_optimizer``) or the parameter
   partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
-  modelled). Host bytes are per rank (:attr:`MemoryBreakdown.host`; a node's: :meth:`MemoryModel.host_fits`);
-  on CPU ranks the host is the rank's own process (:attr:`MemoryModel.host_on_device`).
+  modelled). Host bytes are per rank (`MemoryBreakdown.host`; a node's: `MemoryModel.host_fits`);
+  on CPU ranks the host is the rank's own process (`MemoryModel.host_on_device`).
 - **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs: what the profile run's first
-  forward saved for the backward pass (:mod:`zerotune.model.profile`), DeepSpeed's ``activation_mem_per_gpu``
-  (``engine.py:2994-3027``), or :mod:`zerotune.model.hf_config`'s count. What the backward pass allocates on top
+  forward saved for the backward pass (`zerotune.model.profile`), DeepSpeed's ``activation_mem_per_gpu``
+  (``engine.py:2994-3027``), or `zerotune.model.hf_config`'s count. What the backward pass allocates on top
   the profile counts on CUDA only (D204); elsewhere the online fit learns it from the runs' peaks.
-- **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, :data:`~zerotune.deepspeed.keys.CHECKPOINTING`,
+- **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, `zerotune.deepspeed.keys.CHECKPOINTING`,
   True: every checkpointable layer recomputed): ``checkpointed_activation_bytes_per_sample`` times mbs instead
-  (:meth:`MemoryModel.activation_bytes`): what the forward saves outside the layers, the layers' inputs, and the most
+  (`MemoryModel.activation_bytes`): what the forward saves outside the layers, the layers' inputs, and the most
   one layer saves beyond its inputs (non-reentrant ``torch.utils.checkpoint``; priced by the profile run's probe,
-  :mod:`zerotune.probe._zerotune_probe.activations`, or :mod:`zerotune.model.hf_config`). Unknown (None): a config
+  `zerotune.probe._zerotune_probe.activations`, or `zerotune.model.hf_config`). Unknown (None): a config
   with checkpointing gets the plain term, an overestimate.
-- **The profile run** exits in its first forward: :meth:`MemoryModel.profile_exit_bytes`.
+- **The profile run** exits in its first forward: `MemoryModel.profile_exit_bytes`.
 - ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator reserve; on CPU the
-  process's own data), calibrated from the profile run's peak (:meth:`MemoryModel.calibrated`) and refitted with the
-  activations from each experiment's peak, per stage and saver (:mod:`zerotune.model.online`).
+  process's own data), calibrated from the profile run's peak (`MemoryModel.calibrated`) and refitted with the
+  activations from each experiment's peak, per stage and saver (`zerotune.model.online`).
 - **Options beyond these** (16-bit master weights and optimizer states, ``offload_optimizer.ratio``, hpZ, AutoTP,
-  Ulysses): :mod:`zerotune.model.zero_options`.
+  Ulysses): `zerotune.model.zero_options`.
 
 Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
 optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
@@ -124,9 +124,9 @@ from zerotune.model.zero_options import ZeroOptions
 class MemoryBreakdown:
     """Bytes per device by kind; ``total`` is their sum less ``apart``. ``host`` is what offload puts in
     host memory per rank, in ``total`` only with ``host_on_device`` (the CPU backend, where the host is
-    the device: :attr:`MemoryModel.host_on_device`). ``apart``: bytes of two components that are never
+    the device: `MemoryModel.host_on_device`). ``apart``: bytes of two components that are never
     alive at once, so the peak holds only the larger: the activations and the reduction's flat copy
-    when the gradients are reduced after the backward pass (:meth:`MemoryModel.reduction_copy_bytes`)."""
+    when the gradients are reduced after the backward pass (`MemoryModel.reduction_copy_bytes`)."""
 
     parameters: int
     gradients: int
@@ -182,13 +182,13 @@ class MemoryModel:
         largest_layer_params: parameters of the largest module (stage 3 gathers at least that
             much to run it; 0: unknown).
         anchor: the calibration's measurement, ``(ds_config, peak bytes, mbs)`` (None: uncalibrated); the
-            online fit places the prior's point at its mbs (:mod:`zerotune.model.online`).
+            online fit places the prior's point at its mbs (`zerotune.model.online`).
         host_on_device: the devices are CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the
             host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
-            counts it), so :attr:`MemoryBreakdown.total` includes ``host``.
+            counts it), so `MemoryBreakdown.total` includes ``host``.
         checkpointed_activation_bytes_per_sample: the activation term of a config with activation
             checkpointing (``ds_config[keys.CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
-            such a config uses ``activation_bytes_per_sample`` (:meth:`activation_bytes`).
+            such a config uses ``activation_bytes_per_sample`` (`activation_bytes`).
         activation_sp: the Ulysses degree (``sequence_parallel_size``) the activation figures hold for: a rank's
             share of a sample (1: the whole sample, as ``estimate`` gives it).
     """
@@ -209,13 +209,13 @@ class MemoryModel:
 
     def checkpointed(self, ds_config: dict[str, Any]) -> bool:
         """Whether ``ds_config`` gets the checkpointed activation term: its
-        :data:`~zerotune.deepspeed.keys.CHECKPOINTING` is True and the term is known."""
+        `zerotune.deepspeed.keys.CHECKPOINTING` is True and the term is known."""
         return ds_config.get(keys.CHECKPOINTING) is True and self.checkpointed_activation_bytes_per_sample is not None
 
     def activation_bytes(self, ds_config: dict[str, Any]) -> int:
         """The activation term of ``ds_config``, bytes per sample: ``checkpointed_activation_bytes_per_sample``
-        where :meth:`checkpointed`, else ``activation_bytes_per_sample``; times ``activation_sp`` over the config's
-        ``sequence_parallel_size`` (:mod:`zerotune.model.zero_options`)."""
+        where `checkpointed`, else ``activation_bytes_per_sample``; times ``activation_sp`` over the config's
+        ``sequence_parallel_size`` (`zerotune.model.zero_options`)."""
         per_sample = (self.checkpointed_activation_bytes_per_sample if self.checkpointed(ds_config)
                       else self.activation_bytes_per_sample)
         return int(per_sample * self.activation_sp / ZeroOptions.of(ds_config).sp)
@@ -287,7 +287,7 @@ class MemoryModel:
 
     def _sizes(self, ds_config: dict[str, Any]) -> tuple[float, float, float, ZeroOptions]:
         """``(Psi, T, N, options)``: parameters and trainable parameters per model-parallel rank and the DP world
-        size, AutoTP's degree taken as model parallelism (:mod:`zerotune.model.zero_options`)."""
+        size, AutoTP's degree taken as model parallelism (`zerotune.model.zero_options`)."""
         options = ZeroOptions.of(ds_config)
         t = self.num_params if self.trainable_params is None else self.trainable_params
         mp = self.mp_size * options.tp
@@ -296,8 +296,8 @@ class MemoryModel:
     def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
         bytes: ``b*min(T, 5e8)`` at stage 0 (``engine.py:3795-3796``), ``b*min(R, T)`` at stages 1-3 with
-        R = ``reduce_bucket_size`` (see the module docstring). Part of :attr:`MemoryBreakdown.buffers`;
-        not in the profile run, which exits in its first forward (:meth:`profile_exit_bytes`)."""
+        R = ``reduce_bucket_size`` (see the module docstring). Part of `MemoryBreakdown.buffers`;
+        not in the profile run, which exits in its first forward (`profile_exit_bytes`)."""
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         stage = int(_number(zero.get("stage"), 0))
@@ -313,7 +313,7 @@ class MemoryModel:
         return int(b * min(bucket, t))
 
     def copy_after_backward_bytes(self, ds_config: dict[str, Any]) -> int:
-        """The reduction's flat copy (:meth:`reduction_copy_bytes`) when it is made after the backward
+        """The reduction's flat copy (`reduction_copy_bytes`) when it is made after the backward
         pass, else 0. ``engine.backward`` runs ``loss.backward()`` and then ``_backward_epilogue``, which
         reduces (``engine.py:3429-3431``, ``:3153-3165``); autograd has freed the saved activations by
         then. Stage 0 and stage 1 without ``overlap_comm`` reduce only there (``engine.py:3085-3095``);
@@ -335,7 +335,7 @@ class MemoryModel:
         parameter its own ``torch.cat`` copy; the buffer goes with the handle). One all-gather carries
         a module's parameters or a prefetch (at most ``stage3_prefetch_bucket_size`` elements,
         ``zero/partitioned_param_coordinator.py:452-476``): ``b*min(G, max(L, prefetch))``. 0 below
-        stage 3. Part of :attr:`MemoryBreakdown.buffers`."""
+        stage 3. Part of `MemoryBreakdown.buffers`."""
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         if int(_number(zero.get("stage"), 0)) != 3:
@@ -354,7 +354,7 @@ class MemoryModel:
         return min(psi, max(self.largest_layer_params, min(live, reuse + prefetch)) + self.persistent_params)
 
     def bytes_per_device(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
-        """Total bytes per device (see :meth:`breakdown`)."""
+        """Total bytes per device (see `breakdown`)."""
         return self.breakdown(ds_config, mbs).total
 
     def fits(self, ds_config: dict[str, Any], budget_bytes: int, mbs: int | None = None) -> bool:
@@ -363,9 +363,9 @@ class MemoryModel:
 
     def host_fits(self, ds_config: dict[str, Any], host_memory_bytes: int | None, ranks_per_node: int) -> bool:
         """True when what offload keeps in host memory for ``ranks_per_node`` ranks
-        (:attr:`MemoryBreakdown.host` each, which does not grow with mbs) is within ``host_memory_bytes``
+        (`MemoryBreakdown.host` each, which does not grow with mbs) is within ``host_memory_bytes``
         per node; True when that memory is unknown (None) or the host is the device
-        (:attr:`host_on_device`: the per-device budget counts it)."""
+        (`host_on_device`: the per-device budget counts it)."""
         if host_memory_bytes is None or self.host_on_device:
             return True
         return self.breakdown(ds_config, mbs=0).host * ranks_per_node <= host_memory_bytes
@@ -385,13 +385,13 @@ class MemoryModel:
     def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device when DeepSpeed's engine exits in its first forward
         (``autotuning.model_info.profile``): the estimate without what only the backward pass and the
-        first optimizer step allocate. The reduction's flat copy (:meth:`reduction_copy_bytes`) is left
+        first optimizer step allocate. The reduction's flat copy (`reduction_copy_bytes`) is left
         out. Stage 3 creates no optimizer state at initialization (``initialize_optimizer_states``,
         ``stage3.py:1301-1370``, gives the fp32 partitions a gradient buffer and frees it; torch's Adam
         creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
         ``4*T/N`` are left out (on the device only: offloaded ones are on the host). The first forward
         records the stage-3 trace (module docstring): ``b*min(Psi, L + persistent)`` gathered and
-        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and :meth:`gather_copy_bytes`. Below stage
+        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and `gather_copy_bytes`. Below stage
         3 (a job that does not tune stage 3 profiles at its highest stage) the gradients, the optimizer states
         and the reduction buckets are left out: the parameters and the fp32 master copy remain."""
         full = self.breakdown(ds_config, mbs)
@@ -439,8 +439,8 @@ class MemoryModel:
         peak (never negative).
 
         Used with the profile run (a config with ``autotuning.model_info.profile``: compared with
-        :meth:`profile_exit_bytes`, since that run exits in its first forward; with ``after_backward``, a peak
-        taken after the probe ran its first backward, with :meth:`profile_step_bytes`).
+        `profile_exit_bytes`, since that run exits in its first forward; with ``after_backward``, a peak
+        taken after the probe ran its first backward, with `profile_step_bytes`).
         """
         base = dataclasses.replace(self, overhead_bytes=0)
         profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))

@@ -59,7 +59,7 @@ class MetaModel:
 
 def build(cfg: dict[str, Any], persistence_threshold: int, source: str = "config.json") -> MetaModel | None:
     """The model of the config dict ``cfg`` built by transformers on the meta device; None where transformers is not
-    importable, does not know ``model_type``, or the config asks for more than :data:`MAX_LAYERS` layers. Built once
+    importable, does not know ``model_type``, or the config asks for more than `MAX_LAYERS` layers. Built once
     per config and threshold (``estimate`` asks with and without checkpointing).
 
     Raises:
@@ -109,7 +109,7 @@ def _from_config(config, *autos, **kwargs):
 
 
 def count(model, persistence_threshold: int, experts_per_token: int = 0) -> MetaModel:
-    """:class:`MetaModel` of a built ``torch.nn.Module`` (on any device)."""
+    """`MetaModel` of a built ``torch.nn.Module`` (on any device)."""
     sizes = [p.numel() for p in model.parameters()]
     routed, experts = 0, 0
     for name, module in model.named_modules():
@@ -126,7 +126,7 @@ def count(model, persistence_threshold: int, experts_per_token: int = 0) -> Meta
 
 def _top_k(config) -> int:
     """Experts per token from the config's key for it, a vision-language config's in its text config (0: none of
-    :data:`TOP_K_KEYS`)."""
+    `TOP_K_KEYS`)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in TOP_K_KEYS:
         value = getattr(text, key, getattr(config, key, None))

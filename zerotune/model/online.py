@@ -1,12 +1,12 @@
 """Online correction: the memory model fitted to every measured peak, with an explicit margin.
 
-The profile run calibrates the prior (:meth:`MemoryModel.calibrated`). Every finished experiment after it is a
+The profile run calibrates the prior (`MemoryModel.calibrated`). Every finished experiment after it is a
 reading of one **family**: a ZeRO stage with one precision and one choice of memory savers (activation
 checkpointing, offload of the optimizer or of the parameters), whatever its mbs, gas and other knobs. What the
 prior's structural terms say of a run (parameters, gradients, optimizer states, buffers, the offloaded host bytes
-on CPU ranks: :attr:`MemoryBreakdown.total` less its activations and its overhead) is taken off its peak; the rest
+on CPU ranks: `MemoryBreakdown.total` less its activations and its overhead) is taken off its peak; the rest
 is a line in mbs, ``intercept + slope * mbs`` (the per-rank overhead, and the activations per sample), fitted per
-family (:func:`zerotune.model.linefit.fit_line`):
+family (`zerotune.model.linefit.fit_line`):
 
 - **through every measured peak** of the family, slope and intercept together, by least squares, each run one
   point: the heap noise of CPU ranks (the same config measured 874 and 812 MiB: glibc keeps what it freed)
@@ -24,14 +24,14 @@ their slope (else those an OOM bounds): what the profile misses per sample (on C
 which its first forward never holds) every stage misses. A family whose readings cannot fix its slope (all at the
 profile's mbs, or bounds only) takes that slope among its equally good lines.
 
-**The margin** is explicit (:attr:`OnlineMemory.margin`): the 95th percentile of the fit's relative residuals over
+**The margin** is explicit (`OnlineMemory.margin`): the 95th percentile of the fit's relative residuals over
 every measured peak, each peak's distance from its family's line over the line (0 when negative, or with no peak).
 It is relative to the fitted part, not to the whole peak: the structural terms are arithmetic (a 2 GB reduce
 bucket is exactly 2 GB), the noise is in the heap the overhead and the activations churn. A config not measured
 is refused (never launched) when its prediction with the line raised by the margin is over the budget
-(:meth:`OnlineMemory.refusal`); the summary shows the margin, the fit and each refused config with its
+(`OnlineMemory.refusal`); the summary shows the margin, the fit and each refused config with its
 prediction. Pure functions of the prior and the readings (docs/decisions.md, D110); the strategy calls
-:meth:`OnlineMemory.observed` after each finished experiment (:class:`zerotune.strategy.evaluation.Evaluator`).
+`OnlineMemory.observed` after each finished experiment (`zerotune.strategy.evaluation.Evaluator`).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ Family = tuple[int, str, bool, str, str]
 
 def family(memory: MemoryModel, ds_config: dict[str, Any]) -> Family:
     """The family a config's peaks are fitted in (the module docstring): its stage (0-3), precision, whether it
-    gets the checkpointed activation term (:meth:`MemoryModel.checkpointed`), and its offload devices."""
+    gets the checkpointed activation term (`MemoryModel.checkpointed`), and its offload devices."""
     zero = ds_config.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
     stage = zero.get("stage", 0)
@@ -135,7 +135,7 @@ class OnlineMemory:
     # -- learning -------------------------------------------------------------------------------------
     def observed(self, exp: Experiment, budget_bytes: int) -> tuple["OnlineMemory", str | None]:
         """The model after ``exp``'s outcome (held to ``budget_bytes`` per rank) and a line for the log saying
-        what its family's fit and the margin became (None: ``exp`` teaches nothing, :meth:`Reading.of`)."""
+        what its family's fit and the margin became (None: ``exp`` teaches nothing, `Reading.of`)."""
         reading = Reading.of(exp, budget_bytes)
         if reading is None:
             return self, None
@@ -201,7 +201,7 @@ class OnlineMemory:
 
     def line(self, ds_config: dict[str, Any]) -> Line:
         """The line of ``ds_config``'s family: its fit, or without readings the prior's line turned about the
-        prior's point to :attr:`slope_ratio` times its slope."""
+        prior's point to `slope_ratio` times its slope."""
         fam = family(self.prior, ds_config)
         if fam in self._lines:
             return self._lines[fam]
@@ -229,8 +229,8 @@ class OnlineMemory:
         return round(statistics.fmean(peaks)) if peaks else None
 
     def bytes_per_device(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
-        """The predicted peak per rank, bytes: a config measured ok at its measurement (:meth:`measured_bytes`),
-        any other at its family's fit (:meth:`fitted_bytes`)."""
+        """The predicted peak per rank, bytes: a config measured ok at its measurement (`measured_bytes`),
+        any other at its family's fit (`fitted_bytes`)."""
         own = ds_config.get("train_micro_batch_size_per_gpu")
         measured = self.measured_bytes(ds_config) if mbs is None or mbs == own else None
         return measured if measured is not None else self.fitted_bytes(ds_config, mbs)
@@ -238,7 +238,7 @@ class OnlineMemory:
     @cached_property
     def residuals(self) -> list[float]:
         """Each measured peak's relative residual from its family's line, in reading order: ``(peak - fit) /
-        line``, the line being the fitted part of the fit (:meth:`fitted_bytes` less the structural terms)."""
+        line``, the line being the fitted part of the fit (`fitted_bytes` less the structural terms)."""
         out = []
         for r in self.readings:
             line = self.line(r.ds_config).at(r.mbs)
@@ -248,18 +248,18 @@ class OnlineMemory:
 
     @cached_property
     def margin(self) -> float:
-        """The safety margin, a fraction of a prediction's fitted part: the :data:`MARGIN_QUANTILE` quantile of
-        :attr:`residuals` (0 when it is negative or there is none)."""
+        """The safety margin, a fraction of a prediction's fitted part: the `MARGIN_QUANTILE` quantile of
+        `residuals` (0 when it is negative or there is none)."""
         return max(0.0, quantile(self.residuals, MARGIN_QUANTILE))
 
     def guarded_bytes(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:
-        """The fitted prediction with the margin: :meth:`fitted_bytes` plus ``margin`` times its line's value."""
+        """The fitted prediction with the margin: `fitted_bytes` plus ``margin`` times its line's value."""
         m = mbs if mbs is not None else int(ds_config.get("train_micro_batch_size_per_gpu") or 1)
         return self.fitted_bytes(ds_config, m) + round(self.margin * max(0.0, self.line(ds_config).at(m)))
 
     def refusal(self, ds_config: dict[str, Any], budget_bytes: int) -> str | None:
         """Why ``ds_config`` is not launched: never measured ok, and its prediction with the margin
-        (:meth:`guarded_bytes`) is over ``budget_bytes``; None when it may be launched."""
+        (`guarded_bytes`) is over ``budget_bytes``; None when it may be launched."""
         if self.measured_bytes(ds_config) is not None or self.guarded_bytes(ds_config) <= budget_bytes:
             return None
         with_margin = (f", {format_bytes(self.guarded_bytes(ds_config))} with the {self.margin:.1%} margin"
@@ -268,13 +268,13 @@ class OnlineMemory:
                 f"over the {format_bytes(budget_bytes)} budget")
 
     def fits(self, ds_config: dict[str, Any], budget_bytes: int) -> bool:
-        """Whether ``ds_config`` may be launched under ``budget_bytes`` (no :meth:`refusal`)."""
+        """Whether ``ds_config`` may be launched under ``budget_bytes`` (no `refusal`)."""
         return self.refusal(ds_config, budget_bytes) is None
 
     def max_mbs(self, ds_config: dict[str, Any], budget_bytes: int, cap: int = 1024) -> int:
-        """The largest mbs (at most ``cap``) whose prediction with the margin (:meth:`guarded_bytes`) is within
-        ``budget_bytes``; 0 when none is. As :meth:`MemoryModel.max_mbs`, the activations are taken to outgrow the
-        reduction's copy they share their room with (:attr:`MemoryBreakdown.apart`)."""
+        """The largest mbs (at most ``cap``) whose prediction with the margin (`guarded_bytes`) is within
+        ``budget_bytes``; 0 when none is. As `MemoryModel.max_mbs`, the activations are taken to outgrow the
+        reduction's copy they share their room with (`MemoryBreakdown.apart`)."""
         if self.guarded_bytes(ds_config, 0) > budget_bytes:
             return 0
         line, grow = self.line(ds_config), 1 + self.margin
@@ -287,7 +287,7 @@ class OnlineMemory:
         return best
 
     def host_fits(self, ds_config: dict[str, Any], host_memory_bytes: int | None, ranks_per_node: int) -> bool:
-        """:meth:`MemoryModel.host_fits` of the prior: the host bytes are structural, not fitted."""
+        """`MemoryModel.host_fits` of the prior: the host bytes are structural, not fitted."""
         return self.prior.host_fits(ds_config, host_memory_bytes, ranks_per_node)
 
     # -- telling -------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""What the profile run measured: DeepSpeed's ``model_info.json`` as a :class:`ModelInfo`.
+"""What the profile run measured: DeepSpeed's ``model_info.json`` as a `ModelInfo`.
 
 DeepSpeed's engine writes ``model_info.json`` (``num_params``, ``trainable_num_params``,
 ``activation_mem_per_gpu``) and exits in the first forward pass when the config's
 ``autotuning.model_info.profile`` is set (``engine._get_model_parameters`` and ``forward``). The
-profile run's config comes from :meth:`zerotune.strategy.configs.ConfigBuilder.profile`; the
+profile run's config comes from `zerotune.strategy.configs.ConfigBuilder.profile`; the
 experiment directory module reads the file into the experiment's ``metrics``, adding
-:data:`SAVED_ACTIVATIONS_KEY` from zerotune's probe (:func:`zerotune.probe.read_saved_activations`).
+`SAVED_ACTIVATIONS_KEY` from zerotune's probe (`zerotune.probe.read_saved_activations`).
 
 The activation term: DeepSpeed's ``activation_mem_per_gpu`` is the change of ``memory_allocated()``
 across the first forward (``runtime/engine.py:2994-3027``); on CPU that is the process's RSS
@@ -13,17 +13,17 @@ across the first forward (``runtime/engine.py:2994-3027``); on CPU that is the p
 the parameters gathered during that forward (the first iteration releases them per module,
 ``zero/partitioned_param_coordinator.py:498``, but the C heap keeps the pages) and whatever the forward
 allocates once (the profile runs at ZeRO-3 where the job tunes stage 3, else at the highest stage it
-tunes: :meth:`~zerotune.strategy.configs.ConfigBuilder.profile_stage`). The probe's figure counts only
+tunes: `zerotune.strategy.configs.ConfigBuilder.profile_stage`). The probe's figure counts only
 the storages autograd saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
 are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
 backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
-(the gradient of the logits): :meth:`ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204). On CPU
+(the gradient of the logits): `ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204). On CPU
 the probe measures the growth of a training micro step per sample from wider micro steps
 (``slope_bytes``, torch's profiler counting the CPU allocator's bytes; docs/decisions.md, D111), which the
 activation term takes where it is larger than the saved bytes.
 
 Activation checkpointing: where the profile forward ran without it and the model has checkpointable layers,
-the probe also prices it (:data:`CHECKPOINTED_ACTIVATIONS_KEY`, :func:`zerotune.probe.read_checkpointed_activations`):
+the probe also prices it (`CHECKPOINTED_ACTIVATIONS_KEY`, `zerotune.probe.read_checkpointed_activations`):
 what the same forward would hold with every such layer checkpointed, per sample.
 """
 from __future__ import annotations
@@ -48,11 +48,11 @@ class ModelInfo:
         num_params: parameters of the model over all model-parallel ranks.
         trainable_num_params: those with ``requires_grad``.
         activation_mem_per_gpu: activation bytes per device per sample: the probe's bytes saved for
-            the backward pass (:data:`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
-            activation checkpointing: :func:`zerotune.probe.read_saved_activations`) when recorded, else
+            the backward pass (`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
+            activation checkpointing: `zerotune.probe.read_saved_activations`) when recorded, else
             DeepSpeed's change in device memory across the first forward pass at the profile's mbs (on CPU in resident
             memory, see the module docstring), i.e. at mbs=1. On CUDA, where the record has the step's growth,
-            the larger of the saved bytes and that growth less its constant part (:func:`step_activations`).
+            the larger of the saved bytes and that growth less its constant part (`step_activations`).
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
             the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
             on CUDA), which wins over the backend's figure: the local backend samples the ranks' host
@@ -62,12 +62,12 @@ class ModelInfo:
         largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
         persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown, or a profile
             run below stage 3, which persists none: the job then tunes no stage that needs it).
-        peak_after_backward: whether :attr:`peak_memory_bytes` was taken after the profile's first backward
+        peak_after_backward: whether `peak_memory_bytes` was taken after the profile's first backward
             (on CPU where the probe ran it: the calibration then models that state,
-            :meth:`zerotune.model.memory.MemoryModel.profile_step_bytes`).
+            `zerotune.model.memory.MemoryModel.profile_step_bytes`).
         checkpointed_activation_mem_per_gpu: activation bytes per device per sample with activation checkpointing
-            of every checkpointable layer (:data:`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth
-            adds to :attr:`activation_mem_per_gpu` over the saved bytes (what the backward allocates on top, the
+            of every checkpointable layer (`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth
+            adds to `activation_mem_per_gpu` over the saved bytes (what the backward allocates on top, the
             gradient of the logits, is there with checkpointing too); None: not priced.
     """
 
@@ -85,19 +85,19 @@ class ModelInfo:
                      ds_config: dict[str, Any] | None = None) -> "ModelInfo":
         """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
         ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
-        :data:`SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
+        `SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
 
-        On CPU (a record with ``data_peak_bytes``): with :data:`SLOPE_KEY`, the term is the largest of the saved
-        bytes, :data:`SLOPE_KEY` and :data:`DATA_SLOPE_KEY` (``VmData``'s, which the CPU budget limits). Where
-        the probe ran the backward (:data:`STEP_GROWTH_KEY`), the profile's peak is ``data_peak_bytes`` alone:
+        On CPU (a record with ``data_peak_bytes``): with `SLOPE_KEY`, the term is the largest of the saved
+        bytes, `SLOPE_KEY` and `DATA_SLOPE_KEY` (``VmData``'s, which the CPU budget limits). Where
+        the probe ran the backward (`STEP_GROWTH_KEY`), the profile's peak is ``data_peak_bytes`` alone:
         rank 0's ``VmData`` after that backward and before the wider steps, which the backend's sampled peak also
-        holds (:attr:`peak_after_backward`). Its :data:`STEP_GROWTH_KEY` is never read as activations: at mbs 1
+        holds (`peak_after_backward`). Its `STEP_GROWTH_KEY` is never read as activations: at mbs 1
         the step holds the gradients and gathered parameters as much as activations.
 
         On CUDA, with
-        :data:`STEP_GROWTH_KEY`, the term is :func:`step_activations` of the two, the profile's ``ds_config``
+        `STEP_GROWTH_KEY`, the term is `step_activations` of the two, the profile's ``ds_config``
         giving its ZeRO stage and precision (None: an fp32 run below stage 3).
-        :data:`CHECKPOINTED_ACTIVATIONS_KEY` gives :attr:`checkpointed_activation_mem_per_gpu`.
+        `CHECKPOINTED_ACTIVATIONS_KEY` gives `checkpointed_activation_mem_per_gpu`.
 
         Raises:
             KeyError, ValueError: ``num_params`` is missing or a field is not a number.
@@ -136,7 +136,7 @@ def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds
                      trainable_params: int) -> int:
     """The activation term per sample on CUDA, bytes: ``max(saved, (step_growth - constant) / mbs)``.
 
-    ``saved_per_sample`` is the probe's :data:`SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
+    ``saved_per_sample`` is the probe's `SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
     ``step_growth_bytes`` (the allocated high-water mark over the profile's forward and ``loss.backward()``
     less what was allocated before, at micro batch size ``mbs``). ``constant`` is what that growth holds
     whatever the mbs and the term should not: at ZeRO-3, nothing (the modules ZeRO-3 gathers are released

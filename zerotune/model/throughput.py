@@ -6,10 +6,10 @@ Williams et al. 2009). So ``throughput(m) = K * m / (a + b * m)`` with ``a, b >=
 size x gas) constant within the family; this module works in ``tau(m) = m / throughput(m)``, seconds, and
 fits ``tau(m) = a + b * m`` (``K`` folds into ``a`` and ``b``).
 
-Each :class:`Reading` bounds ``tau`` at its mbs by its relative 95% half-width ``h``:
+Each `Reading` bounds ``tau`` at its mbs by its relative 95% half-width ``h``:
 ``mbs / (throughput * (1 + h)) <= tau(mbs) <= mbs / (throughput * (1 - h))``. Every ``(a, b) >= 0``
-inside all those intervals is a curve the readings cannot tell from the truth; :func:`bounds` gives the
-slowest and the fastest of them at another mbs, :func:`ceiling` the fastest any mbs could reach. Readings
+inside all those intervals is a curve the readings cannot tell from the truth; `bounds` gives the
+slowest and the fastest of them at another mbs, `ceiling` the fastest any mbs could reach. Readings
 that no such curve fits (a throughput falling with mbs beyond the noise: an allocator slowing steps near
 the memory limit, CPU caches) give ``None``: the model does not apply, and the caller must run the mbs.
 
@@ -47,7 +47,7 @@ class Reading:
     """Its measured throughput, samples/s (> 0)."""
     half_width: float
     """Relative 95% half-width of ``throughput`` (>= 0; 0.02 is +-2%), run noise and pooling folded in by
-    the caller; clamped to :data:`MAX_HALF_WIDTH`."""
+    the caller; clamped to `MAX_HALF_WIDTH`."""
 
     def __post_init__(self) -> None:
         if self.mbs < 1:
@@ -94,7 +94,7 @@ def _intersection(u: _Line, v: _Line) -> tuple[float, float] | None:
 
 
 def _feasible(point: tuple[float, float], readings: Sequence[Reading]) -> bool:
-    """Whether ``(a, b)`` is within every constraint, up to :data:`_TOLERANCE` of each bound's scale."""
+    """Whether ``(a, b)`` is within every constraint, up to `_TOLERANCE` of each bound's scale."""
     a, b = point
     scale = max(r.tau_interval()[1] for r in readings)
     if a < -_TOLERANCE * scale or b < -_TOLERANCE * scale:

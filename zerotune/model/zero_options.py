@@ -1,5 +1,5 @@
 """The DeepSpeed options beyond stage, offload and buckets that change ZeRO's bytes per device, as the memory model
-(:mod:`zerotune.model.memory`) prices them. Sources: DeepSpeed 0.19.8, paths under ``deepspeed/runtime/``.
+(`zerotune.model.memory`) prices them. Sources: DeepSpeed 0.19.8, paths under ``deepspeed/runtime/``.
 
 - **Low-precision master weights** (``bf16.bf16_master_weights_and_grads``, ``fp16.fp16_master_weights_and_grads``;
   stages 1-3, ``config.py:706-714``): the master copy and the gradient partition of the optimizer step take the 16-bit
@@ -25,10 +25,10 @@
 - **Ulysses sequence parallelism** (``sequence_parallel_size`` sp > 1): each rank holds ``1/sp`` of a sample's tokens,
   so its activations are ``1/sp`` of a sample's; ZeRO partitions over the sequence-data-parallel group, all N ranks
   (``engine.py:2164-2165``, ``:2252``). The activation figures carry the degree they were measured at
-  (:attr:`zerotune.model.memory.MemoryModel.activation_sp`) and scale by ``that / sp``.
+  (`zerotune.model.memory.MemoryModel.activation_sp`) and scale by ``that / sp``.
 
 ``zero_quantized_weights`` and ``zero_quantized_gradients`` (ZeRO++ qwZ, qgZ) need DeepSpeed's CUDA quantizer; their
-buffers are not priced (:mod:`zerotune.model.coverage` names them).
+buffers are not priced (`zerotune.model.coverage` names them).
 """
 from __future__ import annotations
 

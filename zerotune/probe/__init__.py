@@ -1,14 +1,14 @@
 """The step probe, tuner side: where it lives, and reading the streams it writes.
 
-The probe itself is :mod:`zerotune.probe.sitecustomize`, which runs in the ranks (this directory
-first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: :func:`zerotune.deepspeed.launcher.launch_env`);
+The probe itself is `zerotune.probe.sitecustomize`, which runs in the ranks (this directory
+first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: `zerotune.deepspeed.launcher.launch_env`);
 it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
-directory. :func:`read_streams` reads them back, each line parsed and validated once into a
-:class:`~zerotune.core.step_record.StepRecord`, for :mod:`zerotune.core.measure`, :mod:`zerotune.core.stopping` and
+directory. `read_streams` reads them back, each line parsed and validated once into a
+`zerotune.core.step_record.StepRecord`, for `zerotune.core.measure`, `zerotune.core.stopping` and
 the backends; in the profile run it also writes the bytes saved for the backward pass, which
-:func:`read_saved_activations` reads back, and what activation checkpointing would hold instead
-(:func:`read_checkpointed_activations`).
-Each rank that stepped writes an exit record as Python finishes; :func:`clean_exits` tells
+`read_saved_activations` reads back, and what activation checkpointing would hold instead
+(`read_checkpointed_activations`).
+Each rank that stepped writes an exit record as Python finishes; `clean_exits` tells
 from them a crash in the interpreter's teardown from a script that failed.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _rank_files(exp_dir: Path, prefix: str, suffix: str) -> dict[int, Path]:
 
 
 def read_exits(exp_dir: Path) -> dict[int, dict[str, Any]]:
-    """rank -> its exit record (:func:`~zerotune.probe.sitecustomize.exit_name`: ``steps``, ``uncaught``,
+    """rank -> its exit record (`zerotune.probe.sitecustomize.exit_name`: ``steps``, ``uncaught``,
     ``exit_status``), written as the rank's Python finished. Ranks without a valid record are absent
     (the rank never stepped, or died before its interpreter's finalization)."""
     exits = {}
@@ -106,8 +106,8 @@ def read_streams(exp_dir: Path) -> dict[int, list[StepRecord]]:
 
 
 def step_records(streams: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int, list[StepRecord]]:
-    """rank -> its records: each decoded JSON object validated once (:meth:`StepRecord.from_dict`), as
-    :func:`read_streams` gives the same lines written to files. For streams held in memory (a simulated run's)."""
+    """rank -> its records: each decoded JSON object validated once (`StepRecord.from_dict`), as
+    `read_streams` gives the same lines written to files. For streams held in memory (a simulated run's)."""
     return {rank: [StepRecord.from_dict(r) for r in records] for rank, records in streams.items()}
 
 
@@ -136,7 +136,7 @@ def clear_streams(exp_dir: Path) -> None:
 
 
 def _activations_record(exp_dir: Path) -> Any:
-    """The JSON of the probe's :data:`ACTIVATIONS_RECORD` in ``exp_dir``, read bounded as a file the user names (the
+    """The JSON of the probe's `ACTIVATIONS_RECORD` in ``exp_dir``, read bounded as a file the user names (the
     directory may be one: ``zerotune estimate --profile DIR``); None when it is missing or not such a file."""
     try:
         return user_files.load_json(Path(exp_dir) / ACTIVATIONS_RECORD, ACTIVATIONS_RECORD, "a probe record")
@@ -146,7 +146,7 @@ def _activations_record(exp_dir: Path) -> Any:
 
 def read_saved_activations(exp_dir: Path) -> int | None:
     """Bytes per sample that a training step holds for the backward pass at its peak, from the profile
-    run's first forward (the probe's :data:`ACTIVATIONS_RECORD`): ``saved_bytes``, what that forward saved,
+    run's first forward (the probe's `ACTIVATIONS_RECORD`): ``saved_bytes``, what that forward saved,
     plus ``recompute_bytes``, the most one activation-checkpointed region saves while the backward pass
     recomputes it (absent: no checkpointing), over ``micro_batch_size``. None when the probe wrote no valid
     record (not a profile run, an older probe, a run that died before its forward)."""
@@ -165,9 +165,9 @@ def read_saved_activations(exp_dir: Path) -> int | None:
 
 def read_checkpointed_activations(exp_dir: Path) -> int | None:
     """Bytes per sample that a training step would hold for the backward pass with activation checkpointing of
-    every checkpointable layer, priced in a profile run without it (the probe's :data:`ACTIVATIONS_RECORD`:
+    every checkpointable layer, priced in a profile run without it (the probe's `ACTIVATIONS_RECORD`:
     ``checkpointed_bytes`` over ``micro_batch_size``;
-    :class:`~zerotune.probe._zerotune_probe.activations._LayerCheckpointing`).
+    `zerotune.probe._zerotune_probe.activations._LayerCheckpointing`).
     None when the record has no valid figure (no checkpointable layer, layers checkpointed already, an older
     probe, not a profile run)."""
     record = _activations_record(exp_dir)
@@ -187,7 +187,7 @@ SQUARE_KEYS = ("square_seq_len", "square_saved_bytes", "micro_batch_size")
 
 def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
     """What the profile run's first forward saved of tensors that grow with the square of the sequence length
-    (the probe's :data:`ACTIVATIONS_RECORD`, :data:`SQUARE_KEYS`): ``square_seq_len``, the length of the batch
+    (the probe's `ACTIVATIONS_RECORD`, `SQUARE_KEYS`): ``square_seq_len``, the length of the batch
     counted, tokens; ``square_saved_bytes``, its saved ``[..., L, L]`` tensors (attention scores), bytes;
     ``micro_batch_size``. None without a valid record (no token ids in the batch, an older probe, not a profile
     run)."""
@@ -201,11 +201,11 @@ def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
 
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
-    """The profile run's :data:`SHAPE_KEYS` from the probe's :data:`ACTIVATIONS_RECORD`: the most
+    """The profile run's `SHAPE_KEYS` from the probe's `ACTIVATIONS_RECORD`: the most
     parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
-    :data:`DEVICE_PEAK_KEY` (on CPU :data:`DATA_PEAK_KEY`), bytes; :data:`GROWTH_KEYS`, what the
+    `DEVICE_PEAK_KEY` (on CPU `DATA_PEAK_KEY`), bytes; `GROWTH_KEYS`, what the
     allocated memory grew by at its peak over the first forward and over the whole step (forward and
-    backward) at the record's ``micro_batch_size``, bytes; on CPU :data:`SLOPE_KEYS`, what a training micro
+    backward) at the record's ``micro_batch_size``, bytes; on CPU `SLOPE_KEYS`, what a training micro
     step's allocated peak and ``VmData``'s peak grow by per sample, bytes. A key whose value is missing or not a
     non-negative integer is left out (an empty dict without a valid record)."""
     record = _activations_record(exp_dir)

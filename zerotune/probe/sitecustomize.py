@@ -1,10 +1,10 @@
 """zerotune's step probe: one JSON line per optimizer step, in every rank, with no change to the script.
 
 The local launch puts this directory first on the ranks' ``PYTHONPATH`` and sets
-``PYTHON_ZEROTUNE_PROBE_DIR`` (:func:`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
+``PYTHON_ZEROTUNE_PROBE_DIR`` (`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
 imports this file at start-up in every process of the launch (the launcher too). With
-``PYTHON_ZEROTUNE_PROBE_DIR`` it installs the probe (:func:`install`); with or without it, it then runs the
-user's own ``sitecustomize`` (:func:`_chain`).
+``PYTHON_ZEROTUNE_PROBE_DIR`` it installs the probe (`install`); with or without it, it then runs the
+user's own ``sitecustomize`` (`_chain`).
 
 This file only installs. The probe's parts are modules of the private package ``_zerotune_probe`` beside it: the
 step and exit records (``records``), the peak memory and the allocator's cap (``peak``), the import hook and the
@@ -14,7 +14,7 @@ demand (``padding``), the profile run's saved activations and checkpointing (``a
 
 Only this file, ``__init__.py`` and ``_zerotune_probe`` are in this directory, since it is on the ranks' import
 path. The ranks import this file as ``sitecustomize`` and the package as ``_zerotune_probe``; the tuner (and a
-warm rank, :mod:`zerotune.run.warm.rank`) as ``zerotune.probe.sitecustomize``. Neither imports zerotune, nor
+warm rank, `zerotune.run.warm.rank`) as ``zerotune.probe.sitecustomize``. Neither imports zerotune, nor
 anything but the standard library at start-up.
 """
 import os
@@ -34,7 +34,7 @@ else:  # sitecustomize, imported by ``site`` with this directory on sys.path
 # The name starts with PYTHON so that DeepSpeed's multi-node runner forwards it to the other nodes' ranks
 # (deepspeed/launcher/runner.py EXPORT_ENVS exports variables starting with PYTHON, MLFLOW, MV2, UCX).
 PROBE_DIR_ENV = "PYTHON_ZEROTUNE_PROBE_DIR"
-BUDGET_ENV = _peak.BUDGET_ENV  # bytes per device, on CUDA ranks (:func:`cap_allocator`)
+BUDGET_ENV = _peak.BUDGET_ENV  # bytes per device, on CUDA ranks (`cap_allocator`)
 PAD_FILE = _padding.PAD_FILE  # in the probe's dir: the length every micro batch is padded to (--verify-longest)
 STREAM_PREFIX, STREAM_SUFFIX = _records.STREAM_PREFIX, _records.STREAM_SUFFIX
 ENGINE_RECORD = _records.ENGINE_RECORD

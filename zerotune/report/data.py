@@ -1,13 +1,13 @@
 """The report's one model: the runs, the answer, the runner-up, what was not run, the cost, the projection.
 
-:class:`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
-it holds (:meth:`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments
-finish), or from a results dir on disk alone (:func:`load`, for ``zerotune report``), where the runs come from the
-experiments' verified records (``exp.json``, :func:`zerotune.run.store.load_records`) and what only the tuner knew
+`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
+it holds (`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments
+finish), or from a results dir on disk alone (`load`, for ``zerotune report``), where the runs come from the
+experiments' verified records (``exp.json``, `zerotune.run.store.load_records`) and what only the tuner knew
 (its answer, the stages and candidates not run, its notes, its state) from the ``results.json`` it last wrote
-(:mod:`zerotune.report.table_export`). Every report file renders from it alone: ``summary.txt``
-(:mod:`zerotune.report.results`), ``report.html`` (:mod:`zerotune.report.html`), ``results.csv`` and
-``results.json`` (:mod:`zerotune.report.table_export`); as Ray Tune's ``ResultGrid``, the same object live and
+(`zerotune.report.table_export`). Every report file renders from it alone: ``summary.txt``
+(`zerotune.report.results`), ``report.html`` (`zerotune.report.html`), ``results.csv`` and
+``results.json`` (`zerotune.report.table_export`); as Ray Tune's ``ResultGrid``, the same object live and
 from disk.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ RESULTS_JSON = "results.json"
 
 ORIGINS = ("launched", "cached", "not launched")
 """Where an entry of the report comes from: launched by this tuning, read back from an earlier one's records (a
-resumed tuning reuses what finished), or never launched (:class:`NotRun`: pruned, skipped or refused)."""
+resumed tuning reuses what finished), or never launched (`NotRun`: pruned, skipped or refused)."""
 
 OUTCOMES = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
-"""How a launch ended, as the report names it (:func:`outcome`), in the legend's order."""
+"""How a launch ended, as the report names it (`outcome`), in the legend's order."""
 
 STATES = ("running", "finished", "interrupted", "failed")
 """The tuning's state when the report was written: still running (or killed without a word), finished with an
@@ -46,8 +46,8 @@ answer, stopped by a signal, or ended without an answer."""
 
 
 def outcome(exp: Experiment) -> str:
-    """How ``exp``'s launch ended, one of :data:`OUTCOMES`: ``stopped early`` is an ok run zerotune ended once
-    its metric was known or could not win (:data:`~zerotune.core.stopping.EARLY_ENDS`); ``interrupted`` a run the
+    """How ``exp``'s launch ended, one of `OUTCOMES`: ``stopped early`` is an ok run zerotune ended once
+    its metric was known or could not win (`zerotune.core.stopping.EARLY_ENDS`); ``interrupted`` a run the
     tuner was stopped in (or, while the tuning runs, one still running)."""
     status = exp.status or Status.INTERRUPTED
     if status is Status.OK:
@@ -86,15 +86,15 @@ class TrainingPlan:
 
 @dataclass(frozen=True)
 class SavedTuning:
-    """The ``tuning`` section of a ``results.json`` (:func:`zerotune.report.table_export.json_text`) as :func:`load`
+    """The ``tuning`` section of a ``results.json`` (`zerotune.report.table_export.json_text`) as `load`
     reads it back: what only the tuner knew. A field the section lacks, or holds with another type than zerotune
     writes, is None (empty, for ``not_run`` and ``notes``): a damaged or foreign file is read as far as it is right,
     never fatal.
 
     Attributes:
         exps_dir: where the experiments ran.
-        context: the resume context of the tuning's runs (:func:`zerotune.run.resume.resume_context`).
-        state: one of :data:`STATES`, when it was written.
+        context: the resume context of the tuning's runs (`zerotune.run.resume.resume_context`).
+        state: one of `STATES`, when it was written.
         strategy_known: whether the tuner knew what the strategy did not run (False where the section lacks it).
         not_run: what was never launched, and why. notes: the summary's notes.
         plan: the training run the tuner projected.
@@ -155,9 +155,9 @@ class RunnerUp:
         gain: the answer's relative improvement over it (0.05: 5% better; negative where the answer rule read
             the curve's shape over a higher single reading, docs/decisions.md D101).
         noise: how far apart two such readings can be by noise alone, relative, 95%
-            (:func:`~zerotune.core.noise.comparison_noise` with this tuning's run-to-run noise).
+            (`zerotune.core.noise.comparison_noise` with this tuning's run-to-run noise).
         tie: the two read within the target precision of each other: a tie, which the tie order decided
-            without a launch (:func:`~zerotune.strategy.answer.tie_order`).
+            without a launch (`zerotune.strategy.answer.tie_order`).
     """
 
     name: str
@@ -195,21 +195,21 @@ class Projection:
 
 @dataclass
 class ReportData:
-    """The one model every report file renders: ``summary.txt`` (:mod:`zerotune.report.results`), ``report.html``
-    (:mod:`zerotune.report.html`), ``results.csv`` and ``results.json`` (:mod:`zerotune.report.table_export`).
+    """The one model every report file renders: ``summary.txt`` (`zerotune.report.results`), ``report.html``
+    (`zerotune.report.html`), ``results.csv`` and ``results.json`` (`zerotune.report.table_export`).
 
-    Its entries are the launches of this tuning and the runs read back from an earlier one (:meth:`origin`,
-    :data:`ORIGINS`), and what was never launched (``not_run``); the answer is the strategy's ledger's
-    (:attr:`zerotune.strategy.ledger.Ledger.answer`), read back by name from disk.
+    Its entries are the launches of this tuning and the runs read back from an earlier one (`origin`,
+    `ORIGINS`), and what was never launched (``not_run``); the answer is the strategy's ledger's
+    (`zerotune.strategy.ledger.Ledger.answer`), read back by name from disk.
 
     Attributes:
         experiments: the runs of this tuning (the profile run included), in launch order.
         objective: the tuned metric. budget_bytes: the per-device memory budget, bytes.
         capacity_bytes: the budget the answer rule reads capacity against (None on CPU ranks,
-            :attr:`zerotune.strategy.job.Job.capacity_bytes`).
+            `zerotune.strategy.job.Job.capacity_bytes`).
         answer: the optimal experiment (None: none ran ok yet).
         not_run: stages, savers and candidates never launched, with why. notes: the tuner's other notes.
-        state: one of :data:`STATES`. context: the runs' resume context (:func:`zerotune.run.resume.resume_context`).
+        state: one of `STATES`. context: the runs' resume context (`zerotune.run.resume.resume_context`).
         exps_dir: where the experiments' directories are. plan: the training run to project.
         strategy_known: ``not_run`` and ``notes`` are the tuner's (False: read from a results dir without the
             tuner's ``results.json``, where they are unknown).
@@ -256,7 +256,7 @@ class ReportData:
                    cached=frozenset(cached) & launched, since=since, elapsed_s=elapsed_s)
 
     def origin(self, exp: Experiment) -> str:
-        """Where ``exp`` comes from: ``launched`` by this tuning or ``cached`` (:data:`ORIGINS`)."""
+        """Where ``exp`` comes from: ``launched`` by this tuning or ``cached`` (`ORIGINS`)."""
         return "cached" if exp.name in self.cached else "launched"
 
     @property
@@ -266,18 +266,18 @@ class ReportData:
 
     @cached_property
     def pooled(self) -> dict[str, Pooled]:
-        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`),
+        """Experiment name -> its metric pooled over its ok runs (`zerotune.core.measure.pooled_metrics`),
         computed once."""
         return pooled_metrics(self.experiments)
 
     @cached_property
     def noise(self) -> RunNoise:
-        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.noise.run_noise`)."""
+        """The run-to-run noise of the configs run more than once (`zerotune.core.noise.run_noise`)."""
         return run_noise(self.experiments)
 
     @property
     def answer_half_width(self) -> float | None:
-        """The answer's 95% interval, relative, over its runs (:func:`~zerotune.core.noise.mean_half_width`)."""
+        """The answer's 95% interval, relative, over its runs (`zerotune.core.noise.mean_half_width`)."""
         if self.answer is None:
             return None
         runs = [e.metric_rel_half_width for e in self.experiments if e.status is Status.OK and e.metric is not None
@@ -285,7 +285,7 @@ class ReportData:
         return mean_half_width(runs, self.noise.sigma) if runs else None
 
     def runner_up(self) -> RunnerUp | None:
-        """The best other config by pooled metric (:class:`RunnerUp`); None without an answer or another config."""
+        """The best other config by pooled metric (`RunnerUp`); None without an answer or another config."""
         pooled, answer = self.pooled, self.answer
         if answer is None or answer.name not in pooled:
             return None
@@ -301,7 +301,7 @@ class ReportData:
                         tie=self.precision is not None and abs(gain) < self.precision)
 
     def projection(self) -> Projection | None:
-        """The full training run with the answer (:class:`Projection`); None without an answer, a run length,
+        """The full training run with the answer (`Projection`); None without an answer, a run length,
         or a metric that gives time (throughput or latency)."""
         answer, plan = self.answer, self.plan
         if answer is None or not (plan.train_samples or plan.train_steps) or self.objective.name == "flops":
@@ -343,8 +343,8 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
     else the latest record's (an exps dir may hold runs of other inputs). A record that does not verify is left
     out. The objective and budget come from that context; the answer is the one ``results.json`` names (the
     ledger's, as the tuner last wrote it) where it is among the runs and ran ok, and only without one (no
-    ``results.json``, or a damaged one) recomputed from the runs (:func:`~zerotune.strategy.answer.best_experiment`);
-    the state from the files (:func:`_state_on_disk`).
+    ``results.json``, or a damaged one) recomputed from the runs (`zerotune.strategy.answer.best_experiment`);
+    the state from the files (`_state_on_disk`).
 
     Args:
         plan: the training run to project, over the one ``results.json`` records.

@@ -1,17 +1,17 @@
 """``report.html``: the tuning as one self-contained page, its plots drawn by plotly.js (inlined: opens offline).
 
-Three plots and the text around them, all from :class:`~zerotune.report.data.ReportData`:
+Three plots and the text around them, all from `zerotune.report.data.ReportData`:
 
 - throughput (or the tuned metric) against mbs, one trace per series (ZeRO stage, memory savers, gas, knobs),
   each run a point with its 95% interval; out-of-memory and other failed runs marked at their mbs on the axis;
   the answer starred;
 - the memory model's prediction against each run's measured peak per device, GiB, with the budget;
 - a timeline of the launches (start and wall time, s, coloured and patterned by how each ended; each bar's hover
-  text adds its start-up and measuring seconds and whether it ran warm or cold, :func:`launch_text`).
+  text adds its start-up and measuring seconds and whether it ran warm or cold, `launch_text`).
 
 Every series has its own marker symbol and line dash and every bar its outcome written on it, so the page reads
-without colour. Each plot is a plain plotly figure dict (:func:`throughput_figure`, :func:`memory_figure`,
-:func:`timeline_figure`); the tests check them against plotly's schema and count the points a browser draws
+without colour. Each plot is a plain plotly figure dict (`throughput_figure`, `memory_figure`,
+`timeline_figure`); the tests check them against plotly's schema and count the points a browser draws
 (docs/decisions.md, D29).
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _tuned_runs(data: ReportData) -> list[Experiment]:
 
 
 def throughput_figure(data: ReportData) -> dict[str, Any] | None:
-    """The metric against mbs: a trace per series of ok runs (:func:`series_label`, first-seen order) with 95%
+    """The metric against mbs: a trace per series of ok runs (`series_label`, first-seen order) with 95%
     error bars, a trace per failed outcome (at its mbs, under the lowest ok reading, labelled), and the answer
     (a star at its pooled value). None when nothing but the profile ran."""
     runs = _tuned_runs(data)
@@ -129,7 +129,7 @@ def memory_figure(data: ReportData) -> dict[str, Any] | None:
 def timeline_figure(data: ReportData) -> dict[str, Any] | None:
     """The launches as bars from their start (s since the first launch) for their wall time, one trace per
     outcome (colour, fill pattern and the outcome written on each bar), first launch on top; a bar's hover text adds
-    its start-up and measuring seconds and how it started (:func:`launch_text`). None when no launch has a start
+    its start-up and measuring seconds and how it started (`launch_text`). None when no launch has a start
     time."""
     start = data.tuning_start()
     runs = [e for e in data.experiments if e.started_at is not None]
@@ -179,7 +179,7 @@ def _figure(traces: list[dict], title: str, xaxis: dict, yaxis: dict) -> dict[st
 
 
 def figures(data: ReportData) -> dict[str, dict[str, Any]]:
-    """The page's plots by element id (:data:`FIGURE_IDS`), each a plotly figure dict; a plot with nothing to show
+    """The page's plots by element id (`FIGURE_IDS`), each a plotly figure dict; a plot with nothing to show
     is left out."""
     made = {"throughput": throughput_figure(data), "memory": memory_figure(data), "timeline": timeline_figure(data)}
     return {k: _plain_text(v) for k, v in made.items() if v is not None}

@@ -1,5 +1,5 @@
 """zerotune's log on a rich console: every module logs through ``logging.getLogger(__name__)``, under the
-``zerotune`` logger; :func:`to_console` sends those lines to a console while a tuning runs.
+``zerotune`` logger; `to_console` sends those lines to a console while a tuning runs.
 
 Levels: the decisions (the memory model's verdicts, each stage's decision, re-measurements) are INFO; what a
 user should act on (a stale lock, results that cannot be written) is WARNING. ``zerotune --quiet`` shows

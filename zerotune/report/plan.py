@@ -2,7 +2,7 @@
 on each, printed as a table or JSON.
 
 The experiments come from running the real strategy against the memory-model oracle
-(:mod:`zerotune.strategy.oracle`: what the strategy would try if the memory model were right,
+(`zerotune.strategy.oracle`: what the strategy would try if the memory model were right,
 with an assumed metric since nothing is measured). Memory figures need the model's size: from an
 earlier profile run in the same results dir, else from ``autotuning.model_info``
 (``num_params``, optionally ``activation_mem_per_gpu``), else they are unknown.
@@ -25,7 +25,7 @@ class PlannedExperiment:
 
     Attributes:
         name: the experiment's name (its directory under the experiments dir).
-        phase: the :class:`~zerotune.core.experiment.ExperimentKind` value: ``profile``, ``mbs``
+        phase: the `zerotune.core.experiment.ExperimentKind` value: ``profile``, ``mbs``
             (the micro-batch search) or ``knobs`` (the knob phase).
         stage, mbs, gas: ZeRO stage, micro batch size per GPU, gradient accumulation steps.
         knobs: dotted key -> value of the settings that differ between the configs of its
@@ -34,7 +34,7 @@ class PlannedExperiment:
         fits: whether ``memory_bytes`` is within the per-device budget (None: unknown).
         ds_config: the config it would run.
         skipped: why the throughput model would not launch it (its prediction, under the oracle's assumed
-            metric: :mod:`zerotune.strategy.prediction`); None: launched, or pruned by memory (``fits``).
+            metric: `zerotune.strategy.prediction`); None: launched, or pruned by memory (``fits``).
     """
 
     name: str

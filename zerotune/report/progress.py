@@ -1,6 +1,6 @@
 """Live progress of a tuning run: experiments done / running / queued, the current best, the time.
 
-:class:`Progress` is fed by the scheduler's ``on_update(exp, event)`` callbacks. It prints one log
+`Progress` is fed by the scheduler's ``on_update(exp, event)`` callbacks. It prints one log
 line per experiment start and end (the same lines whether or not the console is a terminal, so
 logs and CI output read the same) and, on a terminal, keeps a live status line under them with
 ``rich.live.Live``::
@@ -31,7 +31,7 @@ EVENTS = ("queued", "start", "end", "cached")
 class Progress:
     """Progress display of one tuning run (thread-safe: the scheduler calls from its threads).
 
-    Use as a context manager (or ``start()``/``stop()``) around the run, and pass :meth:`update`
+    Use as a context manager (or ``start()``/``stop()``) around the run, and pass `update`
     as the scheduler's ``on_update``.
 
     Args:
@@ -143,5 +143,5 @@ class Progress:
                     f"{self.elapsed_s:.1f} s")
 
     def render(self):
-        """The live renderable: a spinner and :meth:`status_text`."""
+        """The live renderable: a spinner and `status_text`."""
         return Spinner("dots", text=Text(self.status_text()))

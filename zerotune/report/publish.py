@@ -1,9 +1,9 @@
 """Writing the report's files, and ``zerotune report RESULTS_DIR``.
 
-:func:`write_report` writes ``results.json``, ``results.csv`` and ``report.html`` into the results dir, each whole or
-not at all (:func:`~zerotune.run.store.write_text_atomic`). The tuner calls it through :class:`Refresher`, as
+`write_report` writes ``results.json``, ``results.csv`` and ``report.html`` into the results dir, each whole or
+not at all (`zerotune.run.store.write_text_atomic`). The tuner calls it through `Refresher`, as
 experiments finish and when it ends; there a failure is logged, never raised: the report must not fail or lose a
-tuning. ``zerotune report`` builds the same files from a results dir on disk (:func:`zerotune.report.data.load`),
+tuning. ``zerotune report`` builds the same files from a results dir on disk (`zerotune.report.data.load`),
 finished, running or interrupted.
 """
 from __future__ import annotations
@@ -46,12 +46,12 @@ def write_report(results_dir: Path, data: ReportData) -> list[Path]:
 
 
 class Refresher:
-    """Keeps a running tuning's report up to date (thread-safe; the scheduler's threads call :meth:`refresh`).
+    """Keeps a running tuning's report up to date (thread-safe; the scheduler's threads call `refresh`).
 
     Args:
         results_dir: where the files go.
         gather: ``gather(state) -> ReportData`` of the tuning now, ``state`` one of
-            :data:`~zerotune.report.data.STATES`.
+            `zerotune.report.data.STATES`.
         clock: seconds, monotonic (injectable for tests).
     """
 
@@ -65,7 +65,7 @@ class Refresher:
         self.failures = 0
 
     def refresh(self, state: str = "running", force: bool = False) -> bool:
-        """Rewrite the report unless one was written less than :data:`REFRESH_S` ago (``force``: always). Any
+        """Rewrite the report unless one was written less than `REFRESH_S` ago (``force``: always). Any
         failure is logged (the first as a warning) and counted, never raised. True when the files were written."""
         with self._lock:
             if not force and self._clock() - self._last < REFRESH_S:
@@ -104,7 +104,7 @@ def add_projection_options(p: argparse.ArgumentParser) -> None:
 
 
 def training_plan(args: argparse.Namespace) -> TrainingPlan:
-    """The :class:`TrainingPlan` the projection options give."""
+    """The `TrainingPlan` the projection options give."""
     return TrainingPlan(args.train_samples, args.train_steps, args.cost_per_device_hour)
 
 

@@ -1,5 +1,5 @@
 """The answer: the optimal config, the command to run it, and the summary of every tuning space, rendered from
-the report's model (:class:`~zerotune.report.data.ReportData`).
+the report's model (`zerotune.report.data.ReportData`).
 
 Files in the results dir, readable without zerotune: ``ds_config_optimal.json`` (concrete values,
 no ``autotuning`` section, loadable by DeepSpeed), ``cmd_optimal.txt`` (the ``deepspeed``
@@ -80,8 +80,8 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
 def run_length_note(experiments: Sequence[Experiment], answer: Experiment | None, precision: float | None,
                     flag: str | None, raised: bool) -> str | None:
     """The summary's line where runs ended at the script's own last step before the ``precision`` (``ended``
-    ``script_end``: the stop rule was still buying steps, :mod:`zerotune.core.stopping`): how many did, how many more
-    steady steps a run would have needed (:func:`~zerotune.core.stopping.steps_to_precision` of the answer's run
+    ``script_end``: the stop rule was still buying steps, `zerotune.core.stopping`): how many did, how many more
+    steady steps a run would have needed (`zerotune.core.stopping.steps_to_precision` of the answer's run
     where it is one of them, else the most any needed), and the script's steps ``flag`` (``raised``: zerotune raised
     it, ``autotuning.max_steps_arg``; None: no known flag in the command); None where no run ended so."""
     short = [e for e in experiments if e.status is Status.OK and e.ended == EndReason.SCRIPT_END.value
@@ -110,7 +110,7 @@ def run_length_note(experiments: Sequence[Experiment], answer: Experiment | None
 
 
 def tie_note(tie: "Tie", precision: float | None, objective: Objective | None) -> str:
-    """The summary's line for a tie (:class:`~zerotune.strategy.answer.Tie`): every tied config with its figure
+    """The summary's line for a tie (`zerotune.strategy.answer.Tie`): every tied config with its figure
     and measured peak, and what the tie order took the answer for; no run was launched to break it."""
     unit = objective.unit if objective is not None else ""
 
@@ -163,7 +163,7 @@ def device_seconds(exp: Experiment) -> float:
 
 def cost_line(experiments: Sequence[Experiment]) -> str:
     """The tuning cost in device-hours, the share spent on experiments that gave no metric, and the
-    share spent on experiments zerotune ended early (:mod:`zerotune.core.stopping`), with how many."""
+    share spent on experiments zerotune ended early (`zerotune.core.stopping`), with how many."""
     total = sum(device_seconds(e) for e in experiments)
     wasted = sum(device_seconds(e) for e in experiments if e.status != Status.OK)
     early = [e for e in experiments if e.status == Status.OK and e.ended in EARLY_ENDS]
@@ -241,7 +241,7 @@ def summarize(data: "ReportData") -> list[SpaceSummary]:
 def render_table(data: "ReportData") -> Table:
     """The summary as a rich table (also written as text to ``summary.txt``); the report's answer (the ledger's) is
     starred, shown as its tuning space's best. Its caption: the cost line, the start-up line of the launches from
-    the tuning's start (:func:`startup_line`, where any launch has a start-up time), then the report's notes."""
+    the tuning's start (`startup_line`, where any launch has a start-up time), then the report's notes."""
     objective, overall, pooled = data.objective, data.answer, data.pooled
     table = Table(title=f"zerotune: {len(data.experiments)} experiments ({data.launched} launched now), "
                         f"tuning time {data.elapsed_s or 0.0:.1f} s", title_justify="left")
@@ -264,9 +264,9 @@ def render_table(data: "ReportData") -> Table:
 
 def answer_text(data: "ReportData") -> str:
     """The summary's answer lines (the report has an answer): the optimal config, its metric over its runs with
-    the interval of what a run of it gives (:attr:`ReportData.answer_half_width
+    the interval of what a run of it gives (`ReportData.answer_half_width
     <zerotune.report.data.ReportData.answer_half_width>`: its runs' own intervals and the run-to-run noise), and the
-    run-to-run noise and where it comes from (:func:`~zerotune.core.noise.run_noise`)."""
+    run-to-run noise and where it comes from (`zerotune.core.noise.run_noise`)."""
     best, objective = data.answer, data.objective
     pooled = data.pooled[best.name]
     savers = "".join(f", {name}" for name in saver_names(best.ds_config))
@@ -339,10 +339,10 @@ def natural_width(console: Console, renderable) -> int:
 def write_results(results_dir: Path, data: "ReportData", answer_for: callable) -> Experiment | None:
     """Write ``summary.txt`` of the report ``data`` and, when it has an answer, the optimal config and command.
 
-    Each file is written whole or not at all (:func:`~zerotune.run.store.write_text_atomic`: a temp
+    Each file is written whole or not at all (`zerotune.run.store.write_text_atomic`: a temp
     file, fsync, rename), every text made before the first is written; the config first, the summary
     last. The caller keeps a stop signal from landing between them
-    (:meth:`zerotune.autotuner.Autotuner.tune`), so the three agree.
+    (`zerotune.autotuner.Autotuner.tune`), so the three agree.
 
     Args:
         answer_for: ``answer_for(config_path, ds_config) -> (command, {name: text})``, the paste-able launcher

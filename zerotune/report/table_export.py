@@ -1,14 +1,14 @@
 """The report for programs: ``results.csv`` (one row per launch) and ``results.json`` (the rows and the tuning).
 
-A row (:func:`experiment_row`, columns :data:`COLUMNS`) carries the summary's columns for one experiment (its
+A row (`experiment_row`, columns `COLUMNS`) carries the summary's columns for one experiment (its
 tuning space, how it ended, its metric) plus the memory model's prediction and the measured peak per device, the
 launch's start and wall time, its start-up seconds (launch to the first measured step, ``startup_s``) apart from
 its measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""`` not launched)
 and why a run of a warm tuning went cold (``launch_note``), its device-seconds, and its ``origin``: ``launched``
-by this tuning or ``cached``, read back from an earlier one's records (:data:`~zerotune.report.data.ORIGINS`).
+by this tuning or ``cached``, read back from an earlier one's records (`zerotune.report.data.ORIGINS`).
 Memory is in bytes, times in seconds, the metric in the objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the
 objective, the budget, where the experiments are, what was not run and why, the runner-up, the projection): what
-``zerotune report`` reads back (:func:`zerotune.report.data.load`).
+``zerotune report`` reads back (`zerotune.report.data.load`).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ COLUMNS = ("name", "space", "kind", "stage", "mbs", "gas", "knobs", "replica_of"
 
 
 def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
-    """One launch as a row of :data:`COLUMNS`: ``started_at`` in ISO 8601 UTC (``""`` unknown), ``knobs`` as
+    """One launch as a row of `COLUMNS`: ``started_at`` in ISO 8601 UTC (``""`` unknown), ``knobs`` as
     JSON, numbers as numbers and None where unknown (an empty cell in the csv: ``startup_s`` and ``measure_s``
     without the step probe, or from a record of a zerotune before them)."""
     return {
@@ -60,7 +60,7 @@ def iso_time(epoch_s: float | None) -> str:
 
 
 def csv_text(data: ReportData) -> str:
-    """``results.csv``: a header of :data:`COLUMNS`, then one row per launch in launch order."""
+    """``results.csv``: a header of `COLUMNS`, then one row per launch in launch order."""
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
     writer.writeheader()

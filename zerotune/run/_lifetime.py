@@ -1,5 +1,5 @@
-"""A tuning's lifetime on its directories, the private machinery under :class:`zerotune.autotuner.Autotuner`: stop
-signals raise :class:`Interrupted` (and wait while results are written), both directories are locked, orphans a
+"""A tuning's lifetime on its directories, the private machinery under `zerotune.autotuner.Autotuner`: stop
+signals raise `Interrupted` (and wait while results are written), both directories are locked, orphans a
 killed tuner left are reaped, ``--overwrite`` clears zerotune's experiment dirs, and the experiments' torch extension
 cache is prepared before the first launch and published after the last; and ``zerotune run``'s training, which never
 outlives zerotune.
@@ -28,7 +28,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
-    """The tuner was stopped by a signal (:data:`STOP_SIGNALS`); ``signum`` says which. A
+    """The tuner was stopped by a signal (`STOP_SIGNALS`); ``signum`` says which. A
     KeyboardInterrupt, so every path that cleans up after Ctrl-C cleans up after it too."""
 
     def __init__(self, signum: int):
@@ -38,11 +38,11 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def tuning_lifetime(results_dir: Path, exps_dir: Path, overwrite: bool) -> Iterator[None]:
-    """Within it a tuning owns its directories: stop signals raise :class:`Interrupted` (:func:`_signals_interrupt`),
-    the results and exps dirs are locked (:func:`~zerotune.run.store.tuning_locks`), experiments a killed earlier
+    """Within it a tuning owns its directories: stop signals raise `Interrupted` (`_signals_interrupt`),
+    the results and exps dirs are locked (`zerotune.run.store.tuning_locks`), experiments a killed earlier
     tuner left running on this dir are stopped before anything is deleted or cached results are trusted, with
     ``overwrite`` zerotune's experiment dirs and the summary are removed, and the extension cache is prepared
-    (:func:`prepare_extensions`).
+    (`prepare_extensions`).
 
     Raises:
         ConfigError: a directory cannot be created or is in use by another tuner.
@@ -58,7 +58,7 @@ def tuning_lifetime(results_dir: Path, exps_dir: Path, overwrite: bool) -> Itera
 
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
-    """While tuning, SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` in the main thread: the
+    """While tuning, SIGINT, SIGTERM and SIGHUP raise `Interrupted` in the main thread: the
     running experiments are killed (with every process) and recorded as interrupted, finished
     results are kept. Later signals while that cleanup runs are ignored, so it is never cut short
     (it is bounded: a process tree gets SIGTERM, then SIGKILL after 10 s). Off the main thread,
@@ -83,8 +83,8 @@ def _signals_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """While the results are written, a stop signal (:data:`STOP_SIGNALS`) waits until they are whole,
-    then is handled as it would have been (within :func:`tuning_lifetime`: :class:`Interrupted`,
+    """While the results are written, a stop signal (`STOP_SIGNALS`) waits until they are whole,
+    then is handled as it would have been (within `tuning_lifetime`: `Interrupted`,
     unless one is already in flight). So a signal leaves the old answer or the new one, never a new
     config beside an old summary. Off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
@@ -106,7 +106,7 @@ def signals_deferred() -> Iterator[None]:
 
 
 def prepare_extensions(exps_dir: Path) -> None:
-    """The experiments' own torch extension cache (:mod:`zerotune.deepspeed.extensions`): created,
+    """The experiments' own torch extension cache (`zerotune.deepspeed.extensions`): created,
     seeded from the ops this install built (the machine's cache, then zerotune's own), cleared of
     locks (nothing of this tuner runs yet and orphans are reaped); an op the machine's cache holds
     from another install, which the experiments will build, and a stale lock there are said.
@@ -137,23 +137,23 @@ def prepare_extensions(exps_dir: Path) -> None:
 
 def publish_extensions(exps_dir: Path) -> None:
     """After a tuning that ran to its end: the ops its experiments built join zerotune's own cache, so they are
-    built once per install, not per exps dir (:func:`zerotune.deepspeed.extensions.publish`)."""
+    built once per install, not per exps dir (`zerotune.deepspeed.extensions.publish`)."""
     extensions.publish(extensions.extensions_dir(exps_dir))
 
 
 def build_note(exps_dir: Path, since: float | None) -> str | None:
     """The summary's line on the torch extensions this tuning's experiments built since ``since`` (seconds since the
-    epoch; None: the tuning has not started): :func:`zerotune.deepspeed.extensions.build_note`."""
+    epoch; None: the tuning has not started): `zerotune.deepspeed.extensions.build_note`."""
     return None if since is None else extensions.build_note(
         extensions.builds_since(extensions.extensions_dir(exps_dir), since))
 
 
 def run_training(cmd: Sequence[str], env: Mapping[str, str], master_port: int) -> int:
     """Run the training command ``cmd`` (its launcher, in a session of its own) with ``env`` over the environment; its
-    exit status (negative: killed by that signal). A stop signal (:data:`STOP_SIGNALS`) is passed on to the launcher
+    exit status (negative: killed by that signal). A stop signal (`STOP_SIGNALS`) is passed on to the launcher
     as SIGTERM (DeepSpeed's launcher then stops its ranks), which gets 30 s before its process group is killed; then
-    :class:`Interrupted` is raised. The shared-memory files DeepSpeed's CPU communication leaves for
-    ``master_port`` are removed however it ends (:func:`~zerotune.run.processes.remove_shm_buffers`)."""
+    `Interrupted` is raised. The shared-memory files DeepSpeed's CPU communication leaves for
+    ``master_port`` are removed however it ends (`zerotune.run.processes.remove_shm_buffers`)."""
     with _signals_interrupt():
         proc = subprocess.Popen(list(cmd), env={**os.environ, **env}, start_new_session=True)
         try:

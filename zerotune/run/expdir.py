@@ -3,40 +3,40 @@
 Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, and who writes each:
 
 =====================  =====================================================================
-``ds_config.json``     zerotune, :func:`prepare`: the experiment's config plus the
+``ds_config.json``     zerotune, `prepare`: the experiment's config plus the
                        ``autotuning`` section that makes DeepSpeed's engine measure and exit
                        (``enabled``, ``metric_path`` and ``model_info_path`` pointing into this
                        directory, ``start_profile_step``, ``end_profile_step``, ``metric``).
 ``cmd.txt``            the backend: the launch command a person can paste (the simulated
                        backend writes a line saying that nothing was launched).
 ``stdout.log``,        the launcher and its ranks (the backend redirects their output here);
-``stderr.log``         :func:`finish` reads their tails to classify a failure.
+``stderr.log``         `finish` reads their tails to classify a failure.
 ``metrics.json``       DeepSpeed's engine on rank 0 at ``end_profile_step``
                        (``engine._autotuning_exit``): ``latency`` (microseconds per step),
                        ``throughput`` (samples/s), ``FLOPS_per_gpu``. The result of every run
                        but the profile run.
-``probe.rank*.jsonl``  zerotune's step probe, one file per rank (:mod:`zerotune.probe`): a line
-                       per optimizer step. :func:`finish` takes the metric from them
-                       (:mod:`zerotune.core.measure`); ``metrics.json`` says whether the run
+``probe.rank*.jsonl``  zerotune's step probe, one file per rank (`zerotune.probe`): a line
+                       per optimizer step. `finish` takes the metric from them
+                       (`zerotune.core.measure`); ``metrics.json`` says whether the run
                        succeeded.
 ``model_info.json``    DeepSpeed's engine, profile run only (``ExperimentKind.PROFILE``), in the
                        first forward: ``num_params``, ``trainable_num_params``,
                        ``activation_mem_per_gpu``. The result of the profile run.
-``exp.json``           the scheduler, :func:`zerotune.run.store.write_record`: the experiment's
-                       :class:`~zerotune.run.store.ExpRecord`, written as INTERRUPTED before the
-                       launch and again with the outcome; :func:`~zerotune.run.store.load_record`
+``exp.json``           the scheduler, `zerotune.run.store.write_record`: the experiment's
+                       `zerotune.run.store.ExpRecord`, written as INTERRUPTED before the
+                       launch and again with the outcome; `zerotune.run.store.load_record`
                        reads it back for resume, trusting only a record that verifies;
-                       :func:`~zerotune.run.store.not_own` tells zerotune's directories from
+                       `zerotune.run.store.not_own` tells zerotune's directories from
                        others' by it.
 ``hostfile``,          the Ray backend, multi-node only: the nodes Ray granted; the marker
 ``.zerotune_dispatch`` that proves a node sees this directory.
 =====================  =====================================================================
 
-A backend calls :func:`prepare` before it launches and :func:`finish` after the run's processes
+A backend calls `prepare` before it launches and `finish` after the run's processes
 are gone; in between it only starts, supervises and stops processes. The scheduler writes and
-resumes from ``exp.json`` (:mod:`zerotune.run.store`). Hence this module's place in :mod:`zerotune.run`, beside
+resumes from ``exp.json`` (`zerotune.run.store`). Hence this module's place in `zerotune.run`, beside
 its callers: it is zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is
-decided from facts (:func:`classify`), never from the word "error" in the logs.
+decided from facts (`classify`), never from the word "error" in the logs.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
     Creates the directory, removes result files and probe streams of an earlier attempt (so a
     stale file is never read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
     ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``; for an
-    experiment with ``pad_seq_len``, also the probe's pad file (:data:`~zerotune.probe.PAD_FILE`).
+    experiment with ``pad_seq_len``, also the probe's pad file (`zerotune.probe.PAD_FILE`).
 
     Args:
         exp: the experiment; its ``ds_config`` is not modified.
@@ -133,23 +133,23 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     """Fill in ``exp``'s outcome from its directory; called by a backend once the run's processes
     are gone.
 
-    Reads the result file (:func:`result_path`) and the tails of ``stderr.log`` and
-    ``stdout.log``, and sets ``status`` and ``error`` (:func:`classify`), ``exit_code``,
+    Reads the result file (`result_path`) and the tails of ``stderr.log`` and
+    ``stdout.log``, and sets ``status`` and ``error`` (`classify`), ``exit_code``,
     ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
     info with the probe's ``activation_saved_bytes``, its shapes and, where it priced checkpointing,
     ``activation_checkpointed_bytes``, when it wrote them) and ``metric`` (in ``objective``'s unit; None unless
     OK, and None for the profile run).
 
-    The metric of an OK run is the step probe's (:func:`zerotune.core.measure.measure` on the
+    The metric of an OK run is the step probe's (`zerotune.core.measure.measure` on the
     ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
     ``boundary_share``) for throughput and latency when the streams hold a steady step on every rank;
     otherwise DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams, too
     few steps). When the streams record peaks, ``peak_memory_bytes``
     becomes the largest over the ranks; else the backend's value stays. On CUDA, where the streams
     record the allocated bytes before each step, ``activation_slope_bytes`` is the run's own growth per
-    sample (:func:`zerotune.core.measure.activation_slope_bytes`); else None. ``max_seq_len_seen`` and
+    sample (`zerotune.core.measure.activation_slope_bytes`); else None. ``max_seq_len_seen`` and
     ``min_seq_len_seen`` are the longest of the steps' longest sequences from step 2 on (step 1's where the run
-    has no later one) and the shortest over every step (:func:`zerotune.core.measure.seen_seq_lens`; None
+    has no later one) and the shortest over every step (`zerotune.core.measure.seen_seq_lens`; None
     without one).
 
     Args:
@@ -161,10 +161,10 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             ``error`` with a more precise reason afterwards.
         interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
             (re-run on resume) rather than classified.
-        ended: :attr:`EndReason.PRECISE`, :attr:`EndReason.CANNOT_BEAT`, :attr:`EndReason.STEP_CAP` or
-            :attr:`EndReason.SCRIPT_END` (the script's end came during an extension) when the backend ended the run
-            on its :class:`~zerotune.core.stopping.StopRule` (early, or
-            at ``end_profile_step`` of an extended run: :attr:`EndReason.by_rule`): the run is OK with
+        ended: `EndReason.PRECISE`, `EndReason.CANNOT_BEAT`, `EndReason.STEP_CAP` or
+            `EndReason.SCRIPT_END` (the script's end came during an extension) when the backend ended the run
+            on its `zerotune.core.stopping.StopRule` (early, or
+            at ``end_profile_step`` of an extended run: `EndReason.by_rule`): the run is OK with
             the probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
             derived here: STEP_CAP (the engine's result file), STOPPED (timeout, interruption) or
             EXITED.
@@ -229,7 +229,7 @@ def output_bytes(exp_dir: Path) -> int:
 
 # The allocators' own out-of-memory errors (torch's CPU and CUDA allocators, other devices', NCCL's CUDA
 # calls, C++ ``new``, Python, the kernel's ENOMEM, ``dlopen`` under a memory limit), matched only in the
-# exceptions the ranks raised (:func:`_raised_errors`), never in other log lines: "read 4096 samples out of
+# exceptions the ranks raised (`_raised_errors`), never in other log lines: "read 4096 samples out of
 # memory-mapped shards" is a log line, and a FileNotFoundError after it is no OOM.
 OOM_PATTERNS = re.compile(
     r"DefaultCPUAllocator: can't allocate memory|(CUDA|HIP|XPU|MPS)( backend)? out of memory|"
@@ -265,8 +265,8 @@ def _raised_errors(log_text: str) -> list[tuple[str, str]]:
 
 
 def _is_oom(kind: str, line: str) -> bool:
-    """Whether a raised exception (:func:`_raised_errors`) is an allocator's out-of-memory error: its type
-    (``OutOfMemoryError``, ``MemoryError``) or its message (:data:`OOM_PATTERNS`) says so."""
+    """Whether a raised exception (`_raised_errors`) is an allocator's out-of-memory error: its type
+    (``OutOfMemoryError``, ``MemoryError``) or its message (`OOM_PATTERNS`) says so."""
     return bool(_OOM_TYPE.search(kind) or OOM_PATTERNS.search(line))
 
 
@@ -275,8 +275,8 @@ def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_t
     """Decide an experiment's outcome from facts, never from a word in the logs.
 
     Order: a positive finite ``metric_key`` in the result file is OK (whatever stderr says); a
-    timeout is TIMEOUT; a raised exception that is an allocator's out-of-memory error (:func:`_is_oom` on
-    :func:`_raised_errors`: torch's ``DefaultCPUAllocator: can't allocate memory``, ``torch.OutOfMemoryError:
+    timeout is TIMEOUT; a raised exception that is an allocator's out-of-memory error (`_is_oom` on
+    `_raised_errors`: torch's ``DefaultCPUAllocator: can't allocate memory``, ``torch.OutOfMemoryError:
     CUDA out of memory``, ``std::bad_alloc``, ``MemoryError``, ...) is OOM, with that exception as the reason;
     anything else is FAILED, with the reason a person needs: for exit code 0 what is wrong with the result file,
     otherwise the exit code and the last exception a rank raised (else the last error line of the logs). A

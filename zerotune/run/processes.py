@@ -1,22 +1,22 @@
 """The processes of a run: finding them, measuring them, killing every one of them, and cleaning up
 after a tuner that died while they ran.
 
-Every process of one run is found when the run ends (:func:`kill_tree`) by three marks, any one of which
-suffices: its tree (the launcher is made a child subreaper, :func:`adopt_orphans`, so a process orphaned by a
+Every process of one run is found when the run ends (`kill_tree`) by three marks, any one of which
+suffices: its tree (the launcher is made a child subreaper, `adopt_orphans`, so a process orphaned by a
 double fork is reparented to the launcher, not to init, and stays in the tree the backend watches), its
 session and process group (the launcher leads both; a process that moved to another group stays in the
-session), and a token in its environment (:data:`RUN_TOKEN_ENV`, inherited by the launcher's ranks and
+session), and a token in its environment (`RUN_TOKEN_ENV`, inherited by the launcher's ranks and
 anything they start, found even outside the tree). A helper a rank starts with a cleared environment in a
 session of its own is found by the tree; one that keeps the environment, by the token. While a run is alive, ``<exps_dir>/.zerotune-running/<name>.json``
-(:func:`write_running_record`) names its token and the tuner's pid: if the tuner itself is killed
+(`write_running_record`) names its token and the tuner's pid: if the tuner itself is killed
 (SIGKILL, OOM killer), its experiments outlive it; the next run on the same exps dir kills the
-processes of every record whose tuner is gone before it launches (:func:`reap_orphans`), and
-removes their shared-memory buffers (:func:`remove_shm_buffers`).
+processes of every record whose tuner is gone before it launches (`reap_orphans`), and
+removes their shared-memory buffers (`remove_shm_buffers`).
 
 Processes are always found by that token or by descent from a process this tuner started, never
 by name: nothing else on the machine is touched. A run over several nodes through DeepSpeed's multi-node runner
 carries the token to the other nodes' ranks in its env file, and is stopped there by the same token
-(:func:`kill_token_on`, over pdsh as the runner reached them); the runner's own stop is never used: it runs
+(`kill_token_on`, over pdsh as the runner reached them); the runner's own stop is never used: it runs
 ``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host, which kills every DeepSpeed launcher there,
 other experiments' included.
 """
@@ -101,8 +101,8 @@ def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: s
               since: float | None = None) -> None:
     """Stop a run: the launcher's process group (TERM, then KILL after 10 s), any descendant seen
     on the way (``known``, pid -> process, added to here), and any other process of the run
-    (:func:`kill_token`: its token, its session or group, their descendants; ``since``: the launch's
-    ``time.time()``). Returns once they have exited (:func:`_exited`: gone, or zombies that no longer hold
+    (`kill_token`: its token, its session or group, their descendants; ``since``: the launch's
+    ``time.time()``). Returns once they have exited (`_exited`: gone, or zombies that no longer hold
     anything)."""
     for child in descendants(proc.pid):
         known.setdefault(child.pid, child)
@@ -136,7 +136,7 @@ def _exited(proc: psutil.Process) -> bool:
 
 
 def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> None:
-    """Wait until every one of ``procs`` has exited (:func:`_exited`), at most ``timeout_s``."""
+    """Wait until every one of ``procs`` has exited (`_exited`), at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     delay = 0.001
     while not all(_exited(p) for p in procs) and time.monotonic() < deadline:
@@ -160,7 +160,7 @@ def kill_token(token: str, leader: int | None = None, since: float | None = None
 
 
 def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool:
-    """SIGKILL the processes carrying ``token`` on each of ``hosts`` (:func:`kill_token` there), reached by pdsh over
+    """SIGKILL the processes carrying ``token`` on each of ``hosts`` (`kill_token` there), reached by pdsh over
     ssh as DeepSpeed's runner reached them; zerotune must be importable at this path on every host (a shared
     filesystem, as for the probe). Returns whether pdsh ran and exited 0 within ``timeout_s`` seconds; a failure
     is not raised (the local kill goes on)."""
@@ -187,13 +187,13 @@ class RunningRecord:
     """A running record, ``<exps_dir>/.zerotune-running/<name>.json`` (module doc): a run this tuner process holds.
 
     Attributes:
-        name: the experiment's name. token: its run token (:data:`RUN_TOKEN_ENV`). master_port: its rendezvous port.
+        name: the experiment's name. token: its run token (`RUN_TOKEN_ENV`). master_port: its rendezvous port.
         host: the machine the tuner runs on. tuner_pid, tuner_create_time: the tuner process (``psutil``'s
             create time, s since the epoch), so that a reused pid is not taken for it.
         leader: the pid leading the launcher's session, once started. since: when the run was launched,
             ``time.time()``.
         stop: the run's stop handle where it holds more than processes here
-            (:mod:`zerotune.run.backends.stop_handles`).
+            (`zerotune.run.backends.stop_handles`).
     """
 
     name: str
@@ -211,7 +211,7 @@ class RunningRecord:
         """The record from its decoded JSON object; ``name``: the file's stem, where the object names none. A
         field held with another type than zerotune writes is None (a damaged or foreign file stops nothing it
         cannot name); its ``stop`` object is the stop handle
-        (:func:`~zerotune.run.backends.stop_handles.record_handle`)."""
+        (`zerotune.run.backends.stop_handles.record_handle`)."""
         def typed(key: str, kind: type | tuple[type, ...]) -> Any:
             value = data.get(key)
             return value if isinstance(value, kind) and not isinstance(value, bool) else None
@@ -221,7 +221,7 @@ class RunningRecord:
                    typed("leader", int), typed("since", (int, float)), record_handle(data))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object :meth:`from_dict` reads back (``stop`` only where the run has a handle)."""
+        """The JSON object `from_dict` reads back (``stop`` only where the run has a handle)."""
         record = {"name": self.name, "token": self.token, "master_port": self.master_port, "host": self.host,
                   "tuner_pid": self.tuner_pid, "tuner_create_time": self.tuner_create_time, "leader": self.leader,
                   "since": self.since}
@@ -235,7 +235,7 @@ def write_running_record(running_dir: Path, name: str, token: str, master_port: 
     """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
     ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the
     module doc), and ``stop``, the run's stop handle where it holds more than processes here
-    (:mod:`zerotune.run.backends.stop_handles`); the caller removes the returned file when the run's processes
+    (`zerotune.run.backends.stop_handles`); the caller removes the returned file when the run's processes
     are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
@@ -246,13 +246,13 @@ def write_running_record(running_dir: Path, name: str, token: str, master_port: 
 
 
 def reap_orphans(running_dir: Path) -> list[str]:
-    """Kill the processes of experiments whose tuner died while they ran (their records, :class:`RunningRecord`,
+    """Kill the processes of experiments whose tuner died while they ran (their records, `RunningRecord`,
     are left in ``running_dir``); records of a live tuner, or written on another host (a shared filesystem),
     are left alone. Returns the names reaped.
 
     Processes are found by the token in their environment, never by name, so nothing else is
     touched. A run whose record holds a stop handle is first stopped through it
-    (:func:`~zerotune.run.backends.stop_handles.cancel_handle`): what it names has no process here.
+    (`zerotune.run.backends.stop_handles.cancel_handle`): what it names has no process here.
     """
     reaped = []
     try:

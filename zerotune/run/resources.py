@@ -1,6 +1,6 @@
 """Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``).
-Who holds them (``SlotPool``) is :mod:`zerotune.run.slots`, importable from here too; a ``Node`` and a
-``Reservation`` are records of :mod:`zerotune.core.launch`.
+Who holds them (``SlotPool``) is `zerotune.run.slots`, importable from here too; a ``Node`` and a
+``Reservation`` are records of `zerotune.core.launch`.
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
 launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). The flow is::

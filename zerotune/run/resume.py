@@ -3,7 +3,7 @@
 A rerun with the same results dir reuses an experiment's recorded outcome only when it is the
 same experiment, not merely the same ds_config. The key covers:
 
-- the ds_config's content (:func:`~zerotune.deepspeed.canonical.config_hash`: key order, number
+- the ds_config's content (`zerotune.deepspeed.canonical.config_hash`: key order, number
   spelling and settings spelled at DeepSpeed's default do not change it);
 - the training script: its resolved path and the SHA-256 of its content (a second model, or an
   edited script, is a different experiment). Other files, such as modules the script imports or
@@ -17,7 +17,7 @@ same experiment, not merely the same ds_config. The key covers:
 
 The scheduler records the key and this context in ``exp.json`` (so a person can see why an
 experiment re-ran) and reuses a record only under the same key, and only for an outcome that is
-a property of the experiment (:attr:`~zerotune.core.experiment.Status.reusable`).
+a property of the experiment (`zerotune.core.experiment.Status.reusable`).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed
 
 
 class ResumedJob(Protocol):
-    """What :func:`resume_context` reads of a job: the fields of :class:`zerotune.strategy.job.Job` it keys on
+    """What `resume_context` reads of a job: the fields of `zerotune.strategy.job.Job` it keys on
     (a protocol, so this layer names no strategy type)."""
 
     script: str
@@ -58,7 +58,7 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
     Returns:
         A JSON-ready dict: ``script`` (resolved path), ``script_sha256`` (of its content; None
         when it cannot be read), ``script_args`` (the ds_config path replaced by
-        :data:`CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
+        `CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
         ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
         ``precision`` (the adaptive stop's target half-width; None when runs are not ended early),
         ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets), and
@@ -92,8 +92,8 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
 
 def resume_key(ds_config: dict[str, Any], context: dict[str, Any]) -> str:
     """The experiment's identity for resume: SHA-256 (hex) of the config's
-    :func:`~zerotune.deepspeed.canonical.config_hash` and the canonical JSON of ``context``
-    (:func:`resume_context`; ``{}`` for a scheduler built without one)."""
+    `zerotune.deepspeed.canonical.config_hash` and the canonical JSON of ``context``
+    (`resume_context`; ``{}`` for a scheduler built without one)."""
     text = config_hash(ds_config) + "\n" + json.dumps(context, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

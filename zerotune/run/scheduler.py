@@ -2,9 +2,9 @@
 
 A FIFO queue: the head waits until its slots can be reserved (atomically, from the
 ``SlotPool``); one thread per running experiment; several run at once when slots allow. Results
-live on disk (``exp.json`` per experiment, :func:`zerotune.run.store.write_record`): an
+live on disk (``exp.json`` per experiment, `zerotune.run.store.write_record`): an
 experiment whose OK or OOM result is on disk under the same resume key (the config content and
-the job's script, arguments, layout, budget and measurement: :mod:`zerotune.run.resume`) is not
+the job's script, arguments, layout, budget and measurement: `zerotune.run.resume`) is not
 run again; a failed, timed-out or interrupted one, or one recorded under another key, is.
 The scheduler never decides what to try next: the search hands it batches.
 """
@@ -41,11 +41,11 @@ class Scheduler:
             (launched), ``"end"`` (finished, ``exp.status`` set). Every queued experiment is
             started and ended, except after an interrupt.
         context: what besides the config makes two experiments the same
-            (:func:`zerotune.run.resume.resume_context`); recorded with every result and part of
+            (`zerotune.run.resume.resume_context`); recorded with every result and part of
             its resume key. None: ``{}`` (a scheduler built by hand, in tests).
 
     .. note:: Every experiment directory is checked to be a direct child of ``exps_dir`` on its
-       resolved path (:func:`~zerotune.run.store.experiment_dir`) before anything is read, created or
+       resolved path (`zerotune.run.store.experiment_dir`) before anything is read, created or
        removed; a batch with a name that fails is refused whole (ConfigError) before any of it launches.
     """
 
@@ -64,7 +64,7 @@ class Scheduler:
 
     def load(self, exp: Experiment) -> Experiment | None:
         """The reusable result on disk for ``exp``'s name and resume key (OK or OOM), if any
-        (:func:`zerotune.run.store.load_record`)."""
+        (`zerotune.run.store.load_record`)."""
         return load_record(experiment_dir(self.exps_dir, exp.name), exp.ds_config, self._key(exp))
 
     def _key(self, exp: Experiment) -> str:
@@ -76,7 +76,7 @@ class Scheduler:
     def run(self, experiments: Iterable[Experiment]) -> list[Experiment]:
         """Run a batch and return it in the same order, each with its outcome.
 
-        Experiments with a reusable result on disk (:meth:`load`) are returned from disk without
+        Experiments with a reusable result on disk (`load`) are returned from disk without
         running. On
         KeyboardInterrupt the running ones are killed, recorded as interrupted, and the
         interrupt is re-raised.

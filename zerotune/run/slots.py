@@ -1,9 +1,9 @@
 """Who holds the device slots: the ``SlotPool`` that hands them out, a ``Reservation`` to each experiment (the
-``Node`` and ``Reservation`` records are :mod:`zerotune.core.launch`).
+``Node`` and ``Reservation`` records are `zerotune.core.launch`).
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
 launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). Which slots exist is
-decided by :func:`zerotune.run.resources.select_resources`; this module only places experiments
+decided by `zerotune.run.resources.select_resources`; this module only places experiments
 on them::
 
     pool = SlotPool([Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))])

@@ -1,14 +1,14 @@
 """What zerotune keeps on disk, kept safe: files written whole, directories held by one tuner, experiment
 directories proven its own, and each experiment's record (``exp.json``) trusted only when it verifies.
 
-- **Atomic writes** (:func:`write_text_atomic`, :func:`write_json_atomic`): a reader, a crash or a signal sees
+- **Atomic writes** (`write_text_atomic`, `write_json_atomic`): a reader, a crash or a signal sees
   the old file or the new one, never a part, and nothing is written through a symlink.
-- **Locks** (:class:`ResultsLock`, :class:`ExpsLock`, :func:`tuning_locks`): one tuner per results dir and per
+- **Locks** (`ResultsLock`, `ExpsLock`, `tuning_locks`): one tuner per results dir and per
   exps dir, released by the kernel when the holder dies.
-- **Ownership** (:func:`experiment_dir`, :func:`not_own`, :func:`make_way`, :func:`clear_experiments`): an
+- **Ownership** (`experiment_dir`, `not_own`, `make_way`, `clear_experiments`): an
   experiment's directory is a direct child of the exps dir and never a symlink; zerotune removes only a
   directory whose ``exp.json`` is its record of it, and moves anything else aside whole.
-- **Records** (:class:`ExpRecord`, :func:`write_record`, :func:`load_record`, :func:`load_records`): ``exp.json``
+- **Records** (`ExpRecord`, `write_record`, `load_record`, `load_records`): ``exp.json``
   carries a schema version and a digest of its content; a record that does not verify is said in the log and run
   again, never trusted and never fatal.
 """
@@ -47,7 +47,7 @@ RECORD_VERSION = 1  # of exp.json's schema (record_version, record_digest); a re
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON so that a reader (or a crash, or a signal) never sees a half-written file
-    (:func:`write_text_atomic`)."""
+    (`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
@@ -162,14 +162,14 @@ class DirLock:
 
 
 class ResultsLock(DirLock):
-    """The results dir's lock (:class:`DirLock`): one tuner writes its summary and answer."""
+    """The results dir's lock (`DirLock`): one tuner writes its summary and answer."""
 
     what = "results dir"
     instead = "choose another --results-dir"
 
 
 class ExpsLock(DirLock):
-    """The exps dir's lock (:class:`DirLock`): one tuner runs, resumes and removes its experiments. Two
+    """The exps dir's lock (`DirLock`): one tuner runs, resumes and removes its experiments. Two
     configs that differ only in ``results_dir`` share the default ``autotuning_exps``."""
 
     what = "exps dir"
@@ -228,8 +228,8 @@ def not_own(exp_dir: Path) -> str:
     is a zerotune record for it: its ``name`` is the directory's and it carries a ``config_digest``
     (every zerotune has written one). The file's name proves nothing: a user's, or DeepSpeed's own
     autotuner's, ``exp.json`` is not zerotune's. Only such a directory is removed
-    (:func:`clear_experiments`, :func:`make_way`), even when its record does not verify
-    (:meth:`ExpRecord.from_dict`).
+    (`clear_experiments`, `make_way`), even when its record does not verify
+    (`ExpRecord.from_dict`).
     """
     exp_dir, path = Path(exp_dir), Path(exp_dir) / RECORD_FILE
     if exp_dir.is_symlink() or not exp_dir.is_dir():
@@ -246,7 +246,7 @@ def not_own(exp_dir: Path) -> str:
 
 
 def make_way(exp_dir: Path) -> None:
-    """Make way for a fresh run in ``exp_dir`` (checked by :func:`experiment_dir`): zerotune's own earlier
+    """Make way for a fresh run in ``exp_dir`` (checked by `experiment_dir`): zerotune's own earlier
     attempt there (interrupted, failed, under another key, or its record not trusted) is removed, an
     empty directory too; anything else (a user's directory, DeepSpeed's autotuner's, an ``exp.json``
     that is not zerotune's record) is moved aside whole, to ``<name>.kept-<n>``, and said in the log."""
@@ -268,7 +268,7 @@ def make_way(exp_dir: Path) -> None:
 
 def clear_experiments(exps_dir: Path) -> list[str]:
     """``--overwrite``: remove the experiment directories in ``exps_dir``, those zerotune can prove its
-    own by their record's content (:func:`not_own`: a real directory whose ``exp.json`` is zerotune's
+    own by their record's content (`not_own`: a real directory whose ``exp.json`` is zerotune's
     record of it), nothing else: a config's ``exps_dir`` may name any directory, and a user's ``exp.json``
     beside their checkpoint stays. Returns the names removed."""
     removed = []
@@ -299,15 +299,15 @@ def record_digest(data: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ExpRecord:
-    """An experiment's record, ``exp.json``: the :class:`Experiment`'s fields (:meth:`Experiment.to_json`), then its
+    """An experiment's record, ``exp.json``: the `Experiment`'s fields (`Experiment.to_json`), then its
     ``config_digest``, ``resume_key``, ``resume_context``, ``recorded_at``, the schema's ``record_version`` and,
-    last, the ``record_digest`` of all of that, by which :meth:`from_dict` knows it whole and as zerotune wrote it.
+    last, the ``record_digest`` of all of that, by which `from_dict` knows it whole and as zerotune wrote it.
 
     Attributes:
         experiment: the experiment, as it stood when recorded (INTERRUPTED before its launch, then its outcome).
-        resume_key: what makes it the same experiment on a rerun (:func:`zerotune.run.resume.resume_key`).
+        resume_key: what makes it the same experiment on a rerun (`zerotune.run.resume.resume_key`).
         resume_context: what went into ``resume_key`` besides the config
-            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+            (`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
         recorded_at: when it was written, local time, ``%Y-%m-%dT%H:%M:%S``.
     """
 
@@ -318,7 +318,7 @@ class ExpRecord:
 
     @property
     def config_digest(self) -> str:
-        """:func:`config_digest` of the experiment's ``ds_config``."""
+        """`config_digest` of the experiment's ``ds_config``."""
         return config_digest(self.experiment.ds_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -380,15 +380,15 @@ def _member(enum_type: type, value: Any) -> bool:
 
 
 def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
-    """Write ``exp_dir``'s ``exp.json`` atomically: ``exp``'s :class:`ExpRecord`, recorded now.
+    """Write ``exp_dir``'s ``exp.json`` atomically: ``exp``'s `ExpRecord`, recorded now.
 
     Args:
         exp: the experiment.
         exp_dir: its directory.
         key: what makes it the same experiment on a rerun
-            (:func:`zerotune.run.resume.resume_key`); :func:`load_record` matches on it.
+            (`zerotune.run.resume.resume_key`); `load_record` matches on it.
         context: what went into ``key`` besides the config
-            (:func:`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+            (`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
     """
     record = ExpRecord(exp, key, context or {}, time.strftime("%Y-%m-%dT%H:%M:%S"))
     write_json_atomic(Path(exp_dir) / RECORD_FILE, record.to_dict())
@@ -397,13 +397,13 @@ def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[st
 def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
     """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
 
-    A record is trusted only when it verifies (:meth:`ExpRecord.from_dict`); one that does not
+    A record is trusted only when it verifies (`ExpRecord.from_dict`); one that does not
     (corrupt, foreign, edited, of another zerotune version) is said in the log and run again, never
     fatal.
 
     Returns:
         The recorded experiment when ``exp.json`` verifies, its config digest is ``ds_config``'s, its
-        ``resume_key`` is ``key`` and its outcome is reusable (:attr:`Status.reusable`: OK or
+        ``resume_key`` is ``key`` and its outcome is reusable (`Status.reusable`: OK or
         OOM); None otherwise (a failed, timed-out or interrupted run, a different config or script
         or budget under the same name, a record that does not verify, no record), so the
         experiment is run again.
@@ -427,7 +427,7 @@ def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | N
 
 def load_records(exps_dir: Path) -> list[ExpRecord]:
     """The records in the experiment directories directly under ``exps_dir``, in name order: those that verify
-    (:meth:`ExpRecord.from_dict`) and are of the directory they are in; none when ``exps_dir`` is not a
+    (`ExpRecord.from_dict`) and are of the directory they are in; none when ``exps_dir`` is not a
     directory."""
     exps_dir = Path(exps_dir)
     if not exps_dir.is_dir():

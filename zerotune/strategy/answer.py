@@ -1,17 +1,17 @@
 """The answer rule: which measured config is the answer, read with the shape of the throughput curve.
 
-On GPU ranks the runs of one config (ZeRO stage, gas, knobs) that ran calm (:mod:`~zerotune.strategy.capacity`)
+On GPU ranks the runs of one config (ZeRO stage, gas, knobs) that ran calm (`zerotune.strategy.capacity`)
 count as one curve rising with mbs: away from the capacity a step's time is about affine in mbs (fixed per-step
 work plus compute per sample: the roofline view), so a larger mbs that reads under a smaller one reads the noise,
 and the two readings together tell the curve's level better than the higher one alone (the best of several noisy
-runs reads high: the winner's curse). The curve is worth its run-weighted non-decreasing fit (:func:`rising_top`)
+runs reads high: the winner's curse). The curve is worth its run-weighted non-decreasing fit (`rising_top`)
 at its largest mbs. A run near the capacity, or of unknown peak, stands alone on its own pooled metric: a
 caching allocator's flushes can slow a step there. CPU ranks keep the best pooled reading. The evidence is in
 docs/decisions.md, D101.
 
 **A tie is an answer.** Configs whose reading is within the target precision (``--precision``) of the best one
 are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
-tie order takes one (:func:`tie_order`: more memory headroom where a tied config runs near the device's capacity,
+tie order takes one (`tie_order`: more memory headroom where a tied config runs near the device's capacity,
 else the better reading; a reading known only to more than 3x the precision counts at its lower bound, the reading
 less its 95% half-width, so a config known to ±1.2% is taken over one known to ±21% that read 0.2% higher). The
 summary and the report say "tie" with every tied figure and its interval (docs/decisions.md, D307, D313, D321).
@@ -50,7 +50,7 @@ def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
 def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Callable[[T], float],
                       runs: Callable[[T], int], calm: Callable[[T], bool]) -> list[tuple[float, T]]:
     """(value, item) pairs an answer is chosen from among one config's measured mbs values (``items``): the calm
-    ones as one curve rising with mbs, worth :func:`rising_top` of their values at the largest of them; each
+    ones as one curve rising with mbs, worth `rising_top` of their values at the largest of them; each
     other one (near the capacity, or of unknown peak) at its own value."""
     rising = sorted((i for i in items if calm(i)), key=mbs)
     pairs = [(value(i), i) for i in items if not calm(i)]
@@ -66,21 +66,21 @@ IMPRECISE = 3
 TIE_ORDER = ("more memory headroom where a tied config runs near the device's capacity, else the better reading, "
              f"a reading known only to more than {IMPRECISE}x the precision counting at its lower bound (less its 95% "
              "half-width)")
-"""The tie order (:func:`tie_order`) in words, as the summary and the report state it."""
+"""The tie order (`tie_order`) in words, as the summary and the report state it."""
 
 
 @dataclass(frozen=True)
 class Tie:
     """Configs the answer rule cannot tell apart: each within the target precision of the best reading
-    (:func:`~zerotune.core.noise.tie`), and which one the tie order (:func:`tie_order`) took.
+    (`zerotune.core.noise.tie`), and which one the tie order (`tie_order`) took.
 
     Attributes:
         answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).
         others: the tied configs not taken, each with its metric, best first.
         reason: what decided: ``"more memory headroom"``, ``"the better reading"`` or ``"the better lower bound"``
-            (the best reading was too imprecise, :func:`tie_reading`).
+            (the best reading was too imprecise, `tie_reading`).
         half_widths: config name -> the relative 95% half-width of its reading
-            (:func:`~zerotune.core.noise.mean_half_width` over its runs), for every tied config.
+            (`zerotune.core.noise.mean_half_width` over its runs), for every tied config.
     """
 
     answer: Experiment
@@ -91,13 +91,13 @@ class Tie:
 
 
 def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> tuple[Experiment, str]:
-    """Of two tied configs, ``a`` first in the tie order (:func:`tie_reading`), the one the answer takes, and why: more
+    """Of two tied configs, ``a`` first in the tie order (`tie_reading`), the one the answer takes, and why: more
     memory headroom where it protects the training, else ``a``, the better reading.
 
     Headroom decides where the larger of the two measured peaks is at least
-    :data:`~zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
+    `zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
     allocator flushes, and the training's longer batches or the allocator's growth can run out of memory) and the
-    other's is lower by more than :data:`HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
+    other's is lower by more than `HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
     ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config
     (docs/decisions.md, D313)."""
     pa, pb = a.peak_memory_bytes, b.peak_memory_bytes
@@ -109,7 +109,7 @@ def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> 
 
 def best_experiment(experiments: Iterable[Experiment], objective: Objective,
                     budget_bytes: int | None = None, precision: float | None = None) -> Experiment | None:
-    """The answer (:func:`decide`); None when none succeeded."""
+    """The answer (`decide`); None when none succeeded."""
     return decide(experiments, objective, budget_bytes, precision)[0]
 
 
@@ -118,12 +118,12 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
     """The answer, and the tie it was taken from (None: no other config within ``precision`` of it).
 
     The best reading: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks
-    read with the shape of the throughput curve (:func:`answer_readings`). The configs whose reading is within
-    the target ``precision`` of it (None: none) tie with it (:func:`~zerotune.core.noise.tie`), and the tie
-    order (:func:`tie_order`) takes one of them without a launch, best first by :func:`tie_reading`: the reading,
-    or, for one known only to more than :data:`IMPRECISE` times the precision, its lower bound; the half-width is
-    :func:`~zerotune.core.noise.mean_half_width` of the config's runs with this tuning's run-to-run noise
-    (:func:`~zerotune.core.noise.run_noise`). Failed, OOM and timed-out runs are never candidates (they carry no
+    read with the shape of the throughput curve (`answer_readings`). The configs whose reading is within
+    the target ``precision`` of it (None: none) tie with it (`zerotune.core.noise.tie`), and the tie
+    order (`tie_order`) takes one of them without a launch, best first by `tie_reading`: the reading,
+    or, for one known only to more than `IMPRECISE` times the precision, its lower bound; the half-width is
+    `zerotune.core.noise.mean_half_width` of the config's runs with this tuning's run-to-run noise
+    (`zerotune.core.noise.run_noise`). Failed, OOM and timed-out runs are never candidates (they carry no
     metric).
 
     Args:
@@ -156,14 +156,14 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
 
 def tie_reading(value: float, half_width: float, precision: float | None, sign: int = 1) -> float:
     """What a tied config's reading counts for in the tie order: the reading itself where it is known to
-    :data:`IMPRECISE` times the precision, else its lower bound, ``value * (1 - half_width)`` (``sign`` -1: a metric
+    `IMPRECISE` times the precision, else its lower bound, ``value * (1 - half_width)`` (``sign`` -1: a metric
     where lower is better, ``value * (1 + half_width)``)."""
     return value * (1 - sign * half_width) if half_width > IMPRECISE * (precision or 0.0) else value
 
 
 def half_widths(experiments: Sequence[Experiment], configs: Sequence[Experiment]) -> dict[str, float]:
     """Config name -> the relative 95% half-width of its reading over its ok runs (the config and its
-    re-measurements): :func:`~zerotune.core.noise.mean_half_width` with the run-to-run noise of ``experiments``."""
+    re-measurements): `zerotune.core.noise.mean_half_width` with the run-to-run noise of ``experiments``."""
     sigma = run_noise(experiments).sigma
     runs: dict[str, list[float | None]] = {c.name: [] for c in configs}
     for e in experiments:
@@ -177,7 +177,7 @@ def answer_readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled]
                     budget_bytes: int | None) -> list[tuple[float, Experiment]]:
     """(reading, experiment) of every answer candidate (a first run with an ok pooled metric). On GPU ranks
     (``budget_bytes`` known) for throughput, each config's (stage, gas, knobs) calm runs count as one curve
-    rising with mbs (:func:`rising_candidates`) and every other run as its own pooled metric (the module
+    rising with mbs (`rising_candidates`) and every other run as its own pooled metric (the module
     docstring); else each run's pooled metric."""
     bases = [e for e in experiments if e.replica_of is None and e.name in pooled]
     if budget_bytes is None or not objective.higher_is_better:

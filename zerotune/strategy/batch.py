@@ -11,14 +11,14 @@ tuner may change depends on what the user's config says, as a practitioner expec
   best mbs (a one-value list, ``[1]``, holds gas), or else gas doubles there from the user's value
   while throughput improves by 1% (a
   larger gas amortizes the optimizer step and, for ZeRO 0-1, the gradient reduction), within
-  ``autotuning.max_train_batch_size`` when given, else at most :data:`MAX_GAS_DOUBLINGS` doublings.
-  Before that ladder, the best mbs's own global batch is tried split in two (:meth:`gas_split`:
+  ``autotuning.max_train_batch_size`` when given, else at most `MAX_GAS_DOUBLINGS` doublings.
+  Before that ladder, the best mbs's own global batch is tried split in two (`gas_split`:
   half the mbs, twice the gas): a smaller micro-batch can run faster per sample (on a CPU its
   activations stay in cache), and DeepSpeed's autotuner tries the same (its mbs below the largest
   runnable one take ``gas = largest // mbs``);
 - **a list of mbs values** in the config restricts the micro-batch search to those values.
 
-What a doubling of gas can gain is bounded by what it amortizes (:func:`doubling_gain_bound`): the
+What a doubling of gas can gain is bounded by what it amortizes (`doubling_gain_bound`): the
 step probe measures the work done once per optimizer step (``boundary_s``), and the ladder is not
 climbed where that bound is under the plateau threshold (ZeRO-2 and 3 reduce the gradients every
 micro-step, so there the optimizer step over the rank's partition is all a larger gas saves).
@@ -37,7 +37,7 @@ MAX_GAS_DOUBLINGS = 1
 
 @dataclass(frozen=True)
 class BatchSemantics:
-    """The batch rules of one job (build with :meth:`from_config`).
+    """The batch rules of one job (build with `from_config`).
 
     Attributes:
         dp_world_size: data-parallel world size.
@@ -48,7 +48,7 @@ class BatchSemantics:
             empty: see ``gas_doubling``.
         gas_doubling: gas doubles at the best mbs (stop at a plateau), the global batch being free.
         max_train_batch_size: ``autotuning.max_train_batch_size`` (bounds the doubling), or None
-            (:data:`MAX_GAS_DOUBLINGS` does).
+            (`MAX_GAS_DOUBLINGS` does).
     """
 
     dp_world_size: int
@@ -112,7 +112,7 @@ class BatchSemantics:
         return hi
 
     def gas_ladder(self, mbs: int) -> list[int]:
-        """Gas values to try at ``mbs`` after the micro-batch search (see :attr:`gas_values`)."""
+        """Gas values to try at ``mbs`` after the micro-batch search (see `gas_values`)."""
         if self.fixed_train_batch_size is not None:
             return []
         if not self.gas_doubling:
@@ -125,7 +125,7 @@ class BatchSemantics:
         return ladder
 
     def gas_split(self, mbs: int, lo: int = 1) -> tuple[int, int] | None:
-        """``(mbs // 2, 2 * gas)``: the global batch of ``mbs`` at gas :attr:`gas` run as two micro-batches
+        """``(mbs // 2, 2 * gas)``: the global batch of ``mbs`` at gas `gas` run as two micro-batches
         of half the size (the same ``train_batch_size`` where ``mbs`` is even, one sample per rank less
         where it is odd), or None where gas is not searched by doubling, or half of ``mbs`` is below
         ``lo`` or not in the config's list of mbs values."""
@@ -155,7 +155,7 @@ class BatchSemantics:
 def doubling_gain_bound(boundary_share: float | None, ds_config: dict[str, Any]) -> float | None:
     """The most that doubling gas can gain in throughput, relative (0.01 = 1%), from a run of
     ``ds_config`` whose step spends the share ``boundary_share`` (0..1, the probe's ``boundary_s`` over
-    ``step_s``: :attr:`zerotune.core.measure.Measurement.boundary_share`) in work done once per
+    ``step_s``: `zerotune.core.measure.Measurement.boundary_share`) in work done once per
     optimizer step.
 
     With ``T = g F + B`` seconds per step at gas ``g`` (``F`` per micro-step, ``B`` once per step),

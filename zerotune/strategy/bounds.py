@@ -1,6 +1,6 @@
-"""The bounds of an mbs search: one frozen record (:class:`SearchBounds`) that every micro-batch search of a
-tuning shares, its stage probes, its mbs search (:mod:`~zerotune.strategy.mbs`) and its fine pass
-(:mod:`~zerotune.strategy.fine`), whichever phase runs them.
+"""The bounds of an mbs search: one frozen record (`SearchBounds`) that every micro-batch search of a
+tuning shares, its stage probes, its mbs search (`zerotune.strategy.mbs`) and its fine pass
+(`zerotune.strategy.fine`), whichever phase runs them.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class SearchBounds:
         threshold: the plateau threshold, a fraction: a step that improves the best metric by less ends the upward
             search; a throughput search goes below its best only while a step down gains this much.
         precision: the runs' target precision (relative half-width, e.g. 0.02): a difference within it is a tie
-            (:func:`~zerotune.core.noise.tie`); None: never.
+            (`zerotune.core.noise.tie`); None: never.
         num_fine: experiments allowed in the fine pass around the best mbs (0: none).
     """
 
@@ -37,7 +37,7 @@ class SearchBounds:
 
     @property
     def values(self) -> list[int]:
-        """The sorted mbs values a search may try: :attr:`allowed` (or every integer) within ``lo..hi``."""
+        """The sorted mbs values a search may try: `allowed` (or every integer) within ``lo..hi``."""
         if self.allowed is None:
             return list(range(self.lo, self.hi + 1))
         return sorted({m for m in self.allowed if self.lo <= m <= self.hi})

@@ -3,10 +3,10 @@
 Every experiment the tuning holds counts, the profile run and those a rerun reads from disk included (each cost a
 launch once), never one refused by the memory model or skipped by the throughput model (neither launched). A launch
 costs its wall time times the devices it held. The evaluator launches only what
-the budget has room for; when it cuts a batch, or finds the budget spent, it raises :class:`BudgetSpent`, and the
+the budget has room for; when it cuts a batch, or finds the budget spent, it raises `BudgetSpent`, and the
 strategy answers with the best of what ran, says what it did not decide and by how much the answer could be beaten
-(:mod:`~zerotune.strategy.stop_bound`). Under a budget the strategy runs the fine pass, which refines within one
-explored stage, after the phases that try other configs (:attr:`Strategy.fine_last
+(`zerotune.strategy.stop_bound`). Under a budget the strategy runs the fine pass, which refines within one
+explored stage, after the phases that try other configs (`Strategy.fine_last
 <zerotune.strategy.tuning.Strategy.fine_last>`).
 """
 from __future__ import annotations

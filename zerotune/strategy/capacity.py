@@ -1,6 +1,6 @@
 """How near the device's capacity a run ran: the one test every capacity rule reads.
 
-A run is **calm** when its measured peak is under :data:`NEAR_CAPACITY` of the per-device budget, **near**
+A run is **calm** when its measured peak is under `NEAR_CAPACITY` of the per-device budget, **near**
 when it is at least that, and **unknown** without a measured peak or a budget. CPU ranks have no budget to
 read against (their caches, not an allocator's flushes, shape the curve in mbs: a smaller micro-batch can
 be faster far from any memory limit), so every run there is unknown. Each rule says what it does with an
@@ -31,7 +31,7 @@ def memory_fraction(peak_bytes: int | None, budget_bytes: int | None) -> float |
 
 
 def capacity(fraction: float | None) -> Capacity:
-    """The :class:`Capacity` of a run whose peak is ``fraction`` of the budget (:func:`memory_fraction`)."""
+    """The `Capacity` of a run whose peak is ``fraction`` of the budget (`memory_fraction`)."""
     if fraction is None:
         return Capacity.UNKNOWN
     return Capacity.CALM if fraction < NEAR_CAPACITY else Capacity.NEAR

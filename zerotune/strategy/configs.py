@@ -9,7 +9,7 @@ run. Its name is the canonical name of its content (``z1_gas1_tmbspg8``, plus kn
 the same config always has the same name, whichever phase asks for it, and runs once.
 
 A Hugging Face Trainer config's ``"auto"`` values are resolved as the Trainer resolves them
-(:mod:`zerotune.deepspeed.auto`): gas and precision from the script's arguments, the hidden-size
+(`zerotune.deepspeed.auto`): gas and precision from the script's arguments, the hidden-size
 bucket values from the profile run's record of the model; the rest (learning rate, betas...) stay
 ``"auto"`` for the Trainer to fill. With a mapped micro batch size and no numeric
 ``train_batch_size``, the launched configs leave ``train_batch_size`` out (DeepSpeed derives it).
@@ -43,15 +43,15 @@ so that the profile fits wherever any stage could, as DeepSpeed's own autotuner 
 minimum-memory config."""
 
 PROFILE_STAGE = 3
-"""The profile run's ZeRO stage where the job tunes it (:meth:`ConfigBuilder.profile_stage`)."""
+"""The profile run's ZeRO stage where the job tunes it (`ConfigBuilder.profile_stage`)."""
 
 
 class ConfigBuilder:
-    """Builds and names the experiments of one :class:`Job`.
+    """Builds and names the experiments of one `Job`.
 
     Raises (every method):
         ConfigError: the config the user's settings give at that stage and mbs is invalid
-            (:func:`zerotune.deepspeed.validate.validate`, naming the key).
+            (`zerotune.deepspeed.validate.validate`, naming the key).
     """
 
     def __init__(self, job: Job):
@@ -80,7 +80,7 @@ class ConfigBuilder:
                gas: int | None = None) -> dict[str, Any]:
         """The user's config at ``stage``, ``mbs`` and ``gas`` (default: the batch semantics' gas at
         that mbs) with ``settings`` deep-merged over it, pruned and validated; every ``"auto"`` that
-        zerotune reads is resolved (:mod:`zerotune.deepspeed.auto`)."""
+        zerotune reads is resolved (`zerotune.deepspeed.auto`)."""
         return self._build(resolve(self._base, self.model_autos()), stage, mbs, settings, gas)
 
     def _build(self, base: dict[str, Any], stage: int, mbs: int, settings: dict[str, Any] | None,
@@ -99,7 +99,7 @@ class ConfigBuilder:
         return cfg
 
     def model_autos(self) -> dict[str, int]:
-        """The values of the user's hidden-size ``"auto"`` keys (:data:`MODEL_AUTO_KEYS`), as the Trainer
+        """The values of the user's hidden-size ``"auto"`` keys (`MODEL_AUTO_KEYS`), as the Trainer
         fills them, from the model's hidden size the profile run recorded (read once; empty when the
         config has none).
 
@@ -121,7 +121,7 @@ class ConfigBuilder:
         return self._model_autos
 
     def name(self, ds_config: dict[str, Any]) -> str:
-        """The canonical name of a config of this job (see :func:`zerotune.deepspeed.canonical.canonical_name`)."""
+        """The canonical name of a config of this job (see `zerotune.deepspeed.canonical.canonical_name`)."""
         return canonical_name(ds_config, self._extra_keys)
 
     def experiment(self, ds_config: dict[str, Any], kind: ExperimentKind,
@@ -138,14 +138,14 @@ class ConfigBuilder:
                           num_slots=self.job.slots_per_node, kind=kind, space=space, knobs=dict(knobs or {}))
 
     def profile_stage(self) -> int:
-        """The profile run's ZeRO stage: :data:`PROFILE_STAGE` (3, the least memory, as DeepSpeed's own
+        """The profile run's ZeRO stage: `PROFILE_STAGE` (3, the least memory, as DeepSpeed's own
         autotuner profiles) when the job tunes it, else the highest stage the job tunes. A stage the job
         excludes is never launched: the user's config may be one DeepSpeed refuses there (a client
         optimizer ZeRO does not support runs at stage 0 only)."""
         return PROFILE_STAGE if PROFILE_STAGE in self.job.stages else max(self.job.stages)
 
     def profile(self) -> Experiment:
-        """The profile run: :meth:`profile_stage` at the smallest mbs with small buckets; DeepSpeed's engine
+        """The profile run: `profile_stage` at the smallest mbs with small buckets; DeepSpeed's engine
         writes ``model_info.json`` and exits in the first forward (``autotuning.model_info.profile``)."""
         small = {"reduce_bucket_size": PROFILE_BUCKET_SIZE, "stage3_prefetch_bucket_size": PROFILE_BUCKET_SIZE,
                  "stage3_max_live_parameters": PROFILE_BUCKET_SIZE}
@@ -161,16 +161,16 @@ class ConfigBuilder:
     def mbs_experiment(self, stage: int, mbs: int, gas: int | None = None,
                        settings: dict[str, Any] | None = None) -> Experiment:
         """The mbs phase's experiment (the gas phase's with ``gas``): the user's config at ``stage``
-        and ``mbs``, with ``settings`` (a memory saver's, :mod:`zerotune.strategy.savers`) merged over it."""
+        and ``mbs``, with ``settings`` (a memory saver's, `zerotune.strategy.savers`) merged over it."""
         return self.experiment(self.config(stage, mbs, settings, gas=gas),
                                ExperimentKind.GAS if gas else ExperimentKind.MBS)
 
     def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None,
                    gas: int | None = None, settings: dict[str, Any] | None = None) -> list[Candidate]:
         """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
-        stage (:func:`zerotune.strategy.space.default_space`) with the user's own settings, and the
-        user's lists of candidates and ``$VAR`` variables (:mod:`zerotune.strategy.variables`), over it;
-        named as :meth:`name` names them.
+        stage (`zerotune.strategy.space.default_space`) with the user's own settings, and the
+        user's lists of candidates and ``$VAR`` variables (`zerotune.strategy.variables`), over it;
+        named as `name` names them.
 
         Args:
             fits: the memory model's predicate; a candidate it rejects keeps ``fits=False``.

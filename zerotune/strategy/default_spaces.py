@@ -1,5 +1,5 @@
 """zerotune's default tuning space for each ZeRO stage: the knobs the stage reads, with DeepSpeed's
-candidates (:func:`default_space`); the micro batch size is searched apart from it."""
+candidates (`default_space`); the micro batch size is searched apart from it."""
 from __future__ import annotations
 
 from typing import Any
@@ -30,8 +30,8 @@ def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
         offload: add ``offload_optimizer.device`` in [none, cpu] where the stage allows it
             (1, 2, 3) and ``offload_param.device`` in [none, cpu] for stage 3 (×2 / ×4). Offload
             needs an optimizer DeepSpeed can run on the CPU
-            (:data:`~zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`);
-            :func:`~zerotune.strategy.space.generate` refuses the space otherwise.
+            (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`);
+            `zerotune.strategy.space.generate` refuses the space otherwise.
 
     Returns:
         A new dict (safe to modify).

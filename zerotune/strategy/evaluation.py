@@ -1,11 +1,11 @@
 """Evaluating experiments for the strategy's phases: the one place that launches (through ``evaluate``).
 
-An :class:`Evaluator` hands batches to the world's ``evaluate`` callable (the scheduler, or the dry run's
+An `Evaluator` hands batches to the world's ``evaluate`` callable (the scheduler, or the dry run's
 memory oracle) and records every outcome in the ledger. It never evaluates a name twice (a config already
 run is reused: the knob-space candidate that is the mbs search's own config), never launches a config the
 memory model, as fitted to the runs so far, puts over the per-device budget with its margin (recorded as
 ``Status.REFUSED``, with its prediction), never launches a candidate the throughput model says cannot beat
-the best by more than the target precision (:mod:`~zerotune.strategy.prediction`: recorded as skipped, with the
+the best by more than the target precision (`zerotune.strategy.prediction`: recorded as skipped, with the
 prediction), sets the bar a new run races against, and runs re-measurements. The phases decide what to
 evaluate; this module only evaluates it.
 """
@@ -50,7 +50,7 @@ def buying(rule: str) -> Iterator[None]:
 
 
 def current_rule() -> str:
-    """The rule buying launches now (:func:`buying`); "" outside any."""
+    """The rule buying launches now (`buying`); "" outside any."""
     return ": ".join(_RULE.get())
 
 
@@ -74,7 +74,7 @@ class Evaluator:
                  bar: float | None = None) -> list[Experiment]:
         """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes.
 
-        With ``race`` each new experiment races the incumbent (``bar``, by default :meth:`bar`): a
+        With ``race`` each new experiment races the incumbent (``bar``, by default `bar`): a
         backend with a stop rule may end it once it cannot beat it. Re-measurements do not race: they
         are run for precision. Returns the experiments' outcomes, in order.
         """
@@ -114,12 +114,12 @@ class Evaluator:
 
     def launch_outside_ledger(self, experiments: Sequence[Experiment]) -> list[Experiment]:
         """Run ``experiments`` as they are, outside the ledger: no candidate of the answer rule, no reading of the
-        memory fit, no launch budget (a verification run, :mod:`zerotune.strategy.longest`)."""
+        memory fit, no launch budget (a verification run, `zerotune.strategy.longest`)."""
         return list(self._evaluate(list(experiments)))
 
     def _not_launched(self, exp: Experiment, refusal: str) -> None:
         """Record ``exp`` as refused without launching it (``Status.REFUSED``, ``error`` = ``refusal``: its
-        prediction and the margin, :meth:`~zerotune.model.online.OnlineMemory.refusal`). A stage's largest mbs is
+        prediction and the margin, `zerotune.model.online.OnlineMemory.refusal`). A stage's largest mbs is
         planned from the profile run before any of its runs; a later run that measures more (a steeper activation
         slope, another stage's) would otherwise see the plan launched into an OOM the fitted model predicts."""
         exp.status, exp.metric, exp.error = Status.REFUSED, None, refusal
@@ -129,7 +129,7 @@ class Evaluator:
     def _skipped(self, exp: Experiment) -> bool:
         """Record ``exp`` as skipped without launching it when the throughput model, fitted on the runs so
         far, says it cannot beat the best by more than the target precision
-        (:func:`~zerotune.strategy.prediction.predict`)."""
+        (`zerotune.strategy.prediction.predict`)."""
         objective = self.job.objective
         if objective.name != "throughput":  # the throughput model's unit, samples/s
             return False
@@ -150,7 +150,7 @@ class Evaluator:
 
     def _correct_memory(self, exp: Experiment) -> None:
         """The memory model refitted with a finished experiment's peak, or its out-of-memory bound
-        (:meth:`zerotune.model.online.OnlineMemory.observed`)."""
+        (`zerotune.model.online.OnlineMemory.observed`)."""
         if self.result.memory is not None:
             self.result.memory, why = self.result.memory.observed(exp, self.job.device_memory_bytes)
             if why:
@@ -159,13 +159,13 @@ class Evaluator:
     @property
     def precision(self) -> float:
         """The target precision of a run's metric (relative 95% half-width): ``--precision``, which
-        also ends runs early when they are adaptive; :data:`DEFAULT_PRECISION` with ``--no-adaptive``."""
+        also ends runs early when they are adaptive; `DEFAULT_PRECISION` with ``--no-adaptive``."""
         return self.job.stop_rule.precision if self.job.stop_rule is not None else DEFAULT_PRECISION
 
     def bar(self) -> float | None:
-        """The bar a new experiment must beat (:func:`zerotune.core.noise.must_beat`): the pessimistic
+        """The bar a new experiment must beat (`zerotune.core.noise.must_beat`): the pessimistic
         bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
-        run without an interval: :data:`PLATEAU_THRESHOLD`); None before any experiment ran ok."""
+        run without an interval: `PLATEAU_THRESHOLD`); None before any experiment ran ok."""
         objective = self.job.objective
         pooled = self.ledger.pooled()
         best = objective.best(pooled, lambda name: pooled[name].value)
@@ -178,8 +178,8 @@ class Evaluator:
     def launch_noise(self, stage: int, best: str) -> float:
         """How far apart (relative, at 95%) one new run of ZeRO ``stage`` and the config ``best`` can read by noise
         alone: ``sqrt(h ** 2 + hw ** 2 + (2 * sigma) ** 2)``, with ``h`` the best's half-width over its runs
-        (:meth:`~zerotune.strategy.ledger.Ledger.half_width`), ``hw`` what a run's own interval will be
-        (:func:`~zerotune.core.noise.typical_half_width` of the stage's runs, else of every run; unknown: 0) and
+        (`zerotune.strategy.ledger.Ledger.half_width`), ``hw`` what a run's own interval will be
+        (`zerotune.core.noise.typical_half_width` of the stage's runs, else of every run; unknown: 0) and
         ``sigma`` the run-to-run noise. Runs are as long as the script and the stop rule let them be, so this is
         the finest difference one more launch can resolve."""
         ran = [e for e in self.ledger.experiments if e.status is Status.OK and e.kind is not ExperimentKind.PROFILE]
@@ -188,8 +188,8 @@ class Evaluator:
         return math.sqrt(self.ledger.half_width(best) ** 2 + hw ** 2 + (2 * self.ledger.run_noise.sigma) ** 2)
 
     def known_to_precision(self, exp: Experiment) -> bool:
-        """Whether one run tells ``exp``'s metric to the target precision (:attr:`precision`), under the
-        ledger's run-to-run noise (:func:`zerotune.core.noise.known_to_precision`)."""
+        """Whether one run tells ``exp``'s metric to the target precision (`precision`), under the
+        ledger's run-to-run noise (`zerotune.core.noise.known_to_precision`)."""
         return known_to_precision(exp.metric_rel_half_width, self.precision, self.ledger.run_noise.sigma)
 
     def pooled(self, name: str) -> Pooled | None:
@@ -209,12 +209,12 @@ class Evaluator:
         return [self.pooled(base.name) for base in experiments]
 
     def memory_fraction(self, exp: Experiment) -> float | None:
-        """``exp``'s measured peak over the per-device budget (:func:`~zerotune.strategy.capacity.memory_fraction`);
+        """``exp``'s measured peak over the per-device budget (`zerotune.strategy.capacity.memory_fraction`);
         None without a peak, and on CPU ranks (no capacity to read against)."""
         return memory_fraction(exp.peak_memory_bytes, self.job.capacity_bytes)
 
     def host_fits(self, ds_config: dict) -> bool:
         """Whether what ``ds_config`` offloads to the host fits each node's host memory
-        (:meth:`zerotune.model.online.OnlineMemory.host_fits`; True when the model or the host memory is unknown)."""
+        (`zerotune.model.online.OnlineMemory.host_fits`; True when the model or the host memory is unknown)."""
         memory = self.result.memory
         return memory is None or memory.host_fits(ds_config, self.job.host_memory_bytes, self.job.slots_per_node)

@@ -1,15 +1,15 @@
 """The fine pass of the mbs search: a few bisections next to a stage's best mbs, only where they may pay.
 
-It bisects the gaps next to the best mbs, as the answer rule picks it (:meth:`MbsTrace.answer
+It bisects the gaps next to the best mbs, as the answer rule picks it (`MbsTrace.answer
 <zerotune.strategy.points.MbsTrace.answer>`: away from the capacity the readings count as one curve rising
 with mbs, whose value is at its largest mbs), up to a budget of runs. For throughput a gap is bisected only
 where it may pay: a step time affine in mbs (fixed per-step work plus compute per sample, the roofline view)
 puts no peak between two measured points, so the gap above is skipped where that line predicts no gain the
-runs can resolve (:func:`_above_may_pay`), and the gap below unless the best ran near capacity or of
-unknown capacity (:func:`_below_may_pay`). The gap below is skipped, too, where the best and the point below
-it are a precise plateau (:func:`_plateau`); either gap where its far point reads so far under the best that even
+runs can resolve (`_above_may_pay`), and the gap below unless the best ran near capacity or of
+unknown capacity (`_below_may_pay`). The gap below is skipped, too, where the best and the point below
+it are a precise plateau (`_plateau`); either gap where its far point reads so far under the best that even
 at the far end of their noise it would only tie it, or beat it by no more than one run of the trace's length
-resolves (:func:`_at_most_a_tie`): the curve does not rise towards that point there. Neither skip holds at the
+resolves (`_at_most_a_tie`): the curve does not rise towards that point there. Neither skip holds at the
 memory boundary (an out-of-memory point above, or one near the capacity), where the allocator's flushes can slow
 a step and a tie hides a peak between. The evidence is in docs/decisions.md, D105, D311 and D322.
 """
@@ -23,15 +23,15 @@ from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
 
 
 def refine_mbs(evaluate: Evaluate, trace: MbsTrace, bounds: SearchBounds) -> None:
-    """The fine pass alone, on a trace :func:`~zerotune.strategy.mbs.search_mbs` left without one
-    (:meth:`SearchBounds.coarse`): bisect the gaps next to its best mbs, up to ``bounds.num_fine`` experiments
-    (recorded in ``trace``). Arguments as in :func:`~zerotune.strategy.mbs.search_mbs`."""
+    """The fine pass alone, on a trace `zerotune.strategy.mbs.search_mbs` left without one
+    (`SearchBounds.coarse`): bisect the gaps next to its best mbs, up to ``bounds.num_fine`` experiments
+    (recorded in ``trace``). Arguments as in `zerotune.strategy.mbs.search_mbs`."""
     if trace.best(bounds.objective) is not None:
         fine_pass(runner(trace, evaluate), trace, bounds)
 
 
 def fine_gaps(trace: MbsTrace, bounds: SearchBounds) -> list[int]:
-    """The mbs values (of ``bounds.values``) in the gaps :func:`fine_pass` bisects on ``trace``: strictly between
+    """The mbs values (of ``bounds.values``) in the gaps `fine_pass` bisects on ``trace``: strictly between
     the nearest mbs run ok below the point the answer rule picks and the nearest run ok or out of memory above it,
     that point left out; [] when the trace has no best. What a stop before the fine pass leaves undecided."""
     if trace.best(bounds.objective) is None:
@@ -74,8 +74,8 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
 
 def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -> bool:
     """True when the measured point ``a`` and ``best`` are both known to ``precision`` (their runs'
-    intervals, :func:`~zerotune.core.noise.precise`; None: never) and tie within their noise
-    (:func:`~zerotune.core.noise.within_noise`): the curve is flat between them, so the gap between them
+    intervals, `zerotune.core.noise.precise`; None: never) and tie within their noise
+    (`zerotune.core.noise.within_noise`): the curve is flat between them, so the gap between them
     holds no mbs better by more than one run can tell. A tie of imprecise points is ignorance, not a plateau."""
     if precision is None or not a.ok:
         return False
@@ -86,9 +86,9 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
 def _at_most_a_tie(low: Point, best: Point, trace: MbsTrace, threshold: float, precision: float | None) -> bool:
     """True when the measured point next to the best (throughput), ``low``, could beat it by no more than
     ``precision``, or no more than one run between them could resolve, even at the far end of their noise: its
-    reading's shortfall less their :func:`~zerotune.core.noise.pair_noise` (``gain_high``) is not
-    :func:`~zerotune.core.noise.resolvable` against one more run of the trace's length (its interval the trace's
-    :func:`~zerotune.core.noise.typical_half_width`) compared with the best. The curve does not rise towards the
+    reading's shortfall less their `zerotune.core.noise.pair_noise` (``gain_high``) is not
+    `zerotune.core.noise.resolvable` against one more run of the trace's length (its interval the trace's
+    `zerotune.core.noise.typical_half_width`) compared with the best. The curve does not rise towards the
     neighbour there, so a bisection between them would at best find a tie, or a reading that moves the answer
     only by chance (None: never). Above the best it is asked only of a neighbour that ran ok off the capacity: the
     allocator's flushes slow a step near it, and an out-of-memory neighbour is the memory boundary."""
@@ -118,7 +118,7 @@ def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
 def _above_may_pay(trace: MbsTrace, best: Point, mid: int, threshold: float) -> bool:
     """Whether the gap above the best (throughput) may hold a better mbs at its middle ``mid``: not when the
     affine step time through the best and the nearest runnable point below it not near the capacity
-    (:func:`affine_gain`) predicts there a gain under ``threshold``, or one within the noise of the two
+    (`affine_gain`) predicts there a gain under ``threshold``, or one within the noise of the two
     points it comes from. Extended above the best, that line is what the step's fixed work still has to
     amortize; the allocator's flushes near capacity only slow a step. With no such point below, or no
     prediction, it may."""

@@ -1,13 +1,13 @@
 """The gas phase: gradient accumulation at the best stage's best mbs, where the batch semantics search it.
 
-At the best stage's best mbs ``m`` (:mod:`zerotune.strategy.batch`): first ``m``'s global batch split in two
+At the best stage's best mbs ``m`` (`zerotune.strategy.batch`): first ``m``'s global batch split in two
 (``m // 2`` at twice the gas), then the config's list of gas values at ``m`` (each tried), or a doubling ladder
 within ``max_train_batch_size`` that stops at a plateau or a failure. A run is skipped where it cannot pay:
 
 - the split, unless the mbs search measured a point from ``m // 2`` up to ``m`` within the noise of ``m``
   (with throughput rising with mbs, that point bounds the split's micro-batches from above; without one the
   smaller micro-batch is the slower one), or where doubling the gas amortizes too little
-  (:func:`~zerotune.strategy.batch.doubling_gain_bound` under :data:`PLATEAU_THRESHOLD`);
+  (`zerotune.strategy.batch.doubling_gain_bound` under `PLATEAU_THRESHOLD`);
 - a rung of the ladder, where the same bound from the rung below is under the threshold: it would end the
   ladder as a plateau even if it ran.
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class GasPhase:
-    """One gas phase over the explored ``stages``; :meth:`run` returns the (mbs, gas) that beat each stage's
+    """One gas phase over the explored ``stages``; `run` returns the (mbs, gas) that beat each stage's
     mbs search's best (at most one stage: the best)."""
 
     def __init__(self, ev: Evaluator, stages: list[StageResult]):
@@ -40,7 +40,7 @@ class GasPhase:
         self.top: StageResult | None = None  # the stage (and saver) the phase runs on
 
     def run(self) -> dict[int | str, tuple[int, int]]:
-        """Run the phase (the module docstring) and return :attr:`best_batch`."""
+        """Run the phase (the module docstring) and return `best_batch`."""
         ev, batch = self.ev, self.ev.job.batch
         tops = knob_stages(self.stages, ev.job.objective)[:1]
         if not tops:
@@ -80,7 +80,7 @@ class GasPhase:
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
         """The measured point that makes the split worth a run, or None: the smallest point in ``[half,
         point.mbs)`` where it is no faster than ``point`` or ties it within the runs' noise
-        (:func:`~zerotune.core.noise.within_noise`)."""
+        (`zerotune.core.noise.within_noise`)."""
         objective = self.ev.job.objective
         trace = self.top.trace if self.top is not None else next(r.trace for r in self.stages if r.stage == stage)
         between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
@@ -92,7 +92,7 @@ class GasPhase:
 
     def split_cannot_pay(self, stage: int, half: int, gas: int, evidence: Point) -> bool:
         """Whether the split (``half`` at ``gas``) is not worth a run: its micro-batches are no faster than
-        ``evidence`` (:meth:`split_evidence`), and it gains over them at most what its doubled gas amortizes.
+        ``evidence`` (`split_evidence`), and it gains over them at most what its doubled gas amortizes.
         The share at ``half`` is at most ``evidence``'s measured share times ``evidence.mbs / half`` (the
         once-per-step time is the same, and a micro-step's time falls no faster than its mbs)."""
         base = self.ev.ledger.get(self._experiment(stage, evidence.mbs).name)
@@ -109,8 +109,8 @@ class GasPhase:
 
     def rung_cannot_pay(self, base: Experiment, gas: int) -> bool:
         """Whether the ladder's rung at ``gas`` is not worth a run, from ``base``, the same config at half that
-        gas: it gains at most :func:`~zerotune.strategy.batch.doubling_gain_bound` of ``base``'s measured
-        once-per-step share, under :data:`PLATEAU_THRESHOLD`."""
+        gas: it gains at most `zerotune.strategy.batch.doubling_gain_bound` of ``base``'s measured
+        once-per-step share, under `PLATEAU_THRESHOLD`."""
         share = self.boundary_share(base)
         bound = self.bound_under_threshold(share, base)
         if bound is None:
@@ -121,8 +121,8 @@ class GasPhase:
         return True
 
     def bound_under_threshold(self, share: float | None, base: Experiment | None) -> float | None:
-        """:func:`~zerotune.strategy.batch.doubling_gain_bound` of ``share`` for ``base``'s config where
-        throughput is tuned and the bound is under :data:`PLATEAU_THRESHOLD`; else None."""
+        """`zerotune.strategy.batch.doubling_gain_bound` of ``share`` for ``base``'s config where
+        throughput is tuned and the bound is under `PLATEAU_THRESHOLD`; else None."""
         if base is None or not self.ev.job.objective.higher_is_better:
             return None
         bound = doubling_gain_bound(share, base.ds_config)
@@ -143,7 +143,7 @@ class GasPhase:
         larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are
         re-measured and the pooled metrics decide. With ``larger_batch`` (a rung of the ladder) only a win is
         re-measured, and the run races ``best``'s own metric, not its pessimistic bound. A win is recorded in
-        :attr:`best_batch`.
+        `best_batch`.
         """
         ev = self.ev
         bar = ev.pooled(best.name).value if larger_batch else None
@@ -161,7 +161,7 @@ class GasPhase:
 
     def _compare(self, exp: Experiment, best: Experiment) -> tuple[float, list[Experiment]]:
         """(``exp``'s gain over ``best`` on their pooled metrics, the one-run sides to re-measure first: those of a
-        difference another run can decide (:func:`~zerotune.core.noise.replica_decides`); else none)."""
+        difference another run can decide (`zerotune.core.noise.replica_decides`); else none)."""
         ev = self.ev
         pooled = ev.ledger.pooled()
         a, b = pooled[exp.name], pooled[best.name]

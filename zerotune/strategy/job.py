@@ -1,11 +1,11 @@
 """The tuning job: every input resolved once, before anything runs.
 
-A :class:`Job` is built by :meth:`Job.build` from what the ``deepspeed`` launcher's user gives (the script, its
-arguments carrying the ds_config, the selected device slots) and zerotune's own options (:class:`TuneOptions`), by the
+A `Job` is built by `Job.build` from what the ``deepspeed`` launcher's user gives (the script, its
+arguments carrying the ds_config, the selected device slots) and zerotune's own options (`TuneOptions`), by the
 CLI and the Python API alike. It is frozen: the strategy, the config builder, the scheduler's launch spec and the
 results all read the same resolved values (DP world size, per-device memory budget, objective, mbs bounds, paths), and
-every bad input is a :class:`~zerotune.core.errors.ConfigError` here, before the first launch (the checks themselves
-are in :mod:`zerotune.strategy.job_checks`).
+every bad input is a `zerotune.core.errors.ConfigError` here, before the first launch (the checks themselves
+are in `zerotune.strategy.job_checks`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ _SET_PER_EXPERIMENT = ("enabled", "metric_path", "model_info_path")
 
 @dataclass(frozen=True)
 class Job:
-    """A tuning job with every input resolved (build it with :meth:`build`).
+    """A tuning job with every input resolved (build it with `build`).
 
     Attributes:
         script, script_args: the training script and its arguments (with the ds_config flag).
@@ -51,7 +51,7 @@ class Job:
         world_size: ranks per experiment (``num_nodes * slots_per_node``).
         mp_size, dp_world_size: model-parallel size and data-parallel world size
             (``world_size / mp_size``).
-        batch: how mbs, gas and train_batch_size relate (:class:`BatchSemantics`).
+        batch: how mbs, gas and train_batch_size relate (`BatchSemantics`).
         stages: the ZeRO stages to explore, ascending.
         cpu: DeepSpeed runs on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
         device_memory_bytes: the per-device memory budget, bytes.
@@ -63,20 +63,20 @@ class Job:
         model_info: the model's size from ``autotuning.model_info`` (for ``--dry-run`` without a
             profile run), or None.
         results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
-        timeout_s, hang_timeout_s, hostfile, backend, ray_address: see :class:`TuneOptions`.
+        timeout_s, hang_timeout_s, hostfile, backend, ray_address: see `TuneOptions`.
         stop_rule: when a running experiment may end early (None: never, ``adaptive`` off).
         arg_mappings: ``autotuning.arg_mappings`` (ds_config key -> script flag), checked
-            (:mod:`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
+            (`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
         script_autos: the ``"auto"`` values the script's arguments resolve before anything runs
-            (gas, precision; :func:`zerotune.deepspeed.auto.script_autos`).
-        variables: the ``$VAR`` placeholders' candidates (:mod:`zerotune.strategy.variables`).
+            (gas, precision; `zerotune.deepspeed.auto.script_autos`).
+        variables: the ``$VAR`` placeholders' candidates (`zerotune.strategy.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
         host_memory_bytes: host memory per node that offload must fit in, bytes (None: not checked;
-            see :class:`TuneOptions`).
-        checkpointing: the savers phase may try activation checkpointing (:func:`checkpointing_flag`): the
+            see `TuneOptions`).
+        checkpointing: the savers phase may try activation checkpointing (`checkpointing_flag`): the
             script takes it through ``arg_mappings[CHECKPOINTING]``.
-        savers, nvme_path, longest: see :class:`TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
-        launcher: the user's launcher (:mod:`zerotune.launchers`); config_source: where it carries the ds_config.
+        savers, nvme_path, longest: see `TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
+        launcher: the user's launcher (`zerotune.launchers`); config_source: where it carries the ds_config.
     """
 
     script: str

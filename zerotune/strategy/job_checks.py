@@ -1,5 +1,5 @@
-"""The checks :meth:`~zerotune.strategy.job.Job.build` runs on a tuning job's inputs before anything
-runs: each bad input is a :class:`~zerotune.core.errors.ConfigError` naming the flag or the config
+"""The checks `zerotune.strategy.job.Job.build` runs on a tuning job's inputs before anything
+runs: each bad input is a `zerotune.core.errors.ConfigError` naming the flag or the config
 file and key, never a failed launch later.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ timeout is a typo (``1e308``), not a limit."""
 
 
 def check_options(options: Any) -> None:
-    """zerotune's own options (a :class:`~zerotune.strategy.job.TuneOptions`): a known backend, a
-    precision between 0 and 1, timeouts from 1 s to :data:`MAX_TIMEOUT_S`, an ``--nvme-path`` that is a directory."""
+    """zerotune's own options (a `zerotune.strategy.job.TuneOptions`): a known backend, a
+    precision between 0 and 1, timeouts from 1 s to `MAX_TIMEOUT_S`, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}: expected 'local', 'ray' or 'slurm'")
     if not 0 < options.precision < 1:
@@ -114,7 +114,7 @@ def check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSema
                      source: str) -> tuple[str, ...]:
     """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
     gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
-    substituted; :func:`zerotune.strategy.variables.parse_variables` checks those).
+    substituted; `zerotune.strategy.variables.parse_variables` checks those).
     Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
     and gas (which the search then replaces) is said, never silently overwritten."""
     dp, notes = batch.dp_world_size, []
@@ -154,7 +154,7 @@ def check_cpu_ranks(budget_bytes: int, local_ranks: int) -> None:
 
 def check_output_dirs(options: Any, at: AutotuningConfig, config_path: str, results_dir: Path) -> None:
     """The results directory, and the experiments directory unless it lies inside it (``--results-dir``
-    given), can be made (:func:`check_writable_dir`), each named by the flag or key that set it."""
+    given), can be made (`check_writable_dir`), each named by the flag or key that set it."""
     for flag, path in (("--results-dir" if options.results_dir else f"{config_path}: 'autotuning.results_dir'",
                         results_dir),
                        (f"{config_path}: 'autotuning.exps_dir'", None if options.results_dir else Path(at.exps_dir))):

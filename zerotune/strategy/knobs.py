@@ -1,8 +1,8 @@
 """The knob phase (``"fast": false``): each knob stage's tuning space walked by the configured tuner.
 
-The knob stages are the best explored stage and the next best when within :data:`KNOB_STAGE_MARGIN` of it,
+The knob stages are the best explored stage and the next best when within `KNOB_STAGE_MARGIN` of it,
 each at its best mbs (and gas, where the gas phase found a better one). The space
-(:meth:`~zerotune.strategy.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the
+(`zerotune.strategy.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the
 slots can run at once; configs that already ran (the mbs phase's own config) are told, not run again.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ KNOB_STAGE_MARGIN = 0.05
 
 def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tuple[StageResult, Point]]:
     """Stages (each with its memory saver, if any) whose knobs are tuned, with their best point: the best explored
-    stage, and the next best when within :data:`KNOB_STAGE_MARGIN` of it. The first is the gas phase's stage too."""
+    stage, and the next best when within `KNOB_STAGE_MARGIN` of it. The first is the gas phase's stage too."""
     tops = [(r, r.trace.best(objective)) for r in stages if r.decision is StageDecision.EXPLORED]
     tops = [(s, p) for s, p in tops if p is not None]
     if not tops:
@@ -37,7 +37,7 @@ def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tup
 
 def tune_knobs(ev: Evaluator, parallel: int, best_batch: dict[int | str, tuple[int, int]]) -> None:
     """Walk each knob stage's space (the module docstring), at the (mbs, gas) of ``best_batch`` where it has
-    the stage (by :attr:`StageResult.key`); record each phase in the result's ``knob_phases``."""
+    the stage (by `StageResult.key`); record each phase in the result's ``knob_phases``."""
     job, memory = ev.job, ev.result.memory
     at = job.autotuning
     fits = None if memory is None else (lambda c: memory.fits(c, job.device_memory_bytes) and ev.host_fits(c))

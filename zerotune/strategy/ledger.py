@@ -1,9 +1,9 @@
 """The ledger: every experiment the strategy was told the outcome of, the one record the report reads.
 
-Experiments enter through one door (:meth:`Ledger.add`), in the order the strategy asked for them, with
+Experiments enter through one door (`Ledger.add`), in the order the strategy asked for them, with
 their outcomes: runs, re-measurements (replicas, ``<name>_r<k>``), and configs the memory model kept from
 launching. Everything the strategy decides on is derived from it: a config's runs, their pooled metrics,
-the run-to-run noise and the answer (:func:`~zerotune.strategy.answer.best_experiment`), computed once per
+the run-to-run noise and the answer (`zerotune.strategy.answer.best_experiment`), computed once per
 state of the ledger.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Ledger:
         objective: what the answer maximizes or minimizes (None: no answer is read, e.g. a bare ledger).
         budget_bytes: the per-device budget the answer rule reads capacity against (None on CPU ranks).
         precision: the target precision (relative): configs within it of the best reading tie, and the tie order
-            takes one (:func:`~zerotune.strategy.answer.decide`); None: no ties.
+            takes one (`zerotune.strategy.answer.decide`); None: no ties.
     """
 
     def __init__(self, objective: Objective | None = None, budget_bytes: int | None = None,
@@ -32,11 +32,11 @@ class Ledger:
         self.precision = precision
         self.experiments: list[Experiment] = []
         self.run_noise: RunNoise = run_noise(())
-        """The run-to-run noise of the configs run more than once (:func:`~zerotune.core.noise.run_noise`),
-        updated by :meth:`update_run_noise` after every batch; every comparison of runs counts it."""
+        """The run-to-run noise of the configs run more than once (`zerotune.core.noise.run_noise`),
+        updated by `update_run_noise` after every batch; every comparison of runs counts it."""
         self.excluded: dict[str, str] = {}
         """Config name -> why it cannot be the answer though it ran (it does not fit the longest batch,
-        :mod:`zerotune.strategy.longest`); its runs are left out of the answer rule, not out of the ledger."""
+        `zerotune.strategy.longest`); its runs are left out of the answer rule, not out of the ledger."""
         self._by_name: dict[str, Experiment] = {}
         self._pooled: tuple[int, dict[str, Pooled]] = (0, {})
         self._answer: tuple[int, Experiment | None, Tie | None] = (0, None, None)
@@ -60,31 +60,31 @@ class Ledger:
         return [e for e in self.experiments if e.name == name or e.replica_of == name]
 
     def pooled(self) -> dict[str, Pooled]:
-        """Experiment name -> its metric pooled over its ok runs (:func:`~zerotune.core.measure.pooled_metrics`)."""
+        """Experiment name -> its metric pooled over its ok runs (`zerotune.core.measure.pooled_metrics`)."""
         if self._pooled[0] != len(self.experiments):
             self._pooled = (len(self.experiments), pooled_metrics(self.experiments))
         return self._pooled[1]
 
     def half_width(self, name: str) -> float:
         """The relative 95% half-width of experiment ``name``'s metric pooled over its ok runs, as an estimate of
-        what a run of it gives (:func:`~zerotune.core.noise.mean_half_width`: their own intervals, an unknown one as
+        what a run of it gives (`zerotune.core.noise.mean_half_width`: their own intervals, an unknown one as
         0, and the run-to-run noise)."""
         runs = [e.metric_rel_half_width for e in self.runs_of(name) if e.status is Status.OK]
         return mean_half_width(runs or [None], self.run_noise.sigma)
 
     @property
     def answer(self) -> Experiment | None:
-        """The answer so far (:func:`~zerotune.strategy.answer.decide`); None before any ran ok."""
+        """The answer so far (`zerotune.strategy.answer.decide`); None before any ran ok."""
         return self._decided()[1]
 
     @property
     def tie(self) -> Tie | None:
-        """The tie the answer was taken from (:class:`~zerotune.strategy.answer.Tie`); None: the answer reads
+        """The tie the answer was taken from (`zerotune.strategy.answer.Tie`); None: the answer reads
         better than every other config by more than the precision."""
         return self._decided()[2]
 
     def exclude(self, name: str, why: str) -> None:
-        """Keep config ``name`` (and its replicas) from being the answer, for ``why`` (:attr:`excluded`)."""
+        """Keep config ``name`` (and its replicas) from being the answer, for ``why`` (`excluded`)."""
         self.excluded[name] = why
         self._answer = (-1, None, None)
 
@@ -100,13 +100,13 @@ class Ledger:
     @property
     def first_run_answer(self) -> Experiment | None:
         """The answer the first runs alone give (every replica left out): what the re-measurements changed,
-        where it differs from :attr:`answer`; None before any ran ok or without an objective."""
+        where it differs from `answer`; None before any ran ok or without an objective."""
         if self.objective is None:
             return None
         return best_experiment([e for e in self._candidates() if e.replica_of is None], self.objective,
                                self.budget_bytes, self.precision)
 
     def update_run_noise(self) -> tuple[RunNoise, RunNoise]:
-        """Re-estimate :attr:`run_noise` from the runs so far; (before, now)."""
+        """Re-estimate `run_noise` from the runs so far; (before, now)."""
         before, self.run_noise = self.run_noise, run_noise(self.experiments)
         return before, self.run_noise

@@ -1,13 +1,13 @@
 """The answer at the longest batch: a config that fits the batches the tuning saw but not the longest the training
 can meet is not the answer; the next one that fits is.
 
-After every other phase, :func:`settle_longest` takes the longest batch (:func:`~zerotune.model.tokens.longest_batch`:
+After every other phase, `settle_longest` takes the longest batch (`zerotune.model.tokens.longest_batch`:
 ``--max-seq-len``, else the model's maximum positions where the batches' lengths vary, else the longest seen) and
-checks the answer's predicted peak there (:func:`~zerotune.model.tokens.check_longest`). An answer over the budget
-is excluded from the answer rule (:meth:`~zerotune.strategy.ledger.Ledger.exclude`) and the next answer is checked,
+checks the answer's predicted peak there (`zerotune.model.tokens.check_longest`). An answer over the budget
+is excluded from the answer rule (`zerotune.strategy.ledger.Ledger.exclude`) and the next answer is checked,
 until one fits or none is left to check (then the last stands, said so). With ``--verify-longest`` the answer then
 runs once with every micro batch padded to the longest length (the probe's pad file:
-:attr:`~zerotune.core.experiment.Experiment.pad_seq_len`); such a run is not a candidate and teaches the memory fit
+`zerotune.core.experiment.Experiment.pad_seq_len`); such a run is not a candidate and teaches the memory fit
 nothing. One that runs out of memory excludes its config, and the next answer is checked and verified the same way.
 A workload without token ids (no length recorded) or of one fixed length is left as it is.
 """
@@ -84,9 +84,9 @@ def _outcome(run: Experiment, predicted: int | None) -> str:
 
 def settle_longest(ev, options: LongestOptions, max_positions: int | None, square: float = 0.0) -> LongestResult:
     """Check (and with ``options.verify`` run) the answer at the longest batch (module docstring); ``ev``: the
-    strategy's :class:`~zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown);
+    strategy's `zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown);
     ``square``: its attention scores' bytes per token squared per sample
-    (:func:`~zerotune.model.tokens.square_bytes`)."""
+    (`zerotune.model.tokens.square_bytes`)."""
     result, ledger, budget = LongestResult(), ev.ledger, ev.job.device_memory_bytes
     memory = ev.result.memory
     runs = [e for e in ledger.experiments if e.kind is not ExperimentKind.PROFILE]

@@ -1,7 +1,7 @@
 """The micro-batch search of one ZeRO stage: which mbs values to try, in what order, and when to stop.
 
-:func:`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate`` callable and
-learns from the outcomes (``Status`` and metric). Why it stopped is a :class:`StopReason`. Two directions,
+`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate`` callable and
+learns from the outcomes (``Status`` and metric). Why it stopped is a `StopReason`. Two directions,
 after the metric's:
 
 - **Throughput** (a larger mbs tends to win, until memory runs out): top-down. The first run is at the
@@ -9,7 +9,7 @@ after the metric's:
   halves until a size runs and bisects up to the failure. If it runs, the search climbs above it by
   doubling while it runs and gains (a failure: binary search for the boundary; a gain under ``threshold``:
   plateau). It looks below the best only where the best ran near the device's capacity
-  (:mod:`~zerotune.strategy.capacity`), where a caching allocator's flushes can slow a step: at the largest
+  (`zerotune.strategy.capacity`), where a caching allocator's flushes can slow a step: at the largest
   mbs the memory model puts under that fraction (``Point.calm_mbs``), and further down only while that
   pays by ``threshold``. Away from the capacity throughput rises with mbs (fixed per-step work amortized
   over more samples), so nothing below can win; where the capacity is unknown (CPU ranks, whose caches can
@@ -19,11 +19,11 @@ after the metric's:
   mbs; plateau detection (the short step onto the memory estimate is not tested, it only positions the
   ladder).
 
-Then the fine pass (:mod:`~zerotune.strategy.fine`) bisects around the best mbs. The search moves over a
+Then the fine pass (`zerotune.strategy.fine`) bisects around the best mbs. The search moves over a
 sorted set of allowed mbs values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the
 divisors that keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
 "bisecting" pick from that set. A step the throughput model keeps from launching (``Status.SKIPPED``,
-:mod:`~zerotune.strategy.prediction`) ends the climb: its upper bound rises with mbs, so no mbs between the
+`zerotune.strategy.prediction`) ends the climb: its upper bound rises with mbs, so no mbs between the
 best and it can win either.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known
     """Search the micro batch size of one stage (the module docstring gives the order).
 
     Args:
-        evaluate: runs a batch of mbs values and returns one :class:`Point` each.
+        evaluate: runs a batch of mbs values and returns one `Point` each.
         bounds: the mbs values allowed, the objective, the plateau threshold (a latency ladder's step onto the
             estimate is not tested against it), the target precision (the fine pass skips the gap below the
             best when both ends are known to it and tie; None: it never skips) and the fine pass's budget.
@@ -57,7 +57,7 @@ def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known
             when one of them ran, the smallest mbs is not run (memory grows with mbs) and the
             ladder starts at the largest known runnable mbs. A known failure is never re-run.
         confirm: when given, a step that would end the climb as a plateau by a difference within
-            the two runs' noise (:func:`within_noise`) is not decided on one run: the step and the
+            the two runs' noise (`within_noise`) is not decided on one run: the step and the
             best so far are re-measured once (interleaved) and the plateau test is made on the
             pooled metrics, unless the difference is within the precision (a tie).
 
@@ -92,10 +92,10 @@ def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known
 
 def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
            confirm: Confirm | None) -> StopReason:
-    """Climb from the runnable ``prev`` by :func:`next_mbs` steps until the cap, a failure (then
-    :func:`_bisect` to the boundary) or a plateau (a step gaining less than the threshold; not the
+    """Climb from the runnable ``prev`` by `next_mbs` steps until the cap, a failure (then
+    `_bisect` to the boundary) or a plateau (a step gaining less than the threshold; not the
     step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, where
-    another run can decide, :func:`~zerotune.core.noise.replica_decides`: not a tie, and blocked by the
+    another run can decide, `zerotune.core.noise.replica_decides`: not a tie, and blocked by the
     run-to-run noise, not the runs' own intervals)."""
     values, objective, threshold, precision = bounds.values, bounds.objective, bounds.threshold, bounds.precision
     best = trace.best(objective)
@@ -125,7 +125,7 @@ def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
 def _top_down(run, trace: MbsTrace, bounds: SearchBounds, estimate: int, confirm: Confirm | None) -> None:
     """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
     (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
-    (a failure: bisect to the boundary), then look below (:func:`_look_below`). Evidence: docs/decisions.md,
+    (a failure: bisect to the boundary), then look below (`_look_below`). Evidence: docs/decisions.md,
     D104."""
     values = bounds.values
     known_ok = [p.mbs for p in trace.ok_points]

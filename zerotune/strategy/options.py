@@ -1,5 +1,5 @@
-"""zerotune's own options for a tuning (:class:`TuneOptions`), beyond the ds_config's ``autotuning`` section: what the
-CLI's options and the Python API give :meth:`zerotune.strategy.job.Job.build`."""
+"""zerotune's own options for a tuning (`TuneOptions`), beyond the ds_config's ``autotuning`` section: what the
+CLI's options and the Python API give `zerotune.strategy.job.Job.build`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,30 +20,30 @@ class TuneOptions:
             device's memory).
         results_dir: overrides ``autotuning.results_dir``; experiments then go to ``<dir>/exps``.
         timeout_s, hang_timeout_s: per-experiment wall-clock limit and no-output limit, seconds.
-        warm: fork ranks from a preloaded server (:mod:`zerotune.run.warm`); False: ``--cold-launch``.
+        warm: fork ranks from a preloaded server (`zerotune.run.warm`); False: ``--cold-launch``.
         overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
         hostfile: the launcher's hostfile, for multi-node experiments.
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
         backend: ``local`` (the deepspeed launcher as a subprocess), ``ray`` (a Ray cluster) or ``slurm`` (srun).
         ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
         variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
-            (:mod:`zerotune.strategy.variables`).
+            (`zerotune.strategy.variables`).
         precision: adaptive experiments: end a run once its metric's 95% interval is within this
-            relative half-width (0.02 = ±2%; :mod:`zerotune.core.stopping`).
+            relative half-width (0.02 = ±2%; `zerotune.core.stopping`).
         adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
             ``end_profile_step``, as DeepSpeed's autotuner runs them.
         host_memory_bytes: host memory per node, bytes, that offloaded optimizer states and
             parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
             memory when every node is this machine (the local backend), else not checked. On CPU
-            ranks offload stays in the rank's own budget (:attr:`MemoryModel.host_on_device`).
-        savers: try checkpointing and offload where memory binds a stage (:mod:`zerotune.strategy.savers`);
+            ranks offload stays in the rank's own budget (`MemoryModel.host_on_device`).
+        savers: try checkpointing and offload where memory binds a stage (`zerotune.strategy.savers`);
             False: only what the config says (``--no-savers``). nvme_path: a directory on local NVMe
             (``--nvme-path``): the savers may offload there too, after the host.
         train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
             answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
-            device for an hour); None: no projection (:class:`zerotune.report.data.TrainingPlan`).
-        max_launches, max_device_hours: what the tuning may spend (:class:`~zerotune.strategy.budget.LaunchBudget`).
-        longest: ``--max-seq-len`` and ``--verify-longest`` (:class:`~zerotune.strategy.longest.LongestOptions`).
+            device for an hour); None: no projection (`zerotune.report.data.TrainingPlan`).
+        max_launches, max_device_hours: what the tuning may spend (`zerotune.strategy.budget.LaunchBudget`).
+        longest: ``--max-seq-len`` and ``--verify-longest`` (`zerotune.strategy.longest.LongestOptions`).
         master_port: the answer's rendezvous port (``cmd_optimal.txt``): the user's ``--master_port``; None:
             DeepSpeed's default, 29500. Each experiment takes a free port of its own.
     """

@@ -1,6 +1,6 @@
 """The memory-model oracle: ``evaluate`` for ``zerotune tune --dry-run``, launching nothing.
 
-The dry run runs the real :class:`~zerotune.strategy.tuning.Strategy` with this oracle in place of
+The dry run runs the real `zerotune.strategy.tuning.Strategy` with this oracle in place of
 the scheduler, so it lists exactly the experiments the strategy would try if the memory model
 were right. What the oracle answers:
 
@@ -35,8 +35,8 @@ class MemoryOracle:
             (the scheduler's resume lookup); only read, never written.
 
     Attributes:
-        model_info_source: where the model size came from (:data:`PROFILE_ON_DISK`,
-            :data:`GIVEN_MODEL_INFO`) or None when unknown; set when the profile is evaluated.
+        model_info_source: where the model size came from (`PROFILE_ON_DISK`,
+            `GIVEN_MODEL_INFO`) or None when unknown; set when the profile is evaluated.
     """
 
     def __init__(self, job: Job, load: Callable[[Experiment], Experiment | None]):

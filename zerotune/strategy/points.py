@@ -1,5 +1,5 @@
-"""Measured micro batch sizes: a :class:`Point` per mbs, a stage's :class:`MbsTrace`, and the value helpers the
-mbs search (:mod:`~zerotune.strategy.mbs`) and its fine pass (:mod:`~zerotune.strategy.fine`) share.
+"""Measured micro batch sizes: a `Point` per mbs, a stage's `MbsTrace`, and the value helpers the
+mbs search (`zerotune.strategy.mbs`) and its fine pass (`zerotune.strategy.fine`) share.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from zerotune.strategy.capacity import Capacity, capacity
 
 
 class StopReason(str, enum.Enum):
-    """Why :func:`search_mbs` stopped climbing."""
+    """Why `search_mbs` stopped climbing."""
 
     INFEASIBLE = "infeasible"  # the smallest mbs did not run
     PLATEAU = "plateau"  # a step improved the best metric by less than the threshold
@@ -45,7 +45,7 @@ class Point:
 
     @property
     def capacity(self) -> Capacity:
-        """How near the device's capacity it ran (:func:`~zerotune.strategy.capacity.capacity`)."""
+        """How near the device's capacity it ran (`zerotune.strategy.capacity.capacity`)."""
         return capacity(self.memory_fraction)
 
 
@@ -63,14 +63,14 @@ def launched(points: Sequence[Point]) -> bool:
 
 def pooled_point(exp: Experiment, pooled: Pooled, run_noise: float) -> Point:
     """``exp``'s point on its metric pooled over its ok runs: one run keeps its interval, pooled ones count as the
-    noise rules' floor (:func:`~zerotune.core.noise.within_noise`); ``run_noise`` the run-to-run noise known now."""
+    noise rules' floor (`zerotune.core.noise.within_noise`); ``run_noise`` the run-to-run noise known now."""
     return Point(exp.mbs, Status.OK, pooled.value, pooled.runs,
                  exp.metric_rel_half_width if pooled.runs == 1 else None, run_noise=run_noise)
 
 
 @dataclass
 class MbsTrace:
-    """What :func:`search_mbs` tried, in order, and why it stopped (``stop`` is None until the search stops;
+    """What `search_mbs` tried, in order, and why it stopped (``stop`` is None until the search stops;
     a probe-only trace keeps None)."""
 
     points: list[Point] = field(default_factory=list)
@@ -85,9 +85,9 @@ class MbsTrace:
         return objective.best(self.ok_points, lambda p: p.metric)
 
     def answer(self, objective: Objective) -> Point | None:
-        """The point the answer rule (:mod:`zerotune.strategy.answer`) picks among this stage's: for
+        """The point the answer rule (`zerotune.strategy.answer`) picks among this stage's: for
         throughput, the calm points as one curve rising with mbs, each other point on its own reading; for
-        latency, or without calm points, the best reading (:meth:`best`)."""
+        latency, or without calm points, the best reading (`best`)."""
         best = self.best(objective)
         if best is None or not objective.higher_is_better:
             return best

@@ -1,22 +1,22 @@
 """The skip rule: a candidate is launched only where the throughput model says it can beat the best.
 
-Before a micro-batch or gas experiment is launched (:class:`~zerotune.strategy.evaluation.Evaluator`), the
-throughput model (:mod:`zerotune.model.throughput`) bounds its throughput from the runs so far:
+Before a micro-batch or gas experiment is launched (`zerotune.strategy.evaluation.Evaluator`), the
+throughput model (`zerotune.model.throughput`) bounds its throughput from the runs so far:
 
 - **its own family** (the same config but for mbs: same ZeRO stage, gas and knobs) when one of its configs
-  ran ok: :func:`~zerotune.model.throughput.bounds` at its mbs;
+  ran ok: `zerotune.model.throughput.bounds` at its mbs;
 - else **any family** with two or more such runs at different mbs: the compute roofline
-  (:func:`~zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
+  (`zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
   per-step work; the tightest such ceiling.
 
-Each reading's half-width is what a run of that config gives (:meth:`~zerotune.strategy.ledger.Ledger.half_width`:
+Each reading's half-width is what a run of that config gives (`zerotune.strategy.ledger.Ledger.half_width`:
 the runs' own intervals and the run-to-run noise). Readings near the device's capacity
-(``Capacity.NEAR``, :mod:`~zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
-affine curve. The candidate is skipped (:data:`SKIPPED`, never launched) when its upper bound does not beat
+(``Capacity.NEAR``, `zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
+affine curve. The candidate is skipped (`SKIPPED`, never launched) when its upper bound does not beat
 the best pooled metric by more than the target precision (``--precision``), or by more than one run of it and the
-best can read apart by noise alone (runs as long as this tuning's read: :func:`~zerotune.core.noise.resolvable`):
+best can read apart by noise alone (runs as long as this tuning's read: `zerotune.core.noise.resolvable`):
 within either it is a tie the answer would not move for, or move for only by chance. Throughput only (a latency or FLOP/s search is not gated), and never a
-re-measurement; on CPU ranks only an mbs above its family's readings (:func:`predict`).
+re-measurement; on CPU ranks only an mbs above its family's readings (`predict`).
 docs/decisions.md, D108, D322.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def family_key(ds_config: dict) -> str:
 
 def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
     """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
-    noise), calm or of unknown capacity (:mod:`~zerotune.strategy.capacity`)."""
+    noise), calm or of unknown capacity (`zerotune.strategy.capacity`)."""
     pooled = ledger.pooled()
     out: dict[str, list[Reading]] = {}
     for exp in ledger.experiments:
@@ -82,9 +82,9 @@ def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading
 
 def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
             precision: float, cpu: bool = False, noise: float = 0.0) -> Prediction | None:
-    """The :class:`Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no bound from
-    :func:`model_bounds`, or an upper bound beating the best by more than ``precision`` and more than ``noise``, the
-    relative 95% noise of one run of it against the best: :func:`~zerotune.core.noise.resolvable`)."""
+    """The `Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no bound from
+    `model_bounds`, or an upper bound beating the best by more than ``precision`` and more than ``noise``, the
+    relative 95% noise of one run of it against the best: `zerotune.core.noise.resolvable`)."""
     if best is None:
         return None
     bound = model_bounds(exp, families, cpu)
@@ -113,7 +113,7 @@ def model_bounds(exp: Experiment, families: dict[str, list[Reading]],
 
 
 def roofline(families: dict[str, list[Reading]]) -> float | None:
-    """The tightest compute roofline (:func:`~zerotune.model.throughput.ceiling`, samples/s) of the families with
+    """The tightest compute roofline (`zerotune.model.throughput.ceiling`, samples/s) of the families with
     readings at two or more mbs: the most any config of the model could reach; None where no family gives one."""
     ceilings = [c for rs in families.values() if len({r.mbs for r in rs}) >= 2 and (c := ceiling(rs)) is not None]
     return min(ceilings) if ceilings else None

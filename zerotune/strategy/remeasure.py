@@ -1,16 +1,16 @@
 """The re-measurement policy before the answer: which configs get a second run, so the answer is not one
 lucky sample.
 
-- **Finalists** (:func:`confirm_answer`): the configs within the noise of the best (at most
-  :data:`FINAL_MARGIN`; at most :data:`FINAL_CANDIDATES`) are re-measured until each has two ok runs,
-  where another run can decide (:func:`~zerotune.core.noise.replica_decides`): the run-to-run noise
+- **Finalists** (`confirm_answer`): the configs within the noise of the best (at most
+  `FINAL_MARGIN`; at most `FINAL_CANDIDATES`) are re-measured until each has two ok runs,
+  where another run can decide (`zerotune.core.noise.replica_decides`): the run-to-run noise
   blocks, not the runs' own intervals, which steps narrow more cheaply than a launch. A finalist that the
-  readings and the curve both put below the best (:func:`below_on_the_curve`) is left out. A finalist within
-  the target precision of the best is a tie (:func:`~zerotune.core.noise.tie`), which no run breaks: the
-  tie order takes the answer (:mod:`~zerotune.strategy.answer`).
-- **The answer itself** (:func:`measure_answer_twice`) is reported on at least two runs with
+  readings and the curve both put below the best (`below_on_the_curve`) is left out. A finalist within
+  the target precision of the best is a tie (`zerotune.core.noise.tie`), which no run breaks: the
+  tie order takes the answer (`zerotune.strategy.answer`).
+- **The answer itself** (`measure_answer_twice`) is reported on at least two runs with
   ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
-  than the noise (:func:`answer_stands_out`): one run's interval sees only the jitter of its own steps,
+  than the noise (`answer_stands_out`): one run's interval sees only the jitter of its own steps,
   not the run-to-run noise, and the answer is the run that read highest among many (the winner's curse).
 
 The evidence for each rule is in docs/decisions.md (D102, D103, D307).
@@ -37,9 +37,9 @@ FINAL_CANDIDATES = 2
 
 def confirm_answer(ev: Evaluator) -> None:
     """Re-measure the finalists (the module docstring) until each has two ok runs: the configs whose
-    difference from the best is within their :func:`~zerotune.core.noise.comparison_noise`, at most
-    :data:`FINAL_MARGIN`, the best :data:`FINAL_CANDIDATES` of them, where another run can decide between
-    the best and one of them (:func:`~zerotune.core.noise.replica_decides`)."""
+    difference from the best is within their `zerotune.core.noise.comparison_noise`, at most
+    `FINAL_MARGIN`, the best `FINAL_CANDIDATES` of them, where another run can decide between
+    the best and one of them (`zerotune.core.noise.replica_decides`)."""
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
     bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
@@ -69,7 +69,7 @@ def confirm_answer(ev: Evaluator) -> None:
 
 def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
     """Whether ``e`` is ``top``'s config (stage, gas, knobs) at a smaller mbs, both run calm
-    (:mod:`~zerotune.strategy.capacity`): there throughput rises with mbs, and the readings, which put
+    (`zerotune.strategy.capacity`): there throughput rises with mbs, and the readings, which put
     ``top`` first, agree with it; re-measuring ``e`` could only move the answer against both. False on CPU
     ranks (no capacity) and for latency."""
     if not ev.job.objective.higher_is_better:
@@ -84,7 +84,7 @@ def answer_stands_out(ev: Evaluator) -> bool:
     The neighbours are two configs of the same stage, gas and knobs that ran ok, the nearest smaller and
     larger mbs (or, at an end of the curve, the two nearest on the side there is); the prediction is the
     straight line through their pooled metrics, at the answer's mbs. Its noise is
-    :func:`~zerotune.core.noise.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
+    `zerotune.core.noise.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
     answer and of each neighbour times its weight in the line (an extrapolation weighs them more than 1).
     Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
     likely the best of many noisy runs reading high than a peak. False with fewer than two neighbours.
@@ -125,7 +125,7 @@ def answer_stands_out(ev: Evaluator) -> bool:
 def measure_answer_twice(ev: Evaluator) -> None:
     """Report the answer on at least two runs: while it has one ok run, it is re-measured; where the pooled
     metric then puts another one-run config first, that one is re-measured too (at most
-    :data:`FINAL_CANDIDATES` configs)."""
+    `FINAL_CANDIDATES` configs)."""
     for _ in range(FINAL_CANDIDATES):
         answer = ev.ledger.answer
         if answer is None or ev.pooled(answer.name).runs >= 2:

@@ -17,7 +17,7 @@ from zerotune.strategy.stop_bound import StopBound
 
 
 class StageDecision(str, enum.Enum):
-    """How :func:`explore_stages` handled a ZeRO stage."""
+    """How `explore_stages` handled a ZeRO stage."""
 
     EXPLORED = "explored"  # a full mbs search
     PROBED = "probed"  # one experiment (at its own largest mbs, or the best stage's), not better
@@ -28,7 +28,7 @@ class StageDecision(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Saver:
-    """A memory saver tried on top of a ZeRO stage (:mod:`zerotune.strategy.savers`): its name
+    """A memory saver tried on top of a ZeRO stage (`zerotune.strategy.savers`): its name
     (``"checkpointing"``, ``"offload optimizer"``...) and the ds_config settings deep-merged over the stage's
     config (``{"gradient_checkpointing": True}``, ``{"zero_optimization": {"offload_optimizer": ...}}``)."""
 
@@ -38,7 +38,7 @@ class Saver:
 
 @dataclass
 class StageResult:
-    """How one ZeRO stage, or one stage with a memory :class:`Saver`, was handled (:class:`StageDecision`), why
+    """How one ZeRO stage, or one stage with a memory `Saver`, was handled (`StageDecision`), why
     (human text), the memory model's largest fitting mbs, and what its search tried."""
 
     stage: int
@@ -90,16 +90,16 @@ class StrategyResult:
         model_info: the profile's measurements (None: unknown, e.g. a dry run without a profile).
         memory: the memory model built from it, fitted online to the runs' peaks (None when the model size is
             unknown).
-        stages: one :class:`StageResult` per candidate stage, ascending.
+        stages: one `StageResult` per candidate stage, ascending.
         knob_phases: the knob phases run (``"fast": false``).
         ledger: every distinct experiment evaluated, in the order asked, with its outcome.
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
-        savers_notes: what the savers phase did not try and why (:mod:`zerotune.strategy.savers`).
+        savers_notes: what the savers phase did not try and why (`zerotune.strategy.savers`).
         stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
-            not decided; :mod:`zerotune.strategy.budget`); empty when it ran them all.
-        longest: the answer checked at the longest batch (:mod:`zerotune.strategy.longest`).
+            not decided; `zerotune.strategy.budget`); empty when it ran them all.
+        longest: the answer checked at the longest batch (`zerotune.strategy.longest`).
         stop_bound: with ``stopped``, what was left undecided and by how much the answer could be beaten
-            (:mod:`zerotune.strategy.stop_bound`); None otherwise, or when nothing ran ok.
+            (`zerotune.strategy.stop_bound`); None otherwise, or when nothing ran ok.
     """
 
     model_info: ModelInfo | None = None
@@ -120,10 +120,10 @@ class StrategyResult:
 
     @property
     def run_noise(self) -> RunNoise:
-        """The run-to-run noise of the runs so far (:attr:`Ledger.run_noise`)."""
+        """The run-to-run noise of the runs so far (`Ledger.run_noise`)."""
         return self.ledger.run_noise
 
     @property
     def answer(self) -> Experiment | None:
-        """The answer over the ledger (:attr:`Ledger.answer`): the optimal config; None before any ran ok."""
+        """The answer over the ledger (`Ledger.answer`): the optimal config; None before any ran ok."""
         return self.ledger.answer

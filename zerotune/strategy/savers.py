@@ -5,33 +5,33 @@ passed to a Trainer script as ``--gradient_checkpointing``) recomputes each laye
 pass and keeps only its input; ``offload_optimizer`` (ZeRO stages 1-3) moves the fp32 master, the optimizer
 states and the fp32 gradients to the host, where the optimizer step runs; ``offload_param`` (stage 3) the
 parameter partition. A saver never makes a step faster at the same mbs: it pays only through the larger
-micro-batch (or the first one) it lets fit. The phase runs once the stages are explored (:mod:`stages`), on:
+micro-batch (or the first one) it lets fit. The phase runs once the stages are explored (`stages`), on:
 
 - **the best stage**, where its best point is its largest runnable mbs below the largest allowed (its
   search was stopped by memory, not by a plateau);
 - **every stage with no run** (pruned by the memory model, or every run out of memory).
 
-Each stage's savers (:func:`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host; on CPU
+Each stage's savers (`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host; on CPU
 ranks no offload to the host, which is the rank itself) are visited cheapest first, each decided as a stage is
 (``--no-savers``: none is):
 
-1. **Pruned** where the memory model (its offload and checkpointing terms, :mod:`zerotune.model.memory`) fits
+1. **Pruned** where the memory model (its offload and checkpointing terms, `zerotune.model.memory`) fits
    no mbs, or the host cannot hold what it offloads.
 2. **Skipped** where its largest fitting mbs is no larger than what already ran (the best's largest runnable
    mbs, any run of the same stage) or than a cheaper saver of the same stage fits.
 3. **Skipped** where the throughput model bounds it below the best plus the precision: the stage's own
    runs without the saver bound its throughput at the saver's mbs from above
-   (:func:`~zerotune.model.throughput.bounds`; a saver only adds work per sample).
+   (`zerotune.model.throughput.bounds`; a saver only adds work per sample).
 4. **Probed** at its largest fitting mbs (after an out-of-memory probe, once halfway back to what ran), and
-   **searched** (:func:`~zerotune.strategy.mbs.search_mbs`) when the probe beats the best by more than the
+   **searched** (`zerotune.strategy.mbs.search_mbs`) when the probe beats the best by more than the
    precision, or when nothing has run at all; it may become the best, and then gets the fine pass
-   (:func:`~zerotune.strategy.fine.refine_mbs`).
+   (`zerotune.strategy.fine.refine_mbs`).
 
-Every visited saver is a :class:`~zerotune.strategy.result.StageResult` with a ``saver``, its decision and a
+Every visited saver is a `zerotune.strategy.result.StageResult` with a ``saver``, its decision and a
 reason that says what the memory model predicted and what was measured; the gas and knob phases then run on
 the best stage with its saver. A saver is a stage variant: this module holds the saver policy (which variants,
 cheapest first, and rules 1-3), and the probe, its retry, the loss, the search and the best so far are the steps
-every variant phase shares (:mod:`~zerotune.strategy.variants`). docs/decisions.md, D109.
+every variant phase shares (`zerotune.strategy.variants`). docs/decisions.md, D109.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, ho
     optimizer to the host (stages 1-3; ``host`` False, on CPU ranks, not: the host is the rank), that with
     checkpointing, then offloading the parameters too (stage 3), and that with checkpointing; with ``nvme_path``
     the same offloads to NVMe after them (on GPUs they fit the same mbs on the device as the host ones, so they
-    are launched only where the host cannot hold what those move: :class:`SaverPhase`)."""
+    are launched only where the host cannot hold what those move: `SaverPhase`)."""
     out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -78,11 +78,11 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, ho
 
 class SaverPhase(VariantExplorer):
     """One savers phase over ``ev``'s result (the module docstring): the saver policy over the shared variant steps
-    (:class:`~zerotune.strategy.variants.VariantExplorer`: the probe, its retry, the loss, the search, the best).
+    (`zerotune.strategy.variants.VariantExplorer`: the probe, its retry, the loss, the search, the best).
 
     Args:
         ev: the strategy's evaluator (job, builder, ledger, memory model).
-        evaluate, bounds, confirm: as for :class:`~zerotune.strategy.variants.VariantExplorer`; ``bounds.num_fine``
+        evaluate, bounds, confirm: as for `zerotune.strategy.variants.VariantExplorer`; ``bounds.num_fine``
             experiments of the fine pass, where a saver becomes the best.
     """
 

@@ -6,20 +6,20 @@ candidates::
     {"zero_optimization": {"reduce_bucket_size": [5e7, 5e8]},
      "train_micro_batch_size_per_gpu": [2, 4, 8]}
 
-:func:`generate` turns a base config (the user's own settings, possibly a template with ``$VAR``
-placeholders) and a space into :class:`Candidate` configs: the Cartesian product of every list in
+`generate` turns a base config (the user's own settings, possibly a template with ``$VAR``
+placeholders) and a space into `Candidate` configs: the Cartesian product of every list in
 the space (and of every variable), deep-merged over the base config, pruned of the settings the
 ZeRO stage ignores, deduplicated, validated and given a canonical name. This module is pure logic:
-it never launches anything. What it knows of DeepSpeed's keys is in :mod:`zerotune.deepspeed.keys`,
-checks in :mod:`zerotune.deepspeed.validate`, identity and names in
-:mod:`zerotune.deepspeed.canonical`; the ``$NAME`` placeholders are handled in
-:mod:`zerotune.strategy.placeholders`, and zerotune's default space per ZeRO stage is
-:mod:`zerotune.strategy.default_spaces`.
+it never launches anything. What it knows of DeepSpeed's keys is in `zerotune.deepspeed.keys`,
+checks in `zerotune.deepspeed.validate`, identity and names in
+`zerotune.deepspeed.canonical`; the ``$NAME`` placeholders are handled in
+`zerotune.strategy.placeholders`, and zerotune's default space per ZeRO stage is
+`zerotune.strategy.default_spaces`.
 
 Which lists are candidates
 --------------------------
 Every list in the space is a list of candidates, except at the keys DeepSpeed itself expects a
-list (:func:`~zerotune.deepspeed.keys.is_list_valued`: the field's type in DeepSpeed's own config model, e.g.
+list (`zerotune.deepspeed.keys.is_list_valued`: the field's type in DeepSpeed's own config model, e.g.
 ``compile.passes``, and for the keys DeepSpeed reads by hand its table, e.g. ``optimizer.params.betas``): there
 a flat list is the setting itself (``"betas": [0.9, 0.999]`` is kept as is) and only a list of
 lists is a list of candidates (``"betas": [[0.9, 0.999], [0.9, 0.95]]`` tunes betas). Lists in
@@ -29,11 +29,11 @@ lists inside it are not expanded again (a dict candidate is deep-merged like any
 Variables
 ---------
 ``$NAME`` (or ``${NAME}``) in a string value of the base config or the space is a placeholder for
-a variable given to :func:`generate` as ``variables={"NAME": [candidates...]}``; each variable is
+a variable given to `generate` as ``variables={"NAME": [candidates...]}``; each variable is
 one more dimension. A string that is exactly one placeholder takes the candidate itself (an int
 stays an int, a dict stays a dict); a placeholder inside a longer string is replaced by the
 candidate's text (``"offload_$DEV"``). ``$$`` is a literal ``$``. A placeholder without a variable,
-and a variable without a placeholder, are errors (:class:`~zerotune.core.errors.ConfigError`).
+and a variable without a placeholder, are errors (`zerotune.core.errors.ConfigError`).
 
 Order
 -----
@@ -70,7 +70,7 @@ class Candidate:
     """One configuration of a tuning space.
 
     Attributes:
-        name: canonical name (:func:`~zerotune.deepspeed.canonical.canonical_name`), unique among
+        name: canonical name (`zerotune.deepspeed.canonical.canonical_name`), unique among
             the configs of the space.
         ds_config: the complete DeepSpeed config to run. Shared, do not mutate (copy it).
         knobs: dotted key -> value for the settings that differ between the configs of the space
@@ -147,14 +147,14 @@ def generate(
     base config (the space overrides only the keys it names; the user's other settings, offload
     included, are kept), its ``zero_optimization.stage`` is set to ``stage``, the ``autotuning``
     section is removed, settings the stage does not read are pruned
-    (:func:`~zerotune.deepspeed.validate.prune`), and the result is deduplicated by
-    :func:`~zerotune.deepspeed.canonical.config_hash`, which ignores DeepSpeed's defaults (so
+    (`zerotune.deepspeed.validate.prune`), and the result is deduplicated by
+    `zerotune.deepspeed.canonical.config_hash`, which ignores DeepSpeed's defaults (so
     pruned variants and a default spelled out collapse; the first occurrence keeps its place, with
     its values as built: defaults are not stripped from the configs to run). When the space sets
     the micro batch size or the gradient accumulation steps but not ``train_batch_size``,
     ``train_batch_size`` is removed and DeepSpeed derives it (mbs × gas × DP world size); a fixed
     global batch is kept when the space names it.
-    Each candidate is named by :func:`~zerotune.deepspeed.canonical.canonical_name`, with the
+    Each candidate is named by `zerotune.deepspeed.canonical.canonical_name`, with the
     space's varying keys that have no acronym as ``extra_keys``.
 
     Args:
@@ -171,7 +171,7 @@ def generate(
 
     Raises:
         ConfigError: bad space or variables, or a combination that fails
-            :func:`~zerotune.deepspeed.validate.validate` (a bad space is an error, never a
+            `zerotune.deepspeed.validate.validate` (a bad space is an error, never a
             silent drop).
     """
     base, space = _without_autotuning(base_config, space, stage)
@@ -241,7 +241,7 @@ def _named_candidates(configs: list[dict[str, Any]], dp_world_size: int,
     """``configs`` validated and named, in order, their knobs being the settings that vary between them.
 
     Raises:
-        ConfigError: a config that fails :func:`~zerotune.deepspeed.validate.validate`.
+        ConfigError: a config that fails `zerotune.deepspeed.validate.validate`.
         RuntimeError: two configs with the same canonical name.
     """
     varying = _varying_paths(configs)

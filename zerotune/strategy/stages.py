@@ -1,6 +1,6 @@
 """Progressive ZeRO-stage exploration: which stages get an mbs search, a single probe, or nothing.
 
-One pass over the candidate ZeRO stages, lowest first (:class:`StageExplorer`). The first stage that fits is
+One pass over the candidate ZeRO stages, lowest first (`StageExplorer`). The first stage that fits is
 searched (unless deferred, below). A higher stage that the memory model says fits gets one probe, and a full
 mbs search only when the probe measures faster than the best so far:
 
@@ -22,11 +22,11 @@ runnable mbs below it); a stage none of whose probes was launched is "not launch
 runs' noise, or wins within it at equal mbs, is re-measured with the best point (and the best stage's point at the
 probe's mbs) before the stage is given up or searched: at equal mbs a higher stage can only gain on the
 once-per-step work, and a one-run win inside the noise would buy a whole mbs search on a coin toss. A difference
-within the target precision is a tie (:func:`~zerotune.core.noise.tie`): never re-measured, and at equal mbs
+within the target precision is a tie (`zerotune.core.noise.tie`): never re-measured, and at equal mbs
 not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A headroom probe that
 loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory boundary, where a caching
 allocator flushes and retries and a step can be slower than just below it; where it ran near the capacity
-(:mod:`~zerotune.strategy.capacity`), the second probe is at the largest mbs the memory model puts under it, if
+(`zerotune.strategy.capacity`), the second probe is at the largest mbs the memory model puts under it, if
 that is still above the best's mbs.
 
 **Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate (its
@@ -39,9 +39,9 @@ stage's extra communication), and searched if it wins; where nothing else ran, i
 stage would have been.
 
 **The fine pass** runs once every stage is decided, on the best stage only
-(:func:`~zerotune.strategy.fine.refine_mbs`): while the stages are compared each search is coarse, since a
+(`zerotune.strategy.fine.refine_mbs`): while the stages are compared each search is coarse, since a
 fine pass on a stage a later one beats refines nothing the answer uses. Each stage's outcome is a
-:class:`StageDecision` with a human reason beside it. Nothing here launches anything. The evidence for
+`StageDecision` with a human reason beside it. Nothing here launches anything. The evidence for
 these rules is in docs/decisions.md, D106.
 """
 from __future__ import annotations
@@ -64,22 +64,22 @@ def explore_stages(evaluate: VariantEvaluate, plans: Sequence[StagePlan], bounds
     Args:
         evaluate: ``evaluate(stage_result, [mbs, ...]) -> [Point, ...]``, at the result's stage.
         plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
-        bounds: as in :func:`~zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass,
+        bounds: as in `zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass,
             run last on the best stage (module docstring).
         confirm: re-measures measured points once more and returns them pooled (as ``evaluate``); when given, a
             probe that loses by less than the noise is re-measured with the point it lost to before the stage is
             given up, and the mbs search confirms its plateaus.
 
     Returns:
-        One :class:`StageResult` per plan, in order.
+        One `StageResult` per plan, in order.
     """
     return StageExplorer(evaluate, bounds, confirm).run(plans)
 
 
 class StageExplorer(VariantExplorer):
     """One progressive exploration (the module docstring): the stage policy over the shared variant steps
-    (:class:`~zerotune.strategy.variants.VariantExplorer`), and the evidence that rules later stages out.
-    Arguments as in :func:`explore_stages`."""
+    (`zerotune.strategy.variants.VariantExplorer`), and the evidence that rules later stages out.
+    Arguments as in `explore_stages`."""
 
     def __init__(self, evaluate: VariantEvaluate, bounds: SearchBounds, confirm: VariantEvaluate | None = None):
         super().__init__(evaluate, bounds, confirm)
@@ -189,7 +189,7 @@ class StageExplorer(VariantExplorer):
 
     def _confirm_probe(self, result: StageResult, probe: Point, probe_mbs: int, headroom: bool) -> Point:
         """A probe within the noise of the best (a loss, or a win at equal mbs) and the best (its point, and its
-        stage's point at the probe's mbs where that ran ok) re-measured; the probe's point, :attr:`best` updated."""
+        stage's point at the probe's mbs where that ran ok) re-measured; the probe's point, `best` updated."""
         objective, best = self.objective, self.best
         won = probe.ok and objective.better(probe.metric, best.point.metric)
         gain = objective.gain(probe.metric, best.point.metric) if probe.ok else 0.0

@@ -1,15 +1,15 @@
 """The bound on a budget-stopped answer: what the tuning did not decide, and by how much its answer could be beaten.
 
-When the launch budget stops a tuning (:mod:`~zerotune.strategy.budget`), its answer ``A`` is the best of what ran. It
+When the launch budget stops a tuning (`zerotune.strategy.budget`), its answer ``A`` is the best of what ran. It
 reads ``v_A``, its metric pooled over its runs, within ``h_A``, the relative 95% half-width of that mean
-(:meth:`~zerotune.strategy.ledger.Ledger.half_width`: its runs' own intervals and the run-to-run noise). How much
+(`zerotune.strategy.ledger.Ledger.half_width`: its runs' own intervals and the run-to-run noise). How much
 better than ``A`` a config ``C`` could truly be, relative, at 95%:
 
 - **measured** (``C`` ran ok; ``v_C`` and ``h_C`` likewise): ``g + sqrt(h_A ** 2 + h_C ** 2)``, with ``g`` the gain of
   ``v_C`` over ``v_A`` (``v_C / v_A - 1`` for throughput, ``v_A / v_C - 1`` for latency): the upper limit of their
-  difference, the two independent errors in quadrature (:func:`~zerotune.core.noise.comparison_noise`'s rule);
+  difference, the two independent errors in quadrature (`zerotune.core.noise.comparison_noise`'s rule);
 - **not measured** (throughput only): ``high / (v_A * (1 - h_A)) - 1``, with ``high`` the throughput model's upper bound
-  on ``C`` in samples/s (:func:`~zerotune.strategy.prediction.model_bounds`: the runs of its family under an affine
+  on ``C`` in samples/s (`zerotune.strategy.prediction.model_bounds`: the runs of its family under an affine
   step time, or, with none, the compute roofline of a measured family; on GPU ranks never above that roofline, which
   holds for every config of the model): the fastest ``C`` could be against the slowest ``A`` could be.
 
@@ -47,7 +47,7 @@ class Left:
     Attributes:
         stages: the ZeRO stages whose mbs search was not decided.
         phases: the later phases not decided (memory savers, gas, knobs), each with the kind of experiment it runs.
-        cut: the experiments the budget cut from the batch it stopped (:attr:`BudgetSpent.cut`).
+        cut: the experiments the budget cut from the batch it stopped (`BudgetSpent.cut`).
         fit: stage -> the memory model's largest mbs fitting the budget (under the smallest mbs: the stage is pruned).
         values: the mbs values a search may try, ascending.
     """
@@ -138,7 +138,7 @@ def _figure(c: Contender, unit: str) -> str:
 
 
 def stop_bound(ledger: Ledger, job: Job, builder: ConfigBuilder, left: Left) -> StopBound | None:
-    """The :class:`StopBound` of ``ledger``'s answer given what the stop ``left``; None before any config ran ok."""
+    """The `StopBound` of ``ledger``'s answer given what the stop ``left``; None before any config ran ok."""
     answer, objective = ledger.answer, ledger.objective
     pooled = ledger.pooled()
     if answer is None or objective is None or answer.name not in pooled:
@@ -176,7 +176,7 @@ def stop_bound(ledger: Ledger, job: Job, builder: ConfigBuilder, left: Left) -> 
 def _model_bound(exp: Experiment | None, kind: ExperimentKind, families: dict[str, list[Reading]], top: float | None,
                  cpu: bool) -> tuple[float, float, str] | None:
     """``(low, high, source)`` of a config left (``exp``; None: a later phase's configs, of ``kind``): the throughput
-    model's bounds (:func:`~zerotune.strategy.prediction.model_bounds`), capped at the compute roofline ``top`` where
+    model's bounds (`zerotune.strategy.prediction.model_bounds`), capped at the compute roofline ``top`` where
     there is one (it holds for every config of the model on GPU ranks; None on CPU ranks)."""
     if exp is None:
         return None if top is None or kind not in GATED_KINDS else (0.0, top, "the compute roofline of a measured family")

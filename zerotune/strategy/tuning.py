@@ -1,23 +1,23 @@
 """The tuning strategy, whole: a pipeline of phases that decides every experiment of a tuning job.
 
-:class:`Strategy` talks to the world through one callable, ``evaluate(batch of experiments) -> the same
-experiments with their outcomes`` (:mod:`~zerotune.strategy.evaluation`). ``tune`` passes the scheduler
-(real launches); ``--dry-run`` passes the memory-model oracle (:mod:`zerotune.strategy.oracle`), so the dry
+`Strategy` talks to the world through one callable, ``evaluate(batch of experiments) -> the same
+experiments with their outcomes`` (`zerotune.strategy.evaluation`). ``tune`` passes the scheduler
+(real launches); ``--dry-run`` passes the memory-model oracle (`zerotune.strategy.oracle`), so the dry
 run lists what this same code would try if the memory model were right. The run is a pure function of the
 outcomes it is told, in phases:
 
-1. **Profile** (:meth:`Strategy.profile`): one experiment; its ``model_info`` gives the memory model,
-   calibrated to the run's peak, the prior of the fit every later peak refines (:mod:`zerotune.model.online`).
-2. **Stages and mbs** (:meth:`Strategy.explore`, :mod:`~zerotune.strategy.stages`): per stage, the memory
+1. **Profile** (`Strategy.profile`): one experiment; its ``model_info`` gives the memory model,
+   calibrated to the run's peak, the prior of the fit every later peak refines (`zerotune.model.online`).
+2. **Stages and mbs** (`Strategy.explore`, `zerotune.strategy.stages`): per stage, the memory
    model's largest fitting mbs, then the progressive stage rule and the mbs search.
-3. **Savers** (:mod:`~zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
+3. **Savers** (`zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
    stage (the best one, or one that could not run) and the throughput model says its larger mbs can win.
-4. **Gas** (:mod:`~zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
+4. **Gas** (`zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
    semantics allow it. Under a launch budget the fine pass (phase 2's last step) runs after it.
-5. **Knobs** (``"fast": false``, :mod:`~zerotune.strategy.knobs`).
-6. **Answer** (:mod:`~zerotune.strategy.remeasure`, :mod:`~zerotune.strategy.answer`): the finalists re-measured
-   where one run cannot tell them; the answer is the ledger's (:attr:`StrategyResult.answer`).
-7. **The longest batch** (:mod:`~zerotune.strategy.longest`): an answer over the budget at the longest batch the
+5. **Knobs** (``"fast": false``, `zerotune.strategy.knobs`).
+6. **Answer** (`zerotune.strategy.remeasure`, `zerotune.strategy.answer`): the finalists re-measured
+   where one run cannot tell them; the answer is the ledger's (`StrategyResult.answer`).
+7. **The longest batch** (`zerotune.strategy.longest`): an answer over the budget at the longest batch the
    training can meet gives way to the next that fits; ``--verify-longest`` runs it there once.
 
 An experiment whose name (its canonical content) was already evaluated is never evaluated again.
@@ -61,12 +61,12 @@ __all__ = ["Strategy"]
 logger = logging.getLogger(__name__)
 
 FINE_PASS = "the fine pass"
-"""The fine pass on the best stage, a phase of its own under a launch budget (:attr:`Strategy.fine_last`)."""
+"""The fine pass on the best stage, a phase of its own under a launch budget (`Strategy.fine_last`)."""
 EXPLORE = "ZeRO stages and mbs"
 """The phase that decides the stages and their mbs: where a stop leaves every stage undecided."""
 LATER_PHASES = {"memory savers": ExperimentKind.MBS, "gas": ExperimentKind.GAS, "knobs": ExperimentKind.KNOBS}
 """The phases after it that try other configs, each with the kind of experiment it runs (what the throughput model
-can bound of it, :mod:`~zerotune.strategy.stop_bound`)."""
+can bound of it, `zerotune.strategy.stop_bound`)."""
 
 
 class Strategy:
@@ -100,8 +100,8 @@ class Strategy:
         """Profile, explore the stages and mbs, try the memory savers, tune gas, (``"fast": false``) tune the
         knobs, settle the answer.
 
-        A phase that finds the launch budget spent (:class:`~zerotune.strategy.budget.BudgetSpent`) ends the
-        tuning (:meth:`stop`).
+        A phase that finds the launch budget spent (`zerotune.strategy.budget.BudgetSpent`) ends the
+        tuning (`stop`).
 
         Raises:
             TuningFailed: the profile run failed (nothing can be estimated without it).
@@ -124,8 +124,8 @@ class Strategy:
         return self.result
 
     def stop(self, spent: BudgetSpent, left: list[str]) -> None:
-        """End the tuning on ``spent`` with the phases ``left`` not decided: :attr:`StrategyResult.stopped` says why
-        and which, :attr:`StrategyResult.stop_bound` what they left and by how much the answer could be beaten."""
+        """End the tuning on ``spent`` with the phases ``left`` not decided: `StrategyResult.stopped` says why
+        and which, `StrategyResult.stop_bound` what they left and by how much the answer could be beaten."""
         self.result.stopped = f"{spent}; not decided: {', '.join(left)}"
         logger.warning(f"stopped: {self.result.stopped}")
         stages, values = (self.job.stages, self.bounds.values) if EXPLORE in left else self._fine_left(left)
@@ -136,32 +136,32 @@ class Strategy:
             logger.warning(line)
 
     def _fine_left(self, left: list[str]) -> tuple[tuple[int, ...], list[int]]:
-        """What a stop before the fine pass (:data:`FINE_PASS` in ``left``) leaves of the best stage (without a
-        saver): (its stage, the mbs in the gaps :func:`~zerotune.strategy.fine.fine_gaps`); else nothing."""
+        """What a stop before the fine pass (`FINE_PASS` in ``left``) leaves of the best stage (without a
+        saver): (its stage, the mbs in the gaps `zerotune.strategy.fine.fine_gaps`); else nothing."""
         variant = self._best_variant()
         if FINE_PASS not in left or variant is None or variant.settings:
             return (), []
         return (variant.stage,), fine_gaps(variant.trace, self.bounds)
 
     def refine(self) -> None:
-        """The fine pass on the best variant (:func:`~zerotune.strategy.fine.refine_mbs`) after gas (:attr:`fine_last`)."""
+        """The fine pass on the best variant (`zerotune.strategy.fine.refine_mbs`) after gas (`fine_last`)."""
         variant = self._best_variant()
         if variant is not None:
             refine_mbs(lambda ms: self._points(variant, ms), variant.trace, self.bounds)
 
     def _best_variant(self) -> StageResult | None:
         """The best explored stage, with its saver if any (the first of
-        :func:`~zerotune.strategy.knobs.knob_stages`): where the gas phase and the fine pass work."""
+        `zerotune.strategy.knobs.knob_stages`): where the gas phase and the fine pass work."""
         top = knob_stages(self.result.stages, self.job.objective)[:1]
         return top[0][0] if top else None
 
     def gas(self) -> None:
-        """Gas at each explored stage's best mbs (:class:`~zerotune.strategy.gas_phase.GasPhase`)."""
+        """Gas at each explored stage's best mbs (`zerotune.strategy.gas_phase.GasPhase`)."""
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
 
     def longest(self, verify: bool = True) -> None:
         """The answer checked, and with ``--verify-longest`` (unless ``verify`` is False) run, at the longest batch
-        (:mod:`~zerotune.strategy.longest`); the model's maximum positions and attention scores from the profile's
+        (`zerotune.strategy.longest`); the model's maximum positions and attention scores from the profile's
         records."""
         profile_dir = self.job.exps_dir / self.builder.profile().name
         positions = (read_engine_record(profile_dir) or {}).get("max_positions")
@@ -171,7 +171,7 @@ class Strategy:
                                              square_bytes(read_square_activations(profile_dir)))
 
     def settle_answer(self) -> None:
-        """The finalists re-measured, then the answer itself where it must be (:mod:`zerotune.strategy.remeasure`)."""
+        """The finalists re-measured, then the answer itself where it must be (`zerotune.strategy.remeasure`)."""
         remeasure.confirm_answer(self.ev)
         if not self.job.autotuning.fast or remeasure.answer_stands_out(self.ev):
             remeasure.measure_answer_twice(self.ev)
@@ -179,11 +179,11 @@ class Strategy:
     # -- the evaluator's verbs, for callers that drive a strategy step by step --------------------------
     def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
                  bar: float | None = None) -> list[Experiment]:
-        """:meth:`Evaluator.evaluate <zerotune.strategy.evaluation.Evaluator.evaluate>`."""
+        """`Evaluator.evaluate <zerotune.strategy.evaluation.Evaluator.evaluate>`."""
         return self.ev.evaluate(experiments, race=race, bar=bar)
 
     def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
-        """:meth:`Evaluator.remeasure <zerotune.strategy.evaluation.Evaluator.remeasure>`."""
+        """`Evaluator.remeasure <zerotune.strategy.evaluation.Evaluator.remeasure>`."""
         return self.ev.remeasure(experiments)
 
     def pooled(self, name: str) -> Pooled | None:
@@ -251,7 +251,7 @@ class Strategy:
         return plans
 
     def explore(self) -> None:
-        """Explore the ZeRO stages and their mbs (:func:`~zerotune.strategy.stages.explore_stages`) on points
+        """Explore the ZeRO stages and their mbs (`zerotune.strategy.stages.explore_stages`) on points
         measured through the evaluator."""
         self.result.stages = explore_stages(self._points, self.plans(), self.phase_bounds, self._confirmed_points)
         for r in self.result.stages:
@@ -261,7 +261,7 @@ class Strategy:
     # -- 3. memory savers ------------------------------------------------------------------------------
     def savers(self) -> None:
         """Try activation checkpointing and offload where memory binds a stage
-        (:class:`~zerotune.strategy.savers.SaverPhase`)."""
+        (`zerotune.strategy.savers.SaverPhase`)."""
         SaverPhase(self.ev, self._points, self.phase_bounds, self._confirmed_points).run()
 
     def _points(self, variant: StageResult, mbs_values: Sequence[int]) -> list[Point]:
@@ -286,7 +286,7 @@ class Strategy:
 
     def _memory_terms(self, stage: int, exp: Experiment, settings: dict | None = None) -> dict:
         """Why a refused point was not launched (its prediction); a point's measured peak over the budget, and the
-        largest mbs the memory model (as fitted so far) puts under :data:`~zerotune.strategy.capacity.NEAR_CAPACITY`
+        largest mbs the memory model (as fitted so far) puts under `zerotune.strategy.capacity.NEAR_CAPACITY`
         of it: where the mbs search looks below a best near capacity. None of the last two on CPU ranks, where the
         search keeps its halving look below."""
         refusal = {"refusal": exp.error} if exp.status is Status.REFUSED else {}

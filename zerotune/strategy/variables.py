@@ -1,7 +1,7 @@
 """``$VAR`` templates in the user's ds_config, and the variables that resolve them.
 
 A string value of the user's ds_config may hold a placeholder, in the syntax of the tuning spaces
-(:mod:`zerotune.strategy.space`): ``"$NAME"`` or ``"${NAME}"`` as the whole value takes the
+(`zerotune.strategy.space`): ``"$NAME"`` or ``"${NAME}"`` as the whole value takes the
 candidate itself (an int stays an int), inside a longer string it takes the candidate's text, and
 ``$$`` is a literal ``$``. The candidates come from the config, ``"autotuning": {"variables":
 {"NAME": [candidates...]}}``, or from the command line, ``zerotune tune --var NAME=VALUE`` (VALUE is
@@ -101,7 +101,7 @@ def parse_cli_variable(text: str) -> tuple[str, Any]:
 
     Raises:
         ConfigError: no ``=``, an empty name, or a VALUE that is JSON nested deeper than
-            :data:`~zerotune.core.user_files.MAX_JSON_DEPTH` levels (the message shows its first 40 characters).
+            `zerotune.core.user_files.MAX_JSON_DEPTH` levels (the message shows its first 40 characters).
     """
     name, sep, value = text.partition("=")
     if not sep or not name:

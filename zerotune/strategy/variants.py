@@ -1,9 +1,9 @@
 """A stage variant probed against the best so far and searched when it wins: the steps every phase that explores
-variants shares (:class:`VariantExplorer`).
+variants shares (`VariantExplorer`).
 
-A variant is a ZeRO stage, alone or with a memory saver, held as its :class:`~zerotune.strategy.result.StageResult`
+A variant is a ZeRO stage, alone or with a memory saver, held as its `zerotune.strategy.result.StageResult`
 (its stage and the saver's settings, its decision, reason and trace). The stage phase
-(:class:`~zerotune.strategy.stages.StageExplorer`) and the savers phase (:class:`~zerotune.strategy.savers.SaverPhase`)
+(`zerotune.strategy.stages.StageExplorer`) and the savers phase (`zerotune.strategy.savers.SaverPhase`)
 differ only in their policy: which variants, in what order, which skips and at which mbs a probe runs. Both run the
 same steps here: a probe recorded in the variant's trace, the retry below a probe out of memory, the skip the
 throughput model decides, the win test, the loss and its reason, the coarse mbs search after a win, the best so far,
@@ -48,8 +48,8 @@ class VariantExplorer:
     """The shared steps of a variant phase (the module docstring); a phase subclasses it with its policy.
 
     Args:
-        evaluate: runs a variant at mbs values (:data:`VariantEvaluate`).
-        bounds: the mbs search's bounds, shared by every variant (:class:`~zerotune.strategy.bounds.SearchBounds`).
+        evaluate: runs a variant at mbs values (`VariantEvaluate`).
+        bounds: the mbs search's bounds, shared by every variant (`zerotune.strategy.bounds.SearchBounds`).
         confirm: re-measures a variant's measured mbs values, pooled (as ``evaluate``), or None: the mbs search
             then decides its plateaus on one run.
     """
@@ -87,7 +87,7 @@ class VariantExplorer:
 
     def beats(self, probe: Point, ties: bool = True) -> bool:
         """Whether ``probe`` ran and beats the best so far (or nothing ran); with ``ties``, by more than the
-        precision (:func:`~zerotune.core.noise.tie`: a win within it is no win)."""
+        precision (`zerotune.core.noise.tie`: a win within it is no win)."""
         if not probe.ok:
             return False
         if self.best is None:
@@ -115,7 +115,7 @@ class VariantExplorer:
 
     def search(self, result: StageResult, cap: int) -> bool:
         """The variant's coarse mbs search (no fine pass) below ``cap``, from its probes; True when it became the
-        best (:meth:`improve`)."""
+        best (`improve`)."""
         confirm = self.confirm
         result.decision = StageDecision.EXPLORED
         with buying(f"{result.label}: its mbs search"):
@@ -134,7 +134,7 @@ class VariantExplorer:
         return True
 
     def refine(self) -> None:
-        """The fine pass (:func:`~zerotune.strategy.fine.refine_mbs`) on the best variant, once every variant is
+        """The fine pass (`zerotune.strategy.fine.refine_mbs`) on the best variant, once every variant is
         decided: while variants are compared each search is coarse."""
         if self.best is not None and self.bounds.num_fine > 0:
             top = self.best.result

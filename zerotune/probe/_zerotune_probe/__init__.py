@@ -1,7 +1,7 @@
 """The step probe's parts, installed in every rank by ``zerotune/probe/sitecustomize.py``: the records
-(:mod:`.records`), the peak memory (:mod:`.peak`), the engine's wrapping (:mod:`.engine`), what a batch held
-(:mod:`.batch`), the batch padded to the longest length on demand (:mod:`.padding`), the profile run's saved
-activations and checkpointing (:mod:`.activations`) and its step growth (:mod:`.growth`).
+(`.records`), the peak memory (`.peak`), the engine's wrapping (`.engine`), what a batch held
+(`.batch`), the batch padded to the longest length on demand (`.padding`), the profile run's saved
+activations and checkpointing (`.activations`) and its step growth (`.growth`).
 
 Private, and named so that no package of the user's on the ranks' ``sys.path`` shadows it or is shadowed. Its
 modules import only the standard library and each other (relative imports: the ranks import it as

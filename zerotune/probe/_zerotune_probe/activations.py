@@ -1,9 +1,9 @@
 """What the profile run's first forward holds for the backward pass: the bytes autograd saves, what
-activation checkpointing holds instead, and the model's shapes, in rank 0's :data:`.records.ACTIVATIONS_RECORD`.
+activation checkpointing holds instead, and the model's shapes, in rank 0's `.records.ACTIVATIONS_RECORD`.
 
 In the profile run (the config's ``autotuning.model_info.profile``: DeepSpeed's engine measures
 ``activation_mem_per_gpu`` across the first forward and exits, ``engine.py:3025-3030``), rank 0
-writes :data:`.records.ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors autograd saves for
+writes `.records.ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors autograd saves for
 the backward pass (``torch.autograd.graph.saved_tensors_hooks``, ``torch/autograd/graph.py``), each
 storage once, less parameters, views of parameters and module buffers::
 
@@ -13,18 +13,18 @@ storage once, less parameters, views of parameters and module buffers::
 Under activation checkpointing that forward saves only each checkpointed region's input; the record then
 also holds ``recompute_bytes``, the most one region saves beyond its input when it runs with gradients
 (what the backward pass holds while it recomputes that region), and ``recompute_regions``, how many were
-counted (:class:`_SavedActivations` says how).
+counted (`_SavedActivations` says how).
 
 Without activation checkpointing, where the model has checkpointable layers (Hugging Face's
 ``GradientCheckpointingLayer`` subclasses, such as GPT-2's and Llama's blocks), the record also prices it:
 ``checkpointed_bytes``, what the same forward would hold with non-reentrant checkpointing of every such layer
 (the storages saved outside the layers and the layers' inputs, plus the most one layer saves beyond its inputs),
 at the record's ``micro_batch_size``, and ``checkpoint_layers``, the layer calls counted
-(:class:`_LayerCheckpointing`).
+(`_LayerCheckpointing`).
 
-Where the forward's batch held token ids (:mod:`.batch`), every rank then runs the model's forward once more (with
+Where the forward's batch held token ids (`.batch`), every rank then runs the model's forward once more (with
 gradients, output dropped) on that batch cut to ``square_seq_len`` tokens, the largest odd length below the batch's
-(:meth:`_SavedActivations.count_square`), and the record holds ``square_seq_len`` and ``square_saved_bytes``: the
+(`_SavedActivations.count_square`), and the record holds ``square_seq_len`` and ``square_saved_bytes``: the
 bytes of the saved tensors whose last two dimensions are both that length (attention scores and probabilities,
 ``[samples, heads, tokens, tokens]``, which grow with the square of the length; 0 where the attention kernel keeps
 none, as flash attention does). An odd length keeps out tensors that are square by coincidence: at 32 tokens and a
@@ -35,11 +35,11 @@ children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent
 elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
 ``zero/parameter_offload.py:317-330`` from ``stage3_param_persistence_threshold``). Both count full
 parameters (``ds_numel`` where ZeRO-3 has partitioned them) and feed the memory model's stage-3 terms.
-On CUDA the record also holds ``device_peak_bytes`` (:func:`.peak._device_peak`): what the device held at
+On CUDA the record also holds ``device_peak_bytes`` (`.peak._device_peak`): what the device held at
 the peak, the caching allocator's reserved high-water mark plus what lies outside it (the CUDA
 context, NCCL's buffers), from which the tuner calibrates the memory model's fixed overhead per
 device, as the backend's sampled peak does on CPU; on CPU it holds ``data_peak_bytes``
-(:func:`.peak._data_peak`). The step's growth joins the record (:mod:`.growth`).
+(`.peak._data_peak`). The step's growth joins the record (`.growth`).
 
 That is what a device holds per micro batch for the backward pass, whatever the allocator does.
 DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
@@ -61,20 +61,20 @@ class _LayerCheckpointing:
     """In the profile run's first forward, what the same forward would hold with non-reentrant activation
     checkpointing of every checkpointable layer (``torch.utils.checkpoint``, ``use_reentrant=False``, the
     Trainer's default in transformers 5): ``checkpointed_bytes`` and ``checkpoint_layers`` in
-    :data:`ACTIVATIONS_RECORD`.
+    `ACTIVATIONS_RECORD`.
 
-    The layers: modules whose class derives from one named :attr:`LAYER_CLASS` (transformers'
+    The layers: modules whose class derives from one named `LAYER_CLASS` (transformers'
     ``modeling_layers.GradientCheckpointingLayer``: GPT-2's, Llama's decoder layers) whose
     ``gradient_checkpointing`` is not True. A forward pre-hook and an ``always_call`` forward hook (both
     ``with_kwargs``) keep the stack of layer calls running; each storage saved for the backward pass
-    (:meth:`_SavedActivations.pack`) goes to the innermost running call, or outside any layer. A checkpointed
+    (`_SavedActivations.pack`) goes to the innermost running call, or outside any layer. A checkpointed
     layer's forward saves nothing and keeps its inputs (the tensors among its args and kwargs: the
     non-reentrant checkpoint holds them for the recomputation, ``torch/utils/checkpoint.py``,
     ``_checkpoint_without_reentrant_generator``); the backward pass recomputes one layer at a time, holding what
     it saves beyond its inputs. So ``checkpointed_bytes`` = the storages saved outside any layer together with
     the layers' inputs, each storage once, plus the most one layer call saved beyond its own inputs (or a
     checkpointed region's ``recompute_bytes``, if larger), at the record's micro batch size. Parameters and
-    buffers are never counted (:meth:`_SavedActivations._count`). A failure is printed once and ends the
+    buffers are never counted (`_SavedActivations._count`). A failure is printed once and ends the
     counting: the record then has neither key."""
 
     LAYER_CLASS = "GradientCheckpointingLayer"
@@ -160,7 +160,7 @@ class _LayerCheckpointing:
 
 class _SavedActivations:
     """Counts the bytes autograd saves for the backward pass during the profile run's first forward
-    (every rank), and writes :data:`ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
+    (every rank), and writes `ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
     nothing is copied, the forward runs as it would.
 
     Activation checkpointing: a checkpointed region's forward saves only its inputs (the reentrant
@@ -295,7 +295,7 @@ class _SavedActivations:
                   file=sys.stderr, flush=True)
 
     def _wrapped_checkpoints(self) -> list:
-        """``(module, name, wrapper)`` for each checkpoint entry point of :data:`CHECKPOINT_MODULES` loaded
+        """``(module, name, wrapper)`` for each checkpoint entry point of `CHECKPOINT_MODULES` loaded
         in this process (see the class docstring)."""
         import inspect
         counter, wrapped = self, []
@@ -321,7 +321,7 @@ class _SavedActivations:
 
     @contextlib.contextmanager
     def hooks(self):
-        """The counting hooks, the checkpointable layers' hooks (:class:`_LayerCheckpointing`) and, where
+        """The counting hooks, the checkpointable layers' hooks (`_LayerCheckpointing`) and, where
         checkpointing is loaded, the wrapped entry points, all removed on exit (DeepSpeed's profile ``exit()``
         included)."""
         try:
@@ -342,7 +342,7 @@ class _SavedActivations:
                 setattr(module, name, original)
 
     def write(self, growth: dict | None = None) -> None:
-        """Rank 0 writes :data:`ACTIVATIONS_RECORD`, with ``growth`` (:meth:`.growth._StepGrowth.figures`: on CUDA
+        """Rank 0 writes `ACTIVATIONS_RECORD`, with ``growth`` (`.growth._StepGrowth.figures`: on CUDA
         the step's growth and the device's peak at the end of the forward) over the keys it shares; every
         rank counts, so that every rank runs the checkpointed regions once more and ZeRO-3's parameter
         gathers stay matched across the ranks."""

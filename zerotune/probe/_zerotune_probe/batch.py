@@ -2,16 +2,16 @@
 shapes only.
 
 A tensor's shape is host metadata: reading it reads no data and adds no device synchronisation, so noting it
-changes nothing that is measured. On each forward call, :func:`_batch_shape` looks at the positional and keyword
+changes nothing that is measured. On each forward call, `_batch_shape` looks at the positional and keyword
 arguments and one level into the mappings, lists and tuples among them (a Hugging Face batch is a dict of tensors:
-``input_ids``, ``attention_mask``, ``labels``), at most :data:`SCANNED` values of each:
+``input_ids``, ``attention_mask``, ``labels``), at most `SCANNED` values of each:
 
 - samples: the leading dimension of the first tensor with at least one dimension;
 - sequence length: the largest second dimension among the integer-dtype tensors of two or more dimensions (token
   ids, ``[samples, tokens]``); None where there is none (images, float features).
 
-:func:`_note_batch` keeps, per engine, the largest of each over the forwards of an optimizer step; the step's
-record writes them as ``batch_samples`` and ``seq_len`` (:meth:`.records._Probe.record`).
+`_note_batch` keeps, per engine, the largest of each over the forwards of an optimizer step; the step's
+record writes them as ``batch_samples`` and ``seq_len`` (`.records._Probe.record`).
 """
 import sys
 from collections.abc import Mapping
@@ -57,7 +57,7 @@ def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
     """Before ``engine``'s forward: keep the largest samples and sequence length of its optimizer step so far in
     the probe's state for it (``batch_samples``, ``seq_len``). Call it once the first forward's time is set (the
     state's first step is timed from it). On a CPU rank a sequence longer than any before restarts the ``VmData``
-    sampler for this step (:meth:`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be
+    sampler for this step (`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be
     read adds nothing."""
     if probe.failed:
         return

@@ -1,13 +1,13 @@
 """Installing the probe into DeepSpeed's engine: the import hook, the engine's wrapped methods and the
 engine record.
 
-:func:`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
+`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
 ``deepspeed.runtime.engine``; nothing imports deepspeed or torch at start-up. Once that module has run, the
 hook wraps ``DeepSpeedEngine.forward`` (to note the first forward's time, and the shapes of each forward's
-arguments: :mod:`.batch`, padded first to the longest length where asked: :mod:`.padding`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
-(:func:`_install`). Whether a call is the gradient-accumulation
+arguments: `.batch`, padded first to the longest length where asked: `.padding`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
+(`_install`). Whether a call is the gradient-accumulation
 boundary is asked before the original ``step`` runs; after a boundary step returns, the rank records it
-(:class:`.records._Probe`).
+(`.records._Probe`).
 
 The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
 inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;
@@ -16,13 +16,13 @@ step is when ``step()`` returns on the host: no device synchronisation is added 
 what is measured), so on CUDA a single step's time may be shifted by the queued kernels, the mean
 over several steps is not. What is lost: a step in progress when the process is killed.
 
-Before the first forward, rank 0 also writes ``engine_config.json`` (:data:`.records.ENGINE_RECORD`): the
+Before the first forward, rank 0 also writes ``engine_config.json`` (`.records.ENGINE_RECORD`): the
 config the engine got (a Trainer script's ``"auto"`` values filled in), the model's hidden size as
 the Trainer reads it, the engine's micro batch size, gradient accumulation steps and train
-batch size, and the memory savers it really runs with (:func:`_savers`: offload, checkpointing). The profile
+batch size, and the memory savers it really runs with (`_savers`: offload, checkpointing). The profile
 run's record resolves the hidden-size ``"auto"`` values (``zerotune.deepspeed.auto``); every experiment's
 shows what its engine ran with. In the profile run the first forward is also measured
-(:class:`.activations._SavedActivations`, :class:`.growth._StepGrowth`).
+(`.activations._SavedActivations`, `.growth._StepGrowth`).
 """
 import os
 import sys
@@ -51,7 +51,7 @@ def _install(module, probe: _Probe) -> None:
     """Wrap ``DeepSpeedEngine.forward``, ``DeepSpeedEngine.step`` and ``DeepSpeedEngine.allreduce_gradients``
     (timed at the boundary: ``boundary_s``) of the engine module; in a CPU rank
     (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
-    for its ranks only) start the ``VmData`` sampler (:class:`_DataPeak`). The launcher processes import
+    for its ranks only) start the ``VmData`` sampler (`_DataPeak`). The launcher processes import
     the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
     5 ms for the whole run on the ranks' cores, slowing them (docs/decisions.md, D203)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
@@ -67,8 +67,8 @@ def _install(module, probe: _Probe) -> None:
 
 def _probed_forward(forward, probe: _Probe):
     """``DeepSpeedEngine.forward`` noting the first forward's time and, on every call, what the batch held
-    (:func:`.batch._note_batch`); before the first, rank 0 records the engine (:func:`_record_engine`), and in the
-    profile run the forward's saved activations are counted (:class:`_SavedActivations`)."""
+    (`.batch._note_batch`); before the first, rank 0 records the engine (`_record_engine`), and in the
+    profile run the forward's saved activations are counted (`_SavedActivations`)."""
     import functools
     import time
 
@@ -180,7 +180,7 @@ def _end_step(state: dict | None, boundary: bool, start: float) -> None:
 
 
 def _record_engine(probe: _Probe, engine) -> None:
-    """Rank 0 writes :data:`ENGINE_RECORD` once, before the first forward: the config the engine got
+    """Rank 0 writes `ENGINE_RECORD` once, before the first forward: the config the engine got
     (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
     reads it, its maximum positions (the longest sequence it takes), and the engine's batch sizes. A failure is reported and steps are still recorded."""
     def record():
@@ -249,7 +249,7 @@ def _record(probe: _Probe, engine, state: dict | None, boundary: bool) -> None:
 
 class _EngineFinder:
     """A ``sys.meta_path`` finder that lets ``deepspeed.runtime.engine`` load as usual, then
-    wraps its engine (:func:`_install`), once."""
+    wraps its engine (`_install`), once."""
 
     def __init__(self, probe: _Probe):
         self.probe = probe
@@ -270,7 +270,7 @@ class _EngineFinder:
 
 
 class _InstallingLoader:
-    """The module's own loader, then :func:`_install` once the module has run."""
+    """The module's own loader, then `_install` once the module has run."""
 
     def __init__(self, loader, probe: _Probe):
         self.loader, self.probe = loader, probe
@@ -291,7 +291,7 @@ class _InstallingLoader:
 
 def install(directory: str) -> None:
     """Install the probe writing into ``directory`` in this process: into the engine module if it is already
-    imported (a warm rank, forked from a server that preloaded DeepSpeed: :mod:`zerotune.run.warm.rank`), else by
+    imported (a warm rank, forked from a server that preloaded DeepSpeed: `zerotune.run.warm.rank`), else by
     the import hook that waits for it. A failure is printed; training goes on."""
     try:
         probe = _Probe(directory)

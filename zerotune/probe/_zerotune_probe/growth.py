@@ -1,7 +1,7 @@
 """The profile run's step growth: what the allocated memory grows by over the first forward and the whole
-step, and on CPU per sample, added to :data:`.records.ACTIVATIONS_RECORD`.
+step, and on CPU per sample, added to `.records.ACTIVATIONS_RECORD`.
 
-On CUDA the profile run measures the whole step's growth (:class:`_StepGrowth`): the autograd-saved
+On CUDA the profile run measures the whole step's growth (`_StepGrowth`): the autograd-saved
 storages miss what the backward pass allocates on top (the gradient of the logits, of the fp32 loss), a
 third of what grows with mbs on GPT-2. Before the first forward the allocator's peak is reset; as
 DeepSpeed's ``exit()`` passes through, every rank runs ``loss.backward()`` on the module's output (caught
@@ -11,7 +11,7 @@ was allocated before the forward, bytes, for the record's ``micro_batch_size``. 
 failed backward: only ``forward_growth_bytes``; the ``SystemExit`` always goes on. The backward is the
 engine's (``engine.backward``), as training runs it.
 
-On CPU the same figures come from ``torch.profiler``'s memory events (:class:`_HostStepGrowth`): a CPU device has
+On CPU the same figures come from ``torch.profiler``'s memory events (`_HostStepGrowth`): a CPU device has
 no allocator counters. At mbs 1 a step's peak is mostly what it holds whatever the mbs (the gradients, ZeRO's
 buckets, gathered parameters), so the profile then runs a few more training micro steps on its own batch repeated
 2, 4, 8 (and 16) times until two successive slopes agree: ``slope_bytes``, the step's growth per sample, which the
@@ -23,7 +23,7 @@ from .peak import _data_peak, _DataPeak, _device_peak, _on_cuda
 
 SLOPE_FACTORS = (2, 4, 8, 16)
 """The profile's batch repeated this many times, in turn, for the micro steps that measure the growth per sample on
-CPU (:meth:`_HostStepGrowth._slope`): all above the profile's own, whose growth also holds what a first step
+CPU (`_HostStepGrowth._slope`): all above the profile's own, whose growth also holds what a first step
 allocates once."""
 SLOPE_AGREEMENT = 0.02
 """Two successive slopes this close (relative to the last): the activations set the peak (the record's
@@ -90,7 +90,7 @@ class _StepGrowth:
         """Before the backward (on CPU the profiler's second window)."""
 
     def _slope(self, engine) -> dict:
-        """More figures after the step's (on CPU the growth per sample: :meth:`_HostStepGrowth._slope`)."""
+        """More figures after the step's (on CPU the growth per sample: `_HostStepGrowth._slope`)."""
         return {}
 
     @classmethod
@@ -126,7 +126,7 @@ class _StepGrowth:
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def figures(self) -> dict:
-        """The record's keys measured so far (``{}`` before :meth:`at_exit`)."""
+        """The record's keys measured so far (``{}`` before `at_exit`)."""
         return dict(self.forward_end)
 
     def close(self) -> None:
@@ -188,18 +188,18 @@ class _HostStepGrowth(_StepGrowth):
     def _slope(self, engine) -> dict:
         """``slope_bytes`` and ``data_slope_bytes``, bytes per sample: more training micro steps (the engine's
         forward and backward, DeepSpeed's profile exit held off), their inputs the profile's batch repeated
-        :data:`SLOPE_FACTORS` times along its first dimension, each twice the last. A step's peak is the larger
+        `SLOPE_FACTORS` times along its first dimension, each twice the last. A step's peak is the larger
         of what it holds whatever the mbs (the gradients, ZeRO's buckets, the parameters ZeRO-3 gathers) and what
         grows with the mbs, so the slope between two steps rises to the activations' as they take over the peak:
         ``slope_bytes`` is the last slope of the allocator's bytes, ``data_slope_bytes`` the last rise of
         ``VmData``'s peak per sample (what the CPU budget limits: glibc's heap keeps more than the live tensors,
         by a share that depends on the model, and the widest steps say how much). The series stops before a step
-        whose growth (twice the last) would take ``VmData`` over :data:`SLOPE_HEADROOM` of the rank's
-        ``RLIMIT_DATA``, after a step longer than :data:`SLOPE_STEP_S`, or at a step that fails (out of memory);
-        the ranks decide together (:func:`_every_rank`), since each step runs ZeRO's collectives. Also recorded:
+        whose growth (twice the last) would take ``VmData`` over `SLOPE_HEADROOM` of the rank's
+        ``RLIMIT_DATA``, after a step longer than `SLOPE_STEP_S`, or at a step that fails (out of memory);
+        the ranks decide together (`_every_rank`), since each step runs ZeRO's collectives. Also recorded:
         ``slope_growth_bytes`` (each step's growth), ``slope_data_peak_bytes`` (``VmData``'s peak after each),
         ``slope_ended`` (why the series stopped; ``agreed`` where the last two slopes agree within
-        :data:`SLOPE_AGREEMENT`) and ``data_peak_bytes`` before these steps. An input tensor whose first
+        `SLOPE_AGREEMENT`) and ``data_peak_bytes`` before these steps. An input tensor whose first
         dimension is not the profile's mbs is passed unchanged. Fewer than two steps: no slope."""
         import time
         torch = self.torch
@@ -273,7 +273,7 @@ def _every_rank(torch, go: bool) -> bool:
 
 
 def _room_for(growth_bytes: int) -> bool:
-    """Whether ``VmData`` now plus ``growth_bytes`` stays within :data:`SLOPE_HEADROOM` of the process's soft
+    """Whether ``VmData`` now plus ``growth_bytes`` stays within `SLOPE_HEADROOM` of the process's soft
     ``RLIMIT_DATA`` (True without a limit or where either cannot be read)."""
     import resource
     try:

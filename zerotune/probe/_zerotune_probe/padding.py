@@ -1,9 +1,9 @@
 """The longest batch on demand: every micro batch's token ids padded to one sequence length before the engine's
 forward, so that one run measures the peak of the longest batch the training can meet (``--verify-longest``).
 
-Set by the file :data:`PAD_FILE` in the probe's directory (the experiment's, on every backend and node), which
-holds a positive whole number of tokens; it is read at the process's first forward (:func:`pad_length`: a warm rank
-imports the probe before its run's directory is known). No file, or not a number: nothing is padded. :func:`pad_batch` looks where :mod:`.batch` looks (the positional and keyword arguments,
+Set by the file `PAD_FILE` in the probe's directory (the experiment's, on every backend and node), which
+holds a positive whole number of tokens; it is read at the process's first forward (`pad_length`: a warm rank
+imports the probe before its run's directory is known). No file, or not a number: nothing is padded. `pad_batch` looks where `.batch` looks (the positional and keyword arguments,
 and one level into the mappings, lists and tuples among them) and pads, at the end of their second dimension, the
 integer-dtype tensors of exactly two dimensions, ``[samples, tokens]``, shorter than that length: ``labels`` with
 -100 (the index Hugging Face's and torch's cross-entropy ignore), every other one (``input_ids``,
@@ -13,7 +13,7 @@ activations then have the shapes of a batch of that length, which is what the pe
 A script whose batch is not token ids as ``[samples, tokens]`` integer tensors (images, float features, packed or
 pre-embedded sequences) is not padded, and its peak is its own batches'.
 
-:func:`cut_batch` does the reverse for the profile's count of attention scores (:mod:`.activations`): the same
+`cut_batch` does the reverse for the profile's count of attention scores (`.activations`): the same
 tensors, longer than a length, cut to it.
 """
 import os
@@ -26,7 +26,7 @@ LABEL_KEYS = ("labels", "label", "lm_labels")
 
 
 def pad_length(directory: str):
-    """The sequence length :data:`PAD_FILE` in ``directory`` holds; None without one, or when it does not hold a
+    """The sequence length `PAD_FILE` in ``directory`` holds; None without one, or when it does not hold a
     positive whole number."""
     try:
         with open(os.path.join(directory, PAD_FILE)) as f:

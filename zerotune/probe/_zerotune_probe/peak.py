@@ -3,10 +3,10 @@ of a CUDA device's caching allocator at the rank's budget.
 
 On CUDA a step record's ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``, beside
 ``peak_reserved_bytes`` (``torch.cuda.max_memory_reserved()``) and ``device_peak_bytes``, the device at its
-peak: the reserved high-water mark plus what lies outside the allocator (:func:`_device_peak`). On CPU it is
+peak: the reserved high-water mark plus what lies outside the allocator (`_device_peak`). On CPU it is
 the largest ``VmData`` so far (what ``RLIMIT_DATA``, the per-rank budget, limits), sampled every 5 ms from
 the engine module's import to the end of step 2, again through any later step whose batch is longer than every
-earlier one, and at each record after it (:class:`_DataPeak`), beside
+earlier one, and at each record after it (`_DataPeak`), beside
 ``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which leaves out pages allocated and never
 written; bytes.
 """
@@ -15,7 +15,7 @@ import sys
 
 # The name starts with PYTHON so that DeepSpeed's multi-node runner forwards it to the other nodes' ranks (as it
 # does the probe's directory, ``sitecustomize.PROBE_DIR_ENV``).
-BUDGET_ENV = "PYTHON_ZEROTUNE_DEVICE_BUDGET"  # bytes per device, on CUDA ranks (:func:`cap_allocator`)
+BUDGET_ENV = "PYTHON_ZEROTUNE_DEVICE_BUDGET"  # bytes per device, on CUDA ranks (`cap_allocator`)
 
 
 def _peaks(engine) -> dict:
@@ -32,18 +32,18 @@ def _peaks(engine) -> dict:
 
 class _DataPeak:
     """On CPU, the largest ``VmData`` of this process (its private writable memory: what
-    ``RLIMIT_DATA``, the CPU backend's per-rank budget, limits), sampled every :attr:`period_s` by a
+    ``RLIMIT_DATA``, the CPU backend's per-rank budget, limits), sampled every `period_s` by a
     daemon thread from ``/proc/self/status``. Linux keeps no high-water mark of it, and the peak of a
     training step lasts tens of milliseconds (the backward pass holds the activations, the gradients
     and the reduction's flat copy at once; docs/decisions.md, D202). The resident high-water mark
     (``ru_maxrss``) is no substitute: it leaves out pages allocated and never written, such as most of
     a reduce bucket, which the budget counts.
 
-    The thread runs until the end of optimizer step :attr:`SAMPLED_STEPS` (:meth:`stop`), then each
+    The thread runs until the end of optimizer step `SAMPLED_STEPS` (`stop`), then each
     record samples once: by then every step's allocations have happened (the first step creates the
     optimizer states, the second holds them with the activations, the gradients and the reduction's
     copy), and the steps measured for the metric run without it. A later step whose batch is longer than
-    every earlier one (:meth:`note_seq_len`) allocates more: the thread runs again until its record, so that
+    every earlier one (`note_seq_len`) allocates more: the thread runs again until its record, so that
     the run's peak is the peak of its longest batch, as ``zerotune.model.tokens`` reads it."""
 
     running: "_DataPeak | None" = None
@@ -58,7 +58,7 @@ class _DataPeak:
         self._longest = 0  # tokens: the longest sequence length a forward has held so far (note_seq_len)
 
     def stop(self) -> None:
-        """End the sampling thread (its last sample is kept; :meth:`peak` still samples once per call)."""
+        """End the sampling thread (its last sample is kept; `peak` still samples once per call)."""
         self._stopped = True
 
     def note_seq_len(self, seq_len: int) -> None:
@@ -84,7 +84,7 @@ class _DataPeak:
         sampler.run_in_background()
 
     def run_in_background(self) -> None:
-        """Sample every :attr:`period_s` in a daemon thread until :meth:`stop`."""
+        """Sample every `period_s` in a daemon thread until `stop`."""
         import threading
         self._thread = threading.Thread(target=self._loop, name="zerotune-vmdata", daemon=True)
         self._thread.start()
@@ -115,7 +115,7 @@ class _DataPeak:
 
 
 def _data_peak() -> dict:
-    """On CPU ranks, ``{"data_peak_bytes": n}``: the largest ``VmData`` so far (:class:`_DataPeak`);
+    """On CPU ranks, ``{"data_peak_bytes": n}``: the largest ``VmData`` so far (`_DataPeak`);
     elsewhere ``{}``. The profile run's record carries it: the run exits in its first forward, before
     any step record, and the tuner calibrates the memory model from it."""
     return {"data_peak_bytes": _DataPeak.running.peak()} if _DataPeak.running is not None else {}
@@ -156,8 +156,8 @@ def cap_allocator(cuda, device: int, budget_bytes: int) -> float | None:
 
 
 def _cap_device(engine) -> None:
-    """On a CUDA rank with a budget (:data:`BUDGET_ENV`, set by zerotune for its experiments), cap the caching
-    allocator of the engine's device at it (:func:`cap_allocator`), before the first forward: the budget is a
+    """On a CUDA rank with a budget (`BUDGET_ENV`, set by zerotune for its experiments), cap the caching
+    allocator of the engine's device at it (`cap_allocator`), before the first forward: the budget is a
     limit, not advice, as ``RLIMIT_DATA`` makes it on CPU ranks. A failure is printed; training goes on."""
     torch = sys.modules.get("torch")
     budget = os.environ.get(BUDGET_ENV)

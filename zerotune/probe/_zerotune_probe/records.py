@@ -1,7 +1,7 @@
 """The probe's records: one JSON line per optimizer step in each rank's stream, and an exit record per rank.
 
-The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (:func:`stream_name`); after a boundary
-``step()`` returns (:mod:`.engine`), the rank appends one line to it and flushes it::
+The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (`stream_name`); after a boundary
+``step()`` returns (`.engine`), the rank appends one line to it and flushes it::
 
     {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 1,
      "train_batch_size": 8, "batch_samples": 4, "seq_len": 128, "peak_bytes": 734003200, "base_bytes": 524288000}
@@ -23,14 +23,14 @@ The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (:func:`str
   the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
 - ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
 - ``batch_samples`` and ``seq_len``: what the micro batches of this step held, from the shapes of the tensors the
-  engine's forward received (:mod:`.batch`): the most samples one held (their leading dimension) and the longest
+  engine's forward received (`.batch`): the most samples one held (their leading dimension) and the longest
   sequence, tokens (the largest second dimension of an integer tensor of 2+ dimensions: token ids); null where
   no forward argument said (no tensor; for ``seq_len``, no token ids: images, float features).
-- ``peak_bytes`` and the peaks beside it: :func:`.peak._peaks`. ``base_bytes``: on CUDA the allocated bytes
-  before the step's first forward (:func:`.engine._note_base`).
+- ``peak_bytes`` and the peaks beside it: `.peak._peaks`. ``base_bytes``: on CUDA the allocated bytes
+  before the step's first forward (`.engine._note_base`).
 
-Once a rank has recorded its first step, it also writes :data:`EXIT_PREFIX` ``<RANK>.json`` as Python
-finishes (an ``atexit`` hook; :func:`exit_name`)::
+Once a rank has recorded its first step, it also writes `EXIT_PREFIX` ``<RANK>.json`` as Python
+finishes (an ``atexit`` hook; `exit_name`)::
 
     {"rank": 0, "steps": 20, "uncaught": null, "exit_status": null, "host": "node-1", "address": "10.0.0.2"}
 

@@ -1,6 +1,6 @@
 """Backends: where an experiment's processes run (``local``: the deepspeed launcher here; ``ray``; ``slurm``), by
-name: :data:`BACKENDS`, each made by :func:`make_backend`, the nodes of those that find their own
-(:func:`backend_nodes`)."""
+name: `BACKENDS`, each made by `make_backend`, the nodes of those that find their own
+(`backend_nodes`)."""
 from __future__ import annotations
 
 from zerotune.core.launch import LaunchSpec, Node
@@ -9,11 +9,11 @@ from zerotune.run.backends.base import Backend
 __all__ = ["BACKENDS", "backend_nodes", "make_backend"]
 
 BACKENDS = ("local", "ray", "slurm")
-"""The backends :func:`make_backend` makes, by the name ``--backend`` and ``TuneOptions.backend`` give."""
+"""The backends `make_backend` makes, by the name ``--backend`` and ``TuneOptions.backend`` give."""
 
 
 def make_backend(kind: str, spec: LaunchSpec, ray_address: str | None = None) -> Backend:
-    """The backend ``kind`` names (one of :data:`BACKENDS`; Ray is imported only when asked for)."""
+    """The backend ``kind`` names (one of `BACKENDS`; Ray is imported only when asked for)."""
     if kind == "slurm":
         from zerotune.run.backends.slurm import SlurmBackend
         return SlurmBackend(spec)
@@ -26,11 +26,11 @@ def make_backend(kind: str, spec: LaunchSpec, ray_address: str | None = None) ->
 
 def backend_nodes(kind: str, cpu: bool, num_gpus: int = -1, num_nodes: int = -1) -> list[Node] | None:
     """The nodes with their device slots that backend ``kind`` finds itself: ``slurm``, its allocation's
-    (:func:`zerotune.run.backends.slurm.slurm_nodes`, the first ``num_nodes``, ``num_gpus`` slots each; -1: all);
+    (`zerotune.run.backends.slurm.slurm_nodes`, the first ``num_nodes``, ``num_gpus`` slots each; -1: all);
     None for ``local`` and ``ray``, whose nodes the launcher options select (a hostfile, ``--include``).
 
     Raises:
-        ConfigError: as :func:`~zerotune.run.backends.slurm.slurm_nodes` (not inside an allocation, more than it
+        ConfigError: as `zerotune.run.backends.slurm.slurm_nodes` (not inside an allocation, more than it
             has).
     """
     if kind == "slurm":

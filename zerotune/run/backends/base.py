@@ -3,7 +3,7 @@
 A backend knows how to start the ``deepspeed`` launcher somewhere (a subprocess here, a Ray
 placement group elsewhere), supervise it and stop it; it never decides what to run or when. The
 experiment directory (the config a run gets, its result files, its outcome) belongs to
-:mod:`zerotune.run.expdir`, which every backend calls before and after a run.
+`zerotune.run.expdir`, which every backend calls before and after a run.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from zerotune.core.launch import LaunchSpec, Reservation
 
 def limit_data(limit: int | None) -> None:
     """Limit this process (and what it execs or starts) to ``limit`` bytes of private data (``RLIMIT_DATA``; None
-    or 0: no limit): the CPU ranks' memory budget (:attr:`LaunchSpec.device_memory_bytes`), under which torch
+    or 0: no limit): the CPU ranks' memory budget (`LaunchSpec.device_memory_bytes`), under which torch
     raises ``DefaultCPUAllocator: can't allocate memory`` as a GPU run raises CUDA OOM."""
     if limit:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
@@ -32,8 +32,8 @@ class Backend(abc.ABC):
 
         Returns the experiment with ``status``, ``metric``, ``metrics``, ``exit_code``, ``wall_s``
         and ``error`` filled in. Must leave no process of the experiment running. Implementations
-        call :func:`zerotune.run.expdir.prepare` before the launch and
-        :func:`zerotune.run.expdir.finish` once the run's processes are gone.
+        call `zerotune.run.expdir.prepare` before the launch and
+        `zerotune.run.expdir.finish` once the run's processes are gone.
         """
 
     def cancel_all(self) -> None:

@@ -1,32 +1,32 @@
 """The local backend: the real ``deepspeed`` launcher as a subprocess, one process group per run.
 
 The backend only starts, supervises and stops processes: the experiment directory (the config it
-ran, the result files, the outcome) is :mod:`zerotune.run.expdir`'s, the launcher command
-:mod:`zerotune.deepspeed.launcher`'s, and what starts and stops the ranks its starter's
-(:mod:`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes
+ran, the result files, the outcome) is `zerotune.run.expdir`'s, the launcher command
+`zerotune.deepspeed.launcher`'s, and what starts and stops the ranks its starter's
+(`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes
 ``cmd.txt`` (a command a person can paste) and redirects the launcher's output into ``stdout.log`` and
 ``stderr.log``. The launcher is started in
 a new session, as a child subreaper, so the whole tree (launcher and ranks, and any process they orphan) is
 killed as one process group on timeout, hang or Ctrl-C, and any straggler, found by the run's session, group
-or token, is killed after it exits (:mod:`zerotune.run.processes`).
+or token, is killed after it exits (`zerotune.run.processes`).
 
 Every run has a timeout, ``--timeout`` or a default derived from the profile run
-(:mod:`zerotune.run.backends.timeout`). With ``--hang-timeout`` a run that makes no progress for that long is
+(`zerotune.run.backends.timeout`). With ``--hang-timeout`` a run that makes no progress for that long is
 killed as hung: progress is a step recorded in the probe's streams, and, before the first step (start-up, JIT
 builds, the profile run), output; once a run has recorded a step, output alone (a heartbeat, a warning printed
 in a loop) is no progress, and silence between steps is no hang. Multi-node reservations go through the launcher's own hostfile
 mechanism (``--hostfile``, ``--force_multi``) and are stopped by their run's token on every node
-(:func:`~zerotune.run.processes.kill_token_on`), never by the runner's own blanket pkill.
+(`zerotune.run.processes.kill_token_on`), never by the runner's own blanket pkill.
 
 On this machine alone, with ``LaunchSpec.warm`` (the default), a run's ranks are forked instead from a warm rank
-server the backend starts at its first run and stops at :meth:`LocalBackend.close` (:mod:`zerotune.run.warm`): the
+server the backend starts at its first run and stops at `LocalBackend.close` (`zerotune.run.warm`): the
 run's launcher it forks leads a session of its own, so it is supervised and stopped as the launcher's process group
 is, and ``cmd.txt`` still shows the launcher's line. A run the server could not launch goes cold and says why in
 ``launch_note``; one whose server went away, or whose ranks failed before the script started, is run again cold.
 
 While a run goes, the backend reads its step probe's streams as they grow and, when the launch
 spec has a stop rule, ends the run as soon as the rule says its metric is known or cannot beat the
-incumbent (adaptive experiments, :mod:`zerotune.core.stopping`), with the same process-group stop.
+incumbent (adaptive experiments, `zerotune.core.stopping`), with the same process-group stop.
 """
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ poll on a quiet machine); its known ranks' memory is sampled at every poll."""
 
 
 class LocalBackend(Backend):
-    """Runs and supervises each experiment; ``starter`` starts and stops its ranks (:mod:`.direct`; default: from
-    this machine, :class:`~zerotune.run.backends.direct.DirectStarter`)."""
+    """Runs and supervises each experiment; ``starter`` starts and stops its ranks (`.direct`; default: from
+    this machine, `zerotune.run.backends.direct.DirectStarter`)."""
 
     poll_s = 0.2
 
@@ -227,7 +227,7 @@ class LocalBackend(Backend):
 
     def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,
                 seen: _Supervised) -> Experiment:
-        """Record the run's outcome in ``exp`` once its processes are gone (:func:`expdir.finish`), with the
+        """Record the run's outcome in ``exp`` once its processes are gone (`expdir.finish`), with the
         backend's more precise reasons for a teardown crash, a timeout and a hang."""
         spec = self.spec
         exp.wall_s = round(time.monotonic() - start, 3)
@@ -250,7 +250,7 @@ class LocalBackend(Backend):
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:
-        """The starter's (:meth:`RankStarter.training_launch <zerotune.run.backends.direct.RankStarter>`)."""
+        """The starter's (`RankStarter.training_launch <zerotune.run.backends.direct.RankStarter>`)."""
         return self.starter.training_launch(spec, reservation, config_path, master_port, ds_config)
 
     def cancel_all(self) -> None:
@@ -261,7 +261,7 @@ class LocalBackend(Backend):
 
 @dataclass
 class _Supervised:
-    """What :meth:`LocalBackend._supervise` saw of a run."""
+    """What `LocalBackend._supervise` saw of a run."""
 
     timeout: Timeout = Timeout(float("inf"))  # the run's wall-clock bound
     timed_out: bool = False  # killed for its timeout or a hang
@@ -281,7 +281,7 @@ def _cold_note(spec: LaunchSpec) -> str:
 
 def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_name: str) -> bool:
     """Whether ``child``, a process of the run ``proc``, is one of its ranks: a cold rank runs the script
-    (:func:`~zerotune.run.processes.runs_script`); a warm rank, forked with the server's command line, is a child of
+    (`zerotune.run.processes.runs_script`); a warm rank, forked with the server's command line, is a child of
     the run's launcher."""
     if not isinstance(proc, WarmRun):
         return runs_script(child, script_name)
@@ -293,7 +293,7 @@ def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_nam
 
 def _child_setup(limit: int | None):
     """The launcher's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: no limit), inherited by the
-    launcher's ranks, and the launcher made a child subreaper (:func:`~zerotune.run.processes.adopt_orphans`:
+    launcher's ranks, and the launcher made a child subreaper (`zerotune.run.processes.adopt_orphans`:
     what its ranks orphan stays in its tree)."""
     def setup():  # runs in the child before exec
         limit_data(limit)

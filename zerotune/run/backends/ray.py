@@ -7,8 +7,8 @@ How one experiment runs (``RayBackend.run``):
    The experiment waits until Ray places it, at most the experiment timeout.
 2. For several nodes, a short probe task in each other bundle reports its node's IP and the GPU
    ids Ray granted that bundle.
-3. An actor in bundle 0 (holding that bundle's GPUs and CPU) runs :class:`LocalBackend` on its
-   node, given the tuner's communication settings (``NCCL_*``, ``GLOO_*`` ...: :func:`node_spec`):
+3. An actor in bundle 0 (holding that bundle's GPUs and CPU) runs `LocalBackend` on its
+   node, given the tuner's communication settings (``NCCL_*``, ``GLOO_*`` ...: `node_spec`):
    the same launcher command, environment, per-rank memory limit, timeouts, log files and
    outcome classification as the local backend. Its reservation is what Ray granted, not
    zerotune's slot names: ``localhost`` with the actor's GPU ids for one node; for several nodes
@@ -18,10 +18,10 @@ How one experiment runs (``RayBackend.run``):
    other nodes' ranks; the local backend stops them by the run's token on each node (never by the
    runner's own stop, a pkill of every DeepSpeed launcher on those hosts).
    On one node, by default, the ranks are forked instead from that node's warm rank server, owned by a host actor
-   that lives for the tuning (:mod:`zerotune.run.backends.ray_warm`); ``cmd.txt`` stays the launcher's line.
+   that lives for the tuning (`zerotune.run.backends.ray_warm`); ``cmd.txt`` stays the launcher's line.
 4. The actor is killed and the placement group removed, whatever happened. Should Ray kill the
    actor mid-run (its out-of-memory killer, a crash), a reaper process stops the launcher's
-   process group on the actor's node (see :class:`NodeLauncher` for what this leaves undone).
+   process group on the actor's node (see `NodeLauncher` for what this leaves undone).
 
 .. note:: The experiment directory must be on a filesystem shared by this machine and the Ray
    nodes (an NFS results dir, or one machine as here), and the script, its data and zerotune
@@ -102,7 +102,7 @@ class RayBackend(Backend):
     """Runs each experiment in a Ray placement group on a Ray cluster (see the module docstring).
 
     Args:
-        spec: how to launch the training script (as for :class:`LocalBackend`).
+        spec: how to launch the training script (as for `LocalBackend`).
         address: the Ray cluster, e.g. ``"10.0.0.1:6379"`` or ``"auto"``; ``None`` connects to
             ``$RAY_ADDRESS`` when set, otherwise starts a Ray instance on this machine. When this
             process is already connected to Ray (``ray.init`` was called), that connection is used
@@ -149,11 +149,11 @@ class RayBackend(Backend):
         """Run ``exp`` in a placement group shaped like ``reservation``, files under ``exp_dir``.
 
         ``reservation`` gives the shape (nodes x GPUs per node); Ray decides which nodes and GPU
-        ids. Outcomes are as for :class:`LocalBackend`, plus: TIMEOUT when Ray cannot place the
+        ids. Outcomes are as for `LocalBackend`, plus: TIMEOUT when Ray cannot place the
         group within the experiment timeout; FAILED, without waiting, when the cluster cannot be
         reached or has no node big enough for a bundle; FAILED when the node cannot see
         ``exp_dir``, or when Ray loses the actor (killed, or its node died); INTERRUPTED after
-        :meth:`cancel_all`.
+        `cancel_all`.
 
         Returns:
             ``exp``, updated in place.
@@ -218,7 +218,7 @@ class RayBackend(Backend):
 
     def _warm_socket(self, pg, reservation: Reservation, running_dir: Path) -> tuple[str, str]:
         """(the socket of the warm server on the node of ``pg``'s first bundle, ''), its host actor started on
-        first use (:mod:`zerotune.run.backends.ray_warm`); ('', why) when the server cannot launch; ('', '') when
+        first use (`zerotune.run.backends.ray_warm`); ('', why) when the server cannot launch; ('', '') when
         the run goes cold by rule: warm launches are off, or the run spans several nodes."""
         if not self.spec.warm or reservation.num_nodes > 1:
             return "", ""
@@ -247,7 +247,7 @@ class RayBackend(Backend):
 
     def _wait_placed(self, pg) -> tuple[Status, str] | None:
         """Wait until Ray places ``pg``: None when placed, else (status, why) after the experiment
-        timeout or :meth:`cancel_all`."""
+        timeout or `cancel_all`."""
         ready = pg.ready()
         start = time.monotonic()
         while True:
@@ -262,7 +262,7 @@ class RayBackend(Backend):
                                         f"held by other work (available now: {self._ray.available_resources()})")
 
     def cancel_all(self) -> None:
-        """Stop every running experiment: each node's launcher is killed by its :class:`LocalBackend`
+        """Stop every running experiment: each node's launcher is killed by its `LocalBackend`
         (process group TERM, then KILL), and they are recorded as interrupted."""
         self._cancelled.set()
         with self._lock:
@@ -273,16 +273,16 @@ class RayBackend(Backend):
 
 def node_spec(spec: LaunchSpec, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
     """The launch spec shipped to an experiment's node: ``spec`` with the tuner's communication settings
-    (:func:`~zerotune.deepspeed.rank_env.passed_env` of ``environ``) under its ``extra_env``. The actor runs
+    (`zerotune.deepspeed.rank_env.passed_env` of ``environ``) under its ``extra_env``. The actor runs
     with the raylet's environment, not the tuner's: without them a ``NCCL_SOCKET_IFNAME`` set where zerotune
     runs would not reach the ranks."""
     return dataclasses.replace(spec, extra_env={**passed_env(environ), **spec.extra_env})
 
 
 class NodeLauncher:
-    """The Ray actor on the first node of an experiment: a :class:`LocalBackend` for one run.
+    """The Ray actor on the first node of an experiment: a `LocalBackend` for one run.
 
-    Threaded (``max_concurrency=2``) so that :meth:`cancel` is served while :meth:`run` runs.
+    Threaded (``max_concurrency=2``) so that `cancel` is served while `run` runs.
 
     .. note:: The launcher runs in its own session (so it is killed as one process group), which
        also means it would outlive this actor if Ray killed the actor (Ray's out-of-memory killer,
@@ -292,7 +292,7 @@ class NodeLauncher:
        10 s. This covers this node only: Ray kills the actor's direct children with it, the
        launcher's runner among them, so for a multi-node run the runner's own pdsh kill of the
        other nodes' ranks does not happen and those ranks are left to fail on the broken
-       rendezvous. A normal end, a timeout or :meth:`cancel` go through the runner's handler.
+       rendezvous. A normal end, a timeout or `cancel` go through the runner's handler.
     """
 
     def __init__(self, spec: LaunchSpec):
@@ -306,7 +306,7 @@ class NodeLauncher:
     def run(self, exp: Experiment, exp_dir: str, token: str, cwd: str, others: list[tuple[str, list[int]]],
             warm_socket: str = "") -> Experiment:
         """Run ``exp`` with the launcher on this node, on the GPUs Ray granted; forked from this node's warm server
-        at ``warm_socket`` where one is given (:class:`~zerotune.run.warm.client.AttachedWarmServer`).
+        at ``warm_socket`` where one is given (`zerotune.run.warm.client.AttachedWarmServer`).
 
         Args:
             exp: the experiment.

@@ -1,12 +1,12 @@
 """The Ray backend's warm rank servers: a host actor per node, for the life of a tuning.
 
-An experiment's actor (:class:`~zerotune.run.backends.ray.NodeLauncher`) lives for one run, in that run's placement
+An experiment's actor (`zerotune.run.backends.ray.NodeLauncher`) lives for one run, in that run's placement
 group. A warm server cannot live there: it would pay its preload every run. So each node that an experiment's first
-bundle lands on gets one :class:`WarmHost` actor (no CPU, no GPU, pinned to the node with a hard
+bundle lands on gets one `WarmHost` actor (no CPU, no GPU, pinned to the node with a hard
 ``NodeAffinitySchedulingStrategy``), started at the first such experiment and killed at the tuning's end
-(:meth:`WarmHosts.stop`). It owns the node's warm server (:class:`~zerotune.run.warm.client.WarmServer`, its parent:
+(`WarmHosts.stop`). It owns the node's warm server (`zerotune.run.warm.client.WarmServer`, its parent:
 the server ends with the actor). The experiment's actor reaches the server by its socket, which is on the same
-node (:class:`~zerotune.run.warm.client.AttachedWarmServer`): its local backend supervises the forked run as it
+node (`zerotune.run.warm.client.AttachedWarmServer`): its local backend supervises the forked run as it
 does on one machine, and the run's connection closes with that actor, on which the server kills the run.
 
 Multi-node experiments go through DeepSpeed's runner, cold (docs/decisions.md D303).
@@ -51,7 +51,7 @@ class WarmHost:
 
 
 class WarmHosts:
-    """The driver's side: one :class:`WarmHost` per Ray node id, made on first use with ``ray``'s API."""
+    """The driver's side: one `WarmHost` per Ray node id, made on first use with ``ray``'s API."""
 
     def __init__(self, ray, spec: LaunchSpec, running_dir: Path):
         self.ray, self.spec, self.running_dir = ray, spec, running_dir

@@ -1,32 +1,32 @@
 """The Slurm backend: run inside an allocation (``salloc`` or an ``sbatch`` script), each experiment a job step.
 
-The nodes and the devices per node are the allocation's (:func:`slurm_nodes`, read from Slurm's environment).
-Each experiment is one ``srun`` on the nodes its reservation names (:func:`srun_command`)::
+The nodes and the devices per node are the allocation's (`slurm_nodes`, read from Slurm's environment).
+Each experiment is one ``srun`` on the nodes its reservation names (`srun_command`)::
 
     srun --nodes N --ntasks N*S --ntasks-per-node S --nodelist host-a,host-b --kill-on-bad-exit=1 --exact
          --cpus-per-task C [--gpus-per-node S --gpu-bind=none] --job-name zerotune-<experiment>-<id> --export=ALL
          python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...
 
-srun starts every rank (no pdsh, no ssh, no DeepSpeed runner); :mod:`zerotune.run.backends.slurm_rank` gives
+srun starts every rank (no pdsh, no ssh, no DeepSpeed runner); `zerotune.run.backends.slurm_rank` gives
 each the variables DeepSpeed's launcher would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` ...)
 and execs the script with ``--local_rank``. ``MASTER_ADDR`` is the step's first node, ``MASTER_PORT`` a port
 free on this machine. The probe is injected as the local backend injects it
-(:func:`~zerotune.deepspeed.launcher.launch_env`: ``PYTHONPATH``, its variables, the exps dir's
+(`zerotune.deepspeed.launcher.launch_env`: ``PYTHONPATH``, its variables, the exps dir's
 ``TORCH_EXTENSIONS_DIR``), and on CPU ranks the wrapper sets each rank's ``RLIMIT_DATA`` to the budget. ``--exact`` with ``C`` CPUs per rank (the allocation's
 CPUs per node over S) lets two experiments share a node side by side, as the slot pool places them.
 
 Supervision, timeouts, hangs, adaptive stops and the experiment directory are the local backend's
-(:class:`~zerotune.run.backends.local.LocalBackend`, composed with :class:`SrunStarter`): srun is the supervised
+(`zerotune.run.backends.local.LocalBackend`, composed with `SrunStarter`): srun is the supervised
 process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the step is cancelled by its id
 (``scancel JOB.STEP``, found by its unique name in ``squeue --steps``): Slurm signals every rank on every node
 (SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
-the run's token are killed (:func:`~zerotune.run.processes.kill_tree`), and the stop waits until the step has
+the run's token are killed (`zerotune.run.processes.kill_tree`), and the stop waits until the step has
 left ``squeue``. The running record names the step (job id and name) as its stop handle
-(:mod:`zerotune.run.backends.slurm_step`), so a rerun after the tuner itself was killed (SIGKILL, a lost node)
-cancels it before anything else (:func:`~zerotune.run.processes.reap_orphans`).
+(`zerotune.run.backends.slurm_step`), so a rerun after the tuner itself was killed (SIGKILL, a lost node)
+cancels it before anything else (`zerotune.run.processes.reap_orphans`).
 
 Warm launches (the default; ``--cold-launch`` turns them off): at the first run a long-lived step with a warm rank
-server on each node of the allocation is started (:mod:`zerotune.run.backends.slurm_warm`). Each experiment stays a
+server on each node of the allocation is started (`zerotune.run.backends.slurm_warm`). Each experiment stays a
 step of its own as above, its tasks ``slurm_rank --warm``: each has its node's server fork its rank and stands for
 it in the step (so ``scancel`` and ``--kill-on-bad-exit`` stop the rank), and ``cmd.txt`` still shows the cold line.
 A run whose tasks could not start their ranks warm is run again cold, as on the local backend. The ranks forked on
@@ -98,7 +98,7 @@ def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Map
                 expand=hostnames) -> list[Node]:
     """The allocation's nodes with their device slots, from Slurm's environment ``environ``.
 
-    Nodes: ``SLURM_JOB_NODELIST`` expanded (``expand``: :func:`hostnames`), the first ``num_nodes`` (-1: all).
+    Nodes: ``SLURM_JOB_NODELIST`` expanded (``expand``: `hostnames`), the first ``num_nodes`` (-1: all).
     Slots per node, ids ``0..S-1``: on CUDA, ``SLURM_GPUS_ON_NODE`` (``num_gpus``, when given, takes fewer);
     on CPU ranks, ``num_gpus`` (``--num_gpus``), else ``SLURM_NTASKS_PER_NODE``, else the fewest of
     ``SLURM_JOB_CPUS_PER_NODE``.
@@ -128,9 +128,9 @@ def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Map
 def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe_dir: Path | None = None,
              config_path: str | None = None) -> dict[str, str]:
     """The environment a step adds to this process's (srun exports it to every rank): the local backend's
-    (:func:`~zerotune.deepspeed.launcher.launch_env`, the probe with ``probe_dir``), ``MASTER_ADDR`` (the
+    (`zerotune.deepspeed.launcher.launch_env`, the probe with ``probe_dir``), ``MASTER_ADDR`` (the
     reservation's first node) and ``MASTER_PORT``, and on CPU ranks with a budget, each rank's
-    ``RLIMIT_DATA`` (:data:`~zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`) for an experiment (``probe_dir``
+    ``RLIMIT_DATA`` (`zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`) for an experiment (``probe_dir``
     given; the training after tuning runs unlimited, as the local backend's). ``config_path``: the run's config,
     for a launcher that carries it in the environment."""
     env = launch_env(spec, reservation, probe_dir=probe_dir, config_path=config_path)
@@ -148,7 +148,7 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
     GPUs on its node, whose ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the
     ``LOCAL_RANK``-th: a binding of one GPU per task, from the cluster's defaults or an inherited
     ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named ``name``; the script's arguments as for the
-    deepspeed launcher (:func:`~zerotune.deepspeed.launcher.script_arguments`); with ``spec.launcher``, the wrapper
+    deepspeed launcher (`zerotune.deepspeed.launcher.script_arguments`); with ``spec.launcher``, the wrapper
     gives each rank that launcher's contract (``--contract``)."""
     nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
     cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
@@ -165,7 +165,7 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
 
 class SrunStarter:
     """Starts each run as a job step of the allocation this process runs in, and stops it by the step's id (see the
-    module docstring): the Slurm backend's starter (:class:`~zerotune.run.backends.direct.RankStarter`).
+    module docstring): the Slurm backend's starter (`zerotune.run.backends.direct.RankStarter`).
 
     Args:
         spec: how to launch the training script.
@@ -189,7 +189,7 @@ class SrunStarter:
         return max(1, self.cpus_per_node // reservation.nodes[0].num_slots)
 
     def command(self, run: RunLaunch) -> tuple[dict[str, str], list[str]]:
-        """The step's environment (:func:`step_env`) and its ``srun`` line (:func:`srun_command`), named
+        """The step's environment (`step_env`) and its ``srun`` line (`srun_command`), named
         ``zerotune-<experiment>-<token's end>``."""
         name = f"zerotune-{run.name}-{run.token[-8:]}"
         self._steps[run.token] = name
@@ -197,7 +197,7 @@ class SrunStarter:
                 srun_command(self.spec, run.reservation, run.config_path, self.cpus_per_task(run.reservation), name))
 
     def stop_handle(self, token: str) -> dict[str, str] | None:
-        """The run's job step (:func:`~zerotune.run.backends.slurm_step.step_handle`): its ranks on other nodes
+        """The run's job step (`zerotune.run.backends.slurm_step.step_handle`): its ranks on other nodes
         have no process on this machine."""
         return step_handle(self.job_id, self._steps[token]) if token in self._steps else None
 
@@ -235,7 +235,7 @@ class SrunStarter:
         return self.spec.warm
 
     def new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> SlurmWarmServers:
-        """The warm rank servers' step on every node of the allocation (:mod:`zerotune.run.backends.slurm_warm`),
+        """The warm rank servers' step on every node of the allocation (`zerotune.run.backends.slurm_warm`),
         not started."""
         return SlurmWarmServers(self.job_id, self.hosts(), self.spec.script, env, running_dir,
                                 0 if self.spec.cpu else reservation.nodes[0].num_slots)
@@ -254,7 +254,7 @@ class SrunStarter:
 
     def warm_failure(self, proc: subprocess.Popen, exp_dir: Path) -> str:
         """A task's line on why its warm rank did not run the script (no server, a server gone, a failed fork:
-        :func:`~zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
+        `zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
         if proc.returncode == 0:
             return ""
         try:
@@ -281,7 +281,7 @@ class SrunStarter:
 
 
 class SlurmBackend(LocalBackend):
-    """The local backend's supervision with job steps as its starter (:class:`SrunStarter`; see the module
+    """The local backend's supervision with job steps as its starter (`SrunStarter`; see the module
     docstring).
 
     Raises:

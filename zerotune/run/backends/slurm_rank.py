@@ -2,22 +2,22 @@
 
 srun starts every task of the step with Slurm's own variables (``SLURM_PROCID``, ``SLURM_LOCALID``,
 ``SLURM_NTASKS`` ...); this wrapper turns them into what DeepSpeed's per-node launcher gives each rank it starts
-(``deepspeed/launcher/launch.py``) and what ``torch.distributed`` reads (:func:`rank_env`), applies the CPU
-ranks' memory budget (:data:`DATA_LIMIT_ENV`, :func:`~zerotune.run.backends.base.limit_data`), and execs the
+(``deepspeed/launcher/launch.py``) and what ``torch.distributed`` reads (`rank_env`), applies the CPU
+ranks' memory budget (`DATA_LIMIT_ENV`, `zerotune.run.backends.base.limit_data`), and execs the
 training script as that launcher does: ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``; with ``--contract
 torchrun`` (the user's launcher is torchrun or Accelerate) as torchrun does, with its variables too and no
-``--local_rank`` (:func:`contract_env`).
+``--local_rank`` (`contract_env`).
 
 ``MASTER_ADDR`` and ``MASTER_PORT`` come from the step's environment (the backend sets them: the step's first
-node and a port free there), as does the probe (``PYTHONPATH``, :mod:`zerotune.probe`).
+node and a port free there), as does the probe (``PYTHONPATH``, `zerotune.probe`).
 
 Warm (``python -u -m zerotune.run.backends.slurm_rank --warm SOCKET SCRIPT ARGS...``), the task execs nothing: it
-asks its node's warm rank server (:mod:`zerotune.run.warm.server`, ``SOCKET`` with ``{node}`` for the node's name)
+asks its node's warm rank server (`zerotune.run.warm.server`, ``SOCKET`` with ``{node}`` for the node's name)
 to fork the rank with that environment, the data limit, the probe, its own standard streams and CPU affinity, and
-stands for it in the step (:func:`attach`): a stop signal from Slurm (``scancel``, ``--kill-on-bad-exit``) is passed
+stands for it in the step (`attach`): a stop signal from Slurm (``scancel``, ``--kill-on-bad-exit``) is passed
 to the rank's launcher, the task exits with the rank's status, and a task killed outright closes its connection,
 on which the server kills the rank. A task that cannot reach its server, or whose rank failed before the script
-started, exits :data:`~zerotune.run.warm.rank.SETUP_FAILED` having said why on stderr (the backend then runs the
+started, exits `zerotune.run.warm.rank.SETUP_FAILED` having said why on stderr (the backend then runs the
 experiment again cold).
 """
 from __future__ import annotations
@@ -117,9 +117,9 @@ def attach(socket_template: str, script: str, args: list[str], env: dict[str, st
 
 def main(argv: list[str]) -> None:
     """Exec ``argv`` (``SCRIPT ARGS...``) as this task's rank; never returns. ``--warm SOCKET SCRIPT ARGS...``:
-    the rank forked by the warm server instead (:func:`attach`); exits with its status. ``--contract torchrun``
+    the rank forked by the warm server instead (`attach`); exits with its status. ``--contract torchrun``
     (after ``--warm SOCKET``, before the script): the rank gets torchrun's variables and no ``--local_rank``
-    (:mod:`zerotune.launchers.contract`)."""
+    (`zerotune.launchers.contract`)."""
     warm, contract = None, DEEPSPEED
     if argv[:1] == ["--warm"] and len(argv) > 1:
         warm, argv = argv[1], argv[2:]
@@ -146,8 +146,8 @@ def main(argv: list[str]) -> None:
 
 
 def contract_env(env: dict[str, str], contract: str) -> dict[str, str]:
-    """``env`` (a task's, with DeepSpeed's rank variables: :func:`rank_env`) with the variables of ``contract``'s
-    launcher: torchrun's (:func:`~zerotune.launchers.contract.torchrun_env`) for :data:`TORCHRUN`."""
+    """``env`` (a task's, with DeepSpeed's rank variables: `rank_env`) with the variables of ``contract``'s
+    launcher: torchrun's (`zerotune.launchers.contract.torchrun_env`) for `TORCHRUN`."""
     if contract != TORCHRUN:
         return env
     return torchrun_env(env, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_SIZE"]),

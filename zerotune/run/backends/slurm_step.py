@@ -1,10 +1,10 @@
-"""Slurm's job steps as a tuner stops them: a step found by its name (:func:`slurm_step_id`), cancelled until it
-has left ``squeue`` (:func:`cancel_slurm_step`), and the stop handle that names one in a running record
-(:func:`step_handle`; :mod:`zerotune.run.backends.stop_handles`), so that a rerun after a SIGKILLed tuner cancels
+"""Slurm's job steps as a tuner stops them: a step found by its name (`slurm_step_id`), cancelled until it
+has left ``squeue`` (`cancel_slurm_step`), and the stop handle that names one in a running record
+(`step_handle`; `zerotune.run.backends.stop_handles`), so that a rerun after a SIGKILLed tuner cancels
 it: a step's ranks on other nodes have no process on the tuner's machine to kill.
 
 Only the standard library and Slurm's own commands: the running records' reaper
-(:func:`~zerotune.run.processes.reap_orphans`) reaches this module without the backends.
+(`zerotune.run.processes.reap_orphans`) reaches this module without the backends.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["SLURM_STEP_GONE_S", "STOP_KIND", "cancel_slurm_step", "cancel_step_h
 
 SLURM_STEP_GONE_S = 30.0  # how long a cancelled Slurm step may take to leave squeue (KillWait and a margin), s
 STOP_KIND = "slurm_step"
-"""The stop handle's ``kind`` for a Slurm job step (:func:`step_handle`)."""
+"""The stop handle's ``kind`` for a Slurm job step (`step_handle`)."""
 
 
 def slurm_step_id(job_id: str, name: str) -> str | None:
@@ -50,7 +50,7 @@ def step_handle(job_id: str, name: str) -> dict[str, str]:
 
 
 def cancel_step_handle(handle: Mapping[str, Any]) -> bool:
-    """Cancel the step ``handle`` (:func:`step_handle`) names (:func:`cancel_slurm_step`). Returns whether it is
+    """Cancel the step ``handle`` (`step_handle`) names (`cancel_slurm_step`). Returns whether it is
     gone; False for a handle whose job id or step name is not a string."""
     job_id, name = handle.get("job_id"), handle.get("step_name")
     if not (isinstance(job_id, str) and isinstance(name, str)):

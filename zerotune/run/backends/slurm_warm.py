@@ -1,7 +1,7 @@
 """The warm rank servers of a Slurm allocation: one long-lived job step, a server task on each node, for the life
 of a tuning.
 
-The step (:func:`server_step_command`)::
+The step (`server_step_command`)::
 
     srun --overlap --nodes N --ntasks N --ntasks-per-node 1 --nodelist host-a,host-b --job-name zerotune-warm-<id>
          [--gpus-per-node S --gpu-bind=none] --export=ALL
@@ -9,14 +9,14 @@ The step (:func:`server_step_command`)::
          --parent 0 --ready EXPS/.zerotune-warm-<id>
 
 ``--overlap`` lets it share the allocation's CPUs, memory and GPUs with the experiments' steps, so holding it costs
-no slot. Each node's server preloads as the local backend's does (:mod:`zerotune.run.warm`) and, once it accepts on
+no slot. Each node's server preloads as the local backend's does (`zerotune.run.warm`) and, once it accepts on
 its node-local socket, writes ``<node>.json`` into the ready directory, which is on the results dir's shared
 filesystem. An experiment is still one step of its own (``scancel``, ``--kill-on-bad-exit`` and the accounting see
 it), whose tasks run ``slurm_rank --warm``: each asks its node's server to fork its rank and stands for it in the
-step (:func:`zerotune.run.backends.slurm_rank.attach`).
+step (`zerotune.run.backends.slurm_rank.attach`).
 
-The servers' step is cancelled at the tuning's end (:meth:`SlurmWarmServers.stop`). Its running record names the
-step, so a rerun after a SIGKILLed tuner cancels it (:func:`~zerotune.run.processes.reap_orphans`), and it ends with
+The servers' step is cancelled at the tuning's end (`SlurmWarmServers.stop`). Its running record names the
+step, so a rerun after a SIGKILLed tuner cancels it (`zerotune.run.processes.reap_orphans`), and it ends with
 the allocation in any case. On CUDA nodes whose cgroups confine memory, the forked ranks count against the servers'
 step: docs/clusters.md.
 """
@@ -56,7 +56,7 @@ def server_step_command(hosts: list[str], name: str, socket_template: str, scrip
 
 class SlurmWarmServers:
     """The servers' step of allocation ``job_id`` on ``hosts`` for ``script``, the ranks' environment ``env``
-    (see the module doc). Thread-safe; :meth:`start` once, :meth:`ready` before each launch, :meth:`stop` at the
+    (see the module doc). Thread-safe; `start` once, `ready` before each launch, `stop` at the
     end."""
 
     def __init__(self, job_id: str, hosts: list[str], script: str, env: Mapping[str, str], running_dir: Path,
@@ -76,7 +76,7 @@ class SlurmWarmServers:
         self._record: Path | None = None
 
     def start(self) -> None:
-        """Start the servers' step (they preload in the background; :meth:`ready` waits for them)."""
+        """Start the servers' step (they preload in the background; `ready` waits for them)."""
         with self._lock:
             if self.proc is None and not self.unusable:
                 self._record = write_running_record(self.running_dir, SERVER_RECORD, self.token, None,
@@ -93,7 +93,7 @@ class SlurmWarmServers:
 
         Raises:
             WarmUnavailable: the step ended or was not ready within
-                :data:`~zerotune.run.warm.client.READY_TIMEOUT_S`, a server is not fork-safe, or ``stop`` was set.
+                `zerotune.run.warm.client.READY_TIMEOUT_S`, a server is not fork-safe, or ``stop`` was set.
         """
         with self._lock:
             if self.unusable:

@@ -1,10 +1,10 @@
-"""Stop handles: what a running record (:func:`~zerotune.run.processes.write_running_record`) names, besides the
+"""Stop handles: what a running record (`zerotune.run.processes.write_running_record`) names, besides the
 run's token, launcher and master port, so that a later tuner can stop the run once the tuner that started it is
 gone: something the run holds outside this machine's processes.
 
 A handle is a JSON object with a ``kind``; each kind is a backend's, stopped by that backend's canceller
-(:data:`CANCELLERS`): ``slurm_step``, a Slurm job step (:mod:`zerotune.run.backends.slurm_step`);
-``warm_socket_dir``, a warm server's socket directory in this machine's temp dir (:func:`socket_dir_handle`). The
+(`CANCELLERS`): ``slurm_step``, a Slurm job step (`zerotune.run.backends.slurm_step`);
+``warm_socket_dir``, a warm server's socket directory in this machine's temp dir (`socket_dir_handle`). The
 local backend's runs have none: their token and their launcher's session find every process.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def socket_dir_handle(path: Path) -> dict[str, str]:
 
 
 def remove_socket_dir(handle: Mapping[str, Any]) -> bool:
-    """Remove the directory a :func:`socket_dir_handle` names, only where it is one of zerotune's (directly in this
+    """Remove the directory a `socket_dir_handle` names, only where it is one of zerotune's (directly in this
     machine's temp dir, named ``zerotune-warm-*``). Returns whether it is gone."""
     path = Path(str(handle.get("path", "")))
     if path.parent != Path(tempfile.gettempdir()) or not path.name.startswith(SOCKET_DIR_PREFIX):

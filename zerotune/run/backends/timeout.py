@@ -5,16 +5,16 @@ loader ends the experiment (TIMEOUT), never the tuning. ``--timeout`` (``LaunchS
 every experiment, the profile run included. Without it:
 
 - the profile run, and any run while no profile run is recorded in the exps dir, gets
-  :data:`UNKNOWN_STARTUP_TIMEOUT_S`: its start-up (imports, the model's construction or first download,
+  `UNKNOWN_STARTUP_TIMEOUT_S`: its start-up (imports, the model's construction or first download,
   DeepSpeed's JIT ops, about a minute each to build) is not known yet;
 - every other experiment gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile run's wall
   time)``: a measured run repeats the profile run's start-up, runs ``end_profile_step`` steps and extends by at
-  most its start-up time again (:mod:`zerotune.core.stopping`); the factor and the floor leave room for the
+  most its start-up time again (`zerotune.core.stopping`); the factor and the floor leave room for the
   steps of micro batches larger than the profile run's and for an op the profile run did not build.
 
 The profile run's wall time is read from its record (an ``exp.json`` that verifies, of kind ``profile``, ok) in
 the exps dir, so a resumed tuning whose profile run was reused gets the same bound, and so does the Ray backend's
-node, which runs each experiment in a fresh :class:`~zerotune.run.backends.local.LocalBackend`. With several such
+node, which runs each experiment in a fresh `zerotune.run.backends.local.LocalBackend`. With several such
 records (one exps dir shared by several jobs) the longest counts: a longer bound never kills a healthy run.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path)
 
 def profile_wall_s(exps_dir: Path) -> float | None:
     """The longest wall time of an ok profile run recorded in ``exps_dir`` (its records that verify,
-    :func:`~zerotune.run.store.load_records`), seconds (None: none recorded)."""
+    `zerotune.run.store.load_records`), seconds (None: none recorded)."""
     runs = [record.experiment for record in load_records(exps_dir)]
     walls = [float(e.wall_s) for e in runs if e.kind is ExperimentKind.PROFILE and e.status is Status.OK
              and isinstance(e.wall_s, (int, float)) and e.wall_s > 0]

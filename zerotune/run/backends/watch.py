@@ -1,6 +1,6 @@
-"""What a running experiment's files say while it runs: when it last made progress (:class:`RunProgress`, for the
-hang timeout) and whether its stop rule can end it (:class:`StreamWatch`, adaptive experiments). Both read the probe's
-streams and the logs as they grow (:mod:`zerotune.probe`); the backends act on the answers."""
+"""What a running experiment's files say while it runs: when it last made progress (`RunProgress`, for the
+hang timeout) and whether its stop rule can end it (`StreamWatch`, adaptive experiments). Both read the probe's
+streams and the logs as they grow (`zerotune.probe`); the backends act on the answers."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,10 +42,10 @@ class RunProgress:
 
 class StreamWatch:
     """Reads an experiment's probe streams while it runs and asks the stop rule whether it can end
-    (:mod:`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
+    (`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
     few ``stat`` calls; the profile run (which exits in its first forward) is never watched.
 
-    The run was launched with an extended engine exit (:func:`~zerotune.core.stopping.extended_end_step`):
+    The run was launched with an extended engine exit (`zerotune.core.stopping.extended_end_step`):
     the rule ends it at ``end_profile_step`` unless more steps pay, within its start-up time, from the
     launch (``launched_at``, ``time.monotonic()``) to its first step's start (the probe's ``t`` is the
     same system-wide monotonic clock: the ranks run on this machine)."""

@@ -1,18 +1,18 @@
 """The tuner's side of a warm rank server: start it, ask it for runs, watch them as processes, stop it.
 
-:class:`WarmServer` starts ``python -m zerotune.run.warm.server`` once, in a session of its own (a terminal's Ctrl-C
+`WarmServer` starts ``python -m zerotune.run.warm.server`` once, in a session of its own (a terminal's Ctrl-C
 reaches the tuner, which stops the server itself) with the environment the ranks' imports need (the accelerator,
 ``PYTHONPATH``, the OpenMP settings, ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) and a run token of its own, recorded under
-the exps dir's running records (:func:`zerotune.run.processes.write_running_record`), so that a rerun after a
-SIGKILLed tuner kills a server that outlived it (:func:`~zerotune.run.processes.reap_orphans`; the server also
+the exps dir's running records (`zerotune.run.processes.write_running_record`), so that a rerun after a
+SIGKILLed tuner kills a server that outlived it (`zerotune.run.processes.reap_orphans`; the server also
 stops by itself once its parent is gone). Its Unix socket lives in a private temporary directory: the path of a
 socket is limited to 107 bytes, an exps dir's is not.
 
-:meth:`WarmServer.launch` returns a :class:`WarmRun`, which answers as much of :class:`subprocess.Popen` as the
+`WarmServer.launch` returns a `WarmRun`, which answers as much of `subprocess.Popen` as the
 backends use (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``): its pid is the run's launcher, which leads a
 session of its own, so the backend stops it as it stops a cold launcher's process group. A run whose server went
-away before it ended is :attr:`WarmRun.lost`: its processes are killed and the backend runs it again cold, as it does
-a run whose ranks failed before the script started (:data:`~zerotune.run.warm.rank.SETUP_FAILED`).
+away before it ended is `WarmRun.lost`: its processes are killed and the backend runs it again cold, as it does
+a run whose ranks failed before the script started (`zerotune.run.warm.rank.SETUP_FAILED`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ __all__ = ["LOST", "AttachedWarmServer", "WarmRun", "WarmServer", "WarmUnavailab
 log = logging.getLogger(__name__)
 
 LOST = -1000
-""":attr:`WarmRun.returncode` of a run whose server went away before it ended (no exit status is known)."""
+"""`WarmRun.returncode` of a run whose server went away before it ended (no exit status is known)."""
 SERVER_RECORD = "warm-server"  # the running record's name, under the exps dir's running records
 READY_TIMEOUT_S = 300.0  # the preload's bound (transformers on a loaded 2-core machine takes ~10 s), s
 STOP_WAIT_S = 10.0  # SIGTERM, then SIGKILL after this long, s
@@ -104,7 +104,7 @@ class WarmRun:
         self._conn.close()
 
     def poll(self) -> int | None:
-        """The run's exit status once it ended (:data:`LOST` if its server went away), else None."""
+        """The run's exit status once it ended (`LOST` if its server went away), else None."""
         self._read(0)
         return self.returncode
 
@@ -168,12 +168,12 @@ class WarmServer:
         self._record: Path | None = None
 
     def start(self) -> None:
-        """Start the server process (it preloads in the background; :meth:`launch` waits for it)."""
+        """Start the server process (it preloads in the background; `launch` waits for it)."""
         with self._lock:
             self._start()
 
     def _start(self) -> None:
-        """:meth:`start`, the lock held."""
+        """`start`, the lock held."""
         if self.proc is None:
             self.running_dir.mkdir(parents=True, exist_ok=True)
             self._record = write_running_record(self.running_dir, self.record, self.token, None,
@@ -190,7 +190,7 @@ class WarmServer:
         before it starts a run's clock: the preload is the tuning's cost, paid once, not the first run's.
 
         Raises:
-            WarmUnavailable: it exited or did not get ready within :data:`READY_TIMEOUT_S`, it is not fork-safe, or
+            WarmUnavailable: it exited or did not get ready within `READY_TIMEOUT_S`, it is not fork-safe, or
                 ``stop`` was set while waiting.
         """
         with self._lock:
@@ -212,7 +212,7 @@ class WarmServer:
         """Start the server if it is not started, and wait until its socket appears (it then accepts).
 
         Raises:
-            WarmUnavailable: see :meth:`ready`.
+            WarmUnavailable: see `ready`.
         """
         if self.proc is None:
             self._start()
@@ -245,7 +245,7 @@ class WarmServer:
         return conn
 
     def launch(self, request: dict) -> WarmRun:
-        """Ask the server to launch a run (the request's fields: :mod:`zerotune.run.warm.server`).
+        """Ask the server to launch a run (the request's fields: `zerotune.run.warm.server`).
 
         Raises:
             WarmUnavailable: the server cannot launch it; the message says why.
@@ -263,8 +263,8 @@ class WarmServer:
         return WarmRun(conn, int(answer["pid"]), rest)
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, SIGKILL after :data:`STOP_WAIT_S`), then every process it forked (found by its
-        token, :func:`~zerotune.run.processes.kill_token`, waited for): its runs end with it."""
+        """Stop the server (SIGTERM, SIGKILL after `STOP_WAIT_S`), then every process it forked (found by its
+        token, `zerotune.run.processes.kill_token`, waited for): its runs end with it."""
         with self._lock:
             proc, self.proc = self.proc, None
             self.unusable = self.unusable or "the warm server was stopped"
@@ -285,7 +285,7 @@ class WarmServer:
 
 class AttachedWarmServer(WarmServer):
     """A warm server another process of this machine started and will stop (the Ray backend's host actor of this
-    node), reached at ``socket_path``: it launches runs; :meth:`start` and :meth:`stop` do nothing."""
+    node), reached at ``socket_path``: it launches runs; `start` and `stop` do nothing."""
 
     def __init__(self, socket_path: str):
         self.socket_path = Path(socket_path)

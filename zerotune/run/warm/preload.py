@@ -2,22 +2,22 @@
 
 The script's ``import`` statements are read from its AST, never run: the module's own statements and those nested
 in its top-level ``if``/``try``/``with`` blocks (a function's or a class's imports run later, if at all). Only modules
-of installed distributions are imported (:func:`importlib.metadata.packages_distributions`), never a module of the
+of installed distributions are imported (`importlib.metadata.packages_distributions`), never a module of the
 script's own directory (it may change between experiments, and importing it would run the user's code in the
 server), nor the standard library (cheap to import in the rank). ``from X import Y`` also fetches ``Y``, since
 packages such as transformers load a model's module only when its name is first asked for (GPT-2's: 1.7 s of a
 3.6 s preload, D303). A failing import is logged and skipped: the rank imports it again and meets the error as
 the script's own.
 
-DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too (:func:`preload_ops`), never built.
+DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too (`preload_ops`), never built.
 
 The preload must leave the server fork-safe: no Python thread started (a library's background thread), no
 CUDA context (a CUDA context does not survive ``fork``; DeepSpeed's import asks ``torch.cuda`` questions that
-initialize it unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server sets). :func:`fork_unsafe` says what
+initialize it unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server sets). `fork_unsafe` says what
 broke it; the server then launches nothing warm.
 
 While it preloads (seconds; longer on a loaded machine or where an op's load builds it) the server is not yet
-serving, so nothing else sees its tuner die: :func:`watch_parent` ends it and its process group (a build's
+serving, so nothing else sees its tuner die: `watch_parent` ends it and its process group (a build's
 compilers included) when its parent goes, and stops before the first fork.
 """
 from __future__ import annotations
@@ -91,16 +91,16 @@ def _installed(top: str, script_dir: Path) -> bool:
 
 @dataclass
 class Preloaded:
-    """What :func:`preload` imported (module names, in order) and what it skipped (module -> why)."""
+    """What `preload` imported (module names, in order) and what it skipped (module -> why)."""
 
     imported: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
 
 def preload(script: str | os.PathLike) -> Preloaded:
-    """Import :data:`ALWAYS`, then the installed modules ``script`` imports at top level (:func:`script_imports`),
-    into this process. Never raises for an import: a failure is logged and recorded in :attr:`Preloaded.skipped`;
-    a script that cannot be read or parsed preloads :data:`ALWAYS` alone."""
+    """Import `ALWAYS`, then the installed modules ``script`` imports at top level (`script_imports`),
+    into this process. Never raises for an import: a failure is logged and recorded in `Preloaded.skipped`;
+    a script that cannot be read or parsed preloads `ALWAYS` alone."""
     done = Preloaded()
     script_dir = Path(script).resolve().parent
     try:
@@ -131,7 +131,7 @@ def preload(script: str | os.PathLike) -> Preloaded:
 
 
 def learnable(modules: list[str], script: str | os.PathLike) -> list[str]:
-    """Of ``modules`` (names a warm rank imported after its fork, in import order), those :func:`learn` may import:
+    """Of ``modules`` (names a warm rank imported after its fork, in import order), those `learn` may import:
     modules of installed distributions not shadowed by the script's directory, not the standard library, not yet
     imported here."""
     script_dir = Path(script).resolve().parent
@@ -140,12 +140,12 @@ def learnable(modules: list[str], script: str | os.PathLike) -> list[str]:
 
 
 def learn(modules: list[str]) -> tuple[list[str], str | None]:
-    """Import ``modules`` (:func:`learnable`) into this process, so that the next ranks forked from it find them
+    """Import ``modules`` (`learnable`) into this process, so that the next ranks forked from it find them
     imported: the modules a rank imports lazily after the script's top level (DeepSpeed's ``initialize`` imports
     ``torch._dynamo`` and its Muon optimizer's module, about 2 s of a warm start-up here; a Trainer imports more).
 
     They are first imported in a forked trial process, which reports whether it stayed fork-safe
-    (:func:`fork_unsafe`); only then here. Returns the modules imported and, where nothing was, why (None: all
+    (`fork_unsafe`); only then here. Returns the modules imported and, where nothing was, why (None: all
     went in, or there was nothing to learn); a module that fails to import is left out."""
     if not modules:
         return [], None
@@ -191,9 +191,9 @@ cold launch."""
 
 
 def preload_ops() -> list[str]:
-    """Load the ops of :data:`OPS` that this accelerator has and that load with no build from this process's torch
-    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, :mod:`zerotune.deepspeed.extensions`; ninja's dry
-    run there finds no work, :func:`~zerotune.deepspeed.extensions.would_build`); an op not built yet, one whose
+    """Load the ops of `OPS` that this accelerator has and that load with no build from this process's torch
+    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, `zerotune.deepspeed.extensions`; ninja's dry
+    run there finds no work, `zerotune.deepspeed.extensions.would_build`); an op not built yet, one whose
     load would build, or one whose build dir holds torch's lock (a build running, or one a killed process left, on
     which the load would wait without end), is left to the rank that needs it (the server never compiles). Where
     that variable names no exps dir's cache, none: another cache (the machine's) is never loaded from, so never
@@ -253,7 +253,7 @@ PARENT_POLL_S = 0.2
 def watch_parent(parent: int):
     """Watch, from a thread, that ``parent`` stays this process's parent; once it does not, SIGKILL this process's
     group where this process leads it (a warm server is a session leader: its builds die with it), else this process.
-    Returns ``stop()``, which ends the watch and joins its thread (before a fork: :func:`fork_unsafe`)."""
+    Returns ``stop()``, which ends the watch and joins its thread (before a fork: `fork_unsafe`)."""
     done = threading.Event()
 
     def watch():

@@ -3,11 +3,11 @@
 
 What the launcher gives a rank it starts (``deepspeed/launcher/launch.py``, torchrun's agent) is given here without
 an exec: the environment (the launch's, with the rank's variables of the launcher's contract, set by
-:mod:`zerotune.run.warm.server`), ``sys.argv`` (:func:`~zerotune.launchers.contract.rank_argv`), ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
+`zerotune.run.warm.server`), ``sys.argv`` (`zerotune.launchers.contract.rank_argv`), ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
 the working directory, unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's file descriptors (``-u``), default
 signal handlers, fresh random seeds (Python's ``random`` reseeds itself at fork; NumPy's global state is reseeded
 here), and the step probe installed into the already-imported engine module
-(:func:`zerotune.probe.sitecustomize.install`). The script then runs as ``__main__`` (:func:`runpy.run_path`) and the
+(`zerotune.probe.sitecustomize.install`). The script then runs as ``__main__`` (`runpy.run_path`) and the
 process ends as Python's would: non-daemon threads joined, ``atexit`` hooks run (the probe's exit record among them),
 the exit status of ``sys.exit`` or 1 after an uncaught exception printed with its traceback (``sys.last_value`` set,
 as the interpreter sets it), a ``KeyboardInterrupt`` re-raised as SIGINT.
@@ -25,7 +25,7 @@ __all__ = ["SETUP_FAILED", "become_rank"]
 
 SETUP_FAILED = 121
 """The exit status of a warm rank that failed before the script started (zerotune's fault, not the script's): the
-backend re-runs the experiment cold (:mod:`zerotune.run.warm.client`)."""
+backend re-runs the experiment cold (`zerotune.run.warm.client`)."""
 SETUP_FAILED_LINE = "zerotune warm rank: setup failed before the script started"
 
 
@@ -39,8 +39,8 @@ def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, pro
     """Turn this freshly forked process into the rank that ``env`` describes and run ``script`` in it; never
     returns (``os._exit``). With ``learn_path``, the names of the modules the rank imported (in import order) are
     written there as JSON once the script ended, for the server to import before its next fork
-    (:func:`zerotune.run.warm.preload.learn`). ``contract``: the launcher's, whose arguments go before the script's
-    (:func:`~zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's)."""
+    (`zerotune.run.warm.preload.learn`). ``contract``: the launcher's, whose arguments go before the script's
+    (`zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's)."""
     before = set(sys.modules)
     try:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):

@@ -1,7 +1,7 @@
 """The warm rank server: ``python -m zerotune.run.warm.server --socket PATH --script SCRIPT``, one per node for the
 life of a tuning.
 
-It preloads torch, DeepSpeed and the script's installed top-level imports (:mod:`zerotune.run.warm.preload`), then
+It preloads torch, DeepSpeed and the script's installed top-level imports (`zerotune.run.warm.preload`), then
 listens on a Unix socket and serves one request per connection, in a single thread (a fork copies only the calling
 thread: the server never starts another). The request is one JSON line; the server answers JSON lines::
 
@@ -17,14 +17,14 @@ thread: the server never starts another). The request is one JSON line; the serv
     <- {"pid": PID, "unsafe": REASON or null, "imported": [...], "skipped": {...}}
 
 The second form launches one rank whose environment is already DeepSpeed's (``rank_env``: a Slurm task's, made
-by :mod:`zerotune.run.backends.slurm_rank`), on the standard streams and CPU affinity of the process that asked: the
+by `zerotune.run.backends.slurm_rank`), on the standard streams and CPU affinity of the process that asked: the
 rank then writes where that task writes, and the task stands for it in its Slurm step.
 
 The run's launcher does what DeepSpeed's per-node launcher does (``deepspeed/launcher/launch.py``) without an exec:
 it leads a new session as a child subreaper (so the backend stops the run as one process group, and what its ranks
 orphan stays in its tree), takes the per-rank data limit (``RLIMIT_DATA``, inherited by its ranks), sends its output
 to the experiment's logs, forks one rank per slot with the rank environment of the request's launcher contract (DeepSpeed's, or
-torchrun's: :func:`rank_environment`; :mod:`zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
+torchrun's: `rank_environment`; `zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
 non-zero ends the run: the others get SIGTERM, then SIGKILL after 30 s, and the launcher exits with that rank's
 status, as DeepSpeed's launcher does; SIGTERM or SIGINT to the launcher stops its ranks the same way (exit 1).
 
@@ -68,7 +68,7 @@ def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, mas
     DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices
     set to ``slots`` (DeepSpeed's own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU),
     ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and
-    ``LOCAL_RANK``. torchrun's (:func:`~zerotune.launchers.contract.torchrun_env`): ``env`` with ``MASTER_ADDR``,
+    ``LOCAL_RANK``. torchrun's (`zerotune.launchers.contract.torchrun_env`): ``env`` with ``MASTER_ADDR``,
     ``MASTER_PORT``, the visible devices as for DeepSpeed's (as a user sets them before torchrun) and its worker
     variables."""
     from deepspeed.accelerator import get_accelerator
@@ -87,7 +87,7 @@ class _Stop(Exception):
 
 
 def _prctl(option: int, value: int) -> None:
-    """``prctl(option, value)`` (Linux; elsewhere nothing). Not :func:`zerotune.run.processes.adopt_orphans`: that
+    """``prctl(option, value)`` (Linux; elsewhere nothing). Not `zerotune.run.processes.adopt_orphans`: that
     module's imports (psutil, the experiment record) would sit in the server's heap, and so in every warm rank's."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
@@ -123,7 +123,7 @@ def _launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> Non
     """The forked run launcher (see the module doc); never returns. ``fds``: the standard streams the request
     came with (none: ``/dev/null`` and its log files). ``close``: the server's sockets and selector, closed first
     (no rank inherits them). Its local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``
-    (:func:`zerotune.run.warm.preload.learn`)."""
+    (`zerotune.run.warm.preload.learn`)."""
     status = 1
     server = os.getppid()
     try:
@@ -194,7 +194,7 @@ def _standard_streams(request: dict, fds: list[int]) -> None:
 
 def _rank_envs(request: dict) -> list[dict[str, str]]:
     """The environment of each rank the launcher forks: the request's ``rank_env`` (one rank), else one per slot
-    (:func:`rank_environment`)."""
+    (`rank_environment`)."""
     if "rank_env" in request:
         return [{str(k): str(v) for k, v in request["rank_env"].items()}]
     slots = [int(s) for s in request["slots"]]
@@ -228,7 +228,7 @@ def _wait_ranks(ranks: list[int]) -> int:
 
 
 def _stop_ranks(ranks: list[int]) -> None:
-    """SIGTERM the ranks' trees, SIGKILL what is left after :data:`RANK_TERM_WAIT_S` (DeepSpeed's launcher's
+    """SIGTERM the ranks' trees, SIGKILL what is left after `RANK_TERM_WAIT_S` (DeepSpeed's launcher's
     ``terminate_process_tree``)."""
     import psutil
     procs = []
@@ -257,7 +257,7 @@ def node_name() -> str:
 
 
 def serve(socket_path: str, script: str, parent: int, ready_dir: str | None = None) -> int:
-    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: :func:`node_name`) until stopped
+    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: `node_name`) until stopped
     or until ``parent`` (the tuner's pid; 0: this process's parent now) is no longer this process's parent; with
     ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once it accepts (see the module doc)."""
     parent = parent or os.getppid()
@@ -378,7 +378,7 @@ class _Server:
                 self._learn(pid)
 
     def _learn(self, pid: int) -> None:
-        """Import what run ``pid``'s rank 0 imported after its fork (:func:`~zerotune.run.warm.preload.learn`)."""
+        """Import what run ``pid``'s rank 0 imported after its fork (`zerotune.run.warm.preload.learn`)."""
         path = os.path.join(self.learn_dir, f"{pid}.json")
         try:
             with open(path) as f:

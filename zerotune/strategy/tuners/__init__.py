@@ -23,9 +23,9 @@ def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) 
 
     Args:
         tuner_type: "gridsearch", "random" or "model_based".
-        candidates: the space, from :func:`zerotune.strategy.space.generate`.
+        candidates: the space, from `zerotune.strategy.space.generate`.
         **kwargs: ``objective``, ``num_trials``, ``early_stopping``, ``seed`` (see
-            :class:`BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
+            `BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
     """
     if tuner_type == "gridsearch":
         return GridSearchTuner(candidates, **kwargs)

@@ -19,17 +19,17 @@ from zerotune.strategy.space import Candidate
 class BaseTuner(abc.ABC):
     """Proposes untried candidates of a space and keeps the best outcome.
 
-    Subclasses choose the order (:meth:`_propose`) and may learn from outcomes (:meth:`_observe`);
+    Subclasses choose the order (`_propose`) and may learn from outcomes (`_observe`);
     the bookkeeping below is shared.
 
     Args:
-        candidates: the space, from :func:`zerotune.strategy.space.generate`. Candidates with
+        candidates: the space, from `zerotune.strategy.space.generate`. Candidates with
             ``fits=False`` are never proposed.
-        objective: the metric (an :class:`Objective` or its name): "throughput" (samples/s) and
+        objective: the metric (an `Objective` or its name): "throughput" (samples/s) and
             "flops" are maximised, "latency" (s per step) minimised.
         num_trials: at most this many proposals in all (None: no limit).
         early_stopping: stop after this many consecutive reported experiments that did not
-            improve the best (None: never). See :meth:`ask` for the exact rule.
+            improve the best (None: never). See `ask` for the exact rule.
         seed: seed of any randomness, so a run can be repeated.
 
     .. note::
@@ -84,7 +84,7 @@ class BaseTuner(abc.ABC):
         ``since_best >= E`` the tuner stops for good. While experiments are outstanding, ``ask``
         proposes at most ``E - since_best - outstanding`` more, so that if none of them improves
         no more than ``E`` experiments run after the best one, as in a sequential run; ``ask``
-        may therefore return ``[]`` while :attr:`finished` is False, until outstanding outcomes
+        may therefore return ``[]`` while `finished` is False, until outstanding outcomes
         are told. Before the first OK report there is no best and no limit.
         """
         if n < 1 or self.finished:
@@ -111,7 +111,7 @@ class BaseTuner(abc.ABC):
         Args:
             name: the candidate's name. A candidate of the space that was never proposed is
                 accepted too (a result from an earlier run, on resume): it counts as proposed.
-            status: the experiment's :class:`~zerotune.core.experiment.Status`.
+            status: the experiment's `zerotune.core.experiment.Status`.
             metric: the measured metric for ``Status.OK`` (required, finite); ignored otherwise.
         """
         status = Status(status)
@@ -158,7 +158,7 @@ class BaseTuner(abc.ABC):
 
     @property
     def finished(self) -> bool:
-        """True when :meth:`ask` will propose nothing more (outcomes may still be outstanding)."""
+        """True when `ask` will propose nothing more (outcomes may still be outstanding)."""
         if self._stopped_early:
             return True
         if self.num_trials is not None and self._proposals >= self.num_trials:
@@ -178,7 +178,7 @@ class BaseTuner(abc.ABC):
 
     @abc.abstractmethod
     def _propose(self, k: int) -> list[Candidate]:
-        """Return up to ``k`` (>= 1) distinct candidates from :meth:`_untried`."""
+        """Return up to ``k`` (>= 1) distinct candidates from `_untried`."""
 
     def _observe(self, candidate: Candidate, status: Status, metric: float | None) -> None:
         """Called after each final outcome (metric None unless status is OK)."""

@@ -6,7 +6,7 @@ from zerotune.strategy.tuners.base import BaseTuner
 
 
 class GridSearchTuner(BaseTuner):
-    """Proposes the candidates in the order :func:`zerotune.strategy.space.generate` returns them.
+    """Proposes the candidates in the order `zerotune.strategy.space.generate` returns them.
 
     The order is deterministic (sorted dimensions, candidates in the order given), so two runs
     over the same space try the same experiments in the same order.

@@ -53,7 +53,7 @@ class ModelBasedTuner(BaseTuner):
     space has any left, and deterministically for a given seed and sequence of outcomes.
 
     Args:
-        candidates, metric, num_trials, early_stopping, seed: see :class:`BaseTuner`.
+        candidates, metric, num_trials, early_stopping, seed: see `BaseTuner`.
         sampler: ``"gp"`` (default) or ``"tpe"``.
         n_startup_trials: random proposals before the surrogate models the outcomes (default 6:
             on ``benchmarks/tuner_quality.py``'s space the GP needs 16.1, 16.4 and 16.6
