@@ -161,6 +161,14 @@ def test_no_docstring_in_the_package_carries_sphinx_roles():
     assert found == []
 
 
+def test_no_module_docstring_in_the_package_is_over_10_lines():
+    """A module's docstring says what it owns and the rules a reader needs, with its decision ids; the evidence is
+    docs/decisions.md's (issue 53)."""
+    long = [(str(p.relative_to(PACKAGE)), len(doc.splitlines())) for p in sorted(PACKAGE.rglob("*.py"))
+            if (doc := ast.get_docstring(ast.parse(p.read_text()), clean=False)) and len(doc.splitlines()) > 10]
+    assert long == []
+
+
 def test_the_package_has_no_import_cycle():
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {m: imports(p, ast.parse(p.read_text()), set(paths)) for m, p in paths.items()}

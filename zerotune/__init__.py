@@ -1,21 +1,11 @@
 """zerotune: find the fastest DeepSpeed configuration for a model and cluster.
 
-The public API is `__all__`; everything else is internal and may change.
-
-- **Tune**: `Autotuner` (shaped like DeepSpeed's own: ``tune()``, ``print_tuning_results()``,
-  ``write_optimal_config()``, ``run_after_tuning()``; ``plan()`` is the dry run) with `TuneOptions`;
-  it raises `ConfigError` on bad input, `TuningFailed` when nothing ran ok, and
-  `Interrupted` on a stop signal.
-- **Estimate**: `MemoryModel`, the bytes per device of a ds_config (``bytes_per_device``,
-  ``breakdown``, ``max_mbs``), what ``zerotune estimate`` prints.
-- **Read results**: `StrategyResult` (``Autotuner.result``: each ZeRO stage's decision, the ledger of
-  experiments, the answer), whose records are `Experiment` with a `Status`; on disk each
-  experiment's ``exp.json`` is ``Experiment.to_json()``.
-
-The packages follow the data flow (docs/how-it-works.md): ``core`` is the ground floor, ``probe`` and
-``deepspeed`` stand on it; ``strategy`` turns a job into experiments using ``model``; ``run`` schedules and runs
-them; ``report`` writes the answer; ``autotuner`` wires them, ``cli`` is the launcher-style command line. Each
-imports only the layers below it: core < probe < deepspeed < model < run < strategy < report < autotuner < cli.
+The public API is `__all__`; everything else is internal and may change. Tune with `Autotuner` (DeepSpeed's shape:
+``tune()``, ``print_tuning_results()``, ``write_optimal_config()``, ``run_after_tuning()``; ``plan()`` is the dry run)
+and `TuneOptions`: it raises `ConfigError` on bad input, `TuningFailed` when nothing ran ok, `Interrupted` on a stop
+signal. Estimate with `MemoryModel`. Read results from `StrategyResult` (``Autotuner.result``), whose records are
+`Experiment` with a `Status` (each ``exp.json`` is ``Experiment.to_json()``). Each package imports only the layers
+below it: core < probe < deepspeed < model < run < strategy < report < autotuner < cli (docs/how-it-works.md).
 Names are imported on first use, so ``import zerotune`` stays light (the probe runs inside every training rank).
 """
 from __future__ import annotations

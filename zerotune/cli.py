@@ -2,16 +2,11 @@
 ``deepspeed``: options first, then the script and its args (the same as ``-- deepspeed ...``).
 
     zerotune tune [--device-memory 3GiB] [...] -- torchrun --nproc_per_node 2 train.py --deepspeed ds.json
-    zerotune tune [...] -- accelerate launch --config_file zero.yaml train.py ...
     zerotune tune [--hostfile F] [--include ...] [--num_gpus N] [--device-memory 3GiB] SCRIPT [ARGS...]
-    zerotune run  ...same...   # tune, then train with the winning config
-    zerotune tune --dry-run [--json] ...   # list the experiments it may generate, launch nothing
+    zerotune run  ...same...   # tune, then train with the winning config (tune --dry-run [--json]: launch nothing)
     zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB   # what-if, runs nothing
     zerotune report RESULTS_DIR [--train-samples N] [--cost-per-device-hour 2.5]   # report.html, results.csv/json
-
-Exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names the file, key
-or value), 3 ``zerotune run``'s training failed (a line gives its own status), 130 interrupted by
-Ctrl-C, 143 by SIGTERM, 129 by SIGHUP (results on disk are kept; rerun to resume).
+Exit status: 0 success, 1 no experiment succeeded, 2 bad input, 3 training failed, 128 + the signal (`main`).
 """
 from __future__ import annotations
 
@@ -165,6 +160,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str] 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; its exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names
+    the file, key or value), 3 ``zerotune run``'s training failed (`TRAINING_FAILED`), 130 interrupted by Ctrl-C,
+    143 by SIGTERM, 129 by SIGHUP (results on disk are kept; rerun to resume)."""
     args, command = parse(argv)
     console = Console(stderr=True, soft_wrap=True)
     try:

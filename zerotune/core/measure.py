@@ -1,39 +1,12 @@
 """The metric zerotune decides on, from the step probe's streams: what the user gets, with its uncertainty.
 
-The probe (`zerotune.probe.sitecustomize`) writes, per rank, one record per optimizer step
-with ``step_s``, the wall time from the end of the previous optimizer step to the end of this one:
-everything the training loop does, data loading and the script's own work included, not only
-the engine's forward, backward and step timers DeepSpeed's autotuning metric sums. The method is
-that of steady-state benchmarking with confidence intervals (A. Georges, D. Buytaert,
-L. Eeckhout, "Statistically Rigorous Java Performance Evaluation", OOPSLA 2007: leave out the
-warm-up, report the mean of the steady iterations with a Student-t confidence interval):
-
-1. **Align the ranks.** For every step index present, with a ``step_s``, on every rank, take the
-   slowest rank's ``step_s``: data-parallel ranks wait for each other in the gradient
-   collectives, so the job advances at its slowest rank's pace.
-2. **Leave out the warm-up.** Step 1 is always left out (compilation, first allocations, and it
-   is timed from the first forward). Then, while a leading step is more than
-   `WARMUP_FACTOR` (1.5) times the median of the steps after it, it is left out too; then
-   a slowly decaying warm-up is cut where the Marginal Standard Error Rule puts it (`_mser`,
-   at most half of the remaining steps); the rest is the steady state. A rule on the stream
-   itself, so a script whose warm-up is longer than ``start_profile_step`` is still measured on
-   steady steps.
-3. **The value.** With ``m`` the mean of the steady steps' slowest ``step_s``: throughput =
-   ``train_batch_size / m`` samples/s (global samples per optimizer step over seconds per step),
-   latency = ``m`` s/step. FLOPS are not measured by the probe (`measure` returns None and
-   DeepSpeed's metric is used).
-4. **The once-per-step share.** Where the records carry ``boundary_s`` (the time spent in the work
-   done once per optimizer step: optimizer step, boundary gradient reduction), the mean over the
-   steady steps of the largest ``boundary_s`` among the ranks, over ``m``: the share of a step that a
-   larger gas amortizes (`Measurement.boundary_share`).
-5. **The uncertainty.** The relative half-width of the 95% Student-t confidence interval of
-   ``m``: ``t(0.975, n - 1) * s / sqrt(n) / m`` with ``s`` the sample standard deviation of the
-   ``n`` steady steps; None for fewer than 2 steady steps. Throughput, a function of ``m``, gets
-   the same relative half-width (first order). The interval treats steps as independent, which
-   consecutive steps only roughly are: read it as the measurement's noise, not a guarantee.
-6. **The run-to-run noise.** A whole run can read faster or slower than the next run of the same
-   config, which no run's own interval shows. This module measures one run; the run-to-run noise's
-   estimate and every comparison of runs are `zerotune.core.noise`'s.
+A step's time is the probe's ``step_s`` (from the end of one optimizer step to the end of the next, the whole training
+loop included), per step index the slowest rank's: data-parallel ranks wait for each other (`step_stats`). Warm-up
+is left out: step 1, leading steps over `WARMUP_FACTOR` times the later steps' median, then MSER's cut (`_mser`).
+With ``m`` the steady steps' mean: throughput = ``train_batch_size / m`` samples/s, latency = ``m`` s/step; FLOPS
+are not measured (`measure` returns None: DeepSpeed's metric is kept). The uncertainty is the relative half-width
+of ``m``'s 95% Student-t interval (`_rel_half_width`). This module measures one run: the run-to-run noise and every
+comparison of runs are `zerotune.core.noise`'s.
 """
 from __future__ import annotations
 
@@ -93,9 +66,10 @@ class Measurement:
         train_batch_size: global samples per optimizer step.
         slowest_rank_share: rank -> share of the steady steps on which it was the slowest.
         peak_bytes: rank -> its peak memory, bytes (`peak_bytes`).
-        boundary_share: the share of the mean step spent in the work done once per optimizer step
-            (the probe's ``boundary_s``, step 4 of the module's method), 0..1; None when a steady step
-            lacks it on some rank.
+        boundary_share: the share of the mean step spent in the work done once per optimizer step (optimizer
+            step, boundary gradient reduction): the mean over the steady steps of the largest ``boundary_s``
+            among the ranks, over ``mean_step_s``; the share a larger gas amortizes, 0..1; None when a steady
+            step lacks it on some rank.
     """
 
     value: float
@@ -110,8 +84,13 @@ class Measurement:
 
 
 def step_stats(streams: Streams) -> StepStats | None:
-    """Align the ranks' streams on the step index and find the warm-up (steps 1 and 2 of the
-    module's method). None when no step is present on every rank."""
+    """Align the ranks' streams on the step index and find the warm-up. None when no step is present on every rank.
+
+    Per step index with a ``step_s`` on every rank, the slowest rank's: the job advances at its pace, as
+    data-parallel ranks wait for each other in the gradient collectives. Warm-up: step 1 always (compilation,
+    first allocations, timed from the first forward); then each leading step over `WARMUP_FACTOR` times the median
+    of the steps after it; then `_mser`'s cut, at most half the rest. A rule on the stream itself, so a warm-up
+    longer than ``start_profile_step`` is still left out."""
     per_rank = {rank: {r.step: r.step_s for r in records if r.step is not None and r.step_s is not None}
                 for rank, records in streams.items()}
     if not per_rank:
@@ -252,6 +231,10 @@ def seen_seq_lens(streams: Streams) -> tuple[int | None, int | None]:
 
 
 def _rel_half_width(steady: Sequence[float], mean: float) -> float | None:
+    """``t(0.975, n - 1) * s / sqrt(n) / mean``, ``s`` the sample standard deviation of the ``n`` steady steps; None
+    under 2 (steady-state benchmarking: Georges, Buytaert, Eeckhout, OOPSLA 2007). Throughput gets the same relative
+    half-width (first order). Steps are taken as independent, which they only roughly are: read it as the
+    measurement's noise, not a guarantee."""
     n = len(steady)
     if n < 2:
         return None

@@ -1,24 +1,12 @@
 """Noise and precision: whether two metrics differ by more than noise, whether one is known precisely enough,
 and whether a candidate can still beat the best. Every decision between runs reads its rule here.
 
-A metric's noise has two parts (relative, at 95%):
-
-- **Its run's interval**: the relative half-width ``hw`` of the 95% Student-t interval of the mean of one run's
-  steady steps (`zerotune.core.measure`). It sees only the jitter of the run's own steps.
-- **The run-to-run noise**: a whole run can read faster or slower than the next run of the same config
-  (placement, the machine's other load, clocks), which no run's own interval shows. It is a relative standard
-  deviation ``sigma``: `RUN_NOISE` until configs are re-measured, then estimated from their runs
-  (`run_noise`, never below `RUN_NOISE`); at 95% it is a term of about ``2 * sigma``, which
-  shrinks as ``1 / runs`` in variance when runs are pooled.
-
-Independent errors add in quadrature, so two metrics are apart by noise alone while their difference is within
-``sqrt(sum of hw ** 2 + (2 * sigma) ** 2 / runs)`` (`comparison_noise`, `within_noise`). A difference
-within the target precision (``--precision``, `DEFAULT_PRECISION`) is a tie (`tie`): the answer is
-promised to that precision, so no run is spent to break it. A metric is known to the precision
-(`known_to_precision`) when its interval and the run-to-run noise are both that narrow. A candidate is
-raced against the incumbent's pessimistic bound (`must_beat`), ended once its optimistic bound cannot
-reach it (`cannot_beat`), and not launched where the throughput model bounds it under the best plus the
-precision (`can_beat`). The evidence for these rules is in docs/decisions.md (D3, D6, D18, D108).
+Rules: a metric's noise (relative, at 95%) is its run's interval ``hw`` plus the run-to-run noise, about ``2 * sigma``
+(`RUN_NOISE`, then `run_noise`'s estimate), added in quadrature and shrinking as runs are pooled (`comparison_noise`).
+A difference within the target precision (``--precision``) is a tie (`tie`) that no run is spent to break. A
+candidate is raced against the incumbent's pessimistic bound (`must_beat`), ended once it `cannot_beat`, and not
+launched where the throughput model bounds it under the best samples/s plus the precision (`can_beat`).
+Evidence: docs/decisions.md, D3, D6, D18, D108.
 """
 from __future__ import annotations
 

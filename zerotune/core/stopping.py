@@ -1,38 +1,12 @@
 """Adaptive experiments: when a running experiment has told us enough, and why it ended.
 
-A backend reads the step probe's streams while an experiment runs and asks `StopRule.check`
-after each new step; when it answers, the backend stops the run with the same clean process-group
-stop as a timeout, and the experiment is OK with the probe's metric (`zerotune.core.measure`).
-The experiment records why it ended (`EndReason`). The rule ends a run as soon as either:
-
-- **precise**: its metric is known to the target precision: the 95% interval's relative
-  half-width is at most `StopRule.precision` (2% by default,
-  `zerotune.core.noise.DEFAULT_PRECISION`), after at least `StopRule.min_steady_steps`
-  steady steps; or
-- **cannot beat**: its whole interval lies on the losing side of the bar the strategy set for it
-  (``Experiment.must_beat``: the incumbent's pessimistic bound, run-to-run noise included,
-  `zerotune.core.noise.must_beat`). Its optimistic bound, the metric times ``1 + half-width``
-  (``1 - half-width`` where lower is better), cannot beat the incumbent
-  (`zerotune.core.noise.cannot_beat`), so more steps would only sharpen a number that loses. This
-  is the median-stopping and successive-halving idea of Ray Tune's and Optuna's pruners (stop a trial
-  whose intermediate result cannot win), applied inside one experiment, with the interval instead of a
-  quantile.
-
-Otherwise the run goes on to its cap: DeepSpeed's engine exits after ``end_profile_step`` (its
-autotuning protocol), or the experiment timeout. The rule never ends a run before
-``min_steady_steps`` steady steps, whatever the bar: one step's interval is not an interval.
-
-**Extension.** A run that reaches ``end_profile_step`` without being precise may go on (the backend
-writes a later engine exit, `extended_end_step`) while more steps cost less than a new launch
-would: the steps past the cap may take at most the run's own start-up time (launcher, rank start,
-model and engine construction: what a re-measurement would spend again before its first step), and
-only while the interval can still reach the precision within that time (it narrows as the square
-root of the steps: ``n * (hw / precision) ** 2`` steady steps are needed). The run then ends
-``step_cap`` at the cap or as soon as it is precise. Where a launch costs much more than a step, a noisy
-run gets more steps instead of a second run; where a step costs as much as a launch, it gets none
-(docs/decisions.md, D201). A script whose own loop ends during an extension ends the run there, short of the
-precision (`EndReason.SCRIPT_END`): the summary says how many more steps it needed
-(`steps_to_precision`), and ``autotuning.max_steps_arg`` raises the script's steps for the runs (D323).
+Rules (`StopRule.check`, asked by the backend after each new step of the step probe): a run ends, OK with the probe's
+metric, once it is **precise** (its 95% interval's relative half-width is at most the target precision) or it
+**cannot beat** the bar the strategy set for it (``Experiment.must_beat``, `zerotune.core.noise.cannot_beat`), never
+before `MIN_STEADY_STEPS` steady steps. Otherwise it runs to ``end_profile_step`` or the experiment timeout; an
+adaptive run may go on past ``end_profile_step`` (up to `extended_end_step`) only while the steps cost no more than
+a new launch and can still reach the precision (`StopRule._extension_pays`). Each run records why it ended
+(`EndReason`). Evidence: docs/decisions.md, D4, D201, D323.
 """
 from __future__ import annotations
 
@@ -113,7 +87,7 @@ class StopRule:
                 (``end_profile_step + 1``: the exiting step is recorded too) when the run was launched
                 with an extended exit (`extended_end_step`); None: the engine's exit is the cap.
             startup_s: seconds from the launch to the start of the run's first step (the extension
-                budget, see the module docstring); None: no extension.
+                budget, see `_extension_pays`); None: no extension.
 
         Returns:
             `EndReason.PRECISE`, `EndReason.CANNOT_BEAT`, `EndReason.STEP_CAP` (the
@@ -131,8 +105,11 @@ class StopRule:
 
     def _extension_pays(self, streams: Streams, m: Measurement | None, cap_step: int,
                         startup_s: float | None) -> bool:
-        """Past the cap: whether more steps can still make the metric precise within the budget
-        (``startup_s`` of steps past the cap, see the module docstring)."""
+        """Past the cap: whether more steps can still make the metric precise within the budget: the steps past
+        the cap may take at most the run's own start-up time ``startup_s`` (launcher, rank start, model and engine
+        construction: what a re-measurement would spend again), and only while the interval can reach the precision
+        in that time (`steps_to_precision`). A script whose own loop ends during an extension ends the run short of
+        the precision (`EndReason.SCRIPT_END`); ``autotuning.max_steps_arg`` raises the script's steps."""
         if not startup_s or startup_s <= 0 or self.precision <= 0 or m is None or not m.rel_half_width:
             return False
         spent = _time_at(streams, _last_step(streams)) - _time_at(streams, cap_step)

@@ -1,15 +1,12 @@
 """Reading the files a user names: the ds_config, a hostfile, a Hugging Face ``config.json``, a profile's
 ``model_info.json``, DeepSpeed's env file.
 
-One rule for every such reader: the file is a regular file (not a directory, a FIFO, a device such as
-``/dev/zero``, a socket) of at most `MAX_FILE_BYTES`, its text is UTF-8, and its JSON nests at most
-`MAX_JSON_DEPTH` arrays and objects deep. Anything else, and any error reading it, is a
-`zerotune.core.errors.ConfigError` naming the file, what is wrong and what the file must be (exit
-status 2 at the CLI): never a traceback, a ``MemoryError`` or a read that never ends (docs/decisions.md D304).
-
-Each reader passes a ``label`` (how the message names the file: its path, or the option and the path, e.g.
-``--hf-config config.json``) and a ``rule`` (what such a file is, e.g. ``"a DeepSpeed config is UTF-8 JSON"``);
-a message reads ``"{label}: {what is wrong}; {rule}"``.
+One rule for every such reader: the file is a regular file (not a directory, a FIFO, a device such as ``/dev/zero``,
+a socket) of at most `MAX_FILE_BYTES`, its text is UTF-8, and its JSON nests at most `MAX_JSON_DEPTH` deep. Anything
+else, and any error reading it, is a `zerotune.core.errors.ConfigError` (exit status 2 at the CLI): never a
+traceback, a ``MemoryError`` or a read that never ends. Its message reads ``"{label}: {what is wrong}; {rule}"``,
+each reader passing a ``label`` (the path, or the option and the path, e.g. ``--hf-config config.json``) and a
+``rule`` (what such a file is, e.g. ``"a DeepSpeed config is UTF-8 JSON"``). Evidence: docs/decisions.md, D304.
 """
 from __future__ import annotations
 

@@ -1,29 +1,12 @@
 """``autotuning.arg_mappings``: each experiment's ds_config values written into the script's own arguments.
 
-A Hugging Face ``Trainer`` script takes its micro batch size from ``--per_device_train_batch_size``
-and checks the ds_config against it (a mismatch raises), so an experiment at mbs 4 must also pass
-``--per_device_train_batch_size 4``. DeepSpeed's autotuner does this with
-``"arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size", ...}``; zerotune
-keeps its meaning on every launch (the profile run, every experiment and its ``cmd.txt``,
-``cmd_optimal.txt``, ``zerotune run``): for each mapped key, the value the launched config holds is
-written into the script's arguments:
-
-- every occurrence of the flag gets the value, in both forms (``--flag v`` and ``--flag=v``), so
-  the parser reads it whichever occurrence it takes (argparse takes the last; DeepSpeed's own
-  autotuner replaced only the first);
-- a flag given without a value (``--gradient_checkpointing``, a boolean switch) gets the value
-  after it;
-- an absent flag is appended (``--flag v``);
-- a key the config does not hold, or holds as ``"auto"``, leaves the arguments unchanged (the
-  Trainer fills that value from the script's own arguments).
-
-Any ds_config key may be mapped (a dotted path such as ``"optimizer.params.lr"``, or a key name
-found at the top level or, failing that, the first section holding it), so a script flag can be a
-tuning dimension: a list of candidates in the config, each passed to the script as its value.
-
-``autotuning.max_steps_arg`` (zerotune's) names the script's flag for its length in steps: each experiment's
-arguments get it raised past the last step DeepSpeed's engine measures (`raise_steps`), so a script whose
-own loop is short does not end a run before its reading is precise; the answer's command keeps the user's value.
+Rules: on every launch (the profile run, every experiment and its ``cmd.txt``, ``cmd_optimal.txt``, ``zerotune run``)
+each mapped ds_config key's value is written into the script's flag (`apply_arg_mappings`), so a Hugging Face
+``Trainer`` script, which checks the ds_config against ``--per_device_train_batch_size``, gets the mbs it runs at.
+Any ds_config key may be mapped (a dotted path or a key name, `mapped_value`), so a script flag can be a tuning
+dimension: a list of candidates in the config. ``autotuning.max_steps_arg`` names the script's steps flag, raised in
+each experiment past the last step DeepSpeed measures (`raise_steps`); the answer's command keeps the user's value.
+Evidence: docs/decisions.md, D323.
 """
 from __future__ import annotations
 
@@ -114,8 +97,11 @@ def _takes_value(args: Sequence[str], i: int) -> bool:
 
 def apply_arg_mappings(script_args: Sequence[str], mappings: Mapping[str, str],
                        ds_config: Mapping[str, Any]) -> list[str]:
-    """The script's arguments with each mapped key's value from ``ds_config`` (see the module
-    docstring for the rules). ``script_args`` is not modified."""
+    """The script's arguments with each mapped key's value from ``ds_config``; ``script_args`` is not modified.
+    Every occurrence of the flag gets the value, in both forms (``--flag v``, ``--flag=v``: argparse takes the last,
+    DeepSpeed's autotuner replaced only the first); a flag given without a value (a boolean switch) gets it after; an
+    absent flag is appended; a key the config does not hold, or holds as ``"auto"``, leaves the arguments unchanged
+    (the Trainer fills that value from the script's own)."""
     args = list(script_args)
     for key, flag in mappings.items():
         value = mapped_value(ds_config, key)

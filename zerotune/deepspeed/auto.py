@@ -1,36 +1,12 @@
 """The ds_config's ``"auto"`` values, resolved as the Hugging Face ``Trainer`` resolves them.
 
-A Trainer script's ds_config says ``"auto"`` where the Trainer fills the value in
-(``transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig``): from its own arguments when it
-starts (``trainer_config_process``) and from the model once it has it (``trainer_config_finalize``).
-A value that is not ``"auto"`` must agree with the arguments, or the Trainer raises. zerotune needs
-concrete values to name, validate and estimate each experiment, so it resolves them the same way:
-
-==============================================  ==================================================
-``"auto"`` at                                   is, for zerotune and in each experiment's config
-==============================================  ==================================================
-``train_micro_batch_size_per_gpu``              the experiment's mbs, passed to the script through
-                                                ``autotuning.arg_mappings`` (required: the Trainer
-                                                checks it against ``--per_device_train_batch_size``)
-``gradient_accumulation_steps``                 the script's value of the mapped flag (else of
-                                                ``--gradient_accumulation_steps``; absent: 1); an
-                                                experiment at another gas passes it when mapped
-``train_batch_size``                            mbs x gas x DP world size; with a mapped mbs it is
-                                                left out of the launched config and DeepSpeed
-                                                derives the same number (the Trainer computes it
-                                                from accelerate's world size, which is 1 for
-                                                DeepSpeed on CPU, and would fail the check)
-``fp16.enabled``, ``bf16.enabled``              the script's ``--fp16`` / ``--bf16`` (or
-                                                ``--fp16_full_eval`` / ``--bf16_full_eval``) flags
-``zero_optimization.reduce_bucket_size``        from the model's hidden size h, as the Trainer
-``zero_optimization.stage3_prefetch_bucket_``   fills them: h*h, int(0.9*h*h) and 10*h. The profile
-``size``, ``..stage3_param_persistence_``       run records h as the engine saw the model (the
-``threshold``                                   probe's `ENGINE_RECORD`); the profile itself
-                                                runs with zerotune's small buckets
-everything else (``optimizer.params.lr``,       stays ``"auto"``: the Trainer fills it in every
-``betas``, ``scheduler.params.*``,              experiment, and the optimal config keeps it
-``gradient_clipping``...)
-==============================================  ==================================================
+The Trainer fills each ``"auto"`` from its arguments or the model and raises where a set value disagrees with them;
+zerotune resolves them alike, to name, validate and estimate each experiment. ``"auto"`` mbs is the experiment's,
+passed through ``autotuning.arg_mappings`` (required: `check_trainer_batch`); gas is the script's flag's value, else
+1, and fp16/bf16 its precision flags (`script_autos`); ``train_batch_size`` is mbs x gas x DP world size, left out of
+the launched config with a mapped mbs (DeepSpeed derives it; the Trainer would take accelerate's world size, 1 on
+CPU); the bucket sizes come from the hidden size the profile run records (`hidden_size_autos`, `ENGINE_RECORD`).
+Everything else (lr, betas, scheduler, clipping...) stays ``"auto"``, in the optimal config too: the Trainer fills it.
 """
 from __future__ import annotations
 
@@ -114,7 +90,8 @@ def _flag_on(script_args: Sequence[str], flag: str, source: str) -> bool:
 
 def hidden_size_autos(hidden_size: int) -> dict[str, int]:
     """The Trainer's values for `MODEL_AUTO_KEYS` from the model's hidden size h
-    (``trainer_config_finalize``: h*h, int(0.9*h*h), 10*h)."""
+    (``trainer_config_finalize``: h*h, int(0.9*h*h), 10*h). The profile run records h as the engine saw the model
+    (the probe's `ENGINE_RECORD`); the profile itself runs with zerotune's small buckets."""
     h = int(hidden_size)
     return dict(zip(MODEL_AUTO_KEYS, (h * h, int(0.9 * h * h), 10 * h)))
 

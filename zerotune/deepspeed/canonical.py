@@ -1,15 +1,11 @@
 """Identity and names of DeepSpeed configs: canonical text, content hash, canonical name.
 
-Two configs are the same experiment when DeepSpeed reads them the same way:
-
-- `canonical_json` is the literal canonical text of a config (sorted keys, no whitespace,
-  ``5e8`` written ``500000000``); it keeps every key the config spells.
-- `without_defaults` drops the zero_optimization settings equal to DeepSpeed's default for
-  the config's stage (`zerotune.deepspeed.keys.ZERO_DEFAULTS`).
-- `config_hash` hashes the canonical text *without defaults*, so a config that spells a
-  default (``"reduce_bucket_size": 5e8`` at stage 1) has the same hash as one that leaves it out.
-- `canonical_name` is a readable name in the style of DeepSpeed's own autotuner
-  (``z1_gas1_tmbspg8``) plus an acronym and value per named knob that is not at its default.
+Rules: two configs are the same experiment when DeepSpeed reads them the same way: `config_hash` hashes the
+`canonical_json` (sorted keys, no whitespace, ``5e8`` written ``500000000``) of `without_defaults` (the
+zero_optimization settings at DeepSpeed's default for the config's stage dropped), so spelling a default changes
+nothing. `canonical_name` is a readable name in the style of DeepSpeed's own autotuner (``z1_gas1_tmbspg8``) plus an
+acronym and value per named knob that is not at its default.
+Evidence: docs/decisions.md, D2.
 """
 from __future__ import annotations
 

@@ -1,35 +1,12 @@
 """DeepSpeed's JIT-built ops and the torch extension cache the experiments load them from.
 
-DeepSpeed builds its CPU ops (the shared-memory comm, fused Adam) with torch's JIT extension
-loader on first use, into ``$TORCH_EXTENSIONS_DIR/<op>/`` (default
-``~/.cache/torch_extensions/py311_cpu/<op>/``). Every process that loads an op, even one built long
-ago, takes ``<op>/lock`` while it checks the build (torch's ``FileBaton``; a fresh process always
-runs the check), and waits, without a timeout and without a word, while another process holds it.
-A rank killed inside that window (a timeout, a hang, Ctrl-C, a reap) leaves the lock behind, and
-from then on every DeepSpeed run on the machine that loads the op waits on it forever.
-
-So zerotune's experiments never use the machine's cache: each exps dir has its own
-(`extensions_dir`, ``<exps_dir>/.torch_extensions``), seeded from the machine's already-built
-ops (`seed`, so nothing is rebuilt), and only this tuner's experiments load from it (the
-results-dir lock keeps a second tuner out). Seeding copies each file (a reflink, sharing blocks
-copy-on-write, where the filesystem has one), never a hard link: a hard link is one inode, so a
-rebuild or a write in one cache would rewrite the files every other cache, the machine's included, may
-be loading. A seeded file is its own inode (link count 1).
-
-A built op is reusable only by the install that built it: torch rewrites the op's ``build.ninja``
-when the include and library paths it would write now differ (a venv moved or recreated, another
-venv), and ninja then rebuilds the op, about a minute per op on a 2-core machine; so does a build dir whose
-``.ninja_log`` is missing or another ninja's. So an op is seeded only when its ``build.ninja`` names this install's
-torch and DeepSpeed (`built_here`) and its copy loads with no build (ninja's own dry run in the copy,
-`would_build`). Ops
-the experiments had to build themselves are kept in zerotune's own cache when the tuning ends
-(`publish`, ``~/.cache/zerotune/torch_extensions/<py>_<accelerator>``) and seeded from there
-next time, so they are built once per install, not once per results dir; the machine's cache is
-never written.
-
-A lock in an exps dir's cache while none of its experiments runs can only be left by a killed
-process: `remove_stale_locks` removes it, and a run that timed out while a lock older than the
-run was present says so by path (`stale_locks`).
+Every process that loads a JIT-built op takes its ``<op>/lock`` (torch's ``FileBaton``) and waits on it without a
+timeout, so a rank killed holding it would hang every later run that loads the op. Hence:
+- Experiments never use the machine's cache: each exps dir has its own (`extensions_dir`), seeded (`seed`) with
+  copies, never hard links, of the ops this install built (`built_here`) that load with no build (`would_build`).
+- Ops the experiments built are kept in zerotune's cache (`publish`), seeded next time; the machine's is never written.
+- A lock in an exps dir's cache while none of its experiments runs was left by a killed process: `remove_stale_locks`
+  removes it, and a run that timed out names a lock older than itself (`stale_locks`).
 """
 from __future__ import annotations
 
@@ -277,7 +254,8 @@ def _copy_whole(op: Path, dest: Path) -> bool:
 def _copy_file(src: str, dst: str) -> None:
     """Copy one file of a build dir with its mode and timestamps into a new inode of its own: a reflink
     (copy-on-write, no bytes copied) where the filesystem has one (btrfs, XFS), else the bytes. Never a
-    hard link (module docstring)."""
+    hard link: that is one inode, so a rebuild or a write in one cache would rewrite the files every other cache,
+    the machine's included, may be loading."""
     if _reflink(src, dst):
         shutil.copystat(src, dst)
     else:

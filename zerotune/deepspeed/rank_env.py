@@ -1,24 +1,12 @@
 """What every rank gets from the tuner's environment, on every node and every backend: one rule.
 
-**The rule.** The variables of the tuner's environment whose names start with `PASSED_PREFIXES` (the
-communication libraries' settings: ``NCCL_SOCKET_IFNAME``, ``NCCL_IB_HCA``, ``NCCL_DEBUG``,
-``GLOO_SOCKET_IFNAME``, ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, ``FI_PROVIDER`` ...) reach every rank of every
-experiment and of the training after tuning, on every node, as they are set where ``zerotune`` runs.
-`zerotune.deepspeed.launcher.launch_env` adds them to each launch's environment (so ``cmd.txt`` and
-``cmd_optimal.txt`` show them), and each way ranks are started carries that environment to them:
-
-- one node (the local backend's direct launch, docs/decisions.md D14): the launcher's own environment, which
-  its ranks inherit;
-- several nodes through DeepSpeed's runner (a hostfile; the Ray backend's multi-node runs): the runner forwards
-  only names starting with its ``EXPORT_ENVS`` (``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, and ``NCCL`` on CUDA)
-  and the lines of its env file, so every other variable of the launch (``GLOO_*``, ``DS_ACCELERATOR``,
-  ``TORCH_EXTENSIONS_DIR`` ...) is written into an env file of the run (`runner_env_file`), named to the
-  runner by ``DS_ENV_FILE``;
-- Ray: the actor on a node has the raylet's environment, not the tuner's: the backend puts the tuner's passed
-  variables into the launch spec it ships to the actor;
-- Slurm: ``srun --export=ALL`` exports the step's whole environment to every task.
-
-Variables of other names are left to each way's own habits (DeepSpeed's runner drops them on other nodes).
+The rule: the variables of the tuner's environment whose names start with `PASSED_PREFIXES` (NCCL's, Gloo's,
+torch.distributed's, UCX's and libfabric's settings) reach every rank of every experiment and of the training after
+tuning, on every node, as set where ``zerotune`` runs; other names are left to each way ranks are started (DeepSpeed's
+runner drops them on other nodes). `zerotune.deepspeed.launcher.launch_env` adds them to each launch (``cmd.txt``
+shows them): one node's ranks inherit the launcher's environment, DeepSpeed's multi-node runner reads an env file of
+the run (`runner_env_file`), Ray ships them in the launch spec, Slurm's ``srun --export=ALL`` exports them.
+Evidence: docs/decisions.md, D14.
 """
 from __future__ import annotations
 
@@ -70,7 +58,9 @@ def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, st
                     cwd: Path | None = None) -> dict[str, str]:
     """Write DeepSpeed's runner env file at ``path`` so that a multi-node launch's ranks on every node get ``env``,
     the launch's environment additions; return the variable that names it to the runner (``{"DS_ENV_FILE": path}``,
-    absolute: the runner joins the name to its directories, and an absolute name stays itself).
+    absolute: the runner joins the name to its directories, and an absolute name stays itself). The runner itself
+    forwards only names starting with its ``EXPORT_ENVS`` (``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, and ``NCCL`` on
+    CUDA) and its env file's lines, so every other variable (``GLOO_*``, ``DS_ACCELERATOR`` ...) must be in the file.
 
     The file holds one ``NAME=VALUE`` line per variable of ``env``, except those whose names start with ``PYTHON``
     (the runner forwards them itself, ``PYTHONPATH`` with its working directory first) and those whose value holds

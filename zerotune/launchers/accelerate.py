@@ -2,17 +2,11 @@
 (``launch_command_parser``) and config loader (``_validate_launch_command``: the YAML merged under the command
 line's options, as ``accelerate launch`` merges them).
 
-Where the DeepSpeed config is: the YAML's ``deepspeed_config.deepspeed_config_file`` or the command's
-``--deepspeed_config_file``; else ``$ACCELERATE_DEEPSPEED_CONFIG_FILE``; else the YAML's (or the command's) inline
-fields (``zero_stage``, ``offload_optimizer_device``, ``gradient_accumulation_steps`` ...), turned into a ds_config by
-Accelerate's own ``DeepSpeedPlugin`` with the launch's mixed precision, as the ranks would build it.
-
-Each experiment is launched as ``accelerate launch`` launches a DeepSpeed job on one node (``deepspeed_launcher``:
-torchrun's ranks, `zerotune.launchers.contract.TORCHRUN`) with the variables Accelerate's
-``prepare_deepspeed_cmd_env`` sets, computed for a launch whose ``deepspeed_config_file`` is the experiment's config
-(``ACCELERATE_DEEPSPEED_CONFIG_FILE``) and whose inline DeepSpeed fields are in that config, not beside it (Accelerate
-refuses both at once). The answer is the user's line with ``--config_file accelerate_config_optimal.yaml``: their
-YAML with ``deepspeed_config_file`` naming ``ds_config_optimal.json`` and the inline fields it replaces left out.
+Rules (`read_accelerate`): the DeepSpeed config is the YAML's or the command's ``deepspeed_config_file``, else
+``$ACCELERATE_DEEPSPEED_CONFIG_FILE``, else the inline fields as Accelerate's ``DeepSpeedPlugin`` builds them. Each
+experiment runs on one node with torchrun's ranks and the variables ``prepare_deepspeed_cmd_env`` sets with the
+experiment's config as ``deepspeed_config_file`` (the inline fields inside it: Accelerate refuses both at once). The
+answer is the user's line with ``--config_file accelerate_config_optimal.yaml`` (`answer_yaml`).
 """
 from __future__ import annotations
 

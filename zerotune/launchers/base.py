@@ -1,17 +1,12 @@
 """The user's launcher as zerotune reads and reproduces it: `Launcher`, one subclass per launcher.
 
-A launcher object is data (a frozen dataclass, shipped to Ray nodes inside the launch spec) with four jobs:
-
-- where the DeepSpeed config is (`Launcher.load_config`: the script's arguments, the launcher's own config
-  file, the environment) and how an experiment's config reaches the ranks (`Launcher.config_in_argv`,
-  `Launcher.rank_env`);
-- how ranks are started (`Launcher.contract`, `zerotune.launchers.contract`): cold by the launcher's own
-  command (`Launcher.command`), warm by the warm server applying the same contract;
-- how many ranks and nodes its options ask for (`Launcher.ranks_per_node`, `Launcher.num_nodes`);
-- the answer in the user's own form (`Launcher.answer`): their command with the tuned config in place.
-
-The ``deepspeed`` launcher's commands stay `zerotune.deepspeed.launcher`'s (a launch spec without a launcher
-object is the ``deepspeed`` form).
+A launcher object is data (a frozen dataclass, shipped to Ray nodes inside the launch spec) with four jobs: where
+the DeepSpeed config is and how an experiment's config reaches the ranks (`Launcher.load_config`,
+`Launcher.config_in_argv`, `Launcher.rank_env`); how ranks are started (`Launcher.contract`: cold by its own command,
+`Launcher.command`, warm by the warm server applying the same contract); how many ranks and nodes its options ask
+for (`Launcher.ranks_per_node`, `Launcher.num_nodes`); the answer in the user's own form (`Launcher.answer`). The
+``deepspeed`` launcher's commands stay `zerotune.deepspeed.launcher`'s (a launch spec without a launcher object is
+the ``deepspeed`` form).
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """The user's own command after ``--``: which launcher it is, read by that launcher's own parser.
 
-``zerotune tune [options] -- COMMAND...`` takes COMMAND as the user types it to train:
-
-==========================================================  ===========================================
-COMMAND                                                     read by
-==========================================================  ===========================================
-``deepspeed ...``, ``python -m deepspeed.launcher.runner``  DeepSpeed's runner parser
-``torchrun ...``, ``python -m torch.distributed.run ...``   torch's (``torch.distributed.run``)
-``accelerate launch ...``,                                  Accelerate's (``launch_command_parser``, its
-``python -m accelerate.commands.launch ...``                config loader)
-``python [-u] SCRIPT ...``                                  the script starts its own ranks, or is one
-==========================================================  ===========================================
-
-Anything else is refused before anything runs, naming the word and the launchers known.
+``zerotune tune [options] -- COMMAND...`` takes COMMAND as the user types it to train, read by its launcher's own
+parser (`read_command`): ``deepspeed ...`` or ``python -m deepspeed.launcher.runner ...`` by DeepSpeed's runner
+parser; ``torchrun ...`` or ``python -m torch.distributed.run ...`` by torch's; ``accelerate launch ...`` or
+``python -m accelerate.commands.launch ...`` by Accelerate's (``launch_command_parser``, its config loader);
+``python [-u] SCRIPT ...`` as a script that starts its own ranks, or is one. Anything else is refused before
+anything runs, naming the word and the launchers known.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Which of a config's memory-relevant keys the memory model prices (`zerotune.model.memory`), so that a key it
 does not know is named, never ignored silently.
 
-The sections that decide device memory are searched: ``zero_optimization`` (its ``offload_*`` sections included),
-``fp16``, ``bf16``, ``compile``, ``tensor_parallel``, and the top-level ``sequence_parallel_size``. A key there is
-*priced* (the model reads it), *memory-neutral* (DeepSpeed reads it for logging, checkpoints, numerics or the host's
-side of an offload, none of which the device holds), or *not in the memory model*: every other key, the new ones of
-each DeepSpeed release included (``zero_quantized_weights``, ``zero_quantized_gradients`` ...), which
-`unmodelled_keys` returns. The options `zerotune.model.zero_options` prices (hpZ, ``sub_group_size``,
-``offload_optimizer.ratio``, the 16-bit master weights and optimizer states, ``tensor_parallel.autotp_size``,
-``sequence_parallel_size``) are priced here.
+Rules (`unmodelled_keys`): a key of ``zero_optimization`` (its ``offload_*`` sections included), ``fp16``, ``bf16`` or
+an enabled ``compile`` section is *priced* (the model reads it: `PRICED_ZERO`, `PRICED_OFFLOAD`, the options
+`zerotune.model.zero_options` prices), *memory-neutral* (logging, checkpoints, numerics or the host's side of an
+offload, none of which the device holds: `NEUTRAL_ZERO`, `NEUTRAL_OFFLOAD`, `KNOWN_PRECISION`), or else *not in the
+memory model* and named, the new keys of each DeepSpeed release included (``zero_quantized_weights`` ...).
 """
 from __future__ import annotations
 

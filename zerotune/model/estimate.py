@@ -1,20 +1,12 @@
 """``zerotune estimate``: a what-if that runs nothing.
 
-For a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging
-Face ``config.json``) and hardware (devices per node, nodes, device memory, host memory), the
-memory model's bytes per device by component for each ZeRO stage, offload choice and, where the model's
-activations with checkpointing are known (``--hf-config``; a profile run whose probe priced it), activation
-checkpointing off and on, the activations at mbs 1 and at the largest mbs that fits, and that mbs; as a
-table or JSON::
-
-    zerotune estimate --num-params 13e9 --num_gpus 8 --num_nodes 2 --device-memory 40GiB
-    zerotune estimate --hf-config config.json --seq-len 2048 --num_gpus 8 --device-memory 80GiB --host-memory 1TiB
-    zerotune estimate --profile autotuning_exps/profile_z3_gas1_tmbspg1 --num_gpus 4 --device-memory 24GiB
-
-A checkpointing row's config carries zerotune's ``gradient_checkpointing: true``
-(`zerotune.deepspeed.keys.CHECKPOINTING`), so its bytes are the ones the tuner's memory model gives
-that config; ``--activation-checkpointing`` keeps only those rows. The hardware options carry the launcher's names (``--num_gpus``, ``--num_nodes``) as ``tune`` uses
-them. Bad input raises `zerotune.core.errors.ConfigError` naming the argument (exit 2).
+Rules: for a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging Face
+``config.json``) and hardware (``--num_gpus`` and ``--num_nodes`` as ``tune`` uses them, device and host memory), it
+gives the memory model's bytes per device by component for each ZeRO stage, offload choice and, where checkpointed
+activations are known, activation checkpointing off and on (``--activation-checkpointing``: on only), with the
+largest mbs that fits (`estimate`; a table, `render`, or JSON). A checkpointing row's config carries
+``gradient_checkpointing: true``, so its bytes are the tuner's for that config. Bad input raises
+`zerotune.core.errors.ConfigError` naming the argument (exit 2). Examples: docs/estimate.md.
 """
 from __future__ import annotations
 

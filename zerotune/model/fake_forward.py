@@ -1,16 +1,12 @@
 """A Hugging Face model's activations as autograd saves them, counted on transformers' own forward over fake CPU
 tensors: no weights, no arithmetic, no memory.
 
-The model is built from the config under torch's ``FakeTensorMode`` (tensors with a shape, a dtype and the CPU as
-their device, and no storage) and runs one training forward on ``seq_len`` token ids with labels (the loss
-included). Every operator dispatches as on a CPU rank, so the attention kernel is the one CPU picks: ``eager``
-keeps each layer's scores and softmax, ``sdpa`` runs CPU's flash kernel, which keeps its output and log-sum-exp
-only, as CUDA's flash and memory-efficient kernels do (so ``flash`` is counted as ``sdpa``). A saved-tensors hook
-counts each storage kept for the backward pass once, parameters and buffers never: the rule of the profile run's
-probe (`zerotune.probe._zerotune_probe.activations`), whose layer counter also gives the bytes under
-non-reentrant activation checkpointing of every decoder layer. Mixtures of experts are counted as transformers
-routes them on fake tensors: ``k`` of ``E`` experts per token. A vision-language model runs its language model (token
-ids only: the vision tower is not run).
+Rules (`count`): the model is built under torch's ``FakeTensorMode`` and runs one training forward on ``seq_len``
+token ids with labels (the loss included), dispatching as on a CPU rank: ``eager`` keeps each layer's scores and
+softmax, ``sdpa`` its output and log-sum-exp only, as CUDA's flash kernels do (so ``flash`` counts as ``sdpa``,
+`KERNELS`). Each storage saved for the backward counts once, parameters and buffers never, as in the profile run's
+probe (`zerotune.probe._zerotune_probe.activations`), also under non-reentrant checkpointing of every decoder layer.
+Mixtures of experts count ``k`` of ``E`` experts per token; a vision-language model runs its language model only.
 """
 from __future__ import annotations
 

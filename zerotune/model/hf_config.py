@@ -1,40 +1,12 @@
 """A model's size and activation memory from its Hugging Face ``config.json``, with no weights.
 
-Parameters are counted on the model transformers builds from the config on the meta device
-(`zerotune.model.meta_model`: every architecture it knows, mixtures of experts included), and its activations
-on that model's own training forward over fake CPU tensors (`zerotune.model.fake_forward`: what autograd saves,
-with the attention kernel asked for). For a type transformers does not know, where it cannot be imported, or where
-the forward does not run on fake tensors, both are counted in closed form from the keys below, each layout choice
-named in the notes. The closed form's activations per sample for decoder transformers follow
-Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", sec. 4.1,
-eq. (1): a transformer layer stores ``s*h*(34 + 5*a*s/h)`` bytes per sample with 16-bit
-activations (s = sequence length, h = hidden size, a = attention heads); the ``5*a*s^2`` term is the
-attention scores, softmax and its dropout mask, which SDPA's and flash kernels do not store
-(``attention`` other than ``eager``). On top of the layers: the logits in 16 bits and their fp32 copy for
-the loss, ``6*s*V`` (V = vocabulary). Of the 34: attention 11, the two layer norms 4, the MLP 19 =
-2 (its input) + 1 (dropout mask) + 16 (the activation function's input and output, ``2*ffn/h`` each
-at 2 bytes); with another MLP width ffn the layer stores ``s*h*(18 + 4*ffn/h)`` (34 at ffn = 4h).
-A gated MLP (Llama's SwiGLU) is counted as one of width ffn, a slight underestimate; a mixture of experts' as one of
-the width a token runs through (``k`` routed experts and the shared ones). A vision-language config's activations are
-its language model's (``text_config``), and a note says the vision tower's are not counted. With activation
-checkpointing (``checkpointing=True``, sec. 5: full recomputation) a layer keeps only its input,
-``2*s*h``, and one layer's activations are live again while it is recomputed in the backward pass
-(``zerotune estimate`` computes both, for the memory model's plain and checkpointed terms).
-fp32 activations are twice the bytes.
-
-Read: ``hidden_size``/``n_embd``/``d_model``, ``num_hidden_layers``/``n_layer``/``num_layers``,
-``num_attention_heads``/``n_head``, ``num_key_value_heads`` (grouped-query attention),
-``intermediate_size``/``n_inner``/``ffn_dim`` (default 4h), ``vocab_size``,
-``max_position_embeddings``/``n_positions`` (the sequence length unless given),
-``tie_word_embeddings`` (default true), ``hidden_act`` (a gated MLP for silu/swiglu: 3 matrices),
-``model_type`` (learned position embeddings for gpt2/opt/bert-like; none for rotary models).
-
-A key the config omits takes the default of transformers' config class for its ``model_type``
-(`type_defaults`: ``LlamaConfig`` defaults ``hidden_act`` to ``silu`` and ``tie_word_embeddings`` to
-false), as ``from_pretrained`` would build the model, for the families named here (`FAMILIES`); each
-default taken is named in `Architecture.notes`. The defaults are read from the installed
-transformers; where it cannot be imported, from `FALLBACK_DEFAULTS`. A key set to ``null`` takes no
-class default: it is derived as above, as transformers derives it.
+Rules (`architecture`): parameters are counted on the model transformers builds on the meta device
+(`zerotune.model.meta_model`) and activations on its training forward over fake tensors (`zerotune.model.fake_forward`),
+else both in closed form (`_closed_form`) with each layout choice named in `Architecture.notes`. Activations are
+bytes per sample, 16-bit (twice that in fp32); a vision-language config counts its language model's only, and a
+mixture of experts' MLP counts at the width a token runs through. The keys read are `KEY_GROUPS`; a key the config
+omits takes the default of transformers' config class for its ``model_type`` (`type_defaults`, for `FAMILIES`), as
+``from_pretrained`` would, each named in the notes; a key set to ``null`` takes no class default and is derived.
 """
 from __future__ import annotations
 
@@ -192,7 +164,8 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
         bytes_per_activation: 2 for fp16/bf16 training, 4 for fp32.
         attention: ``eager``, ``sdpa`` or ``flash`` (`zerotune.model.fake_forward.KERNELS`; the closed form
             leaves out the attention-score term for the last two).
-        checkpointing: activation checkpointing of every layer (module docstring).
+        checkpointing: activation checkpointing of every layer: a layer keeps only its input, and one layer's
+            activations are live again while it is recomputed (``zerotune estimate`` computes both terms).
         source: the file name, for messages.
 
     Raises:
@@ -278,7 +251,11 @@ def _activations(full: dict[str, Any], cfg: dict[str, Any], built: meta_model.Me
 
 def _closed_form(s: int, h: int, heads: int, ffn: int, layers: int, vocab: int, attention: str,
                  checkpointing: bool) -> float:
-    """One sample's activations in 16 bits by Korthikanti et al.'s eq. (1) (module docstring), bytes."""
+    """One sample's activations in 16 bits, bytes, by Korthikanti et al. 2022, sec. 4.1, eq. (1) (s = sequence
+    length, h = hidden size, a = heads, V = vocabulary): a layer stores ``s*h*(18 + 4*ffn/h)`` (34*s*h at ffn = 4h)
+    plus the attention scores, softmax and dropout mask, ``5*a*s^2``, which the sdpa and flash kernels do not store;
+    the logits in 16 bits and their fp32 copy add ``6*s*V``. A gated MLP (SwiGLU) counts as one of width ffn, a
+    slight underestimate. With checkpointing (sec. 5) a layer keeps its input, ``2*s*h``, plus one layer recomputed."""
     per_layer = s * h * (18 + 4 * ffn / h) + (0 if attention != "eager" else 5 * heads * s * s)
     kept = layers * 2 * s * h + per_layer if checkpointing else layers * per_layer
     return kept + 6 * s * vocab

@@ -4,14 +4,8 @@ Fits ``y = intercept + slope * x`` to weighted points, minimising ``sum w * (int
 subject to lower bounds ``intercept + slope * x >= y_min`` (an out-of-memory run: its peak was above the budget)
 and ``slope >= 0`` (memory never shrinks as the micro batch grows). A tiny penalty ``TIE_BREAK * (slope -
 tie_slope)**2`` makes the minimum unique where the points cannot fix the slope (every point at one ``x``, or only
-bounds): of the equally good lines it picks the one whose slope is nearest ``tie_slope``; elsewhere it moves the
-slope by about ``TIE_BREAK / sum((x - mean x)**2)`` of the gap, well under a byte per sample.
-
-The problem is a convex quadratic program in two variables, so its minimum is the minimum of the problem with
-some set of its constraints held as equalities (the active set at the optimum, Karush-Kuhn-Tucker), and any
-feasible such candidate is no better: `fit_line` solves the problem for every set of at most two
-constraints held as equalities (more fix a line twice over) and keeps the best feasible solution, exactly, as
-`zerotune.model.throughput` does for its linear program (docs/decisions.md, D110). Pure arithmetic.
+bounds): the slope nearest ``tie_slope`` wins; elsewhere it moves the slope by well under a byte per sample.
+Solved exactly (`fit_line`); pure arithmetic. Evidence: docs/decisions.md, D110.
 """
 from __future__ import annotations
 
@@ -42,7 +36,12 @@ class Line:
 
 def fit_line(points: Sequence[tuple[float, float, float]], bounds: Sequence[tuple[float, float]] = (),
              tie_slope: float = 0.0) -> Line:
-    """The least-squares line through ``points`` that stays on or above every bound (the module docstring).
+    """The least-squares line through ``points`` that stays on or above every bound and has ``slope >= 0``.
+
+    Exact: the problem is a convex quadratic program in two variables, whose minimum is that of the problem with some
+    set of its constraints held as equalities (the active set, Karush-Kuhn-Tucker); every set of at most two is solved
+    (more fix a line twice over) and the best feasible solution kept, as `zerotune.model.throughput` does for its
+    linear program.
 
     Args:
         points: ``(x, y, weight)``, weights above 0; at least one.

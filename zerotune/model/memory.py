@@ -1,113 +1,12 @@
 """The memory model: bytes per device (and host bytes per rank, for offload) for a ds_config, as pure arithmetic.
 
-Used to prune configurations that cannot fit (they are never launched), to estimate the largest
-micro batch size per GPU (mbs) each ZeRO stage can run, and by ``zerotune estimate``.
-
-Notation (per device, bytes): Psi = parameters per model-parallel rank (``num_params / mp_size``;
-DeepSpeed's ``model_info.num_params`` is already the total over MP ranks), T = the trainable ones
-(``trainable_num_params / mp_size``: frozen parameters have no gradient, no master copy and no
-optimizer state), N = data-parallel (DP) world size, b = bytes per element of the model's dtype (2
-for fp16/bf16; 4 when neither ``fp16`` nor ``bf16`` is enabled), K = optimizer state bytes per
-parameter (8 for Adam: momentum and variance in fp32; 4 for SGD with momentum, Adagrad, Lion).
-G = the stage-3 gathered parameters (below).
-
-=====  ==================  ====================================  ======================  =====================================
-stage  parameters          gradients                             optimizer states        buffers
-=====  ==================  ====================================  ======================  =====================================
-0      b*Psi               b*T (+ 4*T fp16/bf16)                 K*T (+ 4*T fp16/bf16)   b*min(T, 5e8)
-1      b*Psi               b*T + 4*T/N                           (K + 4)*T/N             b*R (x2 overlap) + b*min(R, T)
-2      b*Psi               b*T/N + 4*T/N                         (K + 4)*T/N             b*R (x2 overlap) + b*min(R, T)
-3      b*Psi/N + b*G       b*T/N + 4*T/N                         (K + 4)*T/N, fp32: K*T/N  b*R + b*min(R, T) + b*min(G, max(L, F))
-=====  ==================  ====================================  ======================  =====================================
-
-R = ``reduce_bucket_size`` (elements; the ``b*R`` bucket is 0 without ``contiguous_gradients``), F =
-``stage3_prefetch_bucket_size``, L = the largest module's parameters. The sources, DeepSpeed 0.19.8
-(paths under ``deepspeed/runtime/``):
-
-- **Precision.** ``engine.py:1799-1810`` (``get_data_types``): the model dtype is fp16 or bf16 when
-  that section is enabled, else fp32. Stage 0 in fp32 has no optimizer wrapper
-  (``engine.py:2313-2315``): the torch optimizer steps the parameters themselves (grads ``4*T``,
-  states ``K*T``, no master copy).
-- **Stage 0, fp16/bf16**: ``FP16_Optimizer`` (``engine.py:2321``, ``fp16/fused_optimizer.py``) keeps
-  an fp32 master copy of the flat parameters (``fused_optimizer.py:100``, counted with the
-  optimizer states) and at each step builds flat fp32 gradients (``fused_optimizer.py:283-291``):
-  ``4*T`` more, the gradient copy the step makes.
-- **Stages 1 and 2** (``zero/stage_1_and_2.py``): only parameters with ``requires_grad`` enter the
-  optimizer groups (``:428-434``); each rank keeps an fp32 copy of its partition
-  (``single_partition_of_fp32_groups``, ``:560-577``, also in fp32 training) and an fp32 gradient
-  partition for the step (``initialize_optimizer_states``, ``:934-952``). Stage 1 keeps full
-  gradients (``b*T``), stage 2 a partition (``b*T/N``). With ``contiguous_gradients`` (default on,
-  forced on by offload: ``:300``) ``setup_buckets`` (``:3256-3278``) allocates one ``R``-element
-  reduction buffer, and a second with ``overlap_comm``.
-- **Stage 3** (``zero/stage3.py``): the 16-bit (or fp32) parameter partition ``b*Psi/N`` for every
-  parameter; the gradient partition buffer ``grad_partitions_flat_buffer`` ``b*T/N``
-  (``:791-793``); the fp32 gradient of the step, flattened per sub-group
-  (``_prepare_fp32_grad_for_sub_group``, ``:2683-2693``) ``4*T/N``; one ``R``-element reduce bucket
-  (``:780-784``); an fp32 master partition ``4*T/N``, in fp32 training too: ``:1162-1167`` means to
-  reuse an fp32 parameter partition as the master, but it compares a ``torch.device`` with the
-  accelerator's device name, a ``str`` (``:333``), which is never equal, so ``:1168-1170`` clones it
-  (measured: three distinct ``T/N`` fp32 storages after a 2-rank fp32 ZeRO-3 initialization).
-- **Stage 3 gathered parameters** G: a parameter gathered for its module stays gathered until no
-  use comes within ``stage3_max_reuse_distance`` elements (``zero/partitioned_param_coordinator.py:658``);
-  at most ``stage3_max_live_parameters`` are gathered at once (``:453``), plus the prefetch in
-  flight (``stage3_prefetch_bucket_size``, ``:452-476``) and the persistent parameters (each at most
-  ``stage3_param_persistence_threshold`` elements, never released: ``zero/parameter_offload.py:317-330``).
-  G = min(Psi, max(L, min(max_live, max_reuse_distance + prefetch)) + persistent), with L the largest
-  module's parameters (the one being computed is always gathered). DeepSpeed's defaults
-  (``zero/config.py:222-251``: 1e9, 1e9, 5e7) keep a model below 1e9 parameters wholly gathered.
-  L and the persistent count need the parameters' shapes: ``largest_layer_params`` and
-  ``persistent_params`` (0 when unknown; the probe records both in the profile run,
-  `zerotune.probe._zerotune_probe.activations`, and `zerotune.model.hf_config` gives both from the
-  architecture).
-- **The reduction's flat copy** (every stage, `MemoryModel.reduction_copy_bytes`): the
-  backward pass reduces gradients by flattening a bucket into a new tensor, which lives while the
-  optimizer states do. Stage 0: buckets of at most 5e8 elements (``engine.py:151``,
-  ``buffered_allreduce_fallback`` ``:3921``, ``allreduce_bucket`` flattens at ``:3795-3796``).
-  Stages 1-2: ``average_tensor`` puts every slice of the bucket in one all-reduce bucket
-  (``use_multi_rank_bucket_allreduce``, default on, ``zero/config.py:119``; ``stage_1_and_2.py:1695-1710``)
-  that ``allreduce_bucket`` flattens (``:2367``): ``b*min(R, T)``. Stage 3: with ``reduce_scatter``
-  (default on, ``zero/config.py:108``) the bucket goes to ``__avg_scatter_grads`` (``stage3.py:1675-1680``,
-  ``:1931``), whose ``reduce_scatter_coalesced`` interleaves the ranks' chunks into a new tensor
-  (``comm/coalesced_collectives.py:104-122``): ``b*min(R, T)``; without it, a contiguous bucket is
-  all-reduced in place (``stage3.py:1863-1880``). Where the reduction runs after the backward pass
-  (stage 0, stage 1 without ``overlap_comm``, a bucket that holds all of T:
-  `MemoryModel.copy_after_backward_bytes`), autograd has freed the activations by then, so the
-  peak holds the larger of the two, not their sum (`MemoryBreakdown.apart`).
-- **Stage 3 all-gather copy** (`MemoryModel.gather_copy_bytes`): a coalesced all-gather fills
-  one flat buffer (``zero/partition_parameters.py:1343``) and gives each parameter its own copy of
-  its part (``:795``, ``torch.cat``); the buffer lives until the copies are made. One all-gather
-  carries a module's parameters or a prefetch of at most F elements: ``b*min(G, max(L, F))``.
-- **Offload** (``offload_optimizer`` cpu/nvme, stages 1-3): the fp32 master, the optimizer states
-  and the fp32 gradient partition live on the host (``stage_1_and_2.py:560-577``,
-  ``stage3.py:1155-1160,1337-1342``); stage 2 then keeps no gradient partition on the device (it
-  accumulates into the host partition, ``stage_1_and_2.py:646-647,1076-1120``), and stage 3's
-  gradient partition buffer is on the host too (its device is cpu, ``stage3.py:333,791``). With
-  ``offload_param`` (stage 3) the parameter partition is on the host; gathered parameters stay on
-  the device. nvme moves the master and optimizer states (``offload_optimizer``) or the parameter
-  partition (``offload_param``) to disk: not counted on the host (its pinned swap buffers are not
-  modelled). Host bytes are per rank (`MemoryBreakdown.host`; a node's: `MemoryModel.host_fits`);
-  on CPU ranks the host is the rank's own process (`MemoryModel.host_on_device`).
-- **Activations** grow linearly in mbs: ``activation_bytes_per_sample`` times mbs: what the profile run's first
-  forward saved for the backward pass (`zerotune.model.profile`), DeepSpeed's ``activation_mem_per_gpu``
-  (``engine.py:2994-3027``), or `zerotune.model.hf_config`'s count. What the backward pass allocates on top
-  the profile counts on CUDA only (D204); elsewhere the online fit learns it from the runs' peaks.
-- **Activation checkpointing** (zerotune's ``gradient_checkpointing`` key, `zerotune.deepspeed.keys.CHECKPOINTING`,
-  True: every checkpointable layer recomputed): ``checkpointed_activation_bytes_per_sample`` times mbs instead
-  (`MemoryModel.activation_bytes`): what the forward saves outside the layers, the layers' inputs, and the most
-  one layer saves beyond its inputs (non-reentrant ``torch.utils.checkpoint``; priced by the profile run's probe,
-  `zerotune.probe._zerotune_probe.activations`, or `zerotune.model.hf_config`). Unknown (None): a config
-  with checkpointing gets the plain term, an overestimate.
-- **The profile run** exits in its first forward: `MemoryModel.profile_exit_bytes`.
-- ``overhead_bytes``: what a rank holds before any of the above (CUDA context and allocator reserve; on CPU the
-  process's own data), calibrated from the profile run's peak (`MemoryModel.calibrated`) and refitted with the
-  activations from each experiment's peak, per stage and saver (`zerotune.model.online`).
-- **Options beyond these** (16-bit master weights and optimizer states, ``offload_optimizer.ratio``, hpZ, AutoTP,
-  Ulysses): `zerotune.model.zero_options`.
-
-Not counted: ``allgather_bucket_size`` (ZeRO 1/2 all-gather shards in place), temporaries of the
-optimizer step and of the communication backend, allocator fragmentation and retention (on CPU,
-glibc keeps freed heap chunks, as ``benchmarks/memory_fidelity.py`` measures); these are what
-calibration and the online fit absorb.
+Used to prune configurations that cannot fit (never launched), for each ZeRO stage's largest mbs (`MemoryModel.max_mbs`)
+and by ``zerotune estimate``. Rules: terms are per model-parallel rank, split over the DP world size as the ZeRO stage
+says; the dtype is fp16/bf16 when that section is enabled, else fp32; activations grow linearly in mbs; the terms are in
+`MemoryModel.breakdown`, options beyond ZeRO 0-3 in `zerotune.model.zero_options`. Not counted: allocator fragmentation
+and retention, the optimizer step's and the communication backend's temporaries; the calibration of ``overhead_bytes``
+(`MemoryModel.calibrated`) and the online fit (`zerotune.model.online`) absorb them, so use a calibrated model.
+Evidence: docs/decisions.md, D10, D110, D204, D320.
 """
 from __future__ import annotations
 
@@ -174,7 +73,8 @@ class MemoryModel:
             (DeepSpeed's ``model_info.activation_mem_per_gpu``).
         dp_world_size: data-parallel world size N (ranks / mp_size).
         mp_size: model-parallel size; parameters per device are ``num_params / mp_size``.
-        overhead_bytes: fixed bytes per rank before model states (see module docstring).
+        overhead_bytes: fixed bytes per rank before model states (CUDA context and allocator reserve; on CPU the
+            process's own data), set from the profile run's peak (`calibrated`), refitted online.
         trainable_params: parameters with ``requires_grad`` over all MP ranks (DeepSpeed's
             ``model_info.trainable_num_params``); None: all of them.
         persistent_params: stage-3 parameters at most ``stage3_param_persistence_threshold`` elements
@@ -224,7 +124,22 @@ class MemoryModel:
         """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
 
         ``mbs`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when absent or "auto").
-        A stage that is not a number (``"all"``, a list) counts as 0.
+        A stage that is not a number (``"all"``, a list) counts as 0. Psi = parameters per model-parallel rank, T = the
+        trainable ones (frozen ones have no gradient, master copy or state), N = DP world size, b = bytes per element
+        (2 for fp16/bf16, else 4), K = optimizer state bytes per parameter (8 for Adam; 4 for SGD with momentum,
+        Adagrad, Lion), G = `gathered_params`, R = ``reduce_bucket_size`` (its ``b*R`` bucket is 0 without
+        ``contiguous_gradients``), F = ``stage3_prefetch_bucket_size``, L = the largest module's parameters:
+
+        stage  parameters     gradients              optimizer states       buffers
+        0      b*Psi          b*T (+ 4*T fp16/bf16)  K*T (+ 4*T fp16/bf16)  b*min(T, 5e8)
+        1      b*Psi          b*T + 4*T/N            (K + 4)*T/N            b*R (x2 overlap) + b*min(R, T)
+        2      b*Psi          b*T/N + 4*T/N          (K + 4)*T/N            b*R (x2 overlap) + b*min(R, T)
+        3      b*Psi/N + b*G  b*T/N + 4*T/N          (K + 4)*T/N            b*R + b*min(R, T) + b*min(G, max(L, F))
+
+        Offload (``offload_optimizer`` cpu, stages 1-3) puts the fp32 master, the states and the fp32 gradient partition
+        in ``host`` (stage 2 then keeps no gradient partition on the device, stage 3 moves its gradient partition
+        buffer too), ``offload_param`` cpu stage 3's parameter partition; with nvme the master and states, or the
+        parameter partition, go to disk, counted nowhere. Activations: `activation_bytes` times mbs.
         """
         if mbs is None:
             mbs = int(_number(ds_config.get("train_micro_batch_size_per_gpu"), 1))
@@ -296,8 +211,8 @@ class MemoryModel:
     def reduction_copy_bytes(self, ds_config: dict[str, Any]) -> int:
         """The flat copy of a gradient bucket that every stage's reduction makes in the backward pass,
         bytes: ``b*min(T, 5e8)`` at stage 0 (``engine.py:3795-3796``), ``b*min(R, T)`` at stages 1-3 with
-        R = ``reduce_bucket_size`` (see the module docstring). Part of `MemoryBreakdown.buffers`;
-        not in the profile run, which exits in its first forward (`profile_exit_bytes`)."""
+        R = ``reduce_bucket_size``, 0 at stage 3 without ``reduce_scatter`` (reduced in place). Part of
+        `MemoryBreakdown.buffers`; not in the profile run, which exits in its first forward (`profile_exit_bytes`)."""
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         stage = int(_number(zero.get("stage"), 0))
@@ -345,7 +260,10 @@ class MemoryModel:
         return int(b * min(self.gathered_params(ds_config), max(self.largest_layer_params, prefetch)))
 
     def gathered_params(self, ds_config: dict[str, Any]) -> float:
-        """Stage 3: parameters (elements) gathered on the device at once, G (see the module docstring)."""
+        """Stage 3: parameters (elements) gathered on the device at once, G = min(Psi, max(L, min(max_live,
+        max_reuse_distance + prefetch)) + persistent): a gathered parameter stays until no use comes within
+        ``stage3_max_reuse_distance``, at most ``stage3_max_live_parameters`` at once, plus the prefetch and the
+        persistent ones; DeepSpeed's defaults keep a model below 1e9 parameters wholly gathered."""
         zero = ds_config.get("zero_optimization") or {}
         psi = self._sizes(ds_config)[0]
         live = _number(zero.get("stage3_max_live_parameters"), keys.DEFAULT_STAGE3_MAX_LIVE_PARAMETERS)
@@ -390,7 +308,7 @@ class MemoryModel:
         ``stage3.py:1301-1370``, gives the fp32 partitions a gradient buffer and frees it; torch's Adam
         creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
         ``4*T/N`` are left out (on the device only: offloaded ones are on the host). The first forward
-        records the stage-3 trace (module docstring): ``b*min(Psi, L + persistent)`` gathered and
+        records the stage-3 trace (`gathered_params`): ``b*min(Psi, L + persistent)`` gathered and
         ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and `gather_copy_bytes`. Below stage
         3 (a job that does not tune stage 3 profiles at its highest stage) the gradients, the optimizer states
         and the reduction buckets are left out: the parameters and the fp32 master copy remain."""

@@ -1,15 +1,11 @@
 """A Hugging Face config's model as transformers builds it: on the meta device (no weights, no download), its
 parameters counted as DeepSpeed counts them.
 
-transformers builds every architecture it knows from the config dict (its config class for ``model_type``, then
-``AutoModelForCausalLM.from_config``, else ``AutoModelForImageTextToText``, else ``AutoModel``) under ``torch.device("meta")``: the tensors have shapes and
-no storage, so Mixtral-8x7B builds in about 3 s. ``named_parameters`` yields a tied tensor once, as ZeRO partitions
-it once.
-
-Mixture of experts: the routed experts are the parameters under a module named ``experts`` (one fused tensor per
-projection with the expert index first, or a list of expert MLPs; a ``shared_experts`` module is not routed). A
-token runs ``num_experts_per_tok`` of the ``E`` experts, so the parameters active per token are
-``all - routed * (1 - k / E)``.
+Rules (`build`): transformers builds every architecture it knows from the config dict (its config class for
+``model_type``, then a causal LM, else an image-text-to-text model, else the base model: `_from_config`) under
+``torch.device("meta")``: shapes, no storage. A tied tensor counts once, as ZeRO partitions it once. In a mixture of
+experts the routed experts are the parameters under modules named ``experts`` (`count`), and a token runs ``k`` of
+their ``E``: `MetaModel.active_params` is ``all - routed * (1 - k / E)``.
 """
 from __future__ import annotations
 
@@ -109,7 +105,9 @@ def _from_config(config, *autos, **kwargs):
 
 
 def count(model, persistence_threshold: int, experts_per_token: int = 0) -> MetaModel:
-    """`MetaModel` of a built ``torch.nn.Module`` (on any device)."""
+    """`MetaModel` of a built ``torch.nn.Module`` (on any device). A module named ``experts`` holds the routed
+    experts: one fused tensor per projection with the expert index first, or a list of expert MLPs (a
+    ``shared_experts`` module is not routed)."""
     sizes = [p.numel() for p in model.parameters()]
     routed, experts = 0, 0
     for name, module in model.named_modules():

@@ -1,37 +1,12 @@
 """Online correction: the memory model fitted to every measured peak, with an explicit margin.
 
-The profile run calibrates the prior (`MemoryModel.calibrated`). Every finished experiment after it is a
-reading of one **family**: a ZeRO stage with one precision and one choice of memory savers (activation
-checkpointing, offload of the optimizer or of the parameters), whatever its mbs, gas and other knobs. What the
-prior's structural terms say of a run (parameters, gradients, optimizer states, buffers, the offloaded host bytes
-on CPU ranks: `MemoryBreakdown.total` less its activations and its overhead) is taken off its peak; the rest
-is a line in mbs, ``intercept + slope * mbs`` (the per-rank overhead, and the activations per sample), fitted per
-family (`zerotune.model.linefit.fit_line`):
-
-- **through every measured peak** of the family, slope and intercept together, by least squares, each run one
-  point: the heap noise of CPU ranks (the same config measured 874 and 812 MiB: glibc keeps what it freed)
-  averages out, where one-way corrections each measured against the other's stale value ratcheted;
-- **the profile's prior as one point**: its calibrated estimate at the profile's mbs, where it was measured, until
-  the family's own peak at that mbs replaces it (a stage-3 profile run carried to another stage by the structural
-  terms says less of that stage than the stage's own run);
-- **an out-of-memory run as a lower bound**: the line at its mbs stays above the budget (less its structural
-  terms), so a predicted peak is never under what ran out of memory;
-- a slope never below 0.
-
-A config measured ok is predicted at the mean of its peaks. A family with no peak of its own is the prior's line
-turned about the prior's point to the median ratio of fitted to prior slope over the families whose peaks fix
-their slope (else those an OOM bounds): what the profile misses per sample (on CPU the backward's temporaries,
-which its first forward never holds) every stage misses. A family whose readings cannot fix its slope (all at the
-profile's mbs, or bounds only) takes that slope among its equally good lines.
-
-**The margin** is explicit (`OnlineMemory.margin`): the 95th percentile of the fit's relative residuals over
-every measured peak, each peak's distance from its family's line over the line (0 when negative, or with no peak).
-It is relative to the fitted part, not to the whole peak: the structural terms are arithmetic (a 2 GB reduce
-bucket is exactly 2 GB), the noise is in the heap the overhead and the activations churn. A config not measured
-is refused (never launched) when its prediction with the line raised by the margin is over the budget
-(`OnlineMemory.refusal`); the summary shows the margin, the fit and each refused config with its
-prediction. Pure functions of the prior and the readings (docs/decisions.md, D110); the strategy calls
-`OnlineMemory.observed` after each finished experiment (`zerotune.strategy.evaluation.Evaluator`).
+Rules: the profile run calibrates the prior (`MemoryModel.calibrated`); the strategy calls `OnlineMemory.observed`
+after each finished experiment (`zerotune.strategy.evaluation.Evaluator`). Each family (a ZeRO stage with one
+precision and one choice of memory savers, whatever its mbs and gas: `family`) is a line in mbs over the prior's
+structural terms (`OnlineMemory`). A config measured ok is predicted at the mean of its peaks; one not measured is
+refused (never launched) when its prediction raised by the margin (`OnlineMemory.margin`) is over the budget
+(`OnlineMemory.refusal`). Pure functions of the prior and the readings.
+Evidence: docs/decisions.md, D110.
 """
 from __future__ import annotations
 
@@ -57,7 +32,7 @@ Family = tuple[int, str, bool, str, str]
 
 
 def family(memory: MemoryModel, ds_config: dict[str, Any]) -> Family:
-    """The family a config's peaks are fitted in (the module docstring): its stage (0-3), precision, whether it
+    """The family a config's peaks are fitted in (`OnlineMemory`): its stage (0-3), precision, whether it
     gets the checkpointed activation term (`MemoryModel.checkpointed`), and its offload devices."""
     zero = ds_config.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
@@ -122,7 +97,12 @@ def quantile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class OnlineMemory:
-    """The memory model as the runs so far correct it (the module docstring).
+    """The memory model as the runs so far correct it. Per family, what the prior's structural terms say of a run
+    (`structural_bytes`) is taken off its peak; the rest (overhead and activations) is a line in mbs,
+    ``intercept + slope * mbs`` (`zerotune.model.linefit.fit_line`), fitted by least squares through every measured
+    peak of the family, with the profile's prior as one point at its mbs until the family's own peak there replaces
+    it, each out-of-memory run as a lower bound (the line at its mbs stays above the budget), and a slope never below
+    0. A family with no peak of its own takes the prior's line turned about the prior's point (`slope_ratio`).
 
     Args:
         prior: the profile-calibrated model, whose structural terms every prediction keeps.
@@ -185,7 +165,7 @@ class OnlineMemory:
     def slope_ratio(self) -> float:
         """What a family without peaks of its own takes: the median of fitted over prior slope, over the families
         whose ok peaks (one at an mbs other than the prior's) fix their slope, else over those with readings;
-        1.0 with none (the module docstring)."""
+        1.0 with none. What the profile misses per sample (on CPU the backward's temporaries) every stage misses."""
         groups = self._by_family()
         fixed = {f: rs for f, rs in groups.items() if any(not r.bound and r.mbs != self.prior_mbs for r in rs)}
         ratios = []
@@ -249,7 +229,8 @@ class OnlineMemory:
     @cached_property
     def margin(self) -> float:
         """The safety margin, a fraction of a prediction's fitted part: the `MARGIN_QUANTILE` quantile of
-        `residuals` (0 when it is negative or there is none)."""
+        `residuals` (0 when it is negative or there is none). Relative to the fitted part, not the whole peak: the
+        structural terms are arithmetic, the noise is in the heap the overhead and the activations churn."""
         return max(0.0, quantile(self.residuals, MARGIN_QUANTILE))
 
     def guarded_bytes(self, ds_config: dict[str, Any], mbs: int | None = None) -> int:

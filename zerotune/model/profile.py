@@ -1,30 +1,12 @@
 """What the profile run measured: DeepSpeed's ``model_info.json`` as a `ModelInfo`.
 
-DeepSpeed's engine writes ``model_info.json`` (``num_params``, ``trainable_num_params``,
-``activation_mem_per_gpu``) and exits in the first forward pass when the config's
-``autotuning.model_info.profile`` is set (``engine._get_model_parameters`` and ``forward``). The
-profile run's config comes from `zerotune.strategy.configs.ConfigBuilder.profile`; the
-experiment directory module reads the file into the experiment's ``metrics``, adding
-`SAVED_ACTIVATIONS_KEY` from zerotune's probe (`zerotune.probe.read_saved_activations`).
-
-The activation term: DeepSpeed's ``activation_mem_per_gpu`` is the change of ``memory_allocated()``
-across the first forward (``runtime/engine.py:2994-3027``); on CPU that is the process's RSS
-(``accelerator/cpu_accelerator.py:140-154``), and a ZeRO-3 profile run's figure also holds
-the parameters gathered during that forward (the first iteration releases them per module,
-``zero/partitioned_param_coordinator.py:498``, but the C heap keeps the pages) and whatever the forward
-allocates once (the profile runs at ZeRO-3 where the job tunes stage 3, else at the highest stage it
-tunes: `zerotune.strategy.configs.ConfigBuilder.profile_stage`). The probe's figure counts only
-the storages autograd saves for the backward pass (``torch.autograd.graph.saved_tensors_hooks``), which is what grows with the micro batch; when both
-are there, it is the one used. On CUDA the probe also measures the whole step's growth (forward and
-backward, ``step_growth_bytes``), which holds what the backward allocates on top of the saved storages
-(the gradient of the logits): `ModelInfo.from_metrics` takes the larger (docs/decisions.md, D204). On CPU
-the probe measures the growth of a training micro step per sample from wider micro steps
-(``slope_bytes``, torch's profiler counting the CPU allocator's bytes; docs/decisions.md, D111), which the
-activation term takes where it is larger than the saved bytes.
-
-Activation checkpointing: where the profile forward ran without it and the model has checkpointable layers,
-the probe also prices it (`CHECKPOINTED_ACTIVATIONS_KEY`, `zerotune.probe.read_checkpointed_activations`):
-what the same forward would hold with every such layer checkpointed, per sample.
+DeepSpeed's engine writes ``model_info.json`` (``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``)
+and exits in the first forward when ``autotuning.model_info.profile`` is set; the experiment directory module reads
+it into ``metrics`` with the probe's keys. The activation term per sample is the probe's saved bytes wherever they
+are recorded (`SAVED_ACTIVATIONS_KEY`), not DeepSpeed's figure; on CUDA the larger with the step's growth less its
+constant part (`step_activations`), on CPU with the growth per sample from wider micro steps (`SLOPE_KEY`,
+`ModelInfo.from_metrics`). Checkpointing is priced where the profile ran without it (`CHECKPOINTED_ACTIVATIONS_KEY`).
+Evidence: docs/decisions.md, D111, D204.
 """
 from __future__ import annotations
 
@@ -51,8 +33,9 @@ class ModelInfo:
             the backward pass (`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
             activation checkpointing: `zerotune.probe.read_saved_activations`) when recorded, else
             DeepSpeed's change in device memory across the first forward pass at the profile's mbs (on CPU in resident
-            memory, see the module docstring), i.e. at mbs=1. On CUDA, where the record has the step's growth,
-            the larger of the saved bytes and that growth less its constant part (`step_activations`).
+            memory, which in a ZeRO-3 profile run also holds the parameters that forward gathered), i.e. at mbs=1.
+            On CUDA, where the record has the step's growth, the larger of the saved bytes and that growth less its
+            constant part (`step_activations`).
         peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
             the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
             on CUDA), which wins over the backend's figure: the local backend samples the ranks' host

@@ -1,22 +1,12 @@
 """The throughput model: what an mbs that has not run can reach, bounded by the ones that have.
 
-Within a config family (one ZeRO stage, gas and set of knobs; only the micro batch size per GPU, mbs,
-differs) a step's time is affine in mbs: fixed per-step work plus compute per sample (the roofline view,
-Williams et al. 2009). So ``throughput(m) = K * m / (a + b * m)`` with ``a, b >= 0`` and ``K`` (DP world
-size x gas) constant within the family; this module works in ``tau(m) = m / throughput(m)``, seconds, and
-fits ``tau(m) = a + b * m`` (``K`` folds into ``a`` and ``b``).
-
-Each `Reading` bounds ``tau`` at its mbs by its relative 95% half-width ``h``:
-``mbs / (throughput * (1 + h)) <= tau(mbs) <= mbs / (throughput * (1 - h))``. Every ``(a, b) >= 0``
-inside all those intervals is a curve the readings cannot tell from the truth; `bounds` gives the
-slowest and the fastest of them at another mbs, `ceiling` the fastest any mbs could reach. Readings
-that no such curve fits (a throughput falling with mbs beyond the noise: an allocator slowing steps near
-the memory limit, CPU caches) give ``None``: the model does not apply, and the caller must run the mbs.
-
-The bounds are exact solutions of a linear program in two variables: the feasible set is a convex
-polygon in ``(a, b)``, and a linear objective is extreme at one of its vertices, which are intersections
-of two constraint lines (docs/decisions.md, D107). The polygon is always bounded: a reading at mbs ``m``
-gives ``a <= tau_high`` and ``b <= tau_high / m``. Pure arithmetic; no imports from the strategy.
+Rules: within a config family (one ZeRO stage, gas and set of knobs; only mbs differs) a step's time is affine in mbs,
+``tau(m) = m / throughput(m) = a + b * m`` with ``a, b >= 0`` (DP world size x gas folded in). Each `Reading` bounds
+``tau`` at its mbs by its 95% half-width; `bounds` gives the slowest and fastest samples/s at another mbs over every
+such curve, `ceiling` the fastest any mbs could reach. Where no curve fits the readings (samples/s falling with mbs
+beyond the noise: allocator slowdowns near the memory limit, CPU caches) they give None: the model does not apply and
+the caller must run the mbs. The bounds are exact (`_vertices`). Pure arithmetic; no imports from the strategy.
+Evidence: docs/decisions.md, D107.
 """
 from __future__ import annotations
 
@@ -109,7 +99,9 @@ def _feasible(point: tuple[float, float], readings: Sequence[Reading]) -> bool:
 
 def _vertices(readings: Sequence[Reading]) -> list[tuple[float, float]]:
     """The feasible polygon's vertices ``(a, b)``, each clamped to ``a, b >= 0``; empty when nothing fits
-    (or there are no readings)."""
+    (or there are no readings). A linear objective over the polygon is extreme at a vertex, an intersection of two
+    constraint lines; the polygon is bounded, as a reading at mbs ``m`` gives ``a <= tau_high`` and
+    ``b <= tau_high / m``."""
     if not readings:
         return []
     found = []

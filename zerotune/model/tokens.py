@@ -1,34 +1,12 @@
 """Memory per token: the longest batch a training can meet, and a config's predicted peak there.
 
-A tuning's runs see a few batches; training meets its longest. The probe records each step's longest sequence
-(``seq_len``, tokens; `zerotune.core.experiment.Experiment.max_seq_len_seen` is a run's largest from step 2
-on, the first step that holds the optimizer states step 1 creates), and a run's peak is its high-water mark (on CPU
-ranks the ``VmData`` sampler runs through every step whose batch is longer than any before), so a run's peak is at
-least the peak of that batch with the optimizer states held. A longer batch at step 1 alone is left out: its peak
-lacks the states, and pairing it with the run's peak would predict the longest batch without them; left out, the
-prediction is high by what step 1's peak exceeds the later steps' by, if it does (a safe error).
-
-**The longest batch** (`longest_batch`), in this order of sources: ``--max-seq-len``; else, where the runs'
-batches were not all one length, the model's maximum positions (a Hugging Face config's ``n_positions`` or
-``max_position_embeddings``, which the probe records: no batch is longer) or, without one, the longest seen
-(a guess, said so). Where every batch of every run held one length (a fixed-shape workload: padded or packed to
-it), that length is the longest and nothing is predicted.
-
-**Bytes per token per sample** (`token_slope`) of a family (`zerotune.model.online.family`): the
-activation part of each ok run's peak (the peak less the structural terms,
-`zerotune.model.online.OnlineMemory.structural_bytes`) fitted as ``c + a * mbs * seq_len`` over the runs
-(`zerotune.model.linefit.fit_line`, ``a >= 0``) where they hold at least two lengths and two token counts;
-else the family's fitted bytes per sample (its line's slope) over the length its runs saw: activations are linear
-in tokens (each layer's saved tensors are ``[samples, tokens, hidden]``), less the square term's share below.
-
-**Attention scores** (`square_bytes`): an attention kernel that keeps a ``tokens x tokens`` matrix per head
-(eager attention, SDPA's math path) holds bytes that grow with the square of the length. The profile run's probe
-counts the saved ones (`zerotune.probe.read_square_activations`): ``q`` = saved / (mbs x seq_len^2), bytes
-per sample per token squared, at the odd length the probe counts at; 0 where the kernel keeps none (flash
-attention) or the profile recorded no length.
-
-**At the longest** (`check_longest`): ``peak(L) = peak(seen) + a * mbs * (L - seen) + q * mbs * (L^2 -
-seen^2)``, the run's measured peak (the mean over its runs) moved by the tokens the longest batch adds.
+Rules: a tuning's runs see a few batches, training meets its longest (`longest_batch`), so a config's measured peak
+is moved to that length (`check_longest`) by its family's bytes per token per sample (`token_slope`) and, where the
+attention kernel keeps a tokens x tokens matrix, by bytes per token squared (`square_bytes`). A run's length is its
+longest batch from step 2 on (`zerotune.core.experiment.Experiment.max_seq_len_seen`): step 1 lacks the optimizer
+states, so a longer batch there alone is left out, a safe error. A fixed-shape workload (every batch of every run one
+length) predicts nothing.
+Evidence: docs/decisions.md, D308, D309.
 """
 from __future__ import annotations
 
@@ -61,9 +39,10 @@ class LongestBatch:
 
 def longest_batch(max_seq_len: int | None, max_positions: int | None,
                   experiments: Iterable[Experiment]) -> LongestBatch | None:
-    """The longest batch (module docstring): ``max_seq_len`` (``--max-seq-len``) first; ``max_positions`` (the
-    model's, None: unknown) where the lengths varied (a step of a run, or a run, held fewer tokens than another);
-    else the longest of ``experiments`` seen. None without an option and without a run that recorded a length."""
+    """The longest batch: ``max_seq_len`` (``--max-seq-len``) first; ``max_positions`` (the model's ``n_positions``
+    or ``max_position_embeddings``, None: unknown) where the lengths varied (a step of a run, or a run, held fewer
+    tokens than another); else the longest of ``experiments`` seen (a guess, said so); one length throughout: that,
+    ``fixed``. None without an option and without a run that recorded a length."""
     runs = [e for e in experiments if e.max_seq_len_seen and e.pad_seq_len is None]
     seen = max((e.max_seq_len_seen for e in runs), default=None)
     varied = (any(e.min_seq_len_seen != e.max_seq_len_seen for e in runs)
@@ -81,8 +60,9 @@ def longest_batch(max_seq_len: int | None, max_positions: int | None,
 
 
 def square_bytes(record: dict[str, int] | None) -> float:
-    """``q``, bytes per sample per token squared (module docstring), from the profile's
-    `zerotune.probe.read_square_activations` record (None: 0)."""
+    """``q``, bytes per sample per token squared that an attention kernel keeping a ``tokens x tokens`` matrix per
+    head (eager, SDPA's math path) saves: saved / (mbs x seq_len^2) from the profile's
+    `zerotune.probe.read_square_activations` record (None: 0; 0 too where the kernel keeps none, flash attention)."""
     if not record:
         return 0.0
     return record["square_saved_bytes"] / (record["micro_batch_size"] * record["square_seq_len"] ** 2)
@@ -90,8 +70,11 @@ def square_bytes(record: dict[str, int] | None) -> float:
 
 def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_config: dict,
                 square: float = 0.0) -> float | None:
-    """Bytes per token per sample of ``ds_config``'s family (module docstring), less the square term ``square``
-    (`square_bytes`) carries; None where no run of the family recorded its length."""
+    """Bytes per token per sample of ``ds_config``'s family (`zerotune.model.online.family`), less the square term
+    ``square`` (`square_bytes`) carries; None where no run of the family recorded its length. Each ok run's peak
+    less the structural terms is fitted as ``c + a * mbs * seq_len`` (``a >= 0``) where the runs hold two lengths
+    and two token counts; else the family line's slope over the length its runs saw (activations are linear in
+    tokens)."""
     fam = family(memory.prior, ds_config)
     runs = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is Status.OK
             and e.peak_memory_bytes and e.max_seq_len_seen and e.pad_seq_len is None
@@ -157,8 +140,10 @@ class LongestCheck:
 
 def check_longest(exp: Experiment, memory: OnlineMemory, experiments: Iterable[Experiment], longest: LongestBatch,
                   budget_bytes: int, square: float = 0.0) -> LongestCheck | None:
-    """``exp``'s predicted peak at ``longest`` (module docstring), ``square`` the attention scores' ``q``
-    (`square_bytes`); None where ``exp`` has no measured peak or length, or its family no per-token term."""
+    """``exp``'s predicted peak at ``longest``, ``square`` the attention scores' ``q`` (`square_bytes`):
+    ``peak(L) = peak(seen) + a * mbs * (L - seen) + q * mbs * (L^2 - seen^2)``, its measured peak (the mean over its
+    runs) moved by the tokens the longest batch adds, ``a`` the `token_slope`. None where ``exp`` has no measured
+    peak or length, or its family no per-token term."""
     experiments = list(experiments)
     measured = memory.measured_bytes(exp.ds_config) or exp.peak_memory_bytes
     seen = max((e.max_seq_len_seen for e in experiments if (e.name == exp.name or e.replica_of == exp.name)

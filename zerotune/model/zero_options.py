@@ -1,34 +1,12 @@
 """The DeepSpeed options beyond stage, offload and buckets that change ZeRO's bytes per device, as the memory model
-(`zerotune.model.memory`) prices them. Sources: DeepSpeed 0.19.8, paths under ``deepspeed/runtime/``.
+(`zerotune.model.memory`) prices them. Sources: DeepSpeed 0.19.8, paths under ``deepspeed/runtime/`` (`ZeroOptions`).
 
-- **Low-precision master weights** (``bf16.bf16_master_weights_and_grads``, ``fp16.fp16_master_weights_and_grads``;
-  stages 1-3, ``config.py:706-714``): the master copy and the gradient partition of the optimizer step take the 16-bit
-  dtype instead of fp32 (``base_optimizer.py:485-530`` ``_configure_master_weights``; ``zero/stage_1_and_2.py:561``,
-  ``zero/stage3.py:1097-1171``): 2 bytes an element, not 4.
-- **16-bit optimizer states** (``bf16.bf16_optimizer_states``, with the above): torch's optimizers create their states
-  like the parameter they step, the master copy, so Adam keeps ``K/2`` bytes. Without it the states stay fp32 and
-  DeepSpeed requires them offloaded (``base_optimizer.py:509-519``: DeepSpeedCPUAdam, fp32 states on the host).
-- **Partial optimizer offload** (``offload_optimizer.ratio`` r, stage 3): the rank's optimizer sub-groups (at most
-  ``sub_group_size`` elements each, ``zero/stage3.py:1210-1233``) from ``int((1 - r) * G)`` on go to the host, the
-  first ones stay on the device (``zero/stage3.py:1100-1108``): the device keeps ``int((1 - r) * G) / G`` of the
-  master, the states and the fp32 gradients. A sub-group closes at the parameter that takes it to ``sub_group_size``
-  S elements, so it holds from S to S plus one parameter's partition, at most ``L/N``: ``G = ceil((T/N) / (S + L/N))``
-  (L: the largest layer's parameters). With DeepSpeed's S of 1e9 a rank below a billion trainable parameters has one
-  sub-group, and any ratio above 0 offloads all of it.
-- **hpZ** (``zero_hpz_partition_size`` h > 1, stage 3): every parameter keeps a secondary partition over the h ranks
-  of its node group, ``b*Psi/h`` more (``zero/partition_parameters.py:1900-1927``, in the parameter's dtype, on
-  ``offload_param``'s device).
-- **AutoTP** (``tensor_parallel.autotp_size`` tp > 1, ZeRO 0-2): the linear layers are sharded over tp ranks
-  (``engine.py:595-600``) and ZeRO partitions over the data-parallel group of ``N / tp`` ranks. Priced as model
-  parallelism of size tp: ``Psi/tp`` parameters, DP world size ``N/tp``; the tensors AutoTP keeps whole (embeddings,
-  norms) are under-counted, and the activations are the figure measured or given (a note says both).
-- **Ulysses sequence parallelism** (``sequence_parallel_size`` sp > 1): each rank holds ``1/sp`` of a sample's tokens,
-  so its activations are ``1/sp`` of a sample's; ZeRO partitions over the sequence-data-parallel group, all N ranks
-  (``engine.py:2164-2165``, ``:2252``). The activation figures carry the degree they were measured at
-  (`zerotune.model.memory.MemoryModel.activation_sp`) and scale by ``that / sp``.
-
-``zero_quantized_weights`` and ``zero_quantized_gradients`` (ZeRO++ qwZ, qgZ) need DeepSpeed's CUDA quantizer; their
-buffers are not priced (`zerotune.model.coverage` names them).
+Rules (read by `ZeroOptions.of`): low-precision master weights (stages 1-3) make the master copy and the gradient
+partition 2 bytes an element, and ``bf16.bf16_optimizer_states`` halves the optimizer states; a partial optimizer
+offload (``offload_optimizer.ratio``, stage 3) keeps whole sub-groups on the device (`ZeroOptions.device_fraction`);
+hpZ (stage 3) adds a secondary partition, ``b*Psi/h``; AutoTP (ZeRO 0-2) is priced as model parallelism of size tp,
+``Psi/tp`` parameters over a DP world size of ``N/tp``; Ulysses sp divides a sample's activations by sp, and ZeRO
+partitions over all N ranks. ZeRO++ qwZ and qgZ buffers are not priced (`zerotune.model.coverage` names them).
 """
 from __future__ import annotations
 
@@ -57,13 +35,21 @@ class ZeroOptions:
     """The options of one ds_config that the memory model prices here (module docstring).
 
     Attributes:
-        master_bytes: bytes per element of the master copy and the optimizer step's gradient partition (4 or 2).
-        states_scale: the optimizer states' bytes as a fraction of fp32 states (1 or 0.5).
-        offload_ratio: ``offload_optimizer.ratio`` (1: all of it, DeepSpeed's default).
+        master_bytes: bytes per element of the master copy and the optimizer step's gradient partition: 2 with
+            ``bf16.bf16_master_weights_and_grads`` or ``fp16.fp16_master_weights_and_grads`` (stages 1-3,
+            ``base_optimizer.py:485-530``), else 4.
+        states_scale: the optimizer states' bytes as a fraction of fp32 states: 0.5 with ``bf16_optimizer_states``
+            too (torch creates them like the master copy), else 1 (DeepSpeed then requires them offloaded,
+            ``base_optimizer.py:509-519``).
+        offload_ratio: ``offload_optimizer.ratio`` r (1: all of it, DeepSpeed's default): stage 3's sub-groups
+            from ``int((1 - r) * G)`` on go to the host (``zero/stage3.py:1100-1108``).
         sub_group_size: ``zero_optimization.sub_group_size``, elements.
-        hpz: ``zero_hpz_partition_size`` (1: none).
-        tp: ``tensor_parallel.autotp_size`` (1: none).
-        sp: ``sequence_parallel_size`` (1: none).
+        hpz: ``zero_hpz_partition_size`` h (1: none): every parameter keeps a secondary partition over the h
+            ranks of its node group, in its dtype, on ``offload_param``'s device (``zero/partition_parameters.py``).
+        tp: ``tensor_parallel.autotp_size`` (1: none); the tensors AutoTP keeps whole (embeddings, norms) are
+            under-counted, and the activations are as measured or given (``engine.py:595-600``).
+        sp: ``sequence_parallel_size`` (1: none); activation figures scale by their measured degree over sp
+            (`zerotune.model.memory.MemoryModel.activation_sp`; ``engine.py:2164-2165``).
     """
 
     master_bytes: int = 4
@@ -95,12 +81,15 @@ class ZeroOptions:
                    sp=_int(ds_config.get("sequence_parallel_size"), 1))
 
     def sub_groups(self, trainable_per_rank: float, largest_per_rank: float = 0) -> int:
-        """ZeRO-3's optimizer sub-groups on a rank, ``G`` (module docstring), for ``T/N`` and ``L/N`` elements."""
+        """ZeRO-3's optimizer sub-groups on a rank, ``G = ceil((T/N) / (S + L/N))``, for ``T/N`` trainable and
+        ``L/N`` largest-layer elements: a sub-group closes at the parameter that takes it to ``sub_group_size`` S
+        (``zero/stage3.py:1210-1233``). With the default S of 1e9 a rank below a billion trainable parameters has
+        one sub-group, and any offload ratio above 0 offloads all of it."""
         return max(1, math.ceil(trainable_per_rank / (self.sub_group_size + largest_per_rank)))
 
     def device_fraction(self, trainable_per_rank: float, largest_per_rank: float = 0) -> float:
         """The fraction of the master copy, the optimizer states and the fp32 gradients that an optimizer offload
-        leaves on the device: ``int((1 - r) * G) / G`` sub-groups (module docstring); 0 for a full offload."""
+        leaves on the device: ``int((1 - r) * G) / G`` sub-groups (`sub_groups`); 0 for a full offload."""
         if self.offload_ratio >= 1:
             return 0.0
         groups = self.sub_groups(trainable_per_rank, largest_per_rank)

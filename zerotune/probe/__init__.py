@@ -1,15 +1,12 @@
 """The step probe, tuner side: where it lives, and reading the streams it writes.
 
-The probe itself is `zerotune.probe.sitecustomize`, which runs in the ranks (this directory
-first on their ``PYTHONPATH``, ``PYTHON_ZEROTUNE_PROBE_DIR`` set: `zerotune.deepspeed.launcher.launch_env`);
-it writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment
-directory. `read_streams` reads them back, each line parsed and validated once into a
-`zerotune.core.step_record.StepRecord`, for `zerotune.core.measure`, `zerotune.core.stopping` and
-the backends; in the profile run it also writes the bytes saved for the backward pass, which
-`read_saved_activations` reads back, and what activation checkpointing would hold instead
-(`read_checkpointed_activations`).
-Each rank that stepped writes an exit record as Python finishes; `clean_exits` tells
-from them a crash in the interpreter's teardown from a script that failed.
+The probe itself is `zerotune.probe.sitecustomize`, run in the ranks (this directory first on their ``PYTHONPATH``,
+``PYTHON_ZEROTUNE_PROBE_DIR`` set: `zerotune.deepspeed.launcher.launch_env`); it writes one JSON line per optimizer
+step to ``probe.rank<RANK>.jsonl`` in the experiment directory, which `read_streams` reads back, each line validated
+once into a `zerotune.core.step_record.StepRecord`, for `zerotune.core.measure`, `zerotune.core.stopping` and the
+backends. In the profile run it also writes the bytes saved for the backward pass (`read_saved_activations`) and
+what activation checkpointing would hold instead (`read_checkpointed_activations`). Each rank that stepped writes
+an exit record as Python finishes; `clean_exits` tells from them a crash in the teardown from a script that failed.
 """
 from __future__ import annotations
 

@@ -1,21 +1,12 @@
 """zerotune's step probe: one JSON line per optimizer step, in every rank, with no change to the script.
 
-The local launch puts this directory first on the ranks' ``PYTHONPATH`` and sets
-``PYTHON_ZEROTUNE_PROBE_DIR`` (`zerotune.deepspeed.launcher.launch_env`), so Python's ``site``
-imports this file at start-up in every process of the launch (the launcher too). With
-``PYTHON_ZEROTUNE_PROBE_DIR`` it installs the probe (`install`); with or without it, it then runs the
-user's own ``sitecustomize`` (`_chain`).
-
-This file only installs. The probe's parts are modules of the private package ``_zerotune_probe`` beside it: the
-step and exit records (``records``), the peak memory and the allocator's cap (``peak``), the import hook and the
-engine's wrapped methods (``engine``), what a batch held (``batch``), the batch padded to the longest length on
-demand (``padding``), the profile run's saved activations and checkpointing (``activations``) and its step growth
-(``growth``). The names the tuner reads (the environment variables, the records' file names) are re-exported here.
-
-Only this file, ``__init__.py`` and ``_zerotune_probe`` are in this directory, since it is on the ranks' import
-path. The ranks import this file as ``sitecustomize`` and the package as ``_zerotune_probe``; the tuner (and a
-warm rank, `zerotune.run.warm.rank`) as ``zerotune.probe.sitecustomize``. Neither imports zerotune, nor
-anything but the standard library at start-up.
+The launch puts this directory first on the ranks' ``PYTHONPATH`` and sets ``PYTHON_ZEROTUNE_PROBE_DIR``
+(`zerotune.deepspeed.launcher.launch_env`), so ``site`` imports this file in every process of the launch; with that
+variable it installs the probe (`install`), then it always runs the user's own ``sitecustomize`` (`_chain`). This
+file only installs and re-exports the names the tuner reads; the probe's parts are modules of ``_zerotune_probe``.
+Rules: this directory holds only this file, ``__init__.py`` and ``_zerotune_probe``, since it is on the ranks'
+import path; neither imports zerotune, nor anything but the standard library at start-up. The ranks import them as
+``sitecustomize`` and ``_zerotune_probe``, the tuner and a warm rank as ``zerotune.probe.sitecustomize``.
 """
 import os
 import sys

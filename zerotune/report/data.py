@@ -1,14 +1,12 @@
 """The report's one model: the runs, the answer, the runner-up, what was not run, the cost, the projection.
 
-`ReportData` is built two ways, and both give the same figures for the same runs: by the tuner from what
-it holds (`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments
-finish), or from a results dir on disk alone (`load`, for ``zerotune report``), where the runs come from the
-experiments' verified records (``exp.json``, `zerotune.run.store.load_records`) and what only the tuner knew
-(its answer, the stages and candidates not run, its notes, its state) from the ``results.json`` it last wrote
-(`zerotune.report.table_export`). Every report file renders from it alone: ``summary.txt``
-(`zerotune.report.results`), ``report.html`` (`zerotune.report.html`), ``results.csv`` and
-``results.json`` (`zerotune.report.table_export`); as Ray Tune's ``ResultGrid``, the same object live and
-from disk.
+Rules: `ReportData` is built two ways that give the same figures for the same runs: by the tuner from what it holds
+(`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments finish), or from a
+results dir on disk alone (`load`, for ``zerotune report``): the runs from the experiments' verified records
+(``exp.json``, `zerotune.run.store.load_records`), what only the tuner knew (its answer, the stages and candidates not
+run, its notes, its state) from the ``results.json`` it last wrote (`zerotune.report.table_export`). Every report file
+renders from it alone: ``summary.txt`` (`zerotune.report.results`), ``report.html`` (`zerotune.report.html`),
+``results.csv`` and ``results.json`` (`zerotune.report.table_export`).
 """
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """``report.html``: the tuning as one self-contained page, its plots drawn by plotly.js (inlined: opens offline).
 
-Three plots and the text around them, all from `zerotune.report.data.ReportData`:
-
-- throughput (or the tuned metric) against mbs, one trace per series (ZeRO stage, memory savers, gas, knobs),
-  each run a point with its 95% interval; out-of-memory and other failed runs marked at their mbs on the axis;
-  the answer starred;
-- the memory model's prediction against each run's measured peak per device, GiB, with the budget;
-- a timeline of the launches (start and wall time, s, coloured and patterned by how each ended; each bar's hover
-  text adds its start-up and measuring seconds and whether it ran warm or cold, `launch_text`).
-
-Every series has its own marker symbol and line dash and every bar its outcome written on it, so the page reads
-without colour. Each plot is a plain plotly figure dict (`throughput_figure`, `memory_figure`,
-`timeline_figure`); the tests check them against plotly's schema and count the points a browser draws
-(docs/decisions.md, D29).
+Three plots and the text around them, all from `zerotune.report.data.ReportData`: the metric against mbs
+(`throughput_figure`), the memory model's prediction against each run's measured peak per device (`memory_figure`)
+and the launches' timeline (`timeline_figure`). Every series has its own marker symbol and line dash and every bar
+its outcome written on it, so the page reads without colour. Each plot is a plain plotly figure dict: the tests check
+it against plotly's schema and count the points a browser draws. Evidence: docs/decisions.md, D29.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """The report for programs: ``results.csv`` (one row per launch) and ``results.json`` (the rows and the tuning).
 
-A row (`experiment_row`, columns `COLUMNS`) carries the summary's columns for one experiment (its
-tuning space, how it ended, its metric) plus the memory model's prediction and the measured peak per device, the
-launch's start and wall time, its start-up seconds (launch to the first measured step, ``startup_s``) apart from
-its measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""`` not launched)
-and why a run of a warm tuning went cold (``launch_note``), its device-seconds, and its ``origin``: ``launched``
-by this tuning or ``cached``, read back from an earlier one's records (`zerotune.report.data.ORIGINS`).
-Memory is in bytes, times in seconds, the metric in the objective's unit (``metric_unit``). ``results.json`` adds the tuning (its state, the
-objective, the budget, where the experiments are, what was not run and why, the runner-up, the projection): what
-``zerotune report`` reads back (`zerotune.report.data.load`).
+A row (`experiment_row`, columns `COLUMNS`) is one experiment: the summary's columns, the memory model's prediction
+and the measured peak per device, the launch's start and wall time, its start-up (``startup_s``, launch to the first
+measured step) and measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""``
+not launched; ``launch_note``: why a warm tuning's run went cold), its device-seconds, and its ``origin``:
+``launched`` by this tuning or ``cached`` from an earlier one's records. Memory is in bytes, times in seconds, the
+metric in ``metric_unit``. ``results.json`` adds the tuning (`json_text`), what ``zerotune report`` reads back.
 """
 from __future__ import annotations
 
@@ -82,7 +79,8 @@ def _cell(value: Any) -> Any:
 
 def json_text(data: ReportData) -> str:
     """``results.json``: ``{"schema_version", "tuning": {...}, "answer", "runner_up", "projection",
-    "experiments": [rows]}``."""
+    "experiments": [rows]}``; the tuning is its state, the objective, the budget, where the experiments are and
+    what was not run and why. `zerotune.report.data.load` reads it back."""
     runner_up, projection = data.runner_up(), data.projection()
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,
               "unit": data.objective.unit, "budget_bytes": data.budget_bytes, "exps_dir": str(data.exps_dir.resolve()),

@@ -1,42 +1,12 @@
 """The experiment directory: DeepSpeed's autotuning protocol, the files a run leaves, and its outcome.
 
-Every experiment runs in its own directory (``<exps_dir>/<name>/``). The files, and who writes each:
-
-=====================  =====================================================================
-``ds_config.json``     zerotune, `prepare`: the experiment's config plus the
-                       ``autotuning`` section that makes DeepSpeed's engine measure and exit
-                       (``enabled``, ``metric_path`` and ``model_info_path`` pointing into this
-                       directory, ``start_profile_step``, ``end_profile_step``, ``metric``).
-``cmd.txt``            the backend: the launch command a person can paste (the simulated
-                       backend writes a line saying that nothing was launched).
-``stdout.log``,        the launcher and its ranks (the backend redirects their output here);
-``stderr.log``         `finish` reads their tails to classify a failure.
-``metrics.json``       DeepSpeed's engine on rank 0 at ``end_profile_step``
-                       (``engine._autotuning_exit``): ``latency`` (microseconds per step),
-                       ``throughput`` (samples/s), ``FLOPS_per_gpu``. The result of every run
-                       but the profile run.
-``probe.rank*.jsonl``  zerotune's step probe, one file per rank (`zerotune.probe`): a line
-                       per optimizer step. `finish` takes the metric from them
-                       (`zerotune.core.measure`); ``metrics.json`` says whether the run
-                       succeeded.
-``model_info.json``    DeepSpeed's engine, profile run only (``ExperimentKind.PROFILE``), in the
-                       first forward: ``num_params``, ``trainable_num_params``,
-                       ``activation_mem_per_gpu``. The result of the profile run.
-``exp.json``           the scheduler, `zerotune.run.store.write_record`: the experiment's
-                       `zerotune.run.store.ExpRecord`, written as INTERRUPTED before the
-                       launch and again with the outcome; `zerotune.run.store.load_record`
-                       reads it back for resume, trusting only a record that verifies;
-                       `zerotune.run.store.not_own` tells zerotune's directories from
-                       others' by it.
-``hostfile``,          the Ray backend, multi-node only: the nodes Ray granted; the marker
-``.zerotune_dispatch`` that proves a node sees this directory.
-=====================  =====================================================================
-
-A backend calls `prepare` before it launches and `finish` after the run's processes
-are gone; in between it only starts, supervises and stops processes. The scheduler writes and
-resumes from ``exp.json`` (`zerotune.run.store`). Hence this module's place in `zerotune.run`, beside
-its callers: it is zerotune's record of a run, of which DeepSpeed writes only the result files. The outcome is
-decided from facts (`classify`), never from the word "error" in the logs.
+Each experiment runs in its own directory, ``<exps_dir>/<name>/``. A backend calls `prepare` just before it launches
+(it writes ``ds_config.json`` with the ``autotuning`` section that makes DeepSpeed's engine measure and exit) and
+`finish` once the run's processes are gone; in between it only starts, supervises and stops processes, whose output
+goes to ``stdout.log`` and ``stderr.log`` (its launch line to ``cmd.txt``). DeepSpeed writes the result file
+(`result_path`), the probe ``probe.rank*.jsonl``, from which `finish` takes the metric (`zerotune.probe`), and the
+scheduler ``exp.json`` (`zerotune.run.store`). The outcome is decided from facts (`classify`), never from the word
+"error" in the logs.
 """
 from __future__ import annotations
 
@@ -85,7 +55,9 @@ _MISSING_HINT = {
 
 def result_path(exp: Experiment, exp_dir: Path) -> Path:
     """The file DeepSpeed's engine writes as ``exp``'s result: ``model_info.json`` for the profile
-    run (the engine exits in its first forward), ``metrics.json`` for every other run."""
+    run (the engine exits in its first forward: ``num_params``, ``trainable_num_params``,
+    ``activation_mem_per_gpu``), ``metrics.json`` for every other run (rank 0, at ``end_profile_step``:
+    ``latency``, microseconds per step, ``throughput``, samples/s, ``FLOPS_per_gpu``)."""
     return Path(exp_dir) / (MODEL_INFO_FILE if exp.kind is ExperimentKind.PROFILE else METRICS_FILE)
 
 

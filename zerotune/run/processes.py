@@ -1,24 +1,12 @@
 """The processes of a run: finding them, measuring them, killing every one of them, and cleaning up
 after a tuner that died while they ran.
 
-Every process of one run is found when the run ends (`kill_tree`) by three marks, any one of which
-suffices: its tree (the launcher is made a child subreaper, `adopt_orphans`, so a process orphaned by a
-double fork is reparented to the launcher, not to init, and stays in the tree the backend watches), its
-session and process group (the launcher leads both; a process that moved to another group stays in the
-session), and a token in its environment (`RUN_TOKEN_ENV`, inherited by the launcher's ranks and
-anything they start, found even outside the tree). A helper a rank starts with a cleared environment in a
-session of its own is found by the tree; one that keeps the environment, by the token. While a run is alive, ``<exps_dir>/.zerotune-running/<name>.json``
-(`write_running_record`) names its token and the tuner's pid: if the tuner itself is killed
-(SIGKILL, OOM killer), its experiments outlive it; the next run on the same exps dir kills the
-processes of every record whose tuner is gone before it launches (`reap_orphans`), and
-removes their shared-memory buffers (`remove_shm_buffers`).
-
-Processes are always found by that token or by descent from a process this tuner started, never
-by name: nothing else on the machine is touched. A run over several nodes through DeepSpeed's multi-node runner
-carries the token to the other nodes' ranks in its env file, and is stopped there by the same token
-(`kill_token_on`, over pdsh as the runner reached them); the runner's own stop is never used: it runs
-``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host, which kills every DeepSpeed launcher there,
-other experiments' included.
+Rules: a run's processes are found (`kill_tree`, `kill_token`) by any of three marks: descent from the launcher (made
+a child subreaper, `adopt_orphans`), the launcher's session and process group, and the run's token in their
+environment (`RUN_TOKEN_ENV`); never by name, so nothing else on the machine is touched. While a run is alive its
+record (`write_running_record`) names its token and the tuner; the next run on the same exps dir kills the runs of a
+dead tuner and removes their shared-memory buffers (`reap_orphans`). Ranks on other nodes are stopped by the same
+token (`kill_token_on`), never by DeepSpeed's runner's own stop, which kills every DeepSpeed launcher on the host.
 """
 from __future__ import annotations
 
@@ -103,7 +91,8 @@ def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: s
     on the way (``known``, pid -> process, added to here), and any other process of the run
     (`kill_token`: its token, its session or group, their descendants; ``since``: the launch's
     ``time.time()``). Returns once they have exited (`_exited`: gone, or zombies that no longer hold
-    anything)."""
+    anything). A helper a rank starts with a cleared environment in a session of its own is found by the tree
+    (orphans are reparented to the launcher, `adopt_orphans`); one that keeps the environment, by the token."""
     for child in descendants(proc.pid):
         known.setdefault(child.pid, child)
     if proc.poll() is None:
@@ -163,7 +152,8 @@ def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool
     """SIGKILL the processes carrying ``token`` on each of ``hosts`` (`kill_token` there), reached by pdsh over
     ssh as DeepSpeed's runner reached them; zerotune must be importable at this path on every host (a shared
     filesystem, as for the probe). Returns whether pdsh ran and exited 0 within ``timeout_s`` seconds; a failure
-    is not raised (the local kill goes on)."""
+    is not raised (the local kill goes on). The runner carries the token to the other nodes in its env file; its own
+    stop (``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host) would kill other experiments too."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding the zerotune package
     remote = (f"PYTHONPATH={shlex.quote(root)} {shlex.quote(sys.executable)} -m zerotune.run.processes "
               f"--kill-token {shlex.quote(token)}")

@@ -2,25 +2,11 @@
 Who holds them (``SlotPool``) is `zerotune.run.slots`, importable from here too; a ``Node`` and a
 ``Reservation`` are records of `zerotune.core.launch`.
 
-A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
-launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). The flow is::
-
-    parse_hostfile("hostfile")           -> {"worker-0": 8, "worker-1": 4}     (ordered)
-    select_resources("hostfile", include="worker-0:4,5@worker-1")
-                                         -> [Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))]
-    pool = SlotPool(nodes)
-    r = pool.try_reserve(num_nodes=1, slots_per_node=2)
-                                         -> Reservation((Node("worker-0", (4, 5)),))
-    r.include_arg()                      -> "worker-0:4,5"   (what the experiment passes as --include)
-    pool.release(r)
-
-The resource semantics mirror the launcher (``deepspeed/launcher/runner.py``: ``_parse_hostfile``,
-``parse_resource_filter``, ``parse_inclusion_exclusion``, ``apply_num_nodes_and_gpus``), so a
-selection zerotune accepts is one the launcher accepts and means the same slots. Differences, all
-stricter: bad input raises ``ConfigError`` (the launcher exits or raises ``ValueError``); a
-missing hostfile is an error (the launcher silently falls back to local devices); ``slots=0``,
-``slots=8x``, ``--num_gpus`` above a host's slot count and ``--num_nodes`` above the host count are
-errors (the launcher accepts them and fails later or uses less than asked).
+A *slot* is one device on one host, named by its real device id (the id the ``deepspeed`` launcher puts into
+``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). `select_resources` resolves the arguments as the launcher
+does (``deepspeed/launcher/runner.py``), so a selection zerotune accepts means the same slots to it, but stricter:
+bad input raises ``ConfigError`` where the launcher falls back or uses less than asked (a missing hostfile,
+``slots=0``, ``slots=8x``, ``--num_gpus`` or ``--num_nodes`` above what the hosts hold).
 """
 from __future__ import annotations
 

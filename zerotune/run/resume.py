@@ -1,23 +1,12 @@
 """The resume key: when a result on disk answers for an experiment of this job.
 
-A rerun with the same results dir reuses an experiment's recorded outcome only when it is the
-same experiment, not merely the same ds_config. The key covers:
-
-- the ds_config's content (`zerotune.deepspeed.canonical.config_hash`: key order, number
-  spelling and settings spelled at DeepSpeed's default do not change it);
-- the training script: its resolved path and the SHA-256 of its content (a second model, or an
-  edited script, is a different experiment). Other files, such as modules the script imports or
-  its data, are not read: edit the script or start fresh (``--overwrite``) when they change;
-- the script's arguments, with the ds_config path replaced by a placeholder (the config's
-  content is keyed above, and each experiment gets its own copy anyway);
-- the world layout (nodes, slots per node, model-parallel size), CPU or not, and the per-device
-  memory budget in bytes (an OOM under 2 GiB says nothing about 4 GiB);
-- how the result is measured: ``autotuning.start_profile_step``, ``end_profile_step`` and the
-  objective's name.
-
-The scheduler records the key and this context in ``exp.json`` (so a person can see why an
-experiment re-ran) and reuses a record only under the same key, and only for an outcome that is
-a property of the experiment (`zerotune.core.experiment.Status.reusable`).
+A rerun with the same results dir reuses an experiment's recorded outcome only when it is the same experiment, not
+merely the same ds_config: the key (`resume_key`) covers the ds_config's content (`config_hash`), the training
+script's resolved path and content, its arguments, the world layout, the per-device memory budget and how the result
+is measured (`resume_context`). Other files, such as modules the script imports or its data, are not read: edit the
+script or start fresh (``--overwrite``) when they change. The scheduler records the key and its context in
+``exp.json`` and reuses a record only under the same key, and only for an outcome that is a property of the
+experiment (`zerotune.core.experiment.Status.reusable`).
 """
 from __future__ import annotations
 

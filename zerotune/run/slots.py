@@ -1,16 +1,9 @@
 """Who holds the device slots: the ``SlotPool`` that hands them out, a ``Reservation`` to each experiment (the
 ``Node`` and ``Reservation`` records are `zerotune.core.launch`).
 
-A *slot* is one device on one host, named by its real device id (the id the ``deepspeed``
-launcher puts into ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). Which slots exist is
-decided by `zerotune.run.resources.select_resources`; this module only places experiments
-on them::
-
-    pool = SlotPool([Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))])
-    r = pool.try_reserve(num_nodes=1, slots_per_node=2)
-                                         -> Reservation((Node("worker-0", (4, 5)),))
-    r.include_arg()                      -> "worker-0:4,5"   (what the experiment passes as --include)
-    pool.release(r)
+A *slot* is one device on one host, named by its real device id (the id the ``deepspeed`` launcher puts into
+``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). Which slots exist is decided by
+`zerotune.run.resources.select_resources`; this module only places experiments on them (`SlotPool`).
 """
 from __future__ import annotations
 
@@ -28,7 +21,12 @@ class SlotPool:
 
     The scheduler asks for ``num_nodes`` x ``slots_per_node`` per experiment (DeepSpeed launches
     the same number of ranks on every node of one run). Placement is deterministic first fit:
-    nodes in order, the lowest free slot ids on each.
+    nodes in order, the lowest free slot ids on each::
+
+        pool = SlotPool([Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))])
+        r = pool.try_reserve(num_nodes=1, slots_per_node=2)  # Reservation((Node("worker-0", (4, 5)),))
+        r.include_arg()  # "worker-0:4,5", what the experiment passes as --include
+        pool.release(r)
 
     Args:
         nodes: the nodes from ``select_resources``; hosts must be unique.

@@ -1,16 +1,12 @@
 """What zerotune keeps on disk, kept safe: files written whole, directories held by one tuner, experiment
 directories proven its own, and each experiment's record (``exp.json``) trusted only when it verifies.
 
-- **Atomic writes** (`write_text_atomic`, `write_json_atomic`): a reader, a crash or a signal sees
-  the old file or the new one, never a part, and nothing is written through a symlink.
-- **Locks** (`ResultsLock`, `ExpsLock`, `tuning_locks`): one tuner per results dir and per
-  exps dir, released by the kernel when the holder dies.
-- **Ownership** (`experiment_dir`, `not_own`, `make_way`, `clear_experiments`): an
-  experiment's directory is a direct child of the exps dir and never a symlink; zerotune removes only a
-  directory whose ``exp.json`` is its record of it, and moves anything else aside whole.
-- **Records** (`ExpRecord`, `write_record`, `load_record`, `load_records`): ``exp.json``
-  carries a schema version and a digest of its content; a record that does not verify is said in the log and run
-  again, never trusted and never fatal.
+Files are written whole (`write_text_atomic`, `write_json_atomic`): a reader, a crash or a signal sees the old file
+or the new one, never a part, and nothing is written through a symlink. One tuner holds a results dir and an exps
+dir (`tuning_locks`), released by the kernel when it dies. An experiment's directory is a direct child of the exps
+dir, never a symlink (`experiment_dir`); zerotune removes only one whose ``exp.json`` is its record of it and moves
+anything else aside whole (`make_way`). A record carries a schema version and a digest (`ExpRecord`); one that does
+not verify is said in the log and run again, never trusted and never fatal (`load_record`).
 """
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """The answer rule: which measured config is the answer, read with the shape of the throughput curve.
 
-On GPU ranks the runs of one config (ZeRO stage, gas, knobs) that ran calm (`zerotune.strategy.capacity`)
-count as one curve rising with mbs: away from the capacity a step's time is about affine in mbs (fixed per-step
-work plus compute per sample: the roofline view), so a larger mbs that reads under a smaller one reads the noise,
-and the two readings together tell the curve's level better than the higher one alone (the best of several noisy
-runs reads high: the winner's curse). The curve is worth its run-weighted non-decreasing fit (`rising_top`)
-at its largest mbs. A run near the capacity, or of unknown peak, stands alone on its own pooled metric: a
-caching allocator's flushes can slow a step there. CPU ranks keep the best pooled reading. The evidence is in
-docs/decisions.md, D101.
-
-**A tie is an answer.** Configs whose reading is within the target precision (``--precision``) of the best one
-are, for the user who asked for that precision, the same answer: no run is launched to tell them apart, and the
-tie order takes one (`tie_order`: more memory headroom where a tied config runs near the device's capacity,
-else the better reading; a reading known only to more than 3x the precision counts at its lower bound, the reading
-less its 95% half-width, so a config known to ±1.2% is taken over one known to ±21% that read 0.2% higher). The
-summary and the report say "tie" with every tied figure and its interval (docs/decisions.md, D307, D313, D321).
+Rules: on GPU ranks a config's (ZeRO stage, gas, knobs) calm runs count as one curve rising with mbs, worth its
+non-decreasing fit at its largest mbs; a run near the capacity, or of unknown peak, stands alone on its pooled
+samples/s; CPU ranks keep the best pooled reading (`answer_readings`). A tie is an answer: configs within the target
+precision (``--precision``) of the best are the same answer, no run is launched to tell them apart, and the tie order
+takes one (`tie_order`, `tie_reading`); the summary and the report say "tie" with every tied figure and its interval.
+Evidence: docs/decisions.md, D101, D307, D313, D321.
 """
 from __future__ import annotations
 
@@ -177,8 +168,10 @@ def answer_readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled]
                     budget_bytes: int | None) -> list[tuple[float, Experiment]]:
     """(reading, experiment) of every answer candidate (a first run with an ok pooled metric). On GPU ranks
     (``budget_bytes`` known) for throughput, each config's (stage, gas, knobs) calm runs count as one curve
-    rising with mbs (`rising_candidates`) and every other run as its own pooled metric (the module
-    docstring); else each run's pooled metric."""
+    rising with mbs (`rising_candidates`): away from the capacity a step's time is about affine in mbs, so a larger
+    mbs reading under a smaller one reads the noise, and together they tell the level better than the higher alone
+    (the winner's curse). Every other run (near the capacity, where an allocator's flushes can slow a step, or of
+    unknown peak) counts as its own pooled metric; else each run's pooled metric."""
     bases = [e for e in experiments if e.replica_of is None and e.name in pooled]
     if budget_bytes is None or not objective.higher_is_better:
         return [(pooled[e.name].value, e) for e in bases]

@@ -1,27 +1,12 @@
 """Batch semantics: how mbs, gradient accumulation steps (gas) and train_batch_size relate in a job.
 
-DeepSpeed's invariant is ``train_batch_size = mbs * gas * DP world size``. Which of them the
-tuner may change depends on what the user's config says, as a practitioner expects:
-
-- **a numeric ``train_batch_size``** is the training recipe and is held fixed: the candidates
-  are the (mbs, gas) pairs with ``mbs * gas * DP = train_batch_size`` (mbs a divisor of
-  ``train_batch_size / DP``, gas derived), so every experiment trains the same way;
-- **otherwise the global batch is free**, as it is for mbs (``train_batch_size`` follows mbs and
-  gas), and gas is a search dimension where it pays: the user's list of gas values is tried at the
-  best mbs (a one-value list, ``[1]``, holds gas), or else gas doubles there from the user's value
-  while throughput improves by 1% (a
-  larger gas amortizes the optimizer step and, for ZeRO 0-1, the gradient reduction), within
-  ``autotuning.max_train_batch_size`` when given, else at most `MAX_GAS_DOUBLINGS` doublings.
-  Before that ladder, the best mbs's own global batch is tried split in two (`gas_split`:
-  half the mbs, twice the gas): a smaller micro-batch can run faster per sample (on a CPU its
-  activations stay in cache), and DeepSpeed's autotuner tries the same (its mbs below the largest
-  runnable one take ``gas = largest // mbs``);
-- **a list of mbs values** in the config restricts the micro-batch search to those values.
-
-What a doubling of gas can gain is bounded by what it amortizes (`doubling_gain_bound`): the
-step probe measures the work done once per optimizer step (``boundary_s``), and the ladder is not
-climbed where that bound is under the plateau threshold (ZeRO-2 and 3 reduce the gradients every
-micro-step, so there the optimizer step over the rank's partition is all a larger gas saves).
+Rules (`BatchSemantics.from_config`), under DeepSpeed's ``train_batch_size = mbs * gas * DP world size``: a numeric
+``train_batch_size`` is the training recipe and is held fixed (mbs a divisor of ``train_batch_size / DP``, gas
+derived). Otherwise the global batch is free, and gas is searched at the best mbs (`zerotune.strategy.gas_phase`):
+the user's list of gas values (``[1]`` holds gas), or else the best mbs's global batch split in two
+(`BatchSemantics.gas_split`) and gas doubled while samples/s improves by the plateau threshold (1%), within
+``autotuning.max_train_batch_size`` or `MAX_GAS_DOUBLINGS` doublings (`BatchSemantics.gas_ladder`), never where what
+a doubling amortizes cannot pay (`doubling_gain_bound`). A list of mbs values restricts the mbs search to them.
 """
 from __future__ import annotations
 
@@ -128,7 +113,8 @@ class BatchSemantics:
         """``(mbs // 2, 2 * gas)``: the global batch of ``mbs`` at gas `gas` run as two micro-batches
         of half the size (the same ``train_batch_size`` where ``mbs`` is even, one sample per rank less
         where it is odd), or None where gas is not searched by doubling, or half of ``mbs`` is below
-        ``lo`` or not in the config's list of mbs values."""
+        ``lo`` or not in the config's list of mbs values. Tried before the doubling: a smaller micro-batch
+        can run faster per sample (on a CPU its activations stay in cache), as DeepSpeed's autotuner tries."""
         half = mbs // 2
         if not self.gas_doubling or half < max(1, lo) or (self.mbs_values is not None and half not in self.mbs_values):
             return None

@@ -1,18 +1,12 @@
 """The one config builder: every experiment's ds_config and name, profile, mbs phase and knob phase alike.
 
-Each config is the user's ds_config (a key holding a list of candidates takes its first candidate
-until the knob phase tunes it; the ``autotuning`` section is dropped) at a ZeRO stage and micro
-batch size, with the user's gradient accumulation steps and ``train_batch_size = mbs * gas * DP
-world size``, deep-merged with the phase's own settings (the profile's small buckets, a knob
-candidate's values), pruned of the settings its stage does not read, and validated before it can
-run. Its name is the canonical name of its content (``z1_gas1_tmbspg8``, plus knob acronyms), so
-the same config always has the same name, whichever phase asks for it, and runs once.
-
-A Hugging Face Trainer config's ``"auto"`` values are resolved as the Trainer resolves them
-(`zerotune.deepspeed.auto`): gas and precision from the script's arguments, the hidden-size
-bucket values from the profile run's record of the model; the rest (learning rate, betas...) stay
-``"auto"`` for the Trainer to fill. With a mapped micro batch size and no numeric
-``train_batch_size``, the launched configs leave ``train_batch_size`` out (DeepSpeed derives it).
+Rules (`ConfigBuilder.config`): each config is the user's ds_config (a list of candidates takes its first until the
+knob phase tunes it; ``autotuning`` dropped) at a ZeRO stage and mbs, with the batch semantics' gas and
+``train_batch_size = mbs * gas * DP world size``, deep-merged with the phase's own settings, pruned of what its stage
+does not read and validated. Its name is the canonical name of its content (``z1_gas1_tmbspg8`` plus knob acronyms),
+so the same config has the same name whichever phase asks, and runs once. A Hugging Face Trainer config's ``"auto"``
+values are resolved as the Trainer resolves them (`zerotune.deepspeed.auto`; the hidden-size ones from the profile
+run, `ConfigBuilder.model_autos`); with a mapped mbs and no numeric ``train_batch_size``, DeepSpeed derives it.
 """
 from __future__ import annotations
 

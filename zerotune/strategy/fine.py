@@ -1,17 +1,12 @@
 """The fine pass of the mbs search: a few bisections next to a stage's best mbs, only where they may pay.
 
-It bisects the gaps next to the best mbs, as the answer rule picks it (`MbsTrace.answer
-<zerotune.strategy.points.MbsTrace.answer>`: away from the capacity the readings count as one curve rising
-with mbs, whose value is at its largest mbs), up to a budget of runs. For throughput a gap is bisected only
-where it may pay: a step time affine in mbs (fixed per-step work plus compute per sample, the roofline view)
-puts no peak between two measured points, so the gap above is skipped where that line predicts no gain the
-runs can resolve (`_above_may_pay`), and the gap below unless the best ran near capacity or of
-unknown capacity (`_below_may_pay`). The gap below is skipped, too, where the best and the point below
-it are a precise plateau (`_plateau`); either gap where its far point reads so far under the best that even
-at the far end of their noise it would only tie it, or beat it by no more than one run of the trace's length
-resolves (`_at_most_a_tie`): the curve does not rise towards that point there. Neither skip holds at the
-memory boundary (an out-of-memory point above, or one near the capacity), where the allocator's flushes can slow
-a step and a tie hides a peak between. The evidence is in docs/decisions.md, D105, D311 and D322.
+It bisects the gaps next to the mbs the answer rule picks (`zerotune.strategy.points.MbsTrace.answer`), up to
+``bounds.num_fine`` runs (`fine_pass`). For throughput a gap is bisected only where it may pay: the gap above unless
+the affine step time through the best predicts there no gain the runs can resolve (`_above_may_pay`); the gap below
+only where the best ran near or of unknown capacity (`_below_may_pay`) and is no precise plateau (`_plateau`); neither
+gap where its far point could at most tie the best (`_at_most_a_tie`). The plateau and tie skips do not hold at the
+memory boundary (an out-of-memory point above, or one near the capacity): a tie there may hide a peak.
+Evidence: docs/decisions.md, D105, D311, D322.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """The gas phase: gradient accumulation at the best stage's best mbs, where the batch semantics search it.
 
-At the best stage's best mbs ``m`` (`zerotune.strategy.batch`): first ``m``'s global batch split in two
-(``m // 2`` at twice the gas), then the config's list of gas values at ``m`` (each tried), or a doubling ladder
-within ``max_train_batch_size`` that stops at a plateau or a failure. A run is skipped where it cannot pay:
-
-- the split, unless the mbs search measured a point from ``m // 2`` up to ``m`` within the noise of ``m``
-  (with throughput rising with mbs, that point bounds the split's micro-batches from above; without one the
-  smaller micro-batch is the slower one), or where doubling the gas amortizes too little
-  (`zerotune.strategy.batch.doubling_gain_bound` under `PLATEAU_THRESHOLD`);
-- a rung of the ladder, where the same bound from the rung below is under the threshold: it would end the
-  ladder as a plateau even if it ran.
-
-A rung is a larger global batch, which changes the training itself: only its win is re-measured, and a loss
-within the noise keeps the smaller batch without spending two runs on it.
+At the best stage's best mbs ``m`` (`zerotune.strategy.batch`): first ``m``'s global batch split in two (``m // 2``
+at twice the gas), then the config's list of gas values at ``m`` (each tried), or a doubling ladder within
+``max_train_batch_size`` that stops at a plateau or a failure. A run is skipped where it cannot pay: the split
+without a measured point that makes it worth a run (`GasPhase.split_evidence`), and the split or a rung where
+doubling the gas amortizes too little (`GasPhase.split_cannot_pay`, `GasPhase.rung_cannot_pay`). A rung is a larger
+global batch, which changes the training itself: only its win is re-measured (`GasPhase.candidate`).
+Evidence: docs/decisions.md, D7, D13, D16, D17.
 """
 from __future__ import annotations
 
@@ -80,7 +74,8 @@ class GasPhase:
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
         """The measured point that makes the split worth a run, or None: the smallest point in ``[half,
         point.mbs)`` where it is no faster than ``point`` or ties it within the runs' noise
-        (`zerotune.core.noise.within_noise`)."""
+        (`zerotune.core.noise.within_noise`). With throughput rising with mbs, that point bounds the split's
+        micro-batches from above; without one the smaller micro-batch is the slower one."""
         objective = self.ev.job.objective
         trace = self.top.trace if self.top is not None else next(r.trace for r in self.stages if r.stage == stage)
         between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
@@ -110,7 +105,7 @@ class GasPhase:
     def rung_cannot_pay(self, base: Experiment, gas: int) -> bool:
         """Whether the ladder's rung at ``gas`` is not worth a run, from ``base``, the same config at half that
         gas: it gains at most `zerotune.strategy.batch.doubling_gain_bound` of ``base``'s measured
-        once-per-step share, under `PLATEAU_THRESHOLD`."""
+        once-per-step share, under `PLATEAU_THRESHOLD`: it would end the ladder as a plateau even if it ran."""
         share = self.boundary_share(base)
         bound = self.bound_under_threshold(share, base)
         if bound is None:
@@ -142,7 +137,8 @@ class GasPhase:
         A difference within the runs' noise where a one-run side is not known to the target precision, and
         larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are
         re-measured and the pooled metrics decide. With ``larger_batch`` (a rung of the ladder) only a win is
-        re-measured, and the run races ``best``'s own metric, not its pessimistic bound. A win is recorded in
+        re-measured (a loss within the noise keeps the smaller batch without spending two runs on it), and the run
+        races ``best``'s own metric, not its pessimistic bound. A win is recorded in
         `best_batch`.
         """
         ev = self.ev

@@ -1,15 +1,12 @@
 """The answer at the longest batch: a config that fits the batches the tuning saw but not the longest the training
 can meet is not the answer; the next one that fits is.
 
-After every other phase, `settle_longest` takes the longest batch (`zerotune.model.tokens.longest_batch`:
-``--max-seq-len``, else the model's maximum positions where the batches' lengths vary, else the longest seen) and
-checks the answer's predicted peak there (`zerotune.model.tokens.check_longest`). An answer over the budget
-is excluded from the answer rule (`zerotune.strategy.ledger.Ledger.exclude`) and the next answer is checked,
-until one fits or none is left to check (then the last stands, said so). With ``--verify-longest`` the answer then
-runs once with every micro batch padded to the longest length (the probe's pad file:
-`zerotune.core.experiment.Experiment.pad_seq_len`); such a run is not a candidate and teaches the memory fit
-nothing. One that runs out of memory excludes its config, and the next answer is checked and verified the same way.
-A workload without token ids (no length recorded) or of one fixed length is left as it is.
+Rules: after every other phase, `settle_longest` checks the answer's predicted peak at the longest batch
+(`zerotune.model.tokens`); one over the budget is excluded from the answer rule and the next is checked, until one fits
+or none is left (then the last stands, said so). ``--verify-longest`` runs the answer once with every batch padded to
+that length: not a candidate, it teaches the memory fit nothing, and one out of memory excludes its config. A workload
+without token ids (no length recorded) or of one fixed length is left as it is.
+Evidence: docs/decisions.md, D309.
 """
 from __future__ import annotations
 
@@ -83,7 +80,9 @@ def _outcome(run: Experiment, predicted: int | None) -> str:
 
 
 def settle_longest(ev, options: LongestOptions, max_positions: int | None, square: float = 0.0) -> LongestResult:
-    """Check (and with ``options.verify`` run) the answer at the longest batch (module docstring); ``ev``: the
+    """Check (and with ``options.verify`` run, at most `MAX_VERIFICATIONS` times, every micro batch padded by the
+    probe's pad file: `zerotune.core.experiment.Experiment.pad_seq_len`) the answer at the longest batch, excluding
+    each that fails (`zerotune.strategy.ledger.Ledger.exclude`) while another is left; ``ev``: the
     strategy's `zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown);
     ``square``: its attention scores' bytes per token squared per sample
     (`zerotune.model.tokens.square_bytes`)."""

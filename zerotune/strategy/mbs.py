@@ -1,30 +1,12 @@
 """The micro-batch search of one ZeRO stage: which mbs values to try, in what order, and when to stop.
 
-`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate`` callable and
-learns from the outcomes (``Status`` and metric). Why it stopped is a `StopReason`. Two directions,
-after the metric's:
-
-- **Throughput** (a larger mbs tends to win, until memory runs out): top-down. The first run is at the
-  memory model's largest fitting mbs (the estimate), where the answer usually is. If it fails, the search
-  halves until a size runs and bisects up to the failure. If it runs, the search climbs above it by
-  doubling while it runs and gains (a failure: binary search for the boundary; a gain under ``threshold``:
-  plateau). It looks below the best only where the best ran near the device's capacity
-  (`zerotune.strategy.capacity`), where a caching allocator's flushes can slow a step: at the largest
-  mbs the memory model puts under that fraction (``Point.calm_mbs``), and further down only while that
-  pays by ``threshold``. Away from the capacity throughput rises with mbs (fixed per-step work amortized
-  over more samples), so nothing below can win; where the capacity is unknown (CPU ranks, whose caches can
-  make a smaller micro-batch faster anywhere), one halving below is checked instead.
-- **Latency** (a smaller mbs tends to win): bottom-up. The smallest mbs, then a doubling ladder that lands
-  on the estimate and may go above it; a binary search between the last runnable and the first failing
-  mbs; plateau detection (the short step onto the memory estimate is not tested, it only positions the
-  ladder).
-
-Then the fine pass (`zerotune.strategy.fine`) bisects around the best mbs. The search moves over a
-sorted set of allowed mbs values: every integer in ``lo..hi``, or fewer when the global batch is fixed (the
-divisors that keep ``mbs * gas * DP = train_batch_size``) or the user lists them; "doubling", "halving" and
-"bisecting" pick from that set. A step the throughput model keeps from launching (``Status.SKIPPED``,
-`zerotune.strategy.prediction`) ends the climb: its upper bound rises with mbs, so no mbs between the
-best and it can win either.
+`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate`` callable and learns from
+the outcomes (``Status`` and metric); why it stopped is a `StopReason`. For throughput the search is top-down from
+the memory model's estimate and looks below the best only near the device's capacity (`_top_down`); for latency it
+climbs bottom-up by a doubling ladder (`next_mbs`); then the fine pass (`zerotune.strategy.fine`) bisects around
+the best. It moves over a sorted set of allowed mbs values (every integer in ``lo..hi``, the divisors that keep
+``mbs * gas * DP = train_batch_size``, or the user's list). A step the throughput model skips ends the climb.
+Evidence: docs/decisions.md, D5, D104.
 """
 from __future__ import annotations
 
@@ -42,7 +24,12 @@ __all__ = ["next_mbs", "search_mbs"]
 
 def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known: Sequence[Point] = (),
                confirm: Confirm | None = None) -> MbsTrace:
-    """Search the micro batch size of one stage (the module docstring gives the order).
+    """Search the micro batch size of one stage.
+
+    Throughput (a larger mbs tends to win): `_top_down`, `_look_below`. Latency (a smaller mbs tends to win):
+    bottom-up, the smallest mbs, then a doubling ladder (`next_mbs`) that lands on the estimate and may go above
+    it, a binary search between the last runnable and the first failing mbs, and plateau detection (not on the
+    step onto the estimate, which only positions the ladder). Then the fine pass bisects around the best mbs.
 
     Args:
         evaluate: runs a batch of mbs values and returns one `Point` each.
@@ -124,7 +111,8 @@ def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
 
 def _top_down(run, trace: MbsTrace, bounds: SearchBounds, estimate: int, confirm: Confirm | None) -> None:
     """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
-    (or the largest known runnable mbs above it), climb above it by doubling while it runs and gains
+    (or the largest known runnable mbs above it), where the answer usually is; if it fails, halve until a size
+    runs and bisect up to the failure; if it runs, climb above it by doubling while it runs and gains
     (a failure: bisect to the boundary), then look below (`_look_below`). Evidence: docs/decisions.md,
     D104."""
     values = bounds.values
@@ -159,8 +147,9 @@ def _look_below(run, trace: MbsTrace, bounds: SearchBounds) -> None:
     """Below the best, only from near the device's capacity and only while it clearly pays: a calm best
     stops here (throughput rises with mbs away from the capacity: nothing below can win); a best near the
     capacity tries the largest mbs the memory model puts under it (``calm_mbs``), unless one ran there; a
-    best of unknown capacity tries one halving below, where nothing below was measured. Going down takes a
-    gain of the threshold beyond the noise (a larger mbs is the prior for throughput)."""
+    best of unknown capacity (CPU ranks, whose caches can make a smaller mbs faster anywhere) tries one halving
+    below, where nothing below was measured. Going down takes a gain of the threshold beyond the noise (a larger
+    mbs is the prior for throughput)."""
     values, objective, threshold = bounds.values, bounds.objective, bounds.threshold
     best = trace.best(objective)
     while True:

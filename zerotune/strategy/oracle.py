@@ -1,19 +1,12 @@
 """The memory-model oracle: ``evaluate`` for ``zerotune tune --dry-run``, launching nothing.
 
-The dry run runs the real `zerotune.strategy.tuning.Strategy` with this oracle in place of
-the scheduler, so it lists exactly the experiments the strategy would try if the memory model
-were right. What the oracle answers:
-
-- **the profile run**: a finished profile run of the same config on disk (with its measured peak,
-  which calibrates the memory model, as ``tune`` does), else ``autotuning.model_info``
-  (``num_params``, optionally ``activation_mem_per_gpu``), else no model size: then every config
-  is taken to fit (memory unknown);
-- **any other experiment**: OOM when the memory model's bytes per device exceed the budget, else
-  OK with an ASSUMED metric, since nothing is measured: a throughput (or FLOP/s) proportional to
-  the global batch ``mbs * gas * DP world size`` (step time independent of mbs and stage) and a
-  constant latency. So the mbs search climbs to the memory boundary, a stage with more headroom
-  is explored and one with less is probed once, and the knob phase stops after
-  ``tuner_early_stopping`` configs that tie.
+Rules: the dry run runs the real `zerotune.strategy.tuning.Strategy` with `MemoryOracle` in place of the scheduler,
+so it lists exactly the experiments the strategy would try if the memory model were right. The profile run is
+answered from a finished profile on disk (its peak calibrates the memory model), else ``autotuning.model_info``, else
+every config is taken to fit. Any other experiment is OOM where the memory model's bytes per device exceed the budget,
+else OK with an ASSUMED metric: a throughput (samples/s, FLOP/s) proportional to ``mbs * gas * DP world size``, or a
+constant latency. So the mbs search climbs to the memory boundary, and the knob phase stops after
+``tuner_early_stopping`` configs that tie.
 """
 from __future__ import annotations
 

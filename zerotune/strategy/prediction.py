@@ -1,23 +1,12 @@
 """The skip rule: a candidate is launched only where the throughput model says it can beat the best.
 
-Before a micro-batch or gas experiment is launched (`zerotune.strategy.evaluation.Evaluator`), the
-throughput model (`zerotune.model.throughput`) bounds its throughput from the runs so far:
-
-- **its own family** (the same config but for mbs: same ZeRO stage, gas and knobs) when one of its configs
-  ran ok: `zerotune.model.throughput.bounds` at its mbs;
-- else **any family** with two or more such runs at different mbs: the compute roofline
-  (`zerotune.model.throughput.ceiling`), the most a config of this model could reach with no fixed
-  per-step work; the tightest such ceiling.
-
-Each reading's half-width is what a run of that config gives (`zerotune.strategy.ledger.Ledger.half_width`:
-the runs' own intervals and the run-to-run noise). Readings near the device's capacity
-(``Capacity.NEAR``, `zerotune.strategy.capacity`) are left out: an allocator slows steps there, off the
-affine curve. The candidate is skipped (`SKIPPED`, never launched) when its upper bound does not beat
-the best pooled metric by more than the target precision (``--precision``), or by more than one run of it and the
-best can read apart by noise alone (runs as long as this tuning's read: `zerotune.core.noise.resolvable`):
-within either it is a tie the answer would not move for, or move for only by chance. Throughput only (a latency or FLOP/s search is not gated), and never a
-re-measurement; on CPU ranks only an mbs above its family's readings (`predict`).
-docs/decisions.md, D108, D322.
+Before an mbs or gas experiment is launched (`zerotune.strategy.evaluation.Evaluator`), the throughput model bounds
+its samples/s from the runs so far (`model_bounds`: its own family, same ZeRO stage, gas and knobs, else the compute
+roofline of any family run at two or more mbs; readings near the device's capacity left out: `readings`). It is
+skipped (`SKIPPED`, never launched) when its upper bound does not beat the best pooled metric by more than
+``--precision``, or by more than one run of it and the best can read apart by noise alone
+(`zerotune.core.noise.resolvable`). Throughput only, never a re-measurement; on CPU ranks only an mbs above its
+family's readings is gated. Evidence: docs/decisions.md, D104, D108, D322.
 """
 from __future__ import annotations
 
@@ -67,7 +56,8 @@ def family_key(ds_config: dict) -> str:
 
 def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
     """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
-    noise), calm or of unknown capacity (`zerotune.strategy.capacity`)."""
+    noise), calm or of unknown capacity (`zerotune.strategy.capacity`): near the device's capacity an allocator slows
+    steps, off the affine curve."""
     pooled = ledger.pooled()
     out: dict[str, list[Reading]] = {}
     for exp in ledger.experiments:

@@ -1,19 +1,12 @@
 """The re-measurement policy before the answer: which configs get a second run, so the answer is not one
 lucky sample.
 
-- **Finalists** (`confirm_answer`): the configs within the noise of the best (at most
-  `FINAL_MARGIN`; at most `FINAL_CANDIDATES`) are re-measured until each has two ok runs,
-  where another run can decide (`zerotune.core.noise.replica_decides`): the run-to-run noise
-  blocks, not the runs' own intervals, which steps narrow more cheaply than a launch. A finalist that the
-  readings and the curve both put below the best (`below_on_the_curve`) is left out. A finalist within
-  the target precision of the best is a tie (`zerotune.core.noise.tie`), which no run breaks: the
-  tie order takes the answer (`zerotune.strategy.answer`).
-- **The answer itself** (`measure_answer_twice`) is reported on at least two runs with
-  ``"fast": false``, and with ``"fast": true`` where its one run reads above its mbs neighbours by more
-  than the noise (`answer_stands_out`): one run's interval sees only the jitter of its own steps,
-  not the run-to-run noise, and the answer is the run that read highest among many (the winner's curse).
-
-The evidence for each rule is in docs/decisions.md (D102, D103, D307).
+- Finalists (`confirm_answer`): the configs within the noise of the best are re-measured until each has two ok runs,
+  where another run can decide (`zerotune.core.noise.replica_decides`); one that the readings and the curve both put
+  below the best (`below_on_the_curve`) is left out, and one within the precision is a tie, which no run breaks.
+- The answer itself (`measure_answer_twice`) is reported on at least two runs with ``"fast": false``, and with
+  ``"fast": true`` where its one run reads above its mbs neighbours by more than the noise (`answer_stands_out`).
+Evidence: docs/decisions.md, D102, D103, D307.
 """
 from __future__ import annotations
 
@@ -36,10 +29,13 @@ FINAL_CANDIDATES = 2
 
 
 def confirm_answer(ev: Evaluator) -> None:
-    """Re-measure the finalists (the module docstring) until each has two ok runs: the configs whose
+    """Re-measure the finalists until each has two ok runs: the configs whose
     difference from the best is within their `zerotune.core.noise.comparison_noise`, at most
     `FINAL_MARGIN`, the best `FINAL_CANDIDATES` of them, where another run can decide between
-    the best and one of them (`zerotune.core.noise.replica_decides`)."""
+    the best and one of them (`zerotune.core.noise.replica_decides`: the run-to-run noise blocks, not the runs'
+    own intervals, which steps narrow more cheaply than a launch). A finalist within the target precision of the
+    best is a tie (`zerotune.core.noise.tie`), not re-measured: the tie order takes the answer
+    (`zerotune.strategy.answer`)."""
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
     bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
@@ -125,7 +121,8 @@ def answer_stands_out(ev: Evaluator) -> bool:
 def measure_answer_twice(ev: Evaluator) -> None:
     """Report the answer on at least two runs: while it has one ok run, it is re-measured; where the pooled
     metric then puts another one-run config first, that one is re-measured too (at most
-    `FINAL_CANDIDATES` configs)."""
+    `FINAL_CANDIDATES` configs). One run's interval sees only the jitter of its own steps, not the run-to-run
+    noise, and the answer is the run that read highest among many (the winner's curse)."""
     for _ in range(FINAL_CANDIDATES):
         answer = ev.ledger.answer
         if answer is None or ev.pooled(answer.name).runs >= 2:

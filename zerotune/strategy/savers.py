@@ -1,37 +1,12 @@
 """The savers phase: activation checkpointing and offload, tried where memory binds a stage.
 
-A memory saver trades work for memory: activation checkpointing (zerotune's ``gradient_checkpointing`` key,
-passed to a Trainer script as ``--gradient_checkpointing``) recomputes each layer's forward in the backward
-pass and keeps only its input; ``offload_optimizer`` (ZeRO stages 1-3) moves the fp32 master, the optimizer
-states and the fp32 gradients to the host, where the optimizer step runs; ``offload_param`` (stage 3) the
-parameter partition. A saver never makes a step faster at the same mbs: it pays only through the larger
-micro-batch (or the first one) it lets fit. The phase runs once the stages are explored (`stages`), on:
-
-- **the best stage**, where its best point is its largest runnable mbs below the largest allowed (its
-  search was stopped by memory, not by a plateau);
-- **every stage with no run** (pruned by the memory model, or every run out of memory).
-
-Each stage's savers (`savers_for`; with ``--nvme-path`` the offloads to NVMe after those to the host; on CPU
-ranks no offload to the host, which is the rank itself) are visited cheapest first, each decided as a stage is
-(``--no-savers``: none is):
-
-1. **Pruned** where the memory model (its offload and checkpointing terms, `zerotune.model.memory`) fits
-   no mbs, or the host cannot hold what it offloads.
-2. **Skipped** where its largest fitting mbs is no larger than what already ran (the best's largest runnable
-   mbs, any run of the same stage) or than a cheaper saver of the same stage fits.
-3. **Skipped** where the throughput model bounds it below the best plus the precision: the stage's own
-   runs without the saver bound its throughput at the saver's mbs from above
-   (`zerotune.model.throughput.bounds`; a saver only adds work per sample).
-4. **Probed** at its largest fitting mbs (after an out-of-memory probe, once halfway back to what ran), and
-   **searched** (`zerotune.strategy.mbs.search_mbs`) when the probe beats the best by more than the
-   precision, or when nothing has run at all; it may become the best, and then gets the fine pass
-   (`zerotune.strategy.fine.refine_mbs`).
-
-Every visited saver is a `zerotune.strategy.result.StageResult` with a ``saver``, its decision and a
-reason that says what the memory model predicted and what was measured; the gas and knob phases then run on
-the best stage with its saver. A saver is a stage variant: this module holds the saver policy (which variants,
-cheapest first, and rules 1-3), and the probe, its retry, the loss, the search and the best so far are the steps
-every variant phase shares (`zerotune.strategy.variants`). docs/decisions.md, D109.
+A saver (``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work
+for memory: it never makes a step faster at the same mbs, and pays only through the larger mbs it lets fit. Once the
+stages are explored, the phase (`SaverPhase.run`) visits the best stage where its best point is its largest runnable
+mbs below the largest allowed, and every stage with no run; each stage's savers (`savers_for`) cheapest first, each
+pruned, skipped, probed or searched by the rules of `SaverPhase._visit` (``--no-savers``: none is). A visited saver
+is a `StageResult` with a ``saver``; the gas and knob phases then run on the best stage with its saver.
+Evidence: docs/decisions.md, D109.
 """
 from __future__ import annotations
 
@@ -128,7 +103,17 @@ class SaverPhase(VariantExplorer):
                 and top.mbs == max(p.mbs for p in ok) and top.mbs < self.values[-1])
 
     def _visit(self, plain: StageResult, saver: Saver) -> bool:
-        """Decide one stage with one saver; True when it became the best."""
+        """Decide one stage with one saver; True when it became the best. In order, the saver is:
+
+        1. Pruned where the memory model (its offload and checkpointing terms) fits no mbs, or the host cannot
+           hold what it offloads.
+        2. Skipped where its largest fitting mbs is no larger than what already ran (`_reach`) or than a cheaper
+           saver of the same stage fits.
+        3. Skipped where the stage's own runs without it bound its throughput below the best plus the precision
+           (`_bounded`: a saver only adds work per sample).
+        4. Probed at its largest fitting mbs, and searched when the probe beats the best by more than the
+           precision or nothing has run at all (`_probe`); a saver that becomes the best gets the fine pass.
+        """
         ev, stage, lo = self.ev, plain.stage, self.bounds.lo
         try:
             config = ev.builder.config(stage, lo, saver.settings)
@@ -171,7 +156,7 @@ class SaverPhase(VariantExplorer):
 
     def _probe(self, result: StageResult, predicted: str, own: int, reach: int) -> bool:
         """Probe a saver at its largest fitting mbs ``own`` (after an out-of-memory run, once more halfway back to
-        ``reach``), then decide it: skipped by the throughput model, lost, or searched (the module's rule 4); True
+        ``reach``), then decide it: skipped by the throughput model, lost, or searched (`_visit`'s rule 4); True
         when it became the best."""
         probe_mbs, probe, cap = own, self.probe(result, own), self.bounds.hi
         if probe.status.over_budget:
@@ -199,7 +184,7 @@ class SaverPhase(VariantExplorer):
         return max(runs, default=self.bounds.lo - 1)
 
     def _bounded(self, plain: StageResult, mbs: int) -> str | None:
-        """Why the stage's own runs without a saver rule a saver at ``mbs`` out (the module's rule 3); None: they
+        """Why the stage's own runs without a saver rule a saver at ``mbs`` out (`_visit`'s rule 3); None: they
         do not (no best, no such runs, or a bound that can beat the best)."""
         ev = self.ev
         if self.best is None or not self.objective.higher_is_better:

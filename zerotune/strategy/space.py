@@ -1,45 +1,12 @@
 """Tuning spaces: from a user's ds_config and a space of candidates to a list of experiments.
 
-A *tuning space* is a dict shaped like a ds_config in which any value may be a list of
-candidates::
-
-    {"zero_optimization": {"reduce_bucket_size": [5e7, 5e8]},
-     "train_micro_batch_size_per_gpu": [2, 4, 8]}
-
-`generate` turns a base config (the user's own settings, possibly a template with ``$VAR``
-placeholders) and a space into `Candidate` configs: the Cartesian product of every list in
-the space (and of every variable), deep-merged over the base config, pruned of the settings the
-ZeRO stage ignores, deduplicated, validated and given a canonical name. This module is pure logic:
-it never launches anything. What it knows of DeepSpeed's keys is in `zerotune.deepspeed.keys`,
-checks in `zerotune.deepspeed.validate`, identity and names in
-`zerotune.deepspeed.canonical`; the ``$NAME`` placeholders are handled in
-`zerotune.strategy.placeholders`, and zerotune's default space per ZeRO stage is
-`zerotune.strategy.default_spaces`.
-
-Which lists are candidates
---------------------------
-Every list in the space is a list of candidates, except at the keys DeepSpeed itself expects a
-list (`zerotune.deepspeed.keys.is_list_valued`: the field's type in DeepSpeed's own config model, e.g.
-``compile.passes``, and for the keys DeepSpeed reads by hand its table, e.g. ``optimizer.params.betas``): there
-a flat list is the setting itself (``"betas": [0.9, 0.999]`` is kept as is) and only a list of
-lists is a list of candidates (``"betas": [[0.9, 0.999], [0.9, 0.95]]`` tunes betas). Lists in
-the *base* config are always settings, never candidates. A candidate is taken as a whole value:
-lists inside it are not expanded again (a dict candidate is deep-merged like any other value).
-
-Variables
----------
-``$NAME`` (or ``${NAME}``) in a string value of the base config or the space is a placeholder for
-a variable given to `generate` as ``variables={"NAME": [candidates...]}``; each variable is
-one more dimension. A string that is exactly one placeholder takes the candidate itself (an int
-stays an int, a dict stays a dict); a placeholder inside a longer string is replaced by the
-candidate's text (``"offload_$DEV"``). ``$$`` is a literal ``$``. A placeholder without a variable,
-and a variable without a placeholder, are errors (`zerotune.core.errors.ConfigError`).
-
-Order
------
-Dimensions are sorted by their path (variables ``$NAME`` sort before config keys), candidates are
-taken in the order given, and the last dimension varies fastest. The order depends on nothing
-else (not on dict insertion order, not on ``PYTHONHASHSEED``); duplicates keep their first place.
+A tuning space is shaped like a ds_config in which any value may be a list of candidates, e.g.
+``{"train_micro_batch_size_per_gpu": [2, 4, 8]}``; `generate` expands it over a base config into `Candidate` configs.
+Rules: every list in the space is a list of candidates, except at keys DeepSpeed expects a list
+(`zerotune.deepspeed.keys.is_list_valued`, e.g. ``optimizer.params.betas``), where only a list of lists is; lists in
+the base config are always settings; a candidate is taken whole. ``$NAME`` or ``${NAME}`` in a string is a variable
+given to `generate` (``$$`` is a literal ``$``; `zerotune.strategy.placeholders`). The order is deterministic:
+dimensions sorted by path, candidates as given, the last varying fastest. Pure logic: it never launches anything.
 """
 from __future__ import annotations
 
@@ -162,12 +129,16 @@ def generate(
         space: the tuning space (see the module docstring); None or {} gives the base config.
         stage: ZeRO stage of every generated config (a space naming another stage is an error).
         dp_world_size: data-parallel world size, for validation.
-        variables: variable name (with or without ``$``) -> list of candidates.
+        variables: variable name (with or without ``$``) -> list of candidates, one more dimension each. A
+            string that is exactly one placeholder takes the candidate itself (an int stays an int); one inside a
+            longer string takes its text (``"offload_$DEV"``). A placeholder without a variable, or a variable
+            without a placeholder, is an error.
         fits: the memory model's predicate; a config for which it returns False is kept with
             ``fits=False``.
 
     Returns:
-        Candidates in the documented deterministic order.
+        Candidates in the deterministic order: dimensions sorted by path (variables ``$NAME`` before config
+        keys), candidates in the order given, the last dimension fastest; duplicates keep their first place.
 
     Raises:
         ConfigError: bad space or variables, or a combination that fails

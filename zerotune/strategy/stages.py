@@ -1,48 +1,12 @@
 """Progressive ZeRO-stage exploration: which stages get an mbs search, a single probe, or nothing.
 
-One pass over the candidate ZeRO stages, lowest first (`StageExplorer`). The first stage that fits is
-searched (unless deferred, below). A higher stage that the memory model says fits gets one probe, and a full
-mbs search only when the probe measures faster than the best so far:
-
-- where its memory headroom lets it run a larger mbs than the best stage ran at all (higher stages
-  partition more of the model states), the probe is at its own largest fitting mbs: a larger batch is how
-  a stage with more communication wins;
-- otherwise at the best stage's best mbs, compared at equal mbs.
-
-**Skips.** Once a stage has measured slower than the best stage at the same mbs by more than the threshold,
-a later stage with no more headroom is skipped (more communication at no larger mbs); a tie within the
-threshold is noise. ZeRO-3 with no more headroom is skipped too once stage 1 or 2 is the best, or a stage
-1-2 probe at the best's mbs did not beat it: at equal mbs ZeRO-3 runs the same partitioned optimizer step
-as stages 1-2 and all-gathers the parameters on top (3 Psi of communication per step against 2 Psi: the
-ZeRO paper, Rajbhandari et al. 2020, section 7.2), so it cannot beat them.
-
-**Probes.** An OOM probe (or one the memory model refuses: never launched) is no evidence of slowness: it caps the
-stage below that mbs, and the stage is probed again (halfway back to the best's mbs, or at the best stage's largest
-runnable mbs below it); a stage none of whose probes was launched is "not launched". A probe that loses within the
-runs' noise, or wins within it at equal mbs, is re-measured with the best point (and the best stage's point at the
-probe's mbs) before the stage is given up or searched: at equal mbs a higher stage can only gain on the
-once-per-step work, and a one-run win inside the noise would buy a whole mbs search on a coin toss. A difference
-within the target precision is a tie (`zerotune.core.noise.tie`): never re-measured, and at equal mbs
-not a win. A headroom probe's win is not re-measured: a larger batch is a real way to win. A headroom probe that
-loses is followed by one at the best's mbs: its largest fitting mbs sits at the memory boundary, where a caching
-allocator flushes and retries and a step can be slower than just below it; where it ran near the capacity
-(`zerotune.strategy.capacity`), the second probe is at the largest mbs the memory model puts under it, if
-that is still above the best's mbs.
-
-**Deferral** (throughput only). Where the first stage to run runs out of memory at its memory estimate (its
-first run, where its search would start) and a later stage's estimate is larger, that stage is deferred:
-the later stage, which partitions more and fits a larger batch, goes first; searching the deferred stage now
-would only set a bar for the stage with more headroom, which wins most often. The deferred stage comes back
-once the others are decided, capped below its OOM: a probe at the best's mbs or its own cap, whichever is
-smaller, compared like any probe (without the skip for a stage slower at equal mbs, which assumes a higher
-stage's extra communication), and searched if it wins; where nothing else ran, it is searched as the first
-stage would have been.
-
-**The fine pass** runs once every stage is decided, on the best stage only
-(`zerotune.strategy.fine.refine_mbs`): while the stages are compared each search is coarse, since a
-fine pass on a stage a later one beats refines nothing the answer uses. Each stage's outcome is a
-`StageDecision` with a human reason beside it. Nothing here launches anything. The evidence for
-these rules is in docs/decisions.md, D106.
+Rules (`StageExplorer`): stages are visited lowest first; the first that fits gets the mbs search. A higher stage
+the memory model says fits gets one probe (at its own largest fitting mbs where that is larger than any mbs the best
+stage ran, else at the best's mbs) and a full mbs search only when the probe beats the best so far. A stage that
+cannot beat the best is skipped (`StageExplorer._skip_reason`); an OOM probe is no evidence of slowness
+(`StageExplorer._probe`); for throughput a first stage out of memory at its estimate may be deferred
+(`StageExplorer._defer`). The fine pass runs last, on the best stage only. Each stage's outcome is a
+`StageDecision` with a reason; nothing here launches anything. Evidence: docs/decisions.md, D106.
 """
 from __future__ import annotations
 
@@ -90,7 +54,9 @@ class StageExplorer(VariantExplorer):
         self.queue: list[tuple[StagePlan, StageResult | None]] = []
 
     def run(self, plans: Sequence[StagePlan]) -> list[StageResult]:
-        """Decide every plan's stage, then run the fine pass on the best; one result per plan, in order."""
+        """Decide every plan's stage, then run the fine pass (`zerotune.strategy.fine.refine_mbs`) on the best
+        only; one result per plan, in order. Searches stay coarse until then: a fine pass on a stage a later one
+        beats refines nothing the answer uses."""
         self.queue = [(plan, None) for plan in plans]
         while self.queue:
             self._visit(*self.queue.pop(0))
@@ -123,7 +89,10 @@ class StageExplorer(VariantExplorer):
 
     def _defer(self, plan: StagePlan, result: StageResult) -> bool:
         """Whether the first stage to run (throughput) is deferred: its first run, at its estimate, ran out of
-        memory and a later stage's estimate is larger (the module docstring)."""
+        memory and a later stage's estimate is larger, so the stage with more headroom, which wins most often, goes
+        first. The deferred stage comes back once the others are decided, capped below its OOM: probed at the best's
+        mbs or its cap, whichever is smaller, compared like any probe (without the slower-at-equal-mbs skip) and
+        searched if it wins; where nothing else ran, it is searched as the first stage."""
         if self.best is not None or not self.objective.higher_is_better:
             return False
         start = largest_within(self.values, plan.max_mbs_estimate)
@@ -136,7 +105,10 @@ class StageExplorer(VariantExplorer):
         return True
 
     def _skip_reason(self, stage: int, headroom: bool, reach: int, came_back: bool) -> str | None:
-        """Why a stage with no more headroom than the best cannot beat it (the module's skips); None: it may."""
+        """Why a stage with no more headroom than the best cannot beat it; None: it may. Skipped: any stage once
+        one measured slower than the best stage at the same mbs by more than the threshold (a tie is noise); ZeRO-3
+        once stage 1 or 2 is the best or a stage 1-2 probe at the best's mbs did not beat it (at equal mbs ZeRO-3 is
+        their partitioned step plus parameter all-gathers: 3 Psi of communication per step against 2 Psi)."""
         if headroom:
             return None
         if self.slower_seen and not came_back:  # a deferred stage is a lower one
@@ -150,8 +122,11 @@ class StageExplorer(VariantExplorer):
         return None
 
     def _probe(self, plan: StagePlan, result: StageResult, cap: int, note: str, came_back: bool) -> int | None:
-        """Probe a stage against the best (the module's probes); its cap for the mbs search when it won, None
-        when it is decided (skipped or probed)."""
+        """Probe a stage against the best; its cap for the mbs search when it won, None when it is decided
+        (skipped or probed). An OOM probe (or one the memory model refuses) caps the stage below that mbs and the
+        stage is probed again (`_retries`). A probe within the noise of the best (a loss, or a win at equal mbs)
+        is re-measured with the best first (`_confirm_probe`); a headroom probe's win is not. A win within the
+        target precision at equal mbs is a tie (`zerotune.core.noise.tie`), not a win."""
         stage = plan.stage
         own = largest_within(self.values, min(plan.max_mbs_estimate, cap))
         # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
@@ -204,7 +179,9 @@ class StageExplorer(VariantExplorer):
         return result.trace.get(probe_mbs)
 
     def _second_probe(self, result: StageResult, probe: Point, probe_mbs: int) -> tuple[int, Point]:
-        """The probe after a headroom probe's loss (the module docstring): (its mbs, its point)."""
+        """The probe after a headroom probe's loss, since at the memory boundary a step can be slower than just
+        below it: at the best's mbs, or where the probe ran near the capacity (`zerotune.strategy.capacity`) at
+        the largest mbs the memory model puts under it if above the best's mbs; (its mbs, its point)."""
         best = self.best.point
         calm = [m for m in self.values if probe.calm_mbs is not None and best.mbs < m <= probe.calm_mbs
                 and m < probe_mbs and result.trace.get(m) is None]

@@ -1,27 +1,12 @@
 """The bound on a budget-stopped answer: what the tuning did not decide, and by how much its answer could be beaten.
 
-When the launch budget stops a tuning (`zerotune.strategy.budget`), its answer ``A`` is the best of what ran. It
-reads ``v_A``, its metric pooled over its runs, within ``h_A``, the relative 95% half-width of that mean
-(`zerotune.strategy.ledger.Ledger.half_width`: its runs' own intervals and the run-to-run noise). How much
-better than ``A`` a config ``C`` could truly be, relative, at 95%:
-
-- **measured** (``C`` ran ok; ``v_C`` and ``h_C`` likewise): ``g + sqrt(h_A ** 2 + h_C ** 2)``, with ``g`` the gain of
-  ``v_C`` over ``v_A`` (``v_C / v_A - 1`` for throughput, ``v_A / v_C - 1`` for latency): the upper limit of their
-  difference, the two independent errors in quadrature (`zerotune.core.noise.comparison_noise`'s rule);
-- **not measured** (throughput only): ``high / (v_A * (1 - h_A)) - 1``, with ``high`` the throughput model's upper bound
-  on ``C`` in samples/s (`zerotune.strategy.prediction.model_bounds`: the runs of its family under an affine
-  step time, or, with none, the compute roofline of a measured family; on GPU ranks never above that roofline, which
-  holds for every config of the model): the fastest ``C`` could be against the slowest ``A`` could be.
-
-What was not measured is what the strategy knows it left: in each ZeRO stage not decided, the mbs values with no run up
-to the memory model's largest fitting one (and below any run out of memory), of which the largest is bounded (within a
-family the model's upper bound ``m / (a + b m)``, ``a, b >= 0``, rises with mbs, so it bounds the rest); the
-experiments the budget cut; and each later phase not decided whose experiments the model gates (memory savers, gas),
-bounded by the compute roofline. The answer could be beaten by at most the largest of these figures (0 when none is
-positive). What the model does not bound is listed as such: on CPU ranks an mbs not above its family's runs and any
-config without a run of its family (caches shape the curve there, docs/decisions.md D104), the knob phase, a latency
-objective. The measured configs that could beat the answer by more than the precision are the finalists the budget
-left unconfirmed. docs/decisions.md, D310.
+The answer ``A`` reads ``v_A`` within ``h_A``, relative at 95% (`zerotune.strategy.ledger.Ledger.half_width`). A config
+``C`` that ran ok could beat it by ``g + sqrt(h_A ** 2 + h_C ** 2)``, ``g`` the gain of ``v_C`` over ``v_A``; one left
+unmeasured, throughput only, by ``high / (v_A * (1 - h_A)) - 1``, ``high`` the throughput model's upper bound in
+samples/s (`_model_bound`). Left: each undecided ZeRO stage's largest open mbs, the experiments the budget cut, the
+later phases (`_left_configs`). The answer could be beaten by the largest figure (0 if none is positive); what the
+model does not bound (on CPU ranks an mbs not above its runs, the knob phase, latency) is listed as such.
+Evidence: docs/decisions.md, D104, D310.
 """
 from __future__ import annotations
 
@@ -189,8 +174,10 @@ def _model_bound(exp: Experiment | None, kind: ExperimentKind, families: dict[st
 def _left_configs(ledger: Ledger, job: Job, builder: ConfigBuilder,
                   left: Left) -> tuple[list[str], list[tuple[str, Experiment | None, ExperimentKind]], list[str]]:
     """(undecided lines, the configs to bound, what the model cannot bound): per stage not decided its largest mbs
-    with no run (on CPU ranks, where only those above its runs are bounded, the largest of those), each experiment
-    cut, each later phase (no experiment: the roofline bounds it where its kind is gated)."""
+    with no run up to the memory model's largest fitting one and below any run out of memory (on CPU ranks, where only
+    those above its runs are bounded, the largest of those; within a family the model's upper bound ``m / (a + b m)``,
+    ``a, b >= 0``, rises with mbs, so it bounds the rest), each experiment cut, each later phase (no experiment: the
+    roofline bounds it where its kind is gated)."""
     undecided, candidates, unbounded = [], [], []
     opened: dict[int, list[int]] = {}  # stage -> its open mbs values
     for stage in left.stages:

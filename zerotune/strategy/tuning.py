@@ -1,26 +1,12 @@
 """The tuning strategy, whole: a pipeline of phases that decides every experiment of a tuning job.
 
-`Strategy` talks to the world through one callable, ``evaluate(batch of experiments) -> the same
-experiments with their outcomes`` (`zerotune.strategy.evaluation`). ``tune`` passes the scheduler
-(real launches); ``--dry-run`` passes the memory-model oracle (`zerotune.strategy.oracle`), so the dry
-run lists what this same code would try if the memory model were right. The run is a pure function of the
-outcomes it is told, in phases:
-
-1. **Profile** (`Strategy.profile`): one experiment; its ``model_info`` gives the memory model,
-   calibrated to the run's peak, the prior of the fit every later peak refines (`zerotune.model.online`).
-2. **Stages and mbs** (`Strategy.explore`, `zerotune.strategy.stages`): per stage, the memory
-   model's largest fitting mbs, then the progressive stage rule and the mbs search.
-3. **Savers** (`zerotune.strategy.savers`): activation checkpointing and offload, where memory binds a
-   stage (the best one, or one that could not run) and the throughput model says its larger mbs can win.
-4. **Gas** (`zerotune.strategy.gas_phase`): at the best stage's best mbs (with its saver), where the batch
-   semantics allow it. Under a launch budget the fine pass (phase 2's last step) runs after it.
-5. **Knobs** (``"fast": false``, `zerotune.strategy.knobs`).
-6. **Answer** (`zerotune.strategy.remeasure`, `zerotune.strategy.answer`): the finalists re-measured
-   where one run cannot tell them; the answer is the ledger's (`StrategyResult.answer`).
-7. **The longest batch** (`zerotune.strategy.longest`): an answer over the budget at the longest batch the
-   training can meet gives way to the next that fits; ``--verify-longest`` runs it there once.
-
-An experiment whose name (its canonical content) was already evaluated is never evaluated again.
+Rules: `Strategy` talks to the world through one callable, ``evaluate(batch of experiments) -> the same experiments
+with their outcomes`` (`zerotune.strategy.evaluation`): ``tune`` passes the scheduler, ``--dry-run`` the memory-model
+oracle (`zerotune.strategy.oracle`: what this code would try if the memory model were right). The run is a pure
+function of the outcomes, in phases (`Strategy.run`): profile, ZeRO stages and mbs, memory savers, gas (the fine pass
+after it under a launch budget), knobs (``"fast": false``), the answer, the longest batch; a spent budget ends it
+with the best that ran. An experiment whose name (its canonical content) was evaluated is never evaluated again.
+Evidence: docs/decisions.md, D100, D312.
 """
 from __future__ import annotations
 

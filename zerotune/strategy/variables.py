@@ -1,17 +1,11 @@
 """``$VAR`` templates in the user's ds_config, and the variables that resolve them.
 
-A string value of the user's ds_config may hold a placeholder, in the syntax of the tuning spaces
-(`zerotune.strategy.space`): ``"$NAME"`` or ``"${NAME}"`` as the whole value takes the
-candidate itself (an int stays an int), inside a longer string it takes the candidate's text, and
-``$$`` is a literal ``$``. The candidates come from the config, ``"autotuning": {"variables":
-{"NAME": [candidates...]}}``, or from the command line, ``zerotune tune --var NAME=VALUE`` (VALUE is
-JSON: a list is a list of candidates, anything else one value; text that is not JSON is a string),
-the command line winning for a name given in both.
-
-A variable is a tuning dimension like a list of candidates at a key: the profile run and the
-micro-batch search take its first candidate (every launched config is concrete), and the knob phase
-(``"fast": false``) tries each candidate. Placeholders at the keys zerotune searches itself (the
-batch keys and the ZeRO stage) are refused.
+Rules: a string value may hold ``"$NAME"`` or ``"${NAME}"`` (as the whole value it takes the candidate itself, an int
+stays an int; inside a longer string, its text; ``$$`` is a literal ``$``), the syntax of `zerotune.strategy.space`.
+Candidates come from ``"autotuning": {"variables": {"NAME": [...]}}`` or ``--var NAME=VALUE`` (`parse_cli_variable`),
+the command line winning. A variable is a tuning dimension like a list of candidates at a key: the profile run and the
+mbs search take its first candidate (`first_values`), the knob phase (``"fast": false``) tries each. Placeholders at
+the keys zerotune searches itself (the batch keys and the ZeRO stage, `SEARCHED_KEYS`) are refused.
 """
 from __future__ import annotations
 

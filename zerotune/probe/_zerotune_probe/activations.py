@@ -1,52 +1,12 @@
 """What the profile run's first forward holds for the backward pass: the bytes autograd saves, what
 activation checkpointing holds instead, and the model's shapes, in rank 0's `.records.ACTIVATIONS_RECORD`.
 
-In the profile run (the config's ``autotuning.model_info.profile``: DeepSpeed's engine measures
-``activation_mem_per_gpu`` across the first forward and exits, ``engine.py:3025-3030``), rank 0
-writes `.records.ACTIVATIONS_RECORD` as that forward ends: the bytes of the tensors autograd saves for
-the backward pass (``torch.autograd.graph.saved_tensors_hooks``, ``torch/autograd/graph.py``), each
-storage once, less parameters, views of parameters and module buffers::
-
-    {"saved_bytes": 6572032, "saved_storages": 61, "micro_batch_size": 1,
-     "largest_layer_params": 4194304, "persistent_params": 9216}
-
-Under activation checkpointing that forward saves only each checkpointed region's input; the record then
-also holds ``recompute_bytes``, the most one region saves beyond its input when it runs with gradients
-(what the backward pass holds while it recomputes that region), and ``recompute_regions``, how many were
-counted (`_SavedActivations` says how).
-
-Without activation checkpointing, where the model has checkpointable layers (Hugging Face's
-``GradientCheckpointingLayer`` subclasses, such as GPT-2's and Llama's blocks), the record also prices it:
-``checkpointed_bytes``, what the same forward would hold with non-reentrant checkpointing of every such layer
-(the storages saved outside the layers and the layers' inputs, plus the most one layer saves beyond its inputs),
-at the record's ``micro_batch_size``, and ``checkpoint_layers``, the layer calls counted
-(`_LayerCheckpointing`).
-
-Where the forward's batch held token ids (`.batch`), every rank then runs the model's forward once more (with
-gradients, output dropped) on that batch cut to ``square_seq_len`` tokens, the largest odd length below the batch's
-(`_SavedActivations.count_square`), and the record holds ``square_seq_len`` and ``square_saved_bytes``: the
-bytes of the saved tensors whose last two dimensions are both that length (attention scores and probabilities,
-``[samples, heads, tokens, tokens]``, which grow with the square of the length; 0 where the attention kernel keeps
-none, as flash attention does). An odd length keeps out tensors that are square by coincidence: at 32 tokens and a
-head width of 32, a GPT-2's per-head queries, keys and values are ``[samples, heads, 32, 32]`` too.
-
-``largest_layer_params``: the most parameters any one module holds directly (its own, not its
-children's), elements: ZeRO-3 gathers at least that much to run it. ``persistent_params``: the
-elements of the parameters ZeRO-3 keeps gathered (``ds_persist``, set by
-``zero/parameter_offload.py:317-330`` from ``stage3_param_persistence_threshold``). Both count full
-parameters (``ds_numel`` where ZeRO-3 has partitioned them) and feed the memory model's stage-3 terms.
-On CUDA the record also holds ``device_peak_bytes`` (`.peak._device_peak`): what the device held at
-the peak, the caching allocator's reserved high-water mark plus what lies outside it (the CUDA
-context, NCCL's buffers), from which the tuner calibrates the memory model's fixed overhead per
-device, as the backend's sampled peak does on CPU; on CPU it holds ``data_peak_bytes``
-(`.peak._data_peak`). The step's growth joins the record (`.growth`).
-
-That is what a device holds per micro batch for the backward pass, whatever the allocator does.
-DeepSpeed's own figure is a change in ``memory_allocated``, which on CPU is the process's RSS
-(``accelerator/cpu_accelerator.py:140-154``): in the ZeRO-3 profile run it also holds the parameters
-gathered during that forward (released per module in the first iteration,
-``zero/partitioned_param_coordinator.py:498``, but kept by the C heap), several times the activations
-of a small model.
+``saved_bytes``: the storages autograd saves for the backward pass, each once, less parameters, their views and
+module buffers, at the record's ``micro_batch_size``. Under checkpointing the record adds ``recompute_bytes``
+(`_SavedActivations`); without it, where the model has checkpointable layers, ``checkpointed_bytes``
+(`_LayerCheckpointing`); then ``square_saved_bytes`` (`_SavedActivations.count_square`), the ZeRO-3 shapes
+(`_SavedActivations._shapes`), the device's peak (`.peak`) and the step's growth (`.growth`). Read these, not
+DeepSpeed's ``activation_mem_per_gpu``: on CPU that RSS change also holds the ZeRO-3 parameters the forward gathered.
 """
 import contextlib
 import os
@@ -190,7 +150,9 @@ class _SavedActivations:
 
     @staticmethod
     def _shapes(module) -> dict:
-        """``largest_layer_params`` and ``persistent_params`` of ``module`` (see the module docstring)."""
+        """``largest_layer_params``: the most parameter elements one module holds directly (not its children's):
+        ZeRO-3 gathers at least that much to run it. ``persistent_params``: the elements ZeRO-3 keeps gathered
+        (``ds_persist``, from ``stage3_param_persistence_threshold``). Both count full parameters (``ds_numel``)."""
         def numel(p):
             return int(getattr(p, "ds_numel", None) or p.numel())
         largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
@@ -230,8 +192,10 @@ class _SavedActivations:
             return None
 
     def count_square(self, args: tuple, kwargs: dict) -> None:
-        """``square_seq_len`` and ``square_saved_bytes`` (module docstring) from one more forward of the module on
-        ``args`` and ``kwargs``, the counted forward's batch, cut. Every rank runs it (ZeRO-3 gathers stay matched);
+        """``square_seq_len``, the largest odd length below the batch's, and ``square_saved_bytes``, the saved tensors
+        whose last two dimensions are both that length (attention scores, 0 under flash attention), from one more
+        forward of the module on ``args`` and ``kwargs``, the counted forward's batch, cut. An odd length keeps out
+        tensors square by coincidence (32 tokens, 32-wide heads). Every rank runs it (ZeRO-3 gathers stay matched);
         nothing where the batch held no token ids or fewer than 4. A failure is printed and leaves the keys out."""
         try:
             seq_len = self.probe.state(self.engine)["seq_len"]

@@ -1,17 +1,11 @@
 """What a batch held: the samples and the sequence length of the tensors the engine's forward receives, from their
 shapes only.
 
-A tensor's shape is host metadata: reading it reads no data and adds no device synchronisation, so noting it
-changes nothing that is measured. On each forward call, `_batch_shape` looks at the positional and keyword
-arguments and one level into the mappings, lists and tuples among them (a Hugging Face batch is a dict of tensors:
-``input_ids``, ``attention_mask``, ``labels``), at most `SCANNED` values of each:
-
-- samples: the leading dimension of the first tensor with at least one dimension;
-- sequence length: the largest second dimension among the integer-dtype tensors of two or more dimensions (token
-  ids, ``[samples, tokens]``); None where there is none (images, float features).
-
-`_note_batch` keeps, per engine, the largest of each over the forwards of an optimizer step; the step's
-record writes them as ``batch_samples`` and ``seq_len`` (`.records._Probe.record`).
+Rules: only shapes are read (host metadata: no data read, no device synchronisation), so noting them changes nothing
+that is measured; `_batch_shape` says which tensors count. `_note_batch` keeps, per engine, the largest of each over
+the forwards of an optimizer step; the step's record writes them as ``batch_samples`` and ``seq_len``
+(`.records._Probe.record`).
+Evidence: docs/decisions.md, D308.
 """
 import sys
 from collections.abc import Mapping
@@ -23,8 +17,11 @@ SCANNED = 32  # values looked at per argument list and per container: a forward'
 
 
 def _batch_shape(args: tuple, kwargs: dict) -> tuple:
-    """``(samples, seq_len)`` of one forward call's arguments (module docstring); each is None where no tensor
-    says it, and both are None before the script has imported torch."""
+    """``(samples, seq_len)`` of one forward call's arguments; each is None where no tensor says it, and both are
+    None before the script has imported torch. It looks at the arguments and one level into the mappings, lists and
+    tuples among them (a Hugging Face batch is a dict of tensors), at most `SCANNED` values of each: samples is the
+    leading dimension of the first tensor that has one; seq_len the largest second dimension among the integer-dtype
+    tensors of two or more dimensions (token ids, ``[samples, tokens]``; None for images, float features)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None, None

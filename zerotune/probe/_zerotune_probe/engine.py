@@ -1,28 +1,12 @@
-"""Installing the probe into DeepSpeed's engine: the import hook, the engine's wrapped methods and the
-engine record.
+"""Installing the probe into DeepSpeed's engine: the import hook, the engine's wrapped methods and the engine record.
 
-`install` puts an import hook (a ``sys.meta_path`` finder) in place that waits for
-``deepspeed.runtime.engine``; nothing imports deepspeed or torch at start-up. Once that module has run, the
-hook wraps ``DeepSpeedEngine.forward`` (to note the first forward's time, and the shapes of each forward's
-arguments: `.batch`, padded first to the longest length where asked: `.padding`) and ``DeepSpeedEngine.step``, which the script calls once per micro step
-(`_install`). Whether a call is the gradient-accumulation
-boundary is asked before the original ``step`` runs; after a boundary step returns, the rank records it
-(`.records._Probe`).
-
-The step on which DeepSpeed's autotuning exits (``engine._autotuning_exit`` calls ``exit()``
-inside ``step``) is recorded as the ``SystemExit`` passes through the wrapper, so it is not lost;
-its ``step_s`` also holds rank 0's writing of ``metrics.json``, a millisecond or so. The end of a
-step is when ``step()`` returns on the host: no device synchronisation is added (it would change
-what is measured), so on CUDA a single step's time may be shifted by the queued kernels, the mean
-over several steps is not. What is lost: a step in progress when the process is killed.
-
-Before the first forward, rank 0 also writes ``engine_config.json`` (`.records.ENGINE_RECORD`): the
-config the engine got (a Trainer script's ``"auto"`` values filled in), the model's hidden size as
-the Trainer reads it, the engine's micro batch size, gradient accumulation steps and train
-batch size, and the memory savers it really runs with (`_savers`: offload, checkpointing). The profile
-run's record resolves the hidden-size ``"auto"`` values (``zerotune.deepspeed.auto``); every experiment's
-shows what its engine ran with. In the profile run the first forward is also measured
-(`.activations._SavedActivations`, `.growth._StepGrowth`).
+`install` waits for ``deepspeed.runtime.engine`` (nothing imports deepspeed or torch at start-up), then wraps the
+engine's ``forward``, ``step`` and ``allreduce_gradients`` (`_install`). Rules for what the records hold:
+- A rank records a line after each boundary ``step()`` returns (`.records._Probe.record`), and the step on which
+  DeepSpeed's autotuning exits as its ``SystemExit`` passes (its ``step_s`` holds rank 0's ``metrics.json`` write).
+- A step ends when ``step()`` returns on the host: no device synchronisation is added, so on CUDA one step's time
+  may be shifted by the queued kernels, the mean over several is not. A step in progress at a kill is lost.
+- Before the first forward rank 0 writes ``engine_config.json``: what the engine ran with (`_record_engine`).
 """
 import os
 import sys
@@ -68,7 +52,8 @@ def _install(module, probe: _Probe) -> None:
 def _probed_forward(forward, probe: _Probe):
     """``DeepSpeedEngine.forward`` noting the first forward's time and, on every call, what the batch held
     (`.batch._note_batch`); before the first, rank 0 records the engine (`_record_engine`), and in the
-    profile run the forward's saved activations are counted (`_SavedActivations`)."""
+    profile run the forward's saved activations are counted (`_SavedActivations`) and the step's growth measured
+    (`_StepGrowth`). Where asked (`.padding`), each batch is first padded to the longest length."""
     import functools
     import time
 
@@ -182,7 +167,10 @@ def _end_step(state: dict | None, boundary: bool, start: float) -> None:
 def _record_engine(probe: _Probe, engine) -> None:
     """Rank 0 writes `ENGINE_RECORD` once, before the first forward: the config the engine got
     (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
-    reads it, its maximum positions (the longest sequence it takes), and the engine's batch sizes. A failure is reported and steps are still recorded."""
+    reads it, its maximum positions (the longest sequence it takes), the engine's batch sizes (mbs, gas,
+    train batch size) and the memory savers it really runs with (`_savers`). The profile run's record resolves
+    the hidden-size ``"auto"`` values (`zerotune.deepspeed.auto`); every experiment's shows what its engine ran
+    with. A failure is reported and steps are still recorded."""
     def record():
         if _rank(engine) != 0:
             return None

@@ -1,21 +1,12 @@
 """The profile run's step growth: what the allocated memory grows by over the first forward and the whole
 step, and on CPU per sample, added to `.records.ACTIVATIONS_RECORD`.
 
-On CUDA the profile run measures the whole step's growth (`_StepGrowth`): the autograd-saved
-storages miss what the backward pass allocates on top (the gradient of the logits, of the fp32 loss), a
-third of what grows with mbs on GPT-2. Before the first forward the allocator's peak is reset; as
-DeepSpeed's ``exit()`` passes through, every rank runs ``loss.backward()`` on the module's output (caught
-by a forward hook), and the record gains ``forward_growth_bytes`` and ``step_growth_bytes``: the
-allocated high-water mark at the end of the forward, and over the forward and the backward, less what
-was allocated before the forward, bytes, for the record's ``micro_batch_size``. No loss found or a
-failed backward: only ``forward_growth_bytes``; the ``SystemExit`` always goes on. The backward is the
-engine's (``engine.backward``), as training runs it.
-
-On CPU the same figures come from ``torch.profiler``'s memory events (`_HostStepGrowth`): a CPU device has
-no allocator counters. At mbs 1 a step's peak is mostly what it holds whatever the mbs (the gradients, ZeRO's
-buckets, gathered parameters), so the profile then runs a few more training micro steps on its own batch repeated
-2, 4, 8 (and 16) times until two successive slopes agree: ``slope_bytes``, the step's growth per sample, which the
-memory model's activation term takes (docs/decisions.md, D111).
+Rules: the record gains ``forward_growth_bytes`` and ``step_growth_bytes``, bytes at its ``micro_batch_size``: the
+allocated high-water mark at the end of the forward, and over the forward and the engine's backward (run on the
+module's output as DeepSpeed's ``exit()`` passes), less what was allocated before the forward. Without a loss or
+with a failed backward only the forward's is kept; the ``SystemExit`` always goes on. On CUDA the allocator's
+counters give them (`_StepGrowth`), on CPU ``torch.profiler``'s memory events (`_HostStepGrowth`), which also give
+``slope_bytes``, the growth per sample the memory model's activation term takes. Evidence: docs/decisions.md, D111.
 """
 import sys
 
@@ -60,9 +51,10 @@ def growth_bytes(peak_bytes: int, before_bytes: int) -> int:
 
 class _StepGrowth:
     """On CUDA, in the profile run: the allocated high-water mark over the first forward and over that
-    forward plus ``loss.backward()``, less what was allocated before the forward (the module docstring).
-    Every rank runs the backward (ZeRO's gradient hooks reduce across the ranks); a failure is printed and
-    leaves the forward's figure. ``torch`` is the module or a stand-in with its ``cuda`` functions."""
+    forward plus ``loss.backward()``, less what was allocated before the forward (the module docstring): the
+    autograd-saved storages miss what the backward allocates on top (the logits' gradient, the fp32 loss). Every
+    rank runs the backward (ZeRO's gradient hooks reduce across the ranks); a failure is printed and leaves the
+    forward's figure. ``torch`` is the module or a stand-in with its ``cuda`` functions."""
 
     def __init__(self, torch, engine):
         self.torch = torch

@@ -1,14 +1,12 @@
 """The peak memory the probe records: on CPU the ``VmData`` sampler, on CUDA the device's peak, and the cap
 of a CUDA device's caching allocator at the rank's budget.
 
-On CUDA a step record's ``peak_bytes`` is ``torch.cuda.max_memory_allocated()``, beside
-``peak_reserved_bytes`` (``torch.cuda.max_memory_reserved()``) and ``device_peak_bytes``, the device at its
-peak: the reserved high-water mark plus what lies outside the allocator (`_device_peak`). On CPU it is
-the largest ``VmData`` so far (what ``RLIMIT_DATA``, the per-rank budget, limits), sampled every 5 ms from
-the engine module's import to the end of step 2, again through any later step whose batch is longer than every
-earlier one, and at each record after it (`_DataPeak`), beside
-``rss_peak_bytes``, the resident high-water mark (``ru_maxrss``), which leaves out pages allocated and never
-written; bytes.
+A step record's ``peak_bytes`` (bytes, `_peaks`) is on CUDA ``torch.cuda.max_memory_allocated()``, beside
+``peak_reserved_bytes`` (``torch.cuda.max_memory_reserved()``) and ``device_peak_bytes``, the device at its peak
+(`_device_peak`): the peak the budget limits there. On CPU it is the largest ``VmData`` so far (what
+``RLIMIT_DATA``, the per-rank budget, limits; sampled by `_DataPeak`), beside ``rss_peak_bytes`` (``ru_maxrss``,
+which leaves out pages allocated and never written). The cap: `cap_allocator`.
+Evidence: docs/decisions.md, D26, D202, D203.
 """
 import os
 import sys

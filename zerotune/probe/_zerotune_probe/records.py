@@ -1,50 +1,10 @@
 """The probe's records: one JSON line per optimizer step in each rank's stream, and an exit record per rank.
 
-The stream is ``<PYTHON_ZEROTUNE_PROBE_DIR>/probe.rank<RANK>.jsonl`` (`stream_name`); after a boundary
-``step()`` returns (`.engine`), the rank appends one line to it and flushes it::
-
-    {"rank": 0, "step": 3, "t": 12345.678, "step_s": 0.0412, "boundary_s": 0.0061, "micro_steps": 1,
-     "train_batch_size": 8, "batch_samples": 4, "seq_len": 128, "peak_bytes": 734003200, "base_bytes": 524288000}
-
-- ``step``: the optimizer step's index in this process, from 1.
-- ``t``: ``time.monotonic()`` when the step returned, seconds.
-- ``step_s``: wall time since the end of the previous optimizer step, seconds: everything the
-  script does between engine calls (data loading, logging) is in it. Step 1 is measured from the
-  start of the engine's first forward call, so the time before it (the first batch's loading) is
-  lost; step 1 holds first allocations and compilation anyway and is never steady state.
-- ``boundary_s``: the part of ``step_s`` spent in the work done once per optimizer step, at the
-  gradient-accumulation boundary: the boundary ``step()`` call (the optimizer step; ZeRO 1-2's
-  parameter all-gather; the gradient reduction where ``step()`` runs it) and the boundary
-  ``allreduce_gradients()`` call that ``backward()`` makes (ZeRO 0's all-reduce, ZeRO 1's reduction
-  without ``overlap_comm``, ZeRO 2-3's reduction epilogue), seconds. A larger gas amortizes this
-  part only (the tuner's bound on what doubling gas can gain); ZeRO-1's reduction in the backward
-  hooks (``overlap_comm``) is not in it.
-- ``micro_steps``: ``step()`` calls in this optimizer step (gradient accumulation steps; 1 under
-  the Hugging Face Trainer, whose accelerate calls ``step()`` only at the boundary).
-- ``train_batch_size``: ``engine.train_batch_size()``, global samples per optimizer step.
-- ``batch_samples`` and ``seq_len``: what the micro batches of this step held, from the shapes of the tensors the
-  engine's forward received (`.batch`): the most samples one held (their leading dimension) and the longest
-  sequence, tokens (the largest second dimension of an integer tensor of 2+ dimensions: token ids); null where
-  no forward argument said (no tensor; for ``seq_len``, no token ids: images, float features).
-- ``peak_bytes`` and the peaks beside it: `.peak._peaks`. ``base_bytes``: on CUDA the allocated bytes
-  before the step's first forward (`.engine._note_base`).
-
-Once a rank has recorded its first step, it also writes `EXIT_PREFIX` ``<RANK>.json`` as Python
-finishes (an ``atexit`` hook; `exit_name`)::
-
-    {"rank": 0, "steps": 20, "uncaught": null, "exit_status": null, "host": "node-1", "address": "10.0.0.2"}
-
-``host``: the rank's hostname. ``address``: the IPv4 address this rank's machine reaches ``MASTER_ADDR`` from (the
-source address the kernel picks for it; no packet is sent), so ranks on different nodes have different
-addresses; null where it cannot be found.
-``uncaught``: the uncaught exception that ended the script (``sys.last_value``, set by Python's
-top-level error printing), as ``"Type: message"``, or null. ``exit_status``: the argument of the
-last ``sys.exit`` call after the first step (null without one). ``atexit`` hooks run at the start of
-the interpreter's finalization, before its C++ teardown: a rank that aborts after writing a clean
-record (``terminate called without an active exception``, seen at exit of gloo-backed ranks) crashed
-after the script ended, with every step it recorded measured (``zerotune.probe.clean_exits``).
-
-A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
+- After each boundary ``step()`` (`.engine`) a rank appends one line to its stream, ``probe.rank<RANK>.jsonl`` in
+  ``<PYTHON_ZEROTUNE_PROBE_DIR>`` (`stream_name`), and flushes it; the fields are in `_Probe.record`.
+- Once a rank has recorded its first step it writes ``exit.rank<RANK>.json`` (`exit_name`) as Python finishes
+  (`_Probe.write_exit`): a rank that aborts after a clean exit record crashed after the script ended.
+- A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
 """
 import os
 import sys
@@ -95,6 +55,19 @@ class _Probe:
         return s
 
     def record(self, engine, state: dict) -> None:
+        """Append this optimizer step's line to the rank's stream. Its fields (times in seconds):
+
+        ``rank``; ``step``, from 1 in this process; ``t``, ``time.monotonic()`` when the step returned. ``step_s``: wall
+        time since the previous optimizer step ended, so the script's work between engine calls (data loading,
+        logging) is in it; step 1 counts from the first forward and is never steady state. ``boundary_s``: the part
+        of ``step_s`` done once per optimizer step (the boundary ``step()``, and the boundary ``allreduce_gradients()``
+        that ``backward()`` makes), the only part a larger gas amortizes; ZeRO-1's reduction in the backward hooks
+        (``overlap_comm``) is not in it. ``micro_steps``: ``step()`` calls in this step (1 under the Hugging Face
+        Trainer, which calls it only at the boundary). ``train_batch_size``: global samples per optimizer step.
+        ``batch_samples``, ``seq_len``: the most samples a micro batch held and its longest token sequence
+        (`.batch`; null where no forward argument said). ``peak_bytes`` and the peaks beside it: `.peak._peaks`;
+        ``base_bytes``: on CUDA the allocated bytes before the step's first forward (`.engine._note_base`).
+        """
         import time
         t = time.monotonic()
         state["step"] += 1
@@ -133,7 +106,15 @@ class _Probe:
         atexit.register(self.write_exit)
 
     def write_exit(self) -> None:
-        """The ``atexit`` hook: this rank's exit record (module docstring)."""
+        """The ``atexit`` hook: this rank's exit record, ``{"rank", "steps", "uncaught", "exit_status", "host",
+        "address"}`` (the last two: `_node`).
+
+        ``uncaught``: the uncaught exception that ended the script (``sys.last_value``) as ``"Type: message"``, or
+        null. ``exit_status``: the argument of the last ``sys.exit`` call after the first step, or null. ``atexit``
+        hooks run before the interpreter's C++ teardown: a rank that aborts after writing a clean record
+        (``terminate called without an active exception``, gloo ranks) crashed after the script ended, with every
+        step it recorded measured (`zerotune.probe.clean_exits`).
+        """
         def record():
             last, status = getattr(sys, "last_value", None), self.exit_status
             return {"rank": self.exit_rank, "steps": sum(s["step"] for s in self.engines.values()),
@@ -144,7 +125,9 @@ class _Probe:
 
 
 def _node() -> dict:
-    """Where this rank runs: ``host`` and ``address`` (module docstring)."""
+    """Where this rank runs: ``host``, its hostname, and ``address``, the IPv4 address its machine reaches
+    ``MASTER_ADDR`` from (the source address the kernel picks; no packet is sent), so ranks on different nodes have
+    different addresses; null where it cannot be found."""
     import socket
     address = None
     try:

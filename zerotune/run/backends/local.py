@@ -1,32 +1,12 @@
 """The local backend: the real ``deepspeed`` launcher as a subprocess, one process group per run.
 
-The backend only starts, supervises and stops processes: the experiment directory (the config it
-ran, the result files, the outcome) is `zerotune.run.expdir`'s, the launcher command
-`zerotune.deepspeed.launcher`'s, and what starts and stops the ranks its starter's
-(`zerotune.run.backends.direct`; the Slurm backend is this backend with job steps as its starter). It writes
-``cmd.txt`` (a command a person can paste) and redirects the launcher's output into ``stdout.log`` and
-``stderr.log``. The launcher is started in
-a new session, as a child subreaper, so the whole tree (launcher and ranks, and any process they orphan) is
-killed as one process group on timeout, hang or Ctrl-C, and any straggler, found by the run's session, group
-or token, is killed after it exits (`zerotune.run.processes`).
-
-Every run has a timeout, ``--timeout`` or a default derived from the profile run
-(`zerotune.run.backends.timeout`). With ``--hang-timeout`` a run that makes no progress for that long is
-killed as hung: progress is a step recorded in the probe's streams, and, before the first step (start-up, JIT
-builds, the profile run), output; once a run has recorded a step, output alone (a heartbeat, a warning printed
-in a loop) is no progress, and silence between steps is no hang. Multi-node reservations go through the launcher's own hostfile
-mechanism (``--hostfile``, ``--force_multi``) and are stopped by their run's token on every node
-(`zerotune.run.processes.kill_token_on`), never by the runner's own blanket pkill.
-
-On this machine alone, with ``LaunchSpec.warm`` (the default), a run's ranks are forked instead from a warm rank
-server the backend starts at its first run and stops at `LocalBackend.close` (`zerotune.run.warm`): the
-run's launcher it forks leads a session of its own, so it is supervised and stopped as the launcher's process group
-is, and ``cmd.txt`` still shows the launcher's line. A run the server could not launch goes cold and says why in
-``launch_note``; one whose server went away, or whose ranks failed before the script started, is run again cold.
-
-While a run goes, the backend reads its step probe's streams as they grow and, when the launch
-spec has a stop rule, ends the run as soon as the rule says its metric is known or cannot beat the
-incumbent (adaptive experiments, `zerotune.core.stopping`), with the same process-group stop.
+Rules (`LocalBackend`): the backend only starts, supervises and stops processes: the experiment directory is
+`zerotune.run.expdir`'s, the command `zerotune.deepspeed.launcher`'s, starting and stopping ranks its starter's
+(`zerotune.run.backends.direct`). It writes ``cmd.txt`` and the launcher's ``stdout.log`` and ``stderr.log``. Each run
+is one process group in its own session, killed whole on timeout, hang, Ctrl-C or when its stop rule ends it
+(`zerotune.core.stopping`), stragglers by its token (`zerotune.run.processes`). Every run has a timeout
+(`zerotune.run.backends.timeout`); ``--hang-timeout`` kills a run without progress (`LocalBackend._supervise`). On
+this machine alone, with ``LaunchSpec.warm``, ranks are forked from a warm rank server (`zerotune.run.warm`).
 """
 from __future__ import annotations
 
@@ -74,7 +54,14 @@ poll on a quiet machine); its known ranks' memory is sampled at every poll."""
 
 class LocalBackend(Backend):
     """Runs and supervises each experiment; ``starter`` starts and stops its ranks (`.direct`; default: from
-    this machine, `zerotune.run.backends.direct.DirectStarter`)."""
+    this machine, `zerotune.run.backends.direct.DirectStarter`; the Slurm backend is this one with job steps).
+
+    Multi-node reservations go through the launcher's hostfile (``--hostfile``, ``--force_multi``) and are stopped
+    by their run's token on every node (`zerotune.run.processes.kill_token_on`), never by a blanket pkill. A warm
+    run's launcher, forked by the server (started at the first run, stopped at `close`), leads a session of its own
+    and is stopped as a cold one is; ``cmd.txt`` still shows the launcher's line. A run the server could not launch
+    goes cold and says why in ``launch_note``; one whose server went away, or whose ranks failed before the script
+    started, is run again cold."""
 
     poll_s = 0.2
 
@@ -187,7 +174,9 @@ class LocalBackend(Backend):
                    known: dict[int, psutil.Process], seen: _Supervised) -> None:
         """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
         noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
-        follows)."""
+        follows). Progress, for ``--hang-timeout``: a step recorded in the probe's streams, and before the first
+        step (start-up, JIT builds, the profile run) output; once a run has stepped, output alone is no progress,
+        and silence between steps is no hang."""
         spec = self.spec
         script_name = Path(spec.script).name
         progress = RunProgress(run.exp_dir, start)

@@ -1,42 +1,12 @@
 """The Ray backend: each experiment in its own Ray placement group, the ``deepspeed`` launcher inside it.
 
-How one experiment runs (``RayBackend.run``):
-
-1. A placement group with one bundle per node of the reservation, ``{"GPU": slots, "CPU": 1}``:
-   ``STRICT_PACK`` for one node, ``STRICT_SPREAD`` (each bundle on its own node) for several.
-   The experiment waits until Ray places it, at most the experiment timeout.
-2. For several nodes, a short probe task in each other bundle reports its node's IP and the GPU
-   ids Ray granted that bundle.
-3. An actor in bundle 0 (holding that bundle's GPUs and CPU) runs `LocalBackend` on its
-   node, given the tuner's communication settings (``NCCL_*``, ``GLOO_*`` ...: `node_spec`):
-   the same launcher command, environment, per-rank memory limit, timeouts, log files and
-   outcome classification as the local backend. Its reservation is what Ray granted, not
-   zerotune's slot names: ``localhost`` with the actor's GPU ids for one node; for several nodes
-   the nodes' IPs and GPU ids, written to ``exp_dir/hostfile`` and given to the launcher with
-   ``--hostfile --force_multi``, so the launcher's own multi-node runner (pdsh by default, which
-   needs passwordless ssh between the nodes as any multi-node DeepSpeed run does) starts the
-   other nodes' ranks; the local backend stops them by the run's token on each node (never by the
-   runner's own stop, a pkill of every DeepSpeed launcher on those hosts).
-   On one node, by default, the ranks are forked instead from that node's warm rank server, owned by a host actor
-   that lives for the tuning (`zerotune.run.backends.ray_warm`); ``cmd.txt`` stays the launcher's line.
-4. The actor is killed and the placement group removed, whatever happened. Should Ray kill the
-   actor mid-run (its out-of-memory killer, a crash), a reaper process stops the launcher's
-   process group on the actor's node (see `NodeLauncher` for what this leaves undone).
-
-.. note:: The experiment directory must be on a filesystem shared by this machine and the Ray
-   nodes (an NFS results dir, or one machine as here), and the script, its data and zerotune
-   itself must be at the same paths on every node: the launcher writes ``metrics.json``, the logs
-   and the profile's ``model_info.json`` where the tuner reads them. A node that cannot see the
-   experiment directory fails the experiment with a message saying so (checked with a marker file
-   written just before dispatch), rather than running blind.
-
-.. note:: Bundles ask for Ray's ``GPU`` resource. On a machine without GPUs give the cluster
-   logical GPUs (``ray start --head --num-gpus 2``) and run the ranks on CPU as the local backend
-   does (``DS_ACCELERATOR=cpu``); the GPU ids then only count ranks.
-
-Ray is an optional dependency (``pip install 'zerotune[ray]'``): building a ``RayBackend`` checks
-that it is installed, and it is imported only when the backend first connects (a dry run never
-imports it).
+How one experiment runs: `RayBackend.run`. The rules for the cluster:
+- The experiment directory must be on a filesystem shared by this machine and the Ray nodes, and the script, its
+  data and zerotune at the same paths on every node; a node that cannot see the directory fails the experiment.
+- Several nodes need passwordless ssh between them, as any multi-node DeepSpeed run (its pdsh runner).
+- Bundles ask for Ray's ``GPU`` resource: without GPUs give the cluster logical ones (``ray start --head --num-gpus
+  2``) and run the ranks on CPU (``DS_ACCELERATOR=cpu``); the GPU ids then only count ranks.
+- Ray is optional (``pip install 'zerotune[ray]'``), imported only when the backend first connects (a dry run never).
 """
 from __future__ import annotations
 
@@ -148,8 +118,17 @@ class RayBackend(Backend):
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
         """Run ``exp`` in a placement group shaped like ``reservation``, files under ``exp_dir``.
 
-        ``reservation`` gives the shape (nodes x GPUs per node); Ray decides which nodes and GPU
-        ids. Outcomes are as for `LocalBackend`, plus: TIMEOUT when Ray cannot place the
+        ``reservation`` gives the shape (nodes x GPUs per node); Ray decides which nodes and GPU ids:
+        1. A placement group, one ``{"GPU": slots, "CPU": 1}`` bundle per node: ``STRICT_PACK`` on one node,
+           ``STRICT_SPREAD`` on several; it waits to be placed at most the experiment timeout.
+        2. On several nodes a probe task in each other bundle reports its node's IP and granted GPU ids, written to
+           ``exp_dir/hostfile`` for the launcher's ``--hostfile --force_multi``.
+        3. A `NodeLauncher` actor in bundle 0 runs `LocalBackend` on its node with `node_spec` (on one node the ranks
+           are forked from the node's warm server, `zerotune.run.backends.ray_warm`; ``cmd.txt`` stays the
+           launcher's line); other nodes' ranks are stopped by the run's token, never by the runner's pkill.
+        4. The actor is killed and the group removed, whatever happened.
+
+        Outcomes are as for `LocalBackend`, plus: TIMEOUT when Ray cannot place the
         group within the experiment timeout; FAILED, without waiting, when the cluster cannot be
         reached or has no node big enough for a bundle; FAILED when the node cannot see
         ``exp_dir``, or when Ray loses the actor (killed, or its node died); INTERRUPTED after

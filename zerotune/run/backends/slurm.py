@@ -1,42 +1,12 @@
 """The Slurm backend: run inside an allocation (``salloc`` or an ``sbatch`` script), each experiment a job step.
 
-The nodes and the devices per node are the allocation's (`slurm_nodes`, read from Slurm's environment).
-Each experiment is one ``srun`` on the nodes its reservation names (`srun_command`)::
-
-    srun --nodes N --ntasks N*S --ntasks-per-node S --nodelist host-a,host-b --kill-on-bad-exit=1 --exact
-         --cpus-per-task C [--gpus-per-node S --gpu-bind=none] --job-name zerotune-<experiment>-<id> --export=ALL
-         python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...
-
-srun starts every rank (no pdsh, no ssh, no DeepSpeed runner); `zerotune.run.backends.slurm_rank` gives
-each the variables DeepSpeed's launcher would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE`` ...)
-and execs the script with ``--local_rank``. ``MASTER_ADDR`` is the step's first node, ``MASTER_PORT`` a port
-free on this machine. The probe is injected as the local backend injects it
-(`zerotune.deepspeed.launcher.launch_env`: ``PYTHONPATH``, its variables, the exps dir's
-``TORCH_EXTENSIONS_DIR``), and on CPU ranks the wrapper sets each rank's ``RLIMIT_DATA`` to the budget. ``--exact`` with ``C`` CPUs per rank (the allocation's
-CPUs per node over S) lets two experiments share a node side by side, as the slot pool places them.
-
-Supervision, timeouts, hangs, adaptive stops and the experiment directory are the local backend's
-(`zerotune.run.backends.local.LocalBackend`, composed with `SrunStarter`): srun is the supervised
-process. To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner) the step is cancelled by its id
-(``scancel JOB.STEP``, found by its unique name in ``squeue --steps``): Slurm signals every rank on every node
-(SIGTERM, then SIGKILL after ``KillWait``); then srun's process group and any process on this machine carrying
-the run's token are killed (`zerotune.run.processes.kill_tree`), and the stop waits until the step has
-left ``squeue``. The running record names the step (job id and name) as its stop handle
-(`zerotune.run.backends.slurm_step`), so a rerun after the tuner itself was killed (SIGKILL, a lost node)
-cancels it before anything else (`zerotune.run.processes.reap_orphans`).
-
-Warm launches (the default; ``--cold-launch`` turns them off): at the first run a long-lived step with a warm rank
-server on each node of the allocation is started (`zerotune.run.backends.slurm_warm`). Each experiment stays a
-step of its own as above, its tasks ``slurm_rank --warm``: each has its node's server fork its rank and stands for
-it in the step (so ``scancel`` and ``--kill-on-bad-exit`` stop the rank), and ``cmd.txt`` still shows the cold line.
-A run whose tasks could not start their ranks warm is run again cold, as on the local backend. The ranks forked on
-this machine are not found by the run's token (their process environment is the server's): their peak comes from
-the probe's streams alone.
-
-.. note:: The results dir, the script and zerotune must be at the same paths on every node of the allocation
-   (a shared filesystem); see docs/clusters.md. The master port is checked free on this machine only: with
-   several nodes, the step's first node is assumed as free (an experiment whose port is taken fails, and
-   a rerun retries it).
+The nodes and devices per node are the allocation's (`slurm_nodes`). Each experiment is one ``srun`` on the nodes
+its reservation names (`srun_command`), whose tasks become the ranks through `zerotune.run.backends.slurm_rank`;
+with warm launches (the default, ``--cold-launch`` off) they fork from a server per node (`SrunStarter.warm_launch`).
+Supervision is the local backend's with `SrunStarter` as its starter: a run is stopped by cancelling its step
+(``scancel JOB.STEP``), found by its name, also after the tuner itself was killed (`SrunStarter`).
+Rules: the results dir, the script and zerotune lie at the same paths on every node (a shared filesystem,
+docs/clusters.md); the master port is checked free on this machine only (a taken one fails, a rerun retries it).
 """
 from __future__ import annotations
 
@@ -143,13 +113,13 @@ def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe
 
 def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, cpus_per_task: int, name: str,
                  ds_config: dict | None = None) -> list[str]:
-    """The ``srun`` line of one step (see the module docstring): ``reservation``'s nodes, one task per slot,
-    ``cpus_per_task`` CPUs each, on CUDA ``--gpus-per-node`` and ``--gpu-bind=none`` (each rank sees the step's
-    GPUs on its node, whose ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the
-    ``LOCAL_RANK``-th: a binding of one GPU per task, from the cluster's defaults or an inherited
-    ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named ``name``; the script's arguments as for the
-    deepspeed launcher (`zerotune.deepspeed.launcher.script_arguments`); with ``spec.launcher``, the wrapper
-    gives each rank that launcher's contract (``--contract``)."""
+    """The ``srun`` line of one step: ``reservation``'s nodes (``--nodelist``), one task per slot, ``--exact`` with
+    ``cpus_per_task`` CPUs each (two experiments share a node side by side, as the slot pool places them), on CUDA
+    ``--gpus-per-node`` and ``--gpu-bind=none`` (each rank sees the step's GPUs on its node, whose
+    ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the ``LOCAL_RANK``-th: a binding of one GPU per
+    task, from the cluster's defaults or an inherited ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named
+    ``name``; the script's arguments as for the deepspeed launcher (`zerotune.deepspeed.launcher.script_arguments`);
+    with ``spec.launcher``, the wrapper gives each rank that launcher's contract (``--contract``)."""
     nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
     cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
            "--nodelist", ",".join(n.host for n in reservation.nodes), "--kill-on-bad-exit=1", "--exact",
@@ -164,8 +134,13 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
 
 
 class SrunStarter:
-    """Starts each run as a job step of the allocation this process runs in, and stops it by the step's id (see the
-    module docstring): the Slurm backend's starter (`zerotune.run.backends.direct.RankStarter`).
+    """Starts each run as a job step of the allocation this process runs in, and stops it by the step's id: the
+    Slurm backend's starter (`zerotune.run.backends.direct.RankStarter`).
+
+    To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner), the step found by its unique name in
+    ``squeue --steps`` is cancelled: Slurm signals every rank on every node (SIGTERM, then SIGKILL after
+    ``KillWait``); the running record names the step as its stop handle, so a rerun after the tuner was killed
+    cancels it before anything else (`zerotune.run.processes.reap_orphans`).
 
     Args:
         spec: how to launch the training script.
@@ -248,7 +223,10 @@ class SrunStarter:
 
     def warm_launch(self, warm: SlurmWarmServers, run: RunLaunch, env: dict[str, str], cmd: list[str],
                     logs: tuple) -> subprocess.Popen:
-        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``)."""
+        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``):
+        each has its node's server fork its rank and stands for it in the step (``scancel`` and
+        ``--kill-on-bad-exit`` stop the rank); ``cmd.txt`` shows the cold line. The ranks forked here carry the
+        server's environment, not the run's token: their peak comes from the probe's streams alone."""
         at = cmd.index(RANK_MODULE) + 1  # --warm SOCKET first: the wrapper reads its options in that order
         return popen_cold([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], env, logs, adopt_orphans)
 

@@ -1,24 +1,12 @@
 """One rank of a Slurm job step: ``srun ... python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...``.
 
-srun starts every task of the step with Slurm's own variables (``SLURM_PROCID``, ``SLURM_LOCALID``,
-``SLURM_NTASKS`` ...); this wrapper turns them into what DeepSpeed's per-node launcher gives each rank it starts
-(``deepspeed/launcher/launch.py``) and what ``torch.distributed`` reads (`rank_env`), applies the CPU
-ranks' memory budget (`DATA_LIMIT_ENV`, `zerotune.run.backends.base.limit_data`), and execs the
-training script as that launcher does: ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``; with ``--contract
-torchrun`` (the user's launcher is torchrun or Accelerate) as torchrun does, with its variables too and no
-``--local_rank`` (`contract_env`).
-
-``MASTER_ADDR`` and ``MASTER_PORT`` come from the step's environment (the backend sets them: the step's first
-node and a port free there), as does the probe (``PYTHONPATH``, `zerotune.probe`).
-
-Warm (``python -u -m zerotune.run.backends.slurm_rank --warm SOCKET SCRIPT ARGS...``), the task execs nothing: it
-asks its node's warm rank server (`zerotune.run.warm.server`, ``SOCKET`` with ``{node}`` for the node's name)
-to fork the rank with that environment, the data limit, the probe, its own standard streams and CPU affinity, and
-stands for it in the step (`attach`): a stop signal from Slurm (``scancel``, ``--kill-on-bad-exit``) is passed
-to the rank's launcher, the task exits with the rank's status, and a task killed outright closes its connection,
-on which the server kills the rank. A task that cannot reach its server, or whose rank failed before the script
-started, exits `zerotune.run.warm.rank.SETUP_FAILED` having said why on stderr (the backend then runs the
-experiment again cold).
+The wrapper turns srun's task variables (``SLURM_PROCID`` ...) into what DeepSpeed's per-node launcher gives each
+rank (`rank_env`), applies the CPU ranks' memory budget (`DATA_LIMIT_ENV`) and execs the script as that launcher
+does, ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``; with ``--contract torchrun`` as torchrun does
+(`contract_env`). ``MASTER_ADDR``, ``MASTER_PORT`` and the probe come from the step's environment (the backend's).
+With ``--warm SOCKET`` it execs nothing: the node's warm rank server forks the rank and the task stands for it in
+the step (`attach`); a task that cannot get its rank started exits `zerotune.run.warm.rank.SETUP_FAILED`, and the
+backend runs the experiment again cold.
 """
 from __future__ import annotations
 
@@ -74,8 +62,13 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 def attach(socket_template: str, script: str, args: list[str], env: dict[str, str], contract: str = DEEPSPEED) -> int:
     """Have this node's warm server fork this task's rank (``env``: its environment; ``contract``: its launcher's,
-    for its arguments) and wait for it (see the module doc); the status to exit with (negative: the signal that
-    killed the rank)."""
+    for its arguments) and wait for it; the status to exit with (negative: the signal that killed the rank).
+
+    ``socket_template`` names the server's socket, ``{node}`` for the node's name. The server forks the rank with
+    ``env``, the data limit, the probe, this task's standard streams and CPU affinity. A stop signal from Slurm
+    (``scancel``, ``--kill-on-bad-exit``) is passed to the rank's launcher; a task killed outright closes its
+    connection, on which the server kills the rank. A task that cannot reach its server, or whose rank failed
+    before the script started, gets `SETUP_FAILED`, having said why on stderr."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     request = {"op": "launch", "script": script, "args": args, "rank_env": env, "cwd": os.getcwd(),
                "affinity": sorted(os.sched_getaffinity(0)), "data_limit": int(env.get(DATA_LIMIT_ENV) or 0) or None,

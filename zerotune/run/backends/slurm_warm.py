@@ -1,24 +1,12 @@
 """The warm rank servers of a Slurm allocation: one long-lived job step, a server task on each node, for the life
 of a tuning.
 
-The step (`server_step_command`)::
-
-    srun --overlap --nodes N --ntasks N --ntasks-per-node 1 --nodelist host-a,host-b --job-name zerotune-warm-<id>
-         [--gpus-per-node S --gpu-bind=none] --export=ALL
-         python -u -m zerotune.run.warm.server --socket /tmp/zerotune-warm-<id>/{node}.sock --script SCRIPT
-         --parent 0 --ready EXPS/.zerotune-warm-<id>
-
-``--overlap`` lets it share the allocation's CPUs, memory and GPUs with the experiments' steps, so holding it costs
-no slot. Each node's server preloads as the local backend's does (`zerotune.run.warm`) and, once it accepts on
-its node-local socket, writes ``<node>.json`` into the ready directory, which is on the results dir's shared
-filesystem. An experiment is still one step of its own (``scancel``, ``--kill-on-bad-exit`` and the accounting see
-it), whose tasks run ``slurm_rank --warm``: each asks its node's server to fork its rank and stands for it in the
-step (`zerotune.run.backends.slurm_rank.attach`).
-
-The servers' step is cancelled at the tuning's end (`SlurmWarmServers.stop`). Its running record names the
-step, so a rerun after a SIGKILLed tuner cancels it (`zerotune.run.processes.reap_orphans`), and it ends with
-the allocation in any case. On CUDA nodes whose cgroups confine memory, the forked ranks count against the servers'
-step: docs/clusters.md.
+Rules: the step (`server_step_command`) overlaps the experiments' steps, so it costs no slot; each node's server
+preloads as the local backend's does (`zerotune.run.warm`). An experiment is still a step of its own, whose tasks ask
+their node's server to fork their ranks (`zerotune.run.backends.slurm_rank.attach`). The step is cancelled at the
+tuning's end (`SlurmWarmServers.stop`), by a rerun after a SIGKILLed tuner (`zerotune.run.processes.reap_orphans`), or
+with the allocation. On CUDA nodes whose cgroups confine memory, the forked ranks count against the servers' step.
+Evidence: docs/decisions.md, D303; docs/clusters.md.
 """
 from __future__ import annotations
 
@@ -44,8 +32,11 @@ SERVER_MODULE = "zerotune.run.warm.server"
 
 def server_step_command(hosts: list[str], name: str, socket_template: str, script: str, ready_dir: Path,
                         gpus_per_node: int = 0) -> list[str]:
-    """The ``srun`` line of the servers' step (see the module doc): one task on each of ``hosts``, named ``name``;
-    on CUDA (``gpus_per_node`` > 0) with the nodes' GPUs, unbound, so that the ranks it forks can use them."""
+    """The ``srun`` line of the servers' step: one task on each of ``hosts``, named ``name``; on CUDA
+    (``gpus_per_node`` > 0) with the nodes' GPUs, unbound, so that the ranks it forks can use them. ``--overlap``
+    shares the allocation's CPUs, memory and GPUs with the experiments' steps. Each server accepts on its node-local
+    socket (``socket_template``, ``{node}`` filled) and then writes ``<node>.json`` into ``ready_dir``, on the
+    results dir's shared filesystem."""
     cmd = ["srun", "--overlap", "--nodes", str(len(hosts)), "--ntasks", str(len(hosts)), "--ntasks-per-node", "1",
            "--nodelist", ",".join(hosts), "--job-name", name]
     if gpus_per_node > 0:

@@ -1,21 +1,12 @@
 """Every experiment's wall-clock bound: ``--timeout``, or a default derived from the profile run's wall time.
 
-Every experiment has one, so a rank stopped by SIGSTOP, a collective that never returns or a deadlocked data
-loader ends the experiment (TIMEOUT), never the tuning. ``--timeout`` (``LaunchSpec.timeout_s``) sets it for
-every experiment, the profile run included. Without it:
-
-- the profile run, and any run while no profile run is recorded in the exps dir, gets
-  `UNKNOWN_STARTUP_TIMEOUT_S`: its start-up (imports, the model's construction or first download,
-  DeepSpeed's JIT ops, about a minute each to build) is not known yet;
-- every other experiment gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile run's wall
-  time)``: a measured run repeats the profile run's start-up, runs ``end_profile_step`` steps and extends by at
-  most its start-up time again (`zerotune.core.stopping`); the factor and the floor leave room for the
-  steps of micro batches larger than the profile run's and for an op the profile run did not build.
-
-The profile run's wall time is read from its record (an ``exp.json`` that verifies, of kind ``profile``, ok) in
-the exps dir, so a resumed tuning whose profile run was reused gets the same bound, and so does the Ray backend's
-node, which runs each experiment in a fresh `zerotune.run.backends.local.LocalBackend`. With several such
-records (one exps dir shared by several jobs) the longest counts: a longer bound never kills a healthy run.
+Every experiment has one, so a stopped rank, a collective that never returns or a deadlocked data loader ends the
+experiment (TIMEOUT), never the tuning. ``--timeout`` sets it for every experiment, the profile run included. Without
+it the profile run, and any run while no profile run is recorded, gets `UNKNOWN_STARTUP_TIMEOUT_S` (its start-up is
+not known yet); every other gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile run's wall
+time)``: room for the profile's start-up twice (`zerotune.core.stopping`), larger micro batches and an op not built
+yet. That wall time is read from the exps dir's records (`profile_wall_s`, the longest), so a resumed tuning and the
+Ray backend's node, a fresh `zerotune.run.backends.local.LocalBackend` per experiment, get the same bound.
 """
 from __future__ import annotations
 

@@ -1,18 +1,11 @@
 """The tuner's side of a warm rank server: start it, ask it for runs, watch them as processes, stop it.
 
-`WarmServer` starts ``python -m zerotune.run.warm.server`` once, in a session of its own (a terminal's Ctrl-C
-reaches the tuner, which stops the server itself) with the environment the ranks' imports need (the accelerator,
-``PYTHONPATH``, the OpenMP settings, ``PYTORCH_NVML_BASED_CUDA_CHECK=1``) and a run token of its own, recorded under
-the exps dir's running records (`zerotune.run.processes.write_running_record`), so that a rerun after a
-SIGKILLed tuner kills a server that outlived it (`zerotune.run.processes.reap_orphans`; the server also
-stops by itself once its parent is gone). Its Unix socket lives in a private temporary directory: the path of a
-socket is limited to 107 bytes, an exps dir's is not.
-
-`WarmServer.launch` returns a `WarmRun`, which answers as much of `subprocess.Popen` as the
-backends use (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``): its pid is the run's launcher, which leads a
-session of its own, so the backend stops it as it stops a cold launcher's process group. A run whose server went
-away before it ended is `WarmRun.lost`: its processes are killed and the backend runs it again cold, as it does
-a run whose ranks failed before the script started (`zerotune.run.warm.rank.SETUP_FAILED`).
+Rules: `WarmServer` starts the server once per tuning, in a session of its own, under a running record, so a rerun
+after a SIGKILLed tuner kills a server that outlived it (`zerotune.run.processes.reap_orphans`). `WarmServer.launch`
+returns a `WarmRun`, which a backend treats as the ``subprocess.Popen`` of a cold launcher's process group. What
+cannot run warm runs cold: `WarmUnavailable` before the launch; after it, `WarmRun.lost` (the server went away, its
+processes are killed), as a run whose ranks failed before the script started (`zerotune.run.warm.rank.SETUP_FAILED`).
+Evidence: docs/decisions.md, D303.
 """
 from __future__ import annotations
 
@@ -55,7 +48,9 @@ class WarmUnavailable(RuntimeError):
 
 
 class WarmRun:
-    """A run launched by a warm server, seen as a process (the run's launcher, ``pid``)."""
+    """A run launched by a warm server, seen as a process (the run's launcher, ``pid``): it answers as much of
+    `subprocess.Popen` as the backends use (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``); the launcher leads
+    a session of its own, so the backend stops it as it stops a cold launcher's process group."""
 
     def __init__(self, conn: socket.socket, pid: int, received: bytes = b""):
         self.pid = pid
@@ -153,7 +148,9 @@ def _exchange(conn: socket.socket, request: dict) -> tuple[dict, bytes]:
 
 class WarmServer:
     """One warm rank server on this machine for ``script``, its environment ``env``, its running record ``record``
-    under ``running_dir`` (see the module doc). Thread-safe."""
+    under ``running_dir``. Thread-safe. It runs in a session of its own (a terminal's Ctrl-C reaches the tuner, which
+    stops it) with a run token of its own, and stops by itself once its parent is gone. Its Unix socket lives in a
+    private temporary directory: a socket's path is limited to 107 bytes, an exps dir's is not."""
 
     def __init__(self, script: str, env: Mapping[str, str], running_dir: Path, record: str = SERVER_RECORD):
         self.script, self.env, self.running_dir, self.record = script, dict(env), Path(running_dir), record

@@ -1,24 +1,12 @@
 """What a warm rank server imports before it forks ranks: torch, DeepSpeed and the script's own top-level imports.
 
-The script's ``import`` statements are read from its AST, never run: the module's own statements and those nested
-in its top-level ``if``/``try``/``with`` blocks (a function's or a class's imports run later, if at all). Only modules
-of installed distributions are imported (`importlib.metadata.packages_distributions`), never a module of the
-script's own directory (it may change between experiments, and importing it would run the user's code in the
-server), nor the standard library (cheap to import in the rank). ``from X import Y`` also fetches ``Y``, since
-packages such as transformers load a model's module only when its name is first asked for (GPT-2's: 1.7 s of a
-3.6 s preload, D303). A failing import is logged and skipped: the rank imports it again and meets the error as
-the script's own.
-
-DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too (`preload_ops`), never built.
-
-The preload must leave the server fork-safe: no Python thread started (a library's background thread), no
-CUDA context (a CUDA context does not survive ``fork``; DeepSpeed's import asks ``torch.cuda`` questions that
-initialize it unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server sets). `fork_unsafe` says what
-broke it; the server then launches nothing warm.
-
-While it preloads (seconds; longer on a loaded machine or where an op's load builds it) the server is not yet
-serving, so nothing else sees its tuner die: `watch_parent` ends it and its process group (a build's
-compilers included) when its parent goes, and stops before the first fork.
+- The script's imports are read from its AST, never run (`script_imports`); `preload` imports those of installed
+  distributions only, never a module of the script's own directory nor the standard library. A failing import is
+  skipped: the rank imports it again and meets the error as the script's own.
+- DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too, never built (`preload_ops`).
+- The preload must leave the server fork-safe (no Python thread, no CUDA context): `fork_unsafe` says what broke it,
+  and the server then launches nothing warm. `watch_parent` ends the server if its tuner dies while it preloads.
+Evidence: docs/decisions.md, D303.
 """
 from __future__ import annotations
 
@@ -49,6 +37,8 @@ the probe wraps)."""
 def script_imports(script: str | os.PathLike) -> list[tuple[str, tuple[str, ...]]]:
     """The absolute imports at the top level of ``script``, in order, each once: ``(module, names)``, where
     ``names`` are the names of a ``from module import ...`` (empty for ``import module``; ``*`` is left out).
+    Read from the AST, never run: the module's own statements and those nested in its top-level ``if``/``try``/
+    ``with`` blocks (a function's or a class's imports run later, if at all).
 
     Raises:
         OSError: the script cannot be read.
@@ -99,8 +89,11 @@ class Preloaded:
 
 def preload(script: str | os.PathLike) -> Preloaded:
     """Import `ALWAYS`, then the installed modules ``script`` imports at top level (`script_imports`),
-    into this process. Never raises for an import: a failure is logged and recorded in `Preloaded.skipped`;
-    a script that cannot be read or parsed preloads `ALWAYS` alone."""
+    into this process. Only modules of installed distributions: never one of the script's own directory (it may
+    change between experiments, and importing it would run the user's code in the server), nor the standard
+    library (cheap to import in the rank). ``from X import Y`` also fetches ``Y``: packages such as transformers
+    load a model's module only when its name is first asked for. Never raises for an import: a failure is logged
+    and recorded in `Preloaded.skipped`; a script that cannot be read or parsed preloads `ALWAYS` alone."""
     done = Preloaded()
     script_dir = Path(script).resolve().parent
     try:
@@ -230,7 +223,9 @@ def preload_ops() -> list[str]:
 
 def fork_unsafe() -> str | None:
     """Why forking this process now would be unsafe, or None: a Python thread besides the main one (a fork copies
-    only the calling thread, and the others' locks stay held in the child), or a CUDA context.
+    only the calling thread, and the others' locks stay held in the child), or a CUDA context (it does not
+    survive ``fork``; DeepSpeed's import creates one unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server
+    is started with).
 
     Native threads of libraries that stop them before a fork and restart them in the child are no obstacle:
     NumPy's OpenBLAS starts its thread pool at import where more than one thread is allowed, and registers
@@ -253,6 +248,7 @@ PARENT_POLL_S = 0.2
 def watch_parent(parent: int):
     """Watch, from a thread, that ``parent`` stays this process's parent; once it does not, SIGKILL this process's
     group where this process leads it (a warm server is a session leader: its builds die with it), else this process.
+    Needed while a server preloads: it is not yet serving, so nothing else would see its tuner die.
     Returns ``stop()``, which ends the watch and joins its thread (before a fork: `fork_unsafe`)."""
     done = threading.Event()
 

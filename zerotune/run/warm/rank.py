@@ -1,16 +1,11 @@
 """One warm rank: a process forked from the warm server that becomes ``python -u SCRIPT --local_rank=N ARGS...``
 (DeepSpeed's launcher) or ``python -u SCRIPT ARGS...`` (torchrun's).
 
-What the launcher gives a rank it starts (``deepspeed/launcher/launch.py``, torchrun's agent) is given here without
-an exec: the environment (the launch's, with the rank's variables of the launcher's contract, set by
-`zerotune.run.warm.server`), ``sys.argv`` (`zerotune.launchers.contract.rank_argv`), ``sys.path[0]`` (the script's directory, as ``python SCRIPT`` sets it),
-the working directory, unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's file descriptors (``-u``), default
-signal handlers, fresh random seeds (Python's ``random`` reseeds itself at fork; NumPy's global state is reseeded
-here), and the step probe installed into the already-imported engine module
-(`zerotune.probe.sitecustomize.install`). The script then runs as ``__main__`` (`runpy.run_path`) and the
-process ends as Python's would: non-daemon threads joined, ``atexit`` hooks run (the probe's exit record among them),
-the exit status of ``sys.exit`` or 1 after an uncaught exception printed with its traceback (``sys.last_value`` set,
-as the interpreter sets it), a ``KeyboardInterrupt`` re-raised as SIGINT.
+Rules: the rank gets, without an exec, what the launcher gives a rank it starts (`become_rank`), runs the script as
+``__main__`` and ends as Python's process would (threads joined, ``atexit`` hooks run, the probe's exit record among
+them, the exit status of ``sys.exit``, 1 after an uncaught exception, a ``KeyboardInterrupt`` re-raised as SIGINT).
+A failure before the script starts exits `SETUP_FAILED`, and the backend re-runs the experiment cold.
+Evidence: docs/decisions.md, D303.
 """
 from __future__ import annotations
 
@@ -40,7 +35,10 @@ def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, pro
     returns (``os._exit``). With ``learn_path``, the names of the modules the rank imported (in import order) are
     written there as JSON once the script ended, for the server to import before its next fork
     (`zerotune.run.warm.preload.learn`). ``contract``: the launcher's, whose arguments go before the script's
-    (`zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's)."""
+    (`zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's). It sets what
+    the launcher would: the environment, ``sys.argv``, ``sys.path[0]`` (the script's directory), the working directory,
+    unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's descriptors, default signal handlers, NumPy's global
+    seed (Python's ``random`` reseeds itself at fork) and the step probe (`zerotune.probe.sitecustomize.install`)."""
     before = set(sys.modules)
     try:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):

@@ -1,38 +1,12 @@
 """The warm rank server: ``python -m zerotune.run.warm.server --socket PATH --script SCRIPT``, one per node for the
 life of a tuning.
 
-It preloads torch, DeepSpeed and the script's installed top-level imports (`zerotune.run.warm.preload`), then
-listens on a Unix socket and serves one request per connection, in a single thread (a fork copies only the calling
-thread: the server never starts another). The request is one JSON line; the server answers JSON lines::
-
-    -> {"op": "launch", "script": ..., "args": [...], "env": {...}, "cwd": ..., "slots": [0, 1],
-        "master_addr": "127.0.0.1", "master_port": 29500, "stdout": PATH, "stderr": PATH,
-        "data_limit": BYTES or null, "probe_dir": PATH or null, "contract": "deepspeed" or "torchrun"}
-    -> {"op": "launch", "script": ..., "args": [...], "rank_env": {...}, "cwd": ..., "affinity": [CPU, ...],
-        "data_limit": BYTES or null, "probe_dir": PATH or null, "contract": ...}   + file descriptors 0, 1, 2
-                                                                                   (SCM_RIGHTS)
-    <- {"pid": PID}          the run's launcher, forked; it leads a session of its own
-    <- {"exit": STATUS}      when it exits: its exit status (negative: killed by that signal)
-    -> {"op": "ping"}
-    <- {"pid": PID, "unsafe": REASON or null, "imported": [...], "skipped": {...}}
-
-The second form launches one rank whose environment is already DeepSpeed's (``rank_env``: a Slurm task's, made
-by `zerotune.run.backends.slurm_rank`), on the standard streams and CPU affinity of the process that asked: the
-rank then writes where that task writes, and the task stands for it in its Slurm step.
-
-The run's launcher does what DeepSpeed's per-node launcher does (``deepspeed/launcher/launch.py``) without an exec:
-it leads a new session as a child subreaper (so the backend stops the run as one process group, and what its ranks
-orphan stays in its tree), takes the per-rank data limit (``RLIMIT_DATA``, inherited by its ranks), sends its output
-to the experiment's logs, forks one rank per slot with the rank environment of the request's launcher contract (DeepSpeed's, or
-torchrun's: `rank_environment`; `zerotune.run.warm.rank` runs the script) and waits for them. A rank that exits
-non-zero ends the run: the others get SIGTERM, then SIGKILL after 30 s, and the launcher exits with that rank's
-status, as DeepSpeed's launcher does; SIGTERM or SIGINT to the launcher stops its ranks the same way (exit 1).
-
-The server stops, killing every run it launched, on SIGTERM, SIGINT or SIGHUP, when its parent (the tuner; in a
-Slurm step, its ``slurmstepd``) is gone (SIGKILL leaves it no other way to say so), or when the tuner closes a run's
-connection before the run ended. ``{node}`` in the socket path is this node's name (``SLURMD_NODENAME``, else the
-host name): nodes that share ``/tmp`` keep their sockets apart. With ``--ready DIR`` the server writes its ping
-answer to ``DIR/<node>.json`` once it accepts (a tuner on another node cannot see the socket appear).
+It preloads torch, DeepSpeed and the script's installed top-level imports (`zerotune.run.warm.preload`), then serves
+one JSON-line request per connection on a Unix socket (`_answer`: launch, ping), in a single thread: a fork copies
+only the calling thread, so the server never starts another. A launch forks a run launcher that does what DeepSpeed's
+per-node launcher does, without an exec (`_launcher`). The server kills every run it launched when it stops (on
+SIGTERM, SIGINT or SIGHUP, or when its parent, the tuner or a Slurm step's ``slurmstepd``, is gone: `serve`), and
+a run when the tuner closes that run's connection before it ended.
 """
 from __future__ import annotations
 
@@ -120,7 +94,11 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 def _launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> None:
-    """The forked run launcher (see the module doc); never returns. ``fds``: the standard streams the request
+    """The forked run launcher, never returning: DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``)
+    without an exec. It leads a new session as a child subreaper (the backend stops the run as one process group; what
+    its ranks orphan stays in its tree), takes the ``RLIMIT_DATA`` its ranks inherit, forks one rank per slot with its
+    contract's environment (`rank_environment`; `zerotune.run.warm.rank` runs the script) and waits (`_wait_ranks`);
+    SIGTERM or SIGINT stops its ranks (`_stop_ranks`), exit 1. ``fds``: the standard streams the request
     came with (none: ``/dev/null`` and its log files). ``close``: the server's sockets and selector, closed first
     (no rank inherits them). Its local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``
     (`zerotune.run.warm.preload.learn`)."""
@@ -257,9 +235,10 @@ def node_name() -> str:
 
 
 def serve(socket_path: str, script: str, parent: int, ready_dir: str | None = None) -> int:
-    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: `node_name`) until stopped
-    or until ``parent`` (the tuner's pid; 0: this process's parent now) is no longer this process's parent; with
-    ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once it accepts (see the module doc)."""
+    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: `node_name`, so nodes sharing
+    ``/tmp`` keep their sockets apart) until stopped or until ``parent`` (the tuner's pid; 0: this process's parent now)
+    is no longer this process's parent; with ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once
+    it accepts (a tuner on another node cannot see the socket appear)."""
     parent = parent or os.getppid()
     socket_path = socket_path.replace("{node}", node_name())
     started, stop_watch = time.monotonic(), watch_parent(parent)
@@ -402,7 +381,17 @@ class _Server:
 
 def _answer(conn: socket.socket, line: bytes, fds: list[int], unsafe: str | None, done, listener: socket.socket,
             others: list, learn_dir: str) -> int | None:
-    """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None."""
+    """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None.
+    One JSON line each way (a refusal: ``{"error": ...}``)::
+
+        -> {"op": "launch", "script", "args": [...], "env": {...}, "cwd", "slots": [0, 1], "master_addr", "master_port",
+            "stdout": PATH, "stderr": PATH, "data_limit": BYTES or null, "probe_dir": PATH or null, "contract"}
+        -> {"op": "launch", "script", "args", "rank_env": {...}, "cwd", "affinity": [CPU, ...], "data_limit",
+            "probe_dir", "contract"} + fds 0, 1, 2 (SCM_RIGHTS): one rank with DeepSpeed's environment already (a Slurm
+            task's, `zerotune.run.backends.slurm_rank`), on that task's streams and CPUs; the task stands for it
+        <- {"pid": PID}, the run's launcher (a session of its own), then {"exit": STATUS} (negative: killed by a signal)
+        -> {"op": "ping"}   <- {"pid", "node", "unsafe": REASON or null, "imported": [...], "skipped": {...}}
+    """
     try:
         request = json.loads(line)
     except ValueError as e:
