@@ -12,7 +12,6 @@ from zerotune.core.objective import Objective
 from zerotune.report.data import ReportData
 from zerotune.report.results import (
     answer_text,
-    beyond_plan_lines,
     cost_line,
     device_seconds,
     print_wide,
@@ -20,6 +19,7 @@ from zerotune.report.results import (
     run_length_note,
     startup_line,
     table_text,
+    unplanned_lines,
 )
 from zerotune.strategy.answer import best_experiment
 
@@ -358,6 +358,6 @@ def test_each_launch_beyond_the_cost_plan_says_which_rule_bought_it():
             Experiment("z0_a_r2", {}, status=Status.OK, replica_of="z0_a", bought_by="gas: a re-measurement"),
             Experiment("z1_c", {}, status=Status.REFUSED), Experiment("z1_d", {}, status=Status.OK),
             Experiment("z2_e", {}, status=Status.SKIPPED), Experiment("z2_f", {})]  # never launched
-    assert beyond_plan_lines(frozenset({"z0_a", "z1_d"}), runs) == [
+    assert unplanned_lines(frozenset({"z0_a", "z1_d"}), runs) == [
         "not in the plan: z0_b (oom), bought by ZeRO stages and mbs: ZeRO stage 0: the fine pass",
         "not in the plan: z0_a_r2 (ok), bought by gas: a re-measurement"]

@@ -130,7 +130,7 @@ class Autotuner:
         built = build_note(self.job.exps_dir, self.started_at)
         planned = [] if self.cost_plan is None else [
             results.plan_line(*self.cost_plan[:2], self.scheduler.history),
-            *results.beyond_plan_lines(self.cost_plan[2], self.scheduler.history)]
+            *results.unplanned_lines(self.cost_plan[2], self.scheduler.history)]
         steps_arg = self.job.autotuning.max_steps_arg
         length = results.run_length_note(self.result.experiments, self.result.ledger.answer, self.result.ledger.precision,
                                          step_flag(self.job.script_args, steps_arg), bool(steps_arg))

@@ -185,7 +185,7 @@ def plan_line(launches: int, device_s: float, experiments: Sequence[Experiment])
             f" ({replicas} re-measurement(s)), {sum(device_seconds(e) for e in spent) / 3600:.3g} device-hours")
 
 
-def beyond_plan_lines(planned: frozenset[str], experiments: Sequence[Experiment]) -> list[str]:
+def unplanned_lines(planned: frozenset[str], experiments: Sequence[Experiment]) -> list[str]:
     """One line per launch ``experiments`` spent that the cost plan did not name (not among the ``planned`` names; the
     profile, what the memory model refused and what the throughput model skipped are no launches), saying which
     rule of the strategy bought it (``Experiment.bought_by``) and how it ended."""
