@@ -318,3 +318,19 @@ def test_a_cuda_run_records_its_own_steps_growth_per_sample():
     slope = activation_slope_bytes(streams, mbs)
     assert slope == 1_202_590_843 + 19_298_688  # rank 0's last step: the gathered constant over 8 samples
     assert activation_slope_bytes(step_records({0: [{"step": 2, "peak_bytes": 9}]}), mbs) is None  # CPU: no base
+
+
+def test_one_out_of_memory_run_moves_every_stages_prediction():
+    memory = OnlineMemory(PRIOR)
+    before = [memory.bytes_per_device(demo(stage, 16)) for stage in range(4)]
+    assert before == [682_147_508, 2_682_147_508, 2_671_568_564, 2_703_305_396]
+    (_,), memory = feed(memory, [(demo(1, 16), None)])
+    # ZeRO-1 at mbs 16 ran out of memory: its line meets the budget there, 1.37% steeper than the profile's, and
+    # ZeRO-0, 2 and 3, never run, take the same slope ratio: each moves by the same 2,207,053 bytes at mbs 16
+    assert round(memory.slope_ratio, 4) == 1.0137
+    after = [memory.bytes_per_device(demo(stage, 16)) for stage in range(4)]
+    assert after == [684_354_561, BUDGET + 1, 2_673_775_617, 2_705_512_449]
+    assert {a - b for a, b in zip(after, before)} == {2_207_053}
+    # ZeRO-2's largest admitted mbs falls from 17 to 16: the run it would have bought at 17 is never launched
+    assert [OnlineMemory(PRIOR).max_mbs(demo(s, 1), BUDGET, cap=64) for s in range(4)] == [64, 16, 17, 14]
+    assert [memory.max_mbs(demo(s, 1), BUDGET, cap=64) for s in range(4)] == [64, 15, 16, 14]
