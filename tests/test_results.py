@@ -361,3 +361,30 @@ def test_each_launch_beyond_the_cost_plan_says_which_rule_bought_it():
     assert unplanned_lines(frozenset({"z0_a", "z1_d"}), runs) == [
         "not in the plan: z0_b (oom), bought by ZeRO stages and mbs: ZeRO stage 0: the fine pass",
         "not in the plan: z0_a_r2 (ok), bought by gas: a re-measurement"]
+
+
+def test_an_answer_known_to_over_3x_the_precision_says_what_dominates_and_what_would_narrow_it():
+    # issue 52's held-out answer: one run known to +-20.9% over 40 steady steps, the script's end first, the noise
+    # assumed (1%): its own interval dominates, and 40 * ((0.209 / 0.02) ** 2 - 1) = 4328.1 more steps reach +-2%
+    wide = exp("z0_gas1_tmbspg14", Status.OK, 30.0, 60.0, space="z0")
+    wide.metric_rel_half_width, wide.steady_steps, wide.ended = 0.209, 40, "script_end"
+    data = ReportData([RUNS[0], wide], THROUGHPUT, None, None, wide, Path("exps"), precision=0.02)
+    assert answer_text(data).splitlines()[-1] == (
+        "imprecise: the answer is known to ±21.0%, over 3x the precision (±2.0%): its run's own interval dominates "
+        "(z0_gas1_tmbspg14: ±20.9% over 40 steady steps, ended: script_end); about 4329 more steady steps would "
+        "reach it (the script's length or autotuning.end_profile_step bounds them)")
+    # its own steps at +-1% and a run-to-run noise of 4% (two runs of another config, 10 and 11): only runs
+    # average that down, (0.01 ** 2 + (2 * 0.0397) ** 2) / 0.02 ** 2 = 16 of them
+    slow, again, best = (exp(n, Status.OK, m, 450.0) for n, m in
+                         (("z1_gas1_tmbspg4", 10.0), ("z1_gas1_tmbspg4_r2", 11.0), ("z1_gas1_tmbspg8", 12.0)))
+    again.replica_of = slow.name
+    for e in (slow, again, best):
+        e.metric_rel_half_width = 0.01
+    data = ReportData([RUNS[0], slow, again, best], THROUGHPUT, None, None, best, Path("exps"), precision=0.02)
+    assert answer_text(data).splitlines()[-1] == (
+        "imprecise: the answer is known to ±8.0%, over 3x the precision (±2.0%): the run-to-run noise dominates "
+        "(sigma 4.0% over 1 run(s)); about 16 runs of it would average it down to the precision (more steps would "
+        "not)")
+    # known to within 3x the precision: no line
+    data = ReportData([RUNS[0], slow, again, best], THROUGHPUT, None, None, best, Path("exps"), precision=0.03)
+    assert "imprecise" not in answer_text(data)

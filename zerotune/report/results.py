@@ -27,7 +27,7 @@ from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.coverage import unmodelled_keys
 from zerotune.model.zero_options import approximations
 from zerotune.run.store import write_json_atomic, write_text_atomic
-from zerotune.strategy.answer import TIE_ORDER
+from zerotune.strategy.answer import IMPRECISE, TIE_ORDER
 
 if TYPE_CHECKING:
     from zerotune.report.data import ReportData
@@ -272,7 +272,34 @@ def answer_text(data: "ReportData") -> str:
     savers = "".join(f", {name}" for name in saver_names(best.ds_config))
     return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}{savers}, mbs {best.mbs}, gas {best.gas}), "
             f"{objective.name} {pooled.value:.4g} ±{data.answer_half_width:.1%} {objective.unit} (95%, mean of "
-            f"{pooled.runs} run(s): each run's own interval and the run-to-run noise)\n{data.noise.describe()}\n")
+            f"{pooled.runs} run(s): each run's own interval and the run-to-run noise)\n{data.noise.describe()}\n"
+            + "".join(f"{line}\n" for line in [imprecise_note(data)] if line))
+
+
+def imprecise_note(data: "ReportData") -> str | None:
+    """The summary's line where the answer is known only to more than `IMPRECISE` times the precision: which part
+    of its half-width dominates (`zerotune.core.noise.mean_half_width`: its runs' own intervals, which more steady
+    steps narrow, `zerotune.core.stopping.steps_to_precision`; or the run-to-run noise, which only more runs
+    average down, ``k = (within + (2 sigma)^2) / precision^2`` runs); None for an answer known well enough."""
+    width, precision, best = data.answer_half_width, data.precision, data.answer
+    if best is None or width is None or not precision or width <= IMPRECISE * precision:
+        return None
+    runs = [e for e in data.experiments if e.status is Status.OK and e.metric is not None
+            and best.name in (e.name, e.replica_of)]
+    within = statistics.fmean((e.metric_rel_half_width or 0.0) ** 2 for e in runs)
+    noise = (2 * data.noise.sigma) ** 2
+    head = f"imprecise: the answer is known to ±{width:.1%}, over {IMPRECISE}x the precision (±{precision:.1%}): "
+    if within >= noise:
+        run = max(runs, key=lambda e: e.metric_rel_half_width or 0.0)
+        ended = f", ended: {run.ended}" if run.ended else ""
+        more = (f"; about {math.ceil(steps_to_precision(run.steady_steps, run.metric_rel_half_width, precision))} "
+                "more steady steps would reach it (the script's length or autotuning.end_profile_step bounds them)"
+                if run.steady_steps and run.metric_rel_half_width else "")
+        return (f"{head}its run's own interval dominates ({run.name}: ±{run.metric_rel_half_width or 0.0:.1%} over "
+                f"{run.steady_steps or 0} steady steps{ended}){more}")
+    k = math.ceil((within + noise) / precision ** 2)
+    return (f"{head}the run-to-run noise dominates (sigma {data.noise.sigma:.1%} over {len(runs)} run(s)); about "
+            f"{k} runs of it would average it down to the precision (more steps would not)")
 
 
 def _metric_text(pooled: Pooled, exp: Experiment) -> str:
