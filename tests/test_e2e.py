@@ -61,6 +61,14 @@ def test_tune_writes_an_optimal_config_deepspeed_accepts(tmp_path):
     assert run.returncode == 0 or teardown_abort, run.stderr[-3000:]
     assert "step 1 loss" in run.stdout
 
+    # zerotune report from results.json alone (the exps dir moved away) writes the live tuning's report again
+    live = {f: (results / f).read_bytes() for f in ("results.json", "results.csv", "report.html")}
+    (results / "exps").rename(tmp_path / "exps_away")
+    report = zerotune("report", str(results), cwd=tmp_path)
+    (tmp_path / "exps_away").rename(results / "exps")
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert {f: (results / f).read_bytes() for f in live} == live
+
     # A rerun resumes: every finished (ok or oom) experiment comes from disk unchanged; when every
     # experiment finished, none is launched and the answer is the same.
     first = {p.parent.name: p.read_text() for p in (results / "exps").glob("*/exp.json")}

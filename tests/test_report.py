@@ -398,3 +398,22 @@ def test_the_answer_read_back_is_the_ledgers_and_each_entry_says_where_it_came_f
         "z1_mbs4", "cached", 1, True)
     (tmp_path / "results.json").unlink()  # the last resort: the answer rule over the runs alone
     assert load(tmp_path).answer.name == "z2_mbs4"
+
+
+def test_zerotune_report_from_results_json_alone_is_the_live_report_byte_for_byte(tmp_path, capsys):
+    from tests.helpers.simulated import tune_simulated
+
+    tune_simulated(tmp_path, 0, True, [0, 1, 2, 3])
+    results = tmp_path / "r"
+    live = {f: (results / f).read_bytes() for f in ("results.json", "results.csv", "report.html", "summary.txt")}
+    shutil.rmtree(results / "exps")  # the experiments' records gone: results.json alone
+    assert cli.main(["report", str(results)]) == 0
+    assert "report of 10 launch(es) (finished)" in capsys.readouterr().out
+    assert {f: (results / f).read_bytes() for f in live} == live
+    # a record edited in results.json does not verify: it is left out, the rest are read back
+    body = json.loads(live["results.json"])
+    assert len(body["records"]) == len(body["experiments"]) == 10
+    body["records"][1]["metric"] = 1e9
+    (results / "results.json").write_text(json.dumps(body))
+    data = load(results)
+    assert len(data.experiments) == 9 and body["records"][1]["name"] not in {e.name for e in data.experiments}

@@ -1,29 +1,29 @@
 """The report's one model: the runs, the answer, the runner-up, what was not run, the cost, the projection.
 
 Rules: `ReportData` is built two ways that give the same figures for the same runs: by the tuner from what it holds
-(`ReportData.from_tuning`: the scheduler's runs and the strategy's ledger, refreshed as experiments finish), or from a
-results dir on disk alone (`load`, for ``zerotune report``): the runs from the experiments' verified records
-(``exp.json``, `zerotune.run.store.load_records`), what only the tuner knew (its answer, the stages and candidates not
-run, its notes, its state) from the ``results.json`` it last wrote (`zerotune.report.table_export`). Every report file
-renders from it alone: ``summary.txt`` (`zerotune.report.results`), ``report.html`` (`zerotune.report.html`),
-``results.csv`` and ``results.json`` (`zerotune.report.table_export`).
+(`ReportData.from_tuning`), or from a results dir on disk (`load`, for ``zerotune report``): the runs from the
+experiments' verified records (``exp.json``, `zerotune.run.store.load_records`) and those ``results.json`` holds, what
+only the tuner knew (answer, what it did not run, notes, state) from that ``results.json``. From ``results.json``
+alone it is the live report again, byte for byte. Every report file renders from it alone: ``summary.txt``,
+``report.html``, ``results.csv`` and ``results.json``.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from zerotune.core.errors import ConfigError
+from zerotune.core.errors import ConfigError, RecordError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.noise import RunNoise, comparison_noise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import DEFAULT_PRECISION, EARLY_ENDS
-from zerotune.run.store import RECORD_FILE, load_records, read_json
+from zerotune.run.store import RECORD_FILE, ExpRecord, load_records, read_json
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:
@@ -100,6 +100,8 @@ class SavedTuning:
         found: whether the section holds any of these fields as zerotune writes it.
         answer: the answer it wrote (the ledger's, by name; the file's top-level ``answer``).
         cached: the names of the rows it wrote as read back from an earlier tuning (``origin`` ``cached``).
+        records: the runs its ``records`` hold that verify (`zerotune.run.store.ExpRecord.from_dict`), in order.
+        written_at: when it was written, seconds since the epoch (to the millisecond it records; None: unknown).
     """
 
     exps_dir: str | None = None
@@ -114,6 +116,8 @@ class SavedTuning:
     found: bool = False
     answer: str | None = None
     cached: frozenset[str] = frozenset()
+    records: tuple[Experiment, ...] = ()
+    written_at: float | None = None
 
     @classmethod
     def read(cls, path: Path) -> "SavedTuning":
@@ -124,7 +128,8 @@ class SavedTuning:
         saved = cls.from_dict(tuning) if isinstance(tuning, dict) else cls()
         cached = frozenset(r["name"] for r in (rows if isinstance(rows, list) else ())
                            if isinstance(r, dict) and r.get("origin") == "cached" and isinstance(r.get("name"), str))
-        return replace(saved, answer=answer if isinstance(answer, str) else None, cached=cached)
+        return replace(saved, answer=answer if isinstance(answer, str) else None, cached=cached,
+                       records=_verified(body.get("records")), written_at=_epoch(saved.found and tuning.get("written_at")))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "SavedTuning":
@@ -137,6 +142,27 @@ class SavedTuning:
         return cls(kept.get("exps_dir"), kept.get("context"), kept.get("state"),
                    kept.get("strategy_known", False), not_run, tuple(str(n) for n in kept.get("notes", [])),
                    plan, kept.get("since"), kept.get("elapsed_s"), found=bool(kept))
+
+
+def _verified(records: Any) -> tuple[Experiment, ...]:
+    """The experiments of a ``results.json``'s ``records`` that verify as ``exp.json`` does; the rest left out."""
+    out = []
+    for data in records if isinstance(records, list) else ():
+        try:
+            out.append(ExpRecord.from_dict(data).experiment)
+        except (RecordError, AttributeError, TypeError, ValueError):
+            continue
+    return tuple(out)
+
+
+def _epoch(iso: Any) -> float | None:
+    """Seconds since the epoch of ``2026-11-26T19:02:26.123Z`` (`zerotune.report.table_export.iso_time`), half a
+    millisecond in, so that it formats back to the same text; None for anything else."""
+    try:
+        moment = datetime.strptime(iso, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc)
+    except (TypeError, ValueError):
+        return None
+    return round(moment.timestamp() * 1000) / 1000 + 0.0005
 
 
 _SAVED_TYPES = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list,
@@ -338,11 +364,13 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
 
     The experiments are the verified records (``exp.json``) under ``exps_dir`` (default: the one ``results.json``
     names, else ``<results_dir>/exps``) of one tuning: those with the resume context ``results.json`` records,
-    else the latest record's (an exps dir may hold runs of other inputs). A record that does not verify is left
+    else the latest record's (an exps dir may hold runs of other inputs); then those of ``results.json``'s
+    ``records`` no ``exp.json`` holds (an exps dir moved or deleted). A record that does not verify is left
     out. The objective and budget come from that context; the answer is the one ``results.json`` names (the
     ledger's, as the tuner last wrote it) where it is among the runs and ran ok, and only without one (no
     ``results.json``, or a damaged one) recomputed from the runs (`zerotune.strategy.answer.best_experiment`);
-    the state from the files (`_state_on_disk`).
+    the state from the files (`_state_on_disk`). With no ``exp.json`` read, the state and the time written are
+    ``results.json``'s: its report again.
 
     Args:
         plan: the training run to project, over the one ``results.json`` records.
@@ -368,17 +396,20 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
         raise ConfigError(f"{results_dir}: {found} and no experiment records under {exps_dir}: expected a "
                           f"zerotune results dir (pass --exps-dir where the experiments went elsewhere)")
     context = tuning.context or (max(records, key=lambda r: r.recorded_at).resume_context if records else {})
-    runs = sorted((r.experiment for r in records if r.resume_context == context), key=_launch_order)
+    on_disk = [r.experiment for r in records if r.resume_context == context]
+    runs = sorted(on_disk + [e for e in tuning.records if e.name not in {d.name for d in on_disk}], key=_launch_order)
     objective = Objective.named(context.get("objective") or "throughput")
     budget = context.get("device_memory_bytes") if isinstance(context.get("device_memory_bytes"), int) else None
     capacity = None if context.get("cpu", True) else budget
     precision = context.get("precision") or DEFAULT_PRECISION  # without adaptive runs, the strategy's default
     answer = next((e for e in runs if e.name == tuning.answer and e.replica_of is None and e.status is Status.OK
                    and e.metric is not None), None) or best_experiment(runs, objective, capacity, precision)
+    saved_only = not on_disk and tuning.state in STATES and tuning.written_at is not None
+    state = tuning.state if saved_only else _state_on_disk(results_dir, exps_dir, runs, answer)
     return ReportData(runs, objective, budget, capacity, answer, exps_dir, list(tuning.not_run), list(tuning.notes),
-                      _state_on_disk(results_dir, exps_dir, runs, answer), context,
-                      (plan or TrainingPlan()).over(tuning.plan), strategy_known=tuning.strategy_known,
-                      precision=precision, cached=tuning.cached, since=tuning.since, elapsed_s=tuning.elapsed_s)
+                      state, context, (plan or TrainingPlan()).over(tuning.plan), strategy_known=tuning.strategy_known,
+                      precision=precision, cached=tuning.cached, since=tuning.since, elapsed_s=tuning.elapsed_s,
+                      **({"written_at": tuning.written_at} if saved_only else {}))
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 from zerotune.core.experiment import Experiment
 from zerotune.report.data import ReportData, outcome
 from zerotune.report.results import device_seconds
+from zerotune.run.store import ExpRecord
 
 SCHEMA_VERSION = 1  # of results.json
 
@@ -79,8 +80,10 @@ def _cell(value: Any) -> Any:
 
 def json_text(data: ReportData) -> str:
     """``results.json``: ``{"schema_version", "tuning": {...}, "answer", "runner_up", "projection",
-    "experiments": [rows]}``; the tuning is its state, the objective, the budget, where the experiments are and
-    what was not run and why. `zerotune.report.data.load` reads it back."""
+    "experiments": [rows], "records": [...]}``; the tuning is its state, the objective, the budget, where the
+    experiments are and what was not run and why; ``records`` each run's verified record as its ``exp.json`` holds
+    it (`zerotune.run.store.ExpRecord`, without its resume key), from which `zerotune.report.data.load` rebuilds the
+    report where the exps dir is gone."""
     runner_up, projection = data.runner_up(), data.projection()
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,
               "unit": data.objective.unit, "budget_bytes": data.budget_bytes, "exps_dir": str(data.exps_dir.resolve()),
@@ -93,5 +96,6 @@ def json_text(data: ReportData) -> str:
             "answer_rel_half_width": data.answer_half_width,
             "runner_up": None if runner_up is None else {**asdict(runner_up), "beyond_noise": runner_up.beyond_noise},
             "projection": None if projection is None else asdict(projection),
-            "experiments": [experiment_row(e, data) for e in data.experiments]}
+            "experiments": [experiment_row(e, data) for e in data.experiments],
+            "records": [ExpRecord(e).to_dict() for e in data.experiments]}
     return json.dumps(body, indent=1, allow_nan=False, default=str) + "\n"
