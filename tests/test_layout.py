@@ -241,3 +241,23 @@ def test_how_it_works_names_every_module_of_the_tree():
                     if p.stem not in ("__init__", "__main__") and "__pycache__" not in p.parts})
     missing = [s for s in stems if not re.search(rf"\b{re.escape(Path(s).stem)}\b", layout)]
     assert not missing, f"docs/how-it-works.md's layout does not name: {missing}"
+
+
+def test_tune_options_are_read_from_the_parser_by_name_not_copied_by_hand():
+    import dataclasses
+
+    from zerotune import cli
+    from zerotune.strategy.longest import LongestOptions
+    from zerotune.strategy.options import TuneOptions
+
+    args, _ = cli.parse(["tune", "--num_gpus", "2", "--device-memory", "3GiB", "--var", "A=[1, 2]", "--timeout",
+                         "60", "--max-seq-len", "512", "--verify-longest", "train.py"])
+    dests = set(vars(args))
+    # every field is an option's dest (by its name; --cpu's then resolved with the backend), or one
+    # cli.tune_options resolves (the memory sizes, parsed) or builds by its rule (--var's, longest's)
+    resolved = {"device_memory_bytes", "host_memory_bytes", "variables", "longest"}
+    assert {f.name for f in dataclasses.fields(TuneOptions)} - dests == resolved
+    assert {f.name for f in dataclasses.fields(LongestOptions)} <= dests
+    options = cli.tune_options(args, cpu=True, device_memory_bytes=3 * 2**30, host_memory_bytes=None)
+    assert (options.timeout_s, options.variables, options.longest) == (60.0, {"A": [1, 2]}, LongestOptions(512, True))
+    assert Path(cli.__file__).read_text().count("TuneOptions(") == 1  # tune_options' one, by name

@@ -14,6 +14,8 @@ import argparse
 import contextlib
 import signal
 import sys
+from dataclasses import fields
+from typing import Any
 
 from rich.console import Console
 
@@ -60,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="never try activation checkpointing or offload beyond what the config says")
         z.add_argument("--nvme-path", default=None, metavar="DIR",
                        help="a directory on local NVMe: where the host cannot hold what offload moves, offload there")
-        z.add_argument("--timeout", type=float, default=None, help="seconds per experiment before it is killed")
-        z.add_argument("--hang-timeout", type=float, default=None,
+        z.add_argument("--timeout", dest="timeout_s", metavar="TIMEOUT", type=float, default=None, help="seconds per experiment before it is killed")
+        z.add_argument("--hang-timeout", dest="hang_timeout_s", metavar="HANG_TIMEOUT", type=float, default=None,
                        help="kill an experiment whose output has not changed for this many seconds")
         z.add_argument("--cold-launch", dest="warm", action="store_false",
                        help="start every experiment's ranks through the deepspeed launcher, as a fresh process each "
@@ -82,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where experiments run: 'local' (the deepspeed launcher here), 'ray' (a Ray cluster, "
                             "one placement group per experiment; pip install 'zerotune[ray]') or 'slurm' (inside "
                             "salloc or an sbatch script: one srun job step per experiment on the allocation's nodes)")
-        z.add_argument("--address", default=None,
+        z.add_argument("--address", dest="ray_address", metavar="ADDRESS", default=None,
                        help="with --backend ray: the Ray cluster address, e.g. 10.0.0.1:6379 or auto "
                             "(default: $RAY_ADDRESS, else a new Ray instance on this machine)")
         z.add_argument("--dry-run", action="store_true",
@@ -126,7 +128,7 @@ def _longest_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seq-len", type=whole(1, MAX_COUNT), default=None, metavar="N",
                    help="the longest sequence a training batch holds, tokens: the answer must fit its peak there "
                         "(default: the model's n_positions where the batches' lengths vary, else what the runs saw)")
-    g.add_argument("--verify-longest", action="store_true",
+    g.add_argument("--verify-longest", dest="verify", action="store_true",
                    help="run the answer once more with every batch's token ids padded to the longest length")
 
 
@@ -177,17 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         budget = parse_bytes(args.device_memory) if args.device_memory is not None else None
         host_memory = parse_bytes(args.host_memory, "--host-memory") if args.host_memory is not None else None
         nodes, cpu = _resources(args)
-        options = TuneOptions(device_memory_bytes=budget, results_dir=args.results_dir, timeout_s=args.timeout,
-                              hang_timeout_s=args.hang_timeout, warm=args.warm, overwrite=args.overwrite, hostfile=args.hostfile,
-                              cpu=cpu, backend=args.backend, ray_address=args.address, precision=args.precision,
-                              adaptive=args.adaptive, variables=dict(parse_cli_variable(v) for v in args.var),
-                              host_memory_bytes=host_memory, savers=args.savers, nvme_path=args.nvme_path,
-                              train_samples=args.train_samples, train_steps=args.train_steps,
-                              cost_per_device_hour=args.cost_per_device_hour, max_launches=args.max_launches,
-                              max_device_hours=args.max_device_hours, master_port=args.master_port,
-                              longest=LongestOptions(args.max_seq_len, args.verify_longest))
-        if args.address is not None and args.backend != "ray":
-            raise ConfigError(f"--address {args.address} is a Ray cluster address: it goes with --backend ray")
+        options = tune_options(args, cpu=cpu, device_memory_bytes=budget, host_memory_bytes=host_memory)
+        if args.ray_address is not None and args.backend != "ray":
+            raise ConfigError(f"--address {args.ray_address} is a Ray cluster address: it goes with --backend ray")
         if args.json and not args.dry_run:
             raise ConfigError("--json goes with --dry-run")
         # with --json stdout holds the JSON alone: what DeepSpeed prints on import (its accelerator) goes to stderr
@@ -221,6 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]zerotune: interrupted ({signal.Signals(signum).name}); finished results are kept, "
                       "rerun to resume[/]")
         return 128 + signum
+
+
+def tune_options(args: argparse.Namespace, **resolved: Any) -> TuneOptions:
+    """The `TuneOptions` of ``tune``'s and ``run``'s parsed options: each field from the option whose ``dest`` is
+    its name, ``variables`` from ``--var``, ``longest`` from its own fields' options, and ``resolved`` (the fields
+    whose options are read first: the memory sizes, ``cpu``) over them. tests/test_layout.py holds that every field
+    is one of these."""
+    given = vars(args)
+    named = {f.name: given[f.name] for f in fields(TuneOptions) if f.name in given and f.name not in resolved}
+    longest = LongestOptions(**{f.name: given[f.name] for f in fields(LongestOptions)})
+    return TuneOptions(**named, variables=dict(parse_cli_variable(v) for v in args.var), longest=longest, **resolved)
 
 
 def _launcher_resources(args: argparse.Namespace, launcher: Launcher) -> None:
