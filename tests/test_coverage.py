@@ -30,7 +30,7 @@ def test_the_keys_the_memory_model_does_not_price_are_found_and_the_rest_are_not
 
 
 def test_the_summary_names_the_unpriced_keys_of_the_launched_configs():
-    from zerotune.report.results import strategy_notes
+    from zerotune.report.notes import strategy_notes
     from zerotune.strategy.ledger import Ledger
     from zerotune.strategy.result import StrategyResult
 

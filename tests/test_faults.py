@@ -59,7 +59,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.deepspeed import extensions
-from zerotune.run import expdir, store
+from zerotune.run import expdir, exprecord
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import RUNNING_DIR
 from zerotune.run.resources import select_resources
@@ -218,7 +218,7 @@ def test_config_keys_never_reach_an_experiment_name(tmp_path, capsys):
 def test_overwrite_removes_experiment_dirs_and_nothing_else(tmp_path):
     exps = tmp_path / "shared_dir"  # a config's exps_dir may name any directory
     (exps / "z0_gas1_tmbspg1").mkdir(parents=True)
-    store.write_record(Experiment("z0_gas1_tmbspg1", {}), exps / "z0_gas1_tmbspg1")  # zerotune's, by its content
+    exprecord.write_record(Experiment("z0_gas1_tmbspg1", {}), exps / "z0_gas1_tmbspg1")  # zerotune's, by its content
     (exps / "user_data").mkdir()
     (exps / "user_data" / "train.bin").write_text("data")
     (exps / "notes.txt").write_text("mine")

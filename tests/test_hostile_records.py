@@ -22,7 +22,7 @@ import pytest
 from tests.helpers.hostile_records import USER_RECORD, foreign_record, matrix_cases, user_dir
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
-from zerotune.run import store
+from zerotune.run import exprecord, store
 from zerotune.run.backends.base import Backend
 from zerotune.run.resources import select_resources
 from zerotune.run.scheduler import Scheduler
@@ -57,7 +57,7 @@ def record_in(exps: Path, name: str, status: Status = Status.OK, metric: float |
     """zerotune's own experiment directory ``exps/name`` with its record (no resume context)."""
     exp = Experiment(name, dict(CONFIG), status=status, metric=metric)
     (exps / name).mkdir(parents=True)
-    store.write_record(exp, exps / name)
+    exprecord.write_record(exp, exps / name)
     return exps / name / "exp.json"
 
 
@@ -95,17 +95,17 @@ def test_not_own_says_why_a_directory_is_not_zerotunes(tmp_path):
 
 def test_a_record_that_does_not_verify_is_not_trusted_and_not_fatal(tmp_path, caplog):
     path = record_in(tmp_path, "z1_gas1_tmbspg2")
-    assert store.load_record(path.parent, CONFIG).metric == 10.0
+    assert exprecord.load_record(path.parent, CONFIG).metric == 10.0
     record = json.loads(path.read_text())
     edited_config = {**record, "ds_config": {**CONFIG, "gradient_clipping": 7.0}}  # never ran; digests kept
-    redigested = {**edited_config, "record_digest": store.record_digest(edited_config)}
+    redigested = {**edited_config, "record_digest": exprecord.record_digest(edited_config)}
     bad_status = {**record, "status": "done"}
     cases = {
         "edited ds_config": (edited_config, "does not match its record_digest"),
         "edited ds_config, record digest redone": (redigested, "its ds_config does not match its config_digest"),
         "edited metric": ({**record, "metric": 1e9}, "does not match its record_digest"),
         "unknown status": (bad_status, "does not match its record_digest"),
-        "unknown status, record digest redone": ({**bad_status, "record_digest": store.record_digest(bad_status)},
+        "unknown status, record digest redone": ({**bad_status, "record_digest": exprecord.record_digest(bad_status)},
                                                  "its fields are not an experiment's"),
         "an older zerotune's": ({k: v for k, v in record.items() if k not in ("record_version", "record_digest")},
                                 "record version None, not this zerotune's 1"),
@@ -115,19 +115,19 @@ def test_a_record_that_does_not_verify_is_not_trusted_and_not_fatal(tmp_path, ca
     for case, (data, why) in cases.items():
         path.write_text(json.dumps(data))
         caplog.clear()
-        assert store.load_record(path.parent, CONFIG) is None, case
+        assert exprecord.load_record(path.parent, CONFIG) is None, case
         assert why in caplog.text, (case, caplog.text)
     for content in (b"\x00\xff garbage {", b"[" * 100_000, b'{"status": "ok"'):
         path.write_bytes(content)
-        assert store.load_record(path.parent, CONFIG) is None
+        assert exprecord.load_record(path.parent, CONFIG) is None
 
 
 def test_a_record_round_trips_with_its_version_and_digest(tmp_path):
     path = record_in(tmp_path, "z1_gas1_tmbspg2", metric=float("nan"))
     record = json.loads(path.read_text())
-    assert record["record_version"] == store.RECORD_VERSION == 1
-    assert record["record_digest"] == store.record_digest(record) and len(record["record_digest"]) == 64
-    assert store.ExpRecord.from_dict(record).to_dict()["record_digest"] == record["record_digest"]  # it verifies
+    assert record["record_version"] == exprecord.RECORD_VERSION == 1
+    assert record["record_digest"] == exprecord.record_digest(record) and len(record["record_digest"]) == 64
+    assert exprecord.ExpRecord.from_dict(record).to_dict()["record_digest"] == record["record_digest"]  # it verifies
 
 
 class Recorder(Backend):

@@ -19,7 +19,7 @@ from zerotune.launchers.torchrun import TorchrunLauncher
 from zerotune.run.backends.slurm_rank import contract_env, rank_env
 from zerotune.run.resources import select_resources
 from zerotune.run.resume import resume_context
-from zerotune.run.warm.server import rank_environment
+from zerotune.run.warm.launcher import rank_environment
 from zerotune.strategy.job import Job, TuneOptions
 
 pytest.importorskip("accelerate")

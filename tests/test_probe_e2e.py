@@ -14,7 +14,7 @@ from zerotune.core.measure import measure
 from zerotune.core.objective import OBJECTIVES
 from zerotune.core.stopping import StopRule
 from zerotune.probe import PROBE_DIR_ENV, PROBE_PATH, clean_exits, read_exits, read_streams
-from zerotune.report.results import run_length_note
+from zerotune.report.notes import run_length_note
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.resources import SlotPool, select_resources
 from zerotune.run.scheduler import Scheduler

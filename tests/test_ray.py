@@ -92,7 +92,7 @@ def test_multi_node_launch_names_the_granted_nodes_in_a_hostfile(tmp_path, monke
     """What the actor of a 2-node experiment launches, outside Ray: the nodes and GPU ids Ray
     granted (faked here: loopback addresses) go into ``exp_dir/hostfile`` and ``--include`` for the
     launcher's own multi-node runner. With no ssh to those hosts the launcher fails, as it would."""
-    import zerotune.run.backends.ray as ray_backend
+    import zerotune.run.backends._ray_node as ray_backend
 
     monkeypatch.setattr(ray_backend, "_granted_slots", lambda: ("127.0.0.2", [0, 1]))
     exp_dir = tmp_path / "exp"
@@ -115,7 +115,7 @@ def test_multi_node_launch_names_the_granted_nodes_in_a_hostfile(tmp_path, monke
 
 
 def test_a_node_that_cannot_see_the_experiment_dir_fails_it(tmp_path):
-    from zerotune.run.backends.ray import NodeLauncher
+    from zerotune.run.backends._ray_node import NodeLauncher
 
     launcher = NodeLauncher(tiny_spec(write_config(tmp_path / "ds.json")))
     exp = Experiment("elsewhere", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)

@@ -21,11 +21,12 @@ from zerotune import cli
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.objective import Objective
 from zerotune.report import publish
-from zerotune.report.data import ReportData, SavedTuning, TrainingPlan, load, outcome
+from zerotune.report.data import ReportData, TrainingPlan, outcome
+from zerotune.report.disk import SavedTuning, load
 from zerotune.report.html import figures
 from zerotune.report.publish import Refresher
 from zerotune.report.table_export import COLUMNS, csv_text, iso_time, json_text
-from zerotune.run.store import write_record
+from zerotune.run.exprecord import write_record
 
 OUTCOME_ORDER = ("ok", "stopped early", "oom", "failed", "timed out", "interrupted")
 

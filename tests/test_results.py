@@ -10,13 +10,13 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.noise import RUN_NOISE, RunNoise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.report.data import ReportData
+from zerotune.report.notes import run_length_note
 from zerotune.report.results import (
     answer_text,
     cost_line,
     device_seconds,
     print_wide,
     render_table,
-    run_length_note,
     startup_line,
     table_text,
     unplanned_lines,
@@ -159,7 +159,7 @@ def test_the_run_to_run_noise_is_assumed_until_a_config_runs_twice_and_never_bel
 
 
 def test_the_notes_say_what_was_not_launched_and_what_the_re_measurements_changed():
-    from zerotune.report.results import strategy_notes
+    from zerotune.report.notes import strategy_notes
     from zerotune.strategy.ledger import Ledger
     from zerotune.strategy.prediction import Prediction
     from zerotune.strategy.result import StrategyResult
@@ -305,7 +305,7 @@ def test_a_tied_reading_known_only_to_more_than_3x_the_precision_counts_at_its_l
 
 def test_the_summary_and_the_report_say_tie_with_both_figures(tmp_path):
     from zerotune.report.data import ReportData, TrainingPlan
-    from zerotune.report.results import strategy_notes
+    from zerotune.report.notes import strategy_notes
     from zerotune.strategy.ledger import Ledger
     from zerotune.strategy.result import StrategyResult
 

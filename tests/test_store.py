@@ -15,7 +15,7 @@ import pytest
 
 from zerotune.core.errors import ConfigError, RecordError
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.run import store
+from zerotune.run import exprecord, store
 from zerotune.run.backends.timeout import profile_wall_s
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,43 +31,43 @@ def ok_run(name: str = "z1_mbs2_gas1", kind: ExperimentKind = ExperimentKind.MBS
 
 def test_record_round_trips_and_is_matched_on_the_config_digest(tmp_path):
     e = ok_run()
-    store.write_record(e, tmp_path)
+    exprecord.write_record(e, tmp_path)
     data = json.loads((tmp_path / "exp.json").read_text())
-    assert data["config_digest"] == store.config_digest(CONFIG) and len(data["config_digest"]) == 12
+    assert data["config_digest"] == exprecord.config_digest(CONFIG) and len(data["config_digest"]) == 12
     assert list(data)[-6:] == ["config_digest", "resume_key", "resume_context", "recorded_at", "record_version",
                                "record_digest"]
 
-    assert store.load_record(tmp_path, CONFIG) == e
+    assert exprecord.load_record(tmp_path, CONFIG) == e
     # the same content spelled differently is the same config; another config is not
-    assert store.load_record(tmp_path, {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2}) == e
-    assert store.load_record(tmp_path, {**CONFIG, "train_micro_batch_size_per_gpu": 4}) is None
-    assert store.load_record(tmp_path / "nowhere", CONFIG) is None
+    assert exprecord.load_record(tmp_path, {"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": 2}) == e
+    assert exprecord.load_record(tmp_path, {**CONFIG, "train_micro_batch_size_per_gpu": 4}) is None
+    assert exprecord.load_record(tmp_path / "nowhere", CONFIG) is None
 
 
 def test_a_record_is_matched_on_its_resume_key(tmp_path):
-    store.write_record(ok_run(), tmp_path, key="k1", context={"script_sha256": "ab"})
-    record = store.ExpRecord.from_dict(json.loads((tmp_path / "exp.json").read_text()))
+    exprecord.write_record(ok_run(), tmp_path, key="k1", context={"script_sha256": "ab"})
+    record = exprecord.ExpRecord.from_dict(json.loads((tmp_path / "exp.json").read_text()))
     assert (record.resume_key, record.resume_context, record.experiment) == ("k1", {"script_sha256": "ab"}, ok_run())
-    assert store.load_record(tmp_path, CONFIG, "k1") == ok_run()
-    assert store.load_record(tmp_path, CONFIG, "k2") is None
+    assert exprecord.load_record(tmp_path, CONFIG, "k1") == ok_run()
+    assert exprecord.load_record(tmp_path, CONFIG, "k2") is None
 
 
 def test_the_longest_sequence_seen_round_trips_and_a_record_written_before_it_still_verifies(tmp_path):
     e = ok_run()
     e.max_seq_len_seen = 512
-    store.write_record(e, tmp_path)
-    assert store.load_record(tmp_path, CONFIG) == e
-    data = store.ExpRecord(ok_run(), "", {}, "2026-01-02T03:04:05").to_dict()
+    exprecord.write_record(e, tmp_path)
+    assert exprecord.load_record(tmp_path, CONFIG) == e
+    data = exprecord.ExpRecord(ok_run(), "", {}, "2026-01-02T03:04:05").to_dict()
     del data["max_seq_len_seen"]  # as an exp.json written before the field was
-    data["record_digest"] = store.record_digest(data)
-    assert store.ExpRecord.from_dict(data).experiment == ok_run()
+    data["record_digest"] = exprecord.record_digest(data)
+    assert exprecord.ExpRecord.from_dict(data).experiment == ok_run()
 
 
 def test_an_interrupted_record_is_not_loaded(tmp_path):
     e = ok_run()
     e.status = Status.INTERRUPTED
-    store.write_record(e, tmp_path)
-    assert store.load_record(tmp_path, CONFIG) is None
+    exprecord.write_record(e, tmp_path)
+    assert exprecord.load_record(tmp_path, CONFIG) is None
 
 
 @pytest.mark.parametrize("field, value, why", [
@@ -79,23 +79,23 @@ def test_an_interrupted_record_is_not_loaded(tmp_path):
     ("metric", "fast", "'metric' 'fast' is not a number"),
 ])
 def test_a_field_not_as_zerotune_writes_it_is_named(field, value, why):
-    data = store.ExpRecord(ok_run(), "k", {}, "2026-01-02T03:04:05").to_dict()
+    data = exprecord.ExpRecord(ok_run(), "k", {}, "2026-01-02T03:04:05").to_dict()
     data[field] = value
-    data["record_digest"] = store.record_digest(data)  # the digest redone: only the field is wrong
+    data["record_digest"] = exprecord.record_digest(data)  # the digest redone: only the field is wrong
     with pytest.raises(RecordError, match=f"^its fields are not an experiment's: {why}$"):
-        store.ExpRecord.from_dict(data)
+        exprecord.ExpRecord.from_dict(data)
 
 
 def test_load_records_keeps_the_verified_records_of_their_own_directories(tmp_path):
     for name in ("b", "a", "copied", "edited"):
         (tmp_path / name).mkdir()
-        store.write_record(ok_run("b" if name == "copied" else name), tmp_path / name)
+        exprecord.write_record(ok_run("b" if name == "copied" else name), tmp_path / name)
     edited = json.loads((tmp_path / "edited" / "exp.json").read_text())
     (tmp_path / "edited" / "exp.json").write_text(json.dumps({**edited, "metric": 9.0}))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "exp.json").write_text("not json")
-    assert [r.experiment.name for r in store.load_records(tmp_path)] == ["a", "b"]
-    assert store.load_records(tmp_path / "nowhere") == []
+    assert [r.experiment.name for r in exprecord.load_records(tmp_path)] == ["a", "b"]
+    assert exprecord.load_records(tmp_path / "nowhere") == []
 
 
 def test_the_default_timeout_reads_the_profile_run_from_a_record_that_verifies(tmp_path):
@@ -104,7 +104,7 @@ def test_the_default_timeout_reads_the_profile_run_from_a_record_that_verifies(t
         (tmp_path / name).mkdir()
         profile = ok_run(name, ExperimentKind.PROFILE)
         profile.wall_s = wall_s
-        store.write_record(profile, tmp_path / name)
+        exprecord.write_record(profile, tmp_path / name)
     edited = json.loads((tmp_path / "profile_r2" / "exp.json").read_text())
     (tmp_path / "profile_r2" / "exp.json").write_text(json.dumps({**edited, "wall_s": 400.0}))
     assert profile_wall_s(tmp_path) == 30.0

@@ -33,7 +33,7 @@ from zerotune.deepspeed.launcher import (
 )
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file, user_env_texts
 from zerotune.launchers.base import Launcher
-from zerotune.report import results
+from zerotune.report import notes, results
 from zerotune.report.data import ReportData, TrainingPlan
 from zerotune.report.log import to_console
 from zerotune.report.plan import Plan
@@ -132,9 +132,9 @@ class Autotuner:
             results.plan_line(*self.cost_plan[:2], self.scheduler.history),
             *results.unplanned_lines(self.cost_plan[2], self.scheduler.history)]
         steps_arg = self.job.autotuning.max_steps_arg
-        length = results.run_length_note(self.result.experiments, self.result.ledger.answer, self.result.ledger.precision,
+        length = notes.run_length_note(self.result.experiments, self.result.ledger.answer, self.result.ledger.precision,
                                          step_flag(self.job.script_args, steps_arg), bool(steps_arg))
-        return [*results.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
+        return [*notes.strategy_notes(self.result, self.job.device_memory_bytes, self.job.dp_world_size),
                 *([length] if length else []), *planned, self.job.batch.describe(), self._launcher_line(),
                 *([built] if built else [])]
 

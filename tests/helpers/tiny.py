@@ -40,7 +40,7 @@ def best_pooled(records: list[dict], precision: float = 0.02) -> dict:
     rule over the records). On CPU ranks the tie order's headroom never decides (no budget to read the capacity
     against)."""
     from zerotune.core.noise import mean_half_width, run_noise
-    from zerotune.run.store import ExpRecord
+    from zerotune.run.exprecord import ExpRecord
 
     exps = [ExpRecord.from_dict(r).experiment for r in records]
     sigma = run_noise(exps).sigma

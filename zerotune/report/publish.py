@@ -3,7 +3,7 @@
 `write_report` writes ``results.json``, ``results.csv`` and ``report.html`` into the results dir, each whole or
 not at all (`zerotune.run.store.write_text_atomic`). The tuner calls it through `Refresher`, as
 experiments finish and when it ends; there a failure is logged, never raised: the report must not fail or lose a
-tuning. ``zerotune report`` builds the same files from a results dir on disk (`zerotune.report.data.load`),
+tuning. ``zerotune report`` builds the same files from a results dir on disk (`zerotune.report.disk.load`),
 finished, running or interrupted.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Callable
 
 from zerotune.core.errors import ConfigError
 from zerotune.report import html, table_export
-from zerotune.report.data import RESULTS_JSON, ReportData, TrainingPlan, load
+from zerotune.report.data import RESULTS_JSON, ReportData, TrainingPlan
+from zerotune.report.disk import load
 from zerotune.run.store import write_text_atomic
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Any
 from zerotune.core.experiment import Experiment
 from zerotune.report.data import ReportData, outcome
 from zerotune.report.results import device_seconds
-from zerotune.run.store import ExpRecord
+from zerotune.run.exprecord import ExpRecord
 
 SCHEMA_VERSION = 1  # of results.json
 
@@ -82,7 +82,7 @@ def json_text(data: ReportData) -> str:
     """``results.json``: ``{"schema_version", "tuning": {...}, "answer", "runner_up", "projection",
     "experiments": [rows], "records": [...]}``; the tuning is its state, the objective, the budget, where the
     experiments are and what was not run and why; ``records`` each run's verified record as its ``exp.json`` holds
-    it (`zerotune.run.store.ExpRecord`, without its resume key), from which `zerotune.report.data.load` rebuilds the
+    it (`zerotune.run.exprecord.ExpRecord`, without its resume key), from which `zerotune.report.disk.load` rebuilds the
     report where the exps dir is gone."""
     runner_up, projection = data.runner_up(), data.projection()
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,

@@ -2,7 +2,7 @@
 
 A FIFO queue: the head waits until its slots can be reserved (atomically, from the
 ``SlotPool``); one thread per running experiment; several run at once when slots allow. Results
-live on disk (``exp.json`` per experiment, `zerotune.run.store.write_record`): an
+live on disk (``exp.json`` per experiment, `zerotune.run.exprecord.write_record`): an
 experiment whose OK or OOM result is on disk under the same resume key (the config content and
 the job's script, arguments, layout, budget and measurement: `zerotune.run.resume`) is not
 run again; a failed, timed-out or interrupted one, or one recorded under another key, is.
@@ -21,9 +21,10 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.deepspeed.extensions import extensions_dir, remove_stale_locks, seed, stale_locks
 from zerotune.run.backends.base import Backend
+from zerotune.run.exprecord import load_record, write_record
 from zerotune.run.resume import resume_key
 from zerotune.run.slots import SlotPool
-from zerotune.run.store import experiment_dir, load_record, make_way, write_record
+from zerotune.run.store import experiment_dir, make_way
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class Scheduler:
 
     def load(self, exp: Experiment) -> Experiment | None:
         """The reusable result on disk for ``exp``'s name and resume key (OK or OOM), if any
-        (`zerotune.run.store.load_record`)."""
+        (`zerotune.run.exprecord.load_record`)."""
         return load_record(experiment_dir(self.exps_dir, exp.name), exp.ds_config, self._key(exp))
 
     def _key(self, exp: Experiment) -> str:

@@ -1,6 +1,6 @@
 """The Ray backend's warm rank servers: a host actor per node, for the life of a tuning.
 
-An experiment's actor (`zerotune.run.backends.ray.NodeLauncher`) lives for one run, so a warm server there would pay
+An experiment's actor (`zerotune.run.backends._ray_node.NodeLauncher`) lives for one run, so a warm server there would pay
 its preload every run. Each node an experiment's first bundle lands on gets one `WarmHost` actor instead (no CPU, no
 GPU, pinned to the node), started at the first such experiment and killed at the tuning's end (`WarmHosts.stop`). The
 experiment's actor reaches its node's server by its socket (`zerotune.run.warm.client.AttachedWarmServer`) and

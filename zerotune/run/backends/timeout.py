@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.run.store import load_records
+from zerotune.run.exprecord import load_records
 
 __all__ = ["DEFAULT_TIMEOUT_FACTOR", "DEFAULT_TIMEOUT_FLOOR_S", "Timeout", "UNKNOWN_STARTUP_TIMEOUT_S",
            "experiment_timeout"]
@@ -62,7 +62,7 @@ def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path)
 
 def profile_wall_s(exps_dir: Path) -> float | None:
     """The longest wall time of an ok profile run recorded in ``exps_dir`` (its records that verify,
-    `zerotune.run.store.load_records`), seconds (None: none recorded)."""
+    `zerotune.run.exprecord.load_records`), seconds (None: none recorded)."""
     runs = [record.experiment for record in load_records(exps_dir)]
     walls = [float(e.wall_s) for e in runs if e.kind is ExperimentKind.PROFILE and e.status is Status.OK
              and isinstance(e.wall_s, (int, float)) and e.wall_s > 0]

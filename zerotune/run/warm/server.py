@@ -4,14 +4,13 @@ life of a tuning.
 It preloads torch, DeepSpeed and the script's installed top-level imports (`zerotune.run.warm.preload`), then serves
 one JSON-line request per connection on a Unix socket (`_answer`: launch, ping), in a single thread: a fork copies
 only the calling thread, so the server never starts another. A launch forks a run launcher that does what DeepSpeed's
-per-node launcher does, without an exec (`_launcher`). The server kills every run it launched when it stops (on
-SIGTERM, SIGINT or SIGHUP, or when its parent, the tuner or a Slurm step's ``slurmstepd``, is gone: `serve`), and
-a run when the tuner closes that run's connection before it ended.
+per-node launcher does, without an exec (`zerotune.run.warm.launcher`). The server kills every run it launched when
+it stops (on SIGTERM, SIGINT or SIGHUP, or when its parent, the tuner or a Slurm step's ``slurmstepd``, is gone:
+`serve`), and a run when the tuner closes that run's connection before it ended.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import selectors
@@ -20,62 +19,16 @@ import socket
 import sys
 import time
 
-from zerotune.launchers.contract import DEEPSPEED, TORCHRUN, torchrun_env
-from zerotune.run.warm import rank as warm_rank
+from zerotune.run.warm.launcher import STOP_SIGNALS, become_launcher
 from zerotune.run.warm.preload import fork_unsafe, learn, learnable, preload, preload_ops, watch_parent
 
-__all__ = ["main", "rank_environment"]
+__all__ = ["main"]
 
-_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
-_PR_SET_PDEATHSIG = 1
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-"""Blocked across each fork, so that a stop signal is never handled by the child with its parent's handler: the
-child installs its own, then unblocks them."""
 PARENT_POLL_S = 0.2  # how often the server checks that the tuner is alive, s
-RANK_TERM_WAIT_S = 30.0  # DeepSpeed's launcher: terminate_process_tree waits 30 s before SIGKILL
-
-
-def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, master_addr: str,
-                     master_port: int, contract: str = DEEPSPEED) -> dict[str, str]:
-    """The environment the launcher of ``contract`` gives local rank ``local_rank`` of a one-node run on ``slots``.
-
-    DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices
-    set to ``slots`` (DeepSpeed's own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU),
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and
-    ``LOCAL_RANK``. torchrun's (`zerotune.launchers.contract.torchrun_env`): ``env`` with ``MASTER_ADDR``,
-    ``MASTER_PORT``, the visible devices as for DeepSpeed's (as a user sets them before torchrun) and its worker
-    variables."""
-    from deepspeed.accelerator import get_accelerator
-    out = dict(env)
-    get_accelerator().set_visible_devices_envs(out, slots)
-    out.update({"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-    if contract == TORCHRUN:
-        return torchrun_env(out, local_rank, local_rank, len(slots), len(slots))
-    out.update({"WORLD_SIZE": str(len(slots)), "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": str(len(slots)),
-                "RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
-    return out
 
 
 class _Stop(Exception):
     """A stop signal reached the server."""
-
-
-def _prctl(option: int, value: int) -> None:
-    """``prctl(option, value)`` (Linux; elsewhere nothing). Not `zerotune.run.processes.adopt_orphans`: that
-    module's imports (psutil, the experiment record) would sit in the server's heap, and so in every warm rank's."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent ``parent`` exits (``PR_SET_PDEATHSIG``; the server and the launcher are
-    single-threaded, so "its parent" is that process): a run's launcher dies with a killed server, a rank with its
-    killed launcher. Exits at once if the parent is already gone."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 def _kill_runs(runs: dict[int, socket.socket], sig: int = signal.SIGKILL) -> None:
@@ -91,142 +44,6 @@ def _send(conn: socket.socket, message: dict) -> None:
         conn.sendall((json.dumps(message) + "\n").encode())
     except OSError:
         pass
-
-
-def _launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> None:
-    """The forked run launcher, never returning: DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``)
-    without an exec. It leads a new session as a child subreaper (the backend stops the run as one process group; what
-    its ranks orphan stays in its tree), takes the ``RLIMIT_DATA`` its ranks inherit, forks one rank per slot with its
-    contract's environment (`rank_environment`; `zerotune.run.warm.rank` runs the script) and waits (`_wait_ranks`);
-    SIGTERM or SIGINT stops its ranks (`_stop_ranks`), exit 1. ``fds``: the standard streams the request
-    came with (none: ``/dev/null`` and its log files). ``close``: the server's sockets and selector, closed first
-    (no rank inherits them). Its local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``
-    (`zerotune.run.warm.preload.learn`)."""
-    status = 1
-    server = os.getppid()
-    try:
-        for s in close:
-            s.close()
-        os.setsid()
-        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-        die_with_parent(server)
-        if request.get("data_limit"):
-            import resource
-            limit = int(request["data_limit"])
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-        if request.get("affinity"):
-            os.sched_setaffinity(0, [int(c) for c in request["affinity"]])
-        _standard_streams(request, fds)
-        envs = _rank_envs(request)
-        ranks: list[int] = []
-        launcher = os.getpid()
-
-        def stop(signum=None, frame=None, code: int = 1):
-            _stop_ranks(ranks)
-            os._exit(code)
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
-        signal.signal(signal.SIGHUP, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by the server across the fork
-        for env in envs:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            pid = os.fork()
-            if pid == 0:
-                die_with_parent(launcher)
-                learn_path = os.path.join(learn_dir, f"{launcher}.json") if env.get("LOCAL_RANK") == "0" else None
-                warm_rank.become_rank(request["script"], list(request["args"]), env, request["cwd"],
-                                      request.get("probe_dir"), learn_path, request.get("contract", DEEPSPEED))
-            ranks.append(pid)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        status = _wait_ranks(ranks)
-    except BaseException as e:  # noqa: BLE001 - any failure here is the launch's, reported as a setup failure
-        try:
-            os.write(2, f"{warm_rank.SETUP_FAILED_LINE}: launcher: {type(e).__name__}: {e}\n".encode())
-        except OSError:
-            pass
-        status = warm_rank.SETUP_FAILED
-    os._exit(status)
-
-
-def _standard_streams(request: dict, fds: list[int]) -> None:
-    """The launcher's fds 0, 1 and 2: those passed with the request, else ``/dev/null`` and the request's
-    ``stdout`` and ``stderr`` files (appended)."""
-    if fds:
-        for target, fd in enumerate(fds[:3]):
-            os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        return
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for target, path in ((1, request["stdout"]), (2, request["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(out, target)
-        os.close(out)
-
-
-def _rank_envs(request: dict) -> list[dict[str, str]]:
-    """The environment of each rank the launcher forks: the request's ``rank_env`` (one rank), else one per slot
-    (`rank_environment`)."""
-    if "rank_env" in request:
-        return [{str(k): str(v) for k, v in request["rank_env"].items()}]
-    slots = [int(s) for s in request["slots"]]
-    contract = request.get("contract", DEEPSPEED)
-    return [rank_environment(request["env"], slots, local_rank, request["master_addr"], int(request["master_port"]),
-                             contract) for local_rank in range(len(slots))]
-
-
-def _wait_ranks(ranks: list[int]) -> int:
-    """Wait for the launcher's ``ranks``; the launcher's exit status: 0 once all exited 0, else the first failing
-    rank's, once the others are stopped; a rank killed by a signal kills the launcher by the same signal (the
-    backend then reads -9 as -9)."""
-    alive = set(ranks)
-    while alive:
-        try:
-            pid, wait_status = os.wait()
-        except ChildProcessError:
-            break
-        if pid not in alive:  # an orphan of a rank, adopted by this subreaper
-            continue
-        alive.discard(pid)
-        code = os.waitstatus_to_exitcode(wait_status)
-        if code != 0:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            _stop_ranks([r for r in ranks if r in alive])
-            if code < 0:
-                signal.signal(-code, signal.SIG_DFL)
-                os.kill(os.getpid(), -code)
-            return code & 0xFF
-    return 0
-
-
-def _stop_ranks(ranks: list[int]) -> None:
-    """SIGTERM the ranks' trees, SIGKILL what is left after `RANK_TERM_WAIT_S` (DeepSpeed's launcher's
-    ``terminate_process_tree``)."""
-    import psutil
-    procs = []
-    for pid in ranks:
-        try:
-            p = psutil.Process(pid)
-            procs += p.children(recursive=True) + [p]
-        except psutil.Error:
-            pass
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=RANK_TERM_WAIT_S)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
 
 
 def node_name() -> str:
@@ -419,7 +236,7 @@ def _answer(conn: socket.socket, line: bytes, fds: list[int], unsafe: str | None
         if os.getpid() == server_pid:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if pid == 0:
-        _launcher(request, fds, [listener, conn, *others], learn_dir)
+        become_launcher(request, fds, [listener, conn, *others], learn_dir)
     _send(conn, {"pid": pid})
     return pid
 
