@@ -5,13 +5,13 @@ printed as a traceback.
     OMP_NUM_THREADS=1 python -m benchmarks.fault_matrix [--json OUT]    # from the repository root
 
 Every case runs the real ``zerotune`` CLI in its own process: the hostile inputs as
-``python -m zerotune tune ...`` (:data:`tests.helpers.fault_cases.HOSTILE_INPUTS`), the others through
-the stand-ins' driver (:mod:`tests.helpers.standins`), which only swaps DeepSpeed's launcher for a stand-in that
+``python -m zerotune tune ...`` (:data:`benchmarks.faults.fault_cases.HOSTILE_INPUTS`), the others through
+the stand-ins' driver (:mod:`benchmarks.faults.standins`), which only swaps DeepSpeed's launcher for a stand-in that
 starts stand-in ranks (so a case takes seconds, not minutes; the process tree, signals, result files and
 ``/dev/shm`` files are real). A case **survived** when the tuner ended with the expected exit status
 and the expected outcome, with no traceback, no process of its run left (found by the run token in
 the process environment, and by the stand-ins' paths), no ``/dev/shm`` file of its runs left, and no
-finished result lost or changed. Round two's cases (``matrix_cases`` of tests/helpers/hostile_records.py,
+finished result lost or changed. Round two's cases (``matrix_cases`` of benchmarks/faults/hostile_records.py,
 hostile_runs.py and hostile_inputs.py) run the same checks with their tests' own code. Figures:
 
 - cases tried / survived;
@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.helpers import (  # the cases and stand-ins the tests run too  # round two (issue 28)
+from benchmarks.faults import (  # the cases and stand-ins the tests run too  # round two (issue 28)
     fault_cases,
     hostile_inputs,
     hostile_records,

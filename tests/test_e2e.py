@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import on_free_port
+from benchmarks.faults.processes import on_free_port
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec

@@ -34,15 +34,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.fault_cases import (
+from benchmarks.faults.fault_cases import (
     HOSTILE_INPUTS,
     RANK_FAULTS,
     hostile_argv,
     lock_waiter_scheduler,
     stale_lock_is_named_then_removed,
 )
-from tests.helpers.processes import processes_of_tuner, shm_files, shm_left, stand_in_processes
-from tests.helpers.standins import (
+from benchmarks.faults.processes import processes_of_tuner, shm_files, shm_left, stand_in_processes
+from benchmarks.faults.standins import (
     ANSWER,
     BASE_CONFIG,
     DRIVER,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import on_free_port
+from benchmarks.faults.processes import on_free_port
 from zerotune.run.processes import remove_shm_buffers
 
 pytest.importorskip("transformers")

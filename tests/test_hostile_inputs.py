@@ -8,9 +8,9 @@
 - ``zerotune run`` whose training fails: exit status 3 (:data:`zerotune.cli.TRAINING_FAILED`) and a line with
   the training's own status.
 
-The scenarios (:mod:`tests.helpers.hostile_inputs`) run the real CLI in its own process with the stand-in
+The scenarios (:mod:`benchmarks.faults.hostile_inputs`) run the real CLI in its own process with the stand-in
 launcher, and ranks that also log the arguments they got as bytes, refuse a ZeRO stage on cue and fail the training
-on cue. Each scenario returns what :func:`~tests.helpers.hostile_inputs.matrix_cases` reports; the tests assert it is
+on cue. Each scenario returns what :func:`~benchmarks.faults.hostile_inputs.matrix_cases` reports; the tests assert it is
 clean.
 """
 from __future__ import annotations
@@ -21,15 +21,15 @@ import subprocess
 
 import pytest
 
-from tests.helpers.fault_cases import hostile_argv
-from tests.helpers.hostile_inputs import (
+from benchmarks.faults.fault_cases import hostile_argv
+from benchmarks.faults.hostile_inputs import (
     ODD,
     failed_training,
     non_utf8_paths_and_arguments,
     outcome,
     stage0_client_optimizer,
 )
-from tests.helpers.standins import BASE_CONFIG
+from benchmarks.faults.standins import BASE_CONFIG
 from zerotune import cli
 from zerotune.deepspeed import launcher
 from zerotune.run.resources import select_resources

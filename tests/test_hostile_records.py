@@ -6,7 +6,7 @@ never through a symlink; one tuner per experiments dir; a record that does not v
 schema or version) is re-run, neither trusted nor fatal; the results are written atomically, and a
 stop signal while they are written leaves the old answer or the new one, whole.
 
-Each scenario (:func:`~tests.helpers.hostile_records.matrix_cases`) runs the real CLI with the stand-in launcher
+Each scenario (:func:`~benchmarks.faults.hostile_records.matrix_cases`) runs the real CLI with the stand-in launcher
 in a fresh directory and returns what went wrong; the tests assert that nothing did, and
 ``benchmarks/fault_matrix.py`` prints the same scenarios as rows. The unit tests below them pin each rule on the
 function that holds it.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.hostile_records import USER_RECORD, foreign_record, matrix_cases, user_dir
+from benchmarks.faults.hostile_records import USER_RECORD, foreign_record, matrix_cases, user_dir
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Experiment, Status
 from zerotune.run import exprecord, store

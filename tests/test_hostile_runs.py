@@ -1,9 +1,9 @@
 """Hostile round two, runs (issue 28): nothing lost, no traceback, no silent wrong answer.
 
-Each case (:mod:`tests.helpers.hostile_runs`) runs the real ``zerotune`` CLI in its own process with the stand-in
+Each case (:mod:`benchmarks.faults.hostile_runs`) runs the real ``zerotune`` CLI in its own process with the stand-in
 launcher and a stand-in rank of its own (DeepSpeed's result files, plus the probe's stream, a barrier standing
 for a collective, a self-inflicted SIGSTOP, a helper that leaves the run's tree, group, session and
-environment), and returns what :func:`~tests.helpers.hostile_runs.matrix_cases` reports to
+environment), and returns what :func:`~benchmarks.faults.hostile_runs.matrix_cases` reports to
 benchmarks/fault_matrix.py: why the fault was not survived (empty when it was), finished results lost or changed,
 processes left, tracebacks seen. The tests assert that report is clean and the case's own facts (status, error,
 answer).
@@ -24,7 +24,7 @@ import re
 
 import pytest
 
-from tests.helpers.hostile_runs import matrix_cases
+from benchmarks.faults.hostile_runs import matrix_cases
 from zerotune.core.experiment import Status
 from zerotune.run.expdir import classify
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.processes import on_free_port
+from benchmarks.faults.processes import on_free_port
 from zerotune.run.processes import remove_shm_buffers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores

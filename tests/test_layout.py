@@ -215,12 +215,21 @@ def test_tests_and_benchmarks_import_as_packages_without_sys_path_edits():
 
 
 def test_no_test_module_is_imported_by_another_or_by_a_helper_or_a_benchmark():
-    """A test module is a leaf: the harness tests share lives in tests/helpers and tests/conftest.py, which the
-    benchmarks import too (issue 40). tests/regen_ledger_pins.py, a script, rewrites tests/test_ledgers.py's pins."""
+    """A test module is a leaf: the harness tests share lives in tests/helpers, tests/conftest.py and
+    benchmarks/ (issue 40). tests/regen_ledger_pins.py, a script, rewrites tests/test_ledgers.py's pins."""
     paths = [p for folder in ("tests", "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))
              if p.name != "regen_ledger_pins.py"]
     found = [f"{p.relative_to(ROOT)}:{line} imports {module}" for p in paths
              for line, module in imported_test_modules(p, ast.parse(p.read_text())) if module != module_name(p)]
+    assert found == []
+
+
+def test_no_benchmark_imports_tests():
+    """tests/ may import benchmarks/ (the simulator, the fault cases), never the other way round: a benchmark runs
+    without the test suite (issue 53)."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "benchmarks").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), start=1)
+             if re.match(r"\s*(from|import) tests\b", line)]
     assert found == []
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.processes import processes_running
+from benchmarks.faults.processes import processes_running
 from tests.helpers.tiny import SCRIPT, TINY, write_config  # the same tiny example as the local e2e tests
 from zerotune import cli
 from zerotune.core.errors import ConfigError

@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from benchmarks.faults.processes import processes_running
 from tests.helpers.cluster_env import run_env
-from tests.helpers.processes import processes_running
 from tests.helpers.services import need
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune import cli

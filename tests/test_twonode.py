@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.faults.processes import processes_running
 from tests.helpers.cluster_env import run_env
-from tests.helpers.processes import processes_running
 from tests.helpers.services import need
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.probe import read_exits

@@ -1,7 +1,7 @@
 """Hostile round two, runs (issue 28): the cases tests/test_hostile_runs.py asserts and benchmarks/fault_matrix.py
 counts (:func:`matrix_cases`).
 
-Each runs the real ``zerotune`` CLI in its own process with the stand-in launcher (:mod:`tests.helpers.standins`)
+Each runs the real ``zerotune`` CLI in its own process with the stand-in launcher (:mod:`benchmarks.faults.standins`)
 and a stand-in rank of its own (:data:`RANK`: DeepSpeed's result files, plus the probe's stream, a barrier standing
 for a collective, a self-inflicted SIGSTOP, a helper that leaves the run's tree, group, session and environment),
 and returns what :func:`matrix_cases` reports: why the fault was not survived (empty when it was), finished results
@@ -19,8 +19,8 @@ from typing import Callable
 
 import psutil
 
-from tests.helpers.processes import processes_of_tuner, stand_in_processes
-from tests.helpers.standins import ANSWER, BASE_CONFIG, DRIVER, LAUNCHER, answer, records, start_tuner, tune_argv
+from benchmarks.faults.processes import processes_of_tuner, stand_in_processes
+from benchmarks.faults.standins import ANSWER, BASE_CONFIG, DRIVER, LAUNCHER, answer, records, start_tuner, tune_argv
 
 RANK = r'''
 """A stand-in DeepSpeed rank (issue 28): profile -> model_info.json; else end_profile_step steps, then
@@ -122,7 +122,7 @@ def make_work(path: Path) -> Path:
 
 
 def untimed_argv(work: Path, *extra: str, ranks: int = 2) -> list[str]:
-    """:func:`tests.helpers.standins.tune_argv` without its ``--timeout 30``: the default timeout applies."""
+    """:func:`benchmarks.faults.standins.tune_argv` without its ``--timeout 30``: the default timeout applies."""
     argv = tune_argv(work, *extra, ranks=ranks)
     i = argv.index("--timeout")
     return argv[:i] + argv[i + 2:]

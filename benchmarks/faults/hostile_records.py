@@ -1,7 +1,7 @@
 """Hostile records and results (issue 28, round two): the scenarios tests/test_hostile_records.py asserts and
 benchmarks/fault_matrix.py prints as rows (:func:`matrix_cases`).
 
-Each runs the real CLI with the stand-in launcher (:mod:`tests.helpers.standins`) in a fresh directory and returns
+Each runs the real CLI with the stand-in launcher (:mod:`benchmarks.faults.standins`) in a fresh directory and returns
 what went wrong.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tests.helpers.processes import stand_in_processes
-from tests.helpers.standins import BASE_CONFIG, DRIVER, LAUNCHER, RANK, run_tuner
+from benchmarks.faults.processes import stand_in_processes
+from benchmarks.faults.standins import BASE_CONFIG, DRIVER, LAUNCHER, RANK, run_tuner
 from zerotune.run import store
 
 KIND = "round two: records"

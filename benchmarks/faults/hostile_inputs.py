@@ -1,7 +1,7 @@
 """Hostile round two, inputs (issue 28): the scenarios tests/test_hostile_inputs.py asserts and
 benchmarks/fault_matrix.py counts (:func:`matrix_cases`).
 
-Each runs the real CLI in its own process with the stand-in launcher (:mod:`tests.helpers.standins`), and ranks
+Each runs the real CLI in its own process with the stand-in launcher (:mod:`benchmarks.faults.standins`), and ranks
 (:data:`RANK`) that also log the arguments they got as bytes, refuse a ZeRO stage on cue and fail the training on
 cue, and returns what :func:`matrix_cases` reports.
 """
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from tests.helpers import standins
-from tests.helpers.processes import shm_files, shm_left, stand_in_processes
-from tests.helpers.standins import BASE_CONFIG, DRIVER, LAUNCHER, answer, records, run_tuner, tune_argv
+from benchmarks.faults import standins
+from benchmarks.faults.processes import shm_files, shm_left, stand_in_processes
+from benchmarks.faults.standins import BASE_CONFIG, DRIVER, LAUNCHER, answer, records, run_tuner, tune_argv
 from zerotune.core.experiment import ExperimentKind
 
 KIND = "round two: inputs"
@@ -148,6 +148,6 @@ def matrix_cases() -> list[tuple[str, str, Callable[[Path], dict]]]:
             (KIND, "run: training fails", failed_training)]
 
 
-if __name__ == "__main__":  # python -m tests.helpers.hostile_inputs ROOT: the matrix cases, one line each
+if __name__ == "__main__":  # python -m benchmarks.faults.hostile_inputs ROOT: the matrix cases, one line each
     for kind, name, run in matrix_cases():
         print(kind, "|", name, "|", run(Path(sys.argv[1])), flush=True)

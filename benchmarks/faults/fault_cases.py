@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from tests.helpers.standins import BASE_CONFIG, LAUNCHER, RANK
+from benchmarks.faults.standins import BASE_CONFIG, LAUNCHER, RANK
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.launch import LaunchSpec
 from zerotune.core.user_files import MAX_FILE_BYTES
