@@ -226,7 +226,7 @@ def stale_lock(root: Path) -> Case:
 
 
 def round_two(root: Path, kind: str, name: str, run) -> Case:
-    """A round-two case (tests/helpers/hostile_*.py ``matrix_cases``): ``run(root)`` plays it with the real CLI and
+    """A round-two case (benchmarks/faults/hostile_*.py ``matrix_cases``): ``run(root)`` plays it with the real CLI and
     reports what was not survived, the results lost, the processes left and the tracebacks (counts or lists)."""
     case = Case(kind, name)
     try:
