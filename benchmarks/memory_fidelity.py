@@ -54,12 +54,12 @@ import psutil
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.core.units import format_bytes
+from zerotune.inputs.configs import PROFILE_BUCKET_SIZE
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends.local import LocalBackend
 from zerotune.run.processes import data_bytes
-from zerotune.strategy.configs import PROFILE_BUCKET_SIZE
 
 ROOT = Path(__file__).resolve().parent.parent
 

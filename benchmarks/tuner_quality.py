@@ -1,7 +1,7 @@
 """Tuner quality on a SYNTHETIC throughput function (no DeepSpeed run, no real measurement).
 
 How many experiments does each tuner need before it has run a config whose true throughput is
-within 2% of the optimum? Over the 288-config ZeRO-3 space :func:`zerotune.strategy.space.default_space`
+within 2% of the optimum? Over the 288-config ZeRO-3 space :func:`zerotune.inputs.space.default_space`
 (3) builds, for 20 seeds:
 
 - grid search: the space's deterministic order (the same count for every seed);
@@ -42,7 +42,7 @@ import statistics
 import time
 
 from zerotune.core.experiment import Status
-from zerotune.strategy.space import Candidate, default_space, generate
+from zerotune.inputs.space import Candidate, default_space, generate
 from zerotune.strategy.tuners import make_tuner
 
 GiB = 2**30

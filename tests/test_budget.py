@@ -1,5 +1,5 @@
 """The launch budget (--max-launches, --max-device-hours): the tuning launches no more, answers with the best of
-what ran and says what it did not decide (zerotune/strategy/budget.py) and by how much the answer could be beaten
+what ran and says what it did not decide (zerotune/inputs/budget.py) and by how much the answer could be beaten
 (zerotune/strategy/stop_bound.py)."""
 import json
 import math
@@ -12,9 +12,9 @@ import pytest
 from tests.helpers.simulated import tune_simulated
 from tests.helpers.tiny import SCRIPT, TINY, write_config
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.inputs.budget import LaunchBudget
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.resources import select_resources
-from zerotune.strategy.budget import LaunchBudget
-from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.result import StrategyResult
 from zerotune.strategy.tuning import Strategy
 

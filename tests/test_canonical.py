@@ -15,7 +15,7 @@ from zerotune.deepspeed.canonical import (
     without_defaults,
 )
 from zerotune.deepspeed.keys import ZERO_DEFAULTS
-from zerotune.strategy.space import generate
+from zerotune.inputs.space import generate
 
 Z = "zero_optimization"
 MBS = "train_micro_batch_size_per_gpu"

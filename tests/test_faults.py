@@ -105,7 +105,7 @@ def test_hostile_input_is_exit_2_naming_it_before_anything_launches(tmp_path, ca
 
 
 def test_a_fixed_train_batch_size_that_disagrees_with_mbs_and_gas_is_said_not_silently_replaced(tmp_path):
-    from zerotune.strategy.job import Job, TuneOptions
+    from zerotune.inputs.job import Job, TuneOptions
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
                                                   "gradient_accumulation_steps": 2}))
     job = Job.build("train.py", ["--deepspeed_config", str(tmp_path / "ds.json")], select_resources(local_slots=2),

@@ -13,11 +13,11 @@ import pytest
 
 from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.core.noise import DEFAULT_PRECISION, RUN_NOISE
+from zerotune.inputs.batch import BatchSemantics
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.resources import select_resources
 from zerotune.strategy import remeasure
 from zerotune.strategy.answer import best_experiment
-from zerotune.strategy.batch import BatchSemantics
-from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.tuning import Strategy
 
 GiB = 2**30
@@ -118,7 +118,7 @@ def test_the_split_is_not_run_where_its_doubled_gas_can_gain_under_the_threshold
 
 
 def test_the_gain_of_doubling_gas_is_bounded_by_the_once_per_step_share():
-    from zerotune.strategy.batch import doubling_gain_bound
+    from zerotune.inputs.batch import doubling_gain_bound
     z0, z3 = {"zero_optimization": {"stage": 0}}, {"zero_optimization": {"stage": 3}}
     # T = g F + B; gas 2g over g: 2 (g F + B) / (2 g F + B) - 1 = s / (2 - s)
     assert doubling_gain_bound(0.02, z0) == 0.02 / 1.98

@@ -8,10 +8,10 @@ from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import ExperimentKind
 from zerotune.core.launch import Node
 from zerotune.deepspeed.auto import ENGINE_RECORD, auto_paths, hidden_size_autos, resolve, script_autos
+from zerotune.inputs.configs import PROFILE_BUCKET_SIZE, ConfigBuilder
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.probe._zerotune_probe.engine import _hidden_size, _max_positions
 from zerotune.report.results import optimal_config
-from zerotune.strategy.configs import PROFILE_BUCKET_SIZE, ConfigBuilder
-from zerotune.strategy.job import Job, TuneOptions
 
 GiB = 2**30
 MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",

@@ -32,9 +32,9 @@ from benchmarks.faults.hostile_inputs import (
 from benchmarks.faults.standins import BASE_CONFIG
 from zerotune import cli
 from zerotune.deepspeed import launcher
+from zerotune.inputs.configs import ConfigBuilder
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.resources import select_resources
-from zerotune.strategy.configs import ConfigBuilder
-from zerotune.strategy.job import Job, TuneOptions
 
 # --- item 4: the profile runs at a stage the job tunes ------------------------------------------------
 

@@ -5,7 +5,7 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import Node
-from zerotune.strategy.job import Job, TuneOptions
+from zerotune.inputs.job import Job, TuneOptions
 
 GiB = 2**30
 

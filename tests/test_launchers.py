@@ -10,6 +10,7 @@ from zerotune import cli
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import LaunchSpec, Node, Reservation
 from zerotune.deepspeed.launcher import launch_command, launch_env
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.launchers.accelerate import ANSWER_YAML, AccelerateLauncher
 from zerotune.launchers.base import LIGHTNING_CONFIG_ENV, Launcher
 from zerotune.launchers.command import KNOWN, read_command
@@ -20,7 +21,6 @@ from zerotune.run.backends.slurm_rank import contract_env, rank_env
 from zerotune.run.resources import select_resources
 from zerotune.run.resume import resume_context
 from zerotune.run.warm.launcher import rank_environment
-from zerotune.strategy.job import Job, TuneOptions
 
 pytest.importorskip("accelerate")
 GiB = 2**30

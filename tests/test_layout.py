@@ -24,7 +24,8 @@ LAYERS = (  # lowest first: a module imports its own layer and those before it, 
     "launchers",  # the user's launcher (deepspeed, torchrun, accelerate, python): read, its rank contract, its answer
     "model",  # the memory and throughput models, the profile
     "run",  # slots, the scheduler, backends, an experiment's directory, the resume key
-    "strategy",  # the job and what to try next
+    "inputs",  # the job: the user's script, ds_config and options read, checked and resolved
+    "strategy",  # what to try next
     "report",  # what the user reads
     "autotuner",  # the Python API's facade
     "cli",  # the launcher-style command line
@@ -256,8 +257,7 @@ def test_tune_options_are_read_from_the_parser_by_name_not_copied_by_hand():
     import dataclasses
 
     from zerotune import cli
-    from zerotune.strategy.longest import LongestOptions
-    from zerotune.strategy.options import TuneOptions
+    from zerotune.inputs.options import LongestOptions, TuneOptions
 
     args, _ = cli.parse(["tune", "--num_gpus", "2", "--device-memory", "3GiB", "--var", "A=[1, 2]", "--timeout",
                          "60", "--max-seq-len", "512", "--verify-longest", "train.py"])

@@ -19,7 +19,7 @@ from tests.helpers.simulated import tune_simulated
 # Regenerated (issue 10): throughput searches start at the memory model's estimate and go down only while
 # halving clearly pays (zerotune.strategy.mbs, top-down); a higher stage with more memory headroom is probed at
 # its own largest mbs (zerotune.strategy.stages); noise tests count the run-to-run noise; gas doubles once at
-# the best mbs where the global batch is free (zerotune.strategy.batch); the warm-up is cut by MSER (core.measure).
+# the best mbs where the global batch is free (zerotune.inputs.batch); the warm-up is cut by MSER (core.measure).
 # Then (cost): at most 2 configs are re-measured before the answer (FINAL_CANDIDATES, was 3), and only when one
 # of them is not known to the target precision; ZeRO-3 without more headroom is skipped once stage 1 or 2 did
 # not beat the best at that mbs (strategy.stages); the fine pass skips the gap below the best when the best and
@@ -46,7 +46,7 @@ from tests.helpers.simulated import tune_simulated
 # scenario 11 (stages 1-2) runs its answer once more; in scenario 16 the answer's second run drops it below another
 # ZeRO-3 knob setting, which is re-measured in turn and stays the answer.
 # Then (session 10): a gas-ladder rung is not run where the probe's once-per-step share (boundary_s: optimizer
-# step, boundary reduction) bounds its gain under the 1% plateau threshold (zerotune.strategy.batch,
+# step, boundary reduction) bounds its gain under the 1% plateau threshold (zerotune.inputs.batch,
 # doubling_gain_bound): the ZeRO-2/3 answers of scenarios 0, 11, 16 and 33 and the gas-doubling batch case run no
 # rung. The answers keep their stage and mbs; scenario 0's, 16's and 11's (stages 1-2, "fast": false) were at gas 2,
 # now gas 1. With "fast": false scenario 16's knob phase runs 9 launches fewer and scenario 11's (stages 1-2) 3 more.
@@ -151,7 +151,7 @@ def test_simulated_ledger_is_pinned(tmp_path, case):
     assert plain(answer) == pin["answer"]
 
 
-# Batch semantics (issue 10): the same SIMULATED scenario under each rule of zerotune.strategy.batch
+# Batch semantics (issue 10): the same SIMULATED scenario under each rule of zerotune.inputs.batch
 
 
 @pytest.mark.parametrize("name", list(BATCH_PINS))

@@ -6,11 +6,12 @@ import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.objective import Objective
+from zerotune.inputs.options import LongestOptions
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.tokens import LongestBatch, check_longest, longest_batch, square_bytes, token_slope
 from zerotune.strategy.ledger import Ledger
-from zerotune.strategy.longest import LongestOptions, settle_longest
+from zerotune.strategy.longest import settle_longest
 
 MEMORY = OnlineMemory(MemoryModel(1_000_000, 400_000, 2, overhead_bytes=50_000_000))
 PER_TOKEN, FIXED = 1000, 100_000_000  # bytes per token per sample, and what a run holds whatever its batch

@@ -9,12 +9,12 @@ import pytest
 from tests.helpers.tiny import ACTIVATIONS, PARAMS, SCRIPT, write_dry_run_config
 from zerotune.autotuner import Autotuner, TuneOptions
 from zerotune.core.experiment import Status
+from zerotune.inputs.configs import ConfigBuilder
 from zerotune.model.memory import MemoryModel
 from zerotune.report.results import table_text
 from zerotune.run.exprecord import write_record
 from zerotune.run.resources import select_resources
 from zerotune.run.resume import resume_context, resume_key
-from zerotune.strategy.configs import ConfigBuilder
 
 GiB = 2**30
 

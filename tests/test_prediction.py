@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.model.throughput import Reading
 from zerotune.run.resources import select_resources
-from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.prediction import GATED_KINDS, Prediction, family_key, predict
 from zerotune.strategy.tuning import Strategy
 

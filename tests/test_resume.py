@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 
 from zerotune.core.experiment import Experiment, Status
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.backends.base import Backend
 from zerotune.run.resources import select_resources
 from zerotune.run.resume import resume_context, resume_key
 from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
-from zerotune.strategy.job import Job, TuneOptions
 
 GiB = 2**30
 SCRIPT_V1 = "print('model v1')\n"

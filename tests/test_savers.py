@@ -12,8 +12,8 @@ from pathlib import Path
 
 from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.deepspeed.keys import CHECKPOINTING
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.resources import select_resources
-from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.savers import savers_for
 from zerotune.strategy.tuning import Strategy
 

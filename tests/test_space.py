@@ -1,4 +1,4 @@
-"""Tests of zerotune.strategy.space (generation, order, dedupe, pruning, variables) and of the
+"""Tests of zerotune.inputs.space (generation, order, dedupe, pruning, variables) and of the
 checks it runs, zerotune.deepspeed.validate; names and hashes are in test_canonical.py."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from zerotune.core.errors import ConfigError
 from zerotune.deepspeed import keys
 from zerotune.deepspeed.canonical import ACRONYMS, canonical_json, config_hash
 from zerotune.deepspeed.validate import prune, validate
-from zerotune.strategy.space import default_space, generate
+from zerotune.inputs.space import default_space, generate
 
 ROOT = Path(__file__).resolve().parents[1]
 Z = "zero_optimization"
@@ -81,7 +81,7 @@ def test_order_independent_of_dict_insertion_order():
 
 
 def test_order_independent_of_pythonhashseed():
-    code = ("import hashlib; from zerotune.strategy.space import generate, default_space; "
+    code = ("import hashlib; from zerotune.inputs.space import generate, default_space; "
             "n=[c.name for c in generate({'train_micro_batch_size_per_gpu': 4}, default_space(3), "
             "stage=3, dp_world_size=1)]; print(hashlib.sha256('\\n'.join(n).encode()).hexdigest())")
     for seed in ("1", "12345"):

@@ -5,7 +5,7 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
-from zerotune.strategy.space import default_space, generate
+from zerotune.inputs.space import default_space, generate
 from zerotune.strategy.tuners import GridSearchTuner, RandomTuner, make_tuner
 
 Z = "zero_optimization."

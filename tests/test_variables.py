@@ -6,9 +6,9 @@ import pytest
 from zerotune.cli import main
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import Node
-from zerotune.strategy.configs import ConfigBuilder
-from zerotune.strategy.job import Job, TuneOptions
-from zerotune.strategy.variables import parse_cli_variable, parse_variables, placeholder_paths
+from zerotune.inputs.configs import ConfigBuilder
+from zerotune.inputs.job import Job, TuneOptions
+from zerotune.inputs.variables import parse_cli_variable, parse_variables, placeholder_paths
 
 GiB = 2**30
 TEMPLATE = {"train_micro_batch_size_per_gpu": 1,

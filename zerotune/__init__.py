@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Autotuner": "zerotune.autotuner",
     "Interrupted": "zerotune.autotuner",
-    "TuneOptions": "zerotune.strategy.job",
+    "TuneOptions": "zerotune.inputs.job",
     "ConfigError": "zerotune.core.errors",
     "TuningFailed": "zerotune.core.errors",
     "MemoryModel": "zerotune.model.memory",

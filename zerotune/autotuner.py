@@ -2,7 +2,7 @@
 
 Build it from the launcher's arguments and resources, then ``tune()``, ``print_tuning_results()``,
 ``write_optimal_config()`` and ``run_after_tuning()``; ``plan()`` is the dry run. It only wires
-the parts together: the `zerotune.strategy.job.Job` (inputs), the
+the parts together: the `zerotune.inputs.job.Job` (inputs), the
 `zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a backend (running
 it), and `zerotune.report` (the answer). Signals, locks, reaping and the extension cache, a run's lifetime on
 its directories, are `zerotune.run._lifetime`'s.
@@ -32,6 +32,8 @@ from zerotune.deepspeed.launcher import (
     script_arguments,
 )
 from zerotune.deepspeed.rank_env import RUNNER_ENV_FILE, runner_env_file, user_env_texts
+from zerotune.inputs.configs import ConfigBuilder
+from zerotune.inputs.job import Job, TuneOptions
 from zerotune.launchers.base import Launcher
 from zerotune.report import notes, results
 from zerotune.report.data import ReportData, TrainingPlan
@@ -52,8 +54,6 @@ from zerotune.run.backends.base import Backend
 from zerotune.run.resources import SlotPool
 from zerotune.run.resume import resume_context
 from zerotune.run.scheduler import Scheduler
-from zerotune.strategy.configs import ConfigBuilder
-from zerotune.strategy.job import Job, TuneOptions
 from zerotune.strategy.oracle import PROFILE_ON_DISK, MemoryOracle
 from zerotune.strategy.result import StrategyResult
 from zerotune.strategy.tuning import Strategy

@@ -25,6 +25,9 @@ from zerotune.core.arguments import MAX_COUNT, positive_number, reject_empty, wh
 from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.noise import DEFAULT_PRECISION
 from zerotune.core.units import parse_bytes
+from zerotune.inputs.job import cuda_available
+from zerotune.inputs.options import LongestOptions
+from zerotune.inputs.variables import parse_cli_variable
 from zerotune.launchers.base import Launcher
 from zerotune.launchers.command import UserCommand, read_command
 from zerotune.model import estimate
@@ -32,9 +35,6 @@ from zerotune.report import publish
 from zerotune.report.log import set_verbosity
 from zerotune.run.backends import BACKENDS, backend_nodes
 from zerotune.run.resources import select_resources, slots_named
-from zerotune.strategy.job import cuda_available
-from zerotune.strategy.longest import LongestOptions
-from zerotune.strategy.variables import parse_cli_variable
 
 TRAINING_FAILED = 3
 """``zerotune run``'s exit status when the training it launched with the optimal config failed: the
@@ -111,7 +111,7 @@ def _command_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _budget_options(p: argparse.ArgumentParser) -> None:
-    """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (`zerotune.strategy.budget`)."""
+    """``--max-launches`` and ``--max-device-hours``: what a tuning may spend (`zerotune.inputs.budget`)."""
     g = p.add_argument_group("the tuning's budget (then the best of what ran is the answer)")
     g.add_argument("--max-launches", type=whole(2, MAX_COUNT), default=None, metavar="N",
                    help="launch at most N experiments, the profile run included (so at least 2: the profile and one "

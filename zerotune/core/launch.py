@@ -2,7 +2,7 @@
 zerotune may use (`Node`), the slots one experiment holds (`Reservation`), and one experiment's launch
 as the backends start, watch and stop it (`RunLaunch`).
 
-Records only, on the ground floor: the job builds the spec (`zerotune.strategy.job.Job.launch_spec`), the
+Records only, on the ground floor: the job builds the spec (`zerotune.inputs.job.Job.launch_spec`), the
 slot pool hands out reservations (`zerotune.run.slots.SlotPool`), and the ``deepspeed`` launcher's
 environment and command are made from both (`zerotune.deepspeed.launcher`) for the backends that start them.
 """

@@ -51,7 +51,7 @@ class AutotuningConfig(BaseModel):
     tuner_num_trials: int = Field(50, ge=1)
     tuner_early_stopping: int = Field(5, ge=1)
     arg_mappings: dict[str, str] | None = None
-    variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.strategy.variables)
+    variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.inputs.variables)
     max_steps_arg: str | None = None  # zerotune's: the script's steps flag, raised for experiments (deepspeed.args)
 
     @field_validator("results_dir", "exps_dir")

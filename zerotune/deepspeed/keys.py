@@ -3,7 +3,7 @@ which keys hold lists, integer sizes and their bounds, and DeepSpeed's defaults.
 
 Facts only, each with its source in DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` unless
 said otherwise); the modules that check (`zerotune.deepspeed.validate`), name
-(`zerotune.deepspeed.canonical`) and generate (`zerotune.strategy.space`) configs read
+(`zerotune.deepspeed.canonical`) and generate (`zerotune.inputs.space`) configs read
 them from here.
 """
 from __future__ import annotations

@@ -136,7 +136,7 @@ class ReportData:
         experiments: the runs of this tuning (the profile run included), in launch order.
         objective: the tuned metric. budget_bytes: the per-device memory budget, bytes.
         capacity_bytes: the budget the answer rule reads capacity against (None on CPU ranks,
-            `zerotune.strategy.job.Job.capacity_bytes`).
+            `zerotune.inputs.job.Job.capacity_bytes`).
         answer: the optimal experiment (None: none ran ok yet).
         not_run: stages, savers and candidates never launched, with why. notes: the tuner's other notes.
         state: one of `STATES`. context: the runs' resume context (`zerotune.run.resume.resume_context`).

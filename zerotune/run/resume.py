@@ -24,7 +24,7 @@ CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed
 
 
 class ResumedJob(Protocol):
-    """What `resume_context` reads of a job: the fields of `zerotune.strategy.job.Job` it keys on
+    """What `resume_context` reads of a job: the fields of `zerotune.inputs.job.Job` it keys on
     (a protocol, so this layer names no strategy type)."""
 
     script: str

@@ -20,10 +20,10 @@ from typing import Callable, Iterator, Sequence
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.noise import DEFAULT_PRECISION, known_to_precision, must_beat, typical_half_width
-from zerotune.strategy.budget import BudgetSpent
+from zerotune.inputs.budget import BudgetSpent
+from zerotune.inputs.configs import ConfigBuilder
+from zerotune.inputs.job import Job
 from zerotune.strategy.capacity import memory_fraction
-from zerotune.strategy.configs import ConfigBuilder
-from zerotune.strategy.job import Job
 from zerotune.strategy.prediction import predict, readings
 from zerotune.strategy.result import StrategyResult
 

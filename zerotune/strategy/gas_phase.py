@@ -1,6 +1,6 @@
 """The gas phase: gradient accumulation at the best stage's best mbs, where the batch semantics search it.
 
-At the best stage's best mbs ``m`` (`zerotune.strategy.batch`): first ``m``'s global batch split in two (``m // 2``
+At the best stage's best mbs ``m`` (`zerotune.inputs.batch`): first ``m``'s global batch split in two (``m // 2``
 at twice the gas), then the config's list of gas values at ``m`` (each tried), or a doubling ladder within
 ``max_train_batch_size`` that stops at a plateau or a failure. A run is skipped where it cannot pay: the split
 without a measured point that makes it worth a run (`GasPhase.split_evidence`), and the split or a rung where
@@ -14,7 +14,7 @@ import logging
 
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.noise import replica_decides, within_noise
-from zerotune.strategy.batch import doubling_gain_bound
+from zerotune.inputs.batch import doubling_gain_bound
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.knobs import knob_stages
 from zerotune.strategy.points import Point, pooled_point
@@ -104,7 +104,7 @@ class GasPhase:
 
     def rung_cannot_pay(self, base: Experiment, gas: int) -> bool:
         """Whether the ladder's rung at ``gas`` is not worth a run, from ``base``, the same config at half that
-        gas: it gains at most `zerotune.strategy.batch.doubling_gain_bound` of ``base``'s measured
+        gas: it gains at most `zerotune.inputs.batch.doubling_gain_bound` of ``base``'s measured
         once-per-step share, under `PLATEAU_THRESHOLD`: it would end the ladder as a plateau even if it ran."""
         share = self.boundary_share(base)
         bound = self.bound_under_threshold(share, base)
@@ -116,7 +116,7 @@ class GasPhase:
         return True
 
     def bound_under_threshold(self, share: float | None, base: Experiment | None) -> float | None:
-        """`zerotune.strategy.batch.doubling_gain_bound` of ``share`` for ``base``'s config where
+        """`zerotune.inputs.batch.doubling_gain_bound` of ``share`` for ``base``'s config where
         throughput is tuned and the bound is under `PLATEAU_THRESHOLD`; else None."""
         if base is None or not self.ev.job.objective.higher_is_better:
             return None

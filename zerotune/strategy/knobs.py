@@ -2,7 +2,7 @@
 
 The knob stages are the best explored stage and the next best when within `KNOB_STAGE_MARGIN` of it,
 each at its best mbs (and gas, where the gas phase found a better one). The space
-(`zerotune.strategy.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the
+(`zerotune.inputs.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the
 slots can run at once; configs that already ran (the mbs phase's own config) are told, not run again.
 """
 from __future__ import annotations

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
+from zerotune.inputs.options import LongestOptions
 from zerotune.model.tokens import LongestBatch, LongestCheck, check_longest, longest_batch
 
-__all__ = ["LongestOptions", "LongestResult", "VERIFY_SPACE", "settle_longest"]
+__all__ = ["LongestResult", "VERIFY_SPACE", "settle_longest"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +27,6 @@ VERIFY_SPACE = "longest"
 """The tuning space of a verification run (``<answer>_longest<L>``), for the summary."""
 MAX_VERIFICATIONS = 3
 """Verification runs at most: each one that runs out of memory moves the answer to the next config."""
-
-
-@dataclass(frozen=True)
-class LongestOptions:
-    """``--max-seq-len N`` (the longest batch, tokens; None: from the model or the runs) and ``--verify-longest``
-    (run the answer once at that length)."""
-
-    max_seq_len: int | None = None
-    verify: bool = False
 
 
 @dataclass

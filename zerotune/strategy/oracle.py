@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.strategy.job import Job
+from zerotune.inputs.job import Job
 
 PROFILE_ON_DISK = "profile run on disk"
 GIVEN_MODEL_INFO = "autotuning.model_info"

@@ -96,7 +96,7 @@ class StrategyResult:
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
         savers_notes: what the savers phase did not try and why (`zerotune.strategy.savers`).
         stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
-            not decided; `zerotune.strategy.budget`); empty when it ran them all.
+            not decided; `zerotune.inputs.budget`); empty when it ran them all.
         longest: the answer checked at the longest batch (`zerotune.strategy.longest`).
         stop_bound: with ``stopped``, what was left undecided and by how much the answer could be beaten
             (`zerotune.strategy.stop_bound`); None otherwise, or when nothing ran ok.

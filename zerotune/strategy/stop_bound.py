@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.inputs.configs import ConfigBuilder
+from zerotune.inputs.job import Job
 from zerotune.model.throughput import Reading
-from zerotune.strategy.configs import ConfigBuilder
-from zerotune.strategy.job import Job
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.prediction import GATED_KINDS, model_bounds, readings, roofline
 

@@ -19,6 +19,8 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.auto import read_engine_record
+from zerotune.inputs.budget import BudgetSpent
+from zerotune.inputs.job import Job
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.profile import ModelInfo
@@ -27,12 +29,10 @@ from zerotune.model.zero_options import ZeroOptions
 from zerotune.probe import read_square_activations
 from zerotune.strategy import remeasure
 from zerotune.strategy.bounds import SearchBounds
-from zerotune.strategy.budget import BudgetSpent
 from zerotune.strategy.capacity import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator, buying
 from zerotune.strategy.fine import fine_gaps, refine_mbs
 from zerotune.strategy.gas_phase import GasPhase
-from zerotune.strategy.job import Job
 from zerotune.strategy.knobs import knob_stages, tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import settle_longest
@@ -86,7 +86,7 @@ class Strategy:
         """Profile, explore the stages and mbs, try the memory savers, tune gas, (``"fast": false``) tune the
         knobs, settle the answer.
 
-        A phase that finds the launch budget spent (`zerotune.strategy.budget.BudgetSpent`) ends the
+        A phase that finds the launch budget spent (`zerotune.inputs.budget.BudgetSpent`) ends the
         tuning (`stop`).
 
         Raises:
@@ -103,7 +103,7 @@ class Strategy:
             try:
                 with buying(name):
                     phase()
-            except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.strategy.budget)
+            except BudgetSpent as spent:  # the best of what ran is the answer (zerotune.inputs.budget)
                 self.stop(spent, [name for name, _ in phases[i:]])
                 self.longest(verify=False)  # the answer is still checked at the longest batch: that launches nothing
                 break

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from zerotune.core.errors import ConfigError
-from zerotune.strategy.space import Candidate
+from zerotune.inputs.space import Candidate
 from zerotune.strategy.tuners.base import BaseTuner
 from zerotune.strategy.tuners.grid import GridSearchTuner
 from zerotune.strategy.tuners.random import RandomTuner
@@ -23,7 +23,7 @@ def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) 
 
     Args:
         tuner_type: "gridsearch", "random" or "model_based".
-        candidates: the space, from `zerotune.strategy.space.generate`.
+        candidates: the space, from `zerotune.inputs.space.generate`.
         **kwargs: ``objective``, ``num_trials``, ``early_stopping``, ``seed`` (see
             `BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
     """

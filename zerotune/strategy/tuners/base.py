@@ -13,7 +13,7 @@ from typing import Iterable
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
-from zerotune.strategy.space import Candidate
+from zerotune.inputs.space import Candidate
 
 
 class BaseTuner(abc.ABC):
@@ -23,7 +23,7 @@ class BaseTuner(abc.ABC):
     the bookkeeping below is shared.
 
     Args:
-        candidates: the space, from `zerotune.strategy.space.generate`. Candidates with
+        candidates: the space, from `zerotune.inputs.space.generate`. Candidates with
             ``fits=False`` are never proposed.
         objective: the metric (an `Objective` or its name): "throughput" (samples/s) and
             "flops" are maximised, "latency" (s per step) minimised.

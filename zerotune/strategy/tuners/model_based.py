@@ -13,7 +13,7 @@ from optuna.trial import Trial, TrialState, create_trial
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
 from zerotune.deepspeed.canonical import canonical_json
-from zerotune.strategy.space import Candidate
+from zerotune.inputs.space import Candidate
 from zerotune.strategy.tuners.base import BaseTuner
 
 _ABSENT = "<absent>"  # categorical choice for a knob a candidate does not set

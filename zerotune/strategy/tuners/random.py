@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from zerotune.strategy.space import Candidate
+from zerotune.inputs.space import Candidate
 from zerotune.strategy.tuners.base import BaseTuner
 
 

@@ -5,7 +5,7 @@ arguments carrying the ds_config, the selected device slots) and zerotune's own 
 CLI and the Python API alike. It is frozen: the strategy, the config builder, the scheduler's launch spec and the
 results all read the same resolved values (DP world size, per-device memory budget, objective, mbs bounds, paths), and
 every bad input is a `zerotune.core.errors.ConfigError` here, before the first launch (the checks themselves
-are in `zerotune.strategy.job_checks`).
+are in `zerotune.inputs.checks`).
 """
 from __future__ import annotations
 
@@ -23,15 +23,14 @@ from zerotune.deepspeed import config as ds_file
 from zerotune.deepspeed.args import check_mapped_keys, parse_arg_mappings
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.deepspeed.validate import check_sections
+from zerotune.inputs import checks as job_checks
+from zerotune.inputs.batch import BatchSemantics
+from zerotune.inputs.budget import LaunchBudget
+from zerotune.inputs.options import LongestOptions, TuneOptions
+from zerotune.inputs.variables import first_values, parse_variables, substitute
 from zerotune.launchers.base import Launcher
 from zerotune.launchers.contract import DEEPSPEED
 from zerotune.model.profile import ModelInfo
-from zerotune.strategy import job_checks
-from zerotune.strategy.batch import BatchSemantics
-from zerotune.strategy.budget import LaunchBudget
-from zerotune.strategy.longest import LongestOptions
-from zerotune.strategy.options import TuneOptions
-from zerotune.strategy.variables import first_values, parse_variables, substitute
 
 # autotuning keys DeepSpeed's engine reads that zerotune sets itself for every experiment
 _SET_PER_EXPERIMENT = ("enabled", "metric_path", "model_info_path")
@@ -69,7 +68,7 @@ class Job:
             (`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
         script_autos: the ``"auto"`` values the script's arguments resolve before anything runs
             (gas, precision; `zerotune.deepspeed.auto.script_autos`).
-        variables: the ``$VAR`` placeholders' candidates (`zerotune.strategy.variables`).
+        variables: the ``$VAR`` placeholders' candidates (`zerotune.inputs.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
         host_memory_bytes: host memory per node that offload must fit in, bytes (None: not checked;
             see `TuneOptions`).

@@ -1,7 +1,7 @@
 """``$NAME`` placeholders in a template config or tuning space: finding them, checking the variables
 given for them, and replacing them by values.
 
-The syntax and its rules are those of `zerotune.strategy.space.generate` (its `variables` argument):
+The syntax and its rules are those of `zerotune.inputs.space.generate` (its `variables` argument):
 ``$NAME`` or ``${NAME}``, ``$$`` for a literal ``$``; a string that is exactly one placeholder
 takes the value itself, a placeholder inside a longer string takes the value's text.
 """

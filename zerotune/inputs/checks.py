@@ -1,4 +1,4 @@
-"""The checks `zerotune.strategy.job.Job.build` runs on a tuning job's inputs before anything
+"""The checks `zerotune.inputs.job.Job.build` runs on a tuning job's inputs before anything
 runs: each bad input is a `zerotune.core.errors.ConfigError` naming the flag or the config
 file and key, never a failed launch later.
 """
@@ -13,11 +13,11 @@ import psutil
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.config import AutotuningConfig
 from zerotune.deepspeed.keys import GAS, MBS, TBS, candidate_lists
+from zerotune.inputs.batch import BatchSemantics
 from zerotune.launchers.base import Launcher
 from zerotune.launchers.contract import DEEPSPEED, OWN
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends import BACKENDS
-from zerotune.strategy.batch import BatchSemantics
 
 __all__ = ["MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options", "check_output_dirs",
            "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes", "mbs_bounds"]
@@ -37,7 +37,7 @@ timeout is a typo (``1e308``), not a limit."""
 
 
 def check_options(options: Any) -> None:
-    """zerotune's own options (a `zerotune.strategy.job.TuneOptions`): a known backend, a
+    """zerotune's own options (a `zerotune.inputs.job.TuneOptions`): a known backend, a
     precision between 0 and 1, timeouts from 1 s to `MAX_TIMEOUT_S`, an ``--nvme-path`` that is a directory."""
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}: expected 'local', 'ray' or 'slurm'")
@@ -114,7 +114,7 @@ def check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSema
                      source: str) -> tuple[str, ...]:
     """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
     gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
-    substituted; `zerotune.strategy.variables.parse_variables` checks those).
+    substituted; `zerotune.inputs.variables.parse_variables` checks those).
     Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
     and gas (which the search then replaces) is said, never silently overwritten."""
     dp, notes = batch.dp_world_size, []

@@ -1,14 +1,22 @@
 """zerotune's own options for a tuning (`TuneOptions`), beyond the ds_config's ``autotuning`` section: what the
-CLI's options and the Python API give `zerotune.strategy.job.Job.build`."""
+CLI's options and the Python API give `zerotune.inputs.job.Job.build`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
 from zerotune.core.noise import DEFAULT_PRECISION
-from zerotune.strategy.longest import LongestOptions
 
-__all__ = ["TuneOptions"]
+__all__ = ["LongestOptions", "TuneOptions"]
+
+
+@dataclass(frozen=True)
+class LongestOptions:
+    """``--max-seq-len N`` (the longest batch, tokens; None: from the model or the runs) and ``--verify-longest``
+    (run the answer once at that length)."""
+
+    max_seq_len: int | None = None
+    verify: bool = False
 
 
 @dataclass
@@ -27,7 +35,7 @@ class TuneOptions:
         backend: ``local`` (the deepspeed launcher as a subprocess), ``ray`` (a Ray cluster) or ``slurm`` (srun).
         ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
         variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
-            (`zerotune.strategy.variables`).
+            (`zerotune.inputs.variables`).
         precision: adaptive experiments: end a run once its metric's 95% interval is within this
             relative half-width (0.02 = ±2%; `zerotune.core.stopping`).
         adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
@@ -42,8 +50,8 @@ class TuneOptions:
         train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
             answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
             device for an hour); None: no projection (`zerotune.report.data.TrainingPlan`).
-        max_launches, max_device_hours: what the tuning may spend (`zerotune.strategy.budget.LaunchBudget`).
-        longest: ``--max-seq-len`` and ``--verify-longest`` (`zerotune.strategy.longest.LongestOptions`).
+        max_launches, max_device_hours: what the tuning may spend (`zerotune.inputs.budget.LaunchBudget`).
+        longest: ``--max-seq-len`` and ``--verify-longest`` (`zerotune.inputs.options.LongestOptions`).
         master_port: the answer's rendezvous port (``cmd_optimal.txt``): the user's ``--master_port``; None:
             DeepSpeed's default, 29500. Each experiment takes a free port of its own.
     """

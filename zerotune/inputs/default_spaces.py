@@ -31,7 +31,7 @@ def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
             (1, 2, 3) and ``offload_param.device`` in [none, cpu] for stage 3 (×2 / ×4). Offload
             needs an optimizer DeepSpeed can run on the CPU
             (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`);
-            `zerotune.strategy.space.generate` refuses the space otherwise.
+            `zerotune.inputs.space.generate` refuses the space otherwise.
 
     Returns:
         A new dict (safe to modify).

@@ -1,7 +1,7 @@
 """``$VAR`` templates in the user's ds_config, and the variables that resolve them.
 
 Rules: a string value may hold ``"$NAME"`` or ``"${NAME}"`` (as the whole value it takes the candidate itself, an int
-stays an int; inside a longer string, its text; ``$$`` is a literal ``$``), the syntax of `zerotune.strategy.space`.
+stays an int; inside a longer string, its text; ``$$`` is a literal ``$``), the syntax of `zerotune.inputs.space`.
 Candidates come from ``"autotuning": {"variables": {"NAME": [...]}}`` or ``--var NAME=VALUE`` (`parse_cli_variable`),
 the command line winning. A variable is a tuning dimension like a list of candidates at a key: the profile run and the
 mbs search take its first candidate (`first_values`), the knob phase (``"fast": false``) tries each. Placeholders at
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from zerotune.core import user_files
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO
-from zerotune.strategy.placeholders import PLACEHOLDER, replace_placeholders
+from zerotune.inputs.placeholders import PLACEHOLDER, replace_placeholders
 
 __all__ = ["first_values", "parse_cli_variable", "parse_variables", "placeholder_paths", "substitute"]
 

@@ -5,7 +5,7 @@ A tuning space is shaped like a ds_config in which any value may be a list of ca
 Rules: every list in the space is a list of candidates, except at keys DeepSpeed expects a list
 (`zerotune.deepspeed.keys.is_list_valued`, e.g. ``optimizer.params.betas``), where only a list of lists is; lists in
 the base config are always settings; a candidate is taken whole. ``$NAME`` or ``${NAME}`` in a string is a variable
-given to `generate` (``$$`` is a literal ``$``; `zerotune.strategy.placeholders`). The order is deterministic:
+given to `generate` (``$$`` is a literal ``$``; `zerotune.inputs.placeholders`). The order is deterministic:
 dimensions sorted by path, candidates as given, the last varying fastest. Pure logic: it never launches anything.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from zerotune.deepspeed.canonical import (
 )
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
-from zerotune.strategy.default_spaces import default_space
-from zerotune.strategy.placeholders import check_variables, collect_placeholders, replace_placeholders
+from zerotune.inputs.default_spaces import default_space
+from zerotune.inputs.placeholders import check_variables, collect_placeholders, replace_placeholders
 
 __all__ = ["Candidate", "default_space", "generate", "merge"]
 

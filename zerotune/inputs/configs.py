@@ -27,9 +27,9 @@ from zerotune.deepspeed.auto import (
 from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, candidate_lists, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
-from zerotune.strategy.job import Job
-from zerotune.strategy.space import Candidate, default_space, generate, merge
-from zerotune.strategy.variables import first_values, placeholder_paths, substitute
+from zerotune.inputs.job import Job
+from zerotune.inputs.space import Candidate, default_space, generate, merge
+from zerotune.inputs.variables import first_values, placeholder_paths, substitute
 
 PROFILE_BUCKET_SIZE = 10_000_000
 """Elements per reduce/prefetch bucket and live parameters in the profile run (40 MB in fp32): small,
@@ -162,8 +162,8 @@ class ConfigBuilder:
     def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None,
                    gas: int | None = None, settings: dict[str, Any] | None = None) -> list[Candidate]:
         """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
-        stage (`zerotune.strategy.space.default_space`) with the user's own settings, and the
-        user's lists of candidates and ``$VAR`` variables (`zerotune.strategy.variables`), over it;
+        stage (`zerotune.inputs.space.default_space`) with the user's own settings, and the
+        user's lists of candidates and ``$VAR`` variables (`zerotune.inputs.variables`), over it;
         named as `name` names them.
 
         Args:
