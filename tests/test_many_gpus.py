@@ -24,7 +24,7 @@ from zerotune.run.backends.ray import node_spec
 from zerotune.run.backends.slurm import srun_command, step_env
 from zerotune.run.resources import select_resources
 from zerotune.run.slots import SlotPool
-from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
+from zerotune.strategy.answer import Capacity, capacity, memory_fraction
 
 PY = sys.executable
 GIB = 2**30

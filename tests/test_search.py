@@ -4,10 +4,9 @@ import pytest
 from zerotune.core.experiment import Status
 from zerotune.core.objective import Objective
 from zerotune.strategy.answer import rising_top
-from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.fine import affine_gain, refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, StopReason
+from zerotune.strategy.points import MbsTrace, Point, SearchBounds, StopReason
 from zerotune.strategy.result import StageDecision, StagePlan
 from zerotune.strategy.stages import explore_stages
 

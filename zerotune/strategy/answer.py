@@ -5,10 +5,12 @@ non-decreasing fit at its largest mbs; a run near the capacity, or of unknown pe
 samples/s; CPU ranks keep the best pooled reading (`answer_readings`). A tie is an answer: configs within the target
 precision (``--precision``) of the best are the same answer, no run is launched to tell them apart, and the tie order
 takes one (`tie_order`, `tie_reading`); the summary and the report say "tie" with every tied figure and its interval.
-Evidence: docs/decisions.md, D101, D307, D313, D321.
+How near the capacity a run ran (`capacity`): calm under `NEAR_CAPACITY` of the budget, near at or over it, unknown
+without a peak or a budget (every CPU rank). Evidence: docs/decisions.md, D101, D307, D313, D321.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, TypeVar
 
@@ -16,9 +18,34 @@ from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.noise import mean_half_width, run_noise, tie
 from zerotune.core.objective import Objective
-from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
 
 T = TypeVar("T")
+
+NEAR_CAPACITY = 0.9
+"""A run whose measured peak is at least this fraction of the per-device budget runs near the device's
+capacity, where a caching allocator flushes and retries and a step can be slower than at a smaller mbs."""
+
+
+class Capacity(str, enum.Enum):
+    """Where a run's measured peak sits against the per-device budget."""
+
+    CALM = "calm"  # under NEAR_CAPACITY of the budget: throughput rises with mbs there
+    NEAR = "near"  # at least NEAR_CAPACITY: the allocator's flushes may slow a step
+    UNKNOWN = "unknown"  # no measured peak, or no budget (CPU ranks)
+
+
+def memory_fraction(peak_bytes: int | None, budget_bytes: int | None) -> float | None:
+    """A run's measured peak over the per-device budget; None without a peak or a budget (0 counts as none)."""
+    if not peak_bytes or not budget_bytes:
+        return None
+    return peak_bytes / budget_bytes
+
+
+def capacity(fraction: float | None) -> Capacity:
+    """The `Capacity` of a run whose peak is ``fraction`` of the budget (`memory_fraction`)."""
+    if fraction is None:
+        return Capacity.UNKNOWN
+    return Capacity.CALM if fraction < NEAR_CAPACITY else Capacity.NEAR
 
 
 def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
@@ -86,7 +113,7 @@ def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> 
     memory headroom where it protects the training, else ``a``, the better reading.
 
     Headroom decides where the larger of the two measured peaks is at least
-    `zerotune.strategy.capacity.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
+    `zerotune.strategy.answer.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
     allocator flushes, and the training's longer batches or the allocator's growth can run out of memory) and the
     other's is lower by more than `HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
     ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config

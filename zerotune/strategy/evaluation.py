@@ -23,7 +23,7 @@ from zerotune.core.noise import DEFAULT_PRECISION, known_to_precision, must_beat
 from zerotune.inputs.budget import BudgetSpent
 from zerotune.inputs.configs import ConfigBuilder
 from zerotune.inputs.job import Job
-from zerotune.strategy.capacity import memory_fraction
+from zerotune.strategy.answer import memory_fraction
 from zerotune.strategy.prediction import predict, readings
 from zerotune.strategy.result import StrategyResult
 
@@ -209,7 +209,7 @@ class Evaluator:
         return [self.pooled(base.name) for base in experiments]
 
     def memory_fraction(self, exp: Experiment) -> float | None:
-        """``exp``'s measured peak over the per-device budget (`zerotune.strategy.capacity.memory_fraction`);
+        """``exp``'s measured peak over the per-device budget (`zerotune.strategy.answer.memory_fraction`);
         None without a peak, and on CPU ranks (no capacity to read against)."""
         return memory_fraction(exp.peak_memory_bytes, self.job.capacity_bytes)
 

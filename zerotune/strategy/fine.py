@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from zerotune.core.experiment import Status
 from zerotune.core.noise import comparison_noise, pair_noise, precise, resolvable, typical_half_width, within_noise
-from zerotune.strategy.bounds import SearchBounds
-from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.points import Evaluate, MbsTrace, Point, middle, runner
+from zerotune.strategy.answer import Capacity
+from zerotune.strategy.points import Evaluate, MbsTrace, Point, SearchBounds, middle, runner
 
 
 def refine_mbs(evaluate: Evaluate, trace: MbsTrace, bounds: SearchBounds) -> None:

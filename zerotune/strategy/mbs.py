@@ -14,10 +14,19 @@ from typing import Sequence
 
 from zerotune.core.experiment import Status
 from zerotune.core.noise import replica_decides, within_noise
-from zerotune.strategy.bounds import SearchBounds
-from zerotune.strategy.capacity import Capacity
+from zerotune.strategy.answer import Capacity
 from zerotune.strategy.fine import fine_pass
-from zerotune.strategy.points import Confirm, Evaluate, MbsTrace, Point, StopReason, largest_within, middle, runner
+from zerotune.strategy.points import (
+    Confirm,
+    Evaluate,
+    MbsTrace,
+    Point,
+    SearchBounds,
+    StopReason,
+    largest_within,
+    middle,
+    runner,
+)
 
 __all__ = ["next_mbs", "search_mbs"]
 

@@ -1,18 +1,56 @@
-"""Measured micro batch sizes: a `Point` per mbs, a stage's `MbsTrace`, and the value helpers the
-mbs search (`zerotune.strategy.mbs`) and its fine pass (`zerotune.strategy.fine`) share.
+"""Measured micro batch sizes: a `Point` per mbs, a stage's `MbsTrace`, the value helpers the mbs search
+(`zerotune.strategy.mbs`) and its fine pass (`zerotune.strategy.fine`) share, and `SearchBounds`, the one frozen
+record of where every mbs search of a tuning may go (stage probes, mbs search, fine pass).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from zerotune.core.experiment import Experiment, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.noise import RUN_NOISE
 from zerotune.core.objective import Objective
-from zerotune.strategy.answer import rising_candidates
-from zerotune.strategy.capacity import Capacity, capacity
+from zerotune.strategy.answer import Capacity, capacity, rising_candidates
+
+
+@dataclass(frozen=True)
+class SearchBounds:
+    """Where and how an mbs search may go.
+
+    Attributes:
+        lo, hi: the smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``, and the train
+            batch bounds).
+        objective: the metric's direction (which way the search goes).
+        allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only those within
+            ``lo..hi`` are used.
+        threshold: the plateau threshold, a fraction: a step that improves the best metric by less ends the upward
+            search; a throughput search goes below its best only while a step down gains this much.
+        precision: the runs' target precision (relative half-width, e.g. 0.02): a difference within it is a tie
+            (`zerotune.core.noise.tie`); None: never.
+        num_fine: experiments allowed in the fine pass around the best mbs (0: none).
+    """
+
+    lo: int
+    hi: int
+    objective: Objective
+    allowed: Sequence[int] | None = None
+    threshold: float = 0.01
+    precision: float | None = None
+    num_fine: int = 3
+
+    @property
+    def values(self) -> list[int]:
+        """The sorted mbs values a search may try: `allowed` (or every integer) within ``lo..hi``."""
+        if self.allowed is None:
+            return list(range(self.lo, self.hi + 1))
+        return sorted({m for m in self.allowed if self.lo <= m <= self.hi})
+
+    def coarse(self, cap: int) -> SearchBounds:
+        """These bounds at most ``cap`` (the mbs below a variant's out-of-memory run), without the fine pass: a
+        stage's search while the stages are compared."""
+        return replace(self, hi=min(self.hi, cap), num_fine=0)
 
 
 class StopReason(str, enum.Enum):
@@ -45,7 +83,7 @@ class Point:
 
     @property
     def capacity(self) -> Capacity:
-        """How near the device's capacity it ran (`zerotune.strategy.capacity.capacity`)."""
+        """How near the device's capacity it ran (`zerotune.strategy.answer.capacity`)."""
         return capacity(self.memory_fraction)
 
 

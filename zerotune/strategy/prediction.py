@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.noise import resolvable
 from zerotune.model.throughput import Reading, bounds, ceiling
-from zerotune.strategy.capacity import Capacity, capacity, memory_fraction
+from zerotune.strategy.answer import Capacity, capacity, memory_fraction
 from zerotune.strategy.ledger import Ledger
 
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
@@ -56,7 +56,7 @@ def family_key(ds_config: dict) -> str:
 
 def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
     """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
-    noise), calm or of unknown capacity (`zerotune.strategy.capacity`): near the device's capacity an allocator slows
+    noise), calm or of unknown capacity (`zerotune.strategy.answer.capacity`): near the device's capacity an allocator slows
     steps, off the affine curve."""
     pooled = ledger.pooled()
     out: dict[str, list[Reading]] = {}

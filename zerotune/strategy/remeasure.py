@@ -15,7 +15,7 @@ import math
 
 from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.noise import comparison_noise, replica_decides, tie
-from zerotune.strategy.capacity import Capacity, capacity
+from zerotune.strategy.answer import Capacity, capacity
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.points import pooled_point
 
@@ -65,7 +65,7 @@ def confirm_answer(ev: Evaluator) -> None:
 
 def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
     """Whether ``e`` is ``top``'s config (stage, gas, knobs) at a smaller mbs, both run calm
-    (`zerotune.strategy.capacity`): there throughput rises with mbs, and the readings, which put
+    (`zerotune.strategy.answer.capacity`): there throughput rises with mbs, and the readings, which put
     ``top`` first, agree with it; re-measuring ``e`` could only move the answer against both. False on CPU
     ranks (no capacity) and for latency."""
     if not ev.job.objective.higher_is_better:

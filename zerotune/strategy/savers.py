@@ -17,9 +17,8 @@ from zerotune.core.experiment import Status
 from zerotune.core.noise import can_beat
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.throughput import bounds
-from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.evaluation import Evaluator
-from zerotune.strategy.points import largest_within
+from zerotune.strategy.points import SearchBounds, largest_within
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 from zerotune.strategy.variants import VariantEvaluate, VariantExplorer

@@ -14,9 +14,8 @@ from typing import Sequence
 
 from zerotune.core.experiment import Status
 from zerotune.core.noise import replica_decides
-from zerotune.strategy.bounds import SearchBounds
-from zerotune.strategy.capacity import Capacity
-from zerotune.strategy.points import Point, largest_within
+from zerotune.strategy.answer import Capacity
+from zerotune.strategy.points import Point, SearchBounds, largest_within
 from zerotune.strategy.result import StageDecision, StagePlan, StageResult
 from zerotune.strategy.variants import Best, VariantEvaluate, VariantExplorer
 
@@ -180,7 +179,7 @@ class StageExplorer(VariantExplorer):
 
     def _second_probe(self, result: StageResult, probe: Point, probe_mbs: int) -> tuple[int, Point]:
         """The probe after a headroom probe's loss, since at the memory boundary a step can be slower than just
-        below it: at the best's mbs, or where the probe ran near the capacity (`zerotune.strategy.capacity`) at
+        below it: at the best's mbs, or where the probe ran near the capacity (`zerotune.strategy.answer.capacity`) at
         the largest mbs the memory model puts under it if above the best's mbs; (its mbs, its point)."""
         best = self.best.point
         calm = [m for m in self.values if probe.calm_mbs is not None and best.mbs < m <= probe.calm_mbs

@@ -28,15 +28,14 @@ from zerotune.model.tokens import square_bytes
 from zerotune.model.zero_options import ZeroOptions
 from zerotune.probe import read_square_activations
 from zerotune.strategy import remeasure
-from zerotune.strategy.bounds import SearchBounds
-from zerotune.strategy.capacity import NEAR_CAPACITY
+from zerotune.strategy.answer import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator, buying
 from zerotune.strategy.fine import fine_gaps, refine_mbs
 from zerotune.strategy.gas_phase import GasPhase
 from zerotune.strategy.knobs import knob_stages, tune_knobs
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import settle_longest
-from zerotune.strategy.points import Point
+from zerotune.strategy.points import Point, SearchBounds
 from zerotune.strategy.result import StagePlan, StageResult, StrategyResult
 from zerotune.strategy.savers import SaverPhase
 from zerotune.strategy.stages import explore_stages
@@ -272,7 +271,7 @@ class Strategy:
 
     def _memory_terms(self, stage: int, exp: Experiment, settings: dict | None = None) -> dict:
         """Why a refused point was not launched (its prediction); a point's measured peak over the budget, and the
-        largest mbs the memory model (as fitted so far) puts under `zerotune.strategy.capacity.NEAR_CAPACITY`
+        largest mbs the memory model (as fitted so far) puts under `zerotune.strategy.answer.NEAR_CAPACITY`
         of it: where the mbs search looks below a best near capacity. None of the last two on CPU ranks, where the
         search keeps its halving look below."""
         refusal = {"refusal": exp.error} if exp.status is Status.REFUSED else {}

@@ -16,11 +16,10 @@ from typing import Callable, Sequence
 
 from zerotune.core.experiment import Status
 from zerotune.core.noise import tie
-from zerotune.strategy.bounds import SearchBounds
 from zerotune.strategy.evaluation import buying
 from zerotune.strategy.fine import refine_mbs
 from zerotune.strategy.mbs import search_mbs
-from zerotune.strategy.points import MbsTrace, Point, launched, refusals
+from zerotune.strategy.points import MbsTrace, Point, SearchBounds, launched, refusals
 from zerotune.strategy.result import StageDecision, StageResult
 
 VariantEvaluate = Callable[[StageResult, Sequence[int]], Sequence[Point]]
@@ -49,7 +48,7 @@ class VariantExplorer:
 
     Args:
         evaluate: runs a variant at mbs values (`VariantEvaluate`).
-        bounds: the mbs search's bounds, shared by every variant (`zerotune.strategy.bounds.SearchBounds`).
+        bounds: the mbs search's bounds, shared by every variant (`zerotune.strategy.points.SearchBounds`).
         confirm: re-measures a variant's measured mbs values, pooled (as ``evaluate``), or None: the mbs search
             then decides its plateaus on one run.
     """

@@ -9,9 +9,7 @@ from typing import Any, Iterable
 
 from zerotune.core.errors import ConfigError
 from zerotune.inputs.space import Candidate
-from zerotune.strategy.tuners.base import BaseTuner
-from zerotune.strategy.tuners.grid import GridSearchTuner
-from zerotune.strategy.tuners.random import RandomTuner
+from zerotune.strategy.tuners.base import BaseTuner, GridSearchTuner, RandomTuner
 
 TUNER_TYPES = ("gridsearch", "random", "model_based")
 

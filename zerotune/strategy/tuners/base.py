@@ -1,4 +1,5 @@
-"""The tuner interface: propose experiments (``ask``), learn their outcome (``tell``).
+"""The tuner interface: propose experiments (``ask``), learn their outcome (``tell``); grid search (every fitting
+candidate in the space's order) and random search (a seeded order) over it.
 
 A tuner decides *what* to try next among the candidates of one tuning space; it never runs
 anything (the scheduler places and runs experiments, possibly several at a time, and reports
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import math
+import random
 from typing import Iterable
 
 from zerotune.core.errors import ConfigError
@@ -185,3 +187,30 @@ class BaseTuner(abc.ABC):
 
     def _withdraw(self, candidate: Candidate) -> None:
         """Called when an outstanding proposal is withdrawn (INTERRUPTED)."""
+
+
+class GridSearchTuner(BaseTuner):
+    """Proposes the candidates in the order `zerotune.inputs.space.generate` returns them.
+
+    The order is deterministic (sorted dimensions, candidates in the order given), so two runs
+    over the same space try the same experiments in the same order.
+    """
+
+    def _propose(self, k: int) -> list[Candidate]:
+        return self._untried()[:k]
+
+
+class RandomTuner(BaseTuner):
+    """Proposes the candidates in an order shuffled once by ``random.Random(seed)``.
+
+    The same seed over the same space gives the same order; no candidate is proposed twice
+    (an interrupted one is proposed again at its place in the order).
+    """
+
+    def __init__(self, candidates, **kwargs) -> None:
+        super().__init__(candidates, **kwargs)
+        self._order = [c for c in self.candidates if c.fits]
+        random.Random(self.seed).shuffle(self._order)
+
+    def _propose(self, k: int) -> list[Candidate]:
+        return [c for c in self._order if c.name not in self._tried][:k]
