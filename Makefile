@@ -30,9 +30,9 @@ demo: setup
 	    --results-dir demo_results --timeout 300 --train-samples 10000000 --cost-per-device-hour 2.5 \
 	    examples/train_gpt.py --steps 40 --deepspeed_config examples/ds_config.json
 
-# .ci/slurm_up.sh: a one-node Slurm cluster for tests/test_slurm.py; .ci/twonode_up.sh: two nodes in network
-# namespaces (Slurm, sshd; Ray started by the tests) for tests/test_twonode.py; .ci/chromium_up.sh: Debian's
-# Chromium for tests/test_report.py (it renders report.html headless). As root with apt; else a message, and
+# .ci/slurm_up.sh: a one-node Slurm cluster for tests/e2e/test_slurm.py; .ci/twonode_up.sh: two nodes in network
+# namespaces (Slurm, sshd; Ray started by the tests) for tests/e2e/test_twonode.py; .ci/chromium_up.sh: Debian's
+# Chromium for tests/unit/test_report.py (it renders report.html headless). As root with apt; else a message, and
 # those tests skip, naming why (fail, with ZEROTUNE_REQUIRE_SERVICES=1: .ci/run); the rest of the suite still runs.
 # Two workers (pytest-xdist; an e2e test leaves half of the 2 cores idle), the Slurm, two-node and Ray tests on one
 # of them (xdist_group "cluster": one cluster each); then, alone, the tests marked serial, whose readings, memory

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chromium from the Debian packages, for tests/test_report.py (it renders report.html headless and counts the
+# Chromium from the Debian packages, for tests/unit/test_report.py (it renders report.html headless and counts the
 # points each plot drew). Idempotent: an installed chromium is left as it is.
 #
 # Needs root and apt-get; without them it says so and exits 0, so a developer's `make test` still runs (the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this machine, for tests/test_slurm.py: Debian's munge, slurmctld and slurmd,
+# A one-node Slurm cluster on this machine, for tests/e2e/test_slurm.py: Debian's munge, slurmctld and slurmd,
 # a minimal /etc/slurm/slurm.conf (this machine's CPUs and memory, as `slurmd -C` reads them), the daemons
 # started, and a wait until `sinfo` shows the node up (idle, or running jobs). Idempotent: a cluster already up is left as it is.
 #

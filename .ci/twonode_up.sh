@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Two "nodes" on this one machine, for tests/test_twonode.py: two network namespaces joined by a veth pair,
+# Two "nodes" on this one machine, for tests/e2e/test_twonode.py: two network namespaces joined by a veth pair,
 #   zt-node0: 10.77.0.1 (name ztnode0)     zt-node1: 10.77.0.2 (name ztnode1)
 # each with the veth end named `ztnet` (so GLOO_SOCKET_IFNAME=ztnet / NCCL_SOCKET_IFNAME=ztnet name it on both);
 # the names in /etc/hosts; an sshd in each namespace (root's key, for DeepSpeed's pdsh runner); and a Slurm

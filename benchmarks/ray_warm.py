@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     temp = tempfile.mkdtemp(prefix="zt-ray-")  # Ray's socket paths must fit 107 bytes
     os.environ.update(RAY_USAGE_STATS_ENABLED="0", RAY_memory_monitor_refresh_ms="0", OMP_NUM_THREADS="1")
-    import ray  # the head runs in this process, as tests/test_ray.py's does; the tunings connect to it
+    import ray  # the head runs in this process, as tests/e2e/test_ray.py's does; the tunings connect to it
 
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=100 * 2**20, _temp_dir=temp, log_to_driver=False)

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 def tune_options(args: argparse.Namespace, **resolved: Any) -> TuneOptions:
     """The `TuneOptions` of ``tune``'s and ``run``'s parsed options: each field from the option whose ``dest`` is
     its name, ``variables`` from ``--var``, ``longest`` from its own fields' options, and ``resolved`` (the fields
-    whose options are read first: the memory sizes, ``cpu``) over them. tests/test_layout.py holds that every field
+    whose options are read first: the memory sizes, ``cpu``) over them. tests/unit/test_layout.py holds that every field
     is one of these."""
     given = vars(args)
     named = {f.name: given[f.name] for f in fields(TuneOptions) if f.name in given and f.name not in resolved}

@@ -1,4 +1,4 @@
-"""The fault matrix's cases, which the tests (tests/test_faults.py, test_hostile_*.py) assert and
+"""The fault matrix's cases, which the tests (tests/hostile/test_faults.py, test_hostile_*.py) assert and
 benchmarks/fault_matrix.py counts, with what they run on; it imports nothing from tests/.
 
 - standins: a stand-in ``deepspeed`` launcher and rank, and the real CLI driven with them;

@@ -1,4 +1,4 @@
-"""The fault matrix's first round of cases, which tests/test_faults.py and benchmarks/fault_matrix.py both run:
+"""The fault matrix's first round of cases, which tests/hostile/test_faults.py and benchmarks/fault_matrix.py both run:
 hostile inputs (:data:`HOSTILE_INPUTS`), rank faults (:data:`RANK_FAULTS`) and a stale extension lock
 (:func:`stale_lock_is_named_then_removed`)."""
 from __future__ import annotations
@@ -210,7 +210,7 @@ def lock_waiter_scheduler(tmp_path: Path, timeout_s: float, slots: int) -> Itera
 
 def stale_lock_is_named_then_removed(tmp_path: Path) -> None:
     """A lock left by a killed build in the experiments' extension cache is named, then removed, and the next
-    experiment runs (asserts; a test of tests/test_faults.py and a case of benchmarks/fault_matrix.py)."""
+    experiment runs (asserts; a test of tests/hostile/test_faults.py and a case of benchmarks/fault_matrix.py)."""
     with lock_waiter_scheduler(tmp_path, 2.0, 2) as (scheduler, ext):
         # 'holder' takes the lock and is killed at its timeout, mid-"build"; 'waiter' runs beside it,
         # waits on the lock and times out too: its error names the lock

@@ -1,4 +1,4 @@
-"""Hostile round two, inputs (issue 28): the scenarios tests/test_hostile_inputs.py asserts and
+"""Hostile round two, inputs (issue 28): the scenarios tests/hostile/test_hostile_inputs.py asserts and
 benchmarks/fault_matrix.py counts (:func:`matrix_cases`).
 
 Each runs the real CLI in its own process with the stand-in launcher (:mod:`benchmarks.faults.standins`), and ranks

@@ -1,4 +1,4 @@
-"""Hostile records and results (issue 28, round two): the scenarios tests/test_hostile_records.py asserts and
+"""Hostile records and results (issue 28, round two): the scenarios tests/hostile/test_hostile_records.py asserts and
 benchmarks/fault_matrix.py prints as rows (:func:`matrix_cases`).
 
 Each runs the real CLI with the stand-in launcher (:mod:`benchmarks.faults.standins`) in a fresh directory and returns

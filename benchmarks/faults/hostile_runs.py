@@ -1,4 +1,4 @@
-"""Hostile round two, runs (issue 28): the cases tests/test_hostile_runs.py asserts and benchmarks/fault_matrix.py
+"""Hostile round two, runs (issue 28): the cases tests/hostile/test_hostile_runs.py asserts and benchmarks/fault_matrix.py
 counts (:func:`matrix_cases`).
 
 Each runs the real ``zerotune`` CLI in its own process with the stand-in launcher (:mod:`benchmarks.faults.standins`)

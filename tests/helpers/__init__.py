@@ -1,5 +1,5 @@
 """The harness tests share, one module per concept; a test module imports from here (or from benchmarks/),
-never from another test module (tests/test_layout.py holds that).
+never from another test module (tests/unit/test_layout.py holds that).
 
 - tiny: the tiny example (examples/train_gpt.py at its smallest) and its ds_configs;
 - cluster_env: the environment Slurm and the two-node namespaces give the ranks;

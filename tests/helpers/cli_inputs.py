@@ -1,4 +1,4 @@
-"""Hostile user input to the CLI, for tests/test_arguments.py, tests/test_user_files.py and tests/test_fuzz.py: every
+"""Hostile user input to the CLI, for tests/unit/test_arguments.py, tests/unit/test_user_files.py and tests/hostile/test_fuzz.py: every
 option that takes a value, a valid command line around one bad value, run in-process with nothing written, and bad
 files by class."""
 from __future__ import annotations
@@ -91,7 +91,7 @@ CONTENT = {"missing": ": cannot read it (No such file or directory)",
 
 def make_bad_files(root: Path) -> Path:
     """Every bad file by kind (:data:`NOT_REGULAR`, :data:`CONTENT`; ``dev-zero`` is ``/dev/zero`` itself, see
-    ``path_of`` in tests/test_user_files.py) in ``root``, which must be short (a socket's path is at most 107
+    ``path_of`` in tests/unit/test_user_files.py) in ``root``, which must be short (a socket's path is at most 107
     bytes), with a training script and a valid ``ds.json``; ``root``."""
     root.mkdir(exist_ok=True)
     (root / "train.py").write_text("print('never run')\n")

@@ -1,4 +1,4 @@
-"""The SIMULATED ledger pins' data file (``tests/data/ledger_pins.json``): read by tests/test_ledgers.py, written by
+"""The SIMULATED ledger pins' data file (``tests/data/ledger_pins.json``): read by tests/unit/test_ledgers.py, written by
 tests/regen_ledger_pins.py. JSON keeps lists where the tuner's rows are tuples: :func:`plain` gives a tuning's rows
 the same shape before they are compared."""
 import json

@@ -1,7 +1,7 @@
 """Tests for zerotune.run.store: exp.json written and read back only when it verifies, the directory locks.
 
 The hostile cases (foreign, edited and corrupt records, symlinks, a user's directory where an experiment's goes)
-are in tests/test_hostile_records.py.
+are in tests/hostile/test_hostile_records.py.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.run import exprecord, store
 from zerotune.run.backends.timeout import profile_wall_s
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
 
 

@@ -14,7 +14,7 @@ from benchmarks.faults.processes import on_free_port
 from zerotune.run.processes import remove_shm_buffers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TORCHRUN_SCRIPT = str(ROOT / "examples" / "train_torchrun.py")
 HF_SCRIPT = str(ROOT / "examples" / "train_hf.py")

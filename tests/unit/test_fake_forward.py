@@ -27,7 +27,7 @@ def test_activations_at_4096_tokens_are_within_10_percent_of_a_cpu_measurement_o
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     subprocess.run([sys.executable, "-m", "tests.helpers.cut_measure", str(tmp_path / "jobs.json"),
                     str(tmp_path / "out.json")], check=True, capture_output=True, timeout=600,
-                   cwd=Path(__file__).parent.parent)
+                   cwd=Path(__file__).parents[2])
     cuts = json.loads((tmp_path / "out.json").read_text())
     ratios = {}
     for name, attention, s in jobs:

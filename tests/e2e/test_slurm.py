@@ -40,7 +40,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 from zerotune.run.warm.rank import SETUP_FAILED, SETUP_FAILED_LINE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.xdist_group("cluster")  # one worker for the Slurm and Ray tests: one cluster each
 PY = sys.executable
 

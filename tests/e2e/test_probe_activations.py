@@ -257,7 +257,7 @@ def test_deepspeeds_own_checkpointing_is_counted_as_torchs(tmp_path):
     import sys
 
     from zerotune.deepspeed.launcher import free_port
-    root = str(Path(__file__).resolve().parents[1])  # the script imports tests.helpers.probe
+    root = str(Path(__file__).resolve().parents[2])  # the script imports tests.helpers.probe
     script = DEEPSPEED_CHECKPOINTED.format(port=str(free_port()), directory=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
@@ -296,7 +296,7 @@ def test_deepspeeds_zero3_profile_prices_checkpointing_as_its_checkpointed_profi
     import sys
 
     from zerotune.deepspeed.launcher import free_port
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     records = {}
     for checkpointing in (False, True):
         directory = tmp_path / str(checkpointing)

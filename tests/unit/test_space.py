@@ -16,7 +16,7 @@ from zerotune.deepspeed.canonical import ACRONYMS, canonical_json, config_hash
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.inputs.space import default_space, generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 Z = "zero_optimization"
 ADAM = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999]}}}
 MBS8 = {"train_micro_batch_size_per_gpu": 8}

@@ -68,7 +68,7 @@ def test_backend_ray_without_ray_installed_is_exit_2_naming_the_extra(tmp_path, 
 
 
 def test_a_dry_run_with_backend_ray_does_not_import_ray(tmp_path):
-    # importing Ray reads its environment once per process: a dry run that imported it (tests/test_fuzz.py draws
+    # importing Ray reads its environment once per process: a dry run that imported it (tests/hostile/test_fuzz.py draws
     # --backend ray) made this module's Ray head start on the machine's network address instead of 127.0.0.1
     cfg = write_config(tmp_path / "ds.json")
     code = ("import sys; from zerotune import cli; "

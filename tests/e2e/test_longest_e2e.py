@@ -14,7 +14,7 @@ from zerotune.run.processes import remove_shm_buffers
 # serial: memory under a per-rank cap, paced by time as in test_savers_e2e
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "benchmarks" / "train_hf_loop.py")
 # 2 layers of width 64, 8,192-token vocabulary; micro batches of 32 tokens, one in 100,000 of 512 (never in a tuning);
 # 0.1 s a step besides (a data loader's time): the larger micro batch reads faster however loaded the cores are

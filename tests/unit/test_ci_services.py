@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers.services import REQUIRE_ENV, need
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_service_that_is_down_skips_its_test_or_fails_it_where_ci_requires_it(monkeypatch):

@@ -19,7 +19,7 @@ from zerotune.run.scheduler import Scheduler
 
 # serial: the probe paces its widening steps by time, so a neighbour's load moves which mbs run out of memory
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank"), pytest.mark.serial]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
 

@@ -13,7 +13,7 @@ from zerotune.run.processes import remove_shm_buffers
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_thread_per_rank")]  # 2 ranks on 2 cores
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "train_hf.py")
 TINY = ["--n_layer", "1", "--n_embd", "64", "--n_head", "2", "--seq_len", "32", "--vocab_size", "256",
         "--num_samples", "512"]

@@ -28,7 +28,7 @@ from tests.helpers.services import need
 from tests.helpers.tiny import SCRIPT, TINY, best_pooled, write_config
 from zerotune.probe import read_exits
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 ON_NODE = str(ROOT / ".ci" / "on_node")
 SLURM_CONF = "/etc/zerotune-twonode/slurm.conf"

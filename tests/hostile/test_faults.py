@@ -67,7 +67,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 from zerotune.run.store import clear_experiments, experiment_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 

@@ -30,7 +30,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 from zerotune.run.store import ResultsLock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 STAND_IN = r'''
@@ -263,7 +263,7 @@ from zerotune.run.scheduler import Scheduler
 from zerotune.run.slots import SlotPool
 
 script, user_config, exps = sys.argv[1:4]
-# cold: a warm server stops its runs itself once its tuner is gone (tests/test_warm.py); a cold launcher outlives it
+# cold: a warm server stops its runs itself once its tuner is gone (tests/e2e/test_warm.py); a cold launcher outlives it
 spec = LaunchSpec(script=script, script_args=("--deepspeed_config", user_config), cpu=True, warm=False)
 scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=1)), Path(exps))
 scheduler.run([Experiment("hung", {"train_micro_batch_size_per_gpu": 1, "stand_in": {"mode": "hang"}})])

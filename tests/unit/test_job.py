@@ -102,7 +102,7 @@ def test_gas_doubles_within_max_train_batch_size_or_once_without_it(tmp_path):
     assert build(tmp_path).batch.gas_ladder(4) == [2]  # no bound given: one doubling of the user's gas
     assert build(tmp_path, {"gradient_accumulation_steps": 3}).batch.gas_ladder(4) == [6]
     assert build(tmp_path, {"gradient_accumulation_steps": [1]}).batch.gas_ladder(4) == []  # held at 1
-    # null is unset, as DeepSpeed reads it (found by tests/test_fuzz.py: it raised a TypeError)
+    # null is unset, as DeepSpeed reads it (found by tests/hostile/test_fuzz.py: it raised a TypeError)
     job = build(tmp_path, {"gradient_accumulation_steps": None})
     assert job.batch.gas == 1 and job.batch.gas_ladder(4) == [2]
 
@@ -114,7 +114,7 @@ def test_bad_batch_values_are_errors(tmp_path):
 
 
 def test_an_empty_list_of_candidates_is_an_error_naming_the_file_and_key(tmp_path):
-    # found by tests/test_fuzz.py: {"optimizer": []} failed only in the knob phase, with no file named
+    # found by tests/hostile/test_fuzz.py: {"optimizer": []} failed only in the knob phase, with no file named
     for config, key in (({"optimizer": []}, "optimizer"), ({"zero_optimization": {"reduce_bucket_size": []}},
                                                            "zero_optimization.reduce_bucket_size")):
         with pytest.raises(ConfigError, match=rf"ds\.json: {key} = \[\]: a list in the config is a list of candidates "

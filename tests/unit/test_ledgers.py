@@ -166,7 +166,7 @@ def test_simulated_ledger_under_batch_semantics_is_pinned(tmp_path, name):
 @pytest.mark.parametrize("case", [(0, True, "all"), (16, False, "all")], ids=["scenario0-fast", "scenario16-knobs"])
 def test_a_simulated_rerun_launches_nothing_and_gives_the_same_answer(tmp_path, case):
     """Resume: every decision reads only what exp.json keeps, so a rerun in the same results dir takes
-    every outcome from disk (the real-run twin is tests/test_e2e.py, where CI once saw 3 relaunches)."""
+    every outcome from disk (the real-run twin is tests/e2e/test_e2e.py, where CI once saw 3 relaunches)."""
     first, decisions, answer = tune_simulated(tmp_path, *case)
     again, again_decisions, again_answer = tune_simulated(tmp_path, *case)
     assert first and again == []

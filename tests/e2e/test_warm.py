@@ -27,7 +27,7 @@ from zerotune.run.warm.client import SERVER_RECORD, WarmRun, _exchange
 from zerotune.run.warm.preload import script_imports
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")  # 2 ranks on 2 cores
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPT = str(ROOT / "examples" / "train_gpt.py")
 TINY = ["--vocab", "512", "--seq-len", "32", "--d-model", "64", "--n-layer", "2", "--n-head", "2"]
 GIB = 2**30

@@ -29,7 +29,7 @@ def test_each_term_equals_what_a_real_two_rank_engine_holds(tmp_path):
     configs = [{"train_micro_batch_size_per_gpu": 2, **c} for c in CONFIGS]
     (tmp_path / "configs.json").write_text(json.dumps(configs))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    helper = Path(__file__).parent / "helpers" / "zero_states.py"
+    helper = Path(__file__).parents[1] / "helpers" / "zero_states.py"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(helper), str(tmp_path / "configs.json"), str(tmp_path / "held.jsonl")],
                    env=env, check=True, capture_output=True, timeout=300)

@@ -11,7 +11,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "zerotune"
 MAX_FUNCTION_LINES = 60  # lines of code: docstrings, comments and blank lines not counted
 MAX_STRATEGY_MODULE_LINES = 300
@@ -95,15 +95,16 @@ def zerotune_imports(path: Path, tree: ast.Module) -> list[tuple[int, list[str]]
 
 
 def imported_test_modules(path: Path, tree: ast.Module) -> list[tuple[int, str]]:
-    """(line, module) for each ``tests.test_*`` module ``path`` imports anywhere, in any form: ``import
+    """(line, module) for each ``tests[.package].test_*`` module ``path`` imports anywhere, in any form: ``import
     tests.test_x``, ``from tests.test_x import y``, ``from tests import test_x``, and relative ones (``from .test_x
     import y``, ``from . import test_x``)."""
     found = []
     for line, names in import_statements(path, tree):
         for name in names:
             parts = name.split(".")
-            if len(parts) > 1 and parts[0] == "tests" and parts[1].startswith("test_"):
-                found.append((line, ".".join(parts[:2])))
+            at = next((i for i, part in enumerate(parts) if part.startswith("test_")), None)
+            if parts[0] == "tests" and at is not None:
+                found.append((line, ".".join(parts[:at + 1])))
     return sorted(set(found))
 
 
@@ -217,7 +218,7 @@ def test_tests_and_benchmarks_import_as_packages_without_sys_path_edits():
 
 def test_no_test_module_is_imported_by_another_or_by_a_helper_or_a_benchmark():
     """A test module is a leaf: the harness tests share lives in tests/helpers, tests/conftest.py and
-    benchmarks/ (issue 40). tests/regen_ledger_pins.py, a script, rewrites tests/test_ledgers.py's pins."""
+    benchmarks/ (issue 40). tests/regen_ledger_pins.py, a script, rewrites tests/unit/test_ledgers.py's pins."""
     paths = [p for folder in ("tests", "benchmarks") for p in sorted((ROOT / folder).rglob("*.py"))
              if p.name != "regen_ledger_pins.py"]
     found = [f"{p.relative_to(ROOT)}:{line} imports {module}" for p in paths
