@@ -206,12 +206,17 @@ class ReportData:
         return run_noise(self.experiments)
 
     @property
+    def answer_runs(self) -> list[Experiment]:
+        """The answer's ok runs with a metric: its first run and its re-measurements (none without an answer)."""
+        if self.answer is None:
+            return []
+        return [e for e in self.experiments if e.status is Status.OK and e.metric is not None
+                and self.answer.name in (e.name, e.replica_of)]
+
+    @property
     def answer_half_width(self) -> float | None:
         """The answer's 95% interval, relative, over its runs (`zerotune.core.noise.mean_half_width`)."""
-        if self.answer is None:
-            return None
-        runs = [e.metric_rel_half_width for e in self.experiments if e.status is Status.OK and e.metric is not None
-                and self.answer.name in (e.name, e.replica_of)]
+        runs = [e.metric_rel_half_width for e in self.answer_runs]
         return mean_half_width(runs, self.noise.sigma) if runs else None
 
     def runner_up(self) -> RunnerUp | None:

@@ -189,8 +189,7 @@ def imprecise_note(data: "ReportData") -> str | None:
     width, precision, best = data.answer_half_width, data.precision, data.answer
     if best is None or width is None or not precision or width <= IMPRECISE * precision:
         return None
-    runs = [e for e in data.experiments if e.status is Status.OK and e.metric is not None
-            and best.name in (e.name, e.replica_of)]
+    runs = data.answer_runs
     within = statistics.fmean((e.metric_rel_half_width or 0.0) ** 2 for e in runs)
     noise = (2 * data.noise.sigma) ** 2
     head = f"imprecise: the answer is known to ±{width:.1%}, over {IMPRECISE}x the precision (±{precision:.1%}): "
