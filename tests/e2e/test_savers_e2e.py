@@ -124,13 +124,3 @@ def test_where_only_mbs_1_2_fit_checkpointing_runs_its_larger_mbs_and_is_chosen(
     assert "ZeRO stage 1 + checkpointing: explored - memory model: largest mbs" in summary
     assert "probe at mbs=" in summary and "beat the best" in summary
 
-
-def test_where_memory_binds_no_stage_checkpointing_is_not_tried(tmp_path, built_ops):
-    proc, results, records = tune_trainer(tmp_path, "3GiB", 8)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not any("gradient_checkpointing" in r["ds_config"] for r in records)
-    assert max(r["ds_config"]["train_micro_batch_size_per_gpu"] for r in records if r["status"] == "ok") == 8
-    assert "gradient_checkpointing" not in json.loads((results / "ds_config_optimal.json").read_text())
-    assert "--gradient_checkpointing" not in (results / "cmd_optimal.txt").read_text()
-    summary = (results / "summary.txt").read_text()
-    assert "memory savers (activation checkpointing, offload): not tried: memory binds no stage" in summary

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from zerotune.core.experiment import ExperimentKind, Status
@@ -22,14 +23,14 @@ PSI = 300_000_000  # fp32, Adam, 2 ranks, 8 GiB each: ZeRO-3 fits mbs 5, with th
 ACTIVATIONS = 256 * MiB  # with the parameters offloaded too 19 (MemoryModel, DeepSpeed's default buckets)
 
 
-def make_job(tmp_path: Path, cpu: bool = False, **options) -> Job:
+def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, **options) -> Job:
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                                   "zero_optimization": {"stage": 3},
                                   "autotuning": {"enabled": True, "fast": True,
-                                                 "max_train_micro_batch_size_per_gpu": 32}}))
+                                                 "max_train_micro_batch_size_per_gpu": max_mbs}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
                      TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu,
                                  **options))
@@ -43,12 +44,12 @@ def saver_of(ds_config: dict) -> str:
     return ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
 
 
-def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False,
-         **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
+         checkpointing: bool = False, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
-    estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ([(mbs, saver,
-    status)] in launch order, the strategy)."""
+    estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ``checkpointing``: the
+    script takes activation checkpointing; ([(mbs, saver, status)] in launch order, the strategy)."""
     ran = []
 
     def evaluate(exps):
@@ -67,7 +68,7 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False,
                 exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
         return exps
 
-    strategy = Strategy(make_job(tmp_path, cpu, **options), evaluate)
+    strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, **options), checkpointing=checkpointing), evaluate)
     strategy.run()
     return ran, strategy
 
@@ -141,6 +142,23 @@ def test_a_stage_whose_best_is_below_its_largest_runnable_mbs_tries_no_saver(tmp
     assert ran[:2] == [(5, "", "ok"), (2, "", "ok")] and all(saver == "" for _, saver, _ in ran)
     assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
     assert strategy.result.answer.name == "z3_gas1_tmbspg2"
+    assert strategy.result.savers_notes == [NOT_BOUND]
+
+
+NOT_BOUND = ("memory savers (activation checkpointing, offload): not tried: memory binds no stage (the best stage's "
+             "best mbs is below its largest runnable one or at the largest allowed, and every stage without a run was "
+             "skipped by the stage rules)")
+
+
+def test_a_stage_at_the_largest_allowed_mbs_tries_no_saver_and_the_summary_says_so(tmp_path):
+    # ZeRO-3 fits mbs 5 but the config allows 4, which runs: memory binds no stage, so neither checkpointing (the
+    # script takes it) nor offload is visited, and the summary says why
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver], max_mbs=4,
+                         checkpointing=True)
+    assert ran[0] == (4, "", "ok") and all(saver == "" for _, saver, _ in ran), ran
+    assert [r.label for r in strategy.result.stages] == ["ZeRO stage 3"]
+    assert strategy.result.answer.name == "z3_gas1_tmbspg4"
+    assert strategy.result.savers_notes == [NOT_BOUND]
 
 
 def test_with_no_savers_none_is_visited_and_the_summary_says_so(tmp_path):
