@@ -1,11 +1,10 @@
 """The ``Autotuner``: the Python API, shaped like DeepSpeed's own so a DeepSpeed user recognises it.
 
 Build it from the launcher's arguments and resources, then ``tune()``, ``print_tuning_results()``,
-``write_optimal_config()`` and ``run_after_tuning()``; ``plan()`` is the dry run. It only wires
-the parts together: the `zerotune.inputs.job.Job` (inputs), the
-`zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a backend (running
-it), and `zerotune.report` (the answer). Signals, locks, reaping and the extension cache, a run's lifetime on
-its directories, are `zerotune.run._lifetime`'s.
+``write_optimal_config()`` and ``run_after_tuning()``; ``plan()`` is the dry run. It only wires the parts together:
+the `zerotune.inputs.job.Job` (inputs), the `zerotune.strategy.tuning.Strategy` (what to run), the scheduler and a
+backend (running it) and `zerotune.report` (the answer); a run's lifetime on its directories (signals, locks,
+reaping, the extension cache) is `zerotune.run._lifetime`'s.
 """
 from __future__ import annotations
 
@@ -63,9 +62,8 @@ __all__ = ["Autotuner", "Interrupted", "TuneOptions"]
 logger = logging.getLogger(__name__)
 
 def _check_stage_configs(job: Job) -> None:
-    """The user's config at every ZeRO stage to explore, at the smallest mbs, built and validated as
-    an experiment's would be, so a bad setting (``reduce_bucket_size: 0``) is exit 2 before the
-    first launch rather than after the profile run. A config with ``"auto"`` values (a Hugging Face
+    """Build and validate the user's config at every ZeRO stage to explore, at the smallest mbs, so a bad setting
+    (``reduce_bucket_size: 0``) is exit 2 before the first launch. A config with ``"auto"`` values (a Hugging Face
     Trainer's) is built only after the profile run resolves them.
 
     Raises:
@@ -85,18 +83,15 @@ class Autotuner:
     """Find the fastest DeepSpeed config for a training script on the given resources.
 
     Args:
-        script: the training script.
-        script_args: its arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
+        script_args: the script's arguments, carrying ``--deepspeed_config PATH`` (or ``--deepspeed PATH``).
         nodes: the device slots to use (``resources.select_resources``).
-        options: see `TuneOptions`.
-        backend: runs the experiments (default: the local ``deepspeed`` launcher, Ray with
-            ``options.backend == "ray"``, Slurm job steps with ``"slurm"``); any `Backend`, e.g. a simulated
-            cluster.
-        launcher: the user's launcher (`zerotune.launchers.command.read_command` reads it from their
-            command); None: the ``deepspeed`` launcher, with the config in ``script_args``.
+        backend: runs the experiments (default: the local ``deepspeed`` launcher; Ray with ``options.backend ==
+            "ray"``, Slurm job steps with ``"slurm"``); any `Backend`, e.g. a simulated cluster.
+        launcher: the user's launcher (`zerotune.launchers.command.read_command`); None: the ``deepspeed``
+            launcher, with the config in ``script_args``.
 
     Raises:
-        ConfigError: any bad input (`Job.build`).
+        ConfigError: any bad input (`Job.build`); without ``backend``, a training script that is not a file.
     """
 
     def __init__(self, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -139,18 +134,16 @@ class Autotuner:
                 *([built] if built else [])]
 
     def _launcher_line(self) -> str:
-        """The launcher read and where its DeepSpeed config came from (the summary's and the log's line)."""
         return f"launcher: {self.job.launcher.describe(self.job.script)}; ds_config from {self.job.config_source}"
 
     def _on_update(self, exp: Experiment, event: str) -> None:
-        """The scheduler's callback: the progress display, and the report refreshed as experiments finish."""
         self.progress.update(exp, event)
         if event in ("end", "cached"):
             self.report.refresh()
 
     def report_data(self, state: str = "running") -> ReportData:
-        """What ``report.html``, ``results.csv`` and ``results.json`` show of this tuning now
-        (`zerotune.report.data`); ``state``: one of `zerotune.report.data.STATES`."""
+        """What ``report.html``, ``results.csv`` and ``results.json`` show now; ``state``: one of
+        `zerotune.report.data.STATES`."""
         job = self.job
         return ReportData.from_tuning(list(self.scheduler.history), self.result, objective=job.objective,
                                       budget_bytes=job.device_memory_bytes, capacity_bytes=job.capacity_bytes,
@@ -175,20 +168,17 @@ class Autotuner:
     def tune(self) -> Experiment:
         """Profile, search and write the results; return the best experiment.
 
-        SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (when called from the main thread): the
-        running experiments are killed with all their processes and recorded as interrupted, the
-        finished results and the summary are written, and `Interrupted` (a
-        KeyboardInterrupt naming the signal) is raised; a rerun resumes. A signal while the results
-        are written waits until they are whole.
-
-        It holds the results dir's lock and the exps dir's (`zerotune.run.store.tuning_locks`)
-        throughout: one tuner per directory.
+        SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (from the main thread): the running experiments are killed
+        with all their processes and recorded as interrupted, the finished results and the summary are written, and
+        `Interrupted` is raised; a rerun resumes. A signal while the results are written waits until they are whole.
+        It holds the results and exps dirs' locks throughout (`zerotune.run.store.tuning_locks`): one tuner per dir.
 
         Raises:
-            TuningFailed: the profile run or every experiment failed (the summary says so).
+            TuningFailed: the profile run or every experiment failed (the summary says so), or the results cannot be
+                written (a full disk).
             ConfigError: the results or exps dir cannot be created, or is in use by another tuner; an
                 experiment's directory is a symlink.
-            Interrupted: a stop signal arrived.
+            Interrupted: a stop signal arrived (a KeyboardInterrupt naming the signal).
         """
         started, job = time.monotonic(), self.job
         self.started_at, self._started = time.time(), started
@@ -234,8 +224,7 @@ class Autotuner:
 
     def plan(self) -> Plan:
         """The dry run: the experiments the strategy would try if the memory model were right
-        (`zerotune.strategy.oracle`), with bytes per device and fits; nothing is launched
-        or written."""
+        (`zerotune.strategy.oracle`), with bytes per device and fits; nothing is launched or written."""
         oracle = MemoryOracle(self.job, self.scheduler.load)
         with to_console(self.console):
             result = self._strategy(oracle).run()
@@ -243,11 +232,9 @@ class Autotuner:
                                      self.job.dp_world_size, skip_profile=oracle.model_info_source == PROFILE_ON_DISK)
 
     def _cost_plan(self) -> tuple[int, float, frozenset[str]] | None:
-        """(launches, device-seconds, their names) the tuning planned once its profile ran: `plan`'s
-        experiments besides the profile (the strategy against the memory model calibrated on the profile, each config
-        at the oracle's assumed metric: `zerotune.strategy.oracle`), each priced at the profile run's
-        device-seconds. None without a profile run that finished ok, or where the plan cannot be made (said in the
-        log)."""
+        """(launches, device-seconds, their names) the tuning planned once profiled: `plan`'s experiments besides the
+        profile, on the memory model calibrated by it, each priced at the profile run's device-seconds. None without
+        an ok profile run, or where the plan cannot be made (said in the log)."""
         profile = next((e for e in self.scheduler.history
                         if e.kind is ExperimentKind.PROFILE and e.status is Status.OK), None)
         if profile is None:
@@ -283,9 +270,8 @@ class Autotuner:
 
     def _training_launch(self, config_path: str, master_port: int,
                          ds_config: dict | None = None) -> tuple[dict[str, str], list[str], dict[str, str]]:
-        """The launcher's environment additions, command and files to write beside the config (name -> text: the
-        answer's Accelerate config) to train on all selected slots (``ds_config``: the content of ``config_path``
-        where it is not written yet)."""
+        """(environment additions, command, files beside the config: name -> text) that train on all selected slots
+        with ``config_path`` (``ds_config``: its content where it is not written yet)."""
         every_slot = Reservation(tuple(Node(n.host, n.slots[:self.job.slots_per_node]) for n in self.job.nodes))
         # absolute paths: the command works from any directory
         spec = dataclasses.replace(self.job.launch_spec(), script=str(Path(self.job.script).absolute()))
@@ -304,10 +290,9 @@ class Autotuner:
         return env, launch_command(spec, every_slot, config_path, master_port, ds_config=ds_config), {}
 
     def optimal_command(self, config_path: str, ds_config: dict | None = None) -> str:
-        """The command that trains with ``config_path`` on all selected slots, in the user's launcher (the
-        ``deepspeed`` runner's line for the ``deepspeed`` form; the script and the config by absolute path);
-        ``ds_config``: that file's content, where it is not written yet (the results are written after every text is
-        made: `zerotune.report.results.write_results`)."""
+        """The command that trains with ``config_path`` on all selected slots in the user's launcher (the script and
+        the config by absolute path); ``ds_config``: that file's content where it is not written yet (the results are
+        written after every text is made: `zerotune.report.results.write_results`)."""
         return self.optimal_answer(config_path, ds_config)[0]
 
     def optimal_answer(self, config_path: str, ds_config: dict | None = None) -> tuple[str, dict[str, str]]:
@@ -317,12 +302,12 @@ class Autotuner:
         return paste_command(env, words), files
 
     def run_after_tuning(self) -> int:
-        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); the launcher's exit
-        status (negative: killed by that signal), which ``zerotune run`` turns into its own status 3 with a
-        line when it is not 0 (`zerotune.cli.training_status`).
+        """Launch the training with the optimal config (the ``cmd_optimal.txt`` command); return the launcher's exit
+        status (negative: killed by that signal; `zerotune.cli.training_status` maps it). A stop signal is passed on
+        to it and raises `Interrupted`; the training never outlives zerotune.
 
-        A stop signal is passed on to it and raises `Interrupted`; the training never outlives zerotune
-        (`zerotune.run._lifetime.run_training`).
+        Raises:
+            TuningFailed: there is no optimal configuration.
         """
         if self.best is None:
             raise TuningFailed("no optimal configuration to run")

@@ -163,8 +163,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str] 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; its exit status: 0 success, 1 no experiment succeeded, 2 bad input (the message names
-    the file, key or value), 3 ``zerotune run``'s training failed (`TRAINING_FAILED`), 130 interrupted by Ctrl-C,
-    143 by SIGTERM, 129 by SIGHUP (results on disk are kept; rerun to resume)."""
+    the file, key or value), 3 `TRAINING_FAILED`, 128 + the signal on Ctrl-C, SIGTERM or SIGHUP (rerun to resume)."""
     args, command = parse(argv)
     console = Console(stderr=True, soft_wrap=True)
     try:
@@ -218,10 +217,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tune_options(args: argparse.Namespace, **resolved: Any) -> TuneOptions:
-    """The `TuneOptions` of ``tune``'s and ``run``'s parsed options: each field from the option whose ``dest`` is
-    its name, ``variables`` from ``--var``, ``longest`` from its own fields' options, and ``resolved`` (the fields
-    whose options are read first: the memory sizes, ``cpu``) over them. tests/unit/test_layout.py holds that every field
-    is one of these."""
+    """The `TuneOptions` of ``tune``'s and ``run``'s parsed options: each field from the option whose ``dest`` is its
+    name, ``variables`` from ``--var``, ``longest`` from its fields' options, and ``resolved`` (fields read first: the
+    memory sizes, ``cpu``) over them; tests/unit/test_layout.py holds that every field is one of these."""
     given = vars(args)
     named = {f.name: given[f.name] for f in fields(TuneOptions) if f.name in given and f.name not in resolved}
     longest = LongestOptions(**{f.name: given[f.name] for f in fields(LongestOptions)})
@@ -229,9 +227,8 @@ def tune_options(args: argparse.Namespace, **resolved: Any) -> TuneOptions:
 
 
 def _launcher_resources(args: argparse.Namespace, launcher: Launcher) -> None:
-    """Set the launcher options zerotune was not given from the user's launcher: the ``deepspeed`` form's own
-    (``--hostfile``, ``--include``, ``--exclude``, ``--num_nodes``, ``--num_gpus``), the ranks per node and nodes of
-    torchrun's and Accelerate's.
+    """Set the launcher options zerotune was not given from the user's launcher: the ``deepspeed`` form's own, or
+    torchrun's and Accelerate's ranks per node and nodes.
 
     Raises:
         ConfigError: zerotune's option and the launcher's disagree (naming both).
@@ -281,9 +278,8 @@ def _check_allocation_options(args: argparse.Namespace) -> None:
 
 
 def training_status(code: int, results_dir) -> int:
-    """``zerotune run``'s exit status for the training's ``code`` (the launcher's exit status; negative:
-    killed by that signal): 0 when it is 0, else `TRAINING_FAILED`, with a line on stderr giving
-    the training's own status and where the tuning's results are kept."""
+    """``zerotune run``'s exit status for the training launcher's ``code`` (negative: killed by that signal): 0 for 0,
+    else `TRAINING_FAILED`, with a line on stderr giving that status and where the results are kept."""
     if code == 0:
         return 0
     try:

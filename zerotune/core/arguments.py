@@ -1,11 +1,8 @@
-"""Command-line values: every option rejects the empty string and values its type cannot hold.
+"""Command-line values: every option rejects the empty string and values its type cannot hold (D304).
 
-argparse passes each option's text through the option's ``type``. `reject_empty` wraps the type of
-every option of a parser (its subcommands' too, positional arguments included, a script's own arguments
-excepted) so that the empty string, what an unset shell variable gives (``--results-dir "$DIR"``), and text
-holding a NUL character are refused before the type reads them; `whole` is the type of an option that
-counts. argparse then prints ``zerotune tune: error: argument --results-dir: '': ...``, naming the option and
-the value, and exits with status 2, as for any bad input (docs/decisions.md D304).
+`reject_empty` makes every argument of a parser refuse the empty string (an unset shell variable,
+``--results-dir "$DIR"``) and a NUL character before its type reads them; `whole` is the type of an option that
+counts. argparse then names the option and the value and exits with status 2, as for any bad input.
 """
 from __future__ import annotations
 
@@ -22,8 +19,7 @@ cluster has; zerotune lists a node's slots, so a larger count would take all of 
 
 
 def whole(lo: int, hi: int) -> Callable[[str], int]:
-    """The argparse type of an option that takes a whole number from ``lo`` to ``hi`` (``"8"``, not ``"8.0"`` or
-    ``"1e3"``).
+    """The argparse type of an option that takes a whole number from ``lo`` to ``hi`` (``"8"``, not ``"8.0"``).
 
     Raises (from the returned function):
         argparse.ArgumentTypeError: ``"'70000': expected a whole number from 0 to 65535"``.
@@ -70,12 +66,9 @@ def _nonempty(kind: Callable[[str], Any] | None) -> Callable[[str], Any]:
 
 
 def reject_empty(parser: argparse.ArgumentParser) -> None:
-    """Make every option and positional argument of ``parser`` and of its subcommands refuse the empty string
-    and a NUL character (argparse's exit status 2 naming the option and the value), except arguments taken as
-    they are (``argparse.REMAINDER``: a training script's own arguments) and flags without a value.
-
-    An option's default is read through its type too when it is a string, so a default is None or non-empty.
-    """
+    """Make every argument of ``parser`` and its subcommands refuse the empty string and a NUL character, except
+    ``argparse.REMAINDER`` ones (a training script's own arguments) and flags without a value. A string default is
+    read through the type too, so a default is None or non-empty."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in dict.fromkeys(action.choices.values()):

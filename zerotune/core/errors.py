@@ -1,12 +1,8 @@
-"""Errors zerotune reports to the user.
-
-``ConfigError`` is bad input (a config file, a key, a value, a hostfile line): the CLI prints its
-message and exits with status 2. Messages name the file, key or value and what was expected.
-"""
+"""Errors zerotune reports to the user; the CLI prints a `ConfigError`'s message and exits with status 2."""
 
 
 class ConfigError(ValueError):
-    """Bad user input; the message names the file, key or value and what was expected."""
+    """Bad user input (a config file, a key, a value, a hostfile line); the message names it and what was expected."""
 
 
 class RecordError(ValueError):

@@ -1,8 +1,6 @@
-"""The experiment: the unit of record.
+"""The experiment, the unit of record: a name, a complete ds_config, a resource request and, once run, its outcome.
 
-An experiment is a name, a complete ds_config, a resource request, and after running a status,
-the metrics DeepSpeed wrote, the exit code, the wall time and the paths of its logs. It lives in
-its own directory under the results dir (``ds_config.json``, ``cmd.txt``, ``stdout.log``,
+Each lives in its own directory under the results dir (``ds_config.json``, ``cmd.txt``, ``stdout.log``,
 ``stderr.log``, ``metrics.json``, ``exp.json``).
 """
 from __future__ import annotations
@@ -25,10 +23,8 @@ class Status(str, enum.Enum):
 
     @property
     def reusable(self) -> bool:
-        """True when a rerun of the same experiment (the same resume key,
-        `zerotune.run.resume`) reuses this recorded outcome instead of launching: OK, and
-        OOM (the budget is in the key). FAILED, TIMEOUT and INTERRUPTED may come from the
-        moment (a port clash, a wrong data path, a busy machine) and are re-run."""
+        """True when a rerun with the same resume key (`zerotune.run.resume`) reuses this outcome: OK, and OOM
+        (the budget is in the key); the other failures may come from the moment (a port clash) and are re-run."""
         return self in (Status.OK, Status.OOM)
 
     @property
@@ -57,17 +53,13 @@ class Experiment:
     Attributes:
         name: canonical, unique name (also the directory name), e.g. ``z1_gas1_tmbspg8``.
         ds_config: the complete DeepSpeed config to launch (without zerotune's own paths).
-        num_nodes: nodes requested.
-        num_slots: device slots (ranks) per node requested.
-        kind: the phase that asked for it (`ExperimentKind`).
-        space: the tuning space it belongs to (``z1``, ``z1_knobs``, ``profile``), for the summary.
+        num_nodes, num_slots: nodes and device slots (ranks) per node requested.
+        kind: the phase that asked for it; space: its tuning space (``z1``, ``z1_knobs``, ``profile``).
         knobs: dotted key -> value of the settings that vary in its tuning space (knob phase).
-        status/metric/metrics/exit_code/wall_s/error: filled in after it ran; ``metric`` is the
-            step probe's (`zerotune.core.measure`) where it measured the run, else DeepSpeed's
-            (``metric_source`` says which); ``metrics`` is DeepSpeed's ``metrics.json``.
-        must_beat, ended: the adaptive-experiment bar the strategy set (the incumbent's pessimistic
-            bound, in the objective's unit; None: none) and why the run ended
-            (`zerotune.core.stopping.EndReason`), see `zerotune.core.stopping`.
+        status/metric/metrics/exit_code/wall_s/error: filled in after it ran; ``metric`` is the step probe's
+            (`zerotune.core.measure`) where it measured the run, else from DeepSpeed's ``metrics.json``.
+        must_beat, ended: the adaptive bar the strategy set (the incumbent's pessimistic bound, in the
+            objective's unit; None: none) and why the run ended (`zerotune.core.stopping.EndReason`).
     """
 
     name: str
@@ -110,9 +102,8 @@ class Experiment:
 
     @property
     def memory_rel_error(self) -> float | None:
-        """The memory model's error on this run, ``memory_bytes / peak_memory_bytes - 1`` (0.05: predicted
-        5% over the measured peak); None without both. On CPU the peak is the probe's largest
-        ``VmData`` (sampled every 5 ms: what the budget, ``RLIMIT_DATA``, limits; docs/decisions.md, D11)."""
+        """The memory model's error, ``memory_bytes / peak_memory_bytes - 1`` (0.05: 5% over); None without both.
+        On CPU the peak is the probe's largest ``VmData``, what ``RLIMIT_DATA`` limits (D202)."""
         if not self.memory_bytes or not self.peak_memory_bytes:
             return None
         return self.memory_bytes / self.peak_memory_bytes - 1

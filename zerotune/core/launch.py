@@ -1,10 +1,8 @@
 """What a launch is: the spec every experiment's launch follows (`LaunchSpec`), the hosts and device slots
-zerotune may use (`Node`), the slots one experiment holds (`Reservation`), and one experiment's launch
-as the backends start, watch and stop it (`RunLaunch`).
+zerotune may use (`Node`), the slots one experiment holds (`Reservation`), and one experiment's launch (`RunLaunch`).
 
-Records only, on the ground floor: the job builds the spec (`zerotune.inputs.job.Job.launch_spec`), the
-slot pool hands out reservations (`zerotune.run.slots.SlotPool`), and the ``deepspeed`` launcher's
-environment and command are made from both (`zerotune.deepspeed.launcher`) for the backends that start them.
+Records only: the job builds the spec (`zerotune.inputs.job.Job.launch_spec`), the slot pool hands out
+reservations (`zerotune.run.slots.SlotPool`), and `zerotune.deepspeed.launcher` makes the command from both.
 """
 from __future__ import annotations
 
@@ -19,9 +17,9 @@ __all__ = ["LaunchSpec", "Node", "Reservation", "RunLaunch", "UserLauncher"]
 
 
 class UserLauncher(Protocol):
-    """The user's launcher as the backends use it (`zerotune.launchers.base.Launcher` implements it): its
-    rank contract (`zerotune.launchers.contract`), how an experiment's config reaches the ranks, the command
-    that starts them on one node, and why they cannot be forked warm ('' when they can)."""
+    """The user's launcher as the backends use it (`zerotune.launchers.base.Launcher`): its rank contract
+    (`zerotune.launchers.contract`), how the config reaches the ranks, their command on one node, and why they
+    cannot be forked warm ('' when they can)."""
 
     name: str
     contract: str
@@ -41,31 +39,22 @@ class LaunchSpec:
     """How to launch the user's training script, the same for every experiment.
 
     Attributes:
-        script: the training script path.
-        script_args: its arguments, including the ds_config flag (the path is replaced per
-            experiment).
+        script, script_args: the training script and its arguments (the ds_config flag's path replaced per run).
         cpu: run DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
-        device_memory_bytes: per-rank memory budget, enforced for real: on CPU with ``RLIMIT_DATA`` on every
-            rank, so an over-budget config fails as a GPU OOM does; on CUDA by the probe, which caps each
-            device's caching allocator at it (`zerotune.probe.sitecustomize.cap_allocator`).
-        timeout_s: wall-clock limit per experiment (None: no limit).
-        hang_timeout_s: kill an experiment whose logs have not grown for this long (None: off).
+        device_memory_bytes: per-rank budget, enforced on CPU by ``RLIMIT_DATA`` on every rank (an over-budget
+            config fails as a GPU OOM does), on CUDA by the probe's allocator cap (`zerotune.probe.sitecustomize`).
+        timeout_s: wall-clock limit per experiment; hang_timeout_s: kill a run whose logs stop growing this long.
         hostfile: passed to the launcher for multi-node reservations.
-        start_profile_step, end_profile_step: the ``autotuning`` settings written into each
-            experiment's config so DeepSpeed's engine measures and exits.
-        objective: the metric DeepSpeed is asked to write, and how to read it.
-        stop_rule: ends a run early once its probe streams say enough (adaptive experiments,
-            `zerotune.core.stopping`); None: every run goes to ``end_profile_step``.
-        arg_mappings: ``autotuning.arg_mappings`` as (ds_config key, script flag) pairs: each launch
-            passes its config's values as these script arguments (`zerotune.deepspeed.args`).
-        max_steps_arg: ``autotuning.max_steps_arg``, the script's flag for its length in steps: each experiment
-            raises it past the last step DeepSpeed measures (`zerotune.deepspeed.args.raise_steps`).
-        warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports once
-            per tuning, where the backend can (`zerotune.run.warm`); False: every run through DeepSpeed's
-            launcher (``--cold-launch``).
-        launcher: the user's launcher when it is not ``deepspeed`` (torchrun, Accelerate, a script that starts its
-            own ranks): its ranks get its contract, cold and warm; None: the ``deepspeed`` launcher's
-            (`zerotune.deepspeed.launcher`).
+        start_profile_step, end_profile_step: the ``autotuning`` steps DeepSpeed's engine measures, then exits.
+        objective: the metric DeepSpeed writes, and how to read it.
+        stop_rule: ends a run once its probe streams say enough (`zerotune.core.stopping`; None: at the end step).
+        arg_mappings: ``autotuning.arg_mappings``, (ds_config key, script flag) pairs passed as script arguments.
+        max_steps_arg: ``autotuning.max_steps_arg``, the script's steps flag, raised past the last measured step
+            (`zerotune.deepspeed.args.raise_steps`).
+        warm: fork each run's ranks from a server that preloaded torch, DeepSpeed and the script's imports, where
+            the backend can (`zerotune.run.warm`, D303); False: ``--cold-launch``.
+        launcher: the user's launcher when not ``deepspeed`` (torchrun, Accelerate, a script starting its own
+            ranks), whose contract its ranks get; None: ``deepspeed``'s (`zerotune.deepspeed.launcher`).
     """
 
     script: str
@@ -88,13 +77,9 @@ class LaunchSpec:
 
 @dataclass(frozen=True)
 class Node:
-    """One host and the device slots zerotune may use on it.
-
-    Attributes:
-        host: host name as in the hostfile (``localhost`` without one).
-        slots: real device ids on that host, ascending and unique, e.g. ``(4, 5)`` after
-            ``--include host:4,5``. Nodes of one cluster may have different slot counts.
-    """
+    """One host (as in the hostfile; ``localhost`` without one) and the device slots zerotune may use on it: real
+    device ids, ascending and unique (``(4, 5)`` after ``--include host:4,5``); nodes of a cluster may differ in
+    count. Raises ValueError on an empty host or slots that are not ascending unique ids >= 0."""
 
     host: str
     slots: tuple[int, ...]
@@ -107,17 +92,13 @@ class Node:
 
     @property
     def num_slots(self) -> int:
-        """Number of device slots on this node."""
         return len(self.slots)
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Device slots held by one experiment, from ``SlotPool.try_reserve``.
-
-    Attributes:
-        nodes: the reserved nodes, in pool order, each with only its reserved slots.
-    """
+    """Device slots held by one experiment (``SlotPool.try_reserve``): its nodes in pool order, each with only its
+    reserved slots."""
 
     nodes: tuple[Node, ...]
 
@@ -128,34 +109,19 @@ class Reservation:
 
     @property
     def num_nodes(self) -> int:
-        """Number of reserved nodes."""
         return len(self.nodes)
 
     def include_arg(self) -> str:
-        """The ``deepspeed`` launcher's ``--include`` value for exactly these slots.
-
-        ``localhost:0,1`` for one local node, ``worker-0:0,1@worker-1:2,3`` for two hosts.
-
-        .. note:: The launcher only uses ssh/pdsh when more than one host is active (or
-           ``--force_multi`` is given): a reservation of a single remote host needs
-           ``--force_multi`` with the hostfile, or it runs on the local machine.
-        """
+        """The ``deepspeed`` launcher's ``--include`` value for these slots (``worker-0:0,1@worker-1:2,3``); a single
+        remote host also needs ``--force_multi``, as the launcher uses ssh/pdsh only for more than one host."""
         return "@".join(f"{n.host}:{','.join(str(s) for s in n.slots)}" for n in self.nodes)
 
 
 @dataclass(frozen=True)
 class RunLaunch:
-    """One experiment's launch, made once before its ranks start: what every step of the launch path (the command,
-    the warm request, the stop) takes.
-
-    Attributes:
-        name: the experiment's name.
-        reservation: the slots it runs on.
-        exp_dir: its directory (the probe's streams, the logs, ``cmd.txt``).
-        config_path: the ds_config file it runs, written before the launch.
-        port: its master port, free on this machine.
-        token: its run token (`zerotune.run.processes.new_run_token`), in every rank's environment.
-    """
+    """One experiment's launch, made before its ranks start; the command, the warm request and the stop take it:
+    its directory (the probe's streams, the logs, ``cmd.txt``), its ds_config file (written before the launch), a
+    free master port and its run token (`zerotune.run.processes.new_run_token`, in every rank's environment)."""
 
     name: str
     reservation: Reservation

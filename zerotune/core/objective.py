@@ -1,8 +1,7 @@
 """The objective: which metric is tuned, its direction, its unit, and where DeepSpeed writes it.
 
-Every part of zerotune that compares, reports or reads a metric takes one `Objective`
-(the search, the tuners, the results, the progress line, the experiment directory), so the
-metric's knowledge lives here only. The names are DeepSpeed's ``autotuning.metric`` values.
+Everything that compares, reports or reads a metric takes one `Objective`, so the metric's knowledge lives here
+only. The names are DeepSpeed's ``autotuning.metric`` values.
 """
 from __future__ import annotations
 
@@ -17,16 +16,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Objective:
-    """A metric and how to read and compare it.
-
-    Attributes:
-        name: ``throughput``, ``latency`` or ``flops`` (DeepSpeed's ``autotuning.metric``).
-        higher_is_better: True for throughput and flops, False for latency.
-        unit: zerotune's unit for the value (``samples/s``, ``s/step``, ``FLOP/s per GPU``).
-        metric_key: the key in the ``metrics.json`` DeepSpeed's engine writes
-            (``engine._autotuning_exit``).
-        scale: multiply DeepSpeed's value by this to get ``unit`` (latency: microseconds -> s).
-    """
+    """A metric and how to read and compare it: ``name`` (``throughput``, ``latency`` or ``flops``), its direction,
+    zerotune's ``unit`` (``samples/s``, ``s/step``, ``FLOP/s per GPU``), its ``metric_key`` in DeepSpeed's
+    ``metrics.json`` (``engine._autotuning_exit``) and the ``scale`` to ``unit`` (latency: microseconds -> s)."""
 
     name: str = "throughput"
     higher_is_better: bool = True
@@ -57,8 +49,7 @@ class Objective:
         return old is None or (new > old if self.higher_is_better else new < old)
 
     def best(self, items: Iterable[T], value: Callable[[T], float | None]) -> T | None:
-        """The item with the best value (the first one on ties); items whose value is None are
-        never chosen. None when no item has a value."""
+        """The item with the best value (the first on ties), never one whose value is None; None when none has one."""
         best, best_value = None, None
         for item in items:
             v = value(item)
@@ -67,8 +58,7 @@ class Objective:
         return best
 
     def read(self, metrics: dict[str, Any] | None) -> float | None:
-        """The metric in `unit` from DeepSpeed's ``metrics.json`` content; None when it has no
-        positive finite value under `metric_key`."""
+        """The metric in `unit` from DeepSpeed's ``metrics.json`` content; None without a positive finite value."""
         if not metrics:
             return None
         value = metrics.get(self.metric_key)

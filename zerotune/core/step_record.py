@@ -1,7 +1,6 @@
 """One optimizer step of one rank as the step probe records it (one line of its stream), validated once.
 
-`zerotune.probe` parses the streams into these records (`zerotune.probe.read_streams`); the metric
-(`zerotune.core.measure`), the early end (`zerotune.core.stopping`) and the backends read them.
+`zerotune.probe.read_streams` parses the streams into these; the metric, the stop rule and the backends read them.
 """
 from __future__ import annotations
 
@@ -15,33 +14,28 @@ __all__ = ["StepRecord"]
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One line of a probe stream: one optimizer step of one rank (the fields
-    `zerotune.probe._zerotune_probe.records` writes, same names and units), validated once
-    (`from_dict`).
+    """One line of a probe stream (the fields `zerotune.probe._zerotune_probe.records` writes, same names and
+    units), validated once (`from_dict`).
 
-    A field is None where the line lacks it or holds anything but a finite number that is not a bool
-    (for ``step`` and ``rank``, anything but an ``int``; for ``batch_samples`` and ``seq_len``, anything but
-    an ``int`` of at least 1): the readers treat it as missing. Counts and bytes are truncated to ``int``. A
-    record without a valid ``step`` still carries its peaks; a line of a probe older than a field lacks it.
+    A field is None where the line lacks it or holds anything but a finite non-bool number (``step``, ``rank``: an
+    ``int``; ``batch_samples``, ``seq_len``: an ``int`` >= 1). Counts and bytes are truncated to ``int``. A record
+    without a valid ``step`` still carries its peaks.
 
     Attributes:
-        rank: the rank that wrote it (the stream's file name says the same).
         step: the optimizer step's index in the rank's process, from 1.
         t: ``time.monotonic()`` when the step returned, seconds (one clock for every rank of a machine).
         step_s: wall time from the end of the previous optimizer step to the end of this one, seconds.
         boundary_s: the part of ``step_s`` spent in the work done once per optimizer step, seconds.
         micro_steps: ``step()`` calls in this optimizer step (gradient accumulation steps).
         train_batch_size: global samples per optimizer step.
-        batch_samples: the most samples one of this step's micro batches held on this rank (the leading
-            dimension of the forward's tensors).
+        batch_samples: the most samples one of this step's micro batches held on this rank (leading dimension).
         seq_len: the longest sequence one of this step's micro batches held on this rank, tokens (the largest
-            second dimension of the forward's integer tensors of 2+ dimensions: token ids); None without token ids.
-        peak_bytes: on CUDA the allocated high-water mark, on CPU the largest ``VmData`` so far, bytes.
-        peak_reserved_bytes: on CUDA the caching allocator's reserved high-water mark, bytes.
-        device_peak_bytes: on CUDA what the device held at its peak (reserved plus outside the allocator), bytes.
-        rss_peak_bytes: on CPU the resident high-water mark (``ru_maxrss``), bytes.
-        base_bytes: on CUDA the allocated bytes just before the step's first forward (from step 2 on: the
-            model states), bytes.
+            second dimension of the forward's integer tensors of 2+ dimensions); None without token ids.
+        peak_bytes, peak_reserved_bytes, device_peak_bytes, rss_peak_bytes: high-water marks, bytes. On CUDA the
+            allocated, the allocator's reserved and the device's (reserved plus outside the allocator); on CPU
+            ``peak_bytes`` is the largest ``VmData`` so far and ``rss_peak_bytes`` ``ru_maxrss``.
+        base_bytes: on CUDA the allocated bytes just before the step's first forward (from step 2 on: the model
+            states), bytes.
     """
 
     rank: int | None = None
@@ -67,8 +61,7 @@ class StepRecord:
 
     @classmethod
     def parse(cls, line: str) -> StepRecord | None:
-        """The record on one stream line; None when the line is not a JSON object (a rank killed while
-        writing it)."""
+        """The record on one stream line; None when it is not a JSON object (a rank killed while writing it)."""
         try:
             data = json.loads(line)
         except ValueError:
@@ -77,8 +70,7 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StepRecord:
-        """The record from a decoded line (or a simulated run's record, held in memory), each field
-        validated as the class docstring says."""
+        """The record from a decoded line (or a simulated run's), validated as the class docstring says."""
         def integer(key: str) -> int | None:
             value = data.get(key)
             return value if isinstance(value, int) and not isinstance(value, bool) else None

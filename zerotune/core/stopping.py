@@ -1,12 +1,11 @@
-"""Adaptive experiments: when a running experiment has told us enough, and why it ended.
+"""Adaptive experiments: when a running experiment has told us enough, and why it ended (D4, D201, D323).
 
-Rules (`StopRule.check`, asked by the backend after each new step of the step probe): a run ends, OK with the probe's
-metric, once it is **precise** (its 95% interval's relative half-width is at most the target precision) or it
-**cannot beat** the bar the strategy set for it (``Experiment.must_beat``, `zerotune.core.noise.cannot_beat`), never
-before `MIN_STEADY_STEPS` steady steps. Otherwise it runs to ``end_profile_step`` or the experiment timeout; an
-adaptive run may go on past ``end_profile_step`` (up to `extended_end_step`) only while the steps cost no more than
-a new launch and can still reach the precision (`StopRule._extension_pays`). Each run records why it ended
-(`EndReason`). Evidence: docs/decisions.md, D4, D201, D323.
+Rules (`StopRule.check`, asked after each new step of the step probe): a run ends, OK with the probe's metric, once it
+is **precise** (its 95% interval's relative half-width is at most the target precision) or **cannot beat** the bar
+the strategy set (``Experiment.must_beat``, `zerotune.core.noise.cannot_beat`), never before `MIN_STEADY_STEPS`
+steady steps. Otherwise it runs to ``end_profile_step`` or the timeout; an adaptive run may go past it (up to
+`extended_end_step`) only while the steps cost no more than a new launch and can still reach the precision
+(`StopRule._extension_pays`). Each run records why it ended (`EndReason`).
 """
 from __future__ import annotations
 
@@ -62,15 +61,8 @@ EARLY_ENDS = frozenset(r.value for r in EndReason if r.early)
 
 @dataclass(frozen=True)
 class StopRule:
-    """When to end a running experiment (see the module docstring).
-
-    Attributes:
-        objective: the metric tuned; only throughput and latency are measured by the probe, so
-            for flops the rule never ends a run.
-        precision: target relative half-width of the 95% interval (0.02 = ±2%); 0 turns the
-            precision stop off.
-        min_steady_steps: steady steps needed before any stop.
-    """
+    """When to end a running experiment (module docstring): ``precision`` is the target relative half-width of the
+    95% interval (0.02 = ±2%; 0: no precision stop); for flops, which the probe does not measure, no run is ended."""
 
     objective: Objective
     precision: float = DEFAULT_PRECISION
@@ -78,20 +70,15 @@ class StopRule:
 
     def check(self, streams: Streams, bar: float | None = None, cap_step: int | None = None,
               startup_s: float | None = None) -> EndReason | None:
-        """Whether the run whose probe streams are ``streams`` (so far) can end now.
+        """`EndReason.PRECISE`, `EndReason.CANNOT_BEAT` or `EndReason.STEP_CAP` (at the cap, an extension does not
+        pay) when the run whose probe streams so far are ``streams`` can end now; None to go on.
 
         Args:
-            streams: rank -> the probe's step records so far (`zerotune.probe.read_streams`).
-            bar: the run's ``must_beat`` (None: no incumbent, only the precision stop applies).
-            cap_step: the probe's step at which DeepSpeed's engine would have exited
-                (``end_profile_step + 1``: the exiting step is recorded too) when the run was launched
-                with an extended exit (`extended_end_step`); None: the engine's exit is the cap.
-            startup_s: seconds from the launch to the start of the run's first step (the extension
-                budget, see `_extension_pays`); None: no extension.
-
-        Returns:
-            `EndReason.PRECISE`, `EndReason.CANNOT_BEAT`, `EndReason.STEP_CAP` (the
-            cap reached and an extension does not pay), or None to go on.
+            bar: the run's ``must_beat`` (None: only the precision stop applies).
+            cap_step: with an extended exit (`extended_end_step`), the probe's step at which the engine would have
+                exited (``end_profile_step + 1``: the exiting step is recorded too); None: the engine's exit.
+            startup_s: seconds from the launch to the run's first step, the extension budget (`_extension_pays`);
+                None: no extension.
         """
         m = measure(streams, self.objective)
         if m is not None and m.steady_steps >= self.min_steady_steps and m.rel_half_width is not None:
@@ -105,11 +92,9 @@ class StopRule:
 
     def _extension_pays(self, streams: Streams, m: Measurement | None, cap_step: int,
                         startup_s: float | None) -> bool:
-        """Past the cap: whether more steps can still make the metric precise within the budget: the steps past
-        the cap may take at most the run's own start-up time ``startup_s`` (launcher, rank start, model and engine
-        construction: what a re-measurement would spend again), and only while the interval can reach the precision
-        in that time (`steps_to_precision`). A script whose own loop ends during an extension ends the run short of
-        the precision (`EndReason.SCRIPT_END`); ``autotuning.max_steps_arg`` raises the script's steps."""
+        """Past the cap: whether more steps can still make the metric precise (`steps_to_precision`) within the
+        budget, the run's own start-up time ``startup_s`` (what a re-measurement would spend again, D201). A script
+        whose loop ends meanwhile ends the run short of the precision (`EndReason.SCRIPT_END`, D323)."""
         if not startup_s or startup_s <= 0 or self.precision <= 0 or m is None or not m.rel_half_width:
             return False
         spent = _time_at(streams, _last_step(streams)) - _time_at(streams, cap_step)
@@ -119,10 +104,9 @@ class StopRule:
 
 
 def steps_to_precision(steady_steps: int, rel_half_width: float, precision: float) -> float:
-    """How many more steady steps a run of ``steady_steps`` steps known to ``rel_half_width`` (relative 95%
-    half-width) needs to be known to ``precision``: the interval narrows as the square root of the steps (their
-    times' variance as measured), so ``steady_steps * ((rel_half_width / precision) ** 2 - 1)``; 0 when it is
-    already known to the precision (and for a ``precision`` of 0, which never stops a run)."""
+    """More steady steps a run of ``steady_steps`` known to ``rel_half_width`` (relative 95% half-width) needs to be
+    known to ``precision``: the interval narrows as the square root of the steps, so
+    ``steady_steps * ((rel_half_width / precision) ** 2 - 1)``; 0 when already precise or ``precision`` is 0."""
     if precision <= 0 or rel_half_width <= precision:
         return 0.0
     return steady_steps * ((rel_half_width / precision) ** 2 - 1)

@@ -1,12 +1,11 @@
 """Reading the files a user names: the ds_config, a hostfile, a Hugging Face ``config.json``, a profile's
-``model_info.json``, DeepSpeed's env file.
+``model_info.json``, DeepSpeed's env file (D304).
 
 One rule for every such reader: the file is a regular file (not a directory, a FIFO, a device such as ``/dev/zero``,
 a socket) of at most `MAX_FILE_BYTES`, its text is UTF-8, and its JSON nests at most `MAX_JSON_DEPTH` deep. Anything
-else, and any error reading it, is a `zerotune.core.errors.ConfigError` (exit status 2 at the CLI): never a
-traceback, a ``MemoryError`` or a read that never ends. Its message reads ``"{label}: {what is wrong}; {rule}"``,
-each reader passing a ``label`` (the path, or the option and the path, e.g. ``--hf-config config.json``) and a
-``rule`` (what such a file is, e.g. ``"a DeepSpeed config is UTF-8 JSON"``). Evidence: docs/decisions.md, D304.
+else, and any error reading it, is a `zerotune.core.errors.ConfigError` (exit status 2), never a traceback, a
+``MemoryError`` or a read that never ends. Its message reads ``"{label}: {what is wrong}; {rule}"``: ``label`` names
+the file (``--hf-config config.json``), ``rule`` says what such a file is (``"a DeepSpeed config is UTF-8 JSON"``).
 """
 from __future__ import annotations
 
@@ -69,12 +68,12 @@ def _unreadable(label: str, rule: str, error: OSError | ValueError) -> ConfigErr
 
 
 def check_file(path: str | Path, label: str, rule: str) -> None:
-    """Check, without opening it, that ``path`` is a regular file of at most `MAX_FILE_BYTES`: for a
-    reader that reads the file itself. A path that does not exist passes (the reader names it).
+    """Check, without opening it, that ``path`` is a regular file of at most `MAX_FILE_BYTES` (for a reader that
+    opens it itself); a missing path passes (the reader names it).
 
     Raises:
-        ConfigError: ``"{label}: a FIFO (named pipe), not a regular file; {rule}"`` (a directory, a device, a
-            socket), or the file is larger than `MAX_FILE_BYTES`, or ``stat`` fails otherwise.
+        ConfigError: not a regular file (``"{label}: a FIFO (named pipe), not a regular file; {rule}"``), too large,
+            or ``stat`` fails otherwise.
     """
     try:
         st = os.stat(path)
@@ -116,7 +115,7 @@ def _read_bytes(path: str | Path, label: str, rule: str) -> bytes:
 
 
 def read_text(path: str | Path, label: str, rule: str) -> str:
-    """The UTF-8 text of the file at ``path``, read by the rule of this module.
+    """The UTF-8 text of the file at ``path``, read by the module's rule.
 
     Raises:
         ConfigError: naming ``label``: it cannot be opened or read (missing, a permission), it is not a regular
@@ -161,12 +160,11 @@ def loads(text: str) -> Any:
 
 
 def load_json(path: str | Path, label: str, rule: str) -> Any:
-    """The JSON value of the file at ``path``, read by the rule of this module.
+    """The JSON value of the file at ``path``, read by the module's rule.
 
     Raises:
-        ConfigError: as `read_text`; invalid JSON (``"{label}:{line}:{column}: invalid JSON: ..."``); a
-            number Python does not convert; nesting deeper than `MAX_JSON_DEPTH`; a key named twice in one
-            object.
+        ConfigError: as `read_text`; invalid JSON (``"{label}:{line}:{column}: invalid JSON: ..."``), a number
+            Python does not convert, nesting deeper than `MAX_JSON_DEPTH`, or a key named twice in one object.
     """
     text = read_text(path, label, rule)
     try:
@@ -187,11 +185,10 @@ _JSON_TYPES = ((bool, "boolean"), ((int, float), "number"), (str, "string"), (li
 
 
 def load_object(path: str | Path, label: str, rule: str) -> dict[str, Any]:
-    """The JSON object of the file at ``path``, read by the rule of this module.
+    """The JSON object of the file at ``path``, read by the module's rule.
 
     Raises:
-        ConfigError: as `load_json`, or the JSON is not an object (``"{label}: a JSON array, not an
-            object; {rule}"``).
+        ConfigError: as `load_json`, or the JSON is not an object (``"{label}: a JSON array, not an object; ..."``).
     """
     value = load_json(path, label, rule)
     if not isinstance(value, dict):

@@ -1,1 +1,1 @@
-"""What zerotune knows of DeepSpeed: the user config, key tables and defaults, canonical names, validation and the launcher command."""
+"""What zerotune knows of DeepSpeed: the user config, keys and defaults, canonical names, validation, the launcher."""

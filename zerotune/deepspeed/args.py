@@ -1,12 +1,9 @@
-"""``autotuning.arg_mappings``: each experiment's ds_config values written into the script's own arguments.
+"""``autotuning.arg_mappings``: each experiment's ds_config values written into the script's own flags (D323).
 
-Rules: on every launch (the profile run, every experiment and its ``cmd.txt``, ``cmd_optimal.txt``, ``zerotune run``)
-each mapped ds_config key's value is written into the script's flag (`apply_arg_mappings`), so a Hugging Face
-``Trainer`` script, which checks the ds_config against ``--per_device_train_batch_size``, gets the mbs it runs at.
-Any ds_config key may be mapped (a dotted path or a key name, `mapped_value`), so a script flag can be a tuning
-dimension: a list of candidates in the config. ``autotuning.max_steps_arg`` names the script's steps flag, raised in
-each experiment past the last step DeepSpeed measures (`raise_steps`); the answer's command keeps the user's value.
-Evidence: docs/decisions.md, D323.
+Every launch (profile run, experiments, ``cmd_optimal.txt``, ``zerotune run``) writes each mapped key's value into its
+flag (`apply_arg_mappings`), so a Hugging Face ``Trainer`` script gets the mbs it runs at, and any mapped key can be a
+tuning dimension. ``autotuning.max_steps_arg`` names the script's steps flag, raised in each experiment past the last
+step DeepSpeed measures (`raise_steps`); the answer's command keeps the user's value.
 """
 from __future__ import annotations
 
@@ -24,15 +21,12 @@ _MISSING = object()
 
 
 def parse_arg_mappings(mappings: Mapping[str, str] | None, source: str = "ds_config") -> dict[str, str]:
-    """Check ``autotuning.arg_mappings``: ds_config key -> script flag.
-
-    Returns:
-        The mappings as a new dict (empty when None).
+    """Check ``autotuning.arg_mappings`` (ds_config key -> script flag); return it as a new dict (empty for None).
 
     Raises:
-        ConfigError: naming ``source`` and the entry: an empty key, an ``autotuning.*`` key, a flag
-            that does not start with ``-``, holds whitespace or ``=``, is the ds_config's own flag
-            (``--deepspeed``, ``--deepspeed_config``), or is mapped from two keys.
+        ConfigError: naming ``source`` and the entry: an empty or ``autotuning.*`` key; a flag not starting with ``-``,
+            holding whitespace or ``=``, the ds_config's own flag (``--deepspeed``, ``--deepspeed_config``), or mapped
+            from two keys.
     """
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
@@ -52,12 +46,8 @@ def parse_arg_mappings(mappings: Mapping[str, str] | None, source: str = "ds_con
 
 
 def mapped_value(ds_config: Mapping[str, Any], key: str) -> Any:
-    """The value of ``key`` in ``ds_config`` as a mapping reads it, or None when absent.
-
-    ``key`` is a dotted path (``optimizer.params.lr``), or a name looked up at the top level and
-    then in the sections, depth first in the config's order (DeepSpeed's ``get_val_by_key``); the
-    ``autotuning`` section is never read.
-    """
+    """The value of ``key`` in ``ds_config``, None when absent: ``key`` is a dotted path, or a name looked up at the top
+    level, then depth first in the sections (DeepSpeed's ``get_val_by_key``); ``autotuning`` is never read."""
     value = _lookup(ds_config, key)
     return None if value is _MISSING else value
 
@@ -97,11 +87,8 @@ def _takes_value(args: Sequence[str], i: int) -> bool:
 
 def apply_arg_mappings(script_args: Sequence[str], mappings: Mapping[str, str],
                        ds_config: Mapping[str, Any]) -> list[str]:
-    """The script's arguments with each mapped key's value from ``ds_config``; ``script_args`` is not modified.
-    Every occurrence of the flag gets the value, in both forms (``--flag v``, ``--flag=v``: argparse takes the last,
-    DeepSpeed's autotuner replaced only the first); a flag given without a value (a boolean switch) gets it after; an
-    absent flag is appended; a key the config does not hold, or holds as ``"auto"``, leaves the arguments unchanged
-    (the Trainer fills that value from the script's own)."""
+    """The script's arguments (a new list) with each mapped key's value from ``ds_config`` set by `set_flag` (every
+    occurrence: argparse takes the last); a key absent or ``"auto"`` leaves them as they are (the Trainer fills it)."""
     args = list(script_args)
     for key, flag in mappings.items():
         value = mapped_value(ds_config, key)
@@ -146,11 +133,9 @@ def step_flag(script_args: Sequence[str], max_steps_arg: str | None = None) -> s
 
 
 def raise_steps(script_args: Sequence[str], flag: str, ds_config: Mapping[str, Any]) -> list[str]:
-    """An experiment's arguments with its steps flag (``autotuning.max_steps_arg``) raised so the script runs past
-    the last step DeepSpeed's engine measures, which then exits: to ``(end_profile_step + 2) * gas`` (a step counted
-    as an optimizer step or as a micro step, it is enough), or left as it is where it already asks for as many. A
-    config without ``autotuning.end_profile_step`` (the answer's, ``cmd_optimal.txt``) leaves the arguments as the
-    user gave them: the training's own length is the user's."""
+    """An experiment's arguments with ``flag`` raised to ``(end_profile_step + 2) * gas`` (enough whether the script
+    counts optimizer or micro steps) so it runs past the last step DeepSpeed measures, unless it already asks for as
+    many; a config without ``autotuning.end_profile_step`` (the answer's) leaves the user's arguments."""
     end = (ds_config.get("autotuning") or {}).get("end_profile_step")
     if not isinstance(end, int) or isinstance(end, bool):
         return list(script_args)
@@ -181,7 +166,7 @@ one; `zerotune.deepspeed.keys.CHECKPOINTING` in those of the savers phase)."""
 
 
 def check_mapped_keys(mappings: Mapping[str, str], ds_config: Mapping[str, Any], source: str = "ds_config") -> None:
-    """Every mapped key is one the experiments' configs hold: set in ``ds_config`` or by zerotune.
+    """Check that every mapped key is set in ``ds_config`` or by zerotune (`ZEROTUNE_SET`).
 
     Raises:
         ConfigError: naming the mapping whose key no experiment would hold (it would never reach the script).

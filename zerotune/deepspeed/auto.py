@@ -1,12 +1,11 @@
-"""The ds_config's ``"auto"`` values, resolved as the Hugging Face ``Trainer`` resolves them.
+"""The ds_config's ``"auto"`` values, resolved as the Hugging Face ``Trainer`` resolves them, to name, validate and
+estimate each experiment.
 
-The Trainer fills each ``"auto"`` from its arguments or the model and raises where a set value disagrees with them;
-zerotune resolves them alike, to name, validate and estimate each experiment. ``"auto"`` mbs is the experiment's,
-passed through ``autotuning.arg_mappings`` (required: `check_trainer_batch`); gas is the script's flag's value, else
-1, and fp16/bf16 its precision flags (`script_autos`); ``train_batch_size`` is mbs x gas x DP world size, left out of
-the launched config with a mapped mbs (DeepSpeed derives it; the Trainer would take accelerate's world size, 1 on
-CPU); the bucket sizes come from the hidden size the profile run records (`hidden_size_autos`, `ENGINE_RECORD`).
-Everything else (lr, betas, scheduler, clipping...) stays ``"auto"``, in the optimal config too: the Trainer fills it.
+``"auto"`` mbs is the experiment's, passed through ``autotuning.arg_mappings`` (required: `check_trainer_batch`); gas
+is the script's flag's value, else 1, and fp16/bf16 its precision flags (`script_autos`); ``train_batch_size`` is
+mbs x gas x DP world size, left out of the launched config with a mapped mbs (DeepSpeed derives it; the Trainer would
+take accelerate's world size, 1 on CPU); the bucket sizes come from the hidden size the profile run records
+(`hidden_size_autos`). Everything else (lr, scheduler, clipping...) stays ``"auto"``, in the optimal config too.
 """
 from __future__ import annotations
 
@@ -52,11 +51,10 @@ def auto_paths(config: Any, path: str = "") -> list[str]:
 
 def script_autos(config: Mapping[str, Any], script_args: Sequence[str], mappings: Mapping[str, str],
                  source: str = "ds_config") -> dict[str, Any]:
-    """The ``"auto"`` values known from the script's arguments, before anything runs: gas and
-    precision (dotted path -> value, only for paths that hold ``"auto"``).
+    """The ``"auto"`` gas and precision values the script's arguments set: dotted path -> value.
 
     Raises:
-        ConfigError: the flag's value is not what the Trainer accepts (naming flag and value).
+        ConfigError: a flag's value the Trainer would not accept (naming flag and value).
     """
     autos = set(auto_paths(config))
     values: dict[str, Any] = {}
@@ -89,9 +87,8 @@ def _flag_on(script_args: Sequence[str], flag: str, source: str) -> bool:
 
 
 def hidden_size_autos(hidden_size: int) -> dict[str, int]:
-    """The Trainer's values for `MODEL_AUTO_KEYS` from the model's hidden size h
-    (``trainer_config_finalize``: h*h, int(0.9*h*h), 10*h). The profile run records h as the engine saw the model
-    (the probe's `ENGINE_RECORD`); the profile itself runs with zerotune's small buckets."""
+    """The Trainer's values for `MODEL_AUTO_KEYS` from the model's hidden size h (``trainer_config_finalize``: h*h,
+    int(0.9*h*h), 10*h); the profile run records h (`ENGINE_RECORD`) and itself runs with zerotune's small buckets."""
     h = int(hidden_size)
     return dict(zip(MODEL_AUTO_KEYS, (h * h, int(0.9 * h * h), 10 * h)))
 
@@ -120,11 +117,9 @@ def resolve(config: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, A
 
 
 def read_engine_record(exp_dir: Path) -> dict[str, Any] | None:
-    """What the probe recorded of the engine in ``exp_dir`` (rank 0, first forward): ``ds_config``
-    (the config as the engine got it, the Trainer's ``"auto"`` filled in), ``hidden_size`` (the
-    model's, as the Trainer reads it; None when it has none), ``max_positions`` (the longest sequence the model
-    takes; None: none, or a probe before it), ``train_micro_batch_size_per_gpu``,
-    ``gradient_accumulation_steps``, ``train_batch_size``. None when there is no readable record."""
+    """The probe's record of the engine in ``exp_dir`` (rank 0, first forward), None when unreadable: ``ds_config``
+    (the Trainer's ``"auto"`` filled in), ``hidden_size`` and ``max_positions`` (the model's, as the Trainer reads them;
+    None when it has none), and the three batch keys."""
     try:
         data = json.loads((Path(exp_dir) / ENGINE_RECORD).read_text())
     except (OSError, ValueError):
@@ -134,12 +129,8 @@ def read_engine_record(exp_dir: Path) -> dict[str, Any] | None:
 
 def check_trainer_batch(config: Mapping[str, Any], mappings: Mapping[str, str], gas_varies: bool,
                         source: str = "ds_config") -> None:
-    """A Trainer script (a config with ``"auto"`` values) checks mbs and gas against its own
-    arguments, so an experiment may change them only through ``arg_mappings``.
-
-    Args:
-        gas_varies: the batch semantics try more than one gas (a fixed train_batch_size, a list of
-            gas values, or gas doubling within ``max_train_batch_size``).
+    """Check that a Trainer config (one holding ``"auto"`` values) maps mbs, and gas where ``gas_varies`` (the batch
+    semantics try more than one gas), in ``arg_mappings``: the Trainer checks both against its own arguments.
 
     Raises:
         ConfigError: naming the key and the flag to map.
@@ -161,16 +152,9 @@ TRAINER_CHECKPOINTING_FLAG = "--gradient_checkpointing"
 
 
 def checkpointing_flag(user: dict[str, Any], script_args: Sequence[str], mappings: dict[str, str]) -> bool:
-    """Whether the job may tune activation checkpointing (`zerotune.deepspeed.keys.CHECKPOINTING`), given
-    the user's ds_config, the script's arguments and ``autotuning.arg_mappings``:
-
-    - the user mapped ``gradient_checkpointing`` to a flag and the config does not set the key: yes, through
-      that flag;
-    - a Hugging Face Trainer config (it holds ``"auto"`` values) whose arguments do not set
-      `TRAINER_CHECKPOINTING_FLAG` and whose config does not set the key: yes, through that flag (the
-      caller adds the mapping);
-    - otherwise no: the user's own choice (the flag in the arguments, the key in the config) stands.
-    """
+    """Whether the job may tune activation checkpointing (`zerotune.deepspeed.keys.CHECKPOINTING`): only where the
+    user's config does not set the key, and either ``arg_mappings`` maps it to a flag or a Trainer config's arguments
+    do not set `TRAINER_CHECKPOINTING_FLAG` (the caller then adds that mapping); otherwise the user's choice stands."""
     if CHECKPOINTING in user:
         return False
     if CHECKPOINTING in mappings:

@@ -1,11 +1,8 @@
-"""Identity and names of DeepSpeed configs: canonical text, content hash, canonical name.
+"""Identity and names of DeepSpeed configs: canonical text, content hash, canonical name (D2).
 
-Rules: two configs are the same experiment when DeepSpeed reads them the same way: `config_hash` hashes the
-`canonical_json` (sorted keys, no whitespace, ``5e8`` written ``500000000``) of `without_defaults` (the
-zero_optimization settings at DeepSpeed's default for the config's stage dropped), so spelling a default changes
-nothing. `canonical_name` is a readable name in the style of DeepSpeed's own autotuner (``z1_gas1_tmbspg8``) plus an
-acronym and value per named knob that is not at its default.
-Evidence: docs/decisions.md, D2.
+Two configs are the same experiment when DeepSpeed reads them the same way: `config_hash` hashes the `canonical_json`
+of `without_defaults`, so spelling a default changes nothing. `canonical_name` is a readable name in the style of
+DeepSpeed's own autotuner (``z1_gas1_tmbspg8``) plus an acronym and value per named knob not at its default.
 """
 from __future__ import annotations
 
@@ -27,13 +24,9 @@ __all__ = [
     "without_defaults",
 ]
 
-# Canonical-name acronyms, in the order they appear in a name (MBS and GAS lead every name, TBS only
-# where it is not mbs × gas × DP). Collision-free by construction: unique and prefix-free (no
-# acronym starts another), none starts with "z" (the stage) or "h" (the hash) or ends with a digit
-# (values follow); tests check this. Each has a kind: only a value of that kind is written
-# losslessly. The micro batch size is "tmbspg" ("train micro batch size per GPU"), as in the
-# experiment names of DeepSpeed's autotuner (autotuning/autotuner.py: f"z{stage}_gas{gas}_tmbspg{mbs}");
-# DeepSpeed's acronym table (autotuning/utils.py) maps several keys to one acronym, this one does not.
+# Canonical-name acronyms, in name order. Collision-free: unique, prefix-free, none starts with "z" (the stage) or
+# "h" (the hash) or ends with a digit (tests check this). Only a value of an acronym's kind is written losslessly.
+# "tmbspg" is the mbs in DeepSpeed's autotuner's experiment names (autotuning/autotuner.py).
 ACRONYMS: dict[str, tuple[str, str]] = {
     MBS: ("tmbspg", "int"),
     GAS: ("gas", "int"),
@@ -71,11 +64,8 @@ _MISSING = object()
 
 
 def normalize(value: Any) -> Any:
-    """Numbers in canonical form: a float with an integral value becomes an int (5e8 == 500000000).
-
-    Dicts and lists are copied with their numbers normalised (dict keys become str); other values
-    are returned as they are.
-    """
+    """Numbers in canonical form: a float with an integral value becomes an int (5e8 == 500000000); dicts and lists
+    are copied with their numbers normalised (dict keys become str)."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value
     if isinstance(value, float):
@@ -92,28 +82,16 @@ def normalize(value: Any) -> Any:
 
 
 def canonical_json(ds_config: dict[str, Any]) -> str:
-    """The config as JSON with sorted keys, no whitespace and normalised numbers.
-
-    The literal canonical text: two configs that differ only in key order or in how a number is
-    spelled (``5e8`` and ``500000000``) give the same text, but a setting spelled at its default
-    is kept (identity ignores defaults: `config_hash`).
-    """
+    """The config as JSON with sorted keys, no whitespace and normalised numbers; a setting spelled at its default
+    is kept (identity ignores defaults: `config_hash`)."""
     return json.dumps(normalize(ds_config), sort_keys=True, separators=(",", ":"))
 
 
 def without_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """The config without the zero_optimization settings that equal DeepSpeed's default at its stage.
-
-    Defaults are `zerotune.deepspeed.keys.ZERO_DEFAULTS` (DeepSpeed 0.19); numbers are
-    compared after `normalize` (``5e8`` equals the default 500000000) and a bool only equals
-    a bool default (``0`` is not ``False``). ``stage`` itself and every other section are kept.
-    A config whose stage is missing counts as stage 0 (DeepSpeed's default); one whose stage is not
-    0..3, or whose zero_optimization is not a dict, is returned unchanged.
-
-    Returns:
-        A new top-level dict with a new zero_optimization dict; other nested values are shared
-        with ``ds_config`` (do not mutate them).
-    """
+    """The config without the zero_optimization settings equal to DeepSpeed's default at its stage
+    (`zerotune.deepspeed.keys.ZERO_DEFAULTS`; compared after `normalize`, a bool equal only to a bool). A missing stage
+    counts as 0; a stage not 0..3, or a zero_optimization not a dict, leaves the config unchanged. Only the top level
+    and zero_optimization are new dicts: other nested values are shared with ``ds_config`` (do not mutate them)."""
     zero = ds_config.get(ZERO)
     if not isinstance(zero, dict):
         return dict(ds_config)
@@ -130,17 +108,12 @@ def without_defaults(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_hash(ds_config: dict[str, Any]) -> str:
-    """The config's identity: SHA-256 (hex, 64 characters) of the `canonical_json` of
-    `without_defaults`, so spelling a DeepSpeed default does not change it. Names carry its
-    first 8 characters."""
+    """The config's identity: SHA-256 (hex, 64 characters) of the `canonical_json` of `without_defaults`."""
     return hashlib.sha256(canonical_json(without_defaults(ds_config)).encode()).hexdigest()
 
 
 def leaves(d: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
-    """(key path, value) for each leaf of a nested dict; lists and empty dicts are leaves.
-
-    Paths are tuples of keys, so a key that itself holds a dot stays one key.
-    """
+    """(key path as a tuple, value) for each leaf of a nested dict; lists and empty dicts are leaves."""
     for k, v in d.items():
         path = prefix + (str(k),)
         if isinstance(v, dict) and v:
@@ -150,7 +123,6 @@ def leaves(d: dict[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tu
 
 
 def _lookup(d: Any, dotted: str) -> Any:
-    """The value at a dotted path of nested dicts, or _MISSING."""
     for k in dotted.split("."):
         if not isinstance(d, dict) or k not in d:
             return _MISSING
@@ -179,12 +151,9 @@ def _format_float(x: float) -> str:
 
 
 def _format_value(value: Any, kind: str) -> tuple[str, bool]:
-    """(text, lossless) for a value named by an acronym of ``kind`` ("bool", "int", "str").
-
-    The text is made of ``[A-Za-z0-9.-]`` only and is lossless when it identifies the value among
-    values of ``kind``; any other value is written approximately (strings reduced to letters,
-    digits and "-", at most 24 characters) and the name then carries the hash.
-    """
+    """(text, lossless) for a value named by an acronym of ``kind`` ("bool", "int", "str"): text of ``[A-Za-z0-9.-]``
+    only, lossless when it identifies the value among values of ``kind``; any other value is written approximately
+    (at most 24 characters) and the name then carries the hash."""
     value = normalize(value)
     if isinstance(value, bool):
         return ("1" if value else "0"), kind == "bool"
@@ -207,33 +176,16 @@ def _format_value(value: Any, kind: str) -> tuple[str, bool]:
 
 
 def canonical_name(ds_config: dict[str, Any], extra_keys: Iterable[str] = ()) -> str:
-    """A readable name for a config, unique among the configs of one tuning job.
+    """A readable name for a config, unique among the configs of one tuning job, of ``[A-Za-z0-9._-]`` only.
 
-    The name is ``z{stage}_gas{gas}_tmbspg{mbs}`` as DeepSpeed's autotuner names its experiments
-    (``z1_gas1_tmbspg8``), then ``_{acronym}{value}`` for each key of `ACRONYMS` the config
-    sets to something other than DeepSpeed's default (`without_defaults`), in the order of
-    `ACRONYMS`: ``z2_gas2_tmbspg8_oc1_rbs5e7``. Numbers are compact (``5e7``, ``1e6``, powers
-    of two as is), booleans ``1``/``0``. A missing stage is 0 and a missing gas is 1 (DeepSpeed's
-    defaults); ``train_batch_size`` is named only when mbs or gas is missing (otherwise it is
-    mbs × gas × DP world size).
-
-    ``_h`` and the first 8 hex digits of `config_hash` are appended when the readable part
-    does not identify the config among the configs of its job: a named value whose text is lossy
-    (a float, a string other than lowercase letters and digits, a value of the wrong kind), a
-    missing mbs (``tmbspg-``) or a gas DeepSpeed derives from ``train_batch_size`` (``gas-``), or
-    a key of ``extra_keys`` present in the config. Settings neither named nor in ``extra_keys``
-    (the user's optimizer, fp16 section...) are taken to be the same for the whole job and do not
-    add the hash. Keys outside `ACRONYMS` are never written into a name, and the name is
-    made of ``[A-Za-z0-9._-]`` only, whatever the keys and values.
-
-    Args:
-        ds_config: the config to name.
-        extra_keys: dotted keys the job varies that have no acronym (``optimizer.params.lr``);
-            the config holding one of them (or a key under it) carries the hash.
-
-    Returns:
-        The name, e.g. ``z3_gas1_tmbspg4_rbs1e7_pfbs1e7_mlp1e7`` or
-        ``z1_gas1_tmbspg8_h1a2b3c4d``.
+    ``z{stage}_gas{gas}_tmbspg{mbs}`` (a missing stage is 0, a missing gas 1), then ``_{acronym}{value}`` for each key
+    of `ACRONYMS` not at DeepSpeed's default (`without_defaults`), in its order: ``z2_gas2_tmbspg8_oc1_rbs5e7``.
+    Numbers are compact (``5e7``, powers of two as is), booleans ``1``/``0``; ``train_batch_size`` is named only where
+    mbs or gas is missing. ``_h`` and the first 8 hex digits of `config_hash` follow where the readable part does not
+    identify the config: a lossy value (a float, a string other than lowercase letters and digits, a value of the
+    wrong kind), a missing mbs (``tmbspg-``) or derived gas (``gas-``), or a key of ``extra_keys`` (dotted keys the job
+    varies that have no acronym, ``optimizer.params.lr``), or one under it, in the config. Other settings (the user's
+    optimizer...) are taken to be the same for the whole job.
     """
     cfg = without_defaults(ds_config)
     zero = cfg.get(ZERO, {})

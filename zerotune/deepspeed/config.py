@@ -1,8 +1,7 @@
 """The user's DeepSpeed config and its ``autotuning`` section: parsing and validation.
 
-The ``autotuning`` section uses DeepSpeed's own key names (``deepspeed/autotuning/constants.py``)
-so a config written for ``deepspeed --autotuning tune`` works unchanged. Every error names the
-file and the key or value at fault (``ConfigError``, exit status 2 at the CLI).
+The section keeps DeepSpeed's key names (``deepspeed/autotuning/constants.py``), so a config written for ``deepspeed
+--autotuning tune`` works unchanged. Every error is a ``ConfigError`` (exit status 2) naming the file and the key.
 """
 from __future__ import annotations
 
@@ -20,13 +19,8 @@ CONFIG_FLAGS = ("--deepspeed_config", "--deepspeed")
 
 
 class AutotuningConfig(BaseModel):
-    """The ``autotuning`` section, with DeepSpeed's key names and defaults.
-
-    Differences from DeepSpeed, on purpose: ``overwrite`` defaults to False so that a rerun resumes
-    from the results on disk (``--overwrite`` starts fresh), unknown keys are errors rather
-    than silently ignored, and types are strict (JSON's own: ``"fast": "yes"``, ``"fast": 1`` and
-    ``"start_profile_step": "8"`` are errors, not coerced).
-    """
+    """The ``autotuning`` section, with DeepSpeed's key names and defaults, except on purpose: ``overwrite`` defaults
+    to False (a rerun resumes from the results on disk), unknown keys are errors and types are strict (JSON's own)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)  # "fast": "yes" or "8" is an error, never coerced
 
@@ -114,19 +108,15 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
     """Read a ds_config JSON file, bounded as every file the user names (`zerotune.core.user_files`).
 
     Raises:
-        ConfigError: naming the file: missing or unreadable, not a regular file (a directory, a FIFO,
-            ``/dev/zero``), larger than 4 MiB, not UTF-8 (DeepSpeed reads it as UTF-8 JSON; the offset of the
-            first bad byte), invalid JSON (with line and column), nested deeper than 64 levels, or not a JSON
-            object.
+        ConfigError: naming the file: missing, unreadable or not a regular file, larger than 4 MiB, not UTF-8 (with
+            the first bad byte's offset), invalid JSON (with line and column), nested over 64 levels, or not an object.
     """
     return user_files.load_object(path, str(path), CONFIG_RULE)
 
 
 def config_args(script_args: Sequence[str]) -> list[tuple[int, str, str]]:
-    """Every ds_config path in the training script's arguments: ``(index of the argument holding it, flag, path)``.
-
-    Accepts ``--deepspeed_config PATH``, ``--deepspeed PATH`` and the ``--flag=PATH`` forms, as the
-    ``deepspeed`` launcher's users write them (``--deepspeed`` alone is DeepSpeed's boolean switch).
+    """Every ds_config path in the script's arguments as ``(index of the argument holding it, flag, path)``, from
+    ``--deepspeed_config PATH``, ``--deepspeed PATH`` or ``--flag=PATH`` (``--deepspeed`` alone is DeepSpeed's switch).
 
     Raises:
         ConfigError: a path is the empty string (an unset shell variable).
@@ -147,14 +137,11 @@ def config_args(script_args: Sequence[str]) -> list[tuple[int, str, str]]:
 
 
 def find_config_arg(script_args: list[str]) -> tuple[int, str]:
-    """Locate the one ds_config path in the training script's arguments (`config_args`).
-
-    Returns:
-        (index of the argument holding the path, the path).
+    """``(index of the argument holding it, path)`` of the one ds_config path in the script's arguments (`config_args`).
 
     Raises:
-        ConfigError: when no argument carries a path, the path is the empty string (an unset shell variable), or
-            two arguments carry one (which the script reads is its parser's choice, not zerotune's).
+        ConfigError: no argument carries a path, the path is empty, or two carry one (which the script reads is its
+            parser's choice, not zerotune's).
     """
     found = config_args(script_args)
     if len(found) > 1:
@@ -177,12 +164,10 @@ def replace_config_arg(script_args: list[str], new_path: str) -> list[str]:
 
 
 def stage_candidates(ds_config: dict[str, Any], source: str = "ds_config") -> list[int]:
-    """ZeRO stages to explore: ``zero_optimization.stage`` as an int, a list or ``"all"``.
-
-    Absent means all stages 0-3. Returned sorted ascending, without duplicates.
+    """ZeRO stages to explore, sorted and unique: ``zero_optimization.stage``, an int, a list or ``"all"`` (default).
 
     Raises:
-        ConfigError: a stage outside 0-3 or a value of another type.
+        ConfigError: a stage outside 0-3, a value of another type, or an empty list.
     """
     zero = ds_config.get("zero_optimization", {})
     if not isinstance(zero, dict):

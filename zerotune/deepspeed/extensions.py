@@ -1,12 +1,11 @@
-"""DeepSpeed's JIT-built ops and the torch extension cache the experiments load them from.
+"""DeepSpeed's JIT-built ops and the torch extension cache the experiments load them from (D317).
 
-Every process that loads a JIT-built op takes its ``<op>/lock`` (torch's ``FileBaton``) and waits on it without a
-timeout, so a rank killed holding it would hang every later run that loads the op. Hence:
-- Experiments never use the machine's cache: each exps dir has its own (`extensions_dir`), seeded (`seed`) with
-  copies, never hard links, of the ops this install built (`built_here`) that load with no build (`would_build`).
-- Ops the experiments built are kept in zerotune's cache (`publish`), seeded next time; the machine's is never written.
-- A lock in an exps dir's cache while none of its experiments runs was left by a killed process: `remove_stale_locks`
-  removes it, and a run that timed out names a lock older than itself (`stale_locks`).
+A process loading a JIT-built op waits without a timeout on its ``<op>/lock`` (torch's ``FileBaton``), so a rank
+killed holding it would hang every later run. Hence experiments never use the machine's cache: each exps dir has its
+own (`extensions_dir`), seeded (`seed`) with copies, never hard links, of the ops this install built (`built_here`)
+that load with no build (`would_build`); ops the experiments built are kept in zerotune's cache (`publish`). A lock
+left in an exps dir's cache while none of its experiments runs is removed (`remove_stale_locks`), and a run that
+timed out names one older than itself (`stale_locks`).
 """
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def own_root(environ: dict[str, str] | None = None) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _install_dirs() -> tuple[str, str | None]:
-    """This interpreter's torch package dir and DeepSpeed package dir (None: not installed), found
-    without importing DeepSpeed (a second and a half)."""
+    """This interpreter's torch and DeepSpeed package dirs (None: not installed), found without importing DeepSpeed."""
     import torch
     spec = importlib.util.find_spec("deepspeed")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
@@ -77,10 +75,9 @@ def _install_dirs() -> tuple[str, str | None]:
 
 
 def built_here(op: Path, install: tuple[str, str | None] | None = None) -> bool:
-    """Whether the op built in ``op`` was built by this install (``install``: the torch and DeepSpeed
-    package dirs, default this interpreter's), so torch loads it without a rebuild: it has a library
-    and a ``build.ninja`` that names this torch's include dir and, for a DeepSpeed op (one whose
-    sources are under a ``deepspeed/ops`` dir), this DeepSpeed's ``ops`` dir."""
+    """Whether the op built in ``op`` was built by this install (``install``: the torch and DeepSpeed package dirs,
+    default this interpreter's): it has a library and a ``build.ninja`` naming this torch's include dir and, for a
+    DeepSpeed op (sources under ``deepspeed/ops``), this DeepSpeed's ``ops`` dir."""
     torch_dir, deepspeed_dir = install or _install_dirs()
     try:
         ninja = (Path(op) / "build.ninja").read_text(errors="replace")
@@ -101,12 +98,9 @@ def _names(ninja: str, path: str) -> bool:
 
 def seed(target: Path, sources: Sequence[Path] | None = None,
          install: tuple[str, str | None] | None = None) -> list[str]:
-    """Copy into ``target`` each op that it lacks from the first of ``sources`` (default: the
-    machine's cache, `default_root`, then zerotune's own, `own_root`) where that op was
-    built by this install (`built_here`; ``install`` as there), with its timestamps (so torch's
-    build check finds it up to date), never a lock; returns the ops copied. An op being built in a
-    source right now (its lock younger than ``BUILD_S``) is not taken from it. An op no source has
-    built here is left to the experiments, which build it in ``target``."""
+    """Copy into ``target`` each op it lacks from the first of ``sources`` (default: `default_root`, then `own_root`)
+    that built it with this install (`built_here`), with its timestamps and no lock, unless that source is building it
+    now (a lock younger than ``BUILD_S``) or the copy would build (`would_build`); return the ops copied."""
     sources = [default_root(), own_root()] if sources is None else [Path(s) for s in sources]
     target.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -129,11 +123,9 @@ def seed(target: Path, sources: Sequence[Path] | None = None,
 
 def would_build(op: Path, environ: dict[str, str] | None = None) -> str:
     """Why loading the op built in ``op`` would build (ninja's first reason, e.g. ``command line not found in log
-    for fused_adam.o``), or '' when it loads with no build: ninja's own dry run (``ninja -n -d explain``) in ``op``,
-    with the ``ninja`` torch would run (the first on ``environ``'s ``PATH``, default this process's), so its build
-    log, dependencies and timestamps are read as torch's build would read them. Run only in a cache that is
-    zerotune's: ninja rewrites a log another version wrote. No ninja: 'no ninja on PATH' (torch loads no op
-    without one)."""
+    for fused_adam.o``), or '' when it would not: ninja's own dry run (``ninja -n -d explain``) in ``op``, with the
+    ``ninja`` first on ``environ``'s ``PATH`` as torch runs it. Run only in zerotune's caches: ninja rewrites a log
+    another version wrote."""
     env = os.environ if environ is None else environ
     ninja = shutil.which("ninja", path=env.get("PATH"))
     if ninja is None:
@@ -150,13 +142,10 @@ def would_build(op: Path, environ: dict[str, str] | None = None) -> str:
 
 def publish(ext_dir: Path, own: Path | None = None, machine: Path | None = None,
             install: tuple[str, str | None] | None = None) -> list[str]:
-    """Keep in zerotune's own cache (``own``, default `own_root`) each op in ``ext_dir`` that
-    this install built (`built_here`; ``install`` as there), has no lock, that cache does not hold as built
-    here, and is not the machine's own library seeded (``machine``, default `default_root`: the same
-    ``<op>.so``, size and mtime; a machine op that loads only with a build was not seeded, so the experiments'
-    build of it is kept); call only
-    while no experiment may be building in ``ext_dir``. Returns the ops kept. Failures (a full disk,
-    a read-only home) keep nothing and raise nothing."""
+    """Keep in zerotune's cache (``own``, default `own_root`) each op in ``ext_dir`` that this install built
+    (`built_here`), has no lock, is not held there as built here, and is not the machine's library seeded (``machine``,
+    default `default_root`: the same ``<op>.so`` size and mtime); return the ops kept. Call only while no experiment
+    may build in ``ext_dir``; a failure (a full disk, a read-only home) keeps nothing and raises nothing."""
     own = own_root() if own is None else Path(own)
     machine = default_root() if machine is None else Path(machine)
     kept = []
@@ -192,10 +181,8 @@ def _same_library(op: Path, other: Path) -> bool:
 
 
 def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
-    """The ops built in ``ext_dir`` from ``since`` on (seconds since the epoch), each with how long its last build
-    took, s: ninja's own time in the op's ``.ninja_log`` (`last_build_s`), from ninja's start to the library.
-    An op counts when its ``<op>.so`` was written since then (a seeded op keeps its source's timestamps); one without
-    a ``.so`` (a build that failed or still runs) or without a log ninja wrote is not counted."""
+    """The ops whose ``<op>.so`` in ``ext_dir`` was written since ``since`` (seconds since the epoch), each with its
+    last build's time, s (`last_build_s`); one without a ``.so`` or a ninja log line for it is left out."""
     builds = {}
     try:
         ops = sorted(p for p in Path(ext_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -213,9 +200,8 @@ def builds_since(ext_dir: Path, since: float) -> dict[str, float]:
 
 
 def last_build_s(log: Path, output: str) -> float | None:
-    """How long ninja's last run that wrote ``output`` took, s, from a build dir's ``.ninja_log``: each line is
-    ``start end mtime output hash``, the times in ms from the start of the ninja run that wrote it, so the last line
-    for ``output`` (the library, linked last) ends when that run ended. None: no log, or no such line."""
+    """How long ninja's last run that wrote ``output`` (the library, linked last) took, s: the end, in ms from that
+    run's start, of its last line in the build dir's ``.ninja_log``. None: no log, or no such line."""
     try:
         lines = Path(log).read_text(errors="replace").splitlines()
     except OSError:
@@ -229,8 +215,7 @@ def last_build_s(log: Path, output: str) -> float | None:
 
 def build_note(builds: dict[str, float]) -> str | None:
     """The summary's line on the JIT builds a tuning paid (`builds_since`), e.g. ``JIT builds paid by this
-    tuning: cpu_adam 61 s, deepspeed_shm_comm 17 s (kept in zerotune's cache: the next tuning loads them)``; None
-    when there were none."""
+    tuning: cpu_adam 61 s (kept in zerotune's cache: ...)``; None when there were none."""
     if not builds:
         return None
     return ("JIT builds paid by this tuning: " + ", ".join(f"{op} {s:.0f} s" for op, s in sorted(builds.items()))
@@ -252,10 +237,8 @@ def _copy_whole(op: Path, dest: Path) -> bool:
 
 
 def _copy_file(src: str, dst: str) -> None:
-    """Copy one file of a build dir with its mode and timestamps into a new inode of its own: a reflink
-    (copy-on-write, no bytes copied) where the filesystem has one (btrfs, XFS), else the bytes. Never a
-    hard link: that is one inode, so a rebuild or a write in one cache would rewrite the files every other cache,
-    the machine's included, may be loading."""
+    """Copy one file of a build dir with its mode and timestamps into a new inode of its own: a reflink where the
+    filesystem has one, else the bytes; never a hard link, through which a rebuild would rewrite every other cache."""
     if _reflink(src, dst):
         shutil.copystat(src, dst)
     else:

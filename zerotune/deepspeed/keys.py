@@ -1,10 +1,8 @@
-"""DeepSpeed's config keys as zerotune needs to know them: names, which stage reads which key,
-which keys hold lists, integer sizes and their bounds, and DeepSpeed's defaults.
+"""DeepSpeed's config keys as zerotune needs them: names, which stage reads which key, which keys hold lists,
+integer sizes and their bounds, and DeepSpeed's defaults.
 
-Facts only, each with its source in DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` unless
-said otherwise); the modules that check (`zerotune.deepspeed.validate`), name
-(`zerotune.deepspeed.canonical`) and generate (`zerotune.inputs.space`) configs read
-them from here.
+Facts only, each with its source in DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` unless said otherwise),
+read from here by the modules that check, name and generate configs.
 """
 from __future__ import annotations
 
@@ -151,10 +149,9 @@ MODEL_SECTIONS: dict[str, tuple[str, str]] = {
 
 
 def is_list_valued(path: str) -> bool:
-    """Whether the dotted key ``path`` is a DeepSpeed setting whose value is itself a list (e.g.
-    ``optimizer.params.betas``, ``compile.passes``), so a flat list there is the setting, not a list of candidates:
-    in a section of `MODEL_SECTIONS`, its config model's field type says (DeepSpeed imported for it only for a
-    key zerotune does not know as a scalar); elsewhere `LIST_VALUED_KEYS`."""
+    """Whether the dotted key ``path`` is a setting whose value is itself a list (``optimizer.params.betas``), so a flat
+    list there is the setting, not candidates: in a section of `MODEL_SECTIONS` as its config model's field type says
+    (DeepSpeed imported only for a key not known as a scalar), elsewhere as `LIST_VALUED_KEYS` says."""
     for rule in LIST_VALUED_KEYS:
         if rule.endswith(".*") and (path + ".").startswith(rule[:-1]):
             return True
@@ -244,10 +241,8 @@ OPTIMIZER_STATE_BYTES = {"adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "l
 
 
 def optimizer_state_bytes(ds_config: dict[str, Any]) -> int:
-    """Bytes of optimizer state per parameter, not counting an fp32 master copy (8 for Adam).
-
-    An unknown or absent optimizer counts as Adam, the common and the larger case.
-    """
+    """Bytes of optimizer state per parameter, not counting an fp32 master copy (8 for Adam); an unknown or absent
+    optimizer counts as Adam, the common and the larger case."""
     opt = ds_config.get("optimizer") or {}
     name = str(opt.get("type", "adam")).lower().replace("_", "").replace("-", "")
     return OPTIMIZER_STATE_BYTES.get(name, 8)

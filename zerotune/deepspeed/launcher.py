@@ -1,12 +1,9 @@
 """The ``deepspeed`` launcher's command line: which executable, which environment, which arguments.
 
-Everything here is text: building the command a backend starts (and writes to ``cmd.txt``) and
-the line a person can paste. The line to paste is always the ``deepspeed`` runner's. An experiment on
-this machine alone starts DeepSpeed's per-node launcher (``deepspeed.launcher.launch``) directly, with
-the arguments the runner would hand it (`launch_command`, ``direct``): the runner is a Python
-process that imports DeepSpeed only to exec that launcher for a single-node run, a second or two of
-every launch (docs/decisions.md, D14). Starting, supervising and stopping the process is the backends' job
-(`zerotune.run.backends.local`, `zerotune.run.processes`).
+Everything here is text: the command a backend starts (and writes to ``cmd.txt``) and the line a person can paste,
+always the ``deepspeed`` runner's. An experiment on this machine alone starts DeepSpeed's per-node launcher directly
+with the arguments the runner would hand it (`launch_command`, ``direct``), saving the runner's second or two (D14).
+Starting, supervising and stopping the process is the backends' job (`zerotune.run.backends.local`).
 """
 from __future__ import annotations
 
@@ -35,8 +32,7 @@ _ports_in_use: set[int] = set()
 
 
 def free_port() -> int:
-    """A TCP port free on this machine and not handed to another running experiment (the
-    launcher's ``--master_port``); give it back with `release_port` when the run ends.
+    """A free TCP port no other running experiment holds (``--master_port``); give it back with `release_port`.
 
     Raises:
         RuntimeError: no such port was found in 100 tries.
@@ -85,21 +81,14 @@ experiment's CPU ranks under a budget get 0 (none ahead; the user's own value st
 
 def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | None = None,
                config_path: str | None = None) -> dict[str, str]:
-    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``): first the tuner's
-    communication settings that every rank gets (`zerotune.deepspeed.rank_env.passed_env`: ``NCCL_*``,
-    ``GLOO_*`` ...), over them ``spec.extra_env``, then the user's launcher's variables for a run of the config at
-    ``config_path`` (``spec.launcher.rank_env``: Accelerate's, the config's path where the launcher carries it), then
-    the launch's own.
+    """Environment variables the launch needs beyond the caller's (shown in ``cmd.txt``), each later one winning: the
+    ranks' communication settings (`zerotune.deepspeed.rank_env.passed_env`), ``spec.extra_env``, the user's
+    launcher's variables for the config at ``config_path`` (``spec.launcher.rank_env``), then the launch's own.
 
-    Args:
-        spec: how the script is launched.
-        reservation: the slots it runs on.
-        probe_dir: for an experiment, its directory: the step probe (`zerotune.probe`) is put
-            first on the ranks' ``PYTHONPATH`` and writes its streams there
-            (``PYTHON_ZEROTUNE_PROBE_DIR``); on CUDA ranks with a budget, the probe caps each device's
-            caching allocator at it (``PYTHON_ZEROTUNE_DEVICE_BUDGET``, bytes); on CPU ranks with a budget, no
-            mimalloc arena reserved ahead (`MIMALLOC_RESERVE_ENV`). None (the optimal command,
-            ``zerotune run``): no probe, no cap.
+    ``probe_dir``, an experiment's directory, puts the step probe (`zerotune.probe`) first on the ranks'
+    ``PYTHONPATH``, writing its streams there; with a budget, the probe caps each CUDA device's caching allocator at it
+    (bytes) and CPU ranks reserve no mimalloc arena (`MIMALLOC_RESERVE_ENV`). None (the optimal command, ``zerotune
+    run``): no probe, no cap.
     """
     env = {**passed_env(), **spec.extra_env}
     if spec.launcher is not None:
@@ -127,18 +116,13 @@ def launch_env(spec: LaunchSpec, reservation: Reservation, probe_dir: Path | Non
 
 def launch_command(spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                    direct: bool = False, ds_config: dict | None = None) -> list[str]:
-    """The ``deepspeed`` launcher command for a config on a reservation.
+    """The launcher command for a config on a reservation, with the script's arguments of `script_arguments`.
 
-    Multi-node reservations (a hostfile and a host other than ``localhost``) go through the
-    launcher's own runner (``--hostfile --force_multi``). With ``direct``, a reservation of this
-    machine alone starts `node_launcher` with the arguments the runner would give it
-    (``--world_info``: base64 of the JSON ``{"localhost": [slots]}``, ``--master_addr 127.0.0.1``,
-    ``--master_port``); otherwise the runner with ``--include``. The script's ds_config argument is
-    replaced by ``config_path``, and with ``spec.arg_mappings`` the mapped values of the config at
-    ``config_path`` (written before the launch; ``ds_config``, that file's content, where it is not written yet)
-    are passed as the script's arguments (`zerotune.deepspeed.args.apply_arg_mappings`).
-
-    With ``spec.launcher`` (not the ``deepspeed`` form), that launcher's command on the reservation's one node.
+    Multi-node reservations go through the ``deepspeed`` runner (``--hostfile --force_multi``, `multi_node`). With
+    ``direct``, a reservation of this machine alone starts `node_launcher` with the arguments the runner would give
+    it (``--world_info``: base64 of the JSON ``{"localhost": [slots]}``, ``--master_addr 127.0.0.1``,
+    ``--master_port``); otherwise the runner with ``--include``. With ``spec.launcher`` (not the ``deepspeed`` form),
+    that launcher's command on the reservation's one node.
     """
     if spec.launcher is not None:
         return spec.launcher.command(spec.script, script_arguments(spec, config_path, ds_config),
@@ -162,12 +146,10 @@ def multi_node(spec: LaunchSpec, reservation: Reservation) -> bool:
 
 
 def script_arguments(spec: LaunchSpec, config_path: str, ds_config: dict | None = None) -> list[str]:
-    """The training script's arguments for one launch: ``spec.script_args`` with the ds_config argument replaced
-    by ``config_path`` and, with ``spec.arg_mappings``, the mapped values of that config (``ds_config``: its
-    content where it is not written yet) passed as the script's arguments
-    (`zerotune.deepspeed.args.apply_arg_mappings`), and with ``spec.max_steps_arg`` an experiment's steps flag
-    raised (`zerotune.deepspeed.args.raise_steps`). A launcher that carries the config itself
-    (``spec.launcher.config_in_argv`` false) leaves the arguments' config alone."""
+    """The script's arguments for one launch: ``spec.script_args`` with the ds_config argument replaced by
+    ``config_path`` (unless the launcher carries the config itself), the values ``spec.arg_mappings`` maps from that
+    config (``ds_config``: its content where not written yet) and, with ``spec.max_steps_arg``, an experiment's steps
+    flag raised (`zerotune.deepspeed.args`)."""
     args = (spec.launcher.script_arguments(spec.script_args, config_path) if spec.launcher is not None
             else replace_config_arg(list(spec.script_args), config_path))
     if spec.arg_mappings or spec.max_steps_arg:
@@ -186,10 +168,9 @@ def paste_command(env: dict[str, str], cmd: list[str]) -> str:
 
 
 def shell_word(word: str) -> str:
-    """``word`` quoted for the shell: `shlex.quote` when it is text; when it holds bytes that are not
-    UTF-8 (Python's surrogate escapes, as ``sys.argv`` and `os.fsdecode` give an undecodable file
-    name or argument), bash's ``$'...'`` with each byte outside printable ASCII as ``\\xNN``: the shell
-    gives the program the very bytes the user gave, and the line stays printable."""
+    """``word`` quoted for the shell: `shlex.quote` when it is text; when it holds bytes that are not UTF-8 (surrogate
+    escapes, as ``sys.argv`` and `os.fsdecode` give them), bash's ``$'...'`` with each byte outside printable ASCII as
+    ``\\xNN``, so the program gets the user's very bytes and the line stays printable."""
     try:
         word.encode()
     except UnicodeEncodeError:

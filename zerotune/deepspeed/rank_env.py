@@ -1,12 +1,10 @@
-"""What every rank gets from the tuner's environment, on every node and every backend: one rule.
+"""What every rank gets from the tuner's environment, on every node and every backend: one rule (D14, D300).
 
-The rule: the variables of the tuner's environment whose names start with `PASSED_PREFIXES` (NCCL's, Gloo's,
-torch.distributed's, UCX's and libfabric's settings) reach every rank of every experiment and of the training after
-tuning, on every node, as set where ``zerotune`` runs; other names are left to each way ranks are started (DeepSpeed's
-runner drops them on other nodes). `zerotune.deepspeed.launcher.launch_env` adds them to each launch (``cmd.txt``
-shows them): one node's ranks inherit the launcher's environment, DeepSpeed's multi-node runner reads an env file of
-the run (`runner_env_file`), Ray ships them in the launch spec, Slurm's ``srun --export=ALL`` exports them.
-Evidence: docs/decisions.md, D14.
+The tuner's variables whose names start with `PASSED_PREFIXES` reach every rank of every experiment and of the
+training after tuning, on every node, as set where ``zerotune`` runs; other names are left to each way ranks are
+started. `zerotune.deepspeed.launcher.launch_env` adds them to each launch (``cmd.txt`` shows them): one node's ranks
+inherit them, DeepSpeed's multi-node runner reads them from an env file (`runner_env_file`), Ray ships them in the
+launch spec, Slurm's ``srun --export=ALL`` exports them.
 """
 from __future__ import annotations
 
@@ -41,9 +39,9 @@ def passed_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 
 def user_env_texts(environ: Mapping[str, str] = os.environ, cwd: Path | None = None) -> list[str]:
-    """The text of each env file DeepSpeed's runner reads (``~/NAME`` and ``cwd/NAME``, ``NAME`` being
-    ``environ``'s ``DS_ENV_FILE`` or ``.deepspeed_env``; an absolute ``NAME`` once), where it is a regular file,
-    read as every file the user names is (`zerotune.core.user_files`).
+    """The text of each env file DeepSpeed's runner reads (``~/NAME`` and ``cwd/NAME``, ``NAME`` being ``environ``'s
+    ``DS_ENV_FILE`` or ``.deepspeed_env``; an absolute ``NAME`` once) that is a regular file, read as every user file
+    is (`zerotune.core.user_files`).
 
     Raises:
         ConfigError: naming the env file: unreadable, larger than 4 MiB or not UTF-8.
@@ -56,23 +54,15 @@ def user_env_texts(environ: Mapping[str, str] = os.environ, cwd: Path | None = N
 
 def runner_env_file(env: Mapping[str, str], path: Path, environ: Mapping[str, str] = os.environ,
                     cwd: Path | None = None) -> dict[str, str]:
-    """Write DeepSpeed's runner env file at ``path`` so that a multi-node launch's ranks on every node get ``env``,
-    the launch's environment additions; return the variable that names it to the runner (``{"DS_ENV_FILE": path}``,
-    absolute: the runner joins the name to its directories, and an absolute name stays itself). The runner itself
-    forwards only names starting with its ``EXPORT_ENVS`` (``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, and ``NCCL`` on
-    CUDA) and its env file's lines, so every other variable (``GLOO_*``, ``DS_ACCELERATOR`` ...) must be in the file.
+    """Write DeepSpeed's runner env file at ``path`` so that a multi-node launch's ranks on every node get ``env``
+    (`zerotune.deepspeed.launcher.launch_env`); return the variable naming it (``{"DS_ENV_FILE": path}``, absolute, as
+    the runner joins a relative name to its directories). The runner forwards by itself only names starting with its
+    ``EXPORT_ENVS`` (``PYTHON``, ``UCX``, ``NCCL`` on CUDA...), so every other variable must be in the file.
 
-    The file holds one ``NAME=VALUE`` line per variable of ``env``, except those whose names start with ``PYTHON``
-    (the runner forwards them itself, ``PYTHONPATH`` with its working directory first) and those whose value holds
-    a line break (the format has none: logged and left out); then the lines of the env files the runner would have
-    read without ``path`` (``~/NAME`` and ``cwd/NAME``, ``NAME`` being ``environ``'s ``DS_ENV_FILE`` or
-    ``.deepspeed_env``), which win as they do in the runner.
-
-    Args:
-        env: the launch's environment additions (`zerotune.deepspeed.launcher.launch_env`).
-        path: where to write the file (the experiment's directory, or the results dir for the training).
-        environ: the tuner's environment.
-        cwd: the working directory the runner starts in (None: this process's).
+    The file holds a ``NAME=VALUE`` line per variable of ``env``, except ``PYTHON*`` (the runner forwards them,
+    ``PYTHONPATH`` with its working directory first) and values holding a line break (logged and left out); then the
+    lines of the env files the runner would have read without it (`user_env_texts`; ``cwd``: the runner's working
+    directory, None for this process's), which win as they do in the runner.
 
     Raises:
         ConfigError: an env file that cannot be read (`user_env_texts`).

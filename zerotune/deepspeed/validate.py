@@ -1,8 +1,6 @@
-"""Checks on a DeepSpeed config before anything runs: `prune` drops the zero_optimization
-settings its stage does not read, `validate` refuses what DeepSpeed would refuse (or silently
-misread), with a `zerotune.core.errors.ConfigError` naming the key, the value and what was
-expected.
-"""
+"""Checks on a DeepSpeed config before anything runs: `prune` drops the zero_optimization settings its stage does not
+read, `validate` refuses what DeepSpeed would refuse (or silently misread) with a `zerotune.core.errors.ConfigError`
+naming the key, the value and what was expected."""
 from __future__ import annotations
 
 import copy
@@ -30,12 +28,11 @@ OBJECT_SECTIONS = ("optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", 
 
 
 def check_sections(ds_config: dict[str, Any], source: str, candidates: bool = True) -> None:
-    """Each of `OBJECT_SECTIONS` the config holds is an object, or where ``candidates`` a list of objects (the
-    candidates to tune between); a section that is ``null`` counts as absent.
+    """Check that each of `OBJECT_SECTIONS` the config holds is an object, or where ``candidates`` a list of objects;
+    ``null`` counts as absent.
 
     Raises:
-        ConfigError: ``"{source}: 'optimizer' = 1: expected an object such as {"type": "AdamW"}, or a list of
-            candidate objects"``.
+        ConfigError: naming ``source``, the section, its value and an example object.
     """
     for key in OBJECT_SECTIONS:
         value = ds_config.get(key)
@@ -48,14 +45,9 @@ def check_sections(ds_config: dict[str, Any], source: str, candidates: bool = Tr
 
 
 def prune(ds_config: dict[str, Any]) -> dict[str, Any]:
-    """Remove the zero_optimization settings its stage does not read (returns a new dict).
-
-    Stage 0 keeps only ``stage``; stages 1 and 2 lose the stage-3-only keys (``stage3_*``,
-    ``offload_param``, ``sub_group_size``...
-    `zerotune.deepspeed.keys.STAGE3_ONLY_KEYS`); stage 3 loses the stage-1/2-only keys
-    (`zerotune.deepspeed.keys.STAGE12_ONLY_KEYS`). ``offload_optimizer`` stays for stages
-    1-3. Keys zerotune does not know are kept.
-    """
+    """A copy of the config without the zero_optimization settings its stage does not read: stage 0 keeps only
+    ``stage``, stages 1-2 lose the stage-3-only keys (``stage3_*``, `zerotune.deepspeed.keys.STAGE3_ONLY_KEYS`), stage 3
+    loses `zerotune.deepspeed.keys.STAGE12_ONLY_KEYS`; keys zerotune does not know are kept."""
     cfg = copy.deepcopy(ds_config)
     zero = cfg.get(ZERO)
     if not isinstance(zero, dict):
@@ -71,13 +63,8 @@ def prune(ds_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_removed(ds_config: dict[str, Any]) -> None:
-    """DeepSpeed's own refusal of the settings it has removed (``runtime/config.py``,
-    ``_reject_removed_config_keys``: MiCS's ``mics_shard_size``, LoCo-ZeRO++ ...), run where the ZeRO section holds
-    a key DeepSpeed's config model does not know; nothing where the installed DeepSpeed has no such check.
-
-    Raises:
-        ConfigError: DeepSpeed's message, e.g. ``"MiCS ZeRO-3 sharding has been removed; ..."``.
-    """
+    """Raise DeepSpeed's own refusal of the settings it has removed (``runtime/config.py``,
+    ``_reject_removed_config_keys``: MiCS, LoCo-ZeRO++...) as a `ConfigError` (D320); none where DeepSpeed lacks it."""
     try:
         from deepspeed.runtime.config import _reject_removed_config_keys
     except Exception:  # noqa: BLE001 - not installed, or a DeepSpeed without the check
@@ -102,27 +89,18 @@ def _is_int(value: Any) -> bool:
 
 
 def validate(ds_config: dict[str, Any], dp_world_size: int) -> None:
-    """Check a config before anything runs; raise `ConfigError` naming key, value, expectation.
+    """Check a config (not modified) before anything runs; ``dp_world_size`` is ranks / model-parallel size.
 
-    Checks:
-        - ``zero_optimization`` is a dict and its ``stage`` is 0, 1, 2 or 3;
-        - ``train_micro_batch_size_per_gpu`` is a positive int; ``gradient_accumulation_steps``
-          and ``train_batch_size`` are positive ints or ``"auto"`` (filled in by the HF Trainer);
-        - ``train_batch_size == mbs × gas × dp_world_size`` when all three are given (when one
-          of mbs/gas is missing DeepSpeed derives it, so the product of the others must divide);
-        - bucket sizes are positive integers, stage-3 sizes and thresholds non-negative integers;
-        - stage-specific keys only where the stage reads them (stage 0: none; ``stage3_*``,
-          ``offload_param``... only stage 3; ``allgather_bucket_size``... only stages 1/2);
-        - offload devices are none/cpu/nvme, nvme needs ``nvme_path``; optimizer offload needs
-          an optimizer DeepSpeed can run on the CPU
-          (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`) unless the optimizer is the
-          client's (no ``optimizer`` section: DeepSpeed then requires
-          DeepSpeedCPUAdam/CPULion, which zerotune cannot see) or
-          ``zero_force_ds_cpu_optimizer`` is false.
-
-    Args:
-        ds_config: the config to check (not modified).
-        dp_world_size: data-parallel world size (ranks / model-parallel size).
+    Raises:
+        ConfigError: naming key, value and expectation where ``zero_optimization`` is not a dict or its ``stage`` not
+            0-3; mbs is not a positive int, gas or ``train_batch_size`` neither that nor ``"auto"``;
+            ``train_batch_size`` is not mbs × gas × dp_world_size (with one of mbs/gas missing, not divisible by the
+            product of the others); a bucket size is not a positive int, a stage-3 size or threshold not a
+            non-negative one; a key is set for a stage that does not read it (`prune`) or was removed by DeepSpeed;
+            ``compute_grad_norm`` is false outside stages 1-2; an offload device is not none/cpu/nvme, nvme lacks
+            ``nvme_path``, or optimizer offload has an optimizer DeepSpeed cannot run on the CPU
+            (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`), unless the optimizer is the client's (no ``optimizer``
+            section) or ``zero_force_ds_cpu_optimizer`` is false.
     """
     if not _positive_int(dp_world_size):
         raise ConfigError(f"dp_world_size = {dp_world_size!r}: expected a positive integer")

@@ -1,12 +1,11 @@
-"""Batch semantics: how mbs, gradient accumulation steps (gas) and train_batch_size relate in a job.
+"""Batch semantics: how mbs, gradient accumulation steps (gas) and train_batch_size relate in a job (D7, D13, D17).
 
-Rules (`BatchSemantics.from_config`), under DeepSpeed's ``train_batch_size = mbs * gas * DP world size``: a numeric
-``train_batch_size`` is the training recipe and is held fixed (mbs a divisor of ``train_batch_size / DP``, gas
-derived). Otherwise the global batch is free, and gas is searched at the best mbs (`zerotune.strategy.gas_phase`):
-the user's list of gas values (``[1]`` holds gas), or else the best mbs's global batch split in two
-(`BatchSemantics.gas_split`) and gas doubled while samples/s improves by the plateau threshold (1%), within
-``autotuning.max_train_batch_size`` or `MAX_GAS_DOUBLINGS` doublings (`BatchSemantics.gas_ladder`), never where what
-a doubling amortizes cannot pay (`doubling_gain_bound`). A list of mbs values restricts the mbs search to them.
+Under ``train_batch_size = mbs * gas * DP world size``, a numeric ``train_batch_size`` is the recipe, held fixed (mbs
+divides ``train_batch_size / DP``, gas follows). Otherwise gas is searched at the best mbs
+(`zerotune.strategy.gas_phase`): the user's list of gas values (``[1]`` holds gas), or else the best mbs's batch split
+in two (`BatchSemantics.gas_split`), then gas doubled while samples/s improves by the plateau threshold (1%), within
+``autotuning.max_train_batch_size`` or `MAX_GAS_DOUBLINGS` doublings, and only where a doubling could pay
+(`doubling_gain_bound`). A list of mbs values restricts the mbs search to them.
 """
 from __future__ import annotations
 
@@ -25,15 +24,12 @@ class BatchSemantics:
     """The batch rules of one job (build with `from_config`).
 
     Attributes:
-        dp_world_size: data-parallel world size.
         fixed_train_batch_size: the user's numeric ``train_batch_size`` (held fixed), or None.
         gas: gas of the micro-batch search when the global batch is not fixed.
         mbs_values: the mbs values allowed (None: every integer within the job's bounds).
-        gas_values: the user's list of gas values to try at the best mbs, in order (without ``gas``);
-            empty: see ``gas_doubling``.
+        gas_values: the user's gas values to try at the best mbs, in order (``gas`` left out).
         gas_doubling: gas doubles at the best mbs (stop at a plateau), the global batch being free.
-        max_train_batch_size: ``autotuning.max_train_batch_size`` (bounds the doubling), or None
-            (`MAX_GAS_DOUBLINGS` does).
+        max_train_batch_size: ``autotuning.max_train_batch_size``, bounding the doubling (None: `MAX_GAS_DOUBLINGS`).
     """
 
     dp_world_size: int
@@ -47,15 +43,13 @@ class BatchSemantics:
     @classmethod
     def from_config(cls, user: dict[str, Any], dp_world_size: int, max_train_batch_size: int | None,
                     source: str, search_gas: bool = True) -> "BatchSemantics":
-        """The semantics the user's ds_config asks for.
-
-        ``search_gas`` False keeps a single gas unless the user bounds the global batch on purpose
-        (``max_train_batch_size``): a Hugging Face Trainer script whose gas is not mapped to its
-        argument raises on any other value.
+        """The semantics the user's ds_config asks for; ``search_gas`` False keeps a single gas unless
+        ``max_train_batch_size`` bounds the global batch on purpose (a Trainer script whose gas is not mapped raises on
+        any other value).
 
         Raises:
-            ConfigError: a batch key that is not a positive integer (or a list of them, or
-                ``"auto"`` for ``train_batch_size``), or a ``train_batch_size`` that DP does not divide.
+            ConfigError: a batch key that is not a positive integer (or a list of them, or ``"auto"`` for
+                ``train_batch_size``), or a ``train_batch_size`` that DP does not divide.
         """
         mbs = user.get(MBS)
         mbs = _values(mbs, MBS, source) if isinstance(mbs, list) else None  # a single value is only a start
@@ -110,11 +104,9 @@ class BatchSemantics:
         return ladder
 
     def gas_split(self, mbs: int, lo: int = 1) -> tuple[int, int] | None:
-        """``(mbs // 2, 2 * gas)``: the global batch of ``mbs`` at gas `gas` run as two micro-batches
-        of half the size (the same ``train_batch_size`` where ``mbs`` is even, one sample per rank less
-        where it is odd), or None where gas is not searched by doubling, or half of ``mbs`` is below
-        ``lo`` or not in the config's list of mbs values. Tried before the doubling: a smaller micro-batch
-        can run faster per sample (on a CPU its activations stay in cache), as DeepSpeed's autotuner tries."""
+        """``(mbs // 2, 2 * gas)``: the global batch of ``mbs`` run as two micro-batches of half the size (one sample
+        per rank less where ``mbs`` is odd), tried before the doubling as a smaller micro-batch can be faster per
+        sample; None where gas is not doubled, or half of ``mbs`` is below ``lo`` or not in the config's mbs values."""
         half = mbs // 2
         if not self.gas_doubling or half < max(1, lo) or (self.mbs_values is not None and half not in self.mbs_values):
             return None
@@ -139,21 +131,15 @@ class BatchSemantics:
 
 
 def doubling_gain_bound(boundary_share: float | None, ds_config: dict[str, Any]) -> float | None:
-    """The most that doubling gas can gain in throughput, relative (0.01 = 1%), from a run of
-    ``ds_config`` whose step spends the share ``boundary_share`` (0..1, the probe's ``boundary_s`` over
-    ``step_s``: `zerotune.core.measure.Measurement.boundary_share`) in work done once per
-    optimizer step.
+    """The most that doubling gas can gain in samples/s, relative (0.01 = 1%), for a run of ``ds_config`` whose step
+    spends the share ``boundary_share`` (0..1, `zerotune.core.measure.Measurement.boundary_share`) in work done once
+    per optimizer step (D17).
 
-    With ``T = g F + B`` seconds per step at gas ``g`` (``F`` per micro-step, ``B`` once per step),
-    samples per second at gas ``2g`` over those at ``g`` are ``2 (g F + B) / (2 g F + B)``, a gain of
-    ``B / (2 T - B) = s / (2 - s)`` with ``s = B / T`` (DeepSpeed's engine runs the boundary's gradient
-    reduction and the optimizer step once per ``gas`` micro-steps, ``engine.py`` ``allreduce_gradients``
-    and ``step``; ZeRO-2 and 3 reduce every micro-step). Everything else in a micro-step is unchanged
-    by gas, so this bounds the gain from above.
-
-    Returns None where the probe's share misses amortized work, and so cannot bound it: no share
-    measured, or ZeRO-1 with ``overlap_comm`` (its boundary reduction runs in the backward pass's
-    gradient hooks, ``zero/stage_1_and_2.py``, outside the calls the probe times).
+    With ``T = g F + B`` s per step at gas ``g`` (``F`` per micro-step; ``B`` once per step, the boundary's gradient
+    reduction and optimizer step in ``engine.py``; ZeRO-2 and 3 reduce every micro-step), the gain is
+    ``B / (2 T - B) = s / (2 - s)`` with ``s = B / T``, an upper bound as nothing else changes with gas. None where the
+    share misses amortized work: none measured, or ZeRO-1 with ``overlap_comm`` (its reduction runs in gradient hooks,
+    ``zero/stage_1_and_2.py``, which the probe does not time).
     """
     if boundary_share is None:
         return None

@@ -1,13 +1,11 @@
-"""What a tuning may spend: ``--max-launches`` and ``--max-device-hours``, and the stop when it is spent.
+"""What a tuning may spend: ``--max-launches`` and ``--max-device-hours``, and the stop when it is spent (D306).
 
-Every experiment the tuning holds counts, the profile run and those a rerun reads from disk included (each cost a
-launch once), never one refused by the memory model or skipped by the throughput model (neither launched). A launch
-costs its wall time times the devices it held. The evaluator launches only what
-the budget has room for; when it cuts a batch, or finds the budget spent, it raises `BudgetSpent`, and the
-strategy answers with the best of what ran, says what it did not decide and by how much the answer could be beaten
-(`zerotune.strategy.stop_bound`). Under a budget the strategy runs the fine pass, which refines within one
-explored stage, after the phases that try other configs (`Strategy.fine_last
-<zerotune.strategy.tuning.Strategy.fine_last>`).
+Every experiment the tuning holds counts, the profile run and those a rerun reads from disk included, never one
+refused by the memory model or skipped by the throughput model (neither launched); a launch costs its wall time times
+the devices it held. The evaluator launches only what the budget has room for, else raises `BudgetSpent`; the
+strategy then answers with the best that ran and by how much it could be beaten (`zerotune.strategy.stop_bound`,
+D310). Under a budget the fine pass runs after the phases that try other configs
+(`zerotune.strategy.tuning.Strategy.fine_last`, D312).
 """
 from __future__ import annotations
 
@@ -20,11 +18,8 @@ NOT_LAUNCHED = (Status.REFUSED, Status.SKIPPED)
 
 
 class BudgetSpent(Exception):
-    """The tuning's launch budget is spent: no further launch (the message says which limit and the spend).
-
-    Attributes:
-        cut: the experiments of the batch the budget had no room for (never launched, not in the ledger).
-    """
+    """The tuning's launch budget is spent (the message says which limit and the spend); ``cut``: the experiments of
+    the batch it had no room for (never launched, not in the ledger)."""
 
     def __init__(self, message: str, cut: Sequence[Experiment] = ()):
         super().__init__(message)
@@ -33,12 +28,8 @@ class BudgetSpent(Exception):
 
 @dataclass(frozen=True)
 class LaunchBudget:
-    """The limits of one tuning; None: no limit.
-
-    Attributes:
-        max_launches: launches, the profile run included (``--max-launches``).
-        max_device_hours: device-hours (wall time x devices) of every launch (``--max-device-hours``).
-    """
+    """The limits of one tuning, None for none: ``max_launches`` (``--max-launches``, the profile run included) and
+    ``max_device_hours`` (``--max-device-hours``: wall time x devices, summed over every launch)."""
 
     max_launches: int | None = None
     max_device_hours: float | None = None

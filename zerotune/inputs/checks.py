@@ -1,7 +1,5 @@
-"""The checks `zerotune.inputs.job.Job.build` runs on a tuning job's inputs before anything
-runs: each bad input is a `zerotune.core.errors.ConfigError` naming the flag or the config
-file and key, never a failed launch later.
-"""
+"""The checks `zerotune.inputs.job.Job.build` runs on a job's inputs before anything runs: each bad input is a
+`zerotune.core.errors.ConfigError` naming the flag or the config file and key, never a failed launch later."""
 from __future__ import annotations
 
 import os
@@ -54,11 +52,7 @@ def check_options(options: Any) -> None:
 def check_launcher(launcher: Launcher, options: Any, nodes: Sequence[Any]) -> None:
     """Where the user's launcher can run: a script that starts its own ranks only on the local backend (every other
     backend starts each rank itself); a launcher other than ``deepspeed`` on one node, or on several through Slurm's
-    job steps (DeepSpeed's runner, which the local and Ray backends use across nodes, starts only its own form).
-
-    Raises:
-        ConfigError: naming the launcher and the backend or the nodes.
-    """
+    job steps (DeepSpeed's runner, which the local and Ray backends use across nodes, starts only its own form)."""
     if launcher.contract == OWN and options.backend != "local":
         raise ConfigError(f"{launcher.describe('SCRIPT')}: the script starts its own ranks, and --backend "
                           f"{options.backend} starts every rank itself: launch it with torchrun or deepspeed")
@@ -68,9 +62,8 @@ def check_launcher(launcher: Launcher, options: Any, nodes: Sequence[Any]) -> No
 
 
 def mbs_bounds(at: AutotuningConfig, batch: BatchSemantics, source: str) -> tuple[int, int, tuple[int, ...] | None]:
-    """(smallest, largest, allowed) mbs: the per-GPU bounds narrowed by the train batch bounds
-    (train_batch_size = mbs * gas * DP world size) or a fixed train_batch_size, and the values
-    the batch semantics allow within them."""
+    """(smallest, largest, allowed) mbs: the per-GPU bounds narrowed by the train batch bounds (train_batch_size =
+    mbs * gas * DP) or a fixed train_batch_size, and the values the batch semantics allow within them (None: any)."""
     lo = at.min_train_micro_batch_size_per_gpu
     if batch.fixed_train_batch_size is None:
         lo = max(lo, -(-at.min_train_batch_size // (batch.gas * batch.dp_world_size)))
@@ -112,11 +105,9 @@ about 195 MiB of private data (``VmData``, what ``RLIMIT_DATA`` limits) before a
 
 def check_untunable(user: dict[str, Any], at: AutotuningConfig, batch: BatchSemantics, min_mbs: int,
                      source: str) -> tuple[str, ...]:
-    """Inputs no experiment could honour, refused before the first launch: a fixed train batch or
-    gas candidates outside the ``autotuning`` bounds (``user`` with its ``$VAR`` placeholders
-    substituted; `zerotune.inputs.variables.parse_variables` checks those).
-    Returns the notes for the log: a fixed train_batch_size that disagrees with the config's own mbs
-    and gas (which the search then replaces) is said, never silently overwritten."""
+    """Refuse inputs no experiment could honour: a fixed train batch or gas candidates outside the ``autotuning``
+    bounds (``user`` with its ``$VAR`` placeholders substituted). Return the notes for the log: a fixed
+    train_batch_size that disagrees with the config's mbs and gas (which the search replaces) is said, not hidden."""
     dp, notes = batch.dp_world_size, []
     tbs, mbs, gas = (user.get(k) for k in (TBS, MBS, GAS))
     if all(isinstance(v, int) and not isinstance(v, bool) for v in (tbs, mbs, gas)):

@@ -1,12 +1,11 @@
 """The one config builder: every experiment's ds_config and name, profile, mbs phase and knob phase alike.
 
-Rules (`ConfigBuilder.config`): each config is the user's ds_config (a list of candidates takes its first until the
-knob phase tunes it; ``autotuning`` dropped) at a ZeRO stage and mbs, with the batch semantics' gas and
-``train_batch_size = mbs * gas * DP world size``, deep-merged with the phase's own settings, pruned of what its stage
-does not read and validated. Its name is the canonical name of its content (``z1_gas1_tmbspg8`` plus knob acronyms),
-so the same config has the same name whichever phase asks, and runs once. A Hugging Face Trainer config's ``"auto"``
-values are resolved as the Trainer resolves them (`zerotune.deepspeed.auto`; the hidden-size ones from the profile
-run, `ConfigBuilder.model_autos`); with a mapped mbs and no numeric ``train_batch_size``, DeepSpeed derives it.
+Each config (`ConfigBuilder.config`) is the user's ds_config (a list of candidates takes its first until the knob
+phase tunes it; ``autotuning`` dropped) at a ZeRO stage and mbs, with the batch semantics' gas and
+``train_batch_size = mbs * gas * DP world size``, the phase's settings deep-merged over it, pruned and validated. Its
+name is the canonical name of its content, so the same config has the same name whichever phase asks, and runs once.
+A Trainer config's ``"auto"`` values are resolved as `zerotune.deepspeed.auto` says (the hidden-size ones from the
+profile run, `ConfigBuilder.model_autos`).
 """
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ class ConfigBuilder:
     """Builds and names the experiments of one `Job`.
 
     Raises (every method):
-        ConfigError: the config the user's settings give at that stage and mbs is invalid
-            (`zerotune.deepspeed.validate.validate`, naming the key).
+        ConfigError: the config at that stage and mbs is invalid (`zerotune.deepspeed.validate.validate`).
     """
 
     def __init__(self, job: Job):
@@ -72,9 +70,8 @@ class ConfigBuilder:
 
     def config(self, stage: int, mbs: int, settings: dict[str, Any] | None = None,
                gas: int | None = None) -> dict[str, Any]:
-        """The user's config at ``stage``, ``mbs`` and ``gas`` (default: the batch semantics' gas at
-        that mbs) with ``settings`` deep-merged over it, pruned and validated; every ``"auto"`` that
-        zerotune reads is resolved (`zerotune.deepspeed.auto`)."""
+        """The user's config at ``stage``, ``mbs`` and ``gas`` (default: the batch semantics' gas at that mbs) with
+        ``settings`` deep-merged over it, pruned and validated, every ``"auto"`` zerotune reads resolved."""
         return self._build(resolve(self._base, self.model_autos()), stage, mbs, settings, gas)
 
     def _build(self, base: dict[str, Any], stage: int, mbs: int, settings: dict[str, Any] | None,
@@ -93,13 +90,11 @@ class ConfigBuilder:
         return cfg
 
     def model_autos(self) -> dict[str, int]:
-        """The values of the user's hidden-size ``"auto"`` keys (`MODEL_AUTO_KEYS`), as the Trainer
-        fills them, from the model's hidden size the profile run recorded (read once; empty when the
-        config has none).
+        """The values of the user's hidden-size ``"auto"`` keys (`MODEL_AUTO_KEYS`) from the hidden size the profile
+        run recorded (read once; empty when the config has none).
 
         Raises:
-            ConfigError: the profile run left no record (a dry run before any profile run) or the
-                model has no hidden size; naming the keys.
+            ConfigError: naming the keys, where no profile run left a record or the model has no hidden size.
         """
         if self._model_autos is None:
             exp_dir = self.job.exps_dir / self.profile().name
@@ -132,10 +127,9 @@ class ConfigBuilder:
                           num_slots=self.job.slots_per_node, kind=kind, space=space, knobs=dict(knobs or {}))
 
     def profile_stage(self) -> int:
-        """The profile run's ZeRO stage: `PROFILE_STAGE` (3, the least memory, as DeepSpeed's own
-        autotuner profiles) when the job tunes it, else the highest stage the job tunes. A stage the job
-        excludes is never launched: the user's config may be one DeepSpeed refuses there (a client
-        optimizer ZeRO does not support runs at stage 0 only)."""
+        """The profile run's ZeRO stage: `PROFILE_STAGE` (the least memory, as DeepSpeed's autotuner profiles) when the
+        job tunes it, else the highest it tunes; a stage the job excludes is never launched (DeepSpeed may refuse the
+        user's config there)."""
         return PROFILE_STAGE if PROFILE_STAGE in self.job.stages else max(self.job.stages)
 
     def profile(self) -> Experiment:
@@ -161,15 +155,10 @@ class ConfigBuilder:
 
     def knob_space(self, stage: int, mbs: int, fits: Callable[[dict], bool] | None = None,
                    gas: int | None = None, settings: dict[str, Any] | None = None) -> list[Candidate]:
-        """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``: zerotune's default space for the
-        stage (`zerotune.inputs.space.default_space`) with the user's own settings, and the
-        user's lists of candidates and ``$VAR`` variables (`zerotune.inputs.variables`), over it;
-        named as `name` names them.
-
-        Args:
-            fits: the memory model's predicate; a candidate it rejects keeps ``fits=False``.
-            settings: a memory saver's settings, merged over the base config (the space never names them).
-        """
+        """The knob phase's candidates for ``stage`` at ``mbs`` and ``gas``, named by `name`: zerotune's default space
+        for the stage with the user's settings, lists of candidates and ``$VAR`` variables over it. A candidate
+        ``fits`` (the memory model's predicate) rejects keeps ``fits=False``; ``settings`` (a memory saver's) are
+        merged over the base config, never named by the space."""
         resolved = resolve(self._template, self.model_autos())
         user = {k: v for k, v in resolved.items() if k not in ("autotuning", MBS, GAS, TBS)}
         user_zero = {k: v for k, v in (user.get(ZERO) or {}).items() if k != "stage"}
@@ -182,10 +171,8 @@ class ConfigBuilder:
 
 
 def first_candidates(config: Any, path: str = "") -> Any:
-    """A copy of ``config`` where each list of candidates (a tuning-space key) is its first candidate.
-
-    Lists that are DeepSpeed settings themselves (``optimizer.params.betas``...) are kept.
-    """
+    """A copy of ``config`` where each list of candidates is its first candidate; lists that are DeepSpeed settings
+    themselves (``optimizer.params.betas``...) are kept."""
     if isinstance(config, dict):
         return {k: first_candidates(v, f"{path}.{k}" if path else k) for k, v in config.items()}
     if isinstance(config, list) and config and not is_list_valued(path):

@@ -13,28 +13,21 @@ _BUCKETS = [5e7, 5e8, 1e9]  # elements; DeepSpeed's autotuning/constants.py
 
 
 def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
-    """zerotune's default tuning space for a ZeRO stage (the micro batch size is added by search).
+    """zerotune's default tuning space for a ZeRO stage, as a new dict: DeepSpeed's (autotuning/constants.py) narrowed
+    to the knobs the stage reads.
 
-    Started from DeepSpeed's (autotuning/constants.py), keeping only knobs the stage reads:
-
-    - stage 0: nothing to tune (the micro batch size only).
+    - stage 0: nothing to tune (the micro batch size only, searched apart).
     - stage 1: reduce_bucket_size × allgather_bucket_size (9).
     - stage 2: + overlap_comm, reduce_scatter, contiguous_gradients (72).
-    - stage 3: overlap_comm, reduce_scatter, reduce_bucket_size, stage3_prefetch_bucket_size,
-      stage3_param_persistence_threshold, stage3_max_live_parameters,
-      stage3_max_reuse_distance (288). DeepSpeed also tunes allgather_partitions and
-      allgather_bucket_size here, but stage 3 reads neither (they would only repeat experiments).
+    - stage 3: overlap_comm, reduce_scatter, reduce_bucket_size and the ``stage3_`` prefetch bucket size, param
+      persistence threshold, max live parameters and max reuse distance (288); not DeepSpeed's allgather knobs,
+      which stage 3 does not read.
 
-    Args:
-        stage: ZeRO stage, 0..3.
-        offload: add ``offload_optimizer.device`` in [none, cpu] where the stage allows it
-            (1, 2, 3) and ``offload_param.device`` in [none, cpu] for stage 3 (×2 / ×4). Offload
-            needs an optimizer DeepSpeed can run on the CPU
-            (`zerotune.deepspeed.keys.OFFLOADABLE_OPTIMIZERS`);
-            `zerotune.inputs.space.generate` refuses the space otherwise.
+    ``offload`` adds ``offload_optimizer.device`` in [none, cpu] for stages 1-3 and ``offload_param.device`` for
+    stage 3 (×2 / ×4); `zerotune.inputs.space.generate` refuses it without an optimizer DeepSpeed runs on the CPU.
 
-    Returns:
-        A new dict (safe to modify).
+    Raises:
+        ConfigError: a stage other than 0-3.
     """
     if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage = {stage!r}: expected 0, 1, 2 or 3")

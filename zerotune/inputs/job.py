@@ -1,11 +1,9 @@
 """The tuning job: every input resolved once, before anything runs.
 
-A `Job` is built by `Job.build` from what the ``deepspeed`` launcher's user gives (the script, its
-arguments carrying the ds_config, the selected device slots) and zerotune's own options (`TuneOptions`), by the
-CLI and the Python API alike. It is frozen: the strategy, the config builder, the scheduler's launch spec and the
-results all read the same resolved values (DP world size, per-device memory budget, objective, mbs bounds, paths), and
-every bad input is a `zerotune.core.errors.ConfigError` here, before the first launch (the checks themselves
-are in `zerotune.inputs.checks`).
+`Job.build` builds a `Job` from what the ``deepspeed`` launcher's user gives (the script, its arguments carrying the
+ds_config, the selected device slots) and `TuneOptions`, for the CLI and the Python API alike. It is frozen: the
+strategy, the config builder, the scheduler and the results all read the same resolved values, and every bad input is
+a `zerotune.core.errors.ConfigError` here, before the first launch (the checks are in `zerotune.inputs.checks`).
 """
 from __future__ import annotations
 
@@ -42,40 +40,28 @@ class Job:
 
     Attributes:
         script, script_args: the training script and its arguments (with the ds_config flag).
-        config_path: the user's ds_config file.
-        user_config: its content (with the ``autotuning`` section; never modified).
+        config_path, user_config: the user's ds_config file and its content (``autotuning`` included; never modified).
         autotuning: the validated ``autotuning`` section.
-        nodes: the selected device slots; every experiment runs on ``num_nodes`` nodes with
-            ``slots_per_node`` slots each (the smallest count among them).
-        world_size: ranks per experiment (``num_nodes * slots_per_node``).
-        mp_size, dp_world_size: model-parallel size and data-parallel world size
-            (``world_size / mp_size``).
+        nodes: the selected device slots; every experiment runs on all ``num_nodes`` of them, ``slots_per_node`` slots
+            each (the smallest count among them), ``world_size`` ranks in all.
+        mp_size, dp_world_size: model-parallel size and data-parallel world size (``world_size / mp_size``).
         batch: how mbs, gas and train_batch_size relate (`BatchSemantics`).
         stages: the ZeRO stages to explore, ascending.
         cpu: DeepSpeed runs on CPU (``DS_ACCELERATOR=cpu``, one rank per slot).
         device_memory_bytes: the per-device memory budget, bytes.
-        objective: the tuned metric.
-        min_mbs, max_mbs: the micro batch sizes allowed (``min/max_train_micro_batch_size_per_gpu``
-            narrowed by ``min/max_train_batch_size`` at this gas and DP world size, or by a fixed
-            ``train_batch_size``).
-        allowed_mbs: the mbs values within those bounds the search may try (None: all of them).
-        model_info: the model's size from ``autotuning.model_info`` (for ``--dry-run`` without a
-            profile run), or None.
+        min_mbs, max_mbs, allowed_mbs: the micro batch sizes allowed (`zerotune.inputs.checks.mbs_bounds`) and the
+            values within them the search may try (None: all of them).
+        model_info: the model's size from ``autotuning.model_info`` (``--dry-run`` without a profile run), or None.
         results_dir, exps_dir, overwrite: where results go, and whether to start fresh.
-        timeout_s, hang_timeout_s, hostfile, backend, ray_address: see `TuneOptions`.
         stop_rule: when a running experiment may end early (None: never, ``adaptive`` off).
-        arg_mappings: ``autotuning.arg_mappings`` (ds_config key -> script flag), checked
-            (`zerotune.deepspeed.args`): every launch passes the mapped values to the script.
-        script_autos: the ``"auto"`` values the script's arguments resolve before anything runs
-            (gas, precision; `zerotune.deepspeed.auto.script_autos`).
+        arg_mappings: ``autotuning.arg_mappings``, checked (`zerotune.deepspeed.args`).
+        script_autos: the ``"auto"`` values the script's arguments resolve (`zerotune.deepspeed.auto.script_autos`).
         variables: the ``$VAR`` placeholders' candidates (`zerotune.inputs.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
-        host_memory_bytes: host memory per node that offload must fit in, bytes (None: not checked;
-            see `TuneOptions`).
-        checkpointing: the savers phase may try activation checkpointing (`checkpointing_flag`): the
-            script takes it through ``arg_mappings[CHECKPOINTING]``.
-        savers, nvme_path, longest: see `TuneOptions`. budget: its ``max_launches`` and ``max_device_hours``.
+        checkpointing: the savers phase may try activation checkpointing, through ``arg_mappings[CHECKPOINTING]``.
+        budget: `TuneOptions`' ``max_launches`` and ``max_device_hours``.
         launcher: the user's launcher (`zerotune.launchers`); config_source: where it carries the ds_config.
+        The others (timeouts, hostfile, backend, host memory, savers...) are `TuneOptions`' own.
     """
 
     script: str
@@ -127,10 +113,9 @@ class Job:
         """Resolve every input of a tuning job (``launcher``: the user's, None: ``deepspeed``'s).
 
         Raises:
-            ConfigError: an unreadable or invalid ds_config or ``autotuning`` section, no slots,
-                ``mp_size`` not dividing the ranks, no device memory budget on CPU, bounds that
-                leave no micro batch size, a bad ``autotuning.model_info``, an unknown backend,
-                a negative timeout.
+            ConfigError: an unreadable or invalid ds_config or ``autotuning`` section, no slots, ``mp_size`` not
+                dividing the ranks, no device memory budget on CPU, bounds that leave no micro batch size, or any
+                other bad input (`zerotune.inputs.checks`).
         """
         options = options or TuneOptions()
         script_args = tuple(script_args)

@@ -21,38 +21,32 @@ class LongestOptions:
 
 @dataclass
 class TuneOptions:
-    """zerotune's own options (beyond the ds_config's ``autotuning`` section).
+    """zerotune's own options, beyond the ds_config's ``autotuning`` section; the CLI's fill them by name (D328).
 
     Attributes:
-        device_memory_bytes: per-device budget, bytes (required on CPU; None on CUDA: the
-            device's memory).
+        device_memory_bytes: per-device budget, bytes (required on CPU; None on CUDA: the device's memory).
         results_dir: overrides ``autotuning.results_dir``; experiments then go to ``<dir>/exps``.
         timeout_s, hang_timeout_s: per-experiment wall-clock limit and no-output limit, seconds.
         warm: fork ranks from a preloaded server (`zerotune.run.warm`); False: ``--cold-launch``.
         overwrite: overrides ``autotuning.overwrite`` (False: resume from results on disk).
         hostfile: the launcher's hostfile, for multi-node experiments.
         cpu: run DeepSpeed on CPU; None: on CPU when CUDA is not available.
-        backend: ``local`` (the deepspeed launcher as a subprocess), ``ray`` (a Ray cluster) or ``slurm`` (srun).
-        ray_address: with ``ray``: the cluster address; None: ``$RAY_ADDRESS`` or a local one.
-        variables: ``$VAR`` candidates from the command line (``--var``), over ``autotuning.variables``
-            (`zerotune.inputs.variables`).
-        precision: adaptive experiments: end a run once its metric's 95% interval is within this
-            relative half-width (0.02 = ±2%; `zerotune.core.stopping`).
-        adaptive: end runs early (precise, or cannot beat the best); False: every run goes to
-            ``end_profile_step``, as DeepSpeed's autotuner runs them.
-        host_memory_bytes: host memory per node, bytes, that offloaded optimizer states and
-            parameters must fit in with CUDA devices (``--host-memory``); None: this machine's
-            memory when every node is this machine (the local backend), else not checked. On CPU
-            ranks offload stays in the rank's own budget (`MemoryModel.host_on_device`).
-        savers: try checkpointing and offload where memory binds a stage (`zerotune.strategy.savers`);
-            False: only what the config says (``--no-savers``). nvme_path: a directory on local NVMe
-            (``--nvme-path``): the savers may offload there too, after the host.
-        train_samples, train_steps, cost_per_device_hour: the full training run the report projects with the
-            answer (``--train-samples``/``--train-steps``: its length; ``--cost-per-device-hour``: the price of a
-            device for an hour); None: no projection (`zerotune.report.data.TrainingPlan`).
+        backend: ``local`` (a subprocess), ``ray`` (at ``ray_address``; None: ``$RAY_ADDRESS`` or a local cluster) or
+            ``slurm`` (srun).
+        variables: ``--var`` candidates, over ``autotuning.variables`` (`zerotune.inputs.variables`).
+        precision: an adaptive run ends once its metric's 95% interval is within this relative half-width (0.02 =
+            ±2%; `zerotune.core.stopping`).
+        adaptive: end runs early (precise, or cannot beat the best); False: every run goes to ``end_profile_step``.
+        host_memory_bytes: host memory per node, bytes, that offload must fit in with CUDA devices (``--host-memory``);
+            None: this machine's when every node is it (local backend), else not checked. On CPU ranks offload stays
+            in the rank's own budget.
+        savers: try checkpointing and offload where memory binds a stage (`zerotune.strategy.savers`; False:
+            ``--no-savers``); ``nvme_path`` (``--nvme-path``), a directory on local NVMe, lets them offload there too.
+        train_samples, train_steps, cost_per_device_hour: the full training the report projects with the answer (its
+            length; a device-hour's price); None: no projection (`zerotune.report.data.TrainingPlan`).
         max_launches, max_device_hours: what the tuning may spend (`zerotune.inputs.budget.LaunchBudget`).
-        longest: ``--max-seq-len`` and ``--verify-longest`` (`zerotune.inputs.options.LongestOptions`).
-        master_port: the answer's rendezvous port (``cmd_optimal.txt``): the user's ``--master_port``; None:
+        longest: ``--max-seq-len`` and ``--verify-longest`` (`LongestOptions`).
+        master_port: the answer's rendezvous port (``cmd_optimal.txt``), the user's ``--master_port``; None:
             DeepSpeed's default, 29500. Each experiment takes a free port of its own.
     """
 

@@ -1,9 +1,7 @@
-"""``$NAME`` placeholders in a template config or tuning space: finding them, checking the variables
-given for them, and replacing them by values.
+"""``$NAME`` placeholders in a template config or tuning space: found, checked against the variables, replaced.
 
-The syntax and its rules are those of `zerotune.inputs.space.generate` (its `variables` argument):
-``$NAME`` or ``${NAME}``, ``$$`` for a literal ``$``; a string that is exactly one placeholder
-takes the value itself, a placeholder inside a longer string takes the value's text.
+``$NAME`` or ``${NAME}``, ``$$`` for a literal ``$``; a string that is exactly one placeholder takes the value itself,
+a placeholder inside a longer string takes the value's text (`zerotune.inputs.space.generate`'s ``variables``).
 """
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ def replace_placeholders(value: Any, env: dict[str, Any]) -> Any:
 
 def check_variables(base: dict[str, Any], space: dict[str, Any], variables: dict[str, Any]
                     ) -> dict[str, list[Any]]:
-    """The variables by their bare names (without ``$``), checked against the placeholders of the base
-    config and the space.
+    """The variables by their bare names (no ``$``), checked against the placeholders of the base config and space.
 
     Raises:
         ConfigError: a name given twice (with and without ``$``), a bad name, a value that is not a

@@ -1,12 +1,11 @@
-"""Tuning spaces: from a user's ds_config and a space of candidates to a list of experiments.
+"""Tuning spaces: from a user's ds_config and a space of candidates to a list of experiments (pure logic).
 
-A tuning space is shaped like a ds_config in which any value may be a list of candidates, e.g.
-``{"train_micro_batch_size_per_gpu": [2, 4, 8]}``; `generate` expands it over a base config into `Candidate` configs.
-Rules: every list in the space is a list of candidates, except at keys DeepSpeed expects a list
-(`zerotune.deepspeed.keys.is_list_valued`, e.g. ``optimizer.params.betas``), where only a list of lists is; lists in
-the base config are always settings; a candidate is taken whole. ``$NAME`` or ``${NAME}`` in a string is a variable
-given to `generate` (``$$`` is a literal ``$``; `zerotune.inputs.placeholders`). The order is deterministic:
-dimensions sorted by path, candidates as given, the last varying fastest. Pure logic: it never launches anything.
+A tuning space is shaped like a ds_config in which any value may be a list of candidates
+(``{"train_micro_batch_size_per_gpu": [2, 4, 8]}``); `generate` expands it over a base config into `Candidate`s. Every
+list in the space is a list of candidates, except at keys DeepSpeed expects a list
+(`zerotune.deepspeed.keys.is_list_valued`), where only a list of lists is; lists in the base config are settings; a
+candidate is taken whole; ``$NAME`` strings are variables (`zerotune.inputs.placeholders`). The order is deterministic:
+dimensions sorted by path (``$NAME`` variables first), candidates as given, the last varying fastest.
 """
 from __future__ import annotations
 
@@ -37,13 +36,10 @@ class Candidate:
     """One configuration of a tuning space.
 
     Attributes:
-        name: canonical name (`zerotune.deepspeed.canonical.canonical_name`), unique among
-            the configs of the space.
-        ds_config: the complete DeepSpeed config to run. Shared, do not mutate (copy it).
-        knobs: dotted key -> value for the settings that differ between the configs of the space
-            this candidate came from (a setting absent from this config is left out).
-        fits: False when the memory model predicts it does not fit; such candidates are listed
-            (a dry run shows them) but the tuners never propose them.
+        name: canonical name (`zerotune.deepspeed.canonical.canonical_name`), unique in the space.
+        ds_config: the complete DeepSpeed config to run; shared, do not mutate it.
+        knobs: dotted key -> value of the settings that vary between the space's configs (absent ones left out).
+        fits: False where the memory model predicts it does not fit: listed (a dry run shows it), never proposed.
     """
 
     name: str
@@ -108,42 +104,21 @@ def generate(
     variables: dict[str, list[Any]] | None = None,
     fits: Callable[[dict[str, Any]], bool] | None = None,
 ) -> list[Candidate]:
-    """Expand a tuning space over a base config into named, validated candidate configs.
+    """Expand a tuning space over a base config into candidate configs, named and validated at ``dp_world_size``,
+    in the module's order.
 
-    Each combination of the space's candidates (and of the variables) is deep-merged over the
-    base config (the space overrides only the keys it names; the user's other settings, offload
-    included, are kept), its ``zero_optimization.stage`` is set to ``stage``, the ``autotuning``
-    section is removed, settings the stage does not read are pruned
-    (`zerotune.deepspeed.validate.prune`), and the result is deduplicated by
-    `zerotune.deepspeed.canonical.config_hash`, which ignores DeepSpeed's defaults (so
-    pruned variants and a default spelled out collapse; the first occurrence keeps its place, with
-    its values as built: defaults are not stripped from the configs to run). When the space sets
-    the micro batch size or the gradient accumulation steps but not ``train_batch_size``,
-    ``train_batch_size`` is removed and DeepSpeed derives it (mbs × gas × DP world size); a fixed
-    global batch is kept when the space names it.
-    Each candidate is named by `zerotune.deepspeed.canonical.canonical_name`, with the
-    space's varying keys that have no acronym as ``extra_keys``.
-
-    Args:
-        base_config: the user's ds_config (a template when it holds ``$VAR`` placeholders).
-        space: the tuning space (see the module docstring); None or {} gives the base config.
-        stage: ZeRO stage of every generated config (a space naming another stage is an error).
-        dp_world_size: data-parallel world size, for validation.
-        variables: variable name (with or without ``$``) -> list of candidates, one more dimension each. A
-            string that is exactly one placeholder takes the candidate itself (an int stays an int); one inside a
-            longer string takes its text (``"offload_$DEV"``). A placeholder without a variable, or a variable
-            without a placeholder, is an error.
-        fits: the memory model's predicate; a config for which it returns False is kept with
-            ``fits=False``.
-
-    Returns:
-        Candidates in the deterministic order: dimensions sorted by path (variables ``$NAME`` before config
-        keys), candidates in the order given, the last dimension fastest; duplicates keep their first place.
+    Each combination of the space's candidates and of ``variables`` (name, with or without ``$``, -> candidates) is
+    deep-merged over ``base_config`` (the space overrides only the keys it names), set to ``stage`` (a space naming
+    another stage is an error), stripped of ``autotuning``, pruned (`zerotune.deepspeed.validate.prune`) and
+    deduplicated by `zerotune.deepspeed.canonical.config_hash`, which ignores DeepSpeed's defaults (the first
+    occurrence keeps its place and its values as built). Where the space sets mbs or gas but not ``train_batch_size``,
+    ``train_batch_size`` is removed and DeepSpeed derives it. Each is named by `canonical_name`, the varying keys
+    without an acronym as ``extra_keys``; one that ``fits`` (the memory model's predicate) rejects is kept with
+    ``fits=False``. A ``space`` None or {} gives the base config.
 
     Raises:
-        ConfigError: bad space or variables, or a combination that fails
-            `zerotune.deepspeed.validate.validate` (a bad space is an error, never a
-            silent drop).
+        ConfigError: a bad space, a placeholder without a variable or a variable without a placeholder, or a
+            combination that fails `zerotune.deepspeed.validate.validate` (never a silent drop).
     """
     base, space = _without_autotuning(base_config, space, stage)
     env = check_variables(base, space, variables or {})

@@ -1,11 +1,10 @@
 """``$VAR`` templates in the user's ds_config, and the variables that resolve them.
 
-Rules: a string value may hold ``"$NAME"`` or ``"${NAME}"`` (as the whole value it takes the candidate itself, an int
-stays an int; inside a longer string, its text; ``$$`` is a literal ``$``), the syntax of `zerotune.inputs.space`.
-Candidates come from ``"autotuning": {"variables": {"NAME": [...]}}`` or ``--var NAME=VALUE`` (`parse_cli_variable`),
-the command line winning. A variable is a tuning dimension like a list of candidates at a key: the profile run and the
-mbs search take its first candidate (`first_values`), the knob phase (``"fast": false``) tries each. Placeholders at
-the keys zerotune searches itself (the batch keys and the ZeRO stage, `SEARCHED_KEYS`) are refused.
+Placeholders follow `zerotune.inputs.placeholders` (as the whole value, an int stays an int). Candidates come from
+``"autotuning": {"variables": {"NAME": [...]}}`` or ``--var NAME=VALUE`` (`parse_cli_variable`), the command line
+winning. A variable is a tuning dimension like a list of candidates at a key: the profile run and the mbs search take
+its first candidate (`first_values`), the knob phase (``"fast": false``) tries each. Placeholders at the keys zerotune
+searches itself (`SEARCHED_KEYS`) are refused.
 """
 from __future__ import annotations
 
@@ -50,20 +49,12 @@ def placeholder_paths(config: Any, path: str = "") -> dict[str, list[str]]:
 
 def parse_variables(given: Mapping[str, Any] | None, config: Mapping[str, Any],
                     source: str = "ds_config") -> dict[str, list[Any]]:
-    """Check the variables against the config's placeholders.
-
-    Args:
-        given: variable name (with or without ``$``) -> a list of candidates or one value
-            (``autotuning.variables`` updated with the command line's ``--var``).
-        config: the user's ds_config.
-
-    Returns:
-        Name (without ``$``) -> its candidates, a non-empty list.
+    """Name (no ``$``) -> candidates (a non-empty list) of ``given`` (``autotuning.variables`` updated with ``--var``:
+    a name with or without ``$`` -> a list of candidates or one value), checked against the config's placeholders.
 
     Raises:
-        ConfigError: naming ``source`` and the variable or key: a placeholder no variable gives, a
-            variable no placeholder uses, a bad name, an empty list, a placeholder at a key zerotune
-            searches itself.
+        ConfigError: naming ``source`` and the variable or key: a placeholder no variable gives, a variable no
+            placeholder uses, a bad name, an empty list, a placeholder at a key zerotune searches itself.
     """
     variables: dict[str, list[Any]] = {}
     for name, values in (given or {}).items():

@@ -1,12 +1,11 @@
-"""``accelerate launch [options] SCRIPT ARGS...`` with a DeepSpeed configuration, read by Accelerate's own parser
-(``launch_command_parser``) and config loader (``_validate_launch_command``: the YAML merged under the command
-line's options, as ``accelerate launch`` merges them).
+"""``accelerate launch [options] SCRIPT ARGS...`` with a DeepSpeed configuration, read by Accelerate's own parser and
+config loader (the YAML merged under the command line's options, as ``accelerate launch`` merges them).
 
-Rules (`read_accelerate`): the DeepSpeed config is the YAML's or the command's ``deepspeed_config_file``, else
+The DeepSpeed config is the YAML's or the command's ``deepspeed_config_file``, else
 ``$ACCELERATE_DEEPSPEED_CONFIG_FILE``, else the inline fields as Accelerate's ``DeepSpeedPlugin`` builds them. Each
-experiment runs on one node with torchrun's ranks and the variables ``prepare_deepspeed_cmd_env`` sets with the
-experiment's config as ``deepspeed_config_file`` (the inline fields inside it: Accelerate refuses both at once). The
-answer is the user's line with ``--config_file accelerate_config_optimal.yaml`` (`answer_yaml`).
+experiment runs on one node with torchrun's ranks and the variables ``prepare_deepspeed_cmd_env`` sets, its config
+as ``deepspeed_config_file`` (inline fields inside it: Accelerate refuses both at once). The answer is the user's
+line with ``--config_file accelerate_config_optimal.yaml`` (`answer_yaml`).
 """
 from __future__ import annotations
 
@@ -42,11 +41,11 @@ class AccelerateLauncher(Launcher):
     """``accelerate launch``: torchrun's ranks, with Accelerate's DeepSpeed variables.
 
     Attributes:
-        config_file: the Accelerate config the command names (or Accelerate's default one it uses); None: none.
-        yaml: that file's content, for the answer's YAML.
+        config_file, yaml: the Accelerate config the command names or Accelerate's default (None: none), and its
+            content, for the answer's YAML.
         env: ``(name, value)`` of the variables Accelerate gives every rank, but the config file's.
-        config_path: the ds_config file the launch names (None: inline fields, `inline`).
-        inline: the ds_config Accelerate builds from the inline fields (None: a file).
+        config_path, inline: the ds_config file the launch names (None: inline fields), else the ds_config Accelerate
+            builds from those fields.
     """
 
     name: ClassVar[str] = "accelerate"
@@ -171,8 +170,7 @@ def read_accelerate(words: Sequence[str], launcher_words: int) -> tuple[Accelera
 
 
 def _default_config_file() -> str | None:
-    """Accelerate's default config (``accelerate config`` writes it), where it exists: ``accelerate launch`` reads it
-    when it is given none."""
+    """Accelerate's default config, which ``accelerate launch`` reads when given none, where it exists."""
     from accelerate.commands.config.config_args import default_config_file
     return default_config_file if os.path.isfile(default_config_file) else None
 

@@ -1,12 +1,10 @@
-"""The user's launcher as zerotune reads and reproduces it: `Launcher`, one subclass per launcher.
+"""The user's launcher as zerotune reads and reproduces it: `Launcher`, one subclass per launcher (D314).
 
-A launcher object is data (a frozen dataclass, shipped to Ray nodes inside the launch spec) with four jobs: where
-the DeepSpeed config is and how an experiment's config reaches the ranks (`Launcher.load_config`,
-`Launcher.config_in_argv`, `Launcher.rank_env`); how ranks are started (`Launcher.contract`: cold by its own command,
-`Launcher.command`, warm by the warm server applying the same contract); how many ranks and nodes its options ask
-for (`Launcher.ranks_per_node`, `Launcher.num_nodes`); the answer in the user's own form (`Launcher.answer`). The
-``deepspeed`` launcher's commands stay `zerotune.deepspeed.launcher`'s (a launch spec without a launcher object is
-the ``deepspeed`` form).
+A launcher object is data (a frozen dataclass, shipped to Ray nodes in the launch spec) that says where the DeepSpeed
+config is and how an experiment's config reaches the ranks (`Launcher.load_config`, `Launcher.rank_env`); how ranks
+start (`Launcher.contract`: cold by `Launcher.command`, warm by the warm server applying the same contract); how many
+ranks and nodes its options ask for; and the answer in the user's own form (`Launcher.answer`). A launch spec without
+a launcher object is the ``deepspeed`` form, whose commands are `zerotune.deepspeed.launcher`'s.
 """
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ start a script's ranks as given (torchrun, python) take it from there, and each 
 
 @dataclass(frozen=True)
 class Answer:
-    """The answer in the user's form: ``words`` (the command, the launcher first), the environment it needs
-    (``env``), and files to write beside ``ds_config_optimal.json`` (``files``: name -> text)."""
+    """The answer in the user's form: ``words`` (the command, the launcher first) and ``files`` to write beside
+    ``ds_config_optimal.json`` (name -> text)."""
 
     words: tuple[str, ...]
     files: tuple[tuple[str, str], ...] = ()
@@ -43,13 +41,10 @@ class Launcher:
     """A user's launcher (abstract: see the subclasses).
 
     Attributes:
-        words: the launcher's part of the user's command as typed, before the script
-            (``("torchrun", "--nproc_per_node", "2")``).
-        ranks_per_node: the ranks per node its options ask for (None: they do not say; ``--num_gpus`` does).
-        num_nodes: the nodes its options ask for (None: they do not say).
-        config_in_argv: the ds_config path is in the script's arguments (``--deepspeed``, ``--deepspeed_config``);
-            False: the launcher carries it (its config file, or `LIGHTNING_CONFIG_ENV`), and `rank_env`
-            passes each experiment's.
+        words: the launcher's part of the user's command, before the script (``("torchrun", "--nproc_per_node", "2")``).
+        ranks_per_node, num_nodes: what its options ask for (None: they do not say; ``--num_gpus`` does).
+        config_in_argv: the ds_config path is in the script's arguments; False: the launcher carries it (its config
+            file, or `LIGHTNING_CONFIG_ENV`) and `rank_env` passes each experiment's.
     """
 
     name: ClassVar[str] = DEEPSPEED
@@ -79,15 +74,14 @@ class Launcher:
         return replace_config_arg(list(script_args), config_path) if self.config_in_argv else list(script_args)
 
     def rank_env(self, config_path: str | None) -> dict[str, str]:
-        """What the launcher puts into every rank's environment besides the rank's identity, for an experiment whose
-        config is at ``config_path`` (None: none yet, the warm server's environment): the config's path in
-        `LIGHTNING_CONFIG_ENV` where the arguments do not carry it."""
+        """What the launcher puts into every rank's environment besides its identity, for an experiment's config at
+        ``config_path`` (None: the warm server's): the path in `LIGHTNING_CONFIG_ENV` where the arguments lack it."""
         return {} if self.config_in_argv or config_path is None else {LIGHTNING_CONFIG_ENV: config_path}
 
     def command(self, script: str, script_args: Sequence[str], ranks: int, master_port: int) -> list[str]:
-        """The command that starts ``ranks`` ranks of ``script`` on this machine, as this launcher starts them: for
-        torchrun's contract, torch's elastic launcher for one node with a static rendezvous at
-        ``127.0.0.1:master_port``, started by this environment's Python."""
+        """The command that starts ``ranks`` ranks of ``script`` on this machine: for torchrun's contract, torch's
+        elastic launcher (this Python's) for one node with a static rendezvous at ``127.0.0.1:master_port``; the
+        ``deepspeed`` contract has none here (NotImplementedError)."""
         if self.contract != TORCHRUN:
             raise NotImplementedError(f"the {self.name} launcher's command is zerotune.deepspeed.launcher's")
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
@@ -118,11 +112,8 @@ class Launcher:
 
 
 def config_in_argv(script: str, script_args: Sequence[str]) -> bool:
-    """Whether ``script_args`` carry the ds_config (``--deepspeed``, ``--deepspeed_config``); False where they do not
-    and `LIGHTNING_CONFIG_ENV` names it.
-
-    The arguments carry it where `zerotune.deepspeed.config.config_args` finds a path after a flag: a
-    bare ``--deepspeed`` is DeepSpeed's boolean switch, not a config.
+    """Whether ``script_args`` carry the ds_config (a path after ``--deepspeed`` or ``--deepspeed_config``, as
+    `zerotune.deepspeed.config.config_args` finds it); False where they do not and `LIGHTNING_CONFIG_ENV` names it.
 
     Raises:
         ConfigError: neither says where the config is, or a flag's path is the empty string.

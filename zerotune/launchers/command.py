@@ -1,11 +1,9 @@
-"""The user's own command after ``--``: which launcher it is, read by that launcher's own parser.
+"""The user's own command after ``--``: which launcher it is, read by that launcher's own parser (D314).
 
-``zerotune tune [options] -- COMMAND...`` takes COMMAND as the user types it to train, read by its launcher's own
-parser (`read_command`): ``deepspeed ...`` or ``python -m deepspeed.launcher.runner ...`` by DeepSpeed's runner
-parser; ``torchrun ...`` or ``python -m torch.distributed.run ...`` by torch's; ``accelerate launch ...`` or
-``python -m accelerate.commands.launch ...`` by Accelerate's (``launch_command_parser``, its config loader);
-``python [-u] SCRIPT ...`` as a script that starts its own ranks, or is one. Anything else is refused before
-anything runs, naming the word and the launchers known.
+``zerotune tune [options] -- COMMAND...`` takes COMMAND as the user types it to train (`read_command`): ``deepspeed``
+by DeepSpeed's runner parser, ``torchrun`` by torch's, ``accelerate launch`` by Accelerate's (each also as ``python
+-m`` its module), ``python [-u] SCRIPT`` as a script that starts its own ranks, or is one. Anything else is refused
+before anything runs.
 """
 from __future__ import annotations
 
@@ -36,11 +34,11 @@ class UserCommand:
 
 
 def read_command(words: Sequence[str]) -> UserCommand:
-    """Read the user's training command ``words`` (see the module doc).
+    """Read the user's training command ``words`` (the module's forms).
 
     Raises:
-        ConfigError: an empty command, a word that names no launcher zerotune knows (the message names it and
-            `KNOWN`), or what the launcher's own reader refuses.
+        ConfigError: an empty command, a word naming no launcher zerotune knows (`KNOWN`), or what the launcher's
+            own reader refuses.
     """
     words = list(words)
     if not words:

@@ -1,8 +1,7 @@
 """``deepspeed [options] SCRIPT ARGS...`` after ``--``, read by DeepSpeed's own runner parser.
 
-The ``deepspeed`` form is zerotune's launcher-style form: its options (``--hostfile``, ``--include``,
-``--exclude``, ``--num_nodes``, ``--num_gpus``) select the device slots as zerotune's own options of those names do,
-and its experiments and answer are `zerotune.deepspeed.launcher`'s.
+Its options (``--hostfile``, ``--include``, ``--exclude``, ``--num_nodes``, ``--num_gpus``) select the device slots
+as zerotune's own options of those names do; its experiments and answer are `zerotune.deepspeed.launcher`'s.
 """
 from __future__ import annotations
 
@@ -22,11 +21,8 @@ _SPELLINGS = {"num_gpus": ("--num_gpus", "--num_accelerators")}
 
 @dataclass(frozen=True)
 class DeepSpeedLauncher(Launcher):
-    """The ``deepspeed`` runner (the base class's behaviour), with the slot options its command gave.
-
-    Attributes:
-        options: ``(name, value)`` of each `RUNNER_OPTIONS` the command set.
-    """
+    """The ``deepspeed`` runner (the base class's behaviour); ``options``: ``(name, value)`` of each `RUNNER_OPTIONS`
+    its command set."""
 
     options: tuple[tuple[str, object], ...] = ()
 

@@ -1,10 +1,9 @@
 """``python SCRIPT ARGS...``: a script that starts its own ranks (Lightning's ``DeepSpeedStrategy``), or one rank.
 
 zerotune starts one process per experiment, as the user does, and gives it nothing of a rank's
-(`zerotune.launchers.contract.OWN`): the script's own launcher forks or spawns its ranks, so the run cannot be
-warm. The number of ranks is the script's to choose at run time: ``--num_gpus`` tells zerotune what it will be. The
-DeepSpeed config is the one its arguments name, else the one ``PL_DEEPSPEED_CONFIG_PATH`` names
-(`zerotune.launchers.base.LIGHTNING_CONFIG_ENV`), which each experiment then sets to its own.
+(`zerotune.launchers.contract.OWN`), so the run cannot be warm; ``--num_gpus`` tells zerotune how many ranks the
+script will start. The DeepSpeed config is the one its arguments name, else ``PL_DEEPSPEED_CONFIG_PATH``'s
+(`zerotune.launchers.base.LIGHTNING_CONFIG_ENV`), which each experiment sets to its own.
 """
 from __future__ import annotations
 

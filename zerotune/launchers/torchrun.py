@@ -1,8 +1,8 @@
 """``torchrun`` and ``python -m torch.distributed.run``, read by torch's own argument parser.
 
-Experiments start ranks as torchrun does (`zerotune.launchers.contract.TORCHRUN`): cold through torchrun itself
-on one node with a static rendezvous at a port of zerotune's, warm forked with the same variables. The answer is the
-user's own torchrun line with the tuned config in place.
+Experiments start ranks as torchrun does (`zerotune.launchers.contract.TORCHRUN`): cold through torchrun on one node
+with a static rendezvous at zerotune's port, warm forked with the same variables. The answer is the user's torchrun
+line with the tuned config in place.
 """
 from __future__ import annotations
 
@@ -25,13 +25,12 @@ class TorchrunLauncher(Launcher):
 
 
 def read_torchrun(words: Sequence[str], launcher_words: int) -> tuple[TorchrunLauncher, str, list[str]]:
-    """Read ``words`` (the whole command; its first ``launcher_words`` name torchrun: ``torchrun`` or ``python -m
+    """Read ``words`` (the whole command; its first ``launcher_words`` are ``torchrun`` or ``python -m
     torch.distributed.run``) with torch's own parser: ``(launcher, script, script arguments)``.
 
     Raises:
-        ConfigError: options torch's parser refuses, ``--nnodes`` above 1 (zerotune starts every rank on one node
-            here; several nodes: ``--backend slurm``), ``--module`` or ``--no-python``, a ``--nproc_per_node``
-            torch cannot read, or no DeepSpeed config (`zerotune.launchers.base.config_in_argv`).
+        ConfigError: options torch's parser refuses, ``--nnodes`` above 1 (several nodes: ``--backend slurm``),
+            ``--module`` or ``--no-python``, an unreadable ``--nproc_per_node``, or no DeepSpeed config.
     """
     import torch.distributed.run as run
     head, rest = list(words[:launcher_words]), list(words[launcher_words:])

@@ -2,10 +2,9 @@
 does not know is named, never ignored silently.
 
 Rules (`unmodelled_keys`): a key of ``zero_optimization`` (its ``offload_*`` sections included), ``fp16``, ``bf16`` or
-an enabled ``compile`` section is *priced* (the model reads it: `PRICED_ZERO`, `PRICED_OFFLOAD`, the options
-`zerotune.model.zero_options` prices), *memory-neutral* (logging, checkpoints, numerics or the host's side of an
-offload, none of which the device holds: `NEUTRAL_ZERO`, `NEUTRAL_OFFLOAD`, `KNOWN_PRECISION`), or else *not in the
-memory model* and named, the new keys of each DeepSpeed release included (``zero_quantized_weights`` ...).
+an enabled ``compile`` section is *priced* (`PRICED_ZERO`, `PRICED_OFFLOAD`, `zerotune.model.zero_options`),
+*memory-neutral* (logging, checkpoints, numerics, an offload's host side: `NEUTRAL_ZERO`, `NEUTRAL_OFFLOAD`,
+`KNOWN_PRECISION`), or else *not in the memory model* and named, each DeepSpeed release's new keys included.
 """
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""``zerotune estimate``: a what-if that runs nothing.
+"""``zerotune estimate``: a what-if that runs nothing (examples: docs/estimate.md).
 
-Rules: for a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging Face
-``config.json``) and hardware (``--num_gpus`` and ``--num_nodes`` as ``tune`` uses them, device and host memory), it
-gives the memory model's bytes per device by component for each ZeRO stage, offload choice and, where checkpointed
-activations are known, activation checkpointing off and on (``--activation-checkpointing``: on only), with the
-largest mbs that fits (`estimate`; a table, `render`, or JSON). A checkpointing row's config carries
-``gradient_checkpointing: true``, so its bytes are the tuner's for that config. Bad input raises
-`zerotune.core.errors.ConfigError` naming the argument (exit 2). Examples: docs/estimate.md.
+For a model (a profile run on disk, ``--num-params`` with activation bytes per sample, or a Hugging Face
+``config.json``) and hardware (``--num_gpus``, ``--num_nodes``, device and host memory) it gives the memory model's
+bytes per device by component for each ZeRO stage, offload choice and, where checkpointed activations are known,
+activation checkpointing off and on, with the largest mbs that fits (`estimate`, `render`). A checkpointing row's
+config carries ``gradient_checkpointing: true``, so its bytes are the tuner's. Bad input raises
+`zerotune.core.errors.ConfigError` naming the argument (exit 2).
 """
 from __future__ import annotations
 
@@ -65,13 +64,12 @@ class Row:
 
 @dataclass
 class Estimate:
-    """What ``zerotune estimate`` prints: the inputs and one `Row` per stage, offload and checkpointing
-    choice. ``checkpointed_activation_bytes_per_sample``: the activations with checkpointing (None: unknown,
-    only rows without it). ``notes``: what the model source assumed (a default of a Hugging Face config's
-    model type for a key it omits). ``active_params``: the parameters a token runs through, with ``experts``
-    ``(k, E)`` for a mixture of experts (None, ``(0, 0)``: not known, or dense). ``unmodelled``: the
-    ``--deepspeed`` config's keys the memory model does not price (`zerotune.model.coverage.unmodelled_keys`),
-    ``approximated`` what it assumes for those it prices in part (`zerotune.model.zero_options.approximations`)."""
+    """What ``zerotune estimate`` prints: the inputs and one `Row` per stage, offload and checkpointing choice.
+    ``checkpointed_activation_bytes_per_sample``: None when unknown (only rows without checkpointing). ``notes``:
+    what the model source assumed. ``active_params``, ``experts``: the parameters a token runs through and ``(k, E)``
+    (None, ``(0, 0)``: unknown, or dense). ``unmodelled``, ``approximated``: the ``--deepspeed`` keys the memory
+    model does not price (`zerotune.model.coverage.unmodelled_keys`) and what it assumes for those it prices in part
+    (`zerotune.model.zero_options.approximations`)."""
 
     model_source: str
     num_params: int
@@ -174,9 +172,8 @@ def _ds_config(args: argparse.Namespace) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Model:
-    """The model as given: its description for the header, parameters, activation bytes per sample
-    (None: unknown), with activation checkpointing (None: unknown) and the layer sizes the memory model takes
-    as keyword arguments, and what the source assumed (`Estimate.notes`)."""
+    """The model as given: its description, parameters, activation bytes per sample without and with checkpointing
+    (None: unknown), the layer sizes the memory model takes as keywords, and what the source assumed."""
 
     source: str
     num_params: int
@@ -229,8 +226,7 @@ def estimate(args: argparse.Namespace) -> Estimate:
 
 
 def _model_flag(args: argparse.Namespace) -> str:
-    """The one flag that gives the model (``--profile``, ``--num-params`` or ``--hf-config``); the flags
-    that go with another one are refused."""
+    """The one flag that gives the model; flags that go with another one are refused."""
     sources = [name for name, value in (("--profile", args.profile), ("--num-params", args.num_params),
                                         ("--hf-config", args.hf_config)) if value is not None]
     if len(sources) != 1:
@@ -248,8 +244,7 @@ def _model_flag(args: argparse.Namespace) -> str:
 
 
 def _model(args: argparse.Namespace, flag: str, prec: str) -> _Model:
-    """The model from the flag that gives it (``prec``: the training precision, for a Hugging Face
-    config's activation bytes)."""
+    """The model from its flag (``prec``: the training precision, for a Hugging Face config's activations)."""
     if flag == "--profile":
         return _model_from_profile(args)
     if flag == "--num-params":
@@ -321,9 +316,8 @@ def _hardware(args: argparse.Namespace) -> _Hardware:
 
 def _rows(model: MemoryModel, cfg: dict[str, Any], hw: _Hardware, activations: int | None,
           checkpointing: tuple[bool, ...] = (False,)) -> list[Row]:
-    """One `Row` per ZeRO stage, offload choice the stage allows (`OFFLOADS`) and activation
-    checkpointing choice in ``checkpointing`` (True: the config carries ``gradient_checkpointing: true``), in
-    order."""
+    """One `Row` per ZeRO stage, offload choice the stage allows (`OFFLOADS`) and activation checkpointing choice
+    in ``checkpointing`` (True: the config carries ``gradient_checkpointing: true``), in order."""
     rows = []
     for stage, (name, offload), checkpointed in itertools.product(range(4), OFFLOADS, checkpointing):
         if (stage == 0 and offload) or (stage < 3 and "offload_param" in offload):

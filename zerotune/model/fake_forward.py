@@ -25,14 +25,9 @@ KERNELS = {"eager": "eager", "sdpa": "sdpa", "flash": "sdpa"}
 
 @dataclass(frozen=True)
 class SavedActivations:
-    """What one sample's training forward saves for the backward pass, bytes.
-
-    Attributes:
-        plain: every storage saved, once.
-        checkpointed: with every decoder layer checkpointed (None: no checkpointable layer found).
-        attention: the ``attn_implementation`` run (``eager`` where the model runs no ``sdpa``).
-        note: why the attention run is not the one asked for ('' when it is).
-    """
+    """What one sample's training forward saves for the backward, bytes: ``plain`` every storage once,
+    ``checkpointed`` with every decoder layer checkpointed (None: no checkpointable layer); ``attention`` the
+    ``attn_implementation`` run (``eager`` where the model runs no ``sdpa``), ``note`` why if not the one asked."""
 
     plain: int
     checkpointed: int | None
@@ -42,10 +37,9 @@ class SavedActivations:
 
 def count(cfg: dict[str, Any], seq_len: int, dtype: str, attention: str) -> SavedActivations | None:
     """The activations of one sample of ``seq_len`` tokens for the model of the config dict ``cfg`` in ``dtype``
-    (``bfloat16``, ``float16`` or ``float32``) with ``attention`` (``eager``, ``sdpa`` or ``flash``); None where
-    transformers or fake tensors are not importable, or the forward fails on fake tensors (a data-dependent
-    operator), so that the caller counts in closed form. Counted once per argument set (a few seconds: a
-    70B model's 80 layers take about 2 s)."""
+    (``bfloat16``, ``float16`` or ``float32``) with ``attention`` (``eager``, ``sdpa`` or ``flash``), counted once
+    per argument set (seconds); None where transformers or fake tensors are not importable or the forward fails on
+    fake tensors (a data-dependent operator): the caller then counts in closed form."""
     try:
         return _count(json.dumps(cfg, sort_keys=True), seq_len, dtype, KERNELS[attention])
     except Exception:  # noqa: BLE001 - any failure of transformers' forward on fake tensors: the closed form

@@ -1,4 +1,4 @@
-"""A model's size and activation memory from its Hugging Face ``config.json``, with no weights.
+"""A model's size and activation memory from its Hugging Face ``config.json``, with no weights (D315, D319).
 
 Rules (`architecture`): parameters are counted on the model transformers builds on the meta device
 (`zerotune.model.meta_model`) and activations on its training forward over fake tensors (`zerotune.model.fake_forward`),
@@ -68,21 +68,18 @@ class Architecture:
     """What the memory model needs from a model's architecture.
 
     Attributes:
-        num_params: all parameters (the tied embedding counted once, as DeepSpeed's profile counts it).
+        num_params, active_params: all parameters (a tied embedding once, as DeepSpeed's profile counts it), and
+            those a token runs through (all but the routed experts it skips).
         activation_bytes_per_sample: activation memory per sample, bytes (module docstring).
         largest_layer_params: the largest single module (an embedding or one MLP matrix).
-        persistent_params: parameters in tensors of at most ``persistence_threshold`` elements
-            (norms, biases): ZeRO-3 keeps them gathered.
+        persistent_params: parameters in tensors of at most ``persistence_threshold`` elements (norms, biases),
+            which ZeRO-3 keeps gathered.
         seq_len: the sequence length used for the activations.
-        notes: one line per key the config omits and its model type's config class gave
-            (`type_defaults`), e.g. "hidden_act not in the config: LlamaConfig's default 'silu'", and per
-            value assumed where the model was not built (the closed form) or is approximated (MoE activations).
-        active_params: the parameters a token runs through (all but the routed experts it skips).
-        built_by: the class transformers built on the meta device (`zerotune.model.meta_model`) that counted
-            the parameters; '' where the closed form counted them.
+        notes: one line per key its model type's config class filled in (`type_defaults`) and per value assumed
+            (the closed form, MoE activations).
+        built_by, activations_counted: the class transformers built on the meta device, and the attention kernel
+            whose fake forward counted the activations; '' where the closed form counted them.
         experts: ``(k, E)``, experts per token and routed experts per layer; ``(0, 0)`` for a dense model.
-        activations_counted: the attention kernel whose forward over fake CPU tensors counted the activations
-            (`zerotune.model.fake_forward`); '' where the closed form counted them.
     """
 
     num_params: int
@@ -98,14 +95,9 @@ class Architecture:
 
 
 def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
-    """What transformers' config class for ``model_type`` defaults the keys this module reads to.
-
-    Returns:
-        the class's name, ``{key: default}`` for each read key with a default that is not None (a None
-        default is derived from other keys: this module's own defaults derive it the same way), and whether
-        it came from `FALLBACK_DEFAULTS` (transformers not importable). ``("", {}, False)`` for a type
-        not in `FAMILIES`, or one neither transformers nor the table knows.
-    """
+    """What transformers' config class for ``model_type`` defaults the read keys to: ``(class name, {key: default},
+    fallback)``, None defaults left out (derived from other keys, as here); ``fallback`` when `FALLBACK_DEFAULTS`
+    gave them (transformers not importable). ``("", {}, False)`` for a type not in `FAMILIES` or one neither knows."""
     if model_type not in FAMILIES:
         return "", {}, False
     try:
@@ -124,9 +116,7 @@ def type_defaults(model_type: str) -> tuple[str, dict[str, Any], bool]:
 
 
 def _with_type_defaults(cfg: dict[str, Any], mtype: str) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """``cfg`` with each key group that matters for ``mtype`` and that it omits (no name of the group present)
-    filled from `type_defaults`, and a note per key filled. transformers is imported only when a group
-    is omitted."""
+    """``cfg`` with the key groups that matter for ``mtype`` and that it omits filled (`type_defaults`), a note each."""
     groups = [g for g in KEY_GROUPS if (g != ACTIVATION or mtype in RMSNORM_TYPES)
               and (g != BIAS or mtype not in NO_BIAS_TYPES) and not any(k in cfg for k in g)]
     if not groups or mtype not in FAMILIES:
@@ -162,14 +152,13 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
     Args:
         seq_len: tokens per sample (default: the config's maximum positions).
         bytes_per_activation: 2 for fp16/bf16 training, 4 for fp32.
-        attention: ``eager``, ``sdpa`` or ``flash`` (`zerotune.model.fake_forward.KERNELS`; the closed form
-            leaves out the attention-score term for the last two).
-        checkpointing: activation checkpointing of every layer: a layer keeps only its input, and one layer's
-            activations are live again while it is recomputed (``zerotune estimate`` computes both terms).
-        source: the file name, for messages.
+        attention: ``eager``, ``sdpa`` or ``flash`` (`zerotune.model.fake_forward.KERNELS`; the closed form leaves
+            out the attention scores for the last two).
+        checkpointing: every layer checkpointed: a layer keeps only its input, and one layer's activations are live
+            again while it is recomputed.
 
     Raises:
-        ConfigError: a size is missing or not a positive number (the message names the key).
+        ConfigError: a size missing or not positive, or a hidden size the heads do not divide (naming the key).
     """
     if not isinstance(cfg, dict):
         raise ConfigError(f"{source}: expected a JSON object (a Hugging Face config.json)")
@@ -230,9 +219,8 @@ def architecture(cfg: dict[str, Any], seq_len: int | None = None, bytes_per_acti
 
 def _activations(full: dict[str, Any], cfg: dict[str, Any], built: meta_model.MetaModel, dims: tuple[int, ...],
                  bytes_per_activation: int, attention: str, checkpointing: bool) -> tuple[int, str, tuple[str, ...]]:
-    """``(bytes, kernel, notes)``: one sample's activations counted on the built model's forward over fake tensors
-    (``kernel``: its attention), else by the closed form (``kernel`` '') for ``dims`` = ``(s, h, heads, ffn, layers,
-    vocab)``."""
+    """``(bytes, kernel, notes)``: one sample's activations counted on the built model's fake forward (``kernel``:
+    its attention), else by the closed form (``kernel`` '') for ``dims`` = ``(s, h, heads, ffn, layers, vocab)``."""
     counted = (fake_forward.count(full, dims[0], "float32" if bytes_per_activation == 4 else "bfloat16", attention)
                if built.class_name else None)
     if counted is not None and (counted.checkpointed is not None or not checkpointing):
@@ -284,12 +272,10 @@ def _routed_width(cfg: dict[str, Any], built: meta_model.MetaModel, ffn: int) ->
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a ``config.json`` (a directory holding one is accepted), read as every file the user
-    names is (`zerotune.core.user_files`: a regular file of at most 4 MiB, UTF-8, nested at most 64 deep).
+    """The JSON object of a ``config.json`` (or of a directory holding one), read by `zerotune.core.user_files`'s rule.
 
     Raises:
-        ConfigError: naming ``--hf-config`` and the path: missing, unreadable, not a regular file, too large,
-            not UTF-8, not JSON, too deep, or not a JSON object.
+        ConfigError: naming ``--hf-config`` and the path, as `zerotune.core.user_files.load_object` does.
     """
     return user_files.load_object(*user_files.file_in(path, "config.json", "--hf-config"),
                                   "expected a Hugging Face config.json")

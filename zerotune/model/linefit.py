@@ -1,11 +1,11 @@
-"""A least-squares line with lower bounds: the arithmetic of the memory model's online fit.
+"""A least-squares line with lower bounds: the arithmetic of the memory model's online fit (D110).
 
 Fits ``y = intercept + slope * x`` to weighted points, minimising ``sum w * (intercept + slope * x - y)**2``
 subject to lower bounds ``intercept + slope * x >= y_min`` (an out-of-memory run: its peak was above the budget)
 and ``slope >= 0`` (memory never shrinks as the micro batch grows). A tiny penalty ``TIE_BREAK * (slope -
 tie_slope)**2`` makes the minimum unique where the points cannot fix the slope (every point at one ``x``, or only
 bounds): the slope nearest ``tie_slope`` wins; elsewhere it moves the slope by well under a byte per sample.
-Solved exactly (`fit_line`); pure arithmetic. Evidence: docs/decisions.md, D110.
+Solved exactly (`fit_line`); pure arithmetic.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ class Line:
     slope: float
 
     def at(self, x: float) -> float:
-        """The line's value at ``x``."""
         return self.intercept + self.slope * x
 
 
@@ -38,10 +37,8 @@ def fit_line(points: Sequence[tuple[float, float, float]], bounds: Sequence[tupl
              tie_slope: float = 0.0) -> Line:
     """The least-squares line through ``points`` that stays on or above every bound and has ``slope >= 0``.
 
-    Exact: the problem is a convex quadratic program in two variables, whose minimum is that of the problem with some
-    set of its constraints held as equalities (the active set, Karush-Kuhn-Tucker); every set of at most two is solved
-    (more fix a line twice over) and the best feasible solution kept, as `zerotune.model.throughput` does for its
-    linear program.
+    Exact: a convex quadratic program in two variables is minimal where some set of its constraints holds as
+    equalities (the active set, Karush-Kuhn-Tucker); every set of at most two is solved and the best feasible kept.
 
     Args:
         points: ``(x, y, weight)``, weights above 0; at least one.

@@ -1,12 +1,11 @@
 """The memory model: bytes per device (and host bytes per rank, for offload) for a ds_config, as pure arithmetic.
 
-Used to prune configurations that cannot fit (never launched), for each ZeRO stage's largest mbs (`MemoryModel.max_mbs`)
-and by ``zerotune estimate``. Rules: terms are per model-parallel rank, split over the DP world size as the ZeRO stage
-says; the dtype is fp16/bf16 when that section is enabled, else fp32; activations grow linearly in mbs; the terms are in
-`MemoryModel.breakdown`, options beyond ZeRO 0-3 in `zerotune.model.zero_options`. Not counted: allocator fragmentation
-and retention, the optimizer step's and the communication backend's temporaries; the calibration of ``overhead_bytes``
-(`MemoryModel.calibrated`) and the online fit (`zerotune.model.online`) absorb them, so use a calibrated model.
-Evidence: docs/decisions.md, D10, D110, D204, D320.
+It prunes configs that cannot fit (never launched), gives each ZeRO stage's largest mbs (`MemoryModel.max_mbs`) and
+serves ``zerotune estimate`` (D10, D110, D204, D320). Terms are per model-parallel rank, split over the DP world size
+as the ZeRO stage says (`MemoryModel.breakdown`; options beyond ZeRO 0-3: `zerotune.model.zero_options`); activations
+grow linearly in mbs. Not counted: allocator fragmentation and retention, the optimizer step's and the communication
+backend's temporaries, which the calibration (`MemoryModel.calibrated`) and the online fit (`zerotune.model.online`)
+absorb: use a calibrated model.
 """
 from __future__ import annotations
 
@@ -21,11 +20,10 @@ from zerotune.model.zero_options import ZeroOptions
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device by kind; ``total`` is their sum less ``apart``. ``host`` is what offload puts in
-    host memory per rank, in ``total`` only with ``host_on_device`` (the CPU backend, where the host is
-    the device: `MemoryModel.host_on_device`). ``apart``: bytes of two components that are never
-    alive at once, so the peak holds only the larger: the activations and the reduction's flat copy
-    when the gradients are reduced after the backward pass (`MemoryModel.reduction_copy_bytes`)."""
+    """Bytes per device by kind; ``total`` is their sum less ``apart``, plus ``host`` (what offload puts in host
+    memory per rank) only with ``host_on_device`` (CPU ranks). ``apart``: the smaller of two components never alive
+    at once, the activations and the reduction's flat copy made after the backward
+    (`MemoryModel.copy_after_backward_bytes`)."""
 
     parameters: int
     gradients: int
@@ -67,30 +65,22 @@ class MemoryModel:
     """Per-device memory of a model under a ds_config.
 
     Args:
-        num_params: parameters of the whole model, over all model-parallel ranks (DeepSpeed's
-            ``model_info.num_params``).
-        activation_bytes_per_sample: activation memory per device at mbs=1, bytes
-            (DeepSpeed's ``model_info.activation_mem_per_gpu``).
-        dp_world_size: data-parallel world size N (ranks / mp_size).
-        mp_size: model-parallel size; parameters per device are ``num_params / mp_size``.
+        num_params, trainable_params: parameters over all model-parallel ranks, and those with ``requires_grad``
+            (None: all), as DeepSpeed's ``model_info`` counts them.
+        activation_bytes_per_sample: activation bytes per device at mbs 1 (``model_info.activation_mem_per_gpu``).
+        dp_world_size, mp_size: data-parallel world size N (ranks / mp_size) and model-parallel size.
         overhead_bytes: fixed bytes per rank before model states (CUDA context and allocator reserve; on CPU the
             process's own data), set from the profile run's peak (`calibrated`), refitted online.
-        trainable_params: parameters with ``requires_grad`` over all MP ranks (DeepSpeed's
-            ``model_info.trainable_num_params``); None: all of them.
-        persistent_params: stage-3 parameters at most ``stage3_param_persistence_threshold`` elements
-            each, which stay gathered (0: unknown; they matter only when G < Psi).
-        largest_layer_params: parameters of the largest module (stage 3 gathers at least that
-            much to run it; 0: unknown).
-        anchor: the calibration's measurement, ``(ds_config, peak bytes, mbs)`` (None: uncalibrated); the
-            online fit places the prior's point at its mbs (`zerotune.model.online`).
-        host_on_device: the devices are CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the
-            host" stays in the rank's own process, under the same per-rank budget (``RLIMIT_DATA``
-            counts it), so `MemoryBreakdown.total` includes ``host``.
-        checkpointed_activation_bytes_per_sample: the activation term of a config with activation
-            checkpointing (``ds_config[keys.CHECKPOINTING] is True``), bytes per sample at mbs=1; None: unknown,
-            such a config uses ``activation_bytes_per_sample`` (`activation_bytes`).
-        activation_sp: the Ulysses degree (``sequence_parallel_size``) the activation figures hold for: a rank's
-            share of a sample (1: the whole sample, as ``estimate`` gives it).
+        persistent_params: stage-3 parameters in tensors of at most ``stage3_param_persistence_threshold``
+            elements, which stay gathered (0: unknown).
+        largest_layer_params: parameters of the largest module, which stage 3 gathers to run it (0: unknown).
+        anchor: the calibration's ``(ds_config, peak bytes, mbs)`` (None: uncalibrated): the online fit's prior point.
+        host_on_device: CPU ranks (``DS_ACCELERATOR=cpu``): what offload moves "to the host" stays in the rank's
+            process under the same budget (``RLIMIT_DATA``), so `MemoryBreakdown.total` includes ``host``.
+        checkpointed_activation_bytes_per_sample: the activation term with activation checkpointing
+            (``ds_config[keys.CHECKPOINTING] is True``), bytes per sample; None: unknown (`activation_bytes`).
+        activation_sp: the Ulysses degree (``sequence_parallel_size``) the activation figures hold for (1: the
+            whole sample, as ``estimate`` gives it).
     """
 
     num_params: int
@@ -108,8 +98,7 @@ class MemoryModel:
     activation_sp: int = 1
 
     def checkpointed(self, ds_config: dict[str, Any]) -> bool:
-        """Whether ``ds_config`` gets the checkpointed activation term: its
-        `zerotune.deepspeed.keys.CHECKPOINTING` is True and the term is known."""
+        """Whether ``ds_config`` sets `zerotune.deepspeed.keys.CHECKPOINTING` and the checkpointed term is known."""
         return ds_config.get(keys.CHECKPOINTING) is True and self.checkpointed_activation_bytes_per_sample is not None
 
     def activation_bytes(self, ds_config: dict[str, Any]) -> int:
@@ -121,9 +110,8 @@ class MemoryModel:
         return int(per_sample * self.activation_sp / ZeroOptions.of(ds_config).sp)
 
     def breakdown(self, ds_config: dict[str, Any], mbs: int | None = None) -> MemoryBreakdown:
-        """Bytes per device for ``ds_config`` at micro batch size ``mbs``, by component.
+        """Bytes per device for ``ds_config`` at ``mbs`` (default: the config's, 1 when absent or "auto"), by component.
 
-        ``mbs`` defaults to the config's ``train_micro_batch_size_per_gpu`` (1 when absent or "auto").
         A stage that is not a number (``"all"``, a list) counts as 0. Psi = parameters per model-parallel rank, T = the
         trainable ones (frozen ones have no gradient, master copy or state), N = DP world size, b = bytes per element
         (2 for fp16/bf16, else 4), K = optimizer state bytes per parameter (8 for Adam; 4 for SGD with momentum,
@@ -228,12 +216,10 @@ class MemoryModel:
         return int(b * min(bucket, t))
 
     def copy_after_backward_bytes(self, ds_config: dict[str, Any]) -> int:
-        """The reduction's flat copy (`reduction_copy_bytes`) when it is made after the backward
-        pass, else 0. ``engine.backward`` runs ``loss.backward()`` and then ``_backward_epilogue``, which
-        reduces (``engine.py:3429-3431``, ``:3153-3165``); autograd has freed the saved activations by
-        then. Stage 0 and stage 1 without ``overlap_comm`` reduce only there (``engine.py:3085-3095``);
-        otherwise a bucket is reduced in the backward pass once it is full (``stage_1_and_2.py:1422``,
-        ``stage3.py:1583``), which never happens when it holds every trainable parameter (R >= T)."""
+        """The reduction's flat copy (`reduction_copy_bytes`) when it is made after the backward pass, once
+        autograd has freed the saved activations (``_backward_epilogue``, ``engine.py:3429-3431``, ``:3153-3165``),
+        else 0: stage 0 and stage 1 without ``overlap_comm`` (``engine.py:3085-3095``), or a bucket holding every
+        trainable parameter (R >= T), never full in the backward (``stage_1_and_2.py:1422``, ``stage3.py:1583``)."""
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         stage = int(_number(zero.get("stage"), 0))
@@ -245,12 +231,10 @@ class MemoryModel:
         return self.reduction_copy_bytes(ds_config) if after else 0
 
     def gather_copy_bytes(self, ds_config: dict[str, Any]) -> int:
-        """Stage 3: the flat buffer of one coalesced all-gather, bytes, alive while its parameters are
-        copied out of it (``zero/partition_parameters.py:1343`` allocates it, ``:795`` gives each
-        parameter its own ``torch.cat`` copy; the buffer goes with the handle). One all-gather carries
-        a module's parameters or a prefetch (at most ``stage3_prefetch_bucket_size`` elements,
-        ``zero/partitioned_param_coordinator.py:452-476``): ``b*min(G, max(L, prefetch))``. 0 below
-        stage 3. Part of `MemoryBreakdown.buffers`."""
+        """Stage 3: the flat buffer of one coalesced all-gather, bytes, alive while its parameters are copied out
+        (``zero/partition_parameters.py:1343``, ``:795``): a module's parameters or a prefetch (at most
+        ``stage3_prefetch_bucket_size``, ``zero/partitioned_param_coordinator.py:452-476``),
+        ``b*min(G, max(L, prefetch))``. 0 below stage 3; part of `MemoryBreakdown.buffers`."""
         zero = ds_config.get("zero_optimization") or {}
         zero = zero if isinstance(zero, dict) else {}
         if int(_number(zero.get("stage"), 0)) != 3:
@@ -276,14 +260,11 @@ class MemoryModel:
         return self.breakdown(ds_config, mbs).total
 
     def fits(self, ds_config: dict[str, Any], budget_bytes: int, mbs: int | None = None) -> bool:
-        """True when the estimate for ``ds_config`` at ``mbs`` is within ``budget_bytes`` per device."""
         return self.bytes_per_device(ds_config, mbs) <= budget_bytes
 
     def host_fits(self, ds_config: dict[str, Any], host_memory_bytes: int | None, ranks_per_node: int) -> bool:
-        """True when what offload keeps in host memory for ``ranks_per_node`` ranks
-        (`MemoryBreakdown.host` each, which does not grow with mbs) is within ``host_memory_bytes``
-        per node; True when that memory is unknown (None) or the host is the device
-        (`host_on_device`: the per-device budget counts it)."""
+        """Whether offload's host bytes for ``ranks_per_node`` ranks (`MemoryBreakdown.host`, constant in mbs) fit
+        ``host_memory_bytes`` per node; True when that is unknown (None) or the host is the device."""
         if host_memory_bytes is None or self.host_on_device:
             return True
         return self.breakdown(ds_config, mbs=0).host * ranks_per_node <= host_memory_bytes
@@ -302,16 +283,12 @@ class MemoryModel:
 
     def profile_exit_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
         """What the profile run holds per device when DeepSpeed's engine exits in its first forward
-        (``autotuning.model_info.profile``): the estimate without what only the backward pass and the
-        first optimizer step allocate. The reduction's flat copy (`reduction_copy_bytes`) is left
-        out. Stage 3 creates no optimizer state at initialization (``initialize_optimizer_states``,
-        ``stage3.py:1301-1370``, gives the fp32 partitions a gradient buffer and frees it; torch's Adam
-        creates its states lazily at the first step), so the states ``K*T/N`` and the fp32 gradient
-        ``4*T/N`` are left out (on the device only: offloaded ones are on the host). The first forward
-        records the stage-3 trace (`gathered_params`): ``b*min(Psi, L + persistent)`` gathered and
-        ``b*min(Psi, L)`` of all-gather copy instead of ``b*G`` and `gather_copy_bytes`. Below stage
-        3 (a job that does not tune stage 3 profiles at its highest stage) the gradients, the optimizer states
-        and the reduction buckets are left out: the parameters and the fp32 master copy remain."""
+        (``autotuning.model_info.profile``): the estimate less what only the backward and the first optimizer step
+        allocate. Always the reduction's flat copy. Stage 3: the device's optimizer states ``K*T/N`` and fp32
+        gradient ``4*T/N`` (``stage3.py:1301-1370`` frees the gradient buffer it makes; torch creates the states at
+        the first step), and the first forward's trace gathers ``b*min(Psi, L + persistent)`` with ``b*min(Psi, L)``
+        of all-gather copy instead of ``b*G`` and `gather_copy_bytes`. Below stage 3: the gradients, the optimizer
+        states and the reduction buckets; the parameters and the fp32 master copy remain."""
         full = self.breakdown(ds_config, mbs)
         zero = ds_config.get("zero_optimization") or {}
         full_total = full.total + full.apart - self.reduction_copy_bytes(ds_config)  # made in the backward pass
@@ -339,10 +316,9 @@ class MemoryModel:
         return int(full_total - (k + options.master_bytes) * t / n)
 
     def profile_step_bytes(self, ds_config: dict[str, Any], mbs: int = 1) -> int:
-        """What the profile run holds per device after its first backward (on CPU the probe runs it after
-        DeepSpeed's profile exit, docs/decisions.md, D111): the estimate without the optimizer states, which
-        torch's optimizers create at the first step (``K*T``, over the DP world size above stage 0; offloaded
-        states are on the host, outside the device's estimate already)."""
+        """What the profile run holds per device after its first backward (the probe runs one on CPU, D111): the
+        estimate less the optimizer states torch creates at the first step (``K*T``, over N above stage 0;
+        offloaded states are on the host already)."""
         zero = ds_config.get("zero_optimization") or {}
         stage = int(_number(zero.get("stage"), 0))
         if stage >= 1 and _offload_device(zero.get("offload_optimizer")) in ("cpu", "nvme"):
@@ -353,13 +329,9 @@ class MemoryModel:
 
     def calibrated(self, ds_config: dict[str, Any], measured_peak_bytes: int, mbs: int = 1,
                    after_backward: bool = False) -> "MemoryModel":
-        """A copy whose ``overhead_bytes`` makes the estimate of ``ds_config`` at ``mbs`` equal a measured
-        peak (never negative).
-
-        Used with the profile run (a config with ``autotuning.model_info.profile``: compared with
-        `profile_exit_bytes`, since that run exits in its first forward; with ``after_backward``, a peak
-        taken after the probe ran its first backward, with `profile_step_bytes`).
-        """
+        """A copy whose ``overhead_bytes`` (never negative) makes the estimate of ``ds_config`` at ``mbs`` equal a
+        measured peak. A profile run's config (``autotuning.model_info.profile``) is estimated by `profile_exit_bytes`,
+        or with ``after_backward`` (a peak after the probe's first backward) by `profile_step_bytes`."""
         base = dataclasses.replace(self, overhead_bytes=0)
         profiling = bool(((ds_config.get("autotuning") or {}).get("model_info") or {}).get("profile"))
         estimate = (base.profile_step_bytes(ds_config, mbs) if profiling and after_backward

@@ -25,17 +25,10 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"
 
 @dataclass(frozen=True)
 class MetaModel:
-    """A model built on the meta device.
-
-    Attributes:
-        class_name: the class transformers built (``MixtralForCausalLM``).
-        num_params: all parameters, a tied tensor once.
-        largest_tensor: elements of the largest parameter tensor.
-        persistent_params: parameters in tensors of at most the persistence threshold (ZeRO-3 keeps them gathered).
-        routed_params: parameters of the routed experts (0: a dense model).
-        num_experts: routed experts per layer, ``E`` (0: dense).
-        experts_per_token: experts a token runs, ``k`` (0: dense, or the config does not say).
-    """
+    """A model built on the meta device: ``class_name`` the class transformers built (``MixtralForCausalLM``),
+    ``num_params`` (a tied tensor once), ``largest_tensor`` (elements), ``persistent_params`` in tensors of at most
+    the persistence threshold (ZeRO-3 keeps them gathered); for a mixture of experts ``routed_params``, ``num_experts``
+    ``E`` per layer and ``experts_per_token`` ``k`` (0: dense, or ``k`` unknown)."""
 
     class_name: str
     num_params: int
@@ -54,9 +47,8 @@ class MetaModel:
 
 
 def build(cfg: dict[str, Any], persistence_threshold: int, source: str = "config.json") -> MetaModel | None:
-    """The model of the config dict ``cfg`` built by transformers on the meta device; None where transformers is not
-    importable, does not know ``model_type``, or the config asks for more than `MAX_LAYERS` layers. Built once
-    per config and threshold (``estimate`` asks with and without checkpointing).
+    """The model of the config dict ``cfg`` built by transformers on the meta device, once per config and threshold;
+    None where transformers is not importable, does not know ``model_type``, or asks for more than `MAX_LAYERS` layers.
 
     Raises:
         ConfigError: transformers knows the type and refuses the config (its message, naming ``source``).
@@ -93,9 +85,8 @@ def _build(text: str, persistence_threshold: int, source: str) -> MetaModel:
 
 
 def _from_config(config, *autos, **kwargs):
-    """The model of ``config`` from the first of ``autos`` that maps its type: a causal LM, else an image-text-to-text
-    model (a vision-language config: the language model, the vision tower and the head), else the base model (an
-    encoder); ``kwargs`` go to each ``from_config`` (``attn_implementation``, ``dtype``)."""
+    """The model of ``config`` from the first of ``autos`` that maps its type (a causal LM, else an image-text-to-text
+    model, else the base model); ``kwargs`` go to each ``from_config`` (``attn_implementation``, ``dtype``)."""
     for auto in autos[:-1]:
         try:
             return auto.from_config(config, **kwargs)
@@ -123,8 +114,7 @@ def count(model, persistence_threshold: int, experts_per_token: int = 0) -> Meta
 
 
 def _top_k(config) -> int:
-    """Experts per token from the config's key for it, a vision-language config's in its text config (0: none of
-    `TOP_K_KEYS`)."""
+    """Experts per token from `TOP_K_KEYS`, a vision-language config's text config first; 0 without one."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for key in TOP_K_KEYS:
         value = getattr(text, key, getattr(config, key, None))

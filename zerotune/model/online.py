@@ -1,4 +1,4 @@
-"""Online correction: the memory model fitted to every measured peak, with an explicit margin.
+"""Online correction: the memory model fitted to every measured peak, with an explicit margin (D110).
 
 Rules: the profile run calibrates the prior (`MemoryModel.calibrated`); the strategy calls `OnlineMemory.observed`
 after each finished experiment (`zerotune.strategy.evaluation.Evaluator`). Each family (a ZeRO stage with one
@@ -6,7 +6,6 @@ precision and one choice of memory savers, whatever its mbs and gas: `family`) i
 structural terms (`OnlineMemory`). A config measured ok is predicted at the mean of its peaks; one not measured is
 refused (never launched) when its prediction raised by the margin (`OnlineMemory.margin`) is over the budget
 (`OnlineMemory.refusal`). Pure functions of the prior and the readings.
-Evidence: docs/decisions.md, D110.
 """
 from __future__ import annotations
 
@@ -71,9 +70,8 @@ class Reading:
 
     @classmethod
     def of(cls, exp: Experiment, budget_bytes: int) -> "Reading | None":
-        """The reading of a finished experiment held to ``budget_bytes``: a measured peak of an ok run, or an
-        out-of-memory run's bound; None for the profile run (the prior's own calibration), a config without an
-        integer mbs, a run without a peak, and any other outcome."""
+        """The reading of a finished experiment held to ``budget_bytes``: an ok run's peak or an out-of-memory run's
+        bound; None otherwise (the profile run, the prior's own calibration; no integer mbs; no peak)."""
         mbs = exp.ds_config.get("train_micro_batch_size_per_gpu")
         if exp.kind is ExperimentKind.PROFILE or not isinstance(mbs, int) or isinstance(mbs, bool):
             return None
@@ -97,17 +95,12 @@ def quantile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class OnlineMemory:
-    """The memory model as the runs so far correct it. Per family, what the prior's structural terms say of a run
-    (`structural_bytes`) is taken off its peak; the rest (overhead and activations) is a line in mbs,
-    ``intercept + slope * mbs`` (`zerotune.model.linefit.fit_line`), fitted by least squares through every measured
-    peak of the family, with the profile's prior as one point at its mbs until the family's own peak there replaces
-    it, each out-of-memory run as a lower bound (the line at its mbs stays above the budget), and a slope never below
-    0. A family with no peak of its own takes the prior's line turned about the prior's point (`slope_ratio`).
-
-    Args:
-        prior: the profile-calibrated model, whose structural terms every prediction keeps.
-        readings: the finished runs, in order.
-    """
+    """The memory model as the finished runs so far (``readings``, in order) correct the profile-calibrated
+    ``prior``, whose structural terms every prediction keeps. Per family, a run's peak less those terms
+    (`structural_bytes`), i.e. its overhead and activations, is a line in mbs fitted by least squares
+    (`zerotune.model.linefit.fit_line`): through every ok peak, the prior as one point at its mbs until the family's
+    own peak there replaces it, each out-of-memory run as a lower bound, the slope never below 0. A family with no
+    reading takes the prior's line turned about the prior's point (`slope_ratio`)."""
 
     prior: MemoryModel
     readings: tuple[Reading, ...] = ()
@@ -249,13 +242,11 @@ class OnlineMemory:
                 f"over the {format_bytes(budget_bytes)} budget")
 
     def fits(self, ds_config: dict[str, Any], budget_bytes: int) -> bool:
-        """Whether ``ds_config`` may be launched under ``budget_bytes`` (no `refusal`)."""
         return self.refusal(ds_config, budget_bytes) is None
 
     def max_mbs(self, ds_config: dict[str, Any], budget_bytes: int, cap: int = 1024) -> int:
-        """The largest mbs (at most ``cap``) whose prediction with the margin (`guarded_bytes`) is within
-        ``budget_bytes``; 0 when none is. As `MemoryModel.max_mbs`, the activations are taken to outgrow the
-        reduction's copy they share their room with (`MemoryBreakdown.apart`)."""
+        """The largest mbs (at most ``cap``) whose `guarded_bytes` fit ``budget_bytes``; 0 when none does. The
+        activations share their room with the reduction's copy, as in `MemoryModel.max_mbs`."""
         if self.guarded_bytes(ds_config, 0) > budget_bytes:
             return 0
         line, grow = self.line(ds_config), 1 + self.margin

@@ -1,4 +1,4 @@
-"""What the profile run measured: DeepSpeed's ``model_info.json`` as a `ModelInfo`.
+"""What the profile run measured: DeepSpeed's ``model_info.json`` as a `ModelInfo` (D111, D204).
 
 DeepSpeed's engine writes ``model_info.json`` (``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``)
 and exits in the first forward when ``autotuning.model_info.profile`` is set; the experiment directory module reads
@@ -6,7 +6,6 @@ it into ``metrics`` with the probe's keys. The activation term per sample is the
 are recorded (`SAVED_ACTIVATIONS_KEY`), not DeepSpeed's figure; on CUDA the larger with the step's growth less its
 constant part (`step_activations`), on CPU with the growth per sample from wider micro steps (`SLOPE_KEY`,
 `ModelInfo.from_metrics`). Checkpointing is priced where the profile ran without it (`CHECKPOINTED_ACTIVATIONS_KEY`).
-Evidence: docs/decisions.md, D111, D204.
 """
 from __future__ import annotations
 
@@ -27,31 +26,21 @@ class ModelInfo:
     """What the profile run measured.
 
     Attributes:
-        num_params: parameters of the model over all model-parallel ranks.
-        trainable_num_params: those with ``requires_grad``.
-        activation_mem_per_gpu: activation bytes per device per sample: the probe's bytes saved for
-            the backward pass (`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under
-            activation checkpointing: `zerotune.probe.read_saved_activations`) when recorded, else
-            DeepSpeed's change in device memory across the first forward pass at the profile's mbs (on CPU in resident
-            memory, which in a ZeRO-3 profile run also holds the parameters that forward gathered), i.e. at mbs=1.
-            On CUDA, where the record has the step's growth, the larger of the saved bytes and that growth less its
-            constant part (`step_activations`).
-        peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at the peak:
-            the allocator's reserved high-water mark, the CUDA context, NCCL; the probe writes it only
-            on CUDA), which wins over the backend's figure: the local backend samples the ranks' host
-            ``VmData``, which is not the device's memory. On CPU the larger of the backend's sampled
-            peak (every rank, every 0.2 s) and the probe's ``data_peak_bytes`` (rank 0's ``VmData``,
-            every 5 ms: the first forward's peak can be shorter than the backend's period); else None.
-        largest_layer_params: the most parameters one module holds, elements (the probe's; 0: unknown).
-        persistent_params: parameters ZeRO-3 keeps gathered, elements (the probe's; 0: unknown, or a profile
-            run below stage 3, which persists none: the job then tunes no stage that needs it).
-        peak_after_backward: whether `peak_memory_bytes` was taken after the profile's first backward
-            (on CPU where the probe ran it: the calibration then models that state,
-            `zerotune.model.memory.MemoryModel.profile_step_bytes`).
-        checkpointed_activation_mem_per_gpu: activation bytes per device per sample with activation checkpointing
-            of every checkpointable layer (`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth
-            adds to `activation_mem_per_gpu` over the saved bytes (what the backward allocates on top, the
-            gradient of the logits, is there with checkpointing too); None: not priced.
+        num_params, trainable_num_params: parameters over all model-parallel ranks, and those with ``requires_grad``.
+        activation_mem_per_gpu: activation bytes per device per sample (`from_metrics`): the probe's bytes saved
+            for the backward (`SAVED_ACTIVATIONS_KEY`, with the largest recomputed region under checkpointing) when
+            recorded, else DeepSpeed's change in device memory across the first forward (on CPU in resident memory,
+            which at ZeRO-3 also holds the parameters that forward gathered).
+        peak_memory_bytes: on CUDA the probe's ``device_peak_bytes`` (rank 0's device at its peak), not the
+            backend's figure (the ranks' host ``VmData``); on CPU the larger of the backend's sampled peak and the
+            probe's ``data_peak_bytes`` (rank 0's ``VmData`` every 5 ms, D202); else None.
+        largest_layer_params: the most parameters one module holds, elements (0: unknown).
+        persistent_params: parameters ZeRO-3 keeps gathered, elements (0: unknown, or a profile run below stage 3).
+        peak_after_backward: whether `peak_memory_bytes` was taken after the profile's first backward (on CPU where
+            the probe ran it; the calibration then uses `zerotune.model.memory.MemoryModel.profile_step_bytes`).
+        checkpointed_activation_mem_per_gpu: the same with every checkpointable layer checkpointed
+            (`CHECKPOINTED_ACTIVATIONS_KEY`), plus what the CUDA step's growth adds over the saved bytes (the
+            logits' gradient is there with checkpointing too); None: not priced.
     """
 
     num_params: int
@@ -66,21 +55,15 @@ class ModelInfo:
     @classmethod
     def from_metrics(cls, data: dict[str, Any], peak_memory_bytes: int | None = None, mbs: int = 1,
                      ds_config: dict[str, Any] | None = None) -> "ModelInfo":
-        """From the content of DeepSpeed's ``model_info.json`` written by a run at micro batch size
-        ``mbs`` (its ``activation_mem_per_gpu`` covers ``mbs`` samples; divided here).
-        `SAVED_ACTIVATIONS_KEY`, per sample already, replaces it when present.
+        """From DeepSpeed's ``model_info.json`` content with the probe's keys, written at micro batch size ``mbs``.
 
-        On CPU (a record with ``data_peak_bytes``): with `SLOPE_KEY`, the term is the largest of the saved
-        bytes, `SLOPE_KEY` and `DATA_SLOPE_KEY` (``VmData``'s, which the CPU budget limits). Where
-        the probe ran the backward (`STEP_GROWTH_KEY`), the profile's peak is ``data_peak_bytes`` alone:
-        rank 0's ``VmData`` after that backward and before the wider steps, which the backend's sampled peak also
-        holds (`peak_after_backward`). Its `STEP_GROWTH_KEY` is never read as activations: at mbs 1
-        the step holds the gradients and gathered parameters as much as activations.
-
-        On CUDA, with
-        `STEP_GROWTH_KEY`, the term is `step_activations` of the two, the profile's ``ds_config``
-        giving its ZeRO stage and precision (None: an fp32 run below stage 3).
-        `CHECKPOINTED_ACTIVATIONS_KEY` gives `checkpointed_activation_mem_per_gpu`.
+        The activation term is `SAVED_ACTIVATIONS_KEY` (per sample) when present, else DeepSpeed's figure over
+        ``mbs``. On CPU (a record with ``data_peak_bytes``) with `SLOPE_KEY`: the largest of it, `SLOPE_KEY` and
+        `DATA_SLOPE_KEY` (``VmData``'s, which the CPU budget limits); `STEP_GROWTH_KEY` is never read as activations
+        there (at mbs 1 it holds the gradients and gathered parameters as much), and where present the peak is
+        ``data_peak_bytes`` alone (rank 0 after that backward, `peak_after_backward`). On CUDA with
+        `STEP_GROWTH_KEY`: `step_activations`, ``ds_config`` giving the profile's stage and precision (None: fp32
+        below stage 3). `CHECKPOINTED_ACTIVATIONS_KEY` gives `checkpointed_activation_mem_per_gpu`.
 
         Raises:
             KeyError, ValueError: ``num_params`` is missing or a field is not a number.
@@ -117,20 +100,14 @@ class ModelInfo:
 
 def step_activations(saved_per_sample: int, step_growth_bytes: int, mbs: int, ds_config: dict[str, Any],
                      trainable_params: int) -> int:
-    """The activation term per sample on CUDA, bytes: ``max(saved, (step_growth - constant) / mbs)``.
+    """The activation term per sample on CUDA, bytes: ``max(saved, (step_growth - constant) / mbs)`` (D204).
 
-    ``saved_per_sample`` is the probe's `SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` its
-    ``step_growth_bytes`` (the allocated high-water mark over the profile's forward and ``loss.backward()``
-    less what was allocated before, at micro batch size ``mbs``). ``constant`` is what that growth holds
-    whatever the mbs and the term should not: at ZeRO-3, nothing (the modules ZeRO-3 gathers are released
-    before the step's peak, or were gathered before the baseline: on an H100 a GPT-2 profile's growth at mbs 1
-    was 6% above the slope its runs measured at mbs 80-125, not the 25% a gathered embedding and its gradient
-    would add; docs/decisions.md, D204); below stage 3, the gradients of every trainable parameter, which the
-    backward allocates before any reduction, ``b * trainable_params`` (an over-count at stage 2, whose buckets
-    hold fewer, and under model parallelism: the figure then falls back towards ``saved``, which the runs'
-    own slopes raise, never the other way). ``b`` is the element size of the profile's precision
-    (``zerotune.deepspeed.config.precision`` of ``ds_config``: 4 in fp32, else 2, as the memory model's). The
-    constant is never more than the growth."""
+    ``saved_per_sample`` is the probe's `SAVED_ACTIVATIONS_KEY`; ``step_growth_bytes`` the allocated high-water mark
+    over the profile's forward and ``loss.backward()`` less what was allocated before, at ``mbs``. ``constant`` is
+    what that growth holds whatever the mbs: nothing at ZeRO-3 (its gathered modules are released before the peak,
+    or gathered before the baseline); below stage 3 every trainable parameter's gradient, ``b * trainable_params``,
+    ``b`` the profile precision's element size (4 in fp32, else 2): an over-count at stage 2 and under model
+    parallelism, which falls back towards ``saved``. The constant is never more than the growth."""
     zero = ds_config.get("zero_optimization")
     stage = zero.get("stage") if isinstance(zero, dict) else 0
     b = 4 if precision(ds_config) == "fp32" else 2

@@ -1,4 +1,4 @@
-"""The throughput model: what an mbs that has not run can reach, bounded by the ones that have.
+"""The throughput model: what an mbs that has not run can reach, bounded by the ones that have (D107).
 
 Rules: within a config family (one ZeRO stage, gas and set of knobs; only mbs differs) a step's time is affine in mbs,
 ``tau(m) = m / throughput(m) = a + b * m`` with ``a, b >= 0`` (DP world size x gas folded in). Each `Reading` bounds
@@ -6,7 +6,6 @@ Rules: within a config family (one ZeRO stage, gas and set of knobs; only mbs di
 such curve, `ceiling` the fastest any mbs could reach. Where no curve fits the readings (samples/s falling with mbs
 beyond the noise: allocator slowdowns near the memory limit, CPU caches) they give None: the model does not apply and
 the caller must run the mbs. The bounds are exact (`_vertices`). Pure arithmetic; no imports from the strategy.
-Evidence: docs/decisions.md, D107.
 """
 from __future__ import annotations
 
@@ -25,11 +24,8 @@ _Line = tuple[float, float, float]  # (p, q, r): p * a + q * b = r
 
 @dataclass(frozen=True)
 class Reading:
-    """One measured point of a config family's throughput curve.
-
-    Raises ValueError on an mbs under 1, a throughput that is not a finite positive number or a negative
-    (or NaN) half-width.
-    """
+    """One measured point of a config family's throughput curve. Raises ValueError on an mbs under 1, a throughput
+    that is not finite and positive, or a negative (or NaN) half-width."""
 
     mbs: int
     """Micro batch size per GPU of the run."""
@@ -76,7 +72,6 @@ def _lines(readings: Sequence[Reading]) -> list[_Line]:
 
 
 def _intersection(u: _Line, v: _Line) -> tuple[float, float] | None:
-    """The point ``(a, b)`` on both lines, or None when they are parallel."""
     det = u[0] * v[1] - u[1] * v[0]
     if det == 0:
         return None
@@ -113,17 +108,11 @@ def _vertices(readings: Sequence[Reading]) -> list[tuple[float, float]]:
 
 
 def bounds(readings: Sequence[Reading], mbs: int) -> Bounds | None:
-    """The lowest and highest throughput (samples/s) at ``mbs`` over every affine step time
-    ``tau(m) = a + b * m`` (``a, b >= 0``) within every reading's interval.
-
-    None when there are no readings or no such curve fits them all. ``low`` is never 0: the readings bound
-    ``a`` and ``b`` from above, so ``tau(mbs)`` is finite. Raises ValueError for an ``mbs`` under 1.
-
-    One reading ``(m, thr, h)`` gives, for ``mbs > m``: ``high = thr * (1 + h) * mbs / m`` (perfect scaling
-    from the reading's top, ``a = 0``) and ``low = thr * (1 - h)`` (all of the reading's time fixed,
-    ``b = 0``); for ``mbs < m`` the two swap roles: ``high = thr * (1 + h)`` (a smaller mbs cannot beat the
-    reading beyond its noise) and ``low = thr * (1 - h) * mbs / m``.
-    """
+    """The lowest and highest throughput (samples/s) at ``mbs`` over every affine step time ``tau(m) = a + b * m``
+    (``a, b >= 0``) within every reading's interval; None when there are no readings or no such curve fits them all.
+    ``low`` is never 0: the readings bound ``a`` and ``b``. One reading ``(m, thr, h)`` gives, above ``m``,
+    ``high = thr * (1 + h) * mbs / m`` (perfect scaling) and ``low = thr * (1 - h)`` (all time fixed); below ``m``,
+    ``high = thr * (1 + h)`` and ``low = thr * (1 - h) * mbs / m``. Raises ValueError for an ``mbs`` under 1."""
     if mbs < 1:
         raise ValueError(f"mbs must be at least 1, got {mbs}")
     taus = [a + b * mbs for a, b in _vertices(readings)]
@@ -140,13 +129,9 @@ def per_sample_floor(readings: Sequence[Reading]) -> float | None:
 
 
 def ceiling(readings: Sequence[Reading]) -> float | None:
-    """``1 / per_sample_floor(readings)``, samples/s: the compute roofline (Williams et al. 2009), the most
-    that any mbs of any config could reach if its fixed per-step work were zero.
-
-    Applies to the configs that share the readings' per-sample compute: the same model, precision and DP
-    world size (ZeRO stage, gas and knobs may differ). CPU caches can break it: a smaller micro-batch that
-    fits a cache runs each sample faster than the readings' slope. None when the floor is 0 (the readings
-    allow a flat curve, so no finite roofline shows) or nothing fits.
-    """
+    """``1 / per_sample_floor(readings)``, samples/s: the compute roofline (Williams et al. 2009), the most any mbs
+    could reach with no fixed per-step work, for every config of the readings' model, precision and DP world size
+    (stage, gas and knobs may differ). CPU caches can break it (a micro batch that fits a cache runs faster per
+    sample). None when the floor is 0 (a flat curve fits) or nothing fits."""
     floor = per_sample_floor(readings)
     return 1.0 / floor if floor else None

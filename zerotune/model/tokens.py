@@ -1,4 +1,4 @@
-"""Memory per token: the longest batch a training can meet, and a config's predicted peak there.
+"""Memory per token: the longest batch a training can meet, and a config's predicted peak there (D308, D309).
 
 Rules: a tuning's runs see a few batches, training meets its longest (`longest_batch`), so a config's measured peak
 is moved to that length (`check_longest`) by its family's bytes per token per sample (`token_slope`) and, where the
@@ -6,7 +6,6 @@ attention kernel keeps a tokens x tokens matrix, by bytes per token squared (`sq
 longest batch from step 2 on (`zerotune.core.experiment.Experiment.max_seq_len_seen`): step 1 lacks the optimizer
 states, so a longer batch there alone is left out, a safe error. A fixed-shape workload (every batch of every run one
 length) predicts nothing.
-Evidence: docs/decisions.md, D308, D309.
 """
 from __future__ import annotations
 
@@ -23,13 +22,9 @@ __all__ = ["LongestBatch", "LongestCheck", "check_longest", "longest_batch", "sq
 
 @dataclass(frozen=True)
 class LongestBatch:
-    """The longest batch the training can meet.
-
-    Attributes:
-        seq_len: its tokens per sample. source: where that comes from, as the summary says it.
-        seen: the longest a run of the tuning held from step 2 on (``max_seq_len_seen``; None: no run recorded one).
-        fixed: every run's batches held one length (a fixed-shape workload): nothing to predict.
-    """
+    """The longest batch the training can meet: ``seq_len`` tokens per sample, ``source`` where that comes from (as
+    the summary says it), ``seen`` the longest a run held from step 2 on (None: none recorded), ``fixed`` when every
+    run's batches held one length (nothing to predict)."""
 
     seq_len: int
     source: str
@@ -92,17 +87,10 @@ def token_slope(memory: OnlineMemory, experiments: Iterable[Experiment], ds_conf
 
 @dataclass(frozen=True)
 class LongestCheck:
-    """A config's peak at the longest batch.
-
-    Attributes:
-        name: the experiment. mbs: its micro batch size.
-        measured_bytes: its measured peak per rank, bytes (the mean over its runs).
-        seen: the longest batch its runs held from step 2 on, tokens.
-        longest: the longest batch the training can meet, tokens.
-        per_token_bytes: bytes per token per sample (`token_slope`).
-        predicted_bytes: the predicted peak at the longest batch, bytes. budget_bytes: the per-rank budget.
-        per_square_bytes: attention scores' bytes per token squared per sample (`square_bytes`; 0: none).
-    """
+    """A config's peak at the longest batch, bytes per rank: ``measured_bytes`` (the mean over its runs) at ``seen``
+    tokens (its runs' longest from step 2 on), ``predicted_bytes`` at ``longest`` tokens, against ``budget_bytes``.
+    ``per_token_bytes``, ``per_square_bytes``: bytes per token and per token squared per sample (`token_slope`,
+    `square_bytes`; 0: no square term)."""
 
     name: str
     mbs: int
@@ -116,7 +104,6 @@ class LongestCheck:
 
     @property
     def fits(self) -> bool:
-        """The predicted peak at the longest batch is within the budget."""
         return self.predicted_bytes <= self.budget_bytes
 
     @property
@@ -126,8 +113,7 @@ class LongestCheck:
 
     def describe(self) -> str:
         """``z1_gas1_tmbspg8: measured peak 2.10 GiB at 128 tokens; at 1024 tokens 2.90 GiB predicted (8 samples x
-        896 more tokens x 120 KiB per token per sample, and attention scores of 96.0 bytes per token squared per
-        sample); budget 3.00 GiB, margin 0.10 GiB (3%)``."""
+        896 more tokens x 120 KiB per token per sample); budget 3.00 GiB, margin 0.10 GiB (3%)``."""
         scores = (f", and attention scores of {self.per_square_bytes:.1f} bytes per token squared per sample"
                   if self.per_square_bytes else "")
         return (f"{self.name}: measured peak {format_bytes(self.measured_bytes)} at {self.seen} tokens; at "
@@ -140,10 +126,9 @@ class LongestCheck:
 
 def check_longest(exp: Experiment, memory: OnlineMemory, experiments: Iterable[Experiment], longest: LongestBatch,
                   budget_bytes: int, square: float = 0.0) -> LongestCheck | None:
-    """``exp``'s predicted peak at ``longest``, ``square`` the attention scores' ``q`` (`square_bytes`):
-    ``peak(L) = peak(seen) + a * mbs * (L - seen) + q * mbs * (L^2 - seen^2)``, its measured peak (the mean over its
-    runs) moved by the tokens the longest batch adds, ``a`` the `token_slope`. None where ``exp`` has no measured
-    peak or length, or its family no per-token term."""
+    """``exp``'s predicted peak at ``longest``: ``peak(L) = peak(seen) + a * mbs * (L - seen) + q * mbs * (L^2 -
+    seen^2)``, ``peak(seen)`` the mean of its runs' peaks, ``a`` the `token_slope`, ``q`` = ``square``
+    (`square_bytes`). None where ``exp`` has no measured peak or length, or its family no per-token term."""
     experiments = list(experiments)
     measured = memory.measured_bytes(exp.ds_config) or exp.peak_memory_bytes
     seen = max((e.max_seq_len_seen for e in experiments if (e.name == exp.name or e.replica_of == exp.name)

@@ -35,19 +35,18 @@ class ZeroOptions:
     """The options of one ds_config that the memory model prices here (module docstring).
 
     Attributes:
-        master_bytes: bytes per element of the master copy and the optimizer step's gradient partition: 2 with
+        master_bytes: bytes per element of the master copy and the step's gradient partition: 2 with
             ``bf16.bf16_master_weights_and_grads`` or ``fp16.fp16_master_weights_and_grads`` (stages 1-3,
             ``base_optimizer.py:485-530``), else 4.
-        states_scale: the optimizer states' bytes as a fraction of fp32 states: 0.5 with ``bf16_optimizer_states``
-            too (torch creates them like the master copy), else 1 (DeepSpeed then requires them offloaded,
-            ``base_optimizer.py:509-519``).
-        offload_ratio: ``offload_optimizer.ratio`` r (1: all of it, DeepSpeed's default): stage 3's sub-groups
-            from ``int((1 - r) * G)`` on go to the host (``zero/stage3.py:1100-1108``).
+        states_scale: optimizer state bytes over fp32 states: 0.5 with ``bf16_optimizer_states`` too (created like
+            the master copy), else 1 (DeepSpeed then requires them offloaded, ``base_optimizer.py:509-519``).
+        offload_ratio: ``offload_optimizer.ratio`` r (1: all, the default): stage 3's sub-groups from
+            ``int((1 - r) * G)`` on go to the host (``zero/stage3.py:1100-1108``).
         sub_group_size: ``zero_optimization.sub_group_size``, elements.
-        hpz: ``zero_hpz_partition_size`` h (1: none): every parameter keeps a secondary partition over the h
-            ranks of its node group, in its dtype, on ``offload_param``'s device (``zero/partition_parameters.py``).
-        tp: ``tensor_parallel.autotp_size`` (1: none); the tensors AutoTP keeps whole (embeddings, norms) are
-            under-counted, and the activations are as measured or given (``engine.py:595-600``).
+        hpz: ``zero_hpz_partition_size`` h (1: none): a secondary partition of every parameter over its node group's
+            h ranks, in its dtype, on ``offload_param``'s device (``zero/partition_parameters.py``).
+        tp: ``tensor_parallel.autotp_size`` (1: none); what AutoTP keeps whole (embeddings, norms) is under-counted,
+            the activations taken as measured or given (``engine.py:595-600``).
         sp: ``sequence_parallel_size`` (1: none); activation figures scale by their measured degree over sp
             (`zerotune.model.memory.MemoryModel.activation_sp`; ``engine.py:2164-2165``).
     """

@@ -1,12 +1,10 @@
 """The step probe, tuner side: where it lives, and reading the streams it writes.
 
-The probe itself is `zerotune.probe.sitecustomize`, run in the ranks (this directory first on their ``PYTHONPATH``,
-``PYTHON_ZEROTUNE_PROBE_DIR`` set: `zerotune.deepspeed.launcher.launch_env`); it writes one JSON line per optimizer
-step to ``probe.rank<RANK>.jsonl`` in the experiment directory, which `read_streams` reads back, each line validated
-once into a `zerotune.core.step_record.StepRecord`, for `zerotune.core.measure`, `zerotune.core.stopping` and the
-backends. In the profile run it also writes the bytes saved for the backward pass (`read_saved_activations`) and
-what activation checkpointing would hold instead (`read_checkpointed_activations`). Each rank that stepped writes
-an exit record as Python finishes; `clean_exits` tells from them a crash in the teardown from a script that failed.
+The probe (`zerotune.probe.sitecustomize`, first on the ranks' ``PYTHONPATH``: `zerotune.deepspeed.launcher.launch_env`)
+writes one JSON line per optimizer step to ``probe.rank<RANK>.jsonl`` in the experiment directory, which
+`read_streams` reads back as `zerotune.core.step_record.StepRecord`. The profile run's `ACTIVATIONS_RECORD` holds
+what its first forward saved for the backward pass (the ``read_*`` functions: None, or ``{}``, without a valid
+figure). Each rank that stepped writes an exit record as Python finishes (`read_exits`, `clean_exits`).
 """
 from __future__ import annotations
 
@@ -60,9 +58,8 @@ def _rank_files(exp_dir: Path, prefix: str, suffix: str) -> dict[int, Path]:
 
 
 def read_exits(exp_dir: Path) -> dict[int, dict[str, Any]]:
-    """rank -> its exit record (`zerotune.probe.sitecustomize.exit_name`: ``steps``, ``uncaught``,
-    ``exit_status``), written as the rank's Python finished. Ranks without a valid record are absent
-    (the rank never stepped, or died before its interpreter's finalization)."""
+    """rank -> its exit record (`exit_name`: ``steps``, ``uncaught``, ``exit_status``); a rank without a valid one (it
+    never stepped, or died before its interpreter's finalization) is absent."""
     exits = {}
     for rank, path in sorted(_rank_files(exp_dir, EXIT_PREFIX, EXIT_SUFFIX).items()):
         try:
@@ -75,26 +72,17 @@ def read_exits(exp_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 def clean_exits(exp_dir: Path, world_size: int) -> bool:
-    """Whether all ``world_size`` ranks (0 .. world_size - 1) recorded a clean end of their script: an
-    exit record with no uncaught exception and no ``sys.exit`` with a status other than 0.
-
-    A launch that exits non-zero after that crashed in the interpreter's teardown, after every step
-    its ranks recorded (a rank aborting with ``terminate called without an active exception``): what
-    was measured stands. A script that raised or called ``sys.exit(1)`` after its last step is not
-    clean: the user would see it fail.
-    """
+    """Whether all ``world_size`` ranks (0 .. world_size - 1) recorded a clean end of their script: an exit record
+    with no uncaught exception and no ``sys.exit`` status other than 0. A launch that exits non-zero after that crashed
+    in the interpreter's teardown, after every step recorded: what was measured stands."""
     exits = read_exits(exp_dir)
     return world_size > 0 and sorted(exits) == list(range(world_size)) and all(
         r.get("uncaught") is None and r.get("exit_status") in (None, 0) for r in exits.values())
 
 
 def read_streams(exp_dir: Path) -> dict[int, list[StepRecord]]:
-    """Each rank's probe lines in ``exp_dir``, in file order: rank -> its step records.
-
-    A line that is not a JSON object (a rank killed while writing) is skipped. Ranks without a
-    file are absent; an empty dict when the probe wrote nothing (the simulated backend's failed runs,
-    the profile run, a run that failed before its first optimizer step).
-    """
+    """rank -> its step records, in file order; a line that is not a JSON object (a rank killed while writing) is
+    skipped, a rank without a file absent (an empty dict when the probe wrote nothing)."""
     streams = {}
     for rank, path in sorted(stream_files(exp_dir).items()):
         records = (StepRecord.parse(text) for text in path.read_text(errors="replace").splitlines())
@@ -103,18 +91,15 @@ def read_streams(exp_dir: Path) -> dict[int, list[StepRecord]]:
 
 
 def step_records(streams: Mapping[int, Sequence[Mapping[str, Any]]]) -> dict[int, list[StepRecord]]:
-    """rank -> its records: each decoded JSON object validated once (`StepRecord.from_dict`), as
-    `read_streams` gives the same lines written to files. For streams held in memory (a simulated run's)."""
+    """rank -> its records, each decoded object validated as `read_streams` does; for in-memory (simulated) streams."""
     return {rank: [StepRecord.from_dict(r) for r in records] for rank, records in streams.items()}
 
 
 def run_phases(streams: Mapping[int, Sequence[StepRecord]], launched_at: float | None) -> tuple[float | None,
                                                                                                  float | None]:
-    """A run's start-up and measuring seconds from its streams: ``(startup_s, measure_s)``, where ``startup_s`` is
-    from ``launched_at`` (``time.monotonic()`` at the launch; the probe's ``t`` is the same clock, the ranks run on
-    this machine) to the start of the first step of any rank (its ``t - step_s``: the engine's first forward), and
-    ``measure_s`` from there to the end of the last step recorded. Either is None where the streams cannot say
-    (no step; ``startup_s`` also without ``launched_at``)."""
+    """``(startup_s, measure_s)`` of a run: ``startup_s`` from ``launched_at`` (``time.monotonic()`` at the launch, the
+    probe's ``t`` clock) to the start of any rank's first step (``t - step_s``), ``measure_s`` from there to the last
+    step's end. Either is None where the streams cannot say (no step; ``startup_s`` also without ``launched_at``)."""
     starts = [r.t - r.step_s for records in streams.values() for r in records[:1]
               if r.t is not None and r.step_s is not None]
     ends = [r.t for records in streams.values() for r in records if r.t is not None]
@@ -126,8 +111,7 @@ def run_phases(streams: Mapping[int, Sequence[StepRecord]], launched_at: float |
 
 
 def clear_streams(exp_dir: Path) -> None:
-    """Remove the streams and exit records of an earlier attempt in ``exp_dir`` (the probe appends);
-    called by a backend before it launches."""
+    """Remove an earlier attempt's streams and exit records in ``exp_dir`` (the probe appends); before a launch."""
     for path in [*stream_files(exp_dir).values(), *_rank_files(exp_dir, EXIT_PREFIX, EXIT_SUFFIX).values()]:
         path.unlink(missing_ok=True)
 
@@ -142,11 +126,8 @@ def _activations_record(exp_dir: Path) -> Any:
 
 
 def read_saved_activations(exp_dir: Path) -> int | None:
-    """Bytes per sample that a training step holds for the backward pass at its peak, from the profile
-    run's first forward (the probe's `ACTIVATIONS_RECORD`): ``saved_bytes``, what that forward saved,
-    plus ``recompute_bytes``, the most one activation-checkpointed region saves while the backward pass
-    recomputes it (absent: no checkpointing), over ``micro_batch_size``. None when the probe wrote no valid
-    record (not a profile run, an older probe, a run that died before its forward)."""
+    """Bytes per sample a training step holds for the backward pass at its peak: (``saved_bytes`` + ``recompute_bytes``,
+    the most one checkpointed region saves while the backward recomputes it) / ``micro_batch_size``."""
     record = _activations_record(exp_dir)
     try:
         saved, mbs = record["saved_bytes"], record.get("micro_batch_size", 1)
@@ -161,12 +142,9 @@ def read_saved_activations(exp_dir: Path) -> int | None:
 
 
 def read_checkpointed_activations(exp_dir: Path) -> int | None:
-    """Bytes per sample that a training step would hold for the backward pass with activation checkpointing of
-    every checkpointable layer, priced in a profile run without it (the probe's `ACTIVATIONS_RECORD`:
-    ``checkpointed_bytes`` over ``micro_batch_size``;
-    `zerotune.probe._zerotune_probe.activations._LayerCheckpointing`).
-    None when the record has no valid figure (no checkpointable layer, layers checkpointed already, an older
-    probe, not a profile run)."""
+    """Bytes per sample a training step would hold for the backward pass with every checkpointable layer checkpointed,
+    priced in a profile run without it: ``checkpointed_bytes`` / ``micro_batch_size``
+    (`zerotune.probe._zerotune_probe.activations._LayerCheckpointing`)."""
     record = _activations_record(exp_dir)
     try:
         checkpointed, mbs = record["checkpointed_bytes"], record.get("micro_batch_size", 1)
@@ -183,11 +161,8 @@ SQUARE_KEYS = ("square_seq_len", "square_saved_bytes", "micro_batch_size")
 
 
 def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
-    """What the profile run's first forward saved of tensors that grow with the square of the sequence length
-    (the probe's `ACTIVATIONS_RECORD`, `SQUARE_KEYS`): ``square_seq_len``, the length of the batch
-    counted, tokens; ``square_saved_bytes``, its saved ``[..., L, L]`` tensors (attention scores), bytes;
-    ``micro_batch_size``. None without a valid record (no token ids in the batch, an older probe, not a profile
-    run)."""
+    """`SQUARE_KEYS`, the first forward's tensors that grow with the square of the sequence length: ``square_seq_len``,
+    tokens; ``square_saved_bytes``, its saved ``[..., L, L]`` tensors (attention scores); ``micro_batch_size``."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict) or not all(isinstance(record.get(k), int) and not isinstance(record[k], bool)
                                                and record[k] >= 0 for k in SQUARE_KEYS):
@@ -198,13 +173,8 @@ def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
 
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
-    """The profile run's `SHAPE_KEYS` from the probe's `ACTIVATIONS_RECORD`: the most
-    parameters one module holds and the parameters ZeRO-3 keeps gathered, elements; and on CUDA
-    `DEVICE_PEAK_KEY` (on CPU `DATA_PEAK_KEY`), bytes; `GROWTH_KEYS`, what the
-    allocated memory grew by at its peak over the first forward and over the whole step (forward and
-    backward) at the record's ``micro_batch_size``, bytes; on CPU `SLOPE_KEYS`, what a training micro
-    step's allocated peak and ``VmData``'s peak grow by per sample, bytes. A key whose value is missing or not a
-    non-negative integer is left out (an empty dict without a valid record)."""
+    """The record's `SHAPE_KEYS` (elements), `DEVICE_PEAK_KEY` or `DATA_PEAK_KEY`, `GROWTH_KEYS` and `SLOPE_KEYS`
+    (bytes; `zerotune.probe._zerotune_probe.growth`); a key missing or not a non-negative integer is left out."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict):
         return {}

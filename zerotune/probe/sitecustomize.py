@@ -1,12 +1,11 @@
 """zerotune's step probe: one JSON line per optimizer step, in every rank, with no change to the script.
 
 The launch puts this directory first on the ranks' ``PYTHONPATH`` and sets ``PYTHON_ZEROTUNE_PROBE_DIR``
-(`zerotune.deepspeed.launcher.launch_env`), so ``site`` imports this file in every process of the launch; with that
-variable it installs the probe (`install`), then it always runs the user's own ``sitecustomize`` (`_chain`). This
-file only installs and re-exports the names the tuner reads; the probe's parts are modules of ``_zerotune_probe``.
-Rules: this directory holds only this file, ``__init__.py`` and ``_zerotune_probe``, since it is on the ranks'
-import path; neither imports zerotune, nor anything but the standard library at start-up. The ranks import them as
-``sitecustomize`` and ``_zerotune_probe``, the tuner and a warm rank as ``zerotune.probe.sitecustomize``.
+(`zerotune.deepspeed.launcher.launch_env`): ``site`` imports this file in every process, which installs the probe
+where that variable is set (`install`), then always runs the user's own ``sitecustomize`` (`_chain`). Rules: this
+directory holds only this file, ``__init__.py`` and ``_zerotune_probe`` (the probe's parts); this file and
+``_zerotune_probe`` import neither zerotune nor, at start-up, anything but the standard library. The ranks import
+them as ``sitecustomize`` and ``_zerotune_probe``, the tuner and a warm rank as ``zerotune.probe.sitecustomize``.
 """
 import os
 import sys

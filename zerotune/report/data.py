@@ -1,8 +1,6 @@
-"""The report's one model: the runs, the answer, the runner-up, what was not run, the cost, the projection.
-
-Rules: `ReportData` is built two ways that give the same figures for the same runs: by the tuner from what it holds
-(`ReportData.from_tuning`), or from a results dir on disk (`zerotune.report.disk.load`, for ``zerotune report``).
-Every report file renders from it alone: ``summary.txt``, ``report.html``, ``results.csv`` and ``results.json``.
+"""The report's one model (`ReportData`): the runs, the answer, the runner-up, what was not run, the cost, the
+projection. The tuner builds it from what it holds (`ReportData.from_tuning`), ``zerotune report`` from a results
+dir on disk (`zerotune.report.disk.load`); both give the same figures for the same runs.
 """
 from __future__ import annotations
 
@@ -38,9 +36,9 @@ answer, stopped by a signal, or ended without an answer."""
 
 
 def outcome(exp: Experiment) -> str:
-    """How ``exp``'s launch ended, one of `OUTCOMES`: ``stopped early`` is an ok run zerotune ended once
-    its metric was known or could not win (`zerotune.core.stopping.EARLY_ENDS`); ``interrupted`` a run the
-    tuner was stopped in (or, while the tuning runs, one still running)."""
+    """How ``exp``'s launch ended, one of `OUTCOMES`: ``stopped early`` is an ok run zerotune ended once its metric
+    was known or could not win (`zerotune.core.stopping.EARLY_ENDS`); ``interrupted`` a run the tuner was stopped in
+    (or, while the tuning runs, one still running)."""
     status = exp.status or Status.INTERRUPTED
     if status is Status.OK:
         return "stopped early" if exp.ended in EARLY_ENDS else "ok"
@@ -81,13 +79,12 @@ class RunnerUp:
     """The best config other than the answer, and how far the answer is from it.
 
     Attributes:
-        name: its experiment name. value/answer_value: the two pooled metrics, in the objective's unit.
-        gain: the answer's relative improvement over it (0.05: 5% better; negative where the answer rule read
-            the curve's shape over a higher single reading, docs/decisions.md D101).
-        noise: how far apart two such readings can be by noise alone, relative, 95%
-            (`zerotune.core.noise.comparison_noise` with this tuning's run-to-run noise).
-        tie: the two read within the target precision of each other: a tie, which the tie order decided
-            without a launch (`zerotune.strategy.answer.tie_order`).
+        value/answer_value: the two pooled metrics, in the objective's unit.
+        gain: the answer's relative improvement over it (0.05: 5% better; negative where the answer rule read the
+            curve's shape over a higher single reading, D101).
+        noise: the relative 95% gap two such readings can show by noise alone (`zerotune.core.noise.comparison_noise`).
+        tie: the two read within the target precision of each other, a tie the tie order decided without a launch
+            (`zerotune.strategy.answer.tie_order`).
     """
 
     name: str
@@ -105,14 +102,10 @@ class RunnerUp:
 
 @dataclass(frozen=True)
 class Projection:
-    """The full training run with the answer's config.
-
-    Attributes:
-        samples, steps: the run's length (one given, the other from the global batch).
-        seconds: its wall time, s; rel_half_width: the answer's 95% interval, relative, which the time carries.
-        devices: devices it holds; device_hours: ``seconds * devices / 3600``; cost: device-hours times the price
-            per device-hour (None without one).
-    """
+    """The full training run with the answer's config: ``samples`` or ``steps`` as given, the other from the global
+    batch; ``seconds``, its wall time, carrying the answer's relative 95% interval ``rel_half_width``;
+    ``device_hours``: ``seconds * devices / 3600``; ``cost``: device-hours times the price per device-hour (None
+    without one)."""
 
     samples: int
     steps: int
@@ -128,25 +121,20 @@ class ReportData:
     """The one model every report file renders: ``summary.txt`` (`zerotune.report.results`), ``report.html``
     (`zerotune.report.html`), ``results.csv`` and ``results.json`` (`zerotune.report.table_export`).
 
-    Its entries are the launches of this tuning and the runs read back from an earlier one (`origin`,
-    `ORIGINS`), and what was never launched (``not_run``); the answer is the strategy's ledger's
-    (`zerotune.strategy.ledger.Ledger.answer`), read back by name from disk.
-
     Attributes:
-        experiments: the runs of this tuning (the profile run included), in launch order.
-        objective: the tuned metric. budget_bytes: the per-device memory budget, bytes.
+        experiments: this tuning's launches and the runs read back from an earlier one (`origin`), the profile
+            included, in launch order.
+        budget_bytes: the per-device memory budget, bytes.
         capacity_bytes: the budget the answer rule reads capacity against (None on CPU ranks,
             `zerotune.inputs.job.Job.capacity_bytes`).
-        answer: the optimal experiment (None: none ran ok yet).
+        answer: the ledger's (`zerotune.strategy.ledger.Ledger.answer`); None: none ran ok yet.
         not_run: stages, savers and candidates never launched, with why. notes: the tuner's other notes.
         state: one of `STATES`. context: the runs' resume context (`zerotune.run.resume.resume_context`).
-        exps_dir: where the experiments' directories are. plan: the training run to project.
         strategy_known: ``not_run`` and ``notes`` are the tuner's (False: read from a results dir without the
             tuner's ``results.json``, where they are unknown).
-        written_at: when this was gathered, seconds since the epoch.
-        precision: the target precision (relative) within which two configs tie (None: unknown).
-        cached: the names of the runs read back from an earlier tuning's records, not launched by this one.
-        since: when this tuning started, seconds since the epoch (None: unknown).
+        written_at: when this was gathered; since: when this tuning started (None: unknown); seconds since the epoch.
+        precision: the target relative precision within which two configs tie (None: unknown).
+        cached: the names of the runs read back from an earlier tuning's records.
         elapsed_s: the tuning time so far, s (None: unknown).
     """
 
@@ -173,9 +161,8 @@ class ReportData:
                     budget_bytes: int | None, capacity_bytes: int | None, exps_dir: Path, context: dict[str, Any],
                     notes: list[str], state: str, plan: TrainingPlan, cached: frozenset[str] = frozenset(),
                     since: float | None = None, elapsed_s: float | None = None) -> "ReportData":
-        """The report of a tuning in progress or just ended: ``experiments`` is the scheduler's history (what was
-        launched, and the runs ``cached`` from disk), ``result`` the strategy's record (the ledger's answer and what
-        it did not run)."""
+        """The report of a tuning in progress or just ended: ``experiments`` is the scheduler's history (launched, and
+        ``cached`` from disk), ``result`` the strategy's record (the ledger's answer, what it did not run)."""
         launched = {e.name for e in experiments}
         runs = sorted(experiments, key=launch_order)
         answer = result.answer if result.answer is not None and result.answer.name in launched else None
@@ -196,8 +183,7 @@ class ReportData:
 
     @cached_property
     def pooled(self) -> dict[str, Pooled]:
-        """Experiment name -> its metric pooled over its ok runs (`zerotune.core.measure.pooled_metrics`),
-        computed once."""
+        """Experiment name -> its metric pooled over its ok runs (`zerotune.core.measure.pooled_metrics`)."""
         return pooled_metrics(self.experiments)
 
     @cached_property
@@ -236,8 +222,7 @@ class ReportData:
                         tie=self.precision is not None and abs(gain) < self.precision)
 
     def projection(self) -> Projection | None:
-        """The full training run with the answer (`Projection`); None without an answer, a run length,
-        or a metric that gives time (throughput or latency)."""
+        """The full training run with the answer (`Projection`); None without an answer, run length or time metric."""
         answer, plan = self.answer, self.plan
         if answer is None or not (plan.train_samples or plan.train_steps) or self.objective.name == "flops":
             return None
@@ -258,9 +243,8 @@ class ReportData:
 
 
 def not_run_of(result: "StrategyResult", launched: set[str]) -> list[NotRun]:
-    """What the strategy never launched, with why: stages the memory model pruned or the strategy skipped, the
-    savers it did not try, candidates the memory model put over the budget, and those the throughput model said
-    could not win."""
+    """What the strategy never launched, with why: stages pruned or skipped, savers not tried, and candidates the
+    memory model put over the budget or the throughput model said could not win."""
     rows = [NotRun(r.label, f"{r.decision.value}: {r.reason}") for r in result.stages
             if r.decision is not None and r.decision.value in ("pruned", "skipped")]
     rows += [NotRun("memory savers", note) for note in result.savers_notes]

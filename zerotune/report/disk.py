@@ -21,24 +21,16 @@ from zerotune.strategy.answer import best_experiment
 
 @dataclass(frozen=True)
 class SavedTuning:
-    """The ``tuning`` section of a ``results.json`` (`zerotune.report.table_export.json_text`) as `load`
-    reads it back: what only the tuner knew. A field the section lacks, or holds with another type than zerotune
-    writes, is None (empty, for ``not_run`` and ``notes``): a damaged or foreign file is read as far as it is right,
-    never fatal.
+    """The ``tuning`` section of a ``results.json`` (`zerotune.report.table_export.json_text`) as `load` reads it:
+    what only the tuner knew, in `ReportData`'s terms. A field missing, or of another type than zerotune writes, is
+    None (empty for ``not_run`` and ``notes``): a damaged or foreign file is read as far as it is right, never fatal.
 
     Attributes:
-        exps_dir: where the experiments ran.
-        context: the resume context of the tuning's runs (`zerotune.run.resume.resume_context`).
-        state: one of `STATES`, when it was written.
         strategy_known: whether the tuner knew what the strategy did not run (False where the section lacks it).
-        not_run: what was never launched, and why. notes: the summary's notes.
-        plan: the training run the tuner projected.
-        since: when that tuning started, seconds since the epoch. elapsed_s: its tuning time then, s.
         found: whether the section holds any of these fields as zerotune writes it.
-        answer: the answer it wrote (the ledger's, by name; the file's top-level ``answer``).
-        cached: the names of the rows it wrote as read back from an earlier tuning (``origin`` ``cached``).
-        records: the runs its ``records`` hold that verify (`zerotune.run.exprecord.ExpRecord.from_dict`), in order.
-        written_at: when it was written, seconds since the epoch (to the millisecond it records; None: unknown).
+        answer, cached: the file's top-level ``answer`` (the ledger's) and its rows with ``origin`` ``cached``, by name.
+        records: the runs of its ``records`` that verify (`zerotune.run.exprecord.ExpRecord.from_dict`), in order.
+        written_at: when it was written, seconds since the epoch, to the millisecond it records.
     """
 
     exps_dir: str | None = None
@@ -58,8 +50,7 @@ class SavedTuning:
 
     @classmethod
     def read(cls, path: Path) -> "SavedTuning":
-        """The section in the ``results.json`` at ``path``, with the file's answer and cached rows; an empty one
-        (``found`` False) where it has no section."""
+        """The section of the ``results.json`` at ``path``, its answer and cached rows; ``found`` False without one."""
         body = read_json(path) or {}
         tuning, answer, rows = body.get("tuning"), body.get("answer"), body.get("experiments")
         saved = cls.from_dict(tuning) if isinstance(tuning, dict) else cls()
@@ -109,24 +100,19 @@ _SAVED_TYPES = {"exps_dir": str, "context": dict, "state": str, "strategy_known"
 
 
 def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | None = None) -> ReportData:
-    """The report of the tuning whose results are in ``results_dir``, finished, running or interrupted, from disk.
+    """The report of the tuning whose results are in ``results_dir``, finished, running or interrupted.
 
-    The experiments are the verified records (``exp.json``) under ``exps_dir`` (default: the one ``results.json``
-    names, else ``<results_dir>/exps``) of one tuning: those with the resume context ``results.json`` records,
-    else the latest record's (an exps dir may hold runs of other inputs); then those of ``results.json``'s
-    ``records`` no ``exp.json`` holds (an exps dir moved or deleted). A record that does not verify is left
-    out. The objective and budget come from that context; the answer is the one ``results.json`` names (the
-    ledger's, as the tuner last wrote it) where it is among the runs and ran ok, and only without one (no
-    ``results.json``, or a damaged one) recomputed from the runs (`zerotune.strategy.answer.best_experiment`);
-    the state from the files (`_state_on_disk`). With no ``exp.json`` read, the state and the time written are
-    ``results.json``'s: its report again.
-
-    Args:
-        plan: the training run to project, over the one ``results.json`` records.
+    The runs: the verified ``exp.json`` records under ``exps_dir`` (default: the one ``results.json`` names, else
+    ``<results_dir>/exps``) with ``results.json``'s resume context, else the latest record's (an exps dir may hold
+    runs of other inputs), then the runs of ``results.json``'s ``records`` no ``exp.json`` holds. The objective and
+    budget come from that context; the answer is the one ``results.json`` names where it ran ok, else recomputed
+    (`zerotune.strategy.answer.best_experiment`); the state from the files (`_state_on_disk`). With no ``exp.json``
+    read, the state and time written are ``results.json``'s: its report again (D327). ``plan``, the training run to
+    project, goes over the one ``results.json`` records.
 
     Raises:
-        ConfigError: ``results_dir`` is not a directory, neither it nor ``exps_dir`` holds any zerotune result, or
-            an ``exps_dir`` given holds no record (the message names the path and what was expected).
+        ConfigError: ``results_dir`` is not a directory, neither it nor ``exps_dir`` holds any zerotune result, or an
+            ``exps_dir`` given holds no record.
     """
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
@@ -162,9 +148,8 @@ def load(results_dir: Path, exps_dir: Path | None = None, plan: TrainingPlan | N
 
 
 def _state_on_disk(results_dir: Path, exps_dir: Path, runs: list[Experiment], answer: Experiment | None) -> str:
-    """The tuning's state, read from the files (a ``results.json``'s may be stale, or written by ``zerotune report``):
-    ended when ``summary.txt`` (written when a tuning ends, however it ends) is newer than every record, and then
-    interrupted, finished or failed by its runs; else running (or killed)."""
+    """The state from the files (``results.json``'s may be stale): ended when ``summary.txt``, written however a
+    tuning ends, is newer than every record, then interrupted, finished or failed by its runs; else running."""
     try:
         summary = (results_dir / "summary.txt").stat().st_mtime
         newest = max((p.stat().st_mtime for p in exps_dir.glob(f"*/{RECORD_FILE}")), default=0.0)

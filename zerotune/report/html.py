@@ -1,10 +1,9 @@
-"""``report.html``: the tuning as one self-contained page, its plots drawn by plotly.js (inlined: opens offline).
+"""``report.html``: the tuning as one self-contained page, its plots drawn by plotly.js, inlined (opens offline; D29).
 
-Three plots and the text around them, all from `zerotune.report.data.ReportData`: the metric against mbs
-(`throughput_figure`), the memory model's prediction against each run's measured peak per device (`memory_figure`)
-and the launches' timeline (`timeline_figure`). Every series has its own marker symbol and line dash and every bar
-its outcome written on it, so the page reads without colour. Each plot is a plain plotly figure dict: the tests check
-it against plotly's schema and count the points a browser draws. Evidence: docs/decisions.md, D29.
+Three plots from `zerotune.report.data.ReportData`: the metric against mbs (`throughput_figure`), predicted against
+measured peak per device (`memory_figure`) and the launches' timeline (`timeline_figure`). Every series has its own
+marker symbol and line dash and every bar its outcome written on it, so the page reads without colour. Each plot is
+a plain plotly figure dict, which the tests check against plotly's schema.
 """
 from __future__ import annotations
 
@@ -119,10 +118,8 @@ def memory_figure(data: ReportData) -> dict[str, Any] | None:
 
 
 def timeline_figure(data: ReportData) -> dict[str, Any] | None:
-    """The launches as bars from their start (s since the first launch) for their wall time, one trace per
-    outcome (colour, fill pattern and the outcome written on each bar), first launch on top; a bar's hover text adds
-    its start-up and measuring seconds and how it started (`launch_text`). None when no launch has a start
-    time."""
+    """The launches as bars from their start (s since the first launch) for their wall time, one trace per outcome,
+    first launch on top; a bar's hover text adds `launch_text`. None when no launch has a start time."""
     start = data.tuning_start()
     runs = [e for e in data.experiments if e.started_at is not None]
     if start is None:
@@ -171,16 +168,14 @@ def _figure(traces: list[dict], title: str, xaxis: dict, yaxis: dict) -> dict[st
 
 
 def figures(data: ReportData) -> dict[str, dict[str, Any]]:
-    """The page's plots by element id (`FIGURE_IDS`), each a plotly figure dict; a plot with nothing to show
-    is left out."""
+    """The page's plots by element id (`FIGURE_IDS`), as plotly figure dicts; one with nothing to show is left out."""
     made = {"throughput": throughput_figure(data), "memory": memory_figure(data), "timeline": timeline_figure(data)}
     return {k: _plain_text(v) for k, v in made.items() if v is not None}
 
 
 def _plain_text(value: Any, key: str = "") -> Any:
-    """``value`` with ``&``, ``<`` and ``>`` in every string as HTML entities, but in the figures' own hover
-    templates: plotly.js reads its texts as a subset of HTML (``<a href>``, ``<b>``), and a record's name or error is
-    shown as written, never as a link or markup."""
+    """``value`` with ``&``, ``<`` and ``>`` in every string but the hover templates as HTML entities: plotly.js reads
+    its texts as HTML, and a record's name or error is shown as written, never as a link or markup."""
     if isinstance(value, dict):
         return {k: _plain_text(v, k) for k, v in value.items()}
     if isinstance(value, list):
@@ -206,8 +201,7 @@ def page(data: ReportData) -> str:
 
 def _json(value: Any) -> str:
     """JSON safe inside a ``<script>`` element: ``<``, ``>``, ``&`` and the two JavaScript line breaks as ``\\u``
-    escapes (the same string to JavaScript), so no text a record holds (``</script>``, ``<!--``) ends or comments out
-    the element."""
+    escapes, so no text a record holds (``</script>``, ``<!--``) ends or comments out the element."""
     text = json.dumps(value, default=str)
     for char in "<>&\u2028\u2029":
         text = text.replace(char, f"\\u{ord(char):04x}")

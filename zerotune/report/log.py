@@ -1,10 +1,9 @@
 """zerotune's log on a rich console: every module logs through ``logging.getLogger(__name__)``, under the
 ``zerotune`` logger; `to_console` sends those lines to a console while a tuning runs.
 
-Levels: the decisions (the memory model's verdicts, each stage's decision, re-measurements) are INFO; what a
-user should act on (a stale lock, results that cannot be written) is WARNING. ``zerotune --quiet`` shows
-warnings only, ``--verbose`` adds DEBUG; one module is silenced with
-``logging.getLogger("zerotune.strategy.gas_phase").setLevel(logging.WARNING)``.
+Levels: decisions (the memory model's verdicts, each stage's decision, re-measurements) are INFO; what a user should
+act on (a stale lock, results that cannot be written) is WARNING. ``--quiet`` shows warnings only, ``--verbose``
+adds DEBUG; to silence one module: ``logging.getLogger("zerotune.strategy.gas_phase").setLevel(logging.WARNING)``.
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class ConsoleHandler(logging.Handler):
 
 @contextlib.contextmanager
 def to_console(console: Console) -> Iterator[None]:
-    """While inside, zerotune's log lines go to ``console``; where the ``zerotune`` logger has no level of
-    its own (NOTSET), INFO lines are shown."""
+    """While inside, zerotune's log lines go to ``console``; INFO shows where the ``zerotune`` logger has no level."""
     logger = logging.getLogger(ROOT)
     handler = ConsoleHandler(console)
     level = logger.level

@@ -21,10 +21,9 @@ if TYPE_CHECKING:
 
 
 def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_size: int) -> list[str]:
-    """The summary's caption: why the tuning stopped early (its launch budget spent), each ZeRO stage's decision and
-    why, each candidate the throughput model kept from
-    launching and its prediction, each config the memory model refused and its prediction with the margin
-    (``not launched: predicted ...``), the re-measurements, and the memory model's inputs and fit."""
+    """The summary's caption: why the tuning stopped early, each ZeRO stage's decision and why, the candidates the
+    throughput model kept from launching and those the memory model refused, with their predictions, the
+    re-measurements, and the memory model's inputs and fit."""
     notes = [f"stopped early: {result.stopped}; the answer is the best of what ran"] if result.stopped else []
     notes += result.stop_bound.describe() if result.stop_bound is not None else []
     notes += [f"{r.label}: {r.decision.value} - {r.reason}"
@@ -64,11 +63,10 @@ def strategy_notes(result: "StrategyResult", device_memory_bytes: int, dp_world_
 
 def run_length_note(experiments: Sequence[Experiment], answer: Experiment | None, precision: float | None,
                     flag: str | None, raised: bool) -> str | None:
-    """The summary's line where runs ended at the script's own last step before the ``precision`` (``ended``
-    ``script_end``: the stop rule was still buying steps, `zerotune.core.stopping`): how many did, how many more
-    steady steps a run would have needed (`zerotune.core.stopping.steps_to_precision` of the answer's run
-    where it is one of them, else the most any needed), and the script's steps ``flag`` (``raised``: zerotune raised
-    it, ``autotuning.max_steps_arg``; None: no known flag in the command); None where no run ended so."""
+    """The summary's line where runs ended at the script's own last step (``ended`` ``script_end``) short of
+    ``precision``: how many, how many more steady steps the answer's run (else the neediest) would have needed
+    (`zerotune.core.stopping.steps_to_precision`), and the script's steps ``flag`` (``raised``: zerotune raised it,
+    ``autotuning.max_steps_arg``; None: no known flag); None where no run ended so (D323)."""
     short = [e for e in experiments if e.status is Status.OK and e.ended == EndReason.SCRIPT_END.value
              and e.steady_steps and e.metric_rel_half_width and precision
              and e.metric_rel_half_width > precision]

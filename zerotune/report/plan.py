@@ -1,11 +1,9 @@
-"""The dry run's answer: the experiments the strategy would try, with the memory model's verdict
-on each, printed as a table or JSON.
+"""The dry run's answer: the experiments the strategy would try, with the memory model's verdict on each, as a
+table or JSON.
 
-The experiments come from running the real strategy against the memory-model oracle
-(`zerotune.strategy.oracle`: what the strategy would try if the memory model were right,
-with an assumed metric since nothing is measured). Memory figures need the model's size: from an
-earlier profile run in the same results dir, else from ``autotuning.model_info``
-(``num_params``, optionally ``activation_mem_per_gpu``), else they are unknown.
+The strategy runs against the memory-model oracle (`zerotune.strategy.oracle`: the memory model taken as right, an
+assumed metric). The model's size comes from an earlier profile run in the same results dir, else from
+``autotuning.model_info`` (``num_params``, optionally ``activation_mem_per_gpu``), else memory is unknown.
 """
 from __future__ import annotations
 
@@ -21,20 +19,16 @@ from zerotune.core.units import format_bytes
 
 @dataclass(frozen=True)
 class PlannedExperiment:
-    """One experiment the tuning job may launch.
+    """One experiment the tuning may launch.
 
     Attributes:
-        name: the experiment's name (its directory under the experiments dir).
-        phase: the `zerotune.core.experiment.ExperimentKind` value: ``profile``, ``mbs``
-            (the micro-batch search) or ``knobs`` (the knob phase).
-        stage, mbs, gas: ZeRO stage, micro batch size per GPU, gradient accumulation steps.
-        knobs: dotted key -> value of the settings that differ between the configs of its
-            knob space (empty in the other phases).
-        memory_bytes: the memory model's bytes per device, None when the model size is unknown.
-        fits: whether ``memory_bytes`` is within the per-device budget (None: unknown).
-        ds_config: the config it would run.
-        skipped: why the throughput model would not launch it (its prediction, under the oracle's assumed
-            metric: `zerotune.strategy.prediction`); None: launched, or pruned by memory (``fits``).
+        name: its directory under the experiments dir.
+        phase: its `zerotune.core.experiment.ExperimentKind` value: ``profile``, ``mbs`` or ``knobs``.
+        knobs: dotted key -> value of the settings that differ within its knob space (empty in the other phases).
+        memory_bytes: the memory model's bytes per device (None: model size unknown).
+        fits: ``memory_bytes`` is within the per-device budget (None: unknown).
+        skipped: why the throughput model would not launch it (its prediction under the oracle's assumed metric,
+            `zerotune.strategy.prediction`); None: launched, or pruned by memory (``fits``).
     """
 
     name: str
@@ -51,15 +45,9 @@ class PlannedExperiment:
 
 @dataclass(frozen=True)
 class Plan:
-    """The dry run's answer.
-
-    Attributes:
-        experiments: in the order the phases would run them.
-        model_info_source: where the memory model's parameters come from (``profile run on
-            disk``, ``autotuning.model_info``) or None when unknown.
-        device_memory_bytes: the per-device budget the fits are judged against.
-        dp_world_size: data-parallel world size of every experiment.
-    """
+    """The dry run's answer: ``experiments`` in the order the phases would run them; ``model_info_source``, where the
+    memory model's parameters come from (``profile run on disk``, ``autotuning.model_info``; None: unknown);
+    ``device_memory_bytes``, the per-device budget the fits are judged against."""
 
     experiments: Sequence[PlannedExperiment]
     model_info_source: str | None
@@ -69,8 +57,7 @@ class Plan:
     @classmethod
     def from_experiments(cls, experiments: Sequence[Experiment], model_info_source: str | None,
                          device_memory_bytes: int, dp_world_size: int, skip_profile: bool = False) -> "Plan":
-        """The plan of the experiments a strategy asked for, in order (the profile left out when
-        ``skip_profile``: its result is already on disk)."""
+        """The plan of a strategy's experiments, in order; without the profile when ``skip_profile`` (it is on disk)."""
         rows = [PlannedExperiment(e.name, e.kind.value, e.stage, e.mbs, e.gas, dict(e.knobs), e.memory_bytes,
                                   None if e.memory_bytes is None else e.memory_bytes <= device_memory_bytes,
                                   e.ds_config, e.error if e.status is Status.SKIPPED else None)

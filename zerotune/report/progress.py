@@ -1,13 +1,8 @@
 """Live progress of a tuning run: experiments done / running / queued, the current best, the time.
 
-`Progress` is fed by the scheduler's ``on_update(exp, event)`` callbacks. It prints one log
-line per experiment start and end (the same lines whether or not the console is a terminal, so
-logs and CI output read the same) and, on a terminal, keeps a live status line under them with
-``rich.live.Live``::
-
-    [  12.3s] start z1_mbs4_gas1, estimate 1.2 GiB/rank
-    [  40.1s] done z1_mbs4_gas1: ok throughput=612.4 ±1.8% (27.8 s, peak 1.1 GiB)
-    ⠋ done 3 (2 ok) · running 1 · queued 2 · best z1_mbs4_gas1 throughput=612.4 samples/s · 41.0 s
+`Progress` is fed by the scheduler's ``on_update(exp, event)`` callbacks. It prints one log line per experiment
+start and end, the same whether or not the console is a terminal (logs and CI output read the same), and on a
+terminal keeps a live status line under them (``rich.live.Live``).
 """
 from __future__ import annotations
 
@@ -29,16 +24,13 @@ EVENTS = ("queued", "start", "end", "cached")
 
 
 class Progress:
-    """Progress display of one tuning run (thread-safe: the scheduler calls from its threads).
-
-    Use as a context manager (or ``start()``/``stop()``) around the run, and pass `update`
-    as the scheduler's ``on_update``.
+    """Progress display of one tuning run (thread-safe): use as a context manager (or ``start()``/``stop()``) around
+    the run, with `update` as the scheduler's ``on_update``.
 
     Args:
-        console: where to print. On a terminal (``console.is_terminal``) a live status line is
-            shown under the log lines; otherwise only the log lines are printed.
+        console: on a terminal (``console.is_terminal``) a live status line is shown under the log lines.
         objective: the metric and its direction, for "the current best".
-        clock: seconds, monotonic (injectable for tests).
+        clock: seconds, monotonic.
         refresh_per_second: live redraws per second (the elapsed time ticks between events).
     """
 
@@ -86,12 +78,8 @@ class Progress:
 
     # -- the scheduler's callback -----------------------------------------------------------------
     def update(self, exp: Experiment, event: str) -> None:
-        """Count the event and print its log line (``start``, ``end``, ``cached``; ``queued`` only counts).
-
-        Args:
-            exp: the experiment; for ``end`` and ``cached`` with its ``status`` set.
-            event: one of ``queued``, ``start``, ``end``, ``cached``.
-        """
+        """Count the event and print its log line: ``start``, ``end`` and ``cached`` (``exp.status`` set); ``queued``
+        only counts. An event not in `EVENTS` raises ValueError."""
         if event not in EVENTS:
             raise ValueError(f"unknown progress event {event!r}; expected one of {', '.join(EVENTS)}")
         with self._lock:

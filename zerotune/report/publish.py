@@ -1,10 +1,9 @@
 """Writing the report's files, and ``zerotune report RESULTS_DIR``.
 
-`write_report` writes ``results.json``, ``results.csv`` and ``report.html`` into the results dir, each whole or
-not at all (`zerotune.run.store.write_text_atomic`). The tuner calls it through `Refresher`, as
-experiments finish and when it ends; there a failure is logged, never raised: the report must not fail or lose a
-tuning. ``zerotune report`` builds the same files from a results dir on disk (`zerotune.report.disk.load`),
-finished, running or interrupted.
+`write_report` writes ``results.json``, ``results.csv`` and ``report.html``, each whole or not at all
+(`zerotune.run.store.write_text_atomic`). The tuner calls it through `Refresher` as experiments finish and when it
+ends; there a failure is logged, never raised: the report never fails a tuning. ``zerotune report`` builds the same
+files from a results dir on disk (`zerotune.report.disk.load`), finished, running or interrupted.
 """
 from __future__ import annotations
 
@@ -31,11 +30,11 @@ the last write, when the tuning ends, is never skipped."""
 
 
 def write_report(results_dir: Path, data: ReportData) -> list[Path]:
-    """Write ``results.json``, ``results.csv`` and ``report.html`` into ``results_dir`` (created if missing); every
-    text is made before the first file is written. Returns the paths written.
+    """Write ``results.json``, ``results.csv`` and ``report.html`` into ``results_dir`` (created if missing), every
+    text made before the first file is written; returns the paths written.
 
     Raises:
-        OSError: a file cannot be written (the one being written is left as it was).
+        OSError: a file cannot be written (that file is left as it was).
     """
     results_dir = Path(results_dir)
     texts = {RESULTS_JSON: table_export.json_text(data), RESULTS_CSV: table_export.csv_text(data),
@@ -50,10 +49,8 @@ class Refresher:
     """Keeps a running tuning's report up to date (thread-safe; the scheduler's threads call `refresh`).
 
     Args:
-        results_dir: where the files go.
-        gather: ``gather(state) -> ReportData`` of the tuning now, ``state`` one of
-            `zerotune.report.data.STATES`.
-        clock: seconds, monotonic (injectable for tests).
+        gather: ``gather(state) -> ReportData`` of the tuning now, ``state`` one of `zerotune.report.data.STATES`.
+        clock: seconds, monotonic.
     """
 
     def __init__(self, results_dir: Path, gather: Callable[[str], ReportData],
@@ -66,8 +63,8 @@ class Refresher:
         self.failures = 0
 
     def refresh(self, state: str = "running", force: bool = False) -> bool:
-        """Rewrite the report unless one was written less than `REFRESH_S` ago (``force``: always). Any
-        failure is logged (the first as a warning) and counted, never raised. True when the files were written."""
+        """Rewrite the report unless one was written less than `REFRESH_S` ago (``force``: always); True when written.
+        A failure is logged (the first as a warning) and counted, never raised."""
         with self._lock:
             if not force and self._clock() - self._last < REFRESH_S:
                 return False

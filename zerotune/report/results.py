@@ -1,9 +1,6 @@
-"""The answer: the optimal config, the command to run it, and the summary of every tuning space, rendered from
-the report's model (`zerotune.report.data.ReportData`).
-
-Files in the results dir, readable without zerotune: ``ds_config_optimal.json`` (concrete values,
-no ``autotuning`` section, loadable by DeepSpeed), ``cmd_optimal.txt`` (the ``deepspeed``
-command with the config path) and ``summary.txt`` (the table printed at the end).
+"""The answer, rendered from `zerotune.report.data.ReportData`, in files readable without zerotune:
+``ds_config_optimal.json`` (concrete values, no ``autotuning`` section, loadable by DeepSpeed), ``cmd_optimal.txt``
+(the ``deepspeed`` command) and ``summary.txt`` (the summary of every tuning space, printed at the end).
 """
 from __future__ import annotations
 
@@ -31,8 +28,7 @@ if TYPE_CHECKING:
 
 
 def saver_names(ds_config: dict) -> list[str]:
-    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer
-    (cpu)``, ``offload params (nvme)``."""
+    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer (cpu)``..."""
     zero = ds_config.get(ZERO) if isinstance(ds_config.get(ZERO), dict) else {}
     names = ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
     for key, name in (("offload_optimizer", "offload optimizer"), ("offload_param", "offload params")):
@@ -80,9 +76,8 @@ def cost_line(experiments: Sequence[Experiment]) -> str:
 
 
 def plan_line(launches: int, device_s: float, experiments: Sequence[Experiment]) -> str:
-    """The tuning's cost as planned once the profile ran (``launches`` and ``device_s`` device-seconds besides the
-    profile: the dry run's plan on the profiled memory model) against what ``experiments`` spent besides it
-    (launched or read back from disk; re-measurements counted)."""
+    """The cost plan made once the profile ran (``launches``, ``device_s`` device-seconds: the dry run's plan on the
+    profiled memory model) against what ``experiments`` spent, re-measurements counted; the profile is in neither."""
     spent = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is not Status.REFUSED]
     replicas = sum(1 for e in spent if e.replica_of)
     return (f"cost plan: {launches} launch(es), {device_s / 3600:.3g} device-hours planned once the profile ran (the "
@@ -91,9 +86,8 @@ def plan_line(launches: int, device_s: float, experiments: Sequence[Experiment])
 
 
 def unplanned_lines(planned: frozenset[str], experiments: Sequence[Experiment]) -> list[str]:
-    """One line per launch ``experiments`` spent that the cost plan did not name (not among the ``planned`` names; the
-    profile, what the memory model refused and what the throughput model skipped are no launches), saying which
-    rule of the strategy bought it (``Experiment.bought_by``) and how it ended."""
+    """One line per launch of ``experiments`` not among the ``planned`` names (the profile, refused and skipped runs
+    are no launches): the rule that bought it (``Experiment.bought_by``) and how it ended (D325)."""
     extra = [e for e in experiments if e.kind is not ExperimentKind.PROFILE and e.status is not None
              and e.status not in (Status.REFUSED, Status.SKIPPED) and e.name not in planned]
     return [f"not in the plan: {e.name} ({e.status.value}), bought by "
@@ -104,11 +98,9 @@ def startup_line(experiments: Sequence[Experiment], since: float | None = None) 
     """The start-up share of the launches and how they started, e.g. ``start-up: 41% of launch seconds (12.3 s of
     30.1 s over 7 launches); launches: 5 warm, 2 cold (re-run cold: its warm server went away during the run)``.
 
-    The share is ``sum(startup_s) / sum(wall_s)`` over the launches with both; the warm and cold counts are over
-    every launch that says how it started, and the cold ones' distinct notes (``launch_note``) follow in
-    first-seen order. ``since``: when this tuning started, seconds since the epoch; only launches from then count
-    (a run reused on resume paid its start-up in an earlier tuning); None: all. None when no launch has a
-    start-up time (the simulated backend, a tuning that only reused runs), so the summary then has no such line.
+    The share is ``sum(startup_s) / sum(wall_s)`` over the launches with both, then the cold launches' distinct
+    ``launch_note`` in first-seen order. Only launches from ``since`` (the tuning's start, seconds since the epoch;
+    None: all) count: a run reused on resume paid its start-up earlier. None when no launch has a start-up time.
     """
     now = [e for e in experiments if since is None or (e.started_at is not None and e.started_at >= since)]
     timed = [e for e in now if e.startup_s is not None and e.wall_s]
@@ -144,9 +136,8 @@ def summarize(data: "ReportData") -> list[SpaceSummary]:
 
 
 def render_table(data: "ReportData") -> Table:
-    """The summary as a rich table (also written as text to ``summary.txt``); the report's answer (the ledger's) is
-    starred, shown as its tuning space's best. Its caption: the cost line, the start-up line of the launches from
-    the tuning's start (`startup_line`, where any launch has a start-up time), then the report's notes."""
+    """The summary as a rich table (also ``summary.txt``); the answer is starred as its tuning space's best. Its
+    caption: `cost_line`, `startup_line` (where known), then the report's notes."""
     objective, overall, pooled = data.objective, data.answer, data.pooled
     table = Table(title=f"zerotune: {len(data.experiments)} experiments ({data.launched} launched now), "
                         f"tuning time {data.elapsed_s or 0.0:.1f} s", title_justify="left")
@@ -168,10 +159,9 @@ def render_table(data: "ReportData") -> Table:
 
 
 def answer_text(data: "ReportData") -> str:
-    """The summary's answer lines (the report has an answer): the optimal config, its metric over its runs with
-    the interval of what a run of it gives (`ReportData.answer_half_width
-    <zerotune.report.data.ReportData.answer_half_width>`: its runs' own intervals and the run-to-run noise), and the
-    run-to-run noise and where it comes from (`zerotune.core.noise.run_noise`)."""
+    """The summary's answer lines (``data`` has an answer): the optimal config, its metric with the 95% interval of
+    what a run of it gives (`ReportData.answer_half_width`) and the run-to-run noise
+    (`zerotune.core.noise.run_noise`)."""
     best, objective = data.answer, data.objective
     pooled = data.pooled[best.name]
     savers = "".join(f", {name}" for name in saver_names(best.ds_config))
@@ -182,10 +172,9 @@ def answer_text(data: "ReportData") -> str:
 
 
 def imprecise_note(data: "ReportData") -> str | None:
-    """The summary's line where the answer is known only to more than `IMPRECISE` times the precision: which part
-    of its half-width dominates (`zerotune.core.noise.mean_half_width`: its runs' own intervals, which more steady
-    steps narrow, `zerotune.core.stopping.steps_to_precision`; or the run-to-run noise, which only more runs
-    average down, ``k = (within + (2 sigma)^2) / precision^2`` runs); None for an answer known well enough."""
+    """The summary's line where the answer's half-width is over `IMPRECISE` times the precision: which part dominates,
+    its runs' own intervals (more steady steps narrow them) or the run-to-run noise (only more runs average it down);
+    None for an answer known well enough (D326)."""
     width, precision, best = data.answer_half_width, data.precision, data.answer
     if best is None or width is None or not precision or width <= IMPRECISE * precision:
         return None
@@ -214,11 +203,9 @@ def _metric_text(pooled: Pooled, exp: Experiment) -> str:
 
 
 def memory_table(experiments: Sequence[Experiment]) -> Table | None:
-    """The memory model checked on every run: predicted vs measured peak bytes per rank of each
-    experiment that has both (``exp.json`` carries the same figures), with the median and worst
-    absolute error over the runs that did not run out of memory (an OOM run's peak is what it reached before the
-    allocation that failed: its true peak is at least the budget, a bound, not a measurement; its row says so);
-    None when no experiment has both."""
+    """The memory model checked: predicted vs measured peak bytes per rank of each experiment with both, with the
+    median and worst absolute error; None when none has both. An OOM run's peak is a lower bound (at least the budget),
+    not a measurement: its row says so and the error leaves it out."""
     rows = [e for e in experiments if e.memory_rel_error is not None]
     if not rows:
         return None
@@ -242,8 +229,7 @@ def memory_table(experiments: Sequence[Experiment]) -> Table | None:
 
 
 def table_text(table: Table) -> str:
-    """The table as plain text for ``summary.txt``: 140 columns, or wider where the table needs it, so that no
-    name is cut or wrapped."""
+    """The table as plain text for ``summary.txt``: 140 columns, or wider so that no name is cut or wrapped."""
     with open(os.devnull, "w") as sink:
         width = max(140, natural_width(Console(width=140, file=sink), table))
         console = Console(width=width, record=True, file=sink, color_system=None)
@@ -268,21 +254,17 @@ def natural_width(console: Console, renderable) -> int:
 
 
 def write_results(results_dir: Path, data: "ReportData", answer_for: callable) -> Experiment | None:
-    """Write ``summary.txt`` of the report ``data`` and, when it has an answer, the optimal config and command.
+    """Write ``summary.txt`` of ``data`` and, when it has an answer, the optimal config and command; returns the
+    answer, or None (then no optimal files are written, and stale ones are removed).
 
-    Each file is written whole or not at all (`zerotune.run.store.write_text_atomic`: a temp
-    file, fsync, rename), every text made before the first is written; the config first, the summary
-    last. The caller keeps a stop signal from landing between them
-    (`zerotune.autotuner.Autotuner.tune`), so the three agree.
+    Each file is written whole or not at all (`zerotune.run.store.write_text_atomic`), every text made before the
+    first is written; the config first, the summary last. The caller keeps a stop signal from landing between them
+    (`zerotune.autotuner.Autotuner.tune`), so the files agree.
 
     Args:
-        answer_for: ``answer_for(config_path, ds_config) -> (command, {name: text})``, the paste-able launcher
-            command for the config that will be written at ``config_path`` (not written yet when it is called) and
-            the files it needs beside the config (the answer's Accelerate config), written after the config and
-            before the command.
-
-    Returns:
-        The answer, or None (then no optimal files are written, and stale ones are removed).
+        answer_for: ``answer_for(config_path, ds_config) -> (command, {name: text})``: the launcher command for the
+            config to be written at ``config_path`` and the files it needs beside it (the Accelerate config), written
+            after the config and before the command.
     """
     results_dir = Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,10 @@
 """The report for programs: ``results.csv`` (one row per launch) and ``results.json`` (the rows and the tuning).
 
-A row (`experiment_row`, columns `COLUMNS`) is one experiment: the summary's columns, the memory model's prediction
-and the measured peak per device, the launch's start and wall time, its start-up (``startup_s``, launch to the first
-measured step) and measuring seconds (``measure_s``), how its ranks started (``launch``: ``warm``, ``cold``, ``""``
-not launched; ``launch_note``: why a warm tuning's run went cold), its device-seconds, and its ``origin``:
-``launched`` by this tuning or ``cached`` from an earlier one's records. Memory is in bytes, times in seconds, the
-metric in ``metric_unit``. ``results.json`` adds the tuning (`json_text`), what ``zerotune report`` reads back.
+A row (`experiment_row`, columns `COLUMNS`) is one experiment: the summary's columns, the predicted and measured
+peak per device, the start and wall time, ``startup_s`` (launch to the first measured step) and ``measure_s``,
+``launch`` (``warm``, ``cold``, ``""`` not launched) and ``launch_note`` (why a run went cold), device-seconds,
+and ``origin`` (``launched`` or ``cached``). Memory is in bytes, times in seconds, the metric in ``metric_unit``.
+``results.json`` adds the tuning (`json_text`), which ``zerotune report`` reads back.
 """
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ COLUMNS = ("name", "space", "kind", "stage", "mbs", "gas", "knobs", "replica_of"
 
 
 def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
-    """One launch as a row of `COLUMNS`: ``started_at`` in ISO 8601 UTC (``""`` unknown), ``knobs`` as
-    JSON, numbers as numbers and None where unknown (an empty cell in the csv: ``startup_s`` and ``measure_s``
-    without the step probe, or from a record of a zerotune before them)."""
+    """One launch as a row of `COLUMNS`: ``started_at`` in ISO 8601 UTC (``""`` unknown), ``knobs`` as JSON, numbers
+    as numbers, None where unknown (``startup_s`` and ``measure_s`` without the step probe)."""
     return {
         "name": exp.name, "space": exp.space, "kind": exp.kind.value, "stage": exp.stage,
         "mbs": exp.ds_config.get("train_micro_batch_size_per_gpu"), "gas": exp.gas,
@@ -68,9 +66,8 @@ def csv_text(data: ReportData) -> str:
 
 
 def _cell(value: Any) -> Any:
-    """A csv cell: None empty; a text a spreadsheet would read as a formula (its first character ``=``, ``+``,
-    ``-``, ``@``, a tab or a carriage return) after a ``'``, which spreadsheets show as text (OWASP's CSV injection
-    advice); numbers as they are."""
+    """A csv cell: None empty; a text a spreadsheet would read as a formula (first character ``=``, ``+``, ``-``,
+    ``@``, tab or CR) after a ``'`` (OWASP's CSV injection advice); numbers as they are."""
     if value is None:
         return ""
     if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
@@ -79,11 +76,10 @@ def _cell(value: Any) -> Any:
 
 
 def json_text(data: ReportData) -> str:
-    """``results.json``: ``{"schema_version", "tuning": {...}, "answer", "runner_up", "projection",
-    "experiments": [rows], "records": [...]}``; the tuning is its state, the objective, the budget, where the
-    experiments are and what was not run and why; ``records`` each run's verified record as its ``exp.json`` holds
-    it (`zerotune.run.exprecord.ExpRecord`, without its resume key), from which `zerotune.report.disk.load` rebuilds the
-    report where the exps dir is gone."""
+    """``results.json``: ``{"schema_version", "tuning", "answer", "runner_up", "projection", "experiments",
+    "records"}``; ``tuning`` holds the state, objective, budget, exps dir and what was not run and why; ``records``
+    each run's verified ``exp.json`` record (without its resume key), from which `zerotune.report.disk.load` rebuilds
+    the report where the exps dir is gone (D327)."""
     runner_up, projection = data.runner_up(), data.projection()
     tuning = {"state": data.state, "written_at": iso_time(data.written_at), "objective": data.objective.name,
               "unit": data.objective.unit, "budget_bytes": data.budget_bytes, "exps_dir": str(data.exps_dir.resolve()),

@@ -1,8 +1,6 @@
-"""A tuning's lifetime on its directories, the private machinery under `zerotune.autotuner.Autotuner`: stop
-signals raise `Interrupted` (and wait while results are written), both directories are locked, orphans a
-killed tuner left are reaped, ``--overwrite`` clears zerotune's experiment dirs, and the experiments' torch extension
-cache is prepared before the first launch and published after the last; and ``zerotune run``'s training, which never
-outlives zerotune.
+"""A tuning's lifetime on its directories, the private machinery under `zerotune.autotuner.Autotuner` (signals,
+locks, orphans, ``--overwrite``, the torch extension cache), and ``zerotune run``'s training, which never outlives
+zerotune.
 """
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
-    """The tuner was stopped by a signal (`STOP_SIGNALS`); ``signum`` says which. A
-    KeyboardInterrupt, so every path that cleans up after Ctrl-C cleans up after it too."""
+    """The tuner was stopped by signal ``signum``; a KeyboardInterrupt, so every Ctrl-C cleanup path runs."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -38,11 +35,9 @@ class Interrupted(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def tuning_lifetime(results_dir: Path, exps_dir: Path, overwrite: bool) -> Iterator[None]:
-    """Within it a tuning owns its directories: stop signals raise `Interrupted` (`_signals_interrupt`),
-    the results and exps dirs are locked (`zerotune.run.store.tuning_locks`), experiments a killed earlier
-    tuner left running on this dir are stopped before anything is deleted or cached results are trusted, with
-    ``overwrite`` zerotune's experiment dirs and the summary are removed, and the extension cache is prepared
-    (`prepare_extensions`).
+    """Within it a tuning owns its directories: stop signals raise `Interrupted`, both dirs are locked, a killed
+    tuner's runs are stopped before anything is deleted or trusted, ``overwrite`` removes zerotune's experiment dirs
+    and the summary, and the extension cache is prepared.
 
     Raises:
         ConfigError: a directory cannot be created or is in use by another tuner.
@@ -58,11 +53,9 @@ def tuning_lifetime(results_dir: Path, exps_dir: Path, overwrite: bool) -> Itera
 
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
-    """While tuning, SIGINT, SIGTERM and SIGHUP raise `Interrupted` in the main thread: the
-    running experiments are killed (with every process) and recorded as interrupted, finished
-    results are kept. Later signals while that cleanup runs are ignored, so it is never cut short
-    (it is bounded: a process tree gets SIGTERM, then SIGKILL after 10 s). Off the main thread,
-    where Python cannot install handlers, nothing changes."""
+    """While tuning, a stop signal raises `Interrupted` in the main thread (running experiments are killed and
+    recorded as interrupted); later ones are ignored so the bounded cleanup is never cut short. Off the main thread
+    nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -83,10 +76,8 @@ def _signals_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """While the results are written, a stop signal (`STOP_SIGNALS`) waits until they are whole,
-    then is handled as it would have been (within `tuning_lifetime`: `Interrupted`,
-    unless one is already in flight). So a signal leaves the old answer or the new one, never a new
-    config beside an old summary. Off the main thread nothing changes."""
+    """While the results are written, a stop signal waits until they are whole, then is handled as it would have
+    been, so a signal never leaves a new config beside an old summary. Off the main thread nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -106,10 +97,9 @@ def signals_deferred() -> Iterator[None]:
 
 
 def prepare_extensions(exps_dir: Path) -> None:
-    """The experiments' own torch extension cache (`zerotune.deepspeed.extensions`): created,
-    seeded from the ops this install built (the machine's cache, then zerotune's own), cleared of
-    locks (nothing of this tuner runs yet and orphans are reaped); an op the machine's cache holds
-    from another install, which the experiments will build, and a stale lock there are said.
+    """Create the experiments' torch extension cache (`zerotune.deepspeed.extensions`), seeded from the ops this
+    install built and cleared of locks (orphans are reaped by now); log the machine cache's ops the experiments
+    will rebuild and its stale locks.
 
     Raises:
         ConfigError: the exps dir cannot be created.
@@ -136,24 +126,21 @@ def prepare_extensions(exps_dir: Path) -> None:
 
 
 def publish_extensions(exps_dir: Path) -> None:
-    """After a tuning that ran to its end: the ops its experiments built join zerotune's own cache, so they are
-    built once per install, not per exps dir (`zerotune.deepspeed.extensions.publish`)."""
+    """After a completed tuning, add the ops its experiments built to zerotune's cache (built once per install)."""
     extensions.publish(extensions.extensions_dir(exps_dir))
 
 
 def build_note(exps_dir: Path, since: float | None) -> str | None:
-    """The summary's line on the torch extensions this tuning's experiments built since ``since`` (seconds since the
-    epoch; None: the tuning has not started): `zerotune.deepspeed.extensions.build_note`."""
+    """The summary's line on the torch extensions built since ``since`` (epoch seconds; None: not started)."""
     return None if since is None else extensions.build_note(
         extensions.builds_since(extensions.extensions_dir(exps_dir), since))
 
 
 def run_training(cmd: Sequence[str], env: Mapping[str, str], master_port: int) -> int:
-    """Run the training command ``cmd`` (its launcher, in a session of its own) with ``env`` over the environment; its
-    exit status (negative: killed by that signal). A stop signal (`STOP_SIGNALS`) is passed on to the launcher
-    as SIGTERM (DeepSpeed's launcher then stops its ranks), which gets 30 s before its process group is killed; then
-    `Interrupted` is raised. The shared-memory files DeepSpeed's CPU communication leaves for
-    ``master_port`` are removed however it ends (`zerotune.run.processes.remove_shm_buffers`)."""
+    """Run the training launcher ``cmd`` in a session of its own with ``env`` added; returns its exit status
+    (negative: killed by that signal). A stop signal becomes SIGTERM to the launcher, whose process group is killed
+    after 30 s, then `Interrupted` is raised. The run's shared-memory files are removed however it ends."""
+
     with _signals_interrupt():
         proc = subprocess.Popen(list(cmd), env={**os.environ, **env}, start_new_session=True)
         try:

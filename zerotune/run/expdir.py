@@ -1,12 +1,11 @@
-"""The experiment directory: DeepSpeed's autotuning protocol, the files a run leaves, and its outcome.
+"""The experiment directory ``<exps_dir>/<name>/``: DeepSpeed's autotuning protocol, a run's files, its outcome.
 
-Each experiment runs in its own directory, ``<exps_dir>/<name>/``. A backend calls `prepare` just before it launches
-(it writes ``ds_config.json`` with the ``autotuning`` section that makes DeepSpeed's engine measure and exit) and
-`finish` once the run's processes are gone; in between it only starts, supervises and stops processes, whose output
-goes to ``stdout.log`` and ``stderr.log`` (its launch line to ``cmd.txt``). DeepSpeed writes the result file
-(`result_path`), the probe ``probe.rank*.jsonl``, from which `finish` takes the metric (`zerotune.probe`), and the
-scheduler ``exp.json`` (`zerotune.run.store`). The outcome is decided from facts (`classify`), never from the word
-"error" in the logs.
+
+A backend calls `prepare` just before it launches (``ds_config.json`` with the ``autotuning`` section that makes
+DeepSpeed's engine measure and exit) and `finish` once the run's processes are gone; in between it only supervises
+processes, whose output goes to ``stdout.log`` and ``stderr.log`` (the launch line to ``cmd.txt``). The directory also
+holds DeepSpeed's result file (`result_path`), the probe's ``probe.rank*.jsonl`` (`zerotune.probe`) and the
+scheduler's ``exp.json`` (`zerotune.run.store`). The outcome is decided from facts (`classify`), never from log words.
 """
 from __future__ import annotations
 
@@ -54,31 +53,24 @@ _MISSING_HINT = {
 
 
 def result_path(exp: Experiment, exp_dir: Path) -> Path:
-    """The file DeepSpeed's engine writes as ``exp``'s result: ``model_info.json`` for the profile
-    run (the engine exits in its first forward: ``num_params``, ``trainable_num_params``,
-    ``activation_mem_per_gpu``), ``metrics.json`` for every other run (rank 0, at ``end_profile_step``:
-    ``latency``, microseconds per step, ``throughput``, samples/s, ``FLOPS_per_gpu``)."""
+    """The file DeepSpeed's engine writes as ``exp``'s result: ``model_info.json`` for the profile run (written in its
+    first forward: ``num_params``, ``trainable_num_params``, ``activation_mem_per_gpu``), else ``metrics.json`` (rank 0,
+    at ``end_profile_step``: ``latency`` in microseconds per step, ``throughput`` in samples/s, ``FLOPS_per_gpu``)."""
     return Path(exp_dir) / (MODEL_INFO_FILE if exp.kind is ExperimentKind.PROFILE else METRICS_FILE)
 
 
 def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_step: int,
             end_profile_step: int) -> Path:
-    """Make ``exp_dir`` ready for a launch of ``exp``; called by a backend just before it launches.
+    """Make ``exp_dir`` ready for a launch of ``exp``.
 
-    Creates the directory, removes result files and probe streams of an earlier attempt (so a
-    stale file is never read as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` plus the
-    ``autotuning`` section, with ``metric_path`` and ``model_info_path`` resolved into ``exp_dir``; for an
-    experiment with ``pad_seq_len``, also the probe's pad file (`zerotune.probe.PAD_FILE`).
-
-    Args:
-        exp: the experiment; its ``ds_config`` is not modified.
-        exp_dir: its directory.
-        objective: the metric DeepSpeed is asked to write (``autotuning.metric``).
-        start_profile_step, end_profile_step: the steps DeepSpeed's engine measures between; it
-            exits after ``end_profile_step``.
+    Creates the directory, removes an earlier attempt's result files and probe streams (a stale file is never read
+    as this run's result) and writes ``ds_config.json``: ``exp.ds_config`` (not modified) plus the ``autotuning``
+    section (``metric`` from ``objective``, result paths inside ``exp_dir``, the engine measuring from
+    ``start_profile_step`` and exiting after ``end_profile_step``); with ``exp.pad_seq_len``, also the probe's pad
+    file (`zerotune.probe.PAD_FILE`).
 
     Returns:
-        The path of the config written (absolute), for the launcher's ds_config argument.
+        The absolute path of the config written, for the launcher's ds_config argument.
     """
     exp_dir = Path(exp_dir).resolve()
     exp_dir.mkdir(parents=True, exist_ok=True)
@@ -102,47 +94,28 @@ def prepare(exp: Experiment, exp_dir: Path, objective: Objective, start_profile_
 
 def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int | None, timed_out: bool = False,
            interrupted: bool = False, ended: EndReason | None = None) -> Experiment:
-    """Fill in ``exp``'s outcome from its directory; called by a backend once the run's processes
-    are gone.
+    """Fill in ``exp``'s outcome (in place) from its directory, once the run's processes are gone; returns ``exp``.
 
-    Reads the result file (`result_path`) and the tails of ``stderr.log`` and
-    ``stdout.log``, and sets ``status`` and ``error`` (`classify`), ``exit_code``,
-    ``metrics`` (the result file's content: DeepSpeed's metrics, or the profile run's model
-    info with the probe's ``activation_saved_bytes``, its shapes and, where it priced checkpointing,
-    ``activation_checkpointed_bytes``, when it wrote them) and ``metric`` (in ``objective``'s unit; None unless
-    OK, and None for the profile run).
+    Sets ``status`` and ``error`` (`classify` on the result file and the logs' tails), ``exit_code``, ``metrics``
+    (the result file's content; for the profile run also the probe's ``activation_saved_bytes``, shapes and, where
+    it priced checkpointing, ``activation_checkpointed_bytes``) and ``metric`` (in ``objective``'s unit; None unless
+    OK, and for the profile run).
 
-    The metric of an OK run is the step probe's (`zerotune.core.measure.measure` on the
-    ``probe.rank<R>.jsonl`` streams, ``metric_source`` "probe", with ``metric_rel_half_width`` and
-    ``boundary_share``) for throughput and latency when the streams hold a steady step on every rank;
-    otherwise DeepSpeed's from the result file (``metric_source`` "deepspeed": flops, no streams, too
-    few steps). When the streams record peaks, ``peak_memory_bytes``
-    becomes the largest over the ranks; else the backend's value stays. On CUDA, where the streams
-    record the allocated bytes before each step, ``activation_slope_bytes`` is the run's own growth per
-    sample (`zerotune.core.measure.activation_slope_bytes`); else None. ``max_seq_len_seen`` and
-    ``min_seq_len_seen`` are the longest of the steps' longest sequences from step 2 on (step 1's where the run
-    has no later one) and the shortest over every step (`zerotune.core.measure.seen_seq_lens`; None
-    without one).
+    An OK run's metric is the step probe's (`zerotune.core.measure.measure`, ``metric_source`` "probe", with
+    ``metric_rel_half_width`` and ``boundary_share``) when the streams hold a steady step on every rank, else
+    DeepSpeed's (``metric_source`` "deepspeed": flops, no streams, too few steps). Recorded peaks set
+    ``peak_memory_bytes`` (largest rank; else the backend's value stays); on CUDA ``activation_slope_bytes`` is the
+    run's growth per sample (`zerotune.core.measure.activation_slope_bytes`), else None; ``max_seq_len_seen`` and
+    ``min_seq_len_seen`` come from `zerotune.core.measure.seen_seq_lens`.
 
     Args:
-        exp: the experiment, updated in place.
-        exp_dir: its directory.
-        objective: the metric tuned.
         exit_code: the launcher's exit status (None if it never started).
-        timed_out: the backend killed the run for its timeout or a hang. The backend may replace
-            ``error`` with a more precise reason afterwards.
-        interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED
-            (re-run on resume) rather than classified.
-        ended: `EndReason.PRECISE`, `EndReason.CANNOT_BEAT`, `EndReason.STEP_CAP` or
-            `EndReason.SCRIPT_END` (the script's end came during an extension) when the backend ended the run
-            on its `zerotune.core.stopping.StopRule` (early, or
-            at ``end_profile_step`` of an extended run: `EndReason.by_rule`): the run is OK with
-            the probe's metric though DeepSpeed wrote no ``metrics.json``. Otherwise ``exp.ended`` is
-            derived here: STEP_CAP (the engine's result file), STOPPED (timeout, interruption) or
-            EXITED.
-
-    Returns:
-        ``exp``.
+        timed_out: the backend killed the run for its timeout or a hang (it may refine ``error`` afterwards).
+        interrupted: the tuner was interrupted; a run without a result is then INTERRUPTED (re-run on resume).
+        ended: a reason with `EndReason.by_rule` when the backend ended the run on its
+            `zerotune.core.stopping.StopRule`: the run is OK with the probe's metric though DeepSpeed wrote no
+            ``metrics.json``. Otherwise ``exp.ended`` is derived: STEP_CAP (result file), STOPPED (timeout,
+            interruption) or EXITED.
     """
     path = result_path(exp, exp_dir)
     data, invalid = read_object(path)
@@ -194,8 +167,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
 
 
 def output_bytes(exp_dir: Path) -> int:
-    """How much the run has printed so far (``stdout.log`` plus ``stderr.log``), bytes; a backend
-    watches it grow to tell a hung run from a busy one."""
+    """Bytes printed so far to ``stdout.log`` and ``stderr.log``; its growth tells a busy run from a hung one."""
     return sum(file_size(Path(exp_dir) / name) for name in (STDOUT_LOG, STDERR_LOG))
 
 
@@ -221,9 +193,8 @@ _LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "CalledProcessError")
 
 
 def _raised_errors(log_text: str) -> list[tuple[str, str]]:
-    """The exceptions the logs show raised, in order: ``(type, the line stating it)``; a C++ exception's
-    ``what()`` line has the type of the ``terminate`` line before it. The deepspeed launcher's own
-    ``CalledProcessError`` (a rank exited non-zero) is left out."""
+    """The exceptions the logs show raised, in order: ``(type, the line stating it)``; a C++ ``what()`` line takes
+    the type of the ``terminate`` line before it. The launcher's own ``CalledProcessError`` is left out."""
     raised, cxx = [], ""
     for line in log_text.splitlines():
         m = _RAISED.match(line)
@@ -237,8 +208,7 @@ def _raised_errors(log_text: str) -> list[tuple[str, str]]:
 
 
 def _is_oom(kind: str, line: str) -> bool:
-    """Whether a raised exception (`_raised_errors`) is an allocator's out-of-memory error: its type
-    (``OutOfMemoryError``, ``MemoryError``) or its message (`OOM_PATTERNS`) says so."""
+    """Whether a raised exception's type or message (`OOM_PATTERNS`) says it is an allocator's out-of-memory error."""
     return bool(_OOM_TYPE.search(kind) or OOM_PATTERNS.search(line))
 
 
@@ -246,28 +216,24 @@ def classify(exit_code: int | None, metrics: dict | None, metric_key: str, log_t
              result_file: str = METRICS_FILE, invalid: str = "") -> tuple[Status, str]:
     """Decide an experiment's outcome from facts, never from a word in the logs.
 
-    Order: a positive finite ``metric_key`` in the result file is OK (whatever stderr says); a
-    timeout is TIMEOUT; a raised exception that is an allocator's out-of-memory error (`_is_oom` on
-    `_raised_errors`: torch's ``DefaultCPUAllocator: can't allocate memory``, ``torch.OutOfMemoryError:
-    CUDA out of memory``, ``std::bad_alloc``, ``MemoryError``, ...) is OOM, with that exception as the reason;
-    anything else is FAILED, with the reason a person needs: for exit code 0 what is wrong with the result file,
-    otherwise the exit code and the last exception a rank raised (else the last error line of the logs). A
-    log line that only mentions memory ("read 4096 samples out of memory-mapped shards") is never an OOM: an
-    OOM raises the budget the memory model puts on every config, and is reused on a rerun.
+    Order: a positive finite ``metric_key`` in the result file is OK (whatever stderr says); a timeout is TIMEOUT;
+    a raised exception that is an allocator's out-of-memory error is OOM, with that exception as the reason;
+    anything else is FAILED: for exit code 0 with what is wrong with the result file, otherwise with the exit code
+    and the last exception a rank raised (else the last error line). A log line that only mentions memory is never
+    an OOM, since an OOM moves the memory model's prediction for every config and is reused on a rerun.
+
 
     Args:
-        exit_code: the launcher's exit status.
         metrics: the result file's content; None when it is missing or invalid.
         metric_key: the key whose value says the run succeeded.
         log_text: the logs' tails.
-        timed_out: the run was killed for its timeout.
         result_file: the result file's name, for messages.
-        invalid: why the result file, though present, could not be read ('' if it could, or is
-            missing).
+        invalid: why the result file, though present, could not be read ('' if it could, or is missing).
 
     Returns:
         (status, a one-line reason; empty for OK).
     """
+
     if metrics is not None and _positive(metrics.get(metric_key)):
         return Status.OK, ""
     if timed_out:

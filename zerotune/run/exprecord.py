@@ -1,9 +1,8 @@
-"""An experiment's record, ``exp.json``: what it holds (`ExpRecord`), its schema version and digests, and its
-writing and reading back, trusted only when it verifies.
+"""An experiment's record, ``exp.json``: what it holds (`ExpRecord`), its schema version and digests, its writing
+and reading back.
 
-A record carries a schema version and a digest (`ExpRecord`); one that does not verify is said in the log and run
-again, never trusted and never fatal (`load_record`). Where records live and which directories are zerotune's is
-`zerotune.run.store`'s.
+A record that does not verify is said in the log and run again, never trusted and never fatal (`load_record`).
+Where records live and which directories are zerotune's is `zerotune.run.store`'s.
 """
 from __future__ import annotations
 
@@ -29,8 +28,8 @@ RECORD_VERSION = 1  # of exp.json's schema (record_version, record_digest); a re
 
 
 def config_digest(ds_config: dict) -> str:
-    """A short content hash of a config (``config_hash``: canonical JSON, 5e8 == 500000000), for a
-    person reading ``exp.json``; resume matches on the full resume key."""
+    """A short content hash of a config (canonical JSON, 5e8 == 500000000) for a person reading ``exp.json``; resume
+    matches on the full resume key."""
     return config_hash(ds_config)[:12]
 
 
@@ -42,15 +41,13 @@ def record_digest(data: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class ExpRecord:
-    """An experiment's record, ``exp.json``: the `Experiment`'s fields (`Experiment.to_json`), then its
-    ``config_digest``, ``resume_key``, ``resume_context``, ``recorded_at``, the schema's ``record_version`` and,
-    last, the ``record_digest`` of all of that, by which `from_dict` knows it whole and as zerotune wrote it.
+    """An experiment's record, ``exp.json``: the `Experiment`'s fields, then ``config_digest``, ``resume_key``,
+    ``resume_context``, ``recorded_at``, ``record_version`` and, last, the ``record_digest`` of all of that.
 
     Attributes:
-        experiment: the experiment, as it stood when recorded (INTERRUPTED before its launch, then its outcome).
+        experiment: the experiment as it stood when recorded (INTERRUPTED before its launch, then its outcome).
         resume_key: what makes it the same experiment on a rerun (`zerotune.run.resume.resume_key`).
-        resume_context: what went into ``resume_key`` besides the config
-            (`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
+        resume_context: what went into ``resume_key`` besides the config, so a person can see why it re-ran.
         recorded_at: when it was written, local time, ``%Y-%m-%dT%H:%M:%S``.
     """
 
@@ -61,7 +58,6 @@ class ExpRecord:
 
     @property
     def config_digest(self) -> str:
-        """`config_digest` of the experiment's ``ds_config``."""
         return config_digest(self.experiment.ds_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,10 +73,8 @@ class ExpRecord:
         """The record from a decoded ``exp.json``, verified.
 
         Raises:
-            RecordError: it does not verify, and the message says why (the reader names the file): another
-                schema version (or none: an older zerotune's), content that does not match its
-                ``record_digest`` (edited or damaged), a ``ds_config`` that does not match its ``config_digest``,
-                a field that is not as zerotune writes it (named).
+            RecordError: another (or no) schema version, content that does not match its ``record_digest``, a
+                ``ds_config`` that does not match its ``config_digest``, or a field not as zerotune writes it.
         """
         if data.get("record_version") != RECORD_VERSION:
             raise RecordError(f"record version {data.get('record_version')!r}, not this zerotune's {RECORD_VERSION}")
@@ -123,16 +117,8 @@ def _member(enum_type: type, value: Any) -> bool:
 
 
 def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[str, Any] | None = None) -> None:
-    """Write ``exp_dir``'s ``exp.json`` atomically: ``exp``'s `ExpRecord`, recorded now.
-
-    Args:
-        exp: the experiment.
-        exp_dir: its directory.
-        key: what makes it the same experiment on a rerun
-            (`zerotune.run.resume.resume_key`); `load_record` matches on it.
-        context: what went into ``key`` besides the config
-            (`zerotune.run.resume.resume_context`), so a person can see why it re-ran.
-    """
+    """Write ``exp_dir``'s ``exp.json`` atomically: ``exp``'s `ExpRecord` with resume ``key`` and ``context``,
+    recorded now."""
     record = ExpRecord(exp, key, context or {}, time.strftime("%Y-%m-%dT%H:%M:%S"))
     write_json_atomic(Path(exp_dir) / RECORD_FILE, record.to_dict())
 
@@ -140,15 +126,9 @@ def write_record(exp: Experiment, exp_dir: Path, key: str = "", context: dict[st
 def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | None:
     """The reusable experiment recorded in ``exp_dir`` for this config content and resume key, if any.
 
-    A record is trusted only when it verifies (`ExpRecord.from_dict`); one that does not
-    (corrupt, foreign, edited, of another zerotune version) is said in the log and run again, never
-    fatal.
-
     Returns:
-        The recorded experiment when ``exp.json`` verifies, its config digest is ``ds_config``'s, its
-        ``resume_key`` is ``key`` and its outcome is reusable (`Status.reusable`: OK or
-        OOM); None otherwise (a failed, timed-out or interrupted run, a different config or script
-        or budget under the same name, a record that does not verify, no record), so the
+        The recorded experiment when ``exp.json`` verifies (else logged), its config digest is ``ds_config``'s, its
+        ``resume_key`` is ``key`` and its outcome is reusable (`Status.reusable`: OK or OOM); None otherwise, so the
         experiment is run again.
     """
     path = Path(exp_dir) / RECORD_FILE
@@ -169,9 +149,9 @@ def load_record(exp_dir: Path, ds_config: dict, key: str = "") -> Experiment | N
 
 
 def load_records(exps_dir: Path) -> list[ExpRecord]:
-    """The records in the experiment directories directly under ``exps_dir``, in name order: those that verify
-    (`ExpRecord.from_dict`) and are of the directory they are in; none when ``exps_dir`` is not a
-    directory."""
+    """The verified records of the experiment directories directly under ``exps_dir`` that name their own directory,
+    in name order."""
+
     exps_dir = Path(exps_dir)
     if not exps_dir.is_dir():
         return []

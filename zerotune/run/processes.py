@@ -1,5 +1,4 @@
-"""The processes of a run: finding them, measuring them, killing every one of them, and cleaning up
-after a tuner that died while they ran.
+"""The processes of a run: finding, measuring and killing them, and cleaning up after a tuner that died.
 
 Rules: a run's processes are found (`kill_tree`, `kill_token`) by any of three marks: descent from the launcher (made
 a child subreaper, `adopt_orphans`), the launcher's session and process group, and the run's token in their
@@ -56,17 +55,14 @@ def descendants(pid: int) -> list[psutil.Process]:
 
 
 def adopt_orphans() -> None:
-    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``; elsewhere nothing): a
-    descendant orphaned by its parent's exit (a double-forked daemon) is reparented to this process instead of
-    init, so it stays in this process's tree. Called in the launcher's process between fork and exec (the
-    attribute survives ``execve``)."""
+    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``; elsewhere nothing), so an
+    orphaned descendant stays in its tree. Called in the launcher between fork and exec (it survives ``execve``)."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def runs_script(proc: psutil.Process, script_name: str) -> bool:
-    """True when ``proc`` is a rank: it runs the training script itself
-    (``python -u train.py --local_rank=0 ...``), not the launcher nor a JIT compiler."""
+    """True when ``proc`` is a rank: it runs the training script itself, not the launcher nor a JIT compiler."""
     try:
         return any(Path(arg).name == script_name for arg in proc.cmdline()[1:4])
     except psutil.Error:
@@ -87,12 +83,9 @@ def data_bytes(pid: int) -> int:
 
 def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: str,
               since: float | None = None) -> None:
-    """Stop a run: the launcher's process group (TERM, then KILL after 10 s), any descendant seen
-    on the way (``known``, pid -> process, added to here), and any other process of the run
-    (`kill_token`: its token, its session or group, their descendants; ``since``: the launch's
-    ``time.time()``). Returns once they have exited (`_exited`: gone, or zombies that no longer hold
-    anything). A helper a rank starts with a cleared environment in a session of its own is found by the tree
-    (orphans are reparented to the launcher, `adopt_orphans`); one that keeps the environment, by the token."""
+    """Stop a run: the launcher's process group (TERM, then KILL after 10 s), any descendant seen on the way
+    (``known``, pid -> process, added to here), and any other process of the run (`kill_token`; ``since``: the
+    launch's ``time.time()``). Returns once they have exited (gone, or zombies that hold nothing)."""
     for child in descendants(proc.pid):
         known.setdefault(child.pid, child)
     if proc.poll() is None:
@@ -115,9 +108,8 @@ def kill_tree(proc: subprocess.Popen, known: dict[int, psutil.Process], token: s
 
 
 def _exited(proc: psutil.Process) -> bool:
-    """True once ``proc`` has exited: gone, or a zombie. An orphaned rank or launcher (its parent
-    killed first) stays a zombie until init reaps it, which some inits (a container's or a microVM's)
-    do only about once a second; a zombie holds no memory, file or port any more."""
+    """True once ``proc`` is gone or a zombie (some inits reap orphans only about once a second; a zombie holds no
+    memory, file or port)."""
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -125,7 +117,7 @@ def _exited(proc: psutil.Process) -> bool:
 
 
 def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> None:
-    """Wait until every one of ``procs`` has exited (`_exited`), at most ``timeout_s``."""
+    """Wait until every one of ``procs`` has exited, at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     delay = 0.001
     while not all(_exited(p) for p in procs) and time.monotonic() < deadline:
@@ -134,10 +126,9 @@ def _wait_exited(procs: list[psutil.Process], timeout_s: float) -> None:
 
 
 def kill_token(token: str, leader: int | None = None, since: float | None = None) -> int:
-    """SIGKILL every process of a run and wait for them; the number killed. A process of the run carries
-    ``token``, or is in the session or process group ``leader`` (the launcher's pid, with ``since``, the launch's
-    ``time.time()``: only processes started since then, so that a recycled id matches nothing), or descends from
-    one of those."""
+    """SIGKILL every process of a run and wait for them; returns the number killed. A process of the run carries
+    ``token``, or is in the session or process group ``leader`` (the launcher's pid) and started at ``since`` (the
+    launch's ``time.time()``) or later, so a recycled id matches nothing, or descends from one of those."""
     procs = _of_run(token, leader, since)
     for p in procs:
         try:
@@ -149,11 +140,9 @@ def kill_token(token: str, leader: int | None = None, since: float | None = None
 
 
 def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool:
-    """SIGKILL the processes carrying ``token`` on each of ``hosts`` (`kill_token` there), reached by pdsh over
-    ssh as DeepSpeed's runner reached them; zerotune must be importable at this path on every host (a shared
-    filesystem, as for the probe). Returns whether pdsh ran and exited 0 within ``timeout_s`` seconds; a failure
-    is not raised (the local kill goes on). The runner carries the token to the other nodes in its env file; its own
-    stop (``pkill -f "python -u -m deepspeed.launcher.launch"`` on every host) would kill other experiments too."""
+    """SIGKILL the processes carrying ``token`` on each of ``hosts`` (`kill_token` there, by pdsh over ssh); zerotune
+    must be importable at this path on every host. Returns whether pdsh exited 0 within ``timeout_s`` seconds; a
+    failure is not raised (the local kill goes on)."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding the zerotune package
     remote = (f"PYTHONPATH={shlex.quote(root)} {shlex.quote(sys.executable)} -m zerotune.run.processes "
               f"--kill-token {shlex.quote(token)}")
@@ -166,24 +155,20 @@ def kill_token_on(hosts: list[str], token: str, timeout_s: float = 60.0) -> bool
 
 
 def run_processes(token: str) -> list[psutil.Process]:
-    """The live processes of this user on this machine whose environment carries ``token``, and their
-    descendants: a run's processes that are not the launcher's descendants (ranks a cluster's node daemon
-    started)."""
+    """This user's live processes here whose environment carries ``token``, and their descendants: a run's
+    processes that are not the launcher's (ranks a cluster's node daemon started)."""
     return _of_run(token, None, None)
 
 
 @dataclass(frozen=True)
 class RunningRecord:
-    """A running record, ``<exps_dir>/.zerotune-running/<name>.json`` (module doc): a run this tuner process holds.
+    """A running record, ``<exps_dir>/.zerotune-running/<name>.json``: a run this tuner process holds.
 
     Attributes:
-        name: the experiment's name. token: its run token (`RUN_TOKEN_ENV`). master_port: its rendezvous port.
         host: the machine the tuner runs on. tuner_pid, tuner_create_time: the tuner process (``psutil``'s
             create time, s since the epoch), so that a reused pid is not taken for it.
-        leader: the pid leading the launcher's session, once started. since: when the run was launched,
-            ``time.time()``.
-        stop: the run's stop handle where it holds more than processes here
-            (`zerotune.run.backends.stop_handles`).
+        leader: the pid leading the launcher's session, once started. since: the launch's ``time.time()``.
+        stop: the run's stop handle where it holds more than processes here (`zerotune.run.backends.stop_handles`).
     """
 
     name: str
@@ -198,10 +183,8 @@ class RunningRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], name: str) -> "RunningRecord":
-        """The record from its decoded JSON object; ``name``: the file's stem, where the object names none. A
-        field held with another type than zerotune writes is None (a damaged or foreign file stops nothing it
-        cannot name); its ``stop`` object is the stop handle
-        (`zerotune.run.backends.stop_handles.record_handle`)."""
+        """The record from its decoded JSON object (``name``: the file's stem, where it names none). A field of
+        another type than zerotune writes is None, so a damaged or foreign file stops nothing it cannot name."""
         def typed(key: str, kind: type | tuple[type, ...]) -> Any:
             value = data.get(key)
             return value if isinstance(value, kind) and not isinstance(value, bool) else None
@@ -222,11 +205,8 @@ class RunningRecord:
 
 def write_running_record(running_dir: Path, name: str, token: str, master_port: int | None, leader: int | None = None,
                          since: float | None = None, stop: Mapping[str, Any] | None = None) -> Path:
-    """Record that this tuner process runs experiment ``name`` with ``token`` on ``master_port``, its launcher
-    ``leader`` (the pid leading its session, once started) launched at ``since`` (``time.time()``; see the
-    module doc), and ``stop``, the run's stop handle where it holds more than processes here
-    (`zerotune.run.backends.stop_handles`); the caller removes the returned file when the run's processes
-    are gone."""
+    """Write the `RunningRecord` of this tuner's run ``name``; the caller removes the returned file when the run's
+    processes are gone."""
     running_dir.mkdir(parents=True, exist_ok=True)
     path = running_dir / f"{name}.json"
     record = RunningRecord(name, token, master_port, socket.gethostname(), os.getpid(), psutil.Process().create_time(),
@@ -236,14 +216,10 @@ def write_running_record(running_dir: Path, name: str, token: str, master_port: 
 
 
 def reap_orphans(running_dir: Path) -> list[str]:
-    """Kill the processes of experiments whose tuner died while they ran (their records, `RunningRecord`,
-    are left in ``running_dir``); records of a live tuner, or written on another host (a shared filesystem),
-    are left alone. Returns the names reaped.
-
-    Processes are found by the token in their environment, never by name, so nothing else is
-    touched. A run whose record holds a stop handle is first stopped through it
-    (`zerotune.run.backends.stop_handles.cancel_handle`): what it names has no process here.
-    """
+    """Kill the processes of experiments whose tuner died while they ran (their records are left in
+    ``running_dir``) and remove their shared-memory buffers; returns the names reaped. Records of a live tuner, or
+    written on another host, are left alone. A record's stop handle is cancelled first (what it names has no
+    process here)."""
     reaped = []
     try:
         paths = sorted(Path(running_dir).glob("*.json"))
@@ -267,13 +243,10 @@ def reap_orphans(running_dir: Path) -> list[str]:
 
 
 def remove_shm_buffers(master_port: int) -> list[Path]:
-    """Remove the shared-memory files DeepSpeed's CPU communication left for a run on ``master_port``.
-
-    On CPU each rank creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<master addr>_<port>_<rank>``
-    (``deepspeed/ops/csrc/cpu/comm/shm.cpp``, 69 MB each in DeepSpeed 0.19) and never unlinks it, so
-    without this every experiment would leak about 140 MB of RAM-backed files. Called after the
-    run's processes are gone; only this run's port is matched. Returns the files removed.
-    """
+    """Remove the shared-memory files DeepSpeed's CPU communication left for a run on ``master_port``, once its
+    processes are gone; returns the files removed. Each CPU rank creates
+    ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<master addr>_<port>_<rank>`` (``deepspeed/ops/csrc/cpu/comm/shm.cpp``)
+    and never unlinks it, so every experiment would leak RAM-backed files."""
     removed = []
     for path in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{master_port}_*"):
         try:
@@ -285,8 +258,8 @@ def remove_shm_buffers(master_port: int) -> list[Path]:
 
 
 def _of_run(token: str, leader: int | None, since: float | None) -> list[psutil.Process]:
-    """Live processes of this user (zombies excluded) whose environment carries ``token``, or that are in the
-    session or process group ``leader`` and started at ``since`` or later, and the descendants of them all."""
+    """This user's live non-zombie processes of a run (`kill_token`'s marks) and their descendants."""
+
     found: dict[int, psutil.Process] = {}
     uid = os.getuid()
     for p in psutil.process_iter():

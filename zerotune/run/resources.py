@@ -1,12 +1,10 @@
 """Device slots: which exist (hostfile, ``--include``/``--exclude``, ``--num_nodes``/``--num_gpus``).
-Who holds them (``SlotPool``) is `zerotune.run.slots`, importable from here too; a ``Node`` and a
-``Reservation`` are records of `zerotune.core.launch`.
+Who holds them (``SlotPool``) is `zerotune.run.slots`, importable from here too.
 
 A *slot* is one device on one host, named by its real device id (the id the ``deepspeed`` launcher puts into
 ``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). `select_resources` resolves the arguments as the launcher
-does (``deepspeed/launcher/runner.py``), so a selection zerotune accepts means the same slots to it, but stricter:
-bad input raises ``ConfigError`` where the launcher falls back or uses less than asked (a missing hostfile,
-``slots=0``, ``slots=8x``, ``--num_gpus`` or ``--num_nodes`` above what the hosts hold).
+does (``deepspeed/launcher/runner.py``), but stricter: bad input raises ``ConfigError`` where the launcher falls back
+or uses less than asked (a missing hostfile, ``slots=0``, ``slots=8x``, counts above what the hosts hold).
 """
 from __future__ import annotations
 
@@ -27,30 +25,19 @@ __all__ = [
     "slots_named",
 ]
 
-# DeepSpeed's pattern is ``^(\S+)\s+slots=(\d+)`` matched as a prefix, so the launcher accepts extra
-# tokens after the count (``worker-0 slots=8 max_slots=8`` from an MPI hostfile). We accept the same
-# lines, but the count must end at whitespace or the end of the line (``slots=8x`` is an error), and
-# a sign is captured so ``slots=-1`` gets a "must be positive" message instead of "malformed".
+# DeepSpeed's prefix pattern ``^(\S+)\s+slots=(\d+)``, so extra tokens after the count are accepted (MPI hostfiles),
+# but the count must end at whitespace (``slots=8x`` is an error); a sign is captured for a "must be positive" message.
 _HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=([+-]?\d+)(?:\s|$)")
 
 
 def parse_hostfile(path: str | Path) -> dict[str, int]:
-    """Read a DeepSpeed hostfile into ``{host: slot count}``, in file order.
+    """Read a DeepSpeed hostfile (``worker-0 slots=8`` per line, ``#`` comments) into ordered ``{host: slot count}``.
 
-    The format is one host per line, ``worker-0 slots=8``; ``#`` starts a comment (whole line or
-    trailing) and blank lines are skipped. Slots of a host with ``slots=N`` are device ids
-    ``0..N-1``.
-
-    Args:
-        path: the hostfile.
-
-    Returns:
-        Ordered ``{host: slots}``, e.g. ``{"worker-0": 8, "worker-1": 4}``.
+    A host with ``slots=N`` has device ids ``0..N-1``.
 
     Raises:
-        ConfigError: the file is missing or unreadable (names the path); a line is malformed, has
-            ``slots`` below 1 or repeats a host (names the file, the line number and the line
-            text); the file lists no host.
+        ConfigError: the file is missing or unreadable; a line is malformed, has ``slots`` below 1 or repeats a host
+            (names the file, line number and text); the file lists no host.
     """
     path = Path(path)
     try:
@@ -88,9 +75,8 @@ def parse_hostfile(path: str | Path) -> dict[str, int]:
 def _parse_filter(flag: str, value: str) -> dict[str, list[int]]:
     """Parse ``NAME[:SLOT[,SLOT...]][@NAME...]`` like the launcher's ``parse_node_config_list``.
 
-    Returns ``{host: sorted unique slots}`` in the order hosts first appear; an empty list means
-    the whole host. A host named twice has its slot lists merged (as in DeepSpeed, a bare mention
-    merged with a slot list leaves just the slots).
+    Returns ordered ``{host: sorted unique slots}``, ``[]`` for the whole host; a host named twice has its slot lists
+    merged (a bare mention merged with slots leaves just the slots, as in DeepSpeed).
     """
     specs: dict[str, list[int]] = {}
     for spec in value.split("@"):
@@ -115,8 +101,7 @@ def _parse_filter(flag: str, value: str) -> dict[str, list[int]]:
 
 
 def slots_named(include: str) -> int:
-    """Without a hostfile on CPU: how many local slots ``--include`` needs (its highest slot id + 1;
-    1 when it names hosts only), so ``--include localhost:0,3`` works without ``--num_gpus``.
+    """Without a hostfile on CPU: the local slots ``--include`` needs (highest slot id + 1; 1 for hosts only).
 
     Raises:
         ConfigError: a malformed ``--include`` (``localhost:a``, ``localhost:0,,1``), naming it.
@@ -129,8 +114,8 @@ def slots_named(include: str) -> int:
 
 def _apply_filter(available: dict[str, list[int]], include: str, exclude: str,
                   origin: str = "") -> dict[str, list[int]]:
-    """The launcher's ``parse_resource_filter``: keep or drop hosts and slots; host order kept. ``origin`` says
-    where the slots came from, in the message naming a slot that is not among them."""
+    """The launcher's ``parse_resource_filter``: keep or drop hosts and slots, in host order; ``origin`` (where the
+    slots came from) goes into the message naming an unknown slot."""
     flag, value = ("--include", include) if include else ("--exclude", exclude)
     requested = _parse_filter(flag, value)
     for host, slots in requested.items():
@@ -160,12 +145,10 @@ def _apply_filter(available: dict[str, list[int]], include: str, exclude: str,
 
 
 def _local_slots() -> tuple[list[int], str]:
-    """Device ids on this machine when the caller did not say: CUDA devices, as the launcher sees them, and where
-    they came from (for messages: ", from CUDA_VISIBLE_DEVICES=2,3,5", or "").
+    """Local CUDA device ids, as the launcher sees them, and where they came from (for messages, or "").
 
-    Like the launcher, a ``CUDA_VISIBLE_DEVICES`` list of integers names the usable device ids
-    (the launcher turns it into ``--include localhost:<ids>`` and sets the variable itself for
-    each rank, so ids must be the real ones, not ``0..count-1``).
+    A ``CUDA_VISIBLE_DEVICES`` integer list gives the real ids, not ``0..count-1``: the launcher sets the variable
+    itself for each rank.
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     if visible:
@@ -203,39 +186,32 @@ def select_resources(
     Applied in the launcher's order: hostfile (or localhost) -> ``--include``/``--exclude`` ->
     ``--num_nodes`` (first N hosts) -> ``--num_gpus`` (first N slots of each host).
 
+    Without a hostfile on CUDA, ``CUDA_VISIBLE_DEVICES`` (integer ids) is the set of local slots by physical id,
+    whatever else is given: with ``2,3,5``, ``--include localhost:3,5`` keeps 3 and 5, ``--include localhost:1`` is
+    an error, ``--num_gpus 2`` keeps 2 and 3; DeepSpeed's runner would instead ignore it and run on a hidden device
+    (D300). With a hostfile the slots are the hostfile's on every node, ``localhost`` included.
+
     Args:
         hostfile: DeepSpeed hostfile; ``None`` for a single ``localhost`` node.
-        include: ``NAME[:SLOT[,SLOT...]][@NAME...]``, e.g. ``worker-0:0,1@worker-1``: only these
-            hosts/slots. A bare host name means all its slots.
-        exclude: same syntax: everything but these. A host left with no slot is dropped.
-        num_nodes: keep the first N hosts; -1 for all.
-        num_gpus: keep the first N slots of each host; -1 for all.
-        local_slots: without a hostfile, the number of local slots (ids ``0..N-1``): the CUDA
-            device count, or on CPU the number of ranks asked for. ``None`` detects CUDA devices,
-            honouring ``CUDA_VISIBLE_DEVICES`` ids like the launcher (see the note).
+        include: ``NAME[:SLOT[,SLOT...]][@NAME...]``, e.g. ``worker-0:0,1@worker-1``: only these hosts/slots
+            (a bare host name means all its slots).
+        exclude: same syntax: everything but these; a host left with no slot is dropped.
+        num_nodes, num_gpus: keep the first N hosts / first N slots of each host; -1 for all.
+        local_slots: without a hostfile, the number of local slots (ids ``0..N-1``): the CUDA device count, or on CPU
+            the number of ranks. ``None`` detects CUDA devices.
 
     Returns:
-        Nodes in hostfile order, each with its real device ids, e.g.
-        ``--include worker-0:4,5`` -> ``[Node("worker-0", (4, 5))]``.
-
-    .. note:: ``CUDA_VISIBLE_DEVICES`` (integer ids), without a hostfile on CUDA, is the set of local slots,
-       by their physical ids, whatever else is given: ``CUDA_VISIBLE_DEVICES=2,3,5`` gives slots 2, 3 and 5;
-       ``--include localhost:3,5`` then keeps 3 and 5 (physical ids, as the launcher reads ``--include``),
-       ``--include localhost:1`` is an error, ``--num_gpus 2`` keeps 2 and 3. Each experiment names its
-       slots to the launcher (``--include``, ``--world_info``), which sets each rank's
-       ``CUDA_VISIBLE_DEVICES`` from them. DeepSpeed's runner instead ignores the variable (with a
-       warning) as soon as ``--include``, ``--exclude``, ``--num_gpus`` or ``--num_nodes`` is given, and
-       would run on a device it hides. With a hostfile the slots are the hostfile's on every node,
-       ``localhost`` included, as in the runner (docs/decisions.md, D300).
+        Nodes in hostfile order with their real device ids (``--include worker-0:4,5`` ->
+        ``[Node("worker-0", (4, 5))]``).
 
     Raises:
-        ConfigError: bad hostfile (see ``parse_hostfile``); both include and exclude given;
-            ``--num_nodes``/``--num_gpus`` given with include/exclude (the launcher refuses this
-            too) or not positive; an unknown host or slot in include/exclude (a device
-            ``CUDA_VISIBLE_DEVICES`` hides, naming the variable); nothing left to run
-            on; ``--num_nodes`` above the host count (above 1 without a hostfile); ``--num_gpus``
-            above a host's slot count; no hostfile, no ``local_slots`` and no CUDA device.
+        ConfigError: bad hostfile; both include and exclude; ``--num_nodes``/``--num_gpus`` not positive or given
+            with include/exclude (as the launcher refuses); an unknown host or slot in include/exclude (naming
+            ``CUDA_VISIBLE_DEVICES`` when it hides the device); nothing left to run on; ``--num_nodes`` above the host
+            count (above 1 without a hostfile); ``--num_gpus`` above a host's slot count; no hostfile, no
+            ``local_slots`` and no CUDA device.
     """
+
     if include and exclude:
         raise ConfigError(
             f"--include {include!r} and --exclude {exclude!r} are mutually exclusive; give one"

@@ -1,12 +1,10 @@
 """The resume key: when a result on disk answers for an experiment of this job.
 
-A rerun with the same results dir reuses an experiment's recorded outcome only when it is the same experiment, not
-merely the same ds_config: the key (`resume_key`) covers the ds_config's content (`config_hash`), the training
-script's resolved path and content, its arguments, the world layout, the per-device memory budget and how the result
-is measured (`resume_context`). Other files, such as modules the script imports or its data, are not read: edit the
-script or start fresh (``--overwrite``) when they change. The scheduler records the key and its context in
-``exp.json`` and reuses a record only under the same key, and only for an outcome that is a property of the
-experiment (`zerotune.core.experiment.Status.reusable`).
+A rerun reuses a recorded outcome only for the same experiment, not merely the same ds_config: the key covers the
+ds_config's content, the script's resolved path and content, its arguments, the world layout, the per-device memory
+budget and how the result is measured (`resume_context`). Other files (imported modules, data) are not read: start
+fresh (``--overwrite``) when they change. Only outcomes that are a property of the experiment are reused
+(`zerotune.core.experiment.Status.reusable`).
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ CONFIG_PLACEHOLDER = "<ds_config>"  # stands for the ds_config path in the keyed
 
 
 class ResumedJob(Protocol):
-    """What `resume_context` reads of a job: the fields of `zerotune.inputs.job.Job` it keys on
-    (a protocol, so this layer names no strategy type)."""
+    """The fields of `zerotune.inputs.job.Job` that `resume_context` keys on (a protocol: this layer names no
+    strategy type)."""
 
     script: str
     script_args: Sequence[str]
@@ -45,15 +43,11 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
     """Everything besides the ds_config that makes an experiment of ``job`` the same experiment.
 
     Returns:
-        A JSON-ready dict: ``script`` (resolved path), ``script_sha256`` (of its content; None
-        when it cannot be read), ``script_args`` (the ds_config path replaced by
-        `CONFIG_PLACEHOLDER`), ``num_nodes``, ``slots_per_node``, ``mp_size``, ``cpu``,
-        ``device_memory_bytes``, ``start_profile_step``, ``end_profile_step``, ``objective``,
-        ``precision`` (the adaptive stop's target half-width; None when runs are not ended early),
-        ``arg_mappings`` (ds_config keys passed as script flags: they change the command each run gets), and
-        ``max_steps_arg`` where set (the steps flag raised for each run); for a
-        launcher other than ``deepspeed``, ``launcher``: its words and the variables it gives every rank (the
-        ``deepspeed`` form keys as it always did).
+        A JSON-ready dict: ``script`` (resolved path), ``script_sha256`` (None when unreadable), ``script_args`` (the
+        ds_config path as `CONFIG_PLACEHOLDER`), the layout, ``device_memory_bytes``, the profile steps,
+        ``objective``, ``precision`` (the adaptive stop's half-width; None without one), ``arg_mappings``,
+        ``max_steps_arg`` where set, and for a launcher other than ``deepspeed``, ``launcher`` (its words and rank
+        variables).
     """
     script = Path(job.script).resolve()
     launcher = job.launcher
@@ -81,8 +75,8 @@ def resume_context(job: ResumedJob) -> dict[str, Any]:
 
 def resume_key(ds_config: dict[str, Any], context: dict[str, Any]) -> str:
     """The experiment's identity for resume: SHA-256 (hex) of the config's
-    `zerotune.deepspeed.canonical.config_hash` and the canonical JSON of ``context``
-    (`resume_context`; ``{}`` for a scheduler built without one)."""
+    `zerotune.deepspeed.canonical.config_hash` and the canonical JSON of ``context`` (`resume_context`)."""
+
     text = config_hash(ds_config) + "\n" + json.dumps(context, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -1,12 +1,9 @@
 """The experiment scheduler: where and when experiments run, and that every result is kept.
 
-A FIFO queue: the head waits until its slots can be reserved (atomically, from the
-``SlotPool``); one thread per running experiment; several run at once when slots allow. Results
-live on disk (``exp.json`` per experiment, `zerotune.run.exprecord.write_record`): an
-experiment whose OK or OOM result is on disk under the same resume key (the config content and
-the job's script, arguments, layout, budget and measurement: `zerotune.run.resume`) is not
-run again; a failed, timed-out or interrupted one, or one recorded under another key, is.
-The scheduler never decides what to try next: the search hands it batches.
+A FIFO queue: the head waits until its slots can be reserved from the ``SlotPool``; one thread per running
+experiment. Results live on disk (``exp.json``, `zerotune.run.exprecord`): an experiment whose OK or OOM result is
+recorded under the same resume key (`zerotune.run.resume`) is not run again; any other is. The scheduler never
+decides what to try next: the search hands it batches.
 """
 from __future__ import annotations
 
@@ -34,20 +31,12 @@ class Scheduler:
 
     Args:
         backend: runs one experiment (thread-safe).
-        pool: the device slots.
-        exps_dir: one sub-directory per experiment, named after it.
-        on_update: called (from any thread) as ``on_update(exp, event)`` for progress display
-            (``zerotune.report.progress.Progress.update``), with ``event`` one of: ``"cached"`` (its
-            reusable result came from disk), ``"queued"`` (waiting for slots), ``"start"``
-            (launched), ``"end"`` (finished, ``exp.status`` set). Every queued experiment is
+        exps_dir: one sub-directory per experiment, named after it (`zerotune.run.store.experiment_dir`).
+        on_update: called from any thread as ``on_update(exp, event)``, ``event`` one of ``"cached"`` (result read
+            from disk), ``"queued"``, ``"start"``, ``"end"`` (``exp.status`` set); every queued experiment is
             started and ended, except after an interrupt.
-        context: what besides the config makes two experiments the same
-            (`zerotune.run.resume.resume_context`); recorded with every result and part of
-            its resume key. None: ``{}`` (a scheduler built by hand, in tests).
-
-    .. note:: Every experiment directory is checked to be a direct child of ``exps_dir`` on its
-       resolved path (`zerotune.run.store.experiment_dir`) before anything is read, created or
-       removed; a batch with a name that fails is refused whole (ConfigError) before any of it launches.
+        context: what besides the config makes two experiments the same (`zerotune.run.resume.resume_context`);
+            recorded with every result and part of its resume key. None: ``{}``.
     """
 
     def __init__(self, backend: Backend, pool: SlotPool, exps_dir: Path,
@@ -64,8 +53,7 @@ class Scheduler:
         self._cond = threading.Condition()
 
     def load(self, exp: Experiment) -> Experiment | None:
-        """The reusable result on disk for ``exp``'s name and resume key (OK or OOM), if any
-        (`zerotune.run.exprecord.load_record`)."""
+        """The reusable result on disk for ``exp``'s name and resume key, if any."""
         return load_record(experiment_dir(self.exps_dir, exp.name), exp.ds_config, self._key(exp))
 
     def _key(self, exp: Experiment) -> str:
@@ -75,12 +63,12 @@ class Scheduler:
         write_record(exp, exp_dir, self._key(exp), self.context)
 
     def run(self, experiments: Iterable[Experiment]) -> list[Experiment]:
-        """Run a batch and return it in the same order, each with its outcome.
+        """Run a batch and return it in the same order, each with its outcome; reusable results (`load`) are not
+        run again. On KeyboardInterrupt the running ones are killed and recorded as interrupted, and it is re-raised.
 
-        Experiments with a reusable result on disk (`load`) are returned from disk without
-        running. On
-        KeyboardInterrupt the running ones are killed, recorded as interrupted, and the
-        interrupt is re-raised.
+        Raises:
+            ConfigError: a name's directory is not a direct child of ``exps_dir``, or an experiment can never fit
+                the pool; before any of the batch launches.
         """
         batch = list(experiments)
         for exp in batch:
@@ -169,9 +157,9 @@ class Scheduler:
 
 
 def _timeout_locks(ext_dir: Path, started: float) -> str:
-    """What the torch extension locks in ``ext_dir`` say of a run started at ``started`` (``time.time()``) that timed
-    out ('' when none is there): one older than the run was left by a killed process, and the op loader waited on
-    it; one taken since is an op build the stop killed (this run's, or a run's beside it)."""
+    """What the torch extension locks in ``ext_dir`` say of a run started at ``started`` that timed out, or '': one
+    older than the run was left by a killed process; one taken since is an op build the stop killed."""
+
     old = stale_locks(ext_dir, older_than=started)
     new = [lock for lock in stale_locks(ext_dir) if lock not in old]
     said = ""

@@ -1,9 +1,5 @@
-"""Who holds the device slots: the ``SlotPool`` that hands them out, a ``Reservation`` to each experiment (the
-``Node`` and ``Reservation`` records are `zerotune.core.launch`).
-
-A *slot* is one device on one host, named by its real device id (the id the ``deepspeed`` launcher puts into
-``CUDA_VISIBLE_DEVICES`` on that host; on CPU, one rank). Which slots exist is decided by
-`zerotune.run.resources.select_resources`; this module only places experiments on them (`SlotPool`).
+"""Who holds the device slots: the ``SlotPool`` that hands a ``Reservation`` (`zerotune.core.launch`) to each
+experiment. Which slots exist, and what a slot is, is `zerotune.run.resources`'.
 """
 from __future__ import annotations
 
@@ -19,17 +15,11 @@ LOCALHOST = "localhost"
 class SlotPool:
     """Thread-safe record of which device slots are free and which experiment holds the others.
 
-    The scheduler asks for ``num_nodes`` x ``slots_per_node`` per experiment (DeepSpeed launches
-    the same number of ranks on every node of one run). Placement is deterministic first fit:
-    nodes in order, the lowest free slot ids on each::
+    An experiment asks for ``num_nodes`` x ``slots_per_node`` (DeepSpeed runs as many ranks on every node of a run).
+    Placement is deterministic first fit: nodes in order, the lowest free slot ids on each.
 
-        pool = SlotPool([Node("worker-0", (4, 5)), Node("worker-1", (0, 1, 2, 3))])
-        r = pool.try_reserve(num_nodes=1, slots_per_node=2)  # Reservation((Node("worker-0", (4, 5)),))
-        r.include_arg()  # "worker-0:4,5", what the experiment passes as --include
-        pool.release(r)
-
-    Args:
-        nodes: the nodes from ``select_resources``; hosts must be unique.
+    Raises:
+        ValueError: ``nodes`` (from ``select_resources``) repeat a host.
     """
 
     def __init__(self, nodes: list[Node]) -> None:
@@ -58,14 +48,11 @@ class SlotPool:
             return sum(len(s) for s in self._free.values())
 
     def try_reserve(self, num_nodes: int, slots_per_node: int) -> Reservation | None:
-        """Reserve ``slots_per_node`` free slots on each of ``num_nodes`` distinct nodes, or nothing.
-
-        All or nothing, under the pool's lock: the first ``num_nodes`` nodes (in order) with
-        enough free slots each give their lowest free slot ids.
+        """Reserve ``slots_per_node`` free slots on each of ``num_nodes`` distinct nodes, all or nothing (first fit).
 
         Returns:
-            The reservation, to be given back with ``release``; ``None`` when the slots are not
-            free now. A request for which ``can_ever_fit`` is False always returns ``None``.
+            The reservation, to be given back with ``release``; ``None`` when the slots are not free now (always,
+            when ``can_ever_fit`` is False).
 
         Raises:
             ValueError: ``num_nodes`` or ``slots_per_node`` below 1.
@@ -98,11 +85,9 @@ class SlotPool:
                 self._free[node.host].update(node.slots)
 
     def capacity(self, num_nodes: int, slots_per_node: int) -> int:
-        """How many such requests run at once on an empty pool, placed first fit as ``try_reserve`` does.
+        """How many such requests run at once on an empty pool, placed first fit (2 nodes of 8 slots:
+        ``capacity(1, 3) == 4``, 2 per node)."""
 
-        E.g. 2 nodes of 8 slots: ``capacity(1, 4) == 4``, ``capacity(2, 4) == 2``,
-        ``capacity(1, 3) == 4`` (2 per node), ``capacity(1, 9) == 0``.
-        """
         _check_request(num_nodes, slots_per_node)
         free = {n.host: set(n.slots) for n in self._nodes}
         count = 0

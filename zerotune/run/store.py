@@ -1,12 +1,10 @@
 """What zerotune keeps on disk, kept safe: files written whole, directories held by one tuner, and experiment
 directories proven its own.
 
-Files are written whole (`write_text_atomic`, `write_json_atomic`): a reader, a crash or a signal sees the old file
-or the new one, never a part, and nothing is written through a symlink. One tuner holds a results dir and an exps
+Files are written whole (`write_text_atomic`), never through a symlink. One tuner holds a results dir and an exps
 dir (`tuning_locks`), released by the kernel when it dies. An experiment's directory is a direct child of the exps
 dir, never a symlink (`experiment_dir`); zerotune removes only one whose ``exp.json`` is its record of it and moves
-anything else aside whole (`make_way`). The record itself, its schema and its verifying, is
-`zerotune.run.exprecord`'s.
+anything else aside whole (`make_way`). The record's schema is `zerotune.run.exprecord`'s.
 """
 from __future__ import annotations
 
@@ -35,19 +33,14 @@ RECORD_FILE = "exp.json"  # an experiment's record (`zerotune.run.exprecord`)
 # --- files written whole, JSON read within reason -------------------------------------------------------------------
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON so that a reader (or a crash, or a signal) never sees a half-written file
-    (`write_text_atomic`)."""
+    """Write ``data`` as JSON, whole or not at all (`write_text_atomic`)."""
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: a temp file beside it, fsync, rename.
-
-    A reader, a crash or a signal sees the old file or the new one, never a part. Nothing is written
-    through a symlink: one at ``path`` is replaced by the file, and the temp file is created afresh
-    (``O_EXCL | O_NOFOLLOW``). Whatever stops the write (a full disk, KeyboardInterrupt), the temp file
-    is removed and the old file stays.
-    """
+    """Write ``text`` to ``path`` whole or not at all (temp file beside it, fsync, rename): a reader, a crash or a
+    signal sees the old file or the new one. A symlink at ``path`` is replaced, never written through; whatever
+    stops the write, the temp file is removed and the old file stays."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -65,9 +58,8 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def open_log(path: Path, append: bool = True) -> BinaryIO:
-    """A log file of zerotune's opened for writing (binary; ``append``, else emptied), never through a symlink: one at
-    ``path`` is removed and the file created in its place (``O_NOFOLLOW``), so a link planted there never has a
-    file outside the results tree written.
+    """A log file opened for binary writing (``append``, else emptied); a symlink at ``path`` is replaced, never
+    written through.
 
     Raises:
         OSError: it cannot be opened.
@@ -105,9 +97,8 @@ def read_object(path: Path) -> tuple[dict[str, Any] | None, str]:
 # --- one tuner per directory ------------------------------------------------------------------------------------------
 
 class DirLock:
-    """An exclusive lock on a directory, so two tuners never share one: ``fcntl.flock`` on
-    ``<dir>/.zerotune.lock`` (opened without following a symlink), which the kernel drops when its
-    holder dies. A subclass names the directory and what to do instead.
+    """An exclusive lock on a directory, so two tuners never share one: ``fcntl.flock`` on ``<dir>/.zerotune.lock``,
+    which the kernel drops when its holder dies. A subclass names the directory and what to do instead.
 
     Raises:
         ConfigError: another process holds the lock (its pid is named), or the lock file cannot be made.
@@ -151,15 +142,15 @@ class DirLock:
 
 
 class ResultsLock(DirLock):
-    """The results dir's lock (`DirLock`): one tuner writes its summary and answer."""
+    """The results dir's lock: one tuner writes its summary and answer."""
 
     what = "results dir"
     instead = "choose another --results-dir"
 
 
 class ExpsLock(DirLock):
-    """The exps dir's lock (`DirLock`): one tuner runs, resumes and removes its experiments. Two
-    configs that differ only in ``results_dir`` share the default ``autotuning_exps``."""
+    """The exps dir's lock: one tuner runs, resumes and removes its experiments (configs that differ only in
+    ``results_dir`` share the default ``autotuning_exps``)."""
 
     what = "exps dir"
     instead = "give each tuning its own 'autotuning.exps_dir' (or --results-dir)"
@@ -167,12 +158,10 @@ class ExpsLock(DirLock):
 
 @contextlib.contextmanager
 def tuning_locks(results_dir: Path, exps_dir: Path) -> Iterator[None]:
-    """What a tuning holds from start to end: its results dir's lock, then its exps dir's (one lock
-    where they are the same directory).
+    """What a tuning holds from start to end: its results dir's lock, then its exps dir's (one if they are the same).
 
     Raises:
-        ConfigError: another tuner holds either; the results dir is tried first, so nothing is created
-            under the exps dir when it is held.
+        ConfigError: another tuner holds either (when the results dir is held, nothing is created under the exps dir).
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(ResultsLock(results_dir))
@@ -187,11 +176,8 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
 def experiment_dir(exps_dir: Path, name: str) -> Path:
-    """The directory of experiment ``name``: a direct child of ``exps_dir``, checked on the resolved
-    path (a name with a separator or ``..``, or a symlink out of the exps dir, is refused), and never a
-    symlink, even to a directory inside the exps dir (zerotune would write its record into the
-    target, and remove it on ``--overwrite``), so that nothing is created or removed outside the
-    results tree or through a link, whatever a config's keys say.
+    """The directory of experiment ``name``: a direct child of ``exps_dir`` on the resolved path, and never a symlink,
+    even within the exps dir, so nothing is created or removed outside the results tree or through a link.
 
     Raises:
         ConfigError: ``name`` is not ``[A-Za-z0-9_-][A-Za-z0-9._-]*`` (200 characters at most), or its
@@ -213,12 +199,9 @@ def experiment_dir(exps_dir: Path, name: str) -> Path:
 def not_own(exp_dir: Path) -> str:
     """Why ``exp_dir`` cannot be proven an experiment directory zerotune made ('' when it can).
 
-    zerotune's own is a real directory (not a symlink) holding a regular ``exp.json`` whose content
-    is a zerotune record for it: its ``name`` is the directory's and it carries a ``config_digest``
-    (every zerotune has written one). The file's name proves nothing: a user's, or DeepSpeed's own
-    autotuner's, ``exp.json`` is not zerotune's. Only such a directory is removed
-    (`clear_experiments`, `make_way`), even when its record does not verify
-    (`zerotune.run.exprecord.ExpRecord.from_dict`).
+    zerotune's own is a real directory holding a regular ``exp.json`` whose ``name`` is the directory's and which
+    carries a ``config_digest`` (every zerotune writes one); a user's or DeepSpeed's ``exp.json`` is not. Only such a
+    directory is removed (`clear_experiments`, `make_way`), even when its record does not verify.
     """
     exp_dir, path = Path(exp_dir), Path(exp_dir) / RECORD_FILE
     if exp_dir.is_symlink() or not exp_dir.is_dir():
@@ -235,10 +218,9 @@ def not_own(exp_dir: Path) -> str:
 
 
 def make_way(exp_dir: Path) -> None:
-    """Make way for a fresh run in ``exp_dir`` (checked by `experiment_dir`): zerotune's own earlier
-    attempt there (interrupted, failed, under another key, or its record not trusted) is removed, an
-    empty directory too; anything else (a user's directory, DeepSpeed's autotuner's, an ``exp.json``
-    that is not zerotune's record) is moved aside whole, to ``<name>.kept-<n>``, and said in the log."""
+    """Make way for a fresh run in ``exp_dir`` (checked by `experiment_dir`): zerotune's own earlier attempt
+    (`not_own`) or an empty directory is removed; anything else is moved aside whole to ``<name>.kept-<n>``,
+    with a warning."""
     if not os.path.lexists(exp_dir):
         return
     why = not_own(exp_dir)
@@ -256,10 +238,9 @@ def make_way(exp_dir: Path) -> None:
 
 
 def clear_experiments(exps_dir: Path) -> list[str]:
-    """``--overwrite``: remove the experiment directories in ``exps_dir``, those zerotune can prove its
-    own by their record's content (`not_own`: a real directory whose ``exp.json`` is zerotune's
-    record of it), nothing else: a config's ``exps_dir`` may name any directory, and a user's ``exp.json``
-    beside their checkpoint stays. Returns the names removed."""
+    """``--overwrite``: remove the experiment directories in ``exps_dir`` that zerotune can prove its own
+    (`not_own`), nothing else (``exps_dir`` may name any directory); returns the names removed."""
+
     removed = []
     try:
         children = sorted(Path(exps_dir).iterdir())

@@ -1,12 +1,10 @@
 """The answer rule: which measured config is the answer, read with the shape of the throughput curve.
 
-Rules: on GPU ranks a config's (ZeRO stage, gas, knobs) calm runs count as one curve rising with mbs, worth its
+On GPU ranks a config's (ZeRO stage, gas, knobs) calm runs (`capacity`) count as one curve rising with mbs, worth its
 non-decreasing fit at its largest mbs; a run near the capacity, or of unknown peak, stands alone on its pooled
 samples/s; CPU ranks keep the best pooled reading (`answer_readings`). A tie is an answer: configs within the target
-precision (``--precision``) of the best are the same answer, no run is launched to tell them apart, and the tie order
-takes one (`tie_order`, `tie_reading`); the summary and the report say "tie" with every tied figure and its interval.
-How near the capacity a run ran (`capacity`): calm under `NEAR_CAPACITY` of the budget, near at or over it, unknown
-without a peak or a budget (every CPU rank). Evidence: docs/decisions.md, D101, D307, D313, D321.
+precision (``--precision``) of the best are not told apart by another run; the tie order takes one (`tie_order`,
+`tie_reading`). Decisions: D101, D307, D313, D321.
 """
 from __future__ import annotations
 
@@ -49,13 +47,10 @@ def capacity(fraction: float | None) -> Capacity:
 
 
 def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
-    """The value at the last of ``readings`` of their run-weighted least-squares non-decreasing fit.
+    """The last value of the run-weighted least-squares non-decreasing fit of ``readings``; None when empty.
 
-    ``readings`` are (metric, runs) in ascending mbs order: one config's pooled metric at each mbs and how many
-    runs it pools. Pool adjacent violators (M. Ayer et al., "An empirical distribution function for sampling
-    with incomplete information", Ann. Math. Statist. 26, 1955): a block that reads above the next one is merged
-    with it into their run-weighted mean, until the means rise. None when empty.
-    """
+    ``readings``: (metric, runs) in ascending mbs order. Pool adjacent violators (M. Ayer et al., "An empirical
+    distribution function for sampling with incomplete information", Ann. Math. Statist. 26, 1955)."""
     blocks: list[tuple[float, int]] = []  # (mean, runs)
     for value, runs in readings:
         blocks.append((value, max(1, runs)))
@@ -67,9 +62,8 @@ def rising_top(readings: Sequence[tuple[float, int]]) -> float | None:
 
 def rising_candidates(items: Sequence[T], *, mbs: Callable[[T], int], value: Callable[[T], float],
                       runs: Callable[[T], int], calm: Callable[[T], bool]) -> list[tuple[float, T]]:
-    """(value, item) pairs an answer is chosen from among one config's measured mbs values (``items``): the calm
-    ones as one curve rising with mbs, worth `rising_top` of their values at the largest of them; each
-    other one (near the capacity, or of unknown peak) at its own value."""
+    """(value, item) answer candidates among one config's mbs values: the calm ones as one rising curve, worth
+    `rising_top` at the largest of them; each other one at its own value."""
     rising = sorted((i for i in items if calm(i)), key=mbs)
     pairs = [(value(i), i) for i in items if not calm(i)]
     if rising:
@@ -89,16 +83,13 @@ TIE_ORDER = ("more memory headroom where a tied config runs near the device's ca
 
 @dataclass(frozen=True)
 class Tie:
-    """Configs the answer rule cannot tell apart: each within the target precision of the best reading
-    (`zerotune.core.noise.tie`), and which one the tie order (`tie_order`) took.
+    """Configs within the target precision of the best reading (`zerotune.core.noise.tie`), and the one taken.
 
     Attributes:
-        answer, value: the config taken and its metric (the answer rule's reading: pooled, or its curve's level).
+        answer, value: the config taken and its metric (pooled, or its curve's level).
         others: the tied configs not taken, each with its metric, best first.
-        reason: what decided: ``"more memory headroom"``, ``"the better reading"`` or ``"the better lower bound"``
-            (the best reading was too imprecise, `tie_reading`).
-        half_widths: config name -> the relative 95% half-width of its reading
-            (`zerotune.core.noise.mean_half_width` over its runs), for every tied config.
+        reason: ``"more memory headroom"``, ``"the better reading"`` or ``"the better lower bound"`` (`tie_reading`).
+        half_widths: config name -> the relative 95% half-width of its reading (`half_widths`), every tied config.
     """
 
     answer: Experiment
@@ -109,15 +100,11 @@ class Tie:
 
 
 def tie_order(a: Experiment, b: Experiment, budget_bytes: int | None = None) -> tuple[Experiment, str]:
-    """Of two tied configs, ``a`` first in the tie order (`tie_reading`), the one the answer takes, and why: more
-    memory headroom where it protects the training, else ``a``, the better reading.
+    """Of two tied configs, ``a`` first by `tie_reading`, the one the answer takes, and why (D313).
 
-    Headroom decides where the larger of the two measured peaks is at least
-    `zerotune.strategy.answer.NEAR_CAPACITY` of the per-device budget ``budget_bytes`` (there a caching
-    allocator flushes, and the training's longer batches or the allocator's growth can run out of memory) and the
-    other's is lower by more than `HEADROOM_MARGIN` of it. Away from the capacity, and without a budget (CPU
-    ranks), a lower peak buys nothing, and the better reading is the best guess at the faster config
-    (docs/decisions.md, D313)."""
+    More memory headroom decides where the larger peak is at least `NEAR_CAPACITY` of ``budget_bytes`` (there the
+    allocator flushes and longer batches can run out of memory) and the other's is lower by more than
+    `HEADROOM_MARGIN` of it; else, and without a budget (CPU ranks), ``a``, the better reading."""
     pa, pb = a.peak_memory_bytes, b.peak_memory_bytes
     if (pa and pb and capacity(memory_fraction(max(pa, pb), budget_bytes)) is Capacity.NEAR
             and abs(pa - pb) > HEADROOM_MARGIN * max(pa, pb)):
@@ -135,19 +122,15 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
            precision: float | None = None) -> tuple[Experiment | None, Tie | None]:
     """The answer, and the tie it was taken from (None: no other config within ``precision`` of it).
 
-    The best reading: the experiment whose pooled metric (over its re-measurements) is best; on GPU ranks
-    read with the shape of the throughput curve (`answer_readings`). The configs whose reading is within
-    the target ``precision`` of it (None: none) tie with it (`zerotune.core.noise.tie`), and the tie
-    order (`tie_order`) takes one of them without a launch, best first by `tie_reading`: the reading,
-    or, for one known only to more than `IMPRECISE` times the precision, its lower bound; the half-width is
-    `zerotune.core.noise.mean_half_width` of the config's runs with this tuning's run-to-run noise
-    (`zerotune.core.noise.run_noise`). Failed, OOM and timed-out runs are never candidates (they carry no
-    metric).
+    The best reading is the best pooled metric (over re-measurements), on GPU ranks read with the curve's shape
+    (`answer_readings`). Readings within ``precision`` of it tie (`zerotune.core.noise.tie`); `tie_order` takes one
+    without a launch, ranked by `tie_reading` with the half-widths of `half_widths`. Failed, OOM and timed-out runs
+    carry no metric and are never candidates.
 
     Args:
-        budget_bytes: the per-device memory budget, bytes, against which a run's measured peak tells how near
-            the device's capacity it ran; None (CPU ranks, or unknown): the best pooled metric alone.
-        precision: the target precision, relative (``--precision``).
+        budget_bytes: the per-device memory budget, bytes, that tells how near the capacity a run ran; None (CPU
+            ranks, or unknown): the best pooled metric alone.
+        precision: the target precision, relative (``--precision``); None: no tie.
     """
     experiments = list(experiments)
     readings = answer_readings(experiments, pooled_metrics(experiments), objective, budget_bytes)
@@ -173,15 +156,14 @@ def decide(experiments: Iterable[Experiment], objective: Objective, budget_bytes
 
 
 def tie_reading(value: float, half_width: float, precision: float | None, sign: int = 1) -> float:
-    """What a tied config's reading counts for in the tie order: the reading itself where it is known to
-    `IMPRECISE` times the precision, else its lower bound, ``value * (1 - half_width)`` (``sign`` -1: a metric
-    where lower is better, ``value * (1 + half_width)``)."""
+    """A tied reading's worth in the tie order: itself where its half-width is within `IMPRECISE` times the
+    precision, else its lower bound ``value * (1 - sign * half_width)`` (``sign`` -1: lower is better)."""
     return value * (1 - sign * half_width) if half_width > IMPRECISE * (precision or 0.0) else value
 
 
 def half_widths(experiments: Sequence[Experiment], configs: Sequence[Experiment]) -> dict[str, float]:
-    """Config name -> the relative 95% half-width of its reading over its ok runs (the config and its
-    re-measurements): `zerotune.core.noise.mean_half_width` with the run-to-run noise of ``experiments``."""
+    """Config name -> the relative 95% half-width of its reading over its ok runs and re-measurements
+    (`zerotune.core.noise.mean_half_width`, with the run-to-run noise of ``experiments``)."""
     sigma = run_noise(experiments).sigma
     runs: dict[str, list[float | None]] = {c.name: [] for c in configs}
     for e in experiments:
@@ -193,12 +175,10 @@ def half_widths(experiments: Sequence[Experiment], configs: Sequence[Experiment]
 
 def answer_readings(experiments: Sequence[Experiment], pooled: dict[str, Pooled], objective: Objective,
                     budget_bytes: int | None) -> list[tuple[float, Experiment]]:
-    """(reading, experiment) of every answer candidate (a first run with an ok pooled metric). On GPU ranks
-    (``budget_bytes`` known) for throughput, each config's (stage, gas, knobs) calm runs count as one curve
-    rising with mbs (`rising_candidates`): away from the capacity a step's time is about affine in mbs, so a larger
-    mbs reading under a smaller one reads the noise, and together they tell the level better than the higher alone
-    (the winner's curse). Every other run (near the capacity, where an allocator's flushes can slow a step, or of
-    unknown peak) counts as its own pooled metric; else each run's pooled metric."""
+    """(reading, experiment) per answer candidate (a first run with an ok pooled metric). For throughput on GPU
+    ranks (``budget_bytes`` known) each config's calm runs form one curve rising with mbs (`rising_candidates`): a
+    step's time is about affine in mbs away from the capacity, so the curve reads the level better than the higher
+    reading alone (the winner's curse). Every other run counts as its own pooled metric."""
     bases = [e for e in experiments if e.replica_of is None and e.name in pooled]
     if budget_bytes is None or not objective.higher_is_better:
         return [(pooled[e.name].value, e) for e in bases]

@@ -1,13 +1,10 @@
 """Evaluating experiments for the strategy's phases: the one place that launches (through ``evaluate``).
 
-An `Evaluator` hands batches to the world's ``evaluate`` callable (the scheduler, or the dry run's
-memory oracle) and records every outcome in the ledger. It never evaluates a name twice (a config already
-run is reused: the knob-space candidate that is the mbs search's own config), never launches a config the
-memory model, as fitted to the runs so far, puts over the per-device budget with its margin (recorded as
-``Status.REFUSED``, with its prediction), never launches a candidate the throughput model says cannot beat
-the best by more than the target precision (`zerotune.strategy.prediction`: recorded as skipped, with the
-prediction), sets the bar a new run races against, and runs re-measurements. The phases decide what to
-evaluate; this module only evaluates it.
+An `Evaluator` hands batches to ``evaluate`` (the scheduler, or the dry run's memory oracle) and records every outcome
+in the ledger. It never evaluates a name twice, never launches a config the memory model fitted so far puts over the
+per-device budget with its margin (``Status.REFUSED``, D110) nor one the throughput model says cannot beat the best
+by more than the target precision (``Status.SKIPPED``, `zerotune.strategy.prediction`, D108, D322); it sets the bar a
+new run races against and runs re-measurements. The phases decide what to evaluate.
 """
 from __future__ import annotations
 
@@ -55,13 +52,8 @@ def current_rule() -> str:
 
 
 class Evaluator:
-    """Evaluates the strategy's experiments against ``evaluate`` and records them in ``result``'s ledger.
-
-    Args:
-        job: the resolved job.
-        evaluate: runs batches of experiments.
-        result: where the ledger and the memory model (fitted online to the runs) live.
-    """
+    """Evaluates the strategy's experiments against ``evaluate`` and records them in ``result``'s ledger; it refits
+    ``result``'s memory model with every run."""
 
     def __init__(self, job: Job, evaluate: Evaluate, result: StrategyResult):
         self.job = job
@@ -72,11 +64,10 @@ class Evaluator:
 
     def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
                  bar: float | None = None) -> list[Experiment]:
-        """Evaluate the experiments not evaluated before (by name); reuse the others' outcomes.
+        """Evaluate the experiments not evaluated before (by name), reuse the others'; return all outcomes, in order.
 
-        With ``race`` each new experiment races the incumbent (``bar``, by default `bar`): a
-        backend with a stop rule may end it once it cannot beat it. Re-measurements do not race: they
-        are run for precision. Returns the experiments' outcomes, in order.
+        With ``race`` a new one races ``bar`` (default `bar`): a backend's stop rule may end it once it cannot win.
+        Raises `BudgetSpent` where the launch budget leaves some unlaunched (those within it are recorded).
         """
         memory = self.result.memory
         bar = (bar if bar is not None else self.bar()) if race else None
@@ -118,18 +109,15 @@ class Evaluator:
         return list(self._evaluate(list(experiments)))
 
     def _not_launched(self, exp: Experiment, refusal: str) -> None:
-        """Record ``exp`` as refused without launching it (``Status.REFUSED``, ``error`` = ``refusal``: its
-        prediction and the margin, `zerotune.model.online.OnlineMemory.refusal`). A stage's largest mbs is
-        planned from the profile run before any of its runs; a later run that measures more (a steeper activation
-        slope, another stage's) would otherwise see the plan launched into an OOM the fitted model predicts."""
+        """Record ``exp`` unlaunched as ``Status.REFUSED``, ``error`` = ``refusal`` (its prediction and margin). A
+        stage's largest mbs is planned from the profile run: a later run that measures more must not see the plan
+        launched into an OOM the fitted model predicts."""
         exp.status, exp.metric, exp.error = Status.REFUSED, None, refusal
         logger.info(f"{exp.name}: {exp.error}")
         self.ledger.add(exp)
 
     def _skipped(self, exp: Experiment) -> bool:
-        """Record ``exp`` as skipped without launching it when the throughput model, fitted on the runs so
-        far, says it cannot beat the best by more than the target precision
-        (`zerotune.strategy.prediction.predict`)."""
+        """Record ``exp`` unlaunched as skipped where `zerotune.strategy.prediction.predict` says it cannot win."""
         objective = self.job.objective
         if objective.name != "throughput":  # the throughput model's unit, samples/s
             return False
@@ -149,8 +137,7 @@ class Evaluator:
         return True
 
     def _correct_memory(self, exp: Experiment) -> None:
-        """The memory model refitted with a finished experiment's peak, or its out-of-memory bound
-        (`zerotune.model.online.OnlineMemory.observed`)."""
+        """Refit the memory model with a finished run's peak, or its OOM bound (`zerotune.model.online`)."""
         if self.result.memory is not None:
             self.result.memory, why = self.result.memory.observed(exp, self.job.device_memory_bytes)
             if why:
@@ -158,14 +145,12 @@ class Evaluator:
 
     @property
     def precision(self) -> float:
-        """The target precision of a run's metric (relative 95% half-width): ``--precision``, which
-        also ends runs early when they are adaptive; `DEFAULT_PRECISION` with ``--no-adaptive``."""
+        """The target relative 95% half-width: ``--precision``; `DEFAULT_PRECISION` with ``--no-adaptive``."""
         return self.job.stop_rule.precision if self.job.stop_rule is not None else DEFAULT_PRECISION
 
     def bar(self) -> float | None:
-        """The bar a new experiment must beat (`zerotune.core.noise.must_beat`): the pessimistic
-        bound of the best pooled metric so far, with its run's interval half-width (pooled runs, or a
-        run without an interval: `PLATEAU_THRESHOLD`); None before any experiment ran ok."""
+        """The bar a new run must beat (`zerotune.core.noise.must_beat`): the best pooled metric's pessimistic bound,
+        with its run's half-width (pooled runs, or none: `PLATEAU_THRESHOLD`); None before a run went ok."""
         objective = self.job.objective
         pooled = self.ledger.pooled()
         best = objective.best(pooled, lambda name: pooled[name].value)
@@ -176,20 +161,17 @@ class Evaluator:
                          run_noise=self.ledger.run_noise.sigma)
 
     def launch_noise(self, stage: int, best: str) -> float:
-        """How far apart (relative, at 95%) one new run of ZeRO ``stage`` and the config ``best`` can read by noise
-        alone: ``sqrt(h ** 2 + hw ** 2 + (2 * sigma) ** 2)``, with ``h`` the best's half-width over its runs
-        (`zerotune.strategy.ledger.Ledger.half_width`), ``hw`` what a run's own interval will be
-        (`zerotune.core.noise.typical_half_width` of the stage's runs, else of every run; unknown: 0) and
-        ``sigma`` the run-to-run noise. Runs are as long as the script and the stop rule let them be, so this is
-        the finest difference one more launch can resolve."""
+        """How far apart (relative, 95%) one new run of ZeRO ``stage`` and the config ``best`` can read by noise
+        alone, the finest difference one more launch resolves (D322): ``sqrt(h ** 2 + hw ** 2 + (2 * sigma) ** 2)``,
+        ``h`` the best's half-width over its runs, ``hw`` a run's typical own half-width (the stage's runs, else
+        every run; unknown: 0), ``sigma`` the run-to-run noise."""
         ran = [e for e in self.ledger.experiments if e.status is Status.OK and e.kind is not ExperimentKind.PROFILE]
         own = [e.metric_rel_half_width for e in ran if e.stage == stage]
         hw = typical_half_width(own) or typical_half_width(e.metric_rel_half_width for e in ran) or 0.0
         return math.sqrt(self.ledger.half_width(best) ** 2 + hw ** 2 + (2 * self.ledger.run_noise.sigma) ** 2)
 
     def known_to_precision(self, exp: Experiment) -> bool:
-        """Whether one run tells ``exp``'s metric to the target precision (`precision`), under the
-        ledger's run-to-run noise (`zerotune.core.noise.known_to_precision`)."""
+        """Whether one run tells ``exp``'s metric to `precision` (`zerotune.core.noise.known_to_precision`)."""
         return known_to_precision(exp.metric_rel_half_width, self.precision, self.ledger.run_noise.sigma)
 
     def pooled(self, name: str) -> Pooled | None:
@@ -197,8 +179,7 @@ class Evaluator:
         return self.ledger.pooled().get(name)
 
     def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
-        """Run each experiment once more (replicas ``<name>_r<k>``, one batch, so they interleave with
-        each other) and return each one's pooled metric."""
+        """Run each experiment once more (replicas ``<name>_r<k>``, one batch, interleaved); their pooled metrics."""
         replicas = []
         for base in experiments:
             replica = self.builder.experiment(base.ds_config, base.kind, base.knobs)
@@ -209,12 +190,10 @@ class Evaluator:
         return [self.pooled(base.name) for base in experiments]
 
     def memory_fraction(self, exp: Experiment) -> float | None:
-        """``exp``'s measured peak over the per-device budget (`zerotune.strategy.answer.memory_fraction`);
-        None without a peak, and on CPU ranks (no capacity to read against)."""
+        """``exp``'s measured peak over the per-device budget; None without a peak, and on CPU ranks (no capacity)."""
         return memory_fraction(exp.peak_memory_bytes, self.job.capacity_bytes)
 
     def host_fits(self, ds_config: dict) -> bool:
-        """Whether what ``ds_config`` offloads to the host fits each node's host memory
-        (`zerotune.model.online.OnlineMemory.host_fits`; True when the model or the host memory is unknown)."""
+        """Whether what ``ds_config`` offloads fits each node's host memory (True where the model or it is unknown)."""
         memory = self.result.memory
         return memory is None or memory.host_fits(ds_config, self.job.host_memory_bytes, self.job.slots_per_node)

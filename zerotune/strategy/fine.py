@@ -1,12 +1,11 @@
 """The fine pass of the mbs search: a few bisections next to a stage's best mbs, only where they may pay.
 
 It bisects the gaps next to the mbs the answer rule picks (`zerotune.strategy.points.MbsTrace.answer`), up to
-``bounds.num_fine`` runs (`fine_pass`). For throughput a gap is bisected only where it may pay: the gap above unless
-the affine step time through the best predicts there no gain the runs can resolve (`_above_may_pay`); the gap below
-only where the best ran near or of unknown capacity (`_below_may_pay`) and is no precise plateau (`_plateau`); neither
-gap where its far point could at most tie the best (`_at_most_a_tie`). The plateau and tie skips do not hold at the
-memory boundary (an out-of-memory point above, or one near the capacity): a tie there may hide a peak.
-Evidence: docs/decisions.md, D105, D311, D322.
+``bounds.num_fine`` runs (`fine_pass`). For throughput the gap above is bisected unless the affine step time through
+the best predicts no gain the runs can resolve (`_above_may_pay`); the gap below only where the best ran near or of
+unknown capacity (`_below_may_pay`) and is no precise plateau (`_plateau`); neither where its far point could at most
+tie the best (`_at_most_a_tie`). The plateau and tie skips do not hold at the memory boundary (an OOM point above, or
+one near the capacity): a tie there may hide a peak. Decisions: D105, D311, D322.
 """
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ from zerotune.strategy.points import Evaluate, MbsTrace, Point, SearchBounds, mi
 
 
 def refine_mbs(evaluate: Evaluate, trace: MbsTrace, bounds: SearchBounds) -> None:
-    """The fine pass alone, on a trace `zerotune.strategy.mbs.search_mbs` left without one
-    (`SearchBounds.coarse`): bisect the gaps next to its best mbs, up to ``bounds.num_fine`` experiments
-    (recorded in ``trace``). Arguments as in `zerotune.strategy.mbs.search_mbs`."""
+    """`fine_pass` alone, on a trace `zerotune.strategy.mbs.search_mbs` left without one (`SearchBounds.coarse`);
+    its runs are recorded in ``trace``."""
     if trace.best(bounds.objective) is not None:
         fine_pass(runner(trace, evaluate), trace, bounds)
 
@@ -67,10 +65,9 @@ def fine_pass(run, trace: MbsTrace, bounds: SearchBounds) -> None:
 
 
 def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -> bool:
-    """True when the measured point ``a`` and ``best`` are both known to ``precision`` (their runs'
-    intervals, `zerotune.core.noise.precise`; None: never) and tie within their noise
-    (`zerotune.core.noise.within_noise`): the curve is flat between them, so the gap between them
-    holds no mbs better by more than one run can tell. A tie of imprecise points is ignorance, not a plateau."""
+    """Whether ``a`` and ``best`` are both known to ``precision`` (`zerotune.core.noise.precise`; None: never) and tie
+    within their noise: the curve is flat between them, so the gap holds no mbs better by more than one run can tell.
+    A tie of imprecise points is ignorance, not a plateau."""
     if precision is None or not a.ok:
         return False
     both_precise = all(precise(p.rel_half_width, precision) for p in (a, best))
@@ -78,14 +75,11 @@ def _plateau(a: Point, best: Point, threshold: float, precision: float | None) -
 
 
 def _at_most_a_tie(low: Point, best: Point, trace: MbsTrace, threshold: float, precision: float | None) -> bool:
-    """True when the measured point next to the best (throughput), ``low``, could beat it by no more than
-    ``precision``, or no more than one run between them could resolve, even at the far end of their noise: its
-    reading's shortfall less their `zerotune.core.noise.pair_noise` (``gain_high``) is not
-    `zerotune.core.noise.resolvable` against one more run of the trace's length (its interval the trace's
-    `zerotune.core.noise.typical_half_width`) compared with the best. The curve does not rise towards the
-    neighbour there, so a bisection between them would at best find a tie, or a reading that moves the answer
-    only by chance (None: never). Above the best it is asked only of a neighbour that ran ok off the capacity: the
-    allocator's flushes slow a step near it, and an out-of-memory neighbour is the memory boundary."""
+    """Whether ``low``, the measured neighbour of the best (throughput), could beat it by no more than ``precision``
+    (None: never) or than one run between them could resolve, even at the far end of their noise (D322): its gain
+    plus their `zerotune.core.noise.pair_noise` is not `zerotune.core.noise.resolvable` against one more run of the
+    trace's typical half-width. A bisection there would find at best a tie, or move the answer only by chance. Above
+    the best it is asked only of a neighbour that ran ok off the capacity (an OOM one is the memory boundary)."""
     if precision is None or not (low.ok and best.ok and low.metric and best.metric):
         return False
     gain_high = low.metric / best.metric - 1 + pair_noise(low, best, threshold)
@@ -95,10 +89,9 @@ def _at_most_a_tie(low: Point, best: Point, trace: MbsTrace, threshold: float, p
 
 
 def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
-    """The relative throughput gain over ``best`` that an affine step time predicts at ``mbs``: the step
-    time per micro-batch (``mbs / throughput``, up to the constant DP x gas) taken as ``a + b * mbs`` through
-    the measured ``low`` (a smaller mbs) and ``best``. None when they do not give one (``a + b * mbs`` not
-    positive at ``mbs``, or no metric)."""
+    """The relative throughput gain over ``best`` an affine step time predicts at ``mbs``: the time per micro-batch
+    (``mbs / throughput``, up to the constant DP x gas) as ``a + b * mbs`` through ``low`` (a smaller mbs) and
+    ``best``; None without metrics or where ``a + b * mbs`` is not positive at ``mbs``."""
     if not (low.ok and best.ok and low.metric and best.metric and low.mbs < best.mbs):
         return None
     s_low, s_best = low.mbs / low.metric, best.mbs / best.metric
@@ -110,12 +103,10 @@ def affine_gain(low: Point, best: Point, mbs: int) -> float | None:
 
 
 def _above_may_pay(trace: MbsTrace, best: Point, mid: int, threshold: float) -> bool:
-    """Whether the gap above the best (throughput) may hold a better mbs at its middle ``mid``: not when the
-    affine step time through the best and the nearest runnable point below it not near the capacity
-    (`affine_gain`) predicts there a gain under ``threshold``, or one within the noise of the two
-    points it comes from. Extended above the best, that line is what the step's fixed work still has to
-    amortize; the allocator's flushes near capacity only slow a step. With no such point below, or no
-    prediction, it may."""
+    """Whether the gap above the best (throughput) may hold a better mbs at its middle ``mid``: not where the affine
+    step time (`affine_gain`) through the best and the nearest runnable point below it off the capacity predicts a
+    gain under ``threshold`` or within the two points' noise (the line is what the step's fixed work still has to
+    amortize). With no such point or no prediction, it may."""
     lows = [p for p in trace.ok_points if p.mbs < best.mbs and p.capacity is not Capacity.NEAR]
     if not lows:
         return True
@@ -125,6 +116,5 @@ def _above_may_pay(trace: MbsTrace, best: Point, mid: int, threshold: float) -> 
 
 
 def _below_may_pay(best: Point) -> bool:
-    """Whether the gap below the best may hold a better mbs: not where the best ran calm (throughput rises with
-    mbs there, so nothing between a smaller runnable mbs and the best wins)."""
+    """Whether the gap below the best may hold a better mbs: not where the best ran calm (throughput rises there)."""
     return best.capacity is not Capacity.CALM

@@ -1,12 +1,11 @@
 """The gas phase: gradient accumulation at the best stage's best mbs, where the batch semantics search it.
 
-At the best stage's best mbs ``m`` (`zerotune.inputs.batch`): first ``m``'s global batch split in two (``m // 2``
-at twice the gas), then the config's list of gas values at ``m`` (each tried), or a doubling ladder within
-``max_train_batch_size`` that stops at a plateau or a failure. A run is skipped where it cannot pay: the split
-without a measured point that makes it worth a run (`GasPhase.split_evidence`), and the split or a rung where
-doubling the gas amortizes too little (`GasPhase.split_cannot_pay`, `GasPhase.rung_cannot_pay`). A rung is a larger
-global batch, which changes the training itself: only its win is re-measured (`GasPhase.candidate`).
-Evidence: docs/decisions.md, D7, D13, D16, D17.
+At the best stage's best mbs ``m`` (`zerotune.inputs.batch`): first ``m``'s global batch split in two (``m // 2`` at
+twice the gas), then the config's list of gas values at ``m``, or a doubling ladder within ``max_train_batch_size``
+that stops at a plateau or a failure. A run is skipped where it cannot pay: the split without a measured point that
+makes it worth a run (`GasPhase.split_evidence`), the split or a rung where doubling the gas amortizes too little
+(`GasPhase.split_cannot_pay`, `GasPhase.rung_cannot_pay`). A rung is a larger global batch, which changes the
+training itself: only its win is re-measured (`GasPhase.candidate`). Decisions: D7, D13, D16, D17.
 """
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class GasPhase:
-    """One gas phase over the explored ``stages``; `run` returns the (mbs, gas) that beat each stage's
-    mbs search's best (at most one stage: the best)."""
+    """One gas phase over the explored ``stages``; `run` returns the (mbs, gas) that beat the best stage's search."""
 
     def __init__(self, ev: Evaluator, stages: list[StageResult]):
         self.ev = ev
@@ -68,14 +66,12 @@ class GasPhase:
         return self.best_batch
 
     def _experiment(self, stage: int, mbs: int, gas: int | None = None) -> Experiment:
-        """The top stage's experiment at ``mbs`` (and ``gas``), with its memory saver's settings."""
         return self.ev.builder.mbs_experiment(stage, mbs, gas, settings=self.top.settings if self.top else None)
 
     def split_evidence(self, stage: int, half: int, point: Point) -> Point | None:
-        """The measured point that makes the split worth a run, or None: the smallest point in ``[half,
-        point.mbs)`` where it is no faster than ``point`` or ties it within the runs' noise
-        (`zerotune.core.noise.within_noise`). With throughput rising with mbs, that point bounds the split's
-        micro-batches from above; without one the smaller micro-batch is the slower one."""
+        """The measured point that makes the split worth a run, or None: the smallest in ``[half, point.mbs)`` no
+        faster than ``point`` or tied with it within the runs' noise. With throughput rising with mbs, it bounds the
+        split's micro-batches from above; without one the smaller micro-batch is the slower one."""
         objective = self.ev.job.objective
         trace = self.top.trace if self.top is not None else next(r.trace for r in self.stages if r.stage == stage)
         between = [p for p in trace.ok_points if half <= p.mbs < point.mbs]
@@ -87,9 +83,9 @@ class GasPhase:
 
     def split_cannot_pay(self, stage: int, half: int, gas: int, evidence: Point) -> bool:
         """Whether the split (``half`` at ``gas``) is not worth a run: its micro-batches are no faster than
-        ``evidence`` (`split_evidence`), and it gains over them at most what its doubled gas amortizes.
-        The share at ``half`` is at most ``evidence``'s measured share times ``evidence.mbs / half`` (the
-        once-per-step time is the same, and a micro-step's time falls no faster than its mbs)."""
+        ``evidence``, and doubling the gas gains under `PLATEAU_THRESHOLD` (`bound_under_threshold`) on a once-per-step
+        share at most ``evidence``'s times ``evidence.mbs / half`` (the once-per-step time is the same, and a
+        micro-step's time falls no faster than its mbs)."""
         base = self.ev.ledger.get(self._experiment(stage, evidence.mbs).name)
         share = self.boundary_share(base) if base is not None else None
         share = None if share is None else min(1.0, share * evidence.mbs / half)
@@ -103,9 +99,8 @@ class GasPhase:
         return True
 
     def rung_cannot_pay(self, base: Experiment, gas: int) -> bool:
-        """Whether the ladder's rung at ``gas`` is not worth a run, from ``base``, the same config at half that
-        gas: it gains at most `zerotune.inputs.batch.doubling_gain_bound` of ``base``'s measured
-        once-per-step share, under `PLATEAU_THRESHOLD`: it would end the ladder as a plateau even if it ran."""
+        """Whether the rung at ``gas`` is not worth a run: doubling from ``base`` (the same config at half that gas)
+        gains under `PLATEAU_THRESHOLD` (`bound_under_threshold`), so it would end the ladder as a plateau anyway."""
         share = self.boundary_share(base)
         bound = self.bound_under_threshold(share, base)
         if bound is None:
@@ -124,22 +119,18 @@ class GasPhase:
         return bound if bound is not None and bound < PLATEAU_THRESHOLD else None
 
     def boundary_share(self, exp: Experiment) -> float | None:
-        """The share of ``exp``'s step spent once per optimizer step (the probe's ``boundary_s``), the mean
-        over its runs that measured it; None where none did."""
+        """The mean share of ``exp``'s step its runs spent once per optimizer step (``boundary_s``); None: unknown."""
         shares = [e.boundary_share for e in self.ev.ledger.runs_of(exp.name) if e.boundary_share is not None]
         return sum(shares) / len(shares) if shares else None
 
     def candidate(self, stage: int, mbs: int, gas: int, best: Experiment,
                   larger_batch: bool = False) -> tuple[Experiment, float | None]:
-        """Run ``mbs`` at ``gas`` for ``stage`` against the phase's ``best`` so far; (the better of the two,
-        the candidate's gain over ``best`` on their pooled metrics; None: it did not run ok).
+        """Run ``mbs`` at ``gas`` for ``stage`` against the phase's ``best``; (the better of the two, the candidate's
+        gain over ``best`` on their pooled metrics; None: it did not run ok). A win is recorded in `best_batch`.
 
-        A difference within the runs' noise where a one-run side is not known to the target precision, and
-        larger than that precision (within it, a tie), is not decided on that run: the one-run side(s) are
-        re-measured and the pooled metrics decide. With ``larger_batch`` (a rung of the ladder) only a win is
-        re-measured (a loss within the noise keeps the smaller batch without spending two runs on it), and the run
-        races ``best``'s own metric, not its pessimistic bound. A win is recorded in
-        `best_batch`.
+        A difference another run can decide (`_compare`) is re-measured on its one-run sides first. With
+        ``larger_batch`` (a ladder rung) only a win is re-measured, and the run races ``best``'s own metric, not its
+        pessimistic bound.
         """
         ev = self.ev
         bar = ev.pooled(best.name).value if larger_batch else None

@@ -1,9 +1,8 @@
 """The knob phase (``"fast": false``): each knob stage's tuning space walked by the configured tuner.
 
-The knob stages are the best explored stage and the next best when within `KNOB_STAGE_MARGIN` of it,
-each at its best mbs (and gas, where the gas phase found a better one). The space
-(`zerotune.inputs.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the
-slots can run at once; configs that already ran (the mbs phase's own config) are told, not run again.
+The knob stages (`knob_stages`) are each walked at their best mbs (and gas, where the gas phase found a better one).
+The space (`zerotune.inputs.configs.ConfigBuilder.knob_space`) is asked of the tuner in batches as large as the slots
+can run at once; configs that already ran (the mbs phase's own config) are told, not run again.
 """
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ def knob_stages(stages: Sequence[StageResult], objective: Objective) -> list[tup
 
 
 def tune_knobs(ev: Evaluator, parallel: int, best_batch: dict[int | str, tuple[int, int]]) -> None:
-    """Walk each knob stage's space (the module docstring), at the (mbs, gas) of ``best_batch`` where it has
-    the stage (by `StageResult.key`); record each phase in the result's ``knob_phases``."""
+    """Walk each knob stage's space, at its (mbs, gas) in ``best_batch`` (by `StageResult.key`) where there is one;
+    record each phase in the result's ``knob_phases``."""
     job, memory = ev.job, ev.result.memory
     at = job.autotuning
     fits = None if memory is None else (lambda c: memory.fits(c, job.device_memory_bytes) and ev.host_fits(c))

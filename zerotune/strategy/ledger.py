@@ -1,10 +1,9 @@
 """The ledger: every experiment the strategy was told the outcome of, the one record the report reads.
 
-Experiments enter through one door (`Ledger.add`), in the order the strategy asked for them, with
-their outcomes: runs, re-measurements (replicas, ``<name>_r<k>``), and configs the memory model kept from
-launching. Everything the strategy decides on is derived from it: a config's runs, their pooled metrics,
-the run-to-run noise and the answer (`zerotune.strategy.answer.best_experiment`), computed once per
-state of the ledger.
+Experiments enter through one door (`Ledger.add`), in the order asked, with their outcomes: runs, re-measurements
+(replicas, ``<name>_r<k>``) and configs kept from launching. Everything the strategy decides on derives from it: a
+config's runs, their pooled metrics, the run-to-run noise and the answer (`zerotune.strategy.answer.decide`), each
+computed once per state of the ledger.
 """
 from __future__ import annotations
 
@@ -18,11 +17,9 @@ from zerotune.strategy.answer import Tie, best_experiment, decide
 class Ledger:
     """The experiments of one tuning, in the order asked, each name once (replicas have their own names).
 
-    Args:
-        objective: what the answer maximizes or minimizes (None: no answer is read, e.g. a bare ledger).
-        budget_bytes: the per-device budget the answer rule reads capacity against (None on CPU ranks).
-        precision: the target precision (relative): configs within it of the best reading tie, and the tie order
-            takes one (`zerotune.strategy.answer.decide`); None: no ties.
+    ``objective`` None reads no answer (a bare ledger); ``budget_bytes`` is the per-device budget the answer rule
+    reads capacity against (None on CPU ranks); within ``precision`` (relative; None: never) configs tie
+    (`zerotune.strategy.answer.decide`).
     """
 
     def __init__(self, objective: Objective | None = None, budget_bytes: int | None = None,
@@ -66,9 +63,8 @@ class Ledger:
         return self._pooled[1]
 
     def half_width(self, name: str) -> float:
-        """The relative 95% half-width of experiment ``name``'s metric pooled over its ok runs, as an estimate of
-        what a run of it gives (`zerotune.core.noise.mean_half_width`: their own intervals, an unknown one as
-        0, and the run-to-run noise)."""
+        """The relative 95% half-width of ``name``'s metric pooled over its ok runs, estimating what a run of it gives
+        (`zerotune.core.noise.mean_half_width`: their own intervals, an unknown one as 0, the run-to-run noise)."""
         runs = [e.metric_rel_half_width for e in self.runs_of(name) if e.status is Status.OK]
         return mean_half_width(runs or [None], self.run_noise.sigma)
 
@@ -79,8 +75,7 @@ class Ledger:
 
     @property
     def tie(self) -> Tie | None:
-        """The tie the answer was taken from (`zerotune.strategy.answer.Tie`); None: the answer reads
-        better than every other config by more than the precision."""
+        """The tie the answer was taken from (`zerotune.strategy.answer.Tie`); None: no config within the precision."""
         return self._decided()[2]
 
     def exclude(self, name: str, why: str) -> None:

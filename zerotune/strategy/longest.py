@@ -1,12 +1,11 @@
 """The answer at the longest batch: a config that fits the batches the tuning saw but not the longest the training
-can meet is not the answer; the next one that fits is.
+can meet is not the answer; the next one that fits is (D309).
 
-Rules: after every other phase, `settle_longest` checks the answer's predicted peak at the longest batch
+After every other phase, `settle_longest` checks the answer's predicted peak at the longest batch
 (`zerotune.model.tokens`); one over the budget is excluded from the answer rule and the next is checked, until one fits
 or none is left (then the last stands, said so). ``--verify-longest`` runs the answer once with every batch padded to
 that length: not a candidate, it teaches the memory fit nothing, and one out of memory excludes its config. A workload
 without token ids (no length recorded) or of one fixed length is left as it is.
-Evidence: docs/decisions.md, D309.
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ class LongestResult:
     not_verified: str = ""  # with --verify-longest, why no run was made ('' when one was, or none was asked)
 
     def notes(self) -> list[str]:
-        """The summary's lines: the longest batch and its source, each check, each verification, or why
-        ``--verify-longest`` ran nothing."""
+        """The summary's lines: the longest batch, each check and verification, or why ``--verify-longest`` ran none."""
         if self.not_verified:
             return [f"--verify-longest: nothing run: {self.not_verified}"]
         if self.batch is None or self.batch.fixed:
@@ -72,11 +70,10 @@ def _outcome(run: Experiment, predicted: int | None) -> str:
 
 
 def settle_longest(ev, options: LongestOptions, max_positions: int | None, square: float = 0.0) -> LongestResult:
-    """Check (and with ``options.verify`` run, at most `MAX_VERIFICATIONS` times, every micro batch padded by the
-    probe's pad file: `zerotune.core.experiment.Experiment.pad_seq_len`) the answer at the longest batch, excluding
-    each that fails (`zerotune.strategy.ledger.Ledger.exclude`) while another is left; ``ev``: the
-    strategy's `zerotune.strategy.evaluation.Evaluator`; ``max_positions``: the model's (None: unknown);
-    ``square``: its attention scores' bytes per token squared per sample
+    """Check the answer at the longest batch, excluding each that fails (`zerotune.strategy.ledger.Ledger.exclude`)
+    while another is left; with ``options.verify`` also run it, at most `MAX_VERIFICATIONS` times, every micro batch
+    padded (`zerotune.core.experiment.Experiment.pad_seq_len`). ``ev``: the strategy's Evaluator; ``max_positions``:
+    the model's (None: unknown); ``square``: its attention scores' bytes per token squared per sample
     (`zerotune.model.tokens.square_bytes`)."""
     result, ledger, budget = LongestResult(), ev.ledger, ev.job.device_memory_bytes
     memory = ev.result.memory

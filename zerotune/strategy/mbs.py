@@ -1,12 +1,11 @@
 """The micro-batch search of one ZeRO stage: which mbs values to try, in what order, and when to stop.
 
-`search_mbs` never launches anything: it hands batches of mbs values to an ``evaluate`` callable and learns from
-the outcomes (``Status`` and metric); why it stopped is a `StopReason`. For throughput the search is top-down from
-the memory model's estimate and looks below the best only near the device's capacity (`_top_down`); for latency it
-climbs bottom-up by a doubling ladder (`next_mbs`); then the fine pass (`zerotune.strategy.fine`) bisects around
-the best. It moves over a sorted set of allowed mbs values (every integer in ``lo..hi``, the divisors that keep
-``mbs * gas * DP = train_batch_size``, or the user's list). A step the throughput model skips ends the climb.
-Evidence: docs/decisions.md, D5, D104.
+`search_mbs` never launches: it hands batches of mbs values to ``evaluate`` and learns from their ``Status`` and
+metric; why it stopped is a `StopReason`. Throughput searches top-down from the memory estimate and looks below the
+best only near the device's capacity (`_top_down`, D5, D104); latency climbs bottom-up by a doubling ladder
+(`next_mbs`); then the fine pass (`zerotune.strategy.fine`) bisects around the best. The allowed mbs values are sorted:
+every integer in ``lo..hi``, the divisors that keep ``mbs * gas * DP = train_batch_size``, or the user's list. A step
+the throughput model skips ends the climb.
 """
 from __future__ import annotations
 
@@ -33,32 +32,22 @@ __all__ = ["next_mbs", "search_mbs"]
 
 def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known: Sequence[Point] = (),
                confirm: Confirm | None = None) -> MbsTrace:
-    """Search the micro batch size of one stage.
+    """Search the micro batch size of one stage; return the trace, in evaluation order (``known`` points first).
 
-    Throughput (a larger mbs tends to win): `_top_down`, `_look_below`. Latency (a smaller mbs tends to win):
-    bottom-up, the smallest mbs, then a doubling ladder (`next_mbs`) that lands on the estimate and may go above
-    it, a binary search between the last runnable and the first failing mbs, and plateau detection (not on the
-    step onto the estimate, which only positions the ladder). Then the fine pass bisects around the best mbs.
+    Throughput: `_top_down`, `_look_below`. Latency: the smallest mbs, then a doubling ladder (`next_mbs`) that lands
+    on the estimate and may go above it, a binary search between the last runnable and the first failing mbs, and a
+    plateau test (not on the step onto the estimate, which only positions the ladder). Then the fine pass.
 
     Args:
-        evaluate: runs a batch of mbs values and returns one `Point` each.
-        bounds: the mbs values allowed, the objective, the plateau threshold (a latency ladder's step onto the
-            estimate is not tested against it), the target precision (the fine pass skips the gap below the
-            best when both ends are known to it and tie; None: it never skips) and the fine pass's budget.
-        estimate: the memory model's largest fitting mbs: where a throughput search starts (the
-            largest allowed value within it), and where a latency ladder lands exactly; both may
-            go above it when it runs.
-        known: points already measured for this stage (reused, not re-run). A throughput search
-            starts at the largest known runnable mbs when it is above the estimate. For latency,
-            when one of them ran, the smallest mbs is not run (memory grows with mbs) and the
-            ladder starts at the largest known runnable mbs. A known failure is never re-run.
-        confirm: when given, a step that would end the climb as a plateau by a difference within
-            the two runs' noise (`within_noise`) is not decided on one run: the step and the
-            best so far are re-measured once (interleaved) and the plateau test is made on the
-            pooled metrics, unless the difference is within the precision (a tie).
-
-    Returns:
-        The trace, in evaluation order (``known`` points first).
+        bounds: the allowed mbs values, the objective, the plateau threshold, the target precision (the fine pass
+            skips a gap whose ends tie to it; None: never) and the fine pass's budget.
+        estimate: the memory model's largest fitting mbs: a throughput search starts at the largest allowed value
+            within it, a latency ladder lands on it; both may go above it.
+        known: points already measured for this stage, never re-run. A throughput search starts at the largest known
+            runnable mbs above the estimate; a latency one climbs from the largest known runnable mbs, skipping the
+            smallest (memory grows with mbs).
+        confirm: re-measures, once and interleaved, a plateau step within the two runs' noise (`within_noise`) and
+            the best so far; the plateau is then tested on the pooled metrics, unless the difference is a tie.
     """
     values = bounds.values
     trace = MbsTrace(points=list(known))
@@ -88,11 +77,9 @@ def search_mbs(evaluate: Evaluate, bounds: SearchBounds, *, estimate: int, known
 
 def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
            confirm: Confirm | None) -> StopReason:
-    """Climb from the runnable ``prev`` by `next_mbs` steps until the cap, a failure (then
-    `_bisect` to the boundary) or a plateau (a step gaining less than the threshold; not the
-    step onto ``estimate``; one within the runs' noise is re-measured first when ``confirm`` is given, where
-    another run can decide, `zerotune.core.noise.replica_decides`: not a tie, and blocked by the
-    run-to-run noise, not the runs' own intervals)."""
+    """Climb from the runnable ``prev`` by `next_mbs` steps until the cap, a failure (then `_bisect`) or a plateau
+    (not on the step onto ``estimate``); a plateau step is first re-measured by ``confirm`` where another run can
+    decide (`zerotune.core.noise.replica_decides`)."""
     values, objective, threshold, precision = bounds.values, bounds.objective, bounds.threshold, bounds.precision
     best = trace.best(objective)
     while True:
@@ -119,11 +106,8 @@ def _climb(run, trace: MbsTrace, bounds: SearchBounds, prev: int, estimate: int,
 
 
 def _top_down(run, trace: MbsTrace, bounds: SearchBounds, estimate: int, confirm: Confirm | None) -> None:
-    """The search where a larger mbs tends to win (throughput): start at the memory model's estimate
-    (or the largest known runnable mbs above it), where the answer usually is; if it fails, halve until a size
-    runs and bisect up to the failure; if it runs, climb above it by doubling while it runs and gains
-    (a failure: bisect to the boundary), then look below (`_look_below`). Evidence: docs/decisions.md,
-    D104."""
+    """The throughput search (D5, D104): start at the estimate (or the largest known runnable mbs above it); if it
+    fails, halve until one runs and bisect up to the failure; if it runs, `_climb` from it; then `_look_below`."""
     values = bounds.values
     known_ok = [p.mbs for p in trace.ok_points]
     start = largest_within(values, estimate)
@@ -153,12 +137,10 @@ def _top_down(run, trace: MbsTrace, bounds: SearchBounds, estimate: int, confirm
 
 
 def _look_below(run, trace: MbsTrace, bounds: SearchBounds) -> None:
-    """Below the best, only from near the device's capacity and only while it clearly pays: a calm best
-    stops here (throughput rises with mbs away from the capacity: nothing below can win); a best near the
-    capacity tries the largest mbs the memory model puts under it (``calm_mbs``), unless one ran there; a
-    best of unknown capacity (CPU ranks, whose caches can make a smaller mbs faster anywhere) tries one halving
-    below, where nothing below was measured. Going down takes a gain of the threshold beyond the noise (a larger
-    mbs is the prior for throughput)."""
+    """Look below the best, each step down only for a gain of the threshold beyond the noise (D104). A calm best
+    stops (nothing below can win); a best near the capacity tries the largest mbs the memory model puts under it
+    (``calm_mbs``) unless one ran there; a best of unknown capacity (CPU ranks, whose caches can make a smaller mbs
+    faster) tries one halving where nothing below was measured."""
     values, objective, threshold = bounds.values, bounds.objective, bounds.threshold
     best = trace.best(objective)
     while True:
@@ -190,10 +172,9 @@ def _halving(values: Sequence[int], mbs: int) -> list[int]:
 
 
 def next_mbs(prev: int, estimate: int, values: Sequence[int]) -> tuple[int, bool] | None:
-    """The ladder's next mbs after a runnable ``prev``, and whether it is the step onto the memory
-    estimate: the smallest allowed value at least double ``prev`` (the largest allowed when none
-    is), but the largest allowed value within the estimate when doubling would jump over it.
-    None when ``prev`` is the largest allowed value (the cap)."""
+    """The ladder's step after a runnable ``prev`` and whether it lands on ``estimate``: the smallest allowed value
+    at least double ``prev`` (else the largest), or the largest within ``estimate`` where doubling jumps over it;
+    None at the cap."""
     above = [m for m in values if m > prev]
     if not above:
         return None

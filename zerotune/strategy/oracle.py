@@ -1,12 +1,11 @@
 """The memory-model oracle: ``evaluate`` for ``zerotune tune --dry-run``, launching nothing.
 
-Rules: the dry run runs the real `zerotune.strategy.tuning.Strategy` with `MemoryOracle` in place of the scheduler,
-so it lists exactly the experiments the strategy would try if the memory model were right. The profile run is
-answered from a finished profile on disk (its peak calibrates the memory model), else ``autotuning.model_info``, else
-every config is taken to fit. Any other experiment is OOM where the memory model's bytes per device exceed the budget,
-else OK with an ASSUMED metric: a throughput (samples/s, FLOP/s) proportional to ``mbs * gas * DP world size``, or a
-constant latency. So the mbs search climbs to the memory boundary, and the knob phase stops after
-``tuner_early_stopping`` configs that tie.
+The dry run runs the real `zerotune.strategy.tuning.Strategy` with `MemoryOracle` in place of the scheduler, so it
+lists exactly the experiments the strategy would try if the memory model were right. The profile run is answered from
+a finished profile on disk (its peak calibrates the memory model), else ``autotuning.model_info``, else every config
+fits. Any other experiment is OOM where the memory model's bytes per device exceed the budget, else OK with an ASSUMED
+metric: a throughput proportional to ``mbs * gas * DP world size``, or a constant latency. So the mbs search climbs to
+the memory boundary, and the knob phase stops after ``tuner_early_stopping`` configs that tie.
 """
 from __future__ import annotations
 
@@ -20,17 +19,9 @@ GIVEN_MODEL_INFO = "autotuning.model_info"
 
 
 class MemoryOracle:
-    """An ``evaluate`` callable that answers from the memory model (see the module docstring).
-
-    Args:
-        job: the job.
-        load: ``load(exp) -> Experiment | None``: a finished result on disk for ``exp``
-            (the scheduler's resume lookup); only read, never written.
-
-    Attributes:
-        model_info_source: where the model size came from (`PROFILE_ON_DISK`,
-            `GIVEN_MODEL_INFO`) or None when unknown; set when the profile is evaluated.
-    """
+    """An ``evaluate`` callable that answers from the memory model. ``load(exp)``: a finished result on disk for
+    ``exp`` or None (the scheduler's resume lookup), only read. ``model_info_source``: where the model size came from
+    (`PROFILE_ON_DISK`, `GIVEN_MODEL_INFO`; None: unknown), set when the profile is evaluated."""
 
     def __init__(self, job: Job, load: Callable[[Experiment], Experiment | None]):
         self.job = job

@@ -1,6 +1,5 @@
-"""Measured micro batch sizes: a `Point` per mbs, a stage's `MbsTrace`, the value helpers the mbs search
-(`zerotune.strategy.mbs`) and its fine pass (`zerotune.strategy.fine`) share, and `SearchBounds`, the one frozen
-record of where every mbs search of a tuning may go (stage probes, mbs search, fine pass).
+"""Measured micro batch sizes: a `Point` per mbs, a stage's `MbsTrace`, the helpers the mbs search and its fine pass
+share, and `SearchBounds`, the one frozen record of where every mbs search of a tuning may go.
 """
 from __future__ import annotations
 
@@ -17,18 +16,15 @@ from zerotune.strategy.answer import Capacity, capacity, rising_candidates
 
 @dataclass(frozen=True)
 class SearchBounds:
-    """Where and how an mbs search may go.
+    """Where and how an mbs search may go (stage probes, mbs search, fine pass).
 
     Attributes:
-        lo, hi: the smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``, and the train
-            batch bounds).
-        objective: the metric's direction (which way the search goes).
-        allowed: the mbs values the search may try (None: every integer in ``lo..hi``); only those within
-            ``lo..hi`` are used.
-        threshold: the plateau threshold, a fraction: a step that improves the best metric by less ends the upward
-            search; a throughput search goes below its best only while a step down gains this much.
-        precision: the runs' target precision (relative half-width, e.g. 0.02): a difference within it is a tie
-            (`zerotune.core.noise.tie`); None: never.
+        lo, hi: the smallest and largest mbs allowed (``min/max_train_micro_batch_size_per_gpu``, batch bounds).
+        objective: the metric's direction.
+        allowed: the mbs values to try (None: every integer), those within ``lo..hi`` only.
+        threshold: the plateau threshold, a fraction: a step gaining less ends the upward search; a throughput
+            search goes below its best only while a step down gains this much.
+        precision: the target precision (relative half-width): a difference within it is a tie; None: never.
         num_fine: experiments allowed in the fine pass around the best mbs (0: none).
     """
 
@@ -48,8 +44,7 @@ class SearchBounds:
         return sorted({m for m in self.allowed if self.lo <= m <= self.hi})
 
     def coarse(self, cap: int) -> SearchBounds:
-        """These bounds at most ``cap`` (the mbs below a variant's out-of-memory run), without the fine pass: a
-        stage's search while the stages are compared."""
+        """These bounds up to ``cap`` (below a variant's OOM run), without the fine pass: while stages are compared."""
         return replace(self, hi=min(self.hi, cap), num_fine=0)
 
 
@@ -88,14 +83,12 @@ class Point:
 
 
 def refusals(points: Sequence[Point]) -> list[str]:
-    """What the memory model refused among ``points``, in order, for a decision's reason: ``probe at mbs=16 not
-    launched: predicted 2.61 GiB per rank, ... over the 2.50 GiB budget`` each."""
+    """``probe at mbs=M`` and its refusal for each of ``points`` the memory model refused, in order."""
     return [f"probe at mbs={p.mbs} {p.refusal}" for p in points if p.status is Status.REFUSED]
 
 
 def launched(points: Sequence[Point]) -> bool:
-    """Whether any of ``points`` was launched: neither refused by the memory model nor skipped by the throughput
-    model."""
+    """Whether any of ``points`` was launched (neither ``REFUSED`` nor ``SKIPPED``)."""
     return any(p.status not in (Status.REFUSED, Status.SKIPPED) for p in points)
 
 
@@ -108,8 +101,7 @@ def pooled_point(exp: Experiment, pooled: Pooled, run_noise: float) -> Point:
 
 @dataclass
 class MbsTrace:
-    """What `search_mbs` tried, in order, and why it stopped (``stop`` is None until the search stops;
-    a probe-only trace keeps None)."""
+    """What `search_mbs` tried, in order, and why it stopped (``stop``: None until then, and in a probe-only trace)."""
 
     points: list[Point] = field(default_factory=list)
     stop: StopReason | None = None
@@ -123,9 +115,8 @@ class MbsTrace:
         return objective.best(self.ok_points, lambda p: p.metric)
 
     def answer(self, objective: Objective) -> Point | None:
-        """The point the answer rule (`zerotune.strategy.answer`) picks among this stage's: for
-        throughput, the calm points as one curve rising with mbs, each other point on its own reading; for
-        latency, or without calm points, the best reading (`best`)."""
+        """The point the answer rule (`zerotune.strategy.answer`) picks among this stage's: for throughput the calm
+        points as one rising curve, the others on their own reading; for latency the best reading (`best`)."""
         best = self.best(objective)
         if best is None or not objective.higher_is_better:
             return best
@@ -151,8 +142,7 @@ pooled over all their runs."""
 
 
 def runner(trace: MbsTrace, evaluate: Evaluate) -> Callable[[Sequence[int]], list[Point]]:
-    """``run(batch)``: the points of ``trace`` at these mbs values, evaluating (and recording) those not
-    measured yet."""
+    """``run(batch)``: ``trace``'s points at these mbs values, evaluating and recording the unmeasured ones."""
     def run(batch: Sequence[int]) -> list[Point]:
         todo = [m for m in batch if trace.get(m) is None]
         if todo:

@@ -1,12 +1,11 @@
-"""The skip rule: a candidate is launched only where the throughput model says it can beat the best.
+"""The skip rule: a candidate is launched only where the throughput model says it can beat the best (D108, D322).
 
-Before an mbs or gas experiment is launched (`zerotune.strategy.evaluation.Evaluator`), the throughput model bounds
-its samples/s from the runs so far (`model_bounds`: its own family, same ZeRO stage, gas and knobs, else the compute
-roofline of any family run at two or more mbs; readings near the device's capacity left out: `readings`). It is
-skipped (`SKIPPED`, never launched) when its upper bound does not beat the best pooled metric by more than
-``--precision``, or by more than one run of it and the best can read apart by noise alone
-(`zerotune.core.noise.resolvable`). Throughput only, never a re-measurement; on CPU ranks only an mbs above its
-family's readings is gated. Evidence: docs/decisions.md, D104, D108, D322.
+Before an mbs or gas experiment is launched (`zerotune.strategy.evaluation.Evaluator`), the throughput model bounds its
+samples/s from the runs so far (`model_bounds`: its own family, same ZeRO stage, gas and knobs, else the compute
+roofline of any family run at two or more mbs; readings near the device's capacity left out: `readings`). It is skipped
+(``SKIPPED``, never launched) where its upper bound does not beat the best pooled metric by more than ``--precision``,
+or than one run of it and the best can read apart by noise alone (`zerotune.core.noise.resolvable`). Throughput only,
+never a re-measurement; on CPU ranks only an mbs above its family's readings is gated (D104).
 """
 from __future__ import annotations
 
@@ -55,9 +54,8 @@ def family_key(ds_config: dict) -> str:
 
 
 def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading]]:
-    """Family key -> its readings: each config in ``ledger`` that ran ok (pooled over its runs, with the run-to-run
-    noise), calm or of unknown capacity (`zerotune.strategy.answer.capacity`): near the device's capacity an allocator slows
-    steps, off the affine curve."""
+    """Family key -> its readings: each config in ``ledger`` that ran ok, pooled, calm or of unknown capacity (near
+    the capacity an allocator slows steps, off the affine curve)."""
     pooled = ledger.pooled()
     out: dict[str, list[Reading]] = {}
     for exp in ledger.experiments:
@@ -72,9 +70,8 @@ def readings(ledger: Ledger, budget_bytes: int | None) -> dict[str, list[Reading
 
 def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str, float] | None,
             precision: float, cpu: bool = False, noise: float = 0.0) -> Prediction | None:
-    """The `Prediction` that keeps ``exp`` from launching, or None: launch it (no best yet, no bound from
-    `model_bounds`, or an upper bound beating the best by more than ``precision`` and more than ``noise``, the
-    relative 95% noise of one run of it against the best: `zerotune.core.noise.resolvable`)."""
+    """The `Prediction` that keeps ``exp`` from launching; None: launch it (no best, no bound, or an upper bound whose
+    gain is `zerotune.core.noise.resolvable` against ``precision`` and ``noise``, one run's relative 95% noise)."""
     if best is None:
         return None
     bound = model_bounds(exp, families, cpu)
@@ -85,11 +82,10 @@ def predict(exp: Experiment, families: dict[str, list[Reading]], best: tuple[str
 
 def model_bounds(exp: Experiment, families: dict[str, list[Reading]],
                  cpu: bool = False) -> tuple[float, float, str] | None:
-    """``(low, high, source)``: the throughput (samples/s) the runs so far bound ``exp`` within, and where the
-    bounds came from; None where nothing bounds it (a kind the model does not gate, no reading that bounds it, or
-    readings no affine curve fits). On CPU ranks (``cpu``) only an mbs above every reading of its family is
-    bounded: there caches, not a fixed per-step cost, shape the curve, so a smaller micro-batch can be faster and the
-    per-sample compute is no floor for another config (docs/decisions.md, D104)."""
+    """``(low, high, source)``: the samples/s the runs so far bound ``exp`` within, and where from; None where nothing
+    bounds it (a kind not gated, no bounding reading, or no affine fit). On CPU ranks (``cpu``) only an mbs above its
+    family's readings is bounded: caches, not a fixed per-step cost, shape the curve there, so a smaller micro-batch
+    can be faster and per-sample compute bounds no other config (D104)."""
     if exp.kind not in GATED_KINDS or not isinstance(exp.mbs, int):
         return None
     own = families.get(family_key(exp.ds_config))

@@ -1,12 +1,11 @@
-"""The re-measurement policy before the answer: which configs get a second run, so the answer is not one
-lucky sample.
+"""The re-measurement policy before the answer: which configs get a second run, so the answer is not one lucky sample.
 
-- Finalists (`confirm_answer`): the configs within the noise of the best are re-measured until each has two ok runs,
-  where another run can decide (`zerotune.core.noise.replica_decides`); one that the readings and the curve both put
-  below the best (`below_on_the_curve`) is left out, and one within the precision is a tie, which no run breaks.
+- Finalists (`confirm_answer`): configs within the noise of the best are re-measured until each has two ok runs, where
+  another run can decide (`zerotune.core.noise.replica_decides`); one that the readings and the curve both put below
+  the best (`below_on_the_curve`) is left out, and one within the precision is a tie, which no run breaks.
 - The answer itself (`measure_answer_twice`) is reported on at least two runs with ``"fast": false``, and with
   ``"fast": true`` where its one run reads above its mbs neighbours by more than the noise (`answer_stands_out`).
-Evidence: docs/decisions.md, D102, D103, D307.
+Decisions: D102, D103, D307.
 """
 from __future__ import annotations
 
@@ -29,13 +28,10 @@ FINAL_CANDIDATES = 2
 
 
 def confirm_answer(ev: Evaluator) -> None:
-    """Re-measure the finalists until each has two ok runs: the configs whose
-    difference from the best is within their `zerotune.core.noise.comparison_noise`, at most
-    `FINAL_MARGIN`, the best `FINAL_CANDIDATES` of them, where another run can decide between
-    the best and one of them (`zerotune.core.noise.replica_decides`: the run-to-run noise blocks, not the runs'
-    own intervals, which steps narrow more cheaply than a launch). A finalist within the target precision of the
-    best is a tie (`zerotune.core.noise.tie`), not re-measured: the tie order takes the answer
-    (`zerotune.strategy.answer`)."""
+    """Re-measure the finalists until each has two ok runs: of the best `FINAL_CANDIDATES` configs, those whose
+    difference from the best is within their `zerotune.core.noise.comparison_noise` and at most `FINAL_MARGIN`,
+    where another run can decide (the run-to-run noise blocks, not the runs' own intervals, which steps narrow more
+    cheaply than a launch). A finalist within the target precision is a tie, left to the tie order."""
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
     bases = [e for e in ledger.experiments if e.replica_of is None and e.name in pooled]
@@ -64,9 +60,8 @@ def confirm_answer(ev: Evaluator) -> None:
 
 
 def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
-    """Whether ``e`` is ``top``'s config (stage, gas, knobs) at a smaller mbs, both run calm
-    (`zerotune.strategy.answer.capacity`): there throughput rises with mbs, and the readings, which put
-    ``top`` first, agree with it; re-measuring ``e`` could only move the answer against both. False on CPU
+    """Whether ``e`` is ``top``'s config (stage, gas, knobs) at a smaller mbs, both run calm: throughput rises with
+    mbs there and the readings agree, so re-measuring ``e`` could only move the answer against both. False on CPU
     ranks (no capacity) and for latency."""
     if not ev.job.objective.higher_is_better:
         return False
@@ -77,13 +72,11 @@ def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
 def answer_stands_out(ev: Evaluator) -> bool:
     """Whether the answer, measured once, reads better than its mbs neighbours predict by more than the noise.
 
-    The neighbours are two configs of the same stage, gas and knobs that ran ok, the nearest smaller and
-    larger mbs (or, at an end of the curve, the two nearest on the side there is); the prediction is the
-    straight line through their pooled metrics, at the answer's mbs. Its noise is
-    `zerotune.core.noise.comparison_noise`'s terms (a run's interval, the run-to-run noise) of the
-    answer and of each neighbour times its weight in the line (an extrapolation weighs them more than 1).
-    Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
-    likely the best of many noisy runs reading high than a peak. False with fewer than two neighbours.
+    The neighbours: the same stage, gas and knobs run ok at the nearest smaller and larger mbs (at an end of the
+    curve, the two nearest on its side). The prediction: the line through their pooled metrics at the answer's mbs,
+    its noise `zerotune.core.noise.comparison_noise`'s terms of the answer and of each neighbour times its weight in
+    the line. Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
+    likely the winner's curse than a peak. False with fewer than two neighbours.
     """
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
@@ -119,10 +112,9 @@ def answer_stands_out(ev: Evaluator) -> bool:
 
 
 def measure_answer_twice(ev: Evaluator) -> None:
-    """Report the answer on at least two runs: while it has one ok run, it is re-measured; where the pooled
-    metric then puts another one-run config first, that one is re-measured too (at most
-    `FINAL_CANDIDATES` configs). One run's interval sees only the jitter of its own steps, not the run-to-run
-    noise, and the answer is the run that read highest among many (the winner's curse)."""
+    """Report the answer on at least two runs: re-measure it while it has one ok run, then any one-run config the
+    pooled metric puts first (at most `FINAL_CANDIDATES` configs). One run's interval misses the run-to-run noise,
+    and the answer is the run that read highest among many (the winner's curse)."""
     for _ in range(FINAL_CANDIDATES):
         answer = ev.ledger.answer
         if answer is None or ev.pooled(answer.name).runs >= 2:

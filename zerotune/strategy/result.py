@@ -1,5 +1,4 @@
-"""What a tuning strategy learnt: the profile, the memory model, each ZeRO stage's decision, the knob phases,
-the ledger."""
+"""What a tuning strategy learnt: the profile, the memory model, each ZeRO stage's decision, knob phases, ledger."""
 from __future__ import annotations
 
 import enum
@@ -28,9 +27,8 @@ class StageDecision(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Saver:
-    """A memory saver tried on top of a ZeRO stage (`zerotune.strategy.savers`): its name
-    (``"checkpointing"``, ``"offload optimizer"``...) and the ds_config settings deep-merged over the stage's
-    config (``{"gradient_checkpointing": True}``, ``{"zero_optimization": {"offload_optimizer": ...}}``)."""
+    """A memory saver on top of a ZeRO stage (`zerotune.strategy.savers`): its name (``"offload optimizer"``...) and
+    the ds_config settings deep-merged over the stage's config (``{"gradient_checkpointing": True}``...)."""
 
     name: str
     settings: dict = field(hash=False, compare=False)
@@ -84,22 +82,17 @@ class KnobPhase:
 
 @dataclass
 class StrategyResult:
-    """What the strategy learnt.
+    """What the strategy learnt; ``ledger`` holds every distinct experiment evaluated, in the order asked.
 
     Attributes:
         model_info: the profile's measurements (None: unknown, e.g. a dry run without a profile).
-        memory: the memory model built from it, fitted online to the runs' peaks (None when the model size is
-            unknown).
-        stages: one `StageResult` per candidate stage, ascending.
-        knob_phases: the knob phases run (``"fast": false``).
-        ledger: every distinct experiment evaluated, in the order asked, with its outcome.
+        memory: the memory model built from it, fitted online to the runs' peaks (None: model size unknown).
+        stages: one `StageResult` per candidate stage, ascending, then the savers' variants.
         predictions: the candidates the throughput model kept from launching, with their bounds and why.
-        savers_notes: what the savers phase did not try and why (`zerotune.strategy.savers`).
-        stopped: why the tuning stopped before its phases were done (the launch budget spent, and the phases
-            not decided; `zerotune.inputs.budget`); empty when it ran them all.
+        knob_phases, savers_notes: the knob phases run; what the savers phase did not try, and why.
+        stopped: why the launch budget stopped the tuning, and the phases not decided ("" when it ran them all).
+        stop_bound: with ``stopped``, what was left undecided and by how much the answer could be beaten.
         longest: the answer checked at the longest batch (`zerotune.strategy.longest`).
-        stop_bound: with ``stopped``, what was left undecided and by how much the answer could be beaten
-            (`zerotune.strategy.stop_bound`); None otherwise, or when nothing ran ok.
     """
 
     model_info: ModelInfo | None = None

@@ -1,12 +1,11 @@
-"""The savers phase: activation checkpointing and offload, tried where memory binds a stage.
+"""The savers phase: activation checkpointing and offload, tried where memory binds a stage (D109).
 
 A saver (``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work
-for memory: it never makes a step faster at the same mbs, and pays only through the larger mbs it lets fit. Once the
-stages are explored, the phase (`SaverPhase.run`) visits the best stage where its best point is its largest runnable
-mbs below the largest allowed, and every stage with no run; each stage's savers (`savers_for`) cheapest first, each
-pruned, skipped, probed or searched by the rules of `SaverPhase._visit` (``--no-savers``: none is). A visited saver
-is a `StageResult` with a ``saver``; the gas and knob phases then run on the best stage with its saver.
-Evidence: docs/decisions.md, D109.
+for memory: it never makes a step faster at the same mbs and pays only through the larger mbs it lets fit. Once the
+stages are explored, `SaverPhase.run` visits the best stage where its best point is its largest runnable mbs below the
+largest allowed, and every stage with no run: each stage's savers (`savers_for`) cheapest first, by the rules of
+`SaverPhase._visit` (``--no-savers``: none). A visited saver is a `StageResult` with a ``saver``; the gas and knob
+phases then run on the best stage with its saver.
 """
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ _CHECKPOINTING = {CHECKPOINTING: True}
 
 def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True) -> list[Saver]:
     """The memory savers of a ZeRO stage, cheapest first: checkpointing (where the job tunes it), offloading the
-    optimizer to the host (stages 1-3; ``host`` False, on CPU ranks, not: the host is the rank), that with
-    checkpointing, then offloading the parameters too (stage 3), and that with checkpointing; with ``nvme_path``
-    the same offloads to NVMe after them (on GPUs they fit the same mbs on the device as the host ones, so they
-    are launched only where the host cannot hold what those move: `SaverPhase`)."""
+    optimizer to the host (stages 1-3; not with ``host`` False, on CPU ranks, where the host is the rank), that with
+    checkpointing, offloading the parameters too (stage 3), and that with checkpointing; then, with ``nvme_path``, the
+    same offloads to NVMe (launched only where the host cannot hold what they move: `SaverPhase`)."""
     out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -51,14 +49,8 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, ho
 
 
 class SaverPhase(VariantExplorer):
-    """One savers phase over ``ev``'s result (the module docstring): the saver policy over the shared variant steps
-    (`zerotune.strategy.variants.VariantExplorer`: the probe, its retry, the loss, the search, the best).
-
-    Args:
-        ev: the strategy's evaluator (job, builder, ledger, memory model).
-        evaluate, bounds, confirm: as for `zerotune.strategy.variants.VariantExplorer`; ``bounds.num_fine``
-            experiments of the fine pass, where a saver becomes the best.
-    """
+    """One savers phase over the evaluator ``ev``'s result: the saver policy over the shared variant steps
+    (`zerotune.strategy.variants.VariantExplorer`, whose ``evaluate``, ``bounds`` and ``confirm`` it takes)."""
 
     def __init__(self, ev: Evaluator, evaluate: VariantEvaluate, bounds: SearchBounds,
                  confirm: VariantEvaluate | None = None):
@@ -104,14 +96,11 @@ class SaverPhase(VariantExplorer):
     def _visit(self, plain: StageResult, saver: Saver) -> bool:
         """Decide one stage with one saver; True when it became the best. In order, the saver is:
 
-        1. Pruned where the memory model (its offload and checkpointing terms) fits no mbs, or the host cannot
-           hold what it offloads.
-        2. Skipped where its largest fitting mbs is no larger than what already ran (`_reach`) or than a cheaper
-           saver of the same stage fits.
-        3. Skipped where the stage's own runs without it bound its throughput below the best plus the precision
-           (`_bounded`: a saver only adds work per sample).
-        4. Probed at its largest fitting mbs, and searched when the probe beats the best by more than the
-           precision or nothing has run at all (`_probe`); a saver that becomes the best gets the fine pass.
+        1. Pruned where the memory model fits no mbs, or the host cannot hold what it offloads.
+        2. Skipped where its largest fitting mbs is no larger than what ran (`_reach`) or than a cheaper saver's.
+        3. Skipped where the stage's runs without it bound it below the best plus the precision (`_bounded`).
+        4. Probed at its largest fitting mbs (`_probe`), searched where it beats the best by over the precision or
+           nothing ran at all.
         """
         ev, stage, lo = self.ev, plain.stage, self.bounds.lo
         try:
@@ -154,9 +143,8 @@ class SaverPhase(VariantExplorer):
         return self._probe(result, predicted, own, reach)
 
     def _probe(self, result: StageResult, predicted: str, own: int, reach: int) -> bool:
-        """Probe a saver at its largest fitting mbs ``own`` (after an out-of-memory run, once more halfway back to
-        ``reach``), then decide it: skipped by the throughput model, lost, or searched (`_visit`'s rule 4); True
-        when it became the best."""
+        """Probe a saver at its largest fitting mbs ``own`` (after an OOM, once more halfway back to ``reach``) and
+        decide it by `_visit`'s rule 4; True when it became the best."""
         probe_mbs, probe, cap = own, self.probe(result, own), self.bounds.hi
         if probe.status.over_budget:
             probe_mbs, probe, cap = self.retry_below(result, probe, own, self.halfway(reach, own))

@@ -1,12 +1,11 @@
-"""Progressive ZeRO-stage exploration: which stages get an mbs search, a single probe, or nothing.
+"""Progressive ZeRO-stage exploration: which stages get an mbs search, a single probe, or nothing (D106).
 
-Rules (`StageExplorer`): stages are visited lowest first; the first that fits gets the mbs search. A higher stage
-the memory model says fits gets one probe (at its own largest fitting mbs where that is larger than any mbs the best
-stage ran, else at the best's mbs) and a full mbs search only when the probe beats the best so far. A stage that
-cannot beat the best is skipped (`StageExplorer._skip_reason`); an OOM probe is no evidence of slowness
-(`StageExplorer._probe`); for throughput a first stage out of memory at its estimate may be deferred
-(`StageExplorer._defer`). The fine pass runs last, on the best stage only. Each stage's outcome is a
-`StageDecision` with a reason; nothing here launches anything. Evidence: docs/decisions.md, D106.
+`StageExplorer` visits stages lowest first; the first that fits gets the mbs search. A higher stage the memory model
+says fits gets one probe (at its own largest fitting mbs where that is larger than any mbs the best stage ran, else at
+the best's mbs) and a full search only when the probe beats the best. A stage that cannot beat the best is skipped
+(`StageExplorer._skip_reason`); an OOM probe is no evidence of slowness (`StageExplorer._probe`); for throughput a
+first stage out of memory at its estimate may be deferred (`StageExplorer._defer`). The fine pass runs last, on the
+best stage only. Each stage's outcome is a `StageDecision` with a reason; nothing here launches.
 """
 from __future__ import annotations
 
@@ -22,27 +21,21 @@ from zerotune.strategy.variants import Best, VariantEvaluate, VariantExplorer
 
 def explore_stages(evaluate: VariantEvaluate, plans: Sequence[StagePlan], bounds: SearchBounds,
                    confirm: VariantEvaluate | None = None) -> list[StageResult]:
-    """Progressive ZeRO-stage exploration, lowest stage first (see the module docstring).
+    """Explore the stages of ``plans`` (one per candidate stage, ascending, with the memory model's largest fitting
+    mbs); one `StageResult` per plan, in order.
 
     Args:
         evaluate: ``evaluate(stage_result, [mbs, ...]) -> [Point, ...]``, at the result's stage.
-        plans: one per candidate stage, ascending, with the memory model's largest fitting mbs.
-        bounds: as in `zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass,
-            run last on the best stage (module docstring).
-        confirm: re-measures measured points once more and returns them pooled (as ``evaluate``); when given, a
-            probe that loses by less than the noise is re-measured with the point it lost to before the stage is
-            given up, and the mbs search confirms its plateaus.
-
-    Returns:
-        One `StageResult` per plan, in order.
+        bounds: as in `zerotune.strategy.mbs.search_mbs`; its ``num_fine`` experiments are the fine pass.
+        confirm: re-measures points once more and returns them pooled (as ``evaluate``); when given, a probe that
+            loses within the noise is re-measured with the point it lost to, and the mbs search confirms plateaus.
     """
     return StageExplorer(evaluate, bounds, confirm).run(plans)
 
 
 class StageExplorer(VariantExplorer):
-    """One progressive exploration (the module docstring): the stage policy over the shared variant steps
-    (`zerotune.strategy.variants.VariantExplorer`), and the evidence that rules later stages out.
-    Arguments as in `explore_stages`."""
+    """One exploration: the stage policy over the shared variant steps (`zerotune.strategy.variants.VariantExplorer`)
+    and the evidence that rules later stages out. Arguments as in `explore_stages`."""
 
     def __init__(self, evaluate: VariantEvaluate, bounds: SearchBounds, confirm: VariantEvaluate | None = None):
         super().__init__(evaluate, bounds, confirm)
@@ -53,9 +46,8 @@ class StageExplorer(VariantExplorer):
         self.queue: list[tuple[StagePlan, StageResult | None]] = []
 
     def run(self, plans: Sequence[StagePlan]) -> list[StageResult]:
-        """Decide every plan's stage, then run the fine pass (`zerotune.strategy.fine.refine_mbs`) on the best
-        only; one result per plan, in order. Searches stay coarse until then: a fine pass on a stage a later one
-        beats refines nothing the answer uses."""
+        """Decide every plan's stage, then run the fine pass (`zerotune.strategy.fine.refine_mbs`) on the best only,
+        since refining a stage a later one beats is wasted; one result per plan, in order."""
         self.queue = [(plan, None) for plan in plans]
         while self.queue:
             self._visit(*self.queue.pop(0))
@@ -87,11 +79,10 @@ class StageExplorer(VariantExplorer):
         self.search(result, cap)
 
     def _defer(self, plan: StagePlan, result: StageResult) -> bool:
-        """Whether the first stage to run (throughput) is deferred: its first run, at its estimate, ran out of
-        memory and a later stage's estimate is larger, so the stage with more headroom, which wins most often, goes
-        first. The deferred stage comes back once the others are decided, capped below its OOM: probed at the best's
-        mbs or its cap, whichever is smaller, compared like any probe (without the slower-at-equal-mbs skip) and
-        searched if it wins; where nothing else ran, it is searched as the first stage."""
+        """Whether the first stage to run (throughput) is deferred: its run at its estimate ran out of memory and a
+        later stage's estimate is larger, so the stage with more headroom goes first. It comes back once the others
+        are decided, capped below its OOM, and is probed at the smaller of the best's mbs and its cap (without the
+        slower-at-equal-mbs skip); where nothing else ran, it is searched first."""
         if self.best is not None or not self.objective.higher_is_better:
             return False
         start = largest_within(self.values, plan.max_mbs_estimate)
@@ -104,10 +95,9 @@ class StageExplorer(VariantExplorer):
         return True
 
     def _skip_reason(self, stage: int, headroom: bool, reach: int, came_back: bool) -> str | None:
-        """Why a stage with no more headroom than the best cannot beat it; None: it may. Skipped: any stage once
-        one measured slower than the best stage at the same mbs by more than the threshold (a tie is noise); ZeRO-3
-        once stage 1 or 2 is the best or a stage 1-2 probe at the best's mbs did not beat it (at equal mbs ZeRO-3 is
-        their partitioned step plus parameter all-gathers: 3 Psi of communication per step against 2 Psi)."""
+        """Why a stage with no more headroom than the best cannot beat it; None: it may. Any stage, once one measured
+        slower than the best stage at the same mbs by the threshold; ZeRO-3, once stage 1 or 2 is the best or lost a
+        probe at the best's mbs (ZeRO-3 adds parameter all-gathers: 3 Psi per step against 2, ZeRO paper sec. 7.2)."""
         if headroom:
             return None
         if self.slower_seen and not came_back:  # a deferred stage is a lower one
@@ -121,11 +111,10 @@ class StageExplorer(VariantExplorer):
         return None
 
     def _probe(self, plan: StagePlan, result: StageResult, cap: int, note: str, came_back: bool) -> int | None:
-        """Probe a stage against the best; its cap for the mbs search when it won, None when it is decided
-        (skipped or probed). An OOM probe (or one the memory model refuses) caps the stage below that mbs and the
-        stage is probed again (`_retries`). A probe within the noise of the best (a loss, or a win at equal mbs)
-        is re-measured with the best first (`_confirm_probe`); a headroom probe's win is not. A win within the
-        target precision at equal mbs is a tie (`zerotune.core.noise.tie`), not a win."""
+        """Probe a stage against the best; its cap for the mbs search when it won, None when decided (skipped or
+        lost). An OOM or refused probe caps the stage below it and probes again (`_retries`); a probe within the
+        noise of the best, save a headroom probe's win, is re-measured (`_confirm_probe`); a win within the target
+        precision at equal mbs is a tie (`zerotune.core.noise.tie`)."""
         stage = plan.stage
         own = largest_within(self.values, min(plan.max_mbs_estimate, cap))
         # headroom: this stage can run a larger mbs than the best stage ran at all (not merely than its
@@ -178,9 +167,9 @@ class StageExplorer(VariantExplorer):
         return result.trace.get(probe_mbs)
 
     def _second_probe(self, result: StageResult, probe: Point, probe_mbs: int) -> tuple[int, Point]:
-        """The probe after a headroom probe's loss, since at the memory boundary a step can be slower than just
-        below it: at the best's mbs, or where the probe ran near the capacity (`zerotune.strategy.answer.capacity`) at
-        the largest mbs the memory model puts under it if above the best's mbs; (its mbs, its point)."""
+        """Probe again after a headroom probe's loss (a step at the memory boundary can be slower than just below it):
+        where the probe ran near the capacity, at the largest calm mbs above the best's, else at the best's mbs;
+        (its mbs, its point)."""
         best = self.best.point
         calm = [m for m in self.values if probe.calm_mbs is not None and best.mbs < m <= probe.calm_mbs
                 and m < probe_mbs and result.trace.get(m) is None]
@@ -188,8 +177,8 @@ class StageExplorer(VariantExplorer):
         return probe_mbs, self.probe(result, probe_mbs)
 
     def _record_loss(self, result: StageResult, probe: Point, probe_mbs: int, note: str) -> None:
-        """Record a probe that did not beat the best, and whether it measured slower than the best stage at the
-        same mbs by the threshold (a tie is noise; an OOM, a failure or another mbs says nothing of speed)."""
+        """Record a probe that lost, and whether it measured slower than the best stage at the same mbs by the
+        threshold (an OOM, a failure or another mbs says nothing of speed)."""
         best = self.best
         same = best.trace.get(probe_mbs) if probe.ok else None
         same = same if same is not None and same.ok else None

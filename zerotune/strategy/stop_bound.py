@@ -5,8 +5,7 @@ The answer ``A`` reads ``v_A`` within ``h_A``, relative at 95% (`zerotune.strate
 unmeasured, throughput only, by ``high / (v_A * (1 - h_A)) - 1``, ``high`` the throughput model's upper bound in
 samples/s (`_model_bound`). Left: each undecided ZeRO stage's largest open mbs, the experiments the budget cut, the
 later phases (`_left_configs`). The answer could be beaten by the largest figure (0 if none is positive); what the
-model does not bound (on CPU ranks an mbs not above its runs, the knob phase, latency) is listed as such.
-Evidence: docs/decisions.md, D104, D310.
+model does not bound (on CPU ranks an mbs not above its runs, the knob phase, latency) is listed as such (D104, D310).
 """
 from __future__ import annotations
 
@@ -27,15 +26,10 @@ DECIDED = (Status.OK, Status.OOM, Status.REFUSED, Status.FAILED, Status.TIMEOUT)
 
 @dataclass(frozen=True)
 class Left:
-    """What a budget stop left undecided, as the strategy knows it.
-
-    Attributes:
-        stages: the ZeRO stages whose mbs search was not decided.
-        phases: the later phases not decided (memory savers, gas, knobs), each with the kind of experiment it runs.
-        cut: the experiments the budget cut from the batch it stopped (`BudgetSpent.cut`).
-        fit: stage -> the memory model's largest mbs fitting the budget (under the smallest mbs: the stage is pruned).
-        values: the mbs values a search may try, ascending.
-    """
+    """What a budget stop left undecided: the ZeRO ``stages`` whose mbs search was not decided, the later ``phases``
+    (memory savers, gas, knobs) with the kind of experiment each runs, the experiments the budget ``cut``
+    (`BudgetSpent.cut`), ``fit`` (stage -> the memory model's largest mbs within the budget; under the smallest: the
+    stage is pruned) and the ascending mbs ``values`` a search may try."""
 
     stages: Sequence[int]
     phases: Sequence[tuple[str, ExperimentKind]]
@@ -46,14 +40,10 @@ class Left:
 
 @dataclass(frozen=True)
 class Contender:
-    """A config that might beat the answer.
-
-    Attributes:
-        name: the config's name (a later phase's name for a phase bounded by the roofline alone).
-        low, high: its 95% interval when measured, the throughput model's bounds when not (the objective's unit).
-        beats_by: the most it could truly beat the answer by, relative (the module's formulas; under 0: it cannot).
-        source: how it is known (its runs, or where the model's bound came from).
-    """
+    """A config that might beat the answer (``name``: a later phase's, where the roofline alone bounds it).
+    ``low``, ``high`` are its 95% interval when measured, else the throughput model's bounds (the objective's unit);
+    ``beats_by`` the most it could truly beat the answer by, relative (the module's formulas; under 0: it cannot);
+    ``source`` how it is known (its runs, or where the model's bound came from)."""
 
     name: str
     low: float
@@ -64,16 +54,14 @@ class Contender:
 
 @dataclass(frozen=True)
 class StopBound:
-    """What a budget-stopped tuning did not decide and by how much its answer could be beaten (the module docstring).
+    """What a budget-stopped tuning did not decide and by how much its answer could be beaten.
 
     Attributes:
         answer, value, half_width: the answer, its pooled metric and that metric's relative 95% half-width.
-        unit: the objective's unit.
         precision: the target precision (relative), for the finalists left unconfirmed.
         undecided: one line per stage with mbs values not run, and per later phase not decided.
         measured, unmeasured: the contenders, largest ``beats_by`` first.
-        unbounded: what the throughput model does not bound.
-        unbounded_why: why it does not ("" when it bounds everything).
+        unbounded, unbounded_why: what the throughput model does not bound, and why ("" when it bounds all).
     """
 
     answer: str
@@ -94,8 +82,7 @@ class StopBound:
 
     @property
     def unconfirmed(self) -> list[Contender]:
-        """The measured configs that could beat the answer by more than the precision (every one that could beat it
-        where no precision is set)."""
+        """The measured configs that could beat the answer by more than the precision (or at all, without one)."""
         return [c for c in self.measured if c.beats_by > (self.precision or 0.0)]
 
     def describe(self) -> list[str]:
@@ -173,11 +160,10 @@ def _model_bound(exp: Experiment | None, kind: ExperimentKind, families: dict[st
 
 def _left_configs(ledger: Ledger, job: Job, builder: ConfigBuilder,
                   left: Left) -> tuple[list[str], list[tuple[str, Experiment | None, ExperimentKind]], list[str]]:
-    """(undecided lines, the configs to bound, what the model cannot bound): per stage not decided its largest mbs
-    with no run up to the memory model's largest fitting one and below any run out of memory (on CPU ranks, where only
-    those above its runs are bounded, the largest of those; within a family the model's upper bound ``m / (a + b m)``,
-    ``a, b >= 0``, rises with mbs, so it bounds the rest), each experiment cut, each later phase (no experiment: the
-    roofline bounds it where its kind is gated)."""
+    """(undecided lines, the configs to bound, what the model cannot bound). Per undecided stage its largest open mbs
+    up to the memory model's largest fitting one and below any OOM (on CPU ranks, the largest above its runs): the
+    model's upper bound ``m / (a + b m)``, ``a, b >= 0``, rises with mbs, so it bounds the rest. Each experiment cut;
+    each later phase (no experiment: the roofline bounds it where its kind is gated)."""
     undecided, candidates, unbounded = [], [], []
     opened: dict[int, list[int]] = {}  # stage -> its open mbs values
     for stage in left.stages:
@@ -203,8 +189,7 @@ def _left_configs(ledger: Ledger, job: Job, builder: ConfigBuilder,
 
 
 def _within(exp: Experiment, opened: dict[int, list[int]], builder: ConfigBuilder) -> bool:
-    """Whether ``exp`` is a stage's own config at one of its open mbs values (``opened``): the stage's largest open
-    one bounds it already."""
+    """Whether ``exp`` is a stage's own config at an open mbs (``opened``), which the stage's largest bounds already."""
     return (exp.kind is ExperimentKind.MBS and exp.mbs in opened.get(exp.stage, ())
             and exp.name == builder.mbs_experiment(exp.stage, exp.mbs).name)
 

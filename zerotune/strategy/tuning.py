@@ -1,12 +1,10 @@
-"""The tuning strategy, whole: a pipeline of phases that decides every experiment of a tuning job.
+"""The tuning strategy, whole: a pipeline of phases that decides every experiment of a tuning job (D100).
 
-Rules: `Strategy` talks to the world through one callable, ``evaluate(batch of experiments) -> the same experiments
-with their outcomes`` (`zerotune.strategy.evaluation`): ``tune`` passes the scheduler, ``--dry-run`` the memory-model
-oracle (`zerotune.strategy.oracle`: what this code would try if the memory model were right). The run is a pure
-function of the outcomes, in phases (`Strategy.run`): profile, ZeRO stages and mbs, memory savers, gas (the fine pass
-after it under a launch budget), knobs (``"fast": false``), the answer, the longest batch; a spent budget ends it
-with the best that ran. An experiment whose name (its canonical content) was evaluated is never evaluated again.
-Evidence: docs/decisions.md, D100, D312.
+`Strategy` talks to the world through one callable, ``evaluate(experiments)``, which returns them with outcomes
+(`zerotune.strategy.evaluation`): ``tune`` passes the scheduler, ``--dry-run`` `zerotune.strategy.oracle`. The run is
+a pure function of the outcomes, in phases (`Strategy.run`): profile, ZeRO stages and mbs, memory savers, gas (then
+the fine pass under a launch budget, D312), knobs (``"fast": false``), the answer, the longest batch; a spent budget
+ends it with the best that ran. A name (its canonical content) is evaluated at most once.
 """
 from __future__ import annotations
 
@@ -55,13 +53,8 @@ can bound of it, `zerotune.strategy.stop_bound`)."""
 
 
 class Strategy:
-    """Runs the tuning strategy of ``job`` against ``evaluate`` (see the module docstring).
-
-    Args:
-        job: the resolved job.
-        evaluate: runs batches of experiments.
-        parallel: experiments the slots can run at once (the knob phase's batch size).
-    """
+    """Runs the tuning strategy of ``job`` against ``evaluate``; ``parallel``: experiments the slots can run at once
+    (the knob phase's batch size)."""
 
     def __init__(self, job: Job, evaluate: Evaluate, parallel: int = 1):
         self.job = job
@@ -82,14 +75,11 @@ class Strategy:
         self.best_batch: dict[int | str, tuple[int, int]] = {}
 
     def run(self) -> StrategyResult:
-        """Profile, explore the stages and mbs, try the memory savers, tune gas, (``"fast": false``) tune the
-        knobs, settle the answer.
-
-        A phase that finds the launch budget spent (`zerotune.inputs.budget.BudgetSpent`) ends the
-        tuning (`stop`).
+        """Run the phases in order; one that finds the launch budget spent (`zerotune.inputs.budget.BudgetSpent`)
+        ends the tuning (`stop`).
 
         Raises:
-            TuningFailed: the profile run failed (nothing can be estimated without it).
+            TuningFailed: the profile run failed.
             ConfigError: a config the user's settings give is invalid.
         """
         self.profile()
@@ -145,9 +135,8 @@ class Strategy:
         self.best_batch = GasPhase(self.ev, self.result.stages).run()
 
     def longest(self, verify: bool = True) -> None:
-        """The answer checked, and with ``--verify-longest`` (unless ``verify`` is False) run, at the longest batch
-        (`zerotune.strategy.longest`); the model's maximum positions and attention scores from the profile's
-        records."""
+        """Check the answer at the longest batch (`zerotune.strategy.longest`), and run it there with
+        ``--verify-longest`` unless ``verify`` is False; the model's positions and scores come from the profile."""
         profile_dir = self.job.exps_dir / self.builder.profile().name
         positions = (read_engine_record(profile_dir) or {}).get("max_positions")
         options = self.job.longest if verify else dataclasses.replace(self.job.longest, verify=False)
@@ -164,11 +153,11 @@ class Strategy:
     # -- the evaluator's verbs, for callers that drive a strategy step by step --------------------------
     def evaluate(self, experiments: Sequence[Experiment], race: bool = True,
                  bar: float | None = None) -> list[Experiment]:
-        """`Evaluator.evaluate <zerotune.strategy.evaluation.Evaluator.evaluate>`."""
+        """`zerotune.strategy.evaluation.Evaluator.evaluate`."""
         return self.ev.evaluate(experiments, race=race, bar=bar)
 
     def remeasure(self, experiments: Sequence[Experiment]) -> list[Pooled | None]:
-        """`Evaluator.remeasure <zerotune.strategy.evaluation.Evaluator.remeasure>`."""
+        """`zerotune.strategy.evaluation.Evaluator.remeasure`."""
         return self.ev.remeasure(experiments)
 
     def pooled(self, name: str) -> Pooled | None:
@@ -177,8 +166,8 @@ class Strategy:
 
     # -- 1. profile -----------------------------------------------------------------------------------
     def profile(self) -> None:
-        """Run the profile experiment and build the memory model from its ``model_info``, calibrated on its
-        measured peak (on CPU the backend's sampled peak; on CUDA the probe's device peak).
+        """Build the memory model from the profile run's ``model_info``, calibrated on its measured peak (CPU: the
+        backend's sampled peak; CUDA: the probe's device peak).
 
         Raises:
             TuningFailed: the profile run did not finish ok.
@@ -236,8 +225,7 @@ class Strategy:
         return plans
 
     def explore(self) -> None:
-        """Explore the ZeRO stages and their mbs (`zerotune.strategy.stages.explore_stages`) on points
-        measured through the evaluator."""
+        """Explore the ZeRO stages and their mbs (`zerotune.strategy.stages.explore_stages`) through the evaluator."""
         self.result.stages = explore_stages(self._points, self.plans(), self.phase_bounds, self._confirmed_points)
         for r in self.result.stages:
             logger.info(f"ZeRO stage {r.stage}: {r.decision.value} ({r.reason})"
@@ -245,13 +233,11 @@ class Strategy:
 
     # -- 3. memory savers ------------------------------------------------------------------------------
     def savers(self) -> None:
-        """Try activation checkpointing and offload where memory binds a stage
-        (`zerotune.strategy.savers.SaverPhase`)."""
+        """Try checkpointing and offload where memory binds a stage (`zerotune.strategy.savers.SaverPhase`)."""
         SaverPhase(self.ev, self._points, self.phase_bounds, self._confirmed_points).run()
 
     def _points(self, variant: StageResult, mbs_values: Sequence[int]) -> list[Point]:
-        """Evaluate ``variant`` (its stage, with its memory saver's settings) at each mbs; their points for the mbs
-        search."""
+        """Evaluate ``variant`` (its stage and saver settings) at each mbs; their points for the mbs search."""
         stage, settings = variant.stage, variant.settings
         done = self.evaluate([self.builder.mbs_experiment(stage, m, settings=settings) for m in mbs_values])
         sigma = self.result.run_noise.sigma
@@ -270,10 +256,9 @@ class Strategy:
                 for m, e, p, t in zip(mbs_values, bases, pooled, terms)]
 
     def _memory_terms(self, stage: int, exp: Experiment, settings: dict | None = None) -> dict:
-        """Why a refused point was not launched (its prediction); a point's measured peak over the budget, and the
-        largest mbs the memory model (as fitted so far) puts under `zerotune.strategy.answer.NEAR_CAPACITY`
-        of it: where the mbs search looks below a best near capacity. None of the last two on CPU ranks, where the
-        search keeps its halving look below."""
+        """A point's memory terms: a refused one's ``refusal`` (its prediction); on GPU ranks also its peak over the
+        budget and ``calm_mbs``, the largest mbs the fitted memory model puts under `NEAR_CAPACITY` of it (where the
+        mbs search looks below a best near the capacity)."""
         refusal = {"refusal": exp.error} if exp.status is Status.REFUSED else {}
         if self.job.cpu:
             return refusal

@@ -1,13 +1,11 @@
 """A stage variant probed against the best so far and searched when it wins: the steps every phase that explores
 variants shares (`VariantExplorer`).
 
-A variant is a ZeRO stage, alone or with a memory saver, held as its `zerotune.strategy.result.StageResult`
-(its stage and the saver's settings, its decision, reason and trace). The stage phase
-(`zerotune.strategy.stages.StageExplorer`) and the savers phase (`zerotune.strategy.savers.SaverPhase`)
-differ only in their policy: which variants, in what order, which skips and at which mbs a probe runs. Both run the
-same steps here: a probe recorded in the variant's trace, the retry below a probe out of memory, the skip the
-throughput model decides, the win test, the loss and its reason, the coarse mbs search after a win, the best so far,
-and the fine pass on the best once every variant is decided. Nothing here launches anything.
+A variant is a ZeRO stage, alone or with a memory saver, held as its `zerotune.strategy.result.StageResult`. The stage
+phase (`zerotune.strategy.stages.StageExplorer`) and the savers phase (`zerotune.strategy.savers.SaverPhase`) differ
+only in policy: which variants, in what order, which skips, at which mbs a probe runs. Both share the steps here: the
+probe, its retry below an OOM, the throughput model's skip, the win test, the loss, the coarse search after a win, the
+best so far, and the fine pass on the best once every variant is decided. Nothing here launches.
 """
 from __future__ import annotations
 
@@ -44,14 +42,9 @@ class Best:
 
 
 class VariantExplorer:
-    """The shared steps of a variant phase (the module docstring); a phase subclasses it with its policy.
-
-    Args:
-        evaluate: runs a variant at mbs values (`VariantEvaluate`).
-        bounds: the mbs search's bounds, shared by every variant (`zerotune.strategy.points.SearchBounds`).
-        confirm: re-measures a variant's measured mbs values, pooled (as ``evaluate``), or None: the mbs search
-            then decides its plateaus on one run.
-    """
+    """The shared steps of a variant phase; a phase subclasses it with its policy. ``bounds`` hold for every variant;
+    ``confirm`` re-measures a variant's measured mbs values, pooled (as ``evaluate``, a `VariantEvaluate`); None: the
+    mbs search decides its plateaus on one run."""
 
     def __init__(self, evaluate: VariantEvaluate, bounds: SearchBounds, confirm: VariantEvaluate | None = None):
         self.evaluate, self.bounds, self.confirm = evaluate, bounds, confirm
@@ -97,8 +90,7 @@ class VariantExplorer:
 
     @staticmethod
     def skip(result: StageResult, probe_mbs: int, lead: str) -> None:
-        """Record a variant whose probe at ``probe_mbs`` the throughput model kept from launching
-        (``Status.SKIPPED``): skipped, with ``lead`` before the reason."""
+        """Record a variant whose probe at ``probe_mbs`` the throughput model skipped, ``lead`` before the reason."""
         result.decision = StageDecision.SKIPPED
         result.reason = f"{lead}the throughput model bounds its probe at mbs={probe_mbs} below the best plus the precision"
 
@@ -113,8 +105,7 @@ class VariantExplorer:
         result.reason = lead + "; ".join(refusals(result.trace.points) + lost)
 
     def search(self, result: StageResult, cap: int) -> bool:
-        """The variant's coarse mbs search (no fine pass) below ``cap``, from its probes; True when it became the
-        best (`improve`)."""
+        """The variant's coarse mbs search up to ``cap``, from its probes; True when it became the best (`improve`)."""
         confirm = self.confirm
         result.decision = StageDecision.EXPLORED
         with buying(f"{result.label}: its mbs search"):
@@ -124,8 +115,7 @@ class VariantExplorer:
         return self.improve(result)
 
     def improve(self, result: StageResult) -> bool:
-        """Make ``result`` the best when its best point beats the best so far's (the first on ties); True when it
-        did."""
+        """Make ``result`` the best if its best point beats the best so far's (the first on ties); True if it did."""
         top = result.trace.best(self.objective)
         if top is None or (self.best is not None and not self.objective.better(top.metric, self.best.point.metric)):
             return False
@@ -133,8 +123,7 @@ class VariantExplorer:
         return True
 
     def refine(self) -> None:
-        """The fine pass (`zerotune.strategy.fine.refine_mbs`) on the best variant, once every variant is
-        decided: while variants are compared each search is coarse."""
+        """The fine pass on the best variant, once every variant is decided (each search is coarse until then)."""
         if self.best is not None and self.bounds.num_fine > 0:
             top = self.best.result
             with buying(f"{top.label}: the fine pass"):

@@ -1,12 +1,11 @@
-"""What the profile run's first forward holds for the backward pass: the bytes autograd saves, what
-activation checkpointing holds instead, and the model's shapes, in rank 0's `.records.ACTIVATIONS_RECORD`.
+"""What the profile run's first forward holds for the backward pass, in rank 0's `.records.ACTIVATIONS_RECORD`.
 
 ``saved_bytes``: the storages autograd saves for the backward pass, each once, less parameters, their views and
 module buffers, at the record's ``micro_batch_size``. Under checkpointing the record adds ``recompute_bytes``
 (`_SavedActivations`); without it, where the model has checkpointable layers, ``checkpointed_bytes``
 (`_LayerCheckpointing`); then ``square_saved_bytes`` (`_SavedActivations.count_square`), the ZeRO-3 shapes
-(`_SavedActivations._shapes`), the device's peak (`.peak`) and the step's growth (`.growth`). Read these, not
-DeepSpeed's ``activation_mem_per_gpu``: on CPU that RSS change also holds the ZeRO-3 parameters the forward gathered.
+(`_SavedActivations._shapes`), the device's peak (`.peak`) and the step's growth (`.growth`). DeepSpeed's
+``activation_mem_per_gpu`` is not used: on CPU that RSS change also holds the ZeRO-3 parameters the forward gathered.
 """
 import contextlib
 import os
@@ -18,24 +17,17 @@ from .records import ACTIVATIONS_RECORD, _Probe, _rank, _write_record
 
 
 class _LayerCheckpointing:
-    """In the profile run's first forward, what the same forward would hold with non-reentrant activation
-    checkpointing of every checkpointable layer (``torch.utils.checkpoint``, ``use_reentrant=False``, the
-    Trainer's default in transformers 5): ``checkpointed_bytes`` and ``checkpoint_layers`` in
-    `ACTIVATIONS_RECORD`.
+    """What the profile's first forward would hold with non-reentrant activation checkpointing
+    (``torch.utils.checkpoint``, ``use_reentrant=False``, the Trainer's default in transformers 5) of every
+    checkpointable layer: ``checkpointed_bytes`` and ``checkpoint_layers`` (D109).
 
     The layers: modules whose class derives from one named `LAYER_CLASS` (transformers'
-    ``modeling_layers.GradientCheckpointingLayer``: GPT-2's, Llama's decoder layers) whose
-    ``gradient_checkpointing`` is not True. A forward pre-hook and an ``always_call`` forward hook (both
-    ``with_kwargs``) keep the stack of layer calls running; each storage saved for the backward pass
-    (`_SavedActivations.pack`) goes to the innermost running call, or outside any layer. A checkpointed
-    layer's forward saves nothing and keeps its inputs (the tensors among its args and kwargs: the
-    non-reentrant checkpoint holds them for the recomputation, ``torch/utils/checkpoint.py``,
-    ``_checkpoint_without_reentrant_generator``); the backward pass recomputes one layer at a time, holding what
-    it saves beyond its inputs. So ``checkpointed_bytes`` = the storages saved outside any layer together with
-    the layers' inputs, each storage once, plus the most one layer call saved beyond its own inputs (or a
-    checkpointed region's ``recompute_bytes``, if larger), at the record's micro batch size. Parameters and
-    buffers are never counted (`_SavedActivations._count`). A failure is printed once and ends the
-    counting: the record then has neither key."""
+    ``modeling_layers.GradientCheckpointingLayer``) whose ``gradient_checkpointing`` is not True. Forward hooks keep
+    the stack of running layer calls; each saved storage goes to the innermost call, or outside any layer. A
+    checkpointed layer saves only its inputs (``_checkpoint_without_reentrant_generator`` holds them for the
+    recomputation), and the backward recomputes one layer at a time. So ``checkpointed_bytes`` = the storages saved
+    outside any layer with the layers' inputs, each once, plus the most one layer call saved beyond its inputs (or a
+    checkpointed region's ``recompute_bytes``, if larger). A failure ends the counting: the record has neither key."""
 
     LAYER_CLASS = "GradientCheckpointingLayer"
 
@@ -109,8 +101,7 @@ class _LayerCheckpointing:
                 handle.remove()
 
     def figures(self, recompute_bytes: int = 0) -> dict:
-        """``checkpointed_bytes`` and ``checkpoint_layers`` (the class docstring); ``{}`` when no layer call was
-        counted or the counting failed."""
+        """``checkpointed_bytes`` and ``checkpoint_layers``; ``{}`` without a counted layer call or after a failure."""
         if not self.measuring or not self.calls or self.stack:
             return {}
         kept = {**self.outside, **self.inputs}
@@ -119,20 +110,14 @@ class _LayerCheckpointing:
 
 
 class _SavedActivations:
-    """Counts the bytes autograd saves for the backward pass during the profile run's first forward
-    (every rank), and writes `ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself:
-    nothing is copied, the forward runs as it would.
+    """Counts the bytes autograd saves for the backward pass in the profile run's first forward (every rank) and
+    writes `ACTIVATIONS_RECORD` (rank 0). The pack hook returns the tensor itself: the forward runs as it would.
 
-    Activation checkpointing: a checkpointed region's forward saves only its inputs (the reentrant
-    variant runs it under ``no_grad``, the non-reentrant one under its own saved-tensor hooks, which
-    take precedence), and its activations are live again, one region at a time, while the backward
-    pass recomputes it. To see them, while the counted forward runs, the entry points of
-    ``torch.utils.checkpoint`` (``CheckpointFunction.apply`` and
-    ``_checkpoint_without_reentrant_generator``, looked up when ``checkpoint`` is called, so a script that
-    bound ``checkpoint`` itself is covered) and of DeepSpeed's ``deepspeed.checkpointing``
-    (``CheckpointFunction.apply``) are wrapped: each region runs once more before the checkpoint's own
-    run, with gradients and this counter's hooks, its output dropped at once; the most one region saves
-    beyond its inputs is ``recompute_bytes``. The profile run exits at the end of that forward, so the
+    A checkpointed region's forward saves only its inputs, and its activations are live again, one region at a
+    time, while the backward recomputes it. To count them, the entry points of `CHECKPOINT_MODULES` are wrapped
+    during the counted forward (looked up when ``checkpoint`` is called, so a script that bound it is covered): each
+    region runs once more first, with gradients and these hooks, its output dropped at once; the most one region
+    saves beyond its inputs is ``recompute_bytes`` (D22). The profile run exits at the end of that forward, so the
     extra run changes nothing the tuning measures."""
 
     CHECKPOINT_MODULES = ("torch.utils.checkpoint", "deepspeed.runtime.activation_checkpointing.checkpointing")
@@ -171,8 +156,7 @@ class _SavedActivations:
             return None
 
     def _count(self, storages: dict, tensor, exclude=frozenset()) -> None:
-        """Add ``tensor``'s storage to ``storages`` unless it is a parameter's, a view of one, a module
-        buffer's or in ``exclude``."""
+        """Add ``tensor``'s storage to ``storages`` unless a parameter's, a view of one, a buffer's or excluded."""
         try:
             parameter = self.torch.nn.Parameter
             if not (isinstance(tensor, parameter) or isinstance(tensor._base, parameter)):
@@ -193,10 +177,9 @@ class _SavedActivations:
 
     def count_square(self, args: tuple, kwargs: dict) -> None:
         """``square_seq_len``, the largest odd length below the batch's, and ``square_saved_bytes``, the saved tensors
-        whose last two dimensions are both that length (attention scores, 0 under flash attention), from one more
-        forward of the module on ``args`` and ``kwargs``, the counted forward's batch, cut. An odd length keeps out
-        tensors square by coincidence (32 tokens, 32-wide heads). Every rank runs it (ZeRO-3 gathers stay matched);
-        nothing where the batch held no token ids or fewer than 4. A failure is printed and leaves the keys out."""
+        whose last two dimensions both have it (attention scores; 0 under flash attention), from one more forward on
+        the counted forward's batch, cut (odd: no tensor square by coincidence, as 32 tokens with 32-wide heads). Every
+        rank runs it (ZeRO-3's gathers stay matched); nothing without token ids or with fewer than 4."""
         try:
             seq_len = self.probe.state(self.engine)["seq_len"]
             if not isinstance(seq_len, int) or seq_len < 4:
@@ -224,9 +207,8 @@ class _SavedActivations:
         return tensor
 
     def region(self, function, args, kwargs) -> None:
-        """Run one checkpointed region (``function(*args, **kwargs)``) with gradients and count what it
-        saves beyond its inputs; the output is dropped. A failure is printed once and ends the counting
-        of regions; the checkpoint's own run goes on."""
+        """Run one checkpointed region with gradients and count what it saves beyond its inputs; its output is dropped.
+        A failure is printed once and ends the counting of regions; the checkpoint's own run goes on."""
         if not self.measuring:
             return
         torch = self.torch
@@ -259,8 +241,7 @@ class _SavedActivations:
                   file=sys.stderr, flush=True)
 
     def _wrapped_checkpoints(self) -> list:
-        """``(module, name, wrapper)`` for each checkpoint entry point of `CHECKPOINT_MODULES` loaded
-        in this process (see the class docstring)."""
+        """``(module, name, wrapper)`` per checkpoint entry point of the loaded `CHECKPOINT_MODULES`."""
         import inspect
         counter, wrapped = self, []
         for name in self.CHECKPOINT_MODULES:
@@ -285,9 +266,8 @@ class _SavedActivations:
 
     @contextlib.contextmanager
     def hooks(self):
-        """The counting hooks, the checkpointable layers' hooks (`_LayerCheckpointing`) and, where
-        checkpointing is loaded, the wrapped entry points, all removed on exit (DeepSpeed's profile ``exit()``
-        included)."""
+        """The counting hooks, the layers' hooks (`_LayerCheckpointing`) and the wrapped checkpoint entry points, all
+        removed on exit (DeepSpeed's profile ``exit()`` included)."""
         try:
             wrapped = self._wrapped_checkpoints()
         except Exception as e:  # noqa: BLE001 - the probe never breaks training
@@ -306,10 +286,8 @@ class _SavedActivations:
                 setattr(module, name, original)
 
     def write(self, growth: dict | None = None) -> None:
-        """Rank 0 writes `ACTIVATIONS_RECORD`, with ``growth`` (`.growth._StepGrowth.figures`: on CUDA
-        the step's growth and the device's peak at the end of the forward) over the keys it shares; every
-        rank counts, so that every rank runs the checkpointed regions once more and ZeRO-3's parameter
-        gathers stay matched across the ranks."""
+        """Rank 0 writes `ACTIVATIONS_RECORD`, ``growth`` (`.growth._StepGrowth.figures`) over the keys it shares. Every
+        rank counts, so that every rank runs the checkpointed regions again and ZeRO-3's gathers stay matched."""
         if _rank(self.engine) != 0:
             return
         _write_record(os.path.join(self.probe.directory, ACTIVATIONS_RECORD), lambda: {

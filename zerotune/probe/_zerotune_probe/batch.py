@@ -1,11 +1,8 @@
-"""What a batch held: the samples and the sequence length of the tensors the engine's forward receives, from their
-shapes only.
+"""What a batch held: the samples and the sequence length of the tensors the engine's forward receives (D308).
 
-Rules: only shapes are read (host metadata: no data read, no device synchronisation), so noting them changes nothing
-that is measured; `_batch_shape` says which tensors count. `_note_batch` keeps, per engine, the largest of each over
-the forwards of an optimizer step; the step's record writes them as ``batch_samples`` and ``seq_len``
-(`.records._Probe.record`).
-Evidence: docs/decisions.md, D308.
+Only shapes are read (host metadata: no data read, no device synchronisation), so noting them changes nothing
+measured; `_batch_shape` says which tensors count. `_note_batch` keeps per engine the largest of each over an
+optimizer step's forwards, which its record writes as ``batch_samples`` and ``seq_len`` (`.records._Probe.record`).
 """
 import sys
 from collections.abc import Mapping
@@ -17,11 +14,9 @@ SCANNED = 32  # values looked at per argument list and per container: a forward'
 
 
 def _batch_shape(args: tuple, kwargs: dict) -> tuple:
-    """``(samples, seq_len)`` of one forward call's arguments; each is None where no tensor says it, and both are
-    None before the script has imported torch. It looks at the arguments and one level into the mappings, lists and
-    tuples among them (a Hugging Face batch is a dict of tensors), at most `SCANNED` values of each: samples is the
-    leading dimension of the first tensor that has one; seq_len the largest second dimension among the integer-dtype
-    tensors of two or more dimensions (token ids, ``[samples, tokens]``; None for images, float features)."""
+    """``(samples, seq_len)`` of one forward's arguments (`_tensors`); each None where no tensor says it, both before
+    torch is imported. samples: the leading dimension of the first tensor with one; seq_len: the largest second
+    dimension of the integer-dtype tensors of two or more dimensions (token ids; None for images, float features)."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None, None
@@ -36,7 +31,8 @@ def _batch_shape(args: tuple, kwargs: dict) -> tuple:
 
 
 def _tensors(tensor_type: type, args: tuple, kwargs: dict):
-    """The tensors among the arguments and one level into the mappings, lists and tuples among them."""
+    """The tensors among the arguments and one level into the mappings, lists and tuples among them (a Hugging Face
+    batch is a dict of tensors), at most `SCANNED` of each."""
     for value in (*islice(args, SCANNED), *islice(kwargs.values(), SCANNED)):
         if isinstance(value, tensor_type):
             yield value
@@ -51,11 +47,9 @@ def _integer(torch, dtype) -> bool:
 
 
 def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
-    """Before ``engine``'s forward: keep the largest samples and sequence length of its optimizer step so far in
-    the probe's state for it (``batch_samples``, ``seq_len``). Call it once the first forward's time is set (the
-    state's first step is timed from it). On a CPU rank a sequence longer than any before restarts the ``VmData``
-    sampler for this step (`.peak._DataPeak.note_seq_len`). Never raises: a forward whose arguments cannot be
-    read adds nothing."""
+    """Before ``engine``'s forward: keep its optimizer step's largest samples and sequence length so far; on a CPU
+    rank a sequence longer than any before restarts the ``VmData`` sampler (`.peak._DataPeak.note_seq_len`). Call it
+    once the first forward's time is set. Never raises."""
     if probe.failed:
         return
     try:

@@ -2,11 +2,11 @@
 
 `install` waits for ``deepspeed.runtime.engine`` (nothing imports deepspeed or torch at start-up), then wraps the
 engine's ``forward``, ``step`` and ``allreduce_gradients`` (`_install`). Rules for what the records hold:
-- A rank records a line after each boundary ``step()`` returns (`.records._Probe.record`), and the step on which
-  DeepSpeed's autotuning exits as its ``SystemExit`` passes (its ``step_s`` holds rank 0's ``metrics.json`` write).
+- A rank records a line after each boundary ``step()`` returns (`.records._Probe.record`), and on the step where
+  DeepSpeed's autotuning exits, as its ``SystemExit`` passes (its ``step_s`` holds rank 0's ``metrics.json`` write).
 - A step ends when ``step()`` returns on the host: no device synchronisation is added, so on CUDA one step's time
   may be shifted by the queued kernels, the mean over several is not. A step in progress at a kill is lost.
-- Before the first forward rank 0 writes ``engine_config.json``: what the engine ran with (`_record_engine`).
+- Before the first forward rank 0 writes ``engine_config.json`` (`_record_engine`).
 """
 import os
 import sys
@@ -32,12 +32,9 @@ def _note_base(probe: _Probe, engine) -> None:
 
 
 def _install(module, probe: _Probe) -> None:
-    """Wrap ``DeepSpeedEngine.forward``, ``DeepSpeedEngine.step`` and ``DeepSpeedEngine.allreduce_gradients``
-    (timed at the boundary: ``boundary_s``) of the engine module; in a CPU rank
-    (``DS_ACCELERATOR=cpu``, as zerotune launches CPU ranks, and ``LOCAL_RANK``, which the launcher sets
-    for its ranks only) start the ``VmData`` sampler (`_DataPeak`). The launcher processes import
-    the engine module too (``import deepspeed`` does) but never step: a sampler there would wake every
-    5 ms for the whole run on the ranks' cores, slowing them (docs/decisions.md, D203)."""
+    """Wrap the engine module's ``DeepSpeedEngine.forward``, ``step`` and ``allreduce_gradients``; in a CPU rank
+    (``DS_ACCELERATOR=cpu``, and ``LOCAL_RANK``, which the launcher sets for its ranks only) start the ``VmData``
+    sampler (`_DataPeak`): the launcher processes import the engine module too but never step (D203)."""
     if os.environ.get("DS_ACCELERATOR") == "cpu" and "LOCAL_RANK" in os.environ:
         _DataPeak.start()
     engine_cls = module.DeepSpeedEngine
@@ -50,10 +47,9 @@ def _install(module, probe: _Probe) -> None:
 
 
 def _probed_forward(forward, probe: _Probe):
-    """``DeepSpeedEngine.forward`` noting the first forward's time and, on every call, what the batch held
-    (`.batch._note_batch`); before the first, rank 0 records the engine (`_record_engine`), and in the
-    profile run the forward's saved activations are counted (`_SavedActivations`) and the step's growth measured
-    (`_StepGrowth`). Where asked (`.padding`), each batch is first padded to the longest length."""
+    """``forward`` noting the first forward's time and each batch's shape (`.batch._note_batch`), the batch first
+    padded where asked (`.padding`); before the first, rank 0 records the engine (`_record_engine`), and in the profile
+    run the saved activations (`_SavedActivations`) and the step's growth (`_StepGrowth`) are measured."""
     import functools
     import time
 
@@ -96,8 +92,7 @@ def _probed_forward(forward, probe: _Probe):
 
 
 def _probed_step(step, probe: _Probe):
-    """``DeepSpeedEngine.step`` counting micro steps, timing the boundary's call (``boundary_s``) and
-    recording a line after the boundary's call returns, or as DeepSpeed's autotuning exit passes through."""
+    """``step`` counting micro steps, timing the boundary's call (``boundary_s``) and recording its line after it."""
     import functools
     import time
 
@@ -130,8 +125,7 @@ def _probed_step(step, probe: _Probe):
 
 
 def _probed_allreduce(allreduce, probe: _Probe):
-    """``DeepSpeedEngine.allreduce_gradients`` adding its time to ``boundary_s`` when ``backward()`` calls
-    it at the boundary (inside ``step()`` it is timed with the step)."""
+    """``allreduce_gradients`` adding its time to ``boundary_s`` when ``backward()`` calls it at the boundary."""
     import functools
     import time
 
@@ -165,12 +159,10 @@ def _end_step(state: dict | None, boundary: bool, start: float) -> None:
 
 
 def _record_engine(probe: _Probe, engine) -> None:
-    """Rank 0 writes `ENGINE_RECORD` once, before the first forward: the config the engine got
-    (for a Trainer script, with its "auto" values filled in), the model's hidden size as the Trainer
-    reads it, its maximum positions (the longest sequence it takes), the engine's batch sizes (mbs, gas,
-    train batch size) and the memory savers it really runs with (`_savers`). The profile run's record resolves
-    the hidden-size ``"auto"`` values (`zerotune.deepspeed.auto`); every experiment's shows what its engine ran
-    with. A failure is reported and steps are still recorded."""
+    """Rank 0 writes `ENGINE_RECORD` once, before the first forward: the config the engine got (a Trainer script's
+    with its "auto" values filled in), the model's hidden size as the Trainer reads it, its maximum positions, the
+    engine's mbs, gas and train batch size, and the memory savers it really runs with (`_savers`). The profile run's
+    record resolves the hidden-size ``"auto"`` values (`zerotune.deepspeed.auto`)."""
     def record():
         if _rank(engine) != 0:
             return None
@@ -236,8 +228,7 @@ def _record(probe: _Probe, engine, state: dict | None, boundary: bool) -> None:
 
 
 class _EngineFinder:
-    """A ``sys.meta_path`` finder that lets ``deepspeed.runtime.engine`` load as usual, then
-    wraps its engine (`_install`), once."""
+    """A ``sys.meta_path`` finder: ``deepspeed.runtime.engine`` loads as usual, then `_install` wraps it, once."""
 
     def __init__(self, probe: _Probe):
         self.probe = probe
@@ -278,9 +269,8 @@ class _InstallingLoader:
 
 
 def install(directory: str) -> None:
-    """Install the probe writing into ``directory`` in this process: into the engine module if it is already
-    imported (a warm rank, forked from a server that preloaded DeepSpeed: `zerotune.run.warm.rank`), else by
-    the import hook that waits for it. A failure is printed; training goes on."""
+    """Install the probe writing into ``directory``: into the engine module if already imported (a warm rank, forked
+    from a server that preloaded DeepSpeed: `zerotune.run.warm.rank`), else by the import hook. A failure is printed."""
     try:
         probe = _Probe(directory)
         module = sys.modules.get(ENGINE_MODULE)

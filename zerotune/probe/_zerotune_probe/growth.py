@@ -1,12 +1,11 @@
-"""The profile run's step growth: what the allocated memory grows by over the first forward and the whole
-step, and on CPU per sample, added to `.records.ACTIVATIONS_RECORD`.
+"""The profile run's step growth, added to `.records.ACTIVATIONS_RECORD` (D111, D204).
 
-Rules: the record gains ``forward_growth_bytes`` and ``step_growth_bytes``, bytes at its ``micro_batch_size``: the
-allocated high-water mark at the end of the forward, and over the forward and the engine's backward (run on the
-module's output as DeepSpeed's ``exit()`` passes), less what was allocated before the forward. Without a loss or
-with a failed backward only the forward's is kept; the ``SystemExit`` always goes on. On CUDA the allocator's
-counters give them (`_StepGrowth`), on CPU ``torch.profiler``'s memory events (`_HostStepGrowth`), which also give
-``slope_bytes``, the growth per sample the memory model's activation term takes. Evidence: docs/decisions.md, D111.
+``forward_growth_bytes`` and ``step_growth_bytes``, bytes at the record's ``micro_batch_size``: the allocated
+high-water mark at the end of the forward, and over the forward and the engine's backward (run on the module's
+output as DeepSpeed's ``exit()`` passes), less what was allocated before the forward. Without a loss or with a
+failed backward only the forward's is kept; the ``SystemExit`` always goes on. On CUDA the allocator's counters
+give them (`_StepGrowth`), on CPU ``torch.profiler``'s memory events (`_HostStepGrowth`), which also give
+``slope_bytes``, the growth per sample the memory model's activation term takes.
 """
 import sys
 
@@ -27,9 +26,8 @@ SLOPE_HEADROOM = 0.8
 
 
 def find_loss(output, tensor_type):
-    """The scalar loss in a module's output: the output itself when it is a ``tensor_type`` of one element
-    that requires grad, else the same test on its ``loss`` (a Hugging Face ``ModelOutput`` or a dict's
-    ``"loss"``), else on the first element of a tuple or list; None when there is none."""
+    """The scalar loss in a module's output: the output if a one-element ``tensor_type`` that requires grad, else the
+    same test on its ``loss`` (attribute or key), else on a tuple's or list's first element; None without one."""
     for _ in range(8):  # nested at most this deep
         if isinstance(output, tensor_type):
             return output if output.numel() == 1 and output.requires_grad else None
@@ -50,11 +48,9 @@ def growth_bytes(peak_bytes: int, before_bytes: int) -> int:
 
 
 class _StepGrowth:
-    """On CUDA, in the profile run: the allocated high-water mark over the first forward and over that
-    forward plus ``loss.backward()``, less what was allocated before the forward (the module docstring): the
-    autograd-saved storages miss what the backward allocates on top (the logits' gradient, the fp32 loss). Every
-    rank runs the backward (ZeRO's gradient hooks reduce across the ranks); a failure is printed and leaves the
-    forward's figure. ``torch`` is the module or a stand-in with its ``cuda`` functions."""
+    """On CUDA, the module docstring's figures from the allocator's counters; the step's counts what the backward
+    allocates beyond the autograd-saved storages (the logits' gradient, the fp32 loss). Every rank runs the backward
+    (ZeRO's gradient hooks reduce across the ranks). ``torch``: the module or a stand-in with its ``cuda`` functions."""
 
     def __init__(self, torch, engine):
         self.torch = torch
@@ -130,12 +126,10 @@ class _StepGrowth:
 
 
 class _HostStepGrowth(_StepGrowth):
-    """On CPU, in the profile run: the same figures from ``torch.profiler``'s memory events (``profile_memory``:
-    every allocation and free of torch's CPU allocator, with its size), which a CPU device lacks counters
-    for. Two windows: the forward, whose running sum's maximum is its growth and whose end level is what the
-    backward starts from; then the backward, whose running sum's maximum on top of that level is the step's
-    growth. The heap's own slack (glibc keeps freed pages) is not in them: the runs' peaks fit it
-    (docs/decisions.md, D111)."""
+    """On CPU, the same figures from ``torch.profiler``'s memory events (every allocation and free of torch's CPU
+    allocator): the forward window's running-sum maximum is its growth and its end level the backward's start; the
+    backward window's maximum on top of that level is the step's growth. The heap's own slack (glibc keeps freed
+    pages) is not in them: the runs' peaks fit it (D111)."""
 
     def _start(self) -> None:
         self.level = 0  # what the forward left allocated, bytes over the start
@@ -178,21 +172,17 @@ class _HostStepGrowth(_StepGrowth):
         return max(0, self.high, self.level + high)
 
     def _slope(self, engine) -> dict:
-        """``slope_bytes`` and ``data_slope_bytes``, bytes per sample: more training micro steps (the engine's
-        forward and backward, DeepSpeed's profile exit held off), their inputs the profile's batch repeated
-        `SLOPE_FACTORS` times along its first dimension, each twice the last. A step's peak is the larger
-        of what it holds whatever the mbs (the gradients, ZeRO's buckets, the parameters ZeRO-3 gathers) and what
-        grows with the mbs, so the slope between two steps rises to the activations' as they take over the peak:
-        ``slope_bytes`` is the last slope of the allocator's bytes, ``data_slope_bytes`` the last rise of
-        ``VmData``'s peak per sample (what the CPU budget limits: glibc's heap keeps more than the live tensors,
-        by a share that depends on the model, and the widest steps say how much). The series stops before a step
-        whose growth (twice the last) would take ``VmData`` over `SLOPE_HEADROOM` of the rank's
-        ``RLIMIT_DATA``, after a step longer than `SLOPE_STEP_S`, or at a step that fails (out of memory);
-        the ranks decide together (`_every_rank`), since each step runs ZeRO's collectives. Also recorded:
-        ``slope_growth_bytes`` (each step's growth), ``slope_data_peak_bytes`` (``VmData``'s peak after each),
-        ``slope_ended`` (why the series stopped; ``agreed`` where the last two slopes agree within
-        `SLOPE_AGREEMENT`) and ``data_peak_bytes`` before these steps. An input tensor whose first
-        dimension is not the profile's mbs is passed unchanged. Fewer than two steps: no slope."""
+        """``slope_bytes`` and ``data_slope_bytes``, bytes per sample, from more training micro steps (forward and
+        backward, DeepSpeed's profile exit held off) on the profile's batch repeated `SLOPE_FACTORS` times along its
+        first dimension. A step's peak is the larger of what it holds whatever the mbs and what grows with the mbs, so
+        the slope between two steps rises to the activations' as they take over: ``slope_bytes`` is the last slope of
+        the allocator's bytes, ``data_slope_bytes`` the last rise of ``VmData``'s peak per sample (what the CPU budget
+        limits; glibc's heap keeps more than the live tensors). The series stops before a step that would take
+        ``VmData`` over `SLOPE_HEADROOM` of ``RLIMIT_DATA``, after one longer than `SLOPE_STEP_S`, or at a failure; the
+        ranks decide together (`_every_rank`: each step runs ZeRO's collectives). Also recorded: ``slope_growth_bytes``
+        and ``slope_data_peak_bytes`` per step, ``slope_ended`` (why it stopped; ``agreed``: the last two slopes within
+        `SLOPE_AGREEMENT`) and ``data_peak_bytes`` before these steps. A tensor whose first dimension is not the mbs is
+        passed unchanged; fewer than two steps give no slope."""
         import time
         torch = self.torch
         mbs = int(engine.train_micro_batch_size_per_gpu())
@@ -278,8 +268,7 @@ def _room_for(growth_bytes: int) -> bool:
 
 
 def _widen(inputs: tuple, factor: int, mbs: int, tensor_type) -> tuple:
-    """``(args, kwargs)`` with every tensor whose first dimension is ``mbs`` repeated ``factor`` times along it,
-    in nested tuples, lists and dicts too; anything else as it is."""
+    """``(args, kwargs)`` with every tensor whose first dimension is ``mbs``, nested too, repeated ``factor`` times."""
     def widen(value):
         if isinstance(value, tensor_type):
             if value.dim() >= 1 and value.shape[0] == mbs:

@@ -1,11 +1,10 @@
-"""The longest batch on demand: every micro batch's token ids padded to one sequence length before the engine's
-forward, so that one run measures the peak of the longest batch the training can meet (``--verify-longest``).
+"""The longest batch on demand (``--verify-longest``, D309): every micro batch's token ids padded to one sequence
+length before the engine's forward, so that one run measures the peak of the longest batch the training can meet.
 
-- Set by the file `PAD_FILE` in the probe's directory (the experiment's, on every backend and node), holding a
-  positive whole number of tokens, read at the process's first forward (`pad_length`); no file, or not a number:
-  nothing is padded.
-- Only integer token-id tensors of shape ``[samples, tokens]`` are padded (`pad_batch`): a script whose batch is not
-  (images, float features, packed or pre-embedded sequences) is not padded, and its peak is its own batches'.
+- `PAD_FILE` in the probe's directory (the experiment's, on every backend and node) holds the length in tokens,
+  read at the process's first forward (`pad_length`); no file, or not a number: nothing is padded.
+- Only integer token-id tensors of shape ``[samples, tokens]`` are padded (`pad_batch`); a script whose batch is not
+  (images, float features, packed or pre-embedded sequences) measures its own batches' peak.
 - `cut_batch` does the reverse for the profile's count of attention scores (`.activations`).
 """
 import os
@@ -18,9 +17,8 @@ LABEL_KEYS = ("labels", "label", "lm_labels")
 
 
 def pad_length(directory: str):
-    """The sequence length `PAD_FILE` in ``directory`` holds; None without one, or when it does not hold a
-    positive whole number. Read at the first forward, not at import: a warm rank imports the probe before its
-    run's directory is known."""
+    """The positive whole number `PAD_FILE` in ``directory`` holds, else None. Read at the first forward, not at import:
+    a warm rank imports the probe before its run's directory is known."""
     try:
         with open(os.path.join(directory, PAD_FILE)) as f:
             text = f.read(32).strip()
@@ -30,14 +28,12 @@ def pad_length(directory: str):
 
 
 def pad_batch(args: tuple, kwargs: dict, length) -> tuple:
-    """``(args, kwargs)`` with their token-id tensors padded to ``length`` tokens; the same objects where
-    ``length`` is None, torch is not imported, or nothing is shorter.
+    """``(args, kwargs)`` with their token-id tensors padded to ``length`` tokens; the same objects where ``length`` is
+    None, torch is not imported, or nothing is shorter.
 
-    It looks where `.batch` looks (the positional and keyword arguments, and one level into the mappings, lists
-    and tuples among them) and pads, at the end of their second dimension, the integer-dtype tensors of exactly two
-    dimensions shorter than ``length``: ``labels`` with -100 (the index Hugging Face's and torch's cross-entropy
-    ignore), every other one (``input_ids``, ``attention_mask``, ``token_type_ids``) with 0 (a pad token's id is
-    never read: its attention mask is 0). The activations then have the shapes of a batch of that length."""
+    It looks where `.batch` looks and pads at the end the integer-dtype tensors of exactly two dimensions shorter than
+    ``length``: ``labels`` with -100 (which torch's and Hugging Face's cross-entropy ignore), the others
+    (``input_ids``, ``attention_mask``...) with 0 (a pad token's attention mask is 0, so its id is never read)."""
     torch = sys.modules.get("torch")
     if length is None or torch is None:
         return args, kwargs
@@ -46,8 +42,7 @@ def pad_batch(args: tuple, kwargs: dict, length) -> tuple:
 
 
 def cut_batch(args: tuple, kwargs: dict, length: int) -> tuple:
-    """``(args, kwargs)`` with their token-id tensors longer than ``length`` tokens cut to their first ``length``
-    (the tensors `pad_batch` pads); torch must be imported."""
+    """``(args, kwargs)`` with the tensors `pad_batch` pads cut to their first ``length`` tokens (torch imported)."""
     cut = _Pad(sys.modules["torch"], length, cut=True)
     return tuple(cut.value(v, None) for v in args), {k: cut.value(v, k) for k, v in kwargs.items()}
 

@@ -1,12 +1,10 @@
-"""The peak memory the probe records: on CPU the ``VmData`` sampler, on CUDA the device's peak, and the cap
-of a CUDA device's caching allocator at the rank's budget.
+"""The peak memory the probe records, and the cap of a CUDA device's caching allocator at the rank's budget
+(`cap_allocator`); D26, D202, D203.
 
-A step record's ``peak_bytes`` (bytes, `_peaks`) is on CUDA ``torch.cuda.max_memory_allocated()``, beside
-``peak_reserved_bytes`` (``torch.cuda.max_memory_reserved()``) and ``device_peak_bytes``, the device at its peak
-(`_device_peak`): the peak the budget limits there. On CPU it is the largest ``VmData`` so far (what
-``RLIMIT_DATA``, the per-rank budget, limits; sampled by `_DataPeak`), beside ``rss_peak_bytes`` (``ru_maxrss``,
-which leaves out pages allocated and never written). The cap: `cap_allocator`.
-Evidence: docs/decisions.md, D26, D202, D203.
+A step record's ``peak_bytes`` (`_peaks`) is on CUDA ``torch.cuda.max_memory_allocated()``, beside
+``peak_reserved_bytes`` (``max_memory_reserved()``) and ``device_peak_bytes`` (`_device_peak`), the peak the budget
+limits there. On CPU it is the largest ``VmData`` so far (what ``RLIMIT_DATA``, the per-rank budget, limits:
+`_DataPeak`), beside ``rss_peak_bytes`` (``ru_maxrss``, which leaves out pages allocated and never written).
 """
 import os
 import sys
@@ -29,20 +27,13 @@ def _peaks(engine) -> dict:
 
 
 class _DataPeak:
-    """On CPU, the largest ``VmData`` of this process (its private writable memory: what
-    ``RLIMIT_DATA``, the CPU backend's per-rank budget, limits), sampled every `period_s` by a
-    daemon thread from ``/proc/self/status``. Linux keeps no high-water mark of it, and the peak of a
-    training step lasts tens of milliseconds (the backward pass holds the activations, the gradients
-    and the reduction's flat copy at once; docs/decisions.md, D202). The resident high-water mark
-    (``ru_maxrss``) is no substitute: it leaves out pages allocated and never written, such as most of
-    a reduce bucket, which the budget counts.
+    """On CPU, the largest ``VmData`` of this process, sampled every `period_s` from ``/proc/self/status`` by a daemon
+    thread: Linux keeps no high-water mark of it, and a training step's peak lasts tens of milliseconds (D202).
 
-    The thread runs until the end of optimizer step `SAMPLED_STEPS` (`stop`), then each
-    record samples once: by then every step's allocations have happened (the first step creates the
-    optimizer states, the second holds them with the activations, the gradients and the reduction's
-    copy), and the steps measured for the metric run without it. A later step whose batch is longer than
-    every earlier one (`note_seq_len`) allocates more: the thread runs again until its record, so that
-    the run's peak is the peak of its longest batch, as ``zerotune.model.tokens`` reads it."""
+    The thread runs until the record of optimizer step `SAMPLED_STEPS` (`stop`), by when every step's allocations have
+    happened; then each record samples once, so the steps measured for the metric run without it. A later batch
+    longer than every earlier one (`note_seq_len`) runs it again until its record, so that the run's peak is its
+    longest batch's, as ``zerotune.model.tokens`` reads it."""
 
     running: "_DataPeak | None" = None
     period_s = 0.005
@@ -60,8 +51,7 @@ class _DataPeak:
         self._stopped = True
 
     def note_seq_len(self, seq_len: int) -> None:
-        """A forward's sequence length: one longer than every earlier forward's restarts a stopped thread,
-        which the step's record stops again (a longer batch's peak lies within its step)."""
+        """A forward's sequence length: one longer than any before restarts a stopped thread until the step's record."""
         if seq_len <= self._longest:
             return
         self._longest = seq_len
@@ -113,9 +103,8 @@ class _DataPeak:
 
 
 def _data_peak() -> dict:
-    """On CPU ranks, ``{"data_peak_bytes": n}``: the largest ``VmData`` so far (`_DataPeak`);
-    elsewhere ``{}``. The profile run's record carries it: the run exits in its first forward, before
-    any step record, and the tuner calibrates the memory model from it."""
+    """On CPU ranks ``{"data_peak_bytes": n}`` (`_DataPeak`), else ``{}``: for the profile run's record, as the run
+    exits in its first forward, before any step record."""
     return {"data_peak_bytes": _DataPeak.running.peak()} if _DataPeak.running is not None else {}
 
 
@@ -126,10 +115,9 @@ def _on_cuda(torch, engine) -> bool:
 
 
 def _device_peak(torch, engine, reserved_floor: int = 0) -> dict:
-    """On CUDA, ``{"device_peak_bytes": n}``: ``torch.cuda.max_memory_reserved()`` (at least
-    ``reserved_floor``, the high-water mark before a reset of the peaks) plus what the device holds outside
-    the caching allocator now (``mem_get_info``'s total - free, less ``memory_reserved()``: the CUDA
-    context, NCCL, other processes). Elsewhere ``{}``."""
+    """On CUDA ``{"device_peak_bytes": n}``: ``max_memory_reserved()`` (at least ``reserved_floor``, the mark before a
+    reset of the peaks) plus what the device holds outside the caching allocator now (``mem_get_info``'s total - free,
+    less ``memory_reserved()``: the CUDA context, NCCL, other processes); elsewhere ``{}``."""
     if not _on_cuda(torch, engine):
         return {}
     free, total = torch.cuda.mem_get_info()
@@ -138,12 +126,10 @@ def _device_peak(torch, engine, reserved_floor: int = 0) -> dict:
 
 
 def cap_allocator(cuda, device: int, budget_bytes: int) -> float | None:
-    """Cap the caching allocator of CUDA device ``device`` so that what the device holds stays within
-    ``budget_bytes``: ``set_per_process_memory_fraction((budget - outside) / total)``, where ``outside`` is
-    what lies outside the allocator now (``mem_get_info``'s total - free, less ``memory_reserved``: the CUDA
-    context, NCCL, other processes). An allocation past it raises CUDA's own out-of-memory error, as a
-    smaller device would. ``cuda`` is ``torch.cuda`` (or a stand-in with those functions). Returns the
-    fraction set; None when the budget leaves the allocator the whole device (nothing set)."""
+    """Cap the caching allocator of CUDA device ``device`` so that the device holds at most ``budget_bytes``:
+    ``set_per_process_memory_fraction((budget - outside) / total)``, ``outside`` as in `_device_peak`; past it an
+    allocation raises CUDA's own out-of-memory error, as on a smaller device. ``cuda``: ``torch.cuda`` or a stand-in.
+    Returns the fraction set; None when the budget leaves the allocator the whole device (nothing set)."""
     free, total = cuda.mem_get_info(device)
     outside = max(0, int(total) - int(free) - int(cuda.memory_reserved(device)))
     fraction = max(0.0, (int(budget_bytes) - outside) / int(total))
@@ -154,9 +140,8 @@ def cap_allocator(cuda, device: int, budget_bytes: int) -> float | None:
 
 
 def _cap_device(engine) -> None:
-    """On a CUDA rank with a budget (`BUDGET_ENV`, set by zerotune for its experiments), cap the caching
-    allocator of the engine's device at it (`cap_allocator`), before the first forward: the budget is a
-    limit, not advice, as ``RLIMIT_DATA`` makes it on CPU ranks. A failure is printed; training goes on."""
+    """On a CUDA rank with a budget (`BUDGET_ENV`), cap the engine's device at it before the first forward
+    (`cap_allocator`): the budget is a limit, as ``RLIMIT_DATA`` makes it on CPU ranks. A failure is printed."""
     torch = sys.modules.get("torch")
     budget = os.environ.get(BUDGET_ENV)
     if not budget or not _on_cuda(torch, engine):

@@ -2,9 +2,8 @@
 
 - After each boundary ``step()`` (`.engine`) a rank appends one line to its stream, ``probe.rank<RANK>.jsonl`` in
   ``<PYTHON_ZEROTUNE_PROBE_DIR>`` (`stream_name`), and flushes it; the fields are in `_Probe.record`.
-- Once a rank has recorded its first step it writes ``exit.rank<RANK>.json`` (`exit_name`) as Python finishes
-  (`_Probe.write_exit`): a rank that aborts after a clean exit record crashed after the script ended.
-- A probe error never breaks training: it is printed to stderr once and the probe goes quiet.
+- From its first step record on, a rank writes ``exit.rank<RANK>.json`` as Python finishes (`_Probe.write_exit`).
+- A probe error is printed to stderr once and the probe goes quiet; training goes on.
 """
 import os
 import sys
@@ -57,16 +56,15 @@ class _Probe:
     def record(self, engine, state: dict) -> None:
         """Append this optimizer step's line to the rank's stream. Its fields (times in seconds):
 
-        ``rank``; ``step``, from 1 in this process; ``t``, ``time.monotonic()`` when the step returned. ``step_s``: wall
-        time since the previous optimizer step ended, so the script's work between engine calls (data loading,
-        logging) is in it; step 1 counts from the first forward and is never steady state. ``boundary_s``: the part
-        of ``step_s`` done once per optimizer step (the boundary ``step()``, and the boundary ``allreduce_gradients()``
-        that ``backward()`` makes), the only part a larger gas amortizes; ZeRO-1's reduction in the backward hooks
-        (``overlap_comm``) is not in it. ``micro_steps``: ``step()`` calls in this step (1 under the Hugging Face
-        Trainer, which calls it only at the boundary). ``train_batch_size``: global samples per optimizer step.
-        ``batch_samples``, ``seq_len``: the most samples a micro batch held and its longest token sequence
-        (`.batch`; null where no forward argument said). ``peak_bytes`` and the peaks beside it: `.peak._peaks`;
-        ``base_bytes``: on CUDA the allocated bytes before the step's first forward (`.engine._note_base`).
+        ``rank``; ``step``, from 1 in this process; ``t``, ``time.monotonic()`` when the step returned; ``step_s``,
+        wall time since the previous optimizer step ended (the script's work between engine calls included; step 1
+        counts from the first forward, never steady state); ``boundary_s``, the part of ``step_s`` done once per
+        optimizer step (the boundary ``step()`` and the boundary ``allreduce_gradients()`` in ``backward()``), the only
+        part a larger gas amortizes (ZeRO-1's reduction in the backward hooks, ``overlap_comm``, is not in it);
+        ``micro_steps``, ``step()`` calls in this step (1 under the Hugging Face Trainer); ``train_batch_size``, global
+        samples per optimizer step; ``batch_samples``, ``seq_len``: the most samples a micro batch held and its longest
+        token sequence (`.batch`; null where unknown); ``peak_bytes`` and the peaks beside it (`.peak._peaks`);
+        ``base_bytes``, on CUDA the allocated bytes before the step's first forward (`.engine._note_base`).
         """
         import time
         t = time.monotonic()
@@ -107,13 +105,11 @@ class _Probe:
 
     def write_exit(self) -> None:
         """The ``atexit`` hook: this rank's exit record, ``{"rank", "steps", "uncaught", "exit_status", "host",
-        "address"}`` (the last two: `_node`).
-
-        ``uncaught``: the uncaught exception that ended the script (``sys.last_value``) as ``"Type: message"``, or
-        null. ``exit_status``: the argument of the last ``sys.exit`` call after the first step, or null. ``atexit``
-        hooks run before the interpreter's C++ teardown: a rank that aborts after writing a clean record
-        (``terminate called without an active exception``, gloo ranks) crashed after the script ended, with every
-        step it recorded measured (`zerotune.probe.clean_exits`).
+        "address"}`` (the last two: `_node`). ``uncaught``: the exception that ended the script (``sys.last_value``),
+        ``"Type: message"``; ``exit_status``: the last ``sys.exit`` argument after the first step; each null when
+        none. ``atexit`` hooks run before the C++ teardown: a rank aborting after a clean record (``terminate called
+        without an active exception``) crashed after the script ended, every step it recorded measured
+        (`zerotune.probe.clean_exits`).
         """
         def record():
             last, status = getattr(sys, "last_value", None), self.exit_status
@@ -125,9 +121,8 @@ class _Probe:
 
 
 def _node() -> dict:
-    """Where this rank runs: ``host``, its hostname, and ``address``, the IPv4 address its machine reaches
-    ``MASTER_ADDR`` from (the source address the kernel picks; no packet is sent), so ranks on different nodes have
-    different addresses; null where it cannot be found."""
+    """``host``, this rank's hostname, and ``address``, the IPv4 source address the kernel picks to reach
+    ``MASTER_ADDR`` (no packet is sent), which differs between nodes; null where it cannot be found."""
     import socket
     address = None
     try:
@@ -140,8 +135,7 @@ def _node() -> dict:
 
 
 def _write_record(path: str, make_record, what: str) -> None:
-    """Write the JSON object ``make_record()`` returns (None: nothing) to ``path`` atomically (a reader
-    never sees half of it). A failure is printed to stderr, naming ``what``; training goes on."""
+    """Write the JSON object ``make_record()`` returns (None: nothing) to ``path`` atomically; a failure is printed."""
     try:
         import json
         record = make_record()

@@ -1,6 +1,4 @@
-"""Backends: where an experiment's processes run (``local``: the deepspeed launcher here; ``ray``; ``slurm``), by
-name: `BACKENDS`, each made by `make_backend`, the nodes of those that find their own
-(`backend_nodes`)."""
+"""Backends by name (`BACKENDS`): where an experiment's processes run, made by `make_backend`."""
 from __future__ import annotations
 
 from zerotune.core.launch import LaunchSpec, Node
@@ -25,14 +23,13 @@ def make_backend(kind: str, spec: LaunchSpec, ray_address: str | None = None) ->
 
 
 def backend_nodes(kind: str, cpu: bool, num_gpus: int = -1, num_nodes: int = -1) -> list[Node] | None:
-    """The nodes with their device slots that backend ``kind`` finds itself: ``slurm``, its allocation's
-    (`zerotune.run.backends.slurm.slurm_nodes`, the first ``num_nodes``, ``num_gpus`` slots each; -1: all);
-    None for ``local`` and ``ray``, whose nodes the launcher options select (a hostfile, ``--include``).
+    """The nodes with their device slots that backend ``kind`` finds itself: ``slurm``'s allocation
+    (`zerotune.run.backends.slurm.slurm_nodes`); None for ``local`` and ``ray`` (the launcher options select them).
 
     Raises:
-        ConfigError: as `zerotune.run.backends.slurm.slurm_nodes` (not inside an allocation, more than it
-            has).
+        ConfigError: as `zerotune.run.backends.slurm.slurm_nodes`.
     """
+
     if kind == "slurm":
         from zerotune.run.backends.slurm import slurm_nodes
         return slurm_nodes(cpu, num_gpus, num_nodes)

@@ -29,19 +29,12 @@ POLL_S = 0.5
 
 
 class NodeLauncher:
-    """The Ray actor on the first node of an experiment: a `LocalBackend` for one run.
+    """The Ray actor on the first node of an experiment: a `LocalBackend` for one run; threaded
+    (``max_concurrency=2``) so that `cancel` is served while `run` runs.
 
-    Threaded (``max_concurrency=2``) so that `cancel` is served while `run` runs.
-
-    .. note:: The launcher runs in its own session (so it is killed as one process group), which
-       also means it would outlive this actor if Ray killed the actor (Ray's out-of-memory killer,
-       ``ray.kill``, a crash). A reaper process started with the actor is told each launcher's
-       process group while it runs; when the actor's end closes the reaper's stdin, the reaper
-       sends those groups TERM (``deepspeed.launcher.launch`` stops its ranks), then KILL after
-       10 s. This covers this node only: Ray kills the actor's direct children with it, the
-       launcher's runner among them, so for a multi-node run the runner's own pdsh kill of the
-       other nodes' ranks does not happen and those ranks are left to fail on the broken
-       rendezvous. A normal end, a timeout or `cancel` go through the runner's handler.
+    A launcher leads its own session and would outlive an actor Ray kills, so a reaper process is told each
+    launcher's group and, when the actor's end closes its stdin, sends them TERM, then KILL after 10 s. This covers
+    this node only: a multi-node run's other ranks are then left to fail on the broken rendezvous.
     """
 
     def __init__(self, spec: LaunchSpec):
@@ -54,20 +47,14 @@ class NodeLauncher:
 
     def run(self, exp: Experiment, exp_dir: str, token: str, cwd: str, others: list[tuple[str, list[int]]],
             warm_socket: str = "") -> Experiment:
-        """Run ``exp`` with the launcher on this node, on the GPUs Ray granted; forked from this node's warm server
-        at ``warm_socket`` where one is given (`zerotune.run.warm.client.AttachedWarmServer`).
+        """Run ``exp`` with the launcher on this node, on the GPUs Ray granted; returns ``exp`` with its outcome.
 
         Args:
-            exp: the experiment.
             exp_dir: its directory (absolute; on a shared filesystem).
             token: the content of the dispatch marker the driver wrote in ``exp_dir``.
-            cwd: the driver's working directory; relative paths in the script's arguments mean
-                the same here.
+            cwd: the driver's working directory, so relative paths in the script's arguments mean the same.
             others: ``(node IP, GPU ids)`` of the other bundles, in order (multi-node only).
             warm_socket: the node's warm server ('': launch cold).
-
-        Returns:
-            ``exp`` with its outcome.
         """
         path = Path(exp_dir)
         try:
@@ -103,8 +90,8 @@ class NodeLauncher:
             watch.join()
 
     def _report_launchers(self, running: threading.Event) -> None:
-        """While ``running``: tell the reaper ``+PGID`` for each launcher this actor starts (a direct
-        child leading its own session), then ``-PGID`` once the run has stopped it."""
+        """While ``running``, tell the reaper ``+PGID`` for each launcher this actor starts; ``-PGID`` after."""
+
         me, told = psutil.Process(), set()
         while running.is_set():
             for child in me.children():

@@ -1,10 +1,9 @@
 """How a run's ranks are started and stopped: the starter a supervising backend composes.
 
-`zerotune.run.backends.local.LocalBackend` supervises a run (its timeout, hang, stop rule, memory, outcome)
-whatever starts it; its starter (`RankStarter`) says what starts the ranks, which processes are theirs and how
-they stop. `DirectStarter`, here, starts them from this machine: DeepSpeed's per-node launcher (or the user's
-own launcher) as a subprocess, DeepSpeed's runner over ssh for several nodes, and on this machine alone, forked
-from a warm rank server (`zerotune.run.warm`). The Slurm backend's starter starts job steps instead
+`zerotune.run.backends.local.LocalBackend` supervises a run whatever starts it; its starter (`RankStarter`) says what
+starts the ranks, which processes are theirs and how they stop. `DirectStarter` starts them from this machine:
+DeepSpeed's per-node launcher (or the user's) as a subprocess, DeepSpeed's runner over ssh for several nodes, and,
+on this machine alone, forked from a warm rank server (`zerotune.run.warm`). Slurm's starts job steps
 (`zerotune.run.backends.slurm.SrunStarter`).
 """
 from __future__ import annotations
@@ -85,10 +84,8 @@ class DirectStarter:
         self._lock = threading.Lock()
 
     def command(self, run: RunLaunch) -> tuple[dict[str, str], list[str]]:
-        """DeepSpeed's launcher on ``run.reservation`` with master port ``run.port``, the probe writing into
-        ``run.exp_dir`` (the run's token is added to the environment by the caller); on several nodes, the launch's
-        environment written into the runner's env file ``exp_dir/deepspeed_env`` for the other nodes' ranks
-        (`zerotune.deepspeed.rank_env.runner_env_file`)."""
+        """DeepSpeed's launcher on ``run.reservation`` (the caller adds the run's token to the environment); on
+        several nodes, the environment also goes into the runner's env file ``exp_dir/deepspeed_env``."""
         env = launch_env(self.spec, run.reservation, probe_dir=run.exp_dir, config_path=run.config_path)
         if multi_node(self.spec, run.reservation):  # the token too, so the other nodes' ranks are found by it
             env.update(runner_env_file({**env, RUN_TOKEN_ENV: run.token}, run.exp_dir / RUNNER_ENV_FILE))
@@ -109,9 +106,8 @@ class DirectStarter:
         return descendants(proc.pid)
 
     def stop(self, proc, known: dict[int, psutil.Process], token: str, since: float) -> None:
-        """`zerotune.run.processes.kill_tree`. A multi-node run's runner is SIGKILLed first, alone (its own
-        SIGTERM handler would pkill every DeepSpeed launcher on its hosts), then the run's processes on every node
-        are killed by its token (`zerotune.run.processes.kill_token_on`)."""
+        """`zerotune.run.processes.kill_tree`; a multi-node run's runner is first SIGKILLed alone (its SIGTERM handler
+        would pkill every DeepSpeed launcher on its hosts), then its processes on every node by token."""
         with self._lock:
             hosts = self._remote.pop(token, None)
         if hosts is not None:
@@ -121,8 +117,8 @@ class DirectStarter:
         kill_tree(proc, known, token, since)
 
     def warm_eligible(self, reservation: Reservation) -> bool:
-        """Warm launches are on, the launcher's ranks can be forked (`warm_note`), and the run is this
-        machine's alone."""
+        """Warm launches are on, the launcher's ranks can be forked (`warm_note`), and the run is this machine's."""
+
         return self.spec.warm and not warm_note(self.spec) and [n.host for n in reservation.nodes] == [
             "localhost"] and not multi_node(self.spec, reservation)
 
@@ -132,7 +128,7 @@ class DirectStarter:
 
     def warm_launch(self, warm: WarmServer, run: RunLaunch, env: dict[str, str], cmd: list[str],
                     logs: tuple) -> WarmRun:
-        """The server's launch request (`warm_request`), from what the cold launch would run."""
+        """The server's launch request (`warm_request`)."""
         return warm.launch(warm_request(self.spec, run, env, self.data_limit()))
 
     def warm_failure(self, proc: WarmRun, exp_dir: Path) -> str:
@@ -152,10 +148,8 @@ class DirectStarter:
 
 
 def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Path) -> dict[str, str]:
-    """The environment of a warm server for ``spec``'s runs on ``reservation`` (its imports need the ranks'
-    accelerator, ``PYTHONPATH`` and the exps dir's extension cache): this process's with the launch's
-    (`zerotune.deepspeed.launcher.launch_env`), less an experiment's own probe variables (each run's request
-    carries its own)."""
+    """A warm server's environment (its imports need the ranks' accelerator, ``PYTHONPATH``, the extension cache):
+    this process's with the launch's, less the probe variables each run's request carries."""
     env = {**os.environ, **launch_env(spec, reservation, probe_dir=running_dir)}  # the exps dir's cache, beside it
     env.pop(PROBE_DIR_ENV, None)
     env.pop(BUDGET_ENV, None)
@@ -163,15 +157,14 @@ def warm_server_env(spec: LaunchSpec, reservation: Reservation, running_dir: Pat
 
 
 def warm_note(spec: LaunchSpec) -> str:
-    """Why ``spec``'s ranks cannot be forked warm ('' when they can): its launcher's reason
-    (`zerotune.core.launch.UserLauncher.warm_note`)."""
+    """Why ``spec``'s ranks cannot be forked warm ('' when they can; `zerotune.core.launch.UserLauncher.warm_note`)."""
     return spec.launcher.warm_note() if spec.launcher is not None else ""
 
 
 def warm_request(spec: LaunchSpec, run: RunLaunch, env: dict[str, str], data_limit: int | None) -> dict:
-    """The warm server's launch request for ``run`` on this machine alone (`zerotune.run.warm.server`): what the
-    direct launch's command line says (`zerotune.deepspeed.launcher.launch_command`), as data; ``env``: the
-    ranks' whole environment."""
+    """The warm server's launch request for ``run`` on this machine (`zerotune.run.warm.server`): the direct
+    launch's command line as data; ``env``: the ranks' whole environment."""
+
     contract = spec.launcher.contract if spec.launcher is not None else DEEPSPEED
     return {"script": spec.script, "args": script_arguments(spec, run.config_path), "env": env, "cwd": os.getcwd(),
             "contract": contract, "slots": list(run.reservation.nodes[0].slots), "master_addr": "127.0.0.1",

@@ -1,12 +1,11 @@
 """The local backend: the real ``deepspeed`` launcher as a subprocess, one process group per run.
 
-Rules (`LocalBackend`): the backend only starts, supervises and stops processes: the experiment directory is
-`zerotune.run.expdir`'s, the command `zerotune.deepspeed.launcher`'s, starting and stopping ranks its starter's
-(`zerotune.run.backends.direct`). It writes ``cmd.txt`` and the launcher's ``stdout.log`` and ``stderr.log``. Each run
-is one process group in its own session, killed whole on timeout, hang, Ctrl-C or when its stop rule ends it
-(`zerotune.core.stopping`), stragglers by its token (`zerotune.run.processes`). Every run has a timeout
-(`zerotune.run.backends.timeout`); ``--hang-timeout`` kills a run without progress (`LocalBackend._supervise`). On
-this machine alone, with ``LaunchSpec.warm``, ranks are forked from a warm rank server (`zerotune.run.warm`).
+Rules: the backend only starts, supervises and stops processes: the experiment directory is `zerotune.run.expdir`'s,
+the command `zerotune.deepspeed.launcher`'s, starting and stopping ranks its starter's (`zerotune.run.backends.direct`).
+Each run is one process group in its own session, killed whole on timeout, hang, Ctrl-C or when its stop rule ends
+it (`zerotune.core.stopping`), stragglers by its token (`zerotune.run.processes`). Every run has a timeout
+(`zerotune.run.backends.timeout`); ``--hang-timeout`` kills a run without progress. On this machine alone, with
+``LaunchSpec.warm``, ranks are forked from a warm rank server (`zerotune.run.warm`).
 """
 from __future__ import annotations
 
@@ -53,15 +52,12 @@ poll on a quiet machine); its known ranks' memory is sampled at every poll."""
 
 
 class LocalBackend(Backend):
-    """Runs and supervises each experiment; ``starter`` starts and stops its ranks (`.direct`; default: from
-    this machine, `zerotune.run.backends.direct.DirectStarter`; the Slurm backend is this one with job steps).
+    """Runs and supervises each experiment; ``starter`` starts and stops its ranks (default:
+    `zerotune.run.backends.direct.DirectStarter`, from this machine).
 
-    Multi-node reservations go through the launcher's hostfile (``--hostfile``, ``--force_multi``) and are stopped
-    by their run's token on every node (`zerotune.run.processes.kill_token_on`), never by a blanket pkill. A warm
-    run's launcher, forked by the server (started at the first run, stopped at `close`), leads a session of its own
-    and is stopped as a cold one is; ``cmd.txt`` still shows the launcher's line. A run the server could not launch
-    goes cold and says why in ``launch_note``; one whose server went away, or whose ranks failed before the script
-    started, is run again cold."""
+    The warm server starts at the first run and stops at `close`; ``cmd.txt`` always shows the cold line. A run the
+    server could not launch goes cold and says why in ``launch_note``; one whose server went away, or whose ranks
+    failed before the script started, is run again cold."""
 
     poll_s = 0.2
 
@@ -74,8 +70,7 @@ class LocalBackend(Backend):
         self._warm: WarmServer | None = None
 
     def use_spec(self, spec: LaunchSpec) -> None:
-        """Launch the runs that follow as ``spec`` says, the starter's included (the Ray node actor's hostfile and
-        warm setting, set per run); call only between runs."""
+        """Launch the runs that follow as ``spec`` says, the starter's included; call only between runs."""
         self.spec = self.starter.spec = spec
 
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
@@ -151,8 +146,7 @@ class LocalBackend(Backend):
         return exp
 
     def _warm_server(self, reservation: Reservation, running_dir: Path) -> WarmServer | None:
-        """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold,
-        the starter's ``warm_eligible``). Its environment is the ranks' less the experiment's own probe variables."""
+        """The warm rank server for runs on ``reservation``, started on first use (None: this run goes cold)."""
         if not self.starter.warm_eligible(reservation):
             return None
         with self._lock:
@@ -172,11 +166,9 @@ class LocalBackend(Backend):
 
     def _supervise(self, proc: subprocess.Popen, exp: Experiment, run: RunLaunch, watch: StreamWatch, start: float,
                    known: dict[int, psutil.Process], seen: _Supervised) -> None:
-        """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it,
-        noting what it saw in ``seen``; every process of its tree seen is added to ``known`` (for the kill that
-        follows). Progress, for ``--hang-timeout``: a step recorded in the probe's streams, and before the first
-        step (start-up, JIT builds, the profile run) output; once a run has stepped, output alone is no progress,
-        and silence between steps is no hang."""
+        """Watch the launched run until it exits, times out, hangs, is cancelled or its stop rule ends it, noting
+        what it saw in ``seen`` and every process of its tree in ``known`` (for the kill). Progress, for
+        ``--hang-timeout``: a new step in the probe's streams, or, before the first step, output."""
         spec = self.spec
         script_name = Path(spec.script).name
         progress = RunProgress(run.exp_dir, start)
@@ -216,8 +208,8 @@ class LocalBackend(Backend):
 
     def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,
                 seen: _Supervised) -> Experiment:
-        """Record the run's outcome in ``exp`` once its processes are gone (`expdir.finish`), with the
-        backend's more precise reasons for a teardown crash, a timeout and a hang."""
+        """Record the run's outcome in ``exp`` (`expdir.finish`), with the backend's reasons for a teardown crash, a
+        timeout and a hang."""
         spec = self.spec
         exp.wall_s = round(time.monotonic() - start, 3)
         # the ranks' sampled VmData is what the CPU budget limits; on CUDA it is host memory, not the device's: the
@@ -239,12 +231,11 @@ class LocalBackend(Backend):
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]] | None:
-        """The starter's (`RankStarter.training_launch <zerotune.run.backends.direct.RankStarter>`)."""
+        """The starter's (`zerotune.run.backends.direct.RankStarter.training_launch`)."""
         return self.starter.training_launch(spec, reservation, config_path, master_port, ds_config)
 
     def cancel_all(self) -> None:
-        """Stop every running experiment: each run's supervising loop sees it within ``poll_s`` and
-        kills its process tree; runs without a result are recorded as INTERRUPTED."""
+        """Stop every running experiment within ``poll_s``; runs without a result end INTERRUPTED."""
         self._cancelled.set()
 
 
@@ -262,16 +253,14 @@ class _Supervised:
 
 
 def _cold_note(spec: LaunchSpec) -> str:
-    """Why a run of ``spec`` starts cold when warm launches are on and its launcher's ranks cannot be forked ('':
-    no such reason)."""
+    """Why a warm-enabled run of ``spec`` starts cold because its launcher's ranks cannot be forked, or ''."""
     why = warm_note(spec) if spec.warm else ""
     return f"launched cold: {why}" if why else ""
 
 
 def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_name: str) -> bool:
-    """Whether ``child``, a process of the run ``proc``, is one of its ranks: a cold rank runs the script
-    (`zerotune.run.processes.runs_script`); a warm rank, forked with the server's command line, is a child of
-    the run's launcher."""
+    """Whether ``child`` of run ``proc`` is a rank: a cold rank runs the script; a warm rank (the server's command
+    line) is a child of the run's launcher."""
     if not isinstance(proc, WarmRun):
         return runs_script(child, script_name)
     try:
@@ -281,9 +270,9 @@ def _is_rank(proc: subprocess.Popen | WarmRun, child: psutil.Process, script_nam
 
 
 def _child_setup(limit: int | None):
-    """The launcher's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: no limit), inherited by the
-    launcher's ranks, and the launcher made a child subreaper (`zerotune.run.processes.adopt_orphans`:
-    what its ranks orphan stays in its tree)."""
+    """The launcher's pre-exec hook: ``RLIMIT_DATA`` at ``limit`` bytes (None: none), inherited by its ranks, and
+    `zerotune.run.processes.adopt_orphans`."""
+
     def setup():  # runs in the child before exec
         limit_data(limit)
         adopt_orphans()

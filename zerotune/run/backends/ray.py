@@ -1,7 +1,6 @@
 """The Ray backend: each experiment in its own Ray placement group, the ``deepspeed`` launcher inside it.
 
-How one experiment runs: `RayBackend.run`; what runs on its node (the launcher actor, the probe task):
-`zerotune.run.backends._ray_node`. The rules for the cluster:
+How one experiment runs: `RayBackend.run`; what runs on its node: `zerotune.run.backends._ray_node`. Cluster rules:
 - The experiment directory must be on a filesystem shared by this machine and the Ray nodes, and the script, its
   data and zerotune at the same paths on every node; a node that cannot see the directory fails the experiment.
 - Several nodes need passwordless ssh between them, as any multi-node DeepSpeed run (its pdsh runner).
@@ -9,6 +8,7 @@ How one experiment runs: `RayBackend.run`; what runs on its node (the launcher a
   2``) and run the ranks on CPU (``DS_ACCELERATOR=cpu``); the GPU ids then only count ranks.
 - Ray is optional (``pip install 'zerotune[ray]'``), imported only when the backend first connects (a dry run never).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +37,7 @@ INSTALL_HINT = "install it with: pip install 'zerotune[ray]'"
 
 
 def import_ray():
-    """Import Ray, or explain how to install it.
+    """Import Ray.
 
     Raises:
         ConfigError: Ray is not installed (``pip install 'zerotune[ray]'``).
@@ -50,9 +50,8 @@ def import_ray():
 
 
 def require_ray() -> None:
-    """Check that Ray is installed without importing it: a dry run builds the backend and launches
-    nothing, and importing Ray costs seconds and reads its environment once, for the whole process
-    (a test that imports it later with its own environment would get the earlier one's).
+    """Check that Ray is installed without importing it (an import costs seconds and fixes Ray's environment for the
+    whole process; a dry run launches nothing).
 
     Raises:
         ConfigError: Ray is not installed (``pip install 'zerotune[ray]'``).
@@ -62,14 +61,11 @@ def require_ray() -> None:
 
 
 class RayBackend(Backend):
-    """Runs each experiment in a Ray placement group on a Ray cluster (see the module docstring).
+    """Runs each experiment in a Ray placement group on a Ray cluster.
 
     Args:
-        spec: how to launch the training script (as for `LocalBackend`).
-        address: the Ray cluster, e.g. ``"10.0.0.1:6379"`` or ``"auto"``; ``None`` connects to
-            ``$RAY_ADDRESS`` when set, otherwise starts a Ray instance on this machine. When this
-            process is already connected to Ray (``ray.init`` was called), that connection is used
-            and ``address`` is ignored.
+        address: the Ray cluster, e.g. ``"10.0.0.1:6379"`` or ``"auto"``; ``None`` connects to ``$RAY_ADDRESS``
+            when set, else starts a local Ray instance. An existing ``ray.init`` connection wins over it.
 
     Raises:
         ConfigError: Ray is not installed.
@@ -93,8 +89,7 @@ class RayBackend(Backend):
         return self._ray_module
 
     def connect(self) -> None:
-        """Connect this process to the Ray cluster, once (``run`` calls it; building the backend does
-        not, so a dry run never touches Ray).
+        """Connect this process to the Ray cluster, once (on the first ``run``, so a dry run never touches Ray).
 
         Raises:
             ConfigError: the cluster cannot be reached at ``address``.
@@ -109,26 +104,20 @@ class RayBackend(Backend):
                 raise ConfigError(f"cannot connect to the Ray cluster {where}: {e}") from None
 
     def run(self, exp: Experiment, reservation: Reservation, exp_dir: Path) -> Experiment:
-        """Run ``exp`` in a placement group shaped like ``reservation``, files under ``exp_dir``.
+        """Run ``exp`` (updated in place and returned) in a placement group shaped like ``reservation``.
 
-        ``reservation`` gives the shape (nodes x GPUs per node); Ray decides which nodes and GPU ids:
-        1. A placement group, one ``{"GPU": slots, "CPU": 1}`` bundle per node: ``STRICT_PACK`` on one node,
-           ``STRICT_SPREAD`` on several; it waits to be placed at most the experiment timeout.
-        2. On several nodes a probe task in each other bundle reports its node's IP and granted GPU ids, written to
+        Ray decides which nodes and GPU ids:
+        1. A placement group, one ``{"GPU": slots, "CPU": 1}`` bundle per node (``STRICT_PACK`` on one node,
+           ``STRICT_SPREAD`` on several), waited for at most the experiment timeout.
+        2. On several nodes a probe task in each other bundle reports its node's IP and GPU ids into
            ``exp_dir/hostfile`` for the launcher's ``--hostfile --force_multi``.
-        3. A `NodeLauncher` actor in bundle 0 runs `LocalBackend` on its node with `node_spec` (on one node the ranks
-           are forked from the node's warm server, `zerotune.run.backends.ray_warm`; ``cmd.txt`` stays the
-           launcher's line); other nodes' ranks are stopped by the run's token, never by the runner's pkill.
+        3. A `NodeLauncher` actor in bundle 0 runs `LocalBackend` on its node with `node_spec` (one node: ranks forked
+           from its warm server, `zerotune.run.backends.ray_warm`).
         4. The actor is killed and the group removed, whatever happened.
 
-        Outcomes are as for `LocalBackend`, plus: TIMEOUT when Ray cannot place the
-        group within the experiment timeout; FAILED, without waiting, when the cluster cannot be
-        reached or has no node big enough for a bundle; FAILED when the node cannot see
-        ``exp_dir``, or when Ray loses the actor (killed, or its node died); INTERRUPTED after
-        `cancel_all`.
-
-        Returns:
-            ``exp``, updated in place.
+        Outcomes are as for `LocalBackend`, plus: TIMEOUT when the group is not placed within the experiment timeout;
+        FAILED, without waiting, when the cluster cannot be reached or has no node big enough for a bundle; FAILED
+        when the node cannot see ``exp_dir`` or Ray loses the actor; INTERRUPTED after `cancel_all`.
         """
         ray = self._ray
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -189,9 +178,8 @@ class RayBackend(Backend):
             remove_placement_group(pg)
 
     def _warm_socket(self, pg, reservation: Reservation, running_dir: Path) -> tuple[str, str]:
-        """(the socket of the warm server on the node of ``pg``'s first bundle, ''), its host actor started on
-        first use (`zerotune.run.backends.ray_warm`); ('', why) when the server cannot launch; ('', '') when
-        the run goes cold by rule: warm launches are off, or the run spans several nodes."""
+        """(the warm server's socket on ``pg``'s first node, ''); ('', why) when it cannot launch; ('', '') when the
+        run goes cold by rule (warm launches off, several nodes)."""
         if not self.spec.warm or reservation.num_nodes > 1:
             return "", ""
         from ray.util import placement_group_table
@@ -218,8 +206,7 @@ class RayBackend(Backend):
             return self._remote_cache
 
     def _wait_placed(self, pg) -> tuple[Status, str] | None:
-        """Wait until Ray places ``pg``: None when placed, else (status, why) after the experiment
-        timeout or `cancel_all`."""
+        """Wait until Ray places ``pg``: None when placed, else (status, why) after the timeout or `cancel_all`."""
         ready = pg.ready()
         start = time.monotonic()
         while True:
@@ -234,8 +221,7 @@ class RayBackend(Backend):
                                         f"held by other work (available now: {self._ray.available_resources()})")
 
     def cancel_all(self) -> None:
-        """Stop every running experiment: each node's launcher is killed by its `LocalBackend`
-        (process group TERM, then KILL), and they are recorded as interrupted."""
+        """Stop every running experiment (each node's `LocalBackend` kills its launcher); they end INTERRUPTED."""
         self._cancelled.set()
         with self._lock:
             actors = list(self._running.values())
@@ -244,16 +230,15 @@ class RayBackend(Backend):
 
 
 def node_spec(spec: LaunchSpec, environ: Mapping[str, str] = os.environ) -> LaunchSpec:
-    """The launch spec shipped to an experiment's node: ``spec`` with the tuner's communication settings
-    (`zerotune.deepspeed.rank_env.passed_env` of ``environ``) under its ``extra_env``. The actor runs
-    with the raylet's environment, not the tuner's: without them a ``NCCL_SOCKET_IFNAME`` set where zerotune
-    runs would not reach the ranks."""
+    """``spec`` with the tuner's communication settings (`zerotune.deepspeed.rank_env.passed_env`) in ``extra_env``,
+    for an experiment's node: the actor runs with the raylet's environment, not the tuner's."""
     return dataclasses.replace(spec, extra_env={**passed_env(environ), **spec.extra_env})
 
 
 def _unfit_reason(nodes: list[dict], reservation: Reservation, strategy: str) -> str:
-    """Why the cluster's live nodes can never hold the bundles (total, not free, resources); '' if
-    they can. An autoscaling cluster must have its nodes up before tuning."""
+    """Why the cluster's live nodes can never hold the bundles (total, not free, resources; an autoscaling cluster's
+    nodes must be up), or ''."""
+
     gpus = reservation.nodes[0].num_slots
     alive = [n for n in nodes if n.get("Alive")]
     big = [n for n in alive if n["Resources"].get("GPU", 0) >= gpus and n["Resources"].get("CPU", 0) >= 1]

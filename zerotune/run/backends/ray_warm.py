@@ -1,11 +1,9 @@
 """The Ray backend's warm rank servers: a host actor per node, for the life of a tuning.
 
-An experiment's actor (`zerotune.run.backends._ray_node.NodeLauncher`) lives for one run, so a warm server there would pay
-its preload every run. Each node an experiment's first bundle lands on gets one `WarmHost` actor instead (no CPU, no
-GPU, pinned to the node), started at the first such experiment and killed at the tuning's end (`WarmHosts.stop`). The
-experiment's actor reaches its node's server by its socket (`zerotune.run.warm.client.AttachedWarmServer`) and
-supervises the forked run as on one machine. Multi-node experiments go through DeepSpeed's runner, cold.
-Evidence: docs/decisions.md, D303.
+An experiment's actor (`zerotune.run.backends._ray_node.NodeLauncher`) lives for one run, so each node an
+experiment's first bundle lands on gets one `WarmHost` actor (no CPU, no GPU, pinned), started at the first such
+experiment and killed at the tuning's end. The experiment's actor reaches its node's server by its socket and
+supervises the forked run as on one machine. Multi-node experiments go cold, through DeepSpeed's runner (D303).
 """
 from __future__ import annotations
 
@@ -24,9 +22,9 @@ POLL_S = 0.5
 
 
 class WarmHost:
-    """The Ray actor that owns its node's warm server for ``spec``'s script, as its parent: the server ends with the
-    actor. Its running record is named after the node, under ``running_dir`` (the exps dir's, on the shared
-    filesystem). A run's connection closes with the experiment's actor, on which the server kills the run."""
+    """The Ray actor that owns (as parent) its node's warm server for ``spec``'s script; the server's running record
+    is named after the node, under ``running_dir``."""
+
 
     def __init__(self, spec: LaunchSpec, running_dir: str):
         running = Path(running_dir)

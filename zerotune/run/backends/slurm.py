@@ -1,10 +1,8 @@
 """The Slurm backend: run inside an allocation (``salloc`` or an ``sbatch`` script), each experiment a job step.
 
-The nodes and devices per node are the allocation's (`slurm_nodes`). Each experiment is one ``srun`` on the nodes
-its reservation names (`srun_command`), whose tasks become the ranks through `zerotune.run.backends.slurm_rank`;
-with warm launches (the default, ``--cold-launch`` off) they fork from a server per node (`SrunStarter.warm_launch`).
-Supervision is the local backend's with `SrunStarter` as its starter: a run is stopped by cancelling its step
-(``scancel JOB.STEP``), found by its name, also after the tuner itself was killed (`SrunStarter`).
+The nodes and devices per node are the allocation's (`slurm_nodes`). Each experiment is one ``srun`` on its
+reservation's nodes (`srun_command`), whose tasks become the ranks through `zerotune.run.backends.slurm_rank`, warm
+ones forked from a server per node. Supervision is the local backend's with `SrunStarter` as its starter.
 Rules: the results dir, the script and zerotune lie at the same paths on every node (a shared filesystem,
 docs/clusters.md); the master port is checked free on this machine only (a taken one fails, a rerun retries it).
 """
@@ -68,10 +66,9 @@ def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Map
                 expand=hostnames) -> list[Node]:
     """The allocation's nodes with their device slots, from Slurm's environment ``environ``.
 
-    Nodes: ``SLURM_JOB_NODELIST`` expanded (``expand``: `hostnames`), the first ``num_nodes`` (-1: all).
-    Slots per node, ids ``0..S-1``: on CUDA, ``SLURM_GPUS_ON_NODE`` (``num_gpus``, when given, takes fewer);
-    on CPU ranks, ``num_gpus`` (``--num_gpus``), else ``SLURM_NTASKS_PER_NODE``, else the fewest of
-    ``SLURM_JOB_CPUS_PER_NODE``.
+    Nodes: ``SLURM_JOB_NODELIST`` expanded, the first ``num_nodes`` (-1: all). Slots per node, ids ``0..S-1``: on
+    CUDA, ``SLURM_GPUS_ON_NODE`` (or fewer, ``num_gpus``); on CPU, ``num_gpus``, else ``SLURM_NTASKS_PER_NODE``,
+    else the fewest of ``SLURM_JOB_CPUS_PER_NODE``.
 
     Raises:
         ConfigError: not inside an allocation; no GPU on the nodes (CUDA); more nodes or devices asked for than
@@ -98,11 +95,9 @@ def slurm_nodes(cpu: bool, num_gpus: int = -1, num_nodes: int = -1, environ: Map
 def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe_dir: Path | None = None,
              config_path: str | None = None) -> dict[str, str]:
     """The environment a step adds to this process's (srun exports it to every rank): the local backend's
-    (`zerotune.deepspeed.launcher.launch_env`, the probe with ``probe_dir``), ``MASTER_ADDR`` (the
-    reservation's first node) and ``MASTER_PORT``, and on CPU ranks with a budget, each rank's
-    ``RLIMIT_DATA`` (`zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`) for an experiment (``probe_dir``
-    given; the training after tuning runs unlimited, as the local backend's). ``config_path``: the run's config,
-    for a launcher that carries it in the environment."""
+    (`zerotune.deepspeed.launcher.launch_env`), ``MASTER_ADDR`` (the first node), ``MASTER_PORT`` and, for an
+    experiment (``probe_dir`` given) on CPU ranks with a budget, each rank's ``RLIMIT_DATA``
+    (`zerotune.run.backends.slurm_rank.DATA_LIMIT_ENV`); training after tuning runs unlimited."""
     env = launch_env(spec, reservation, probe_dir=probe_dir, config_path=config_path)
     env.pop("CUDA_VISIBLE_DEVICES", None)  # a torchrun-like launcher's slots: Slurm sets each node's for its step
     env.update(MASTER_ADDR=reservation.nodes[0].host, MASTER_PORT=str(master_port))
@@ -113,13 +108,11 @@ def step_env(spec: LaunchSpec, reservation: Reservation, master_port: int, probe
 
 def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, cpus_per_task: int, name: str,
                  ds_config: dict | None = None) -> list[str]:
-    """The ``srun`` line of one step: ``reservation``'s nodes (``--nodelist``), one task per slot, ``--exact`` with
-    ``cpus_per_task`` CPUs each (two experiments share a node side by side, as the slot pool places them), on CUDA
-    ``--gpus-per-node`` and ``--gpu-bind=none`` (each rank sees the step's GPUs on its node, whose
-    ``CUDA_VISIBLE_DEVICES`` Slurm sets per node, and DeepSpeed takes the ``LOCAL_RANK``-th: a binding of one GPU per
-    task, from the cluster's defaults or an inherited ``SLURM_GPU_BIND``, would leave rank 1 no device 1), named
-    ``name``; the script's arguments as for the deepspeed launcher (`zerotune.deepspeed.launcher.script_arguments`);
-    with ``spec.launcher``, the wrapper gives each rank that launcher's contract (``--contract``)."""
+    """The ``srun`` line of one step named ``name``: ``reservation``'s nodes, one task per slot, ``--exact`` with
+    ``cpus_per_task`` CPUs each (experiments share a node as the slot pool places them), on CUDA ``--gpus-per-node``
+    and ``--gpu-bind=none`` (each rank sees its node's GPUs and takes the ``LOCAL_RANK``-th; a one-GPU-per-task
+    binding would leave rank 1 no device 1); the script's arguments as for the deepspeed launcher; with
+    ``spec.launcher``, that launcher's rank contract (``--contract``)."""
     nodes, per_node = reservation.num_nodes, reservation.nodes[0].num_slots
     cmd = ["srun", "--nodes", str(nodes), "--ntasks", str(nodes * per_node), "--ntasks-per-node", str(per_node),
            "--nodelist", ",".join(n.host for n in reservation.nodes), "--kill-on-bad-exit=1", "--exact",
@@ -134,20 +127,14 @@ def srun_command(spec: LaunchSpec, reservation: Reservation, config_path: str, c
 
 
 class SrunStarter:
-    """Starts each run as a job step of the allocation this process runs in, and stops it by the step's id: the
-    Slurm backend's starter (`zerotune.run.backends.direct.RankStarter`).
+    """The Slurm backend's `zerotune.run.backends.direct.RankStarter`: each run a job step of this allocation.
 
-    To stop a run (its timeout, a hang, Ctrl-C or SIGTERM of the tuner), the step found by its unique name in
-    ``squeue --steps`` is cancelled: Slurm signals every rank on every node (SIGTERM, then SIGKILL after
-    ``KillWait``); the running record names the step as its stop handle, so a rerun after the tuner was killed
-    cancels it before anything else (`zerotune.run.processes.reap_orphans`).
-
-    Args:
-        spec: how to launch the training script.
-        environ: Slurm's environment (``SLURM_JOB_ID``, ``SLURM_JOB_CPUS_PER_NODE``).
+    A run is stopped by cancelling its step, found by its unique name in ``squeue --steps`` (Slurm signals every rank
+    on every node); the running record names the step as its stop handle, so a rerun after the tuner was killed
+    cancels it first (`zerotune.run.processes.reap_orphans`).
 
     Raises:
-        ConfigError: not inside an allocation.
+        ConfigError: not inside an allocation (``environ`` lacks ``SLURM_JOB_ID``, ``SLURM_JOB_CPUS_PER_NODE``).
     """
 
     def __init__(self, spec: LaunchSpec, environ: Mapping[str, str] = os.environ):
@@ -164,16 +151,14 @@ class SrunStarter:
         return max(1, self.cpus_per_node // reservation.nodes[0].num_slots)
 
     def command(self, run: RunLaunch) -> tuple[dict[str, str], list[str]]:
-        """The step's environment (`step_env`) and its ``srun`` line (`srun_command`), named
-        ``zerotune-<experiment>-<token's end>``."""
+        """The step's environment and ``srun`` line, named ``zerotune-<experiment>-<token's end>``."""
         name = f"zerotune-{run.name}-{run.token[-8:]}"
         self._steps[run.token] = name
         return (step_env(self.spec, run.reservation, run.port, probe_dir=run.exp_dir, config_path=run.config_path),
                 srun_command(self.spec, run.reservation, run.config_path, self.cpus_per_task(run.reservation), name))
 
     def stop_handle(self, token: str) -> dict[str, str] | None:
-        """The run's job step (`zerotune.run.backends.slurm_step.step_handle`): its ranks on other nodes
-        have no process on this machine."""
+        """The run's job step: its ranks on other nodes have no process on this machine."""
         return step_handle(self.job_id, self._steps[token]) if token in self._steps else None
 
     def data_limit(self) -> int | None:
@@ -181,8 +166,7 @@ class SrunStarter:
         return None
 
     def ranks(self, proc: subprocess.Popen, token: str) -> list[psutil.Process]:
-        """srun's tree and, looked up by the run's token at most every second, its ranks on this machine
-        (started by slurmd, not by srun)."""
+        """srun's tree and its ranks on this machine (started by slurmd), looked up by token at most every second."""
         when, found = self._scans.get(token, (0.0, []))
         if time.monotonic() - when > _SCAN_S:
             found = run_processes(token)
@@ -190,9 +174,8 @@ class SrunStarter:
         return descendants(proc.pid) + [p for p in found if p.pid != proc.pid]
 
     def stop(self, proc: subprocess.Popen, known: dict[int, psutil.Process], token: str, since: float) -> None:
-        """Cancel the run's step (``scancel JOB.STEP``) while srun runs, wait for srun to exit (Slurm's
-        ``KillWait`` and a margin), kill what is left on this machine, and wait until the step has left
-        ``squeue``."""
+        """Cancel the run's step while srun runs, wait for srun to exit, kill what is left on this machine, and wait
+        until the step has left ``squeue``."""
         name = self._steps.pop(token, "")
         self._scans.pop(token, None)
         step = slurm_step_id(self.job_id, name) if proc.poll() is None else None
@@ -206,12 +189,11 @@ class SrunStarter:
         cancel_slurm_step(self.job_id, name)
 
     def warm_eligible(self, reservation: Reservation) -> bool:
-        """Whether runs go warm: warm launches are on (every node of the allocation has a server)."""
+        """Warm launches are on (every node of the allocation has a server)."""
         return self.spec.warm
 
     def new_warm_server(self, env: dict[str, str], reservation: Reservation, running_dir: Path) -> SlurmWarmServers:
-        """The warm rank servers' step on every node of the allocation (`zerotune.run.backends.slurm_warm`),
-        not started."""
+        """The warm rank servers' step on every node of the allocation, not started."""
         return SlurmWarmServers(self.job_id, self.hosts(), self.spec.script, env, running_dir,
                                 0 if self.spec.cpu else reservation.nodes[0].num_slots)
 
@@ -223,16 +205,16 @@ class SrunStarter:
 
     def warm_launch(self, warm: SlurmWarmServers, run: RunLaunch, env: dict[str, str], cmd: list[str],
                     logs: tuple) -> subprocess.Popen:
-        """The run's step as the cold one (``cmd``), its tasks attached to the warm servers (``slurm_rank --warm``):
-        each has its node's server fork its rank and stands for it in the step (``scancel`` and
-        ``--kill-on-bad-exit`` stop the rank); ``cmd.txt`` shows the cold line. The ranks forked here carry the
-        server's environment, not the run's token: their peak comes from the probe's streams alone."""
+        """The cold step (``cmd``) with its tasks attached to the warm servers (``slurm_rank --warm``): each has its
+        node's server fork its rank and stands for it in the step. The forked ranks lack the run's token: their peak
+        comes from the probe's streams alone."""
         at = cmd.index(RANK_MODULE) + 1  # --warm SOCKET first: the wrapper reads its options in that order
         return popen_cold([*cmd[:at], "--warm", warm.socket_template, *cmd[at:]], env, logs, adopt_orphans)
 
     def warm_failure(self, proc: subprocess.Popen, exp_dir: Path) -> str:
-        """A task's line on why its warm rank did not run the script (no server, a server gone, a failed fork:
-        `zerotune.run.backends.slurm_rank.attach`), '' when there is none."""
+        """Why a task's warm rank did not run the script (`zerotune.run.backends.slurm_rank.attach`), or ''."""
+
+
         if proc.returncode == 0:
             return ""
         try:
@@ -243,26 +225,24 @@ class SrunStarter:
         return line[len(SETUP_FAILED_LINE):].lstrip(": ")
 
     def finish(self, exp: Experiment) -> Experiment:
-        """A step srun could not create because the allocation is ending (``scancel`` of the job, its time limit)
-        is INTERRUPTED, re-run on resume, not a failed config."""
+        """A step srun could not create because the allocation is ending is INTERRUPTED (re-run on resume)."""
         if exp.status is Status.FAILED and ALLOCATION_ENDING in exp.error:
             exp.status, exp.error = Status.INTERRUPTED, f"the allocation is ending: {exp.error}"
         return exp
 
     def training_launch(self, spec: LaunchSpec, reservation: Reservation, config_path: str, master_port: int,
                         ds_config: dict | None = None) -> tuple[dict[str, str], list[str]]:
-        """The environment additions and the ``srun`` line that train with ``config_path`` on ``reservation``
-        (``zerotune run``, ``cmd_optimal.txt``): one step, no probe."""
+        """The training's environment additions and ``srun`` line: one step, no probe."""
         return (step_env(spec, reservation, master_port, config_path=config_path),
                 srun_command(spec, reservation, config_path, self.cpus_per_task(reservation), "zerotune-train",
                              ds_config=ds_config))
 
 
 class SlurmBackend(LocalBackend):
-    """The local backend's supervision with job steps as its starter (`SrunStarter`; see the module
-    docstring).
+    """The local backend's supervision with `SrunStarter` as its starter.
 
     Raises:
+
         ConfigError: not inside an allocation.
     """
 

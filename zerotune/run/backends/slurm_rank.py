@@ -1,12 +1,10 @@
 """One rank of a Slurm job step: ``srun ... python -u -m zerotune.run.backends.slurm_rank SCRIPT ARGS...``.
 
-The wrapper turns srun's task variables (``SLURM_PROCID`` ...) into what DeepSpeed's per-node launcher gives each
-rank (`rank_env`), applies the CPU ranks' memory budget (`DATA_LIMIT_ENV`) and execs the script as that launcher
-does, ``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...``; with ``--contract torchrun`` as torchrun does
-(`contract_env`). ``MASTER_ADDR``, ``MASTER_PORT`` and the probe come from the step's environment (the backend's).
-With ``--warm SOCKET`` it execs nothing: the node's warm rank server forks the rank and the task stands for it in
-the step (`attach`); a task that cannot get its rank started exits `zerotune.run.warm.rank.SETUP_FAILED`, and the
-backend runs the experiment again cold.
+The wrapper turns srun's task variables into what DeepSpeed's per-node launcher gives each rank (`rank_env`),
+applies the CPU ranks' memory budget (`DATA_LIMIT_ENV`) and execs the script as that launcher does,
+``python -u SCRIPT --local_rank=<LOCAL_RANK> ARGS...`` (or as torchrun does, `contract_env`). With ``--warm SOCKET``
+the node's warm rank server forks the rank instead and the task stands for it in the step (`attach`); a task that
+cannot get its rank started exits `zerotune.run.warm.rank.SETUP_FAILED`, and the backend runs the experiment cold.
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ DATA_LIMIT_ENV = "ZEROTUNE_DATA_LIMIT"
 
 
 def expand_counts(value: str) -> list[int]:
-    """Slurm's compressed per-node counts as a list: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``
-    (``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_JOB_CPUS_PER_NODE``).
+    """Slurm's compressed per-node counts (``SLURM_JOB_CPUS_PER_NODE``...) as a list: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
 
     Raises:
         ValueError: ``value`` is not in that form.
@@ -43,11 +40,8 @@ def expand_counts(value: str) -> list[int]:
 
 
 def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables DeepSpeed's launcher sets for a rank, from the Slurm task's ``environ``:
-
-    ``RANK`` (``SLURM_PROCID``), ``LOCAL_RANK`` (``SLURM_LOCALID``), ``WORLD_SIZE`` (``SLURM_NTASKS``),
-    ``LOCAL_SIZE`` (this node's tasks: ``SLURM_STEP_TASKS_PER_NODE`` at ``SLURM_NODEID``), ``CROSS_RANK``
-    (``SLURM_NODEID``) and ``CROSS_SIZE`` (``SLURM_STEP_NUM_NODES``).
+    """The variables DeepSpeed's launcher sets for a rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_SIZE``,
+    ``CROSS_RANK``, ``CROSS_SIZE``), from the Slurm task's ``environ``.
 
     Raises:
         KeyError: a Slurm variable is missing (not a task started by srun).
@@ -61,14 +55,11 @@ def rank_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def attach(socket_template: str, script: str, args: list[str], env: dict[str, str], contract: str = DEEPSPEED) -> int:
-    """Have this node's warm server fork this task's rank (``env``: its environment; ``contract``: its launcher's,
-    for its arguments) and wait for it; the status to exit with (negative: the signal that killed the rank).
-
-    ``socket_template`` names the server's socket, ``{node}`` for the node's name. The server forks the rank with
-    ``env``, the data limit, the probe, this task's standard streams and CPU affinity. A stop signal from Slurm
-    (``scancel``, ``--kill-on-bad-exit``) is passed to the rank's launcher; a task killed outright closes its
-    connection, on which the server kills the rank. A task that cannot reach its server, or whose rank failed
-    before the script started, gets `SETUP_FAILED`, having said why on stderr."""
+    """Have this node's warm server (``socket_template``, ``{node}`` for the node's name) fork this task's rank with
+    ``env`` and this task's streams and CPU affinity, and wait for it; returns the status to exit with (negative: the
+    killing signal). A stop signal is passed to the rank's launcher; a task killed outright closes its connection,
+    on which the server kills the rank. A task that cannot get its rank started returns `SETUP_FAILED`, having said
+    why on stderr."""
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     request = {"op": "launch", "script": script, "args": args, "rank_env": env, "cwd": os.getcwd(),
                "affinity": sorted(os.sched_getaffinity(0)), "data_limit": int(env.get(DATA_LIMIT_ENV) or 0) or None,
@@ -109,10 +100,8 @@ def attach(socket_template: str, script: str, args: list[str], env: dict[str, st
 
 
 def main(argv: list[str]) -> None:
-    """Exec ``argv`` (``SCRIPT ARGS...``) as this task's rank; never returns. ``--warm SOCKET SCRIPT ARGS...``:
-    the rank forked by the warm server instead (`attach`); exits with its status. ``--contract torchrun``
-    (after ``--warm SOCKET``, before the script): the rank gets torchrun's variables and no ``--local_rank``
-    (`zerotune.launchers.contract`)."""
+    """Exec ``argv`` (``[--warm SOCKET] [--contract NAME] SCRIPT ARGS...``, in that order) as this task's rank;
+    never returns. ``--warm``: exit with the status of the rank the warm server forks (`attach`)."""
     warm, contract = None, DEEPSPEED
     if argv[:1] == ["--warm"] and len(argv) > 1:
         warm, argv = argv[1], argv[2:]
@@ -139,8 +128,8 @@ def main(argv: list[str]) -> None:
 
 
 def contract_env(env: dict[str, str], contract: str) -> dict[str, str]:
-    """``env`` (a task's, with DeepSpeed's rank variables: `rank_env`) with the variables of ``contract``'s
-    launcher: torchrun's (`zerotune.launchers.contract.torchrun_env`) for `TORCHRUN`."""
+    """``env`` (with `rank_env`'s variables) plus those of ``contract``'s launcher (torchrun's for `TORCHRUN`)."""
+
     if contract != TORCHRUN:
         return env
     return torchrun_env(env, int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_SIZE"]),

@@ -1,10 +1,8 @@
-"""Slurm's job steps as a tuner stops them: a step found by its name (`slurm_step_id`), cancelled until it
-has left ``squeue`` (`cancel_slurm_step`), and the stop handle that names one in a running record
-(`step_handle`; `zerotune.run.backends.stop_handles`), so that a rerun after a SIGKILLed tuner cancels
-it: a step's ranks on other nodes have no process on the tuner's machine to kill.
+"""Slurm's job steps as a tuner stops them: found by name, cancelled until gone from ``squeue``, and named in a
+running record by a stop handle (`step_handle`), so a rerun after a SIGKILLed tuner cancels a step whose ranks
+have no process on its machine.
 
-Only the standard library and Slurm's own commands: the running records' reaper
-(`zerotune.run.processes.reap_orphans`) reaches this module without the backends.
+Only the standard library and Slurm's commands: the reaper (`zerotune.run.processes.reap_orphans`) imports it.
 """
 from __future__ import annotations
 
@@ -44,14 +42,13 @@ def cancel_slurm_step(job_id: str, name: str, wait_s: float = SLURM_STEP_GONE_S)
 
 
 def step_handle(job_id: str, name: str) -> dict[str, str]:
-    """The stop handle of job ``job_id``'s step named ``name``: ``{"kind": "slurm_step", "job_id": ...,
-    "step_name": ...}``."""
+    """The stop handle of job ``job_id``'s step named ``name``."""
     return {"kind": STOP_KIND, "job_id": job_id, "step_name": name}
 
 
 def cancel_step_handle(handle: Mapping[str, Any]) -> bool:
-    """Cancel the step ``handle`` (`step_handle`) names (`cancel_slurm_step`). Returns whether it is
-    gone; False for a handle whose job id or step name is not a string."""
+    """Cancel the step ``handle`` names; returns whether it is gone (False for a malformed handle)."""
+
     job_id, name = handle.get("job_id"), handle.get("step_name")
     if not (isinstance(job_id, str) and isinstance(name, str)):
         return False

@@ -1,12 +1,11 @@
 """The warm rank servers of a Slurm allocation: one long-lived job step, a server task on each node, for the life
 of a tuning.
 
-Rules: the step (`server_step_command`) overlaps the experiments' steps, so it costs no slot; each node's server
-preloads as the local backend's does (`zerotune.run.warm`). An experiment is still a step of its own, whose tasks ask
-their node's server to fork their ranks (`zerotune.run.backends.slurm_rank.attach`). The step is cancelled at the
-tuning's end (`SlurmWarmServers.stop`), by a rerun after a SIGKILLed tuner (`zerotune.run.processes.reap_orphans`), or
-with the allocation. On CUDA nodes whose cgroups confine memory, the forked ranks count against the servers' step.
-Evidence: docs/decisions.md, D303; docs/clusters.md.
+Rules: the step overlaps the experiments' steps, so it costs no slot. An experiment is still a step of its own, whose
+tasks ask their node's server to fork their ranks (`zerotune.run.backends.slurm_rank.attach`). The step is cancelled
+at the tuning's end, by a rerun after a SIGKILLed tuner (`zerotune.run.processes.reap_orphans`), or with the
+allocation. On CUDA nodes whose cgroups confine memory, the forked ranks count against the servers' step.
+See D303 and docs/clusters.md.
 """
 from __future__ import annotations
 
@@ -32,11 +31,9 @@ SERVER_MODULE = "zerotune.run.warm.server"
 
 def server_step_command(hosts: list[str], name: str, socket_template: str, script: str, ready_dir: Path,
                         gpus_per_node: int = 0) -> list[str]:
-    """The ``srun`` line of the servers' step: one task on each of ``hosts``, named ``name``; on CUDA
-    (``gpus_per_node`` > 0) with the nodes' GPUs, unbound, so that the ranks it forks can use them. ``--overlap``
-    shares the allocation's CPUs, memory and GPUs with the experiments' steps. Each server accepts on its node-local
-    socket (``socket_template``, ``{node}`` filled) and then writes ``<node>.json`` into ``ready_dir``, on the
-    results dir's shared filesystem."""
+    """The ``srun --overlap`` line of the servers' step ``name``: one task on each of ``hosts``, on CUDA
+    (``gpus_per_node`` > 0) with the nodes' GPUs unbound for the forked ranks. Each server accepts on its node-local
+    socket (``socket_template``) and then writes ``<node>.json`` into ``ready_dir`` (on the shared filesystem)."""
     cmd = ["srun", "--overlap", "--nodes", str(len(hosts)), "--ntasks", str(len(hosts)), "--ntasks-per-node", "1",
            "--nodelist", ",".join(hosts), "--job-name", name]
     if gpus_per_node > 0:
@@ -46,9 +43,8 @@ def server_step_command(hosts: list[str], name: str, socket_template: str, scrip
 
 
 class SlurmWarmServers:
-    """The servers' step of allocation ``job_id`` on ``hosts`` for ``script``, the ranks' environment ``env``
-    (see the module doc). Thread-safe; `start` once, `ready` before each launch, `stop` at the
-    end."""
+    """The servers' step of allocation ``job_id`` on ``hosts`` for ``script``, the ranks' environment ``env``.
+    Thread-safe; `start` once, `ready` before each launch, `stop` at the end."""
 
     def __init__(self, job_id: str, hosts: list[str], script: str, env: Mapping[str, str], running_dir: Path,
                  gpus_per_node: int = 0):
@@ -83,8 +79,8 @@ class SlurmWarmServers:
         """Wait until every node's server has preloaded and accepts (its ready file), and whether it can launch.
 
         Raises:
-            WarmUnavailable: the step ended or was not ready within
-                `zerotune.run.warm.client.READY_TIMEOUT_S`, a server is not fork-safe, or ``stop`` was set.
+            WarmUnavailable: the step ended or was not ready within ``READY_TIMEOUT_S``, a server is not fork-safe,
+                or ``stop`` was set.
         """
         with self._lock:
             if self.unusable:
@@ -120,8 +116,9 @@ class SlurmWarmServers:
                     pass
 
     def stop(self) -> None:
-        """Cancel the servers' step (every run they forked ends with them), end its srun, kill what carries its
-        token on this machine, and remove its record and ready files."""
+        """Cancel the servers' step (their runs end with them), end its srun, kill what carries its token here, and
+        remove its record and ready files."""
+
         with self._lock:
             proc, self.proc = self.proc, None
             self.unusable = self.unusable or "the warm servers were stopped"

@@ -1,11 +1,9 @@
-"""Stop handles: what a running record (`zerotune.run.processes.write_running_record`) names, besides the
-run's token, launcher and master port, so that a later tuner can stop the run once the tuner that started it is
-gone: something the run holds outside this machine's processes.
+"""Stop handles: what a running record names besides processes, so a later tuner can stop a run its dead tuner
+held outside this machine's processes.
 
-A handle is a JSON object with a ``kind``; each kind is a backend's, stopped by that backend's canceller
-(`CANCELLERS`): ``slurm_step``, a Slurm job step (`zerotune.run.backends.slurm_step`);
-``warm_socket_dir``, a warm server's socket directory in this machine's temp dir (`socket_dir_handle`). The
-local backend's runs have none: their token and their launcher's session find every process.
+A handle is a JSON object with a ``kind``, stopped by that kind's canceller (`CANCELLERS`): ``slurm_step``
+(`zerotune.run.backends.slurm_step`) or ``warm_socket_dir`` (`socket_dir_handle`). The local backend's runs have
+none.
 """
 from __future__ import annotations
 
@@ -24,14 +22,13 @@ SOCKET_DIR_PREFIX = "zerotune-warm-"
 
 
 def socket_dir_handle(path: Path) -> dict[str, str]:
-    """The handle of a warm server's socket directory ``path`` (``<temp dir>/zerotune-warm-*``), removed once its
-    tuner is gone (a SIGKILLed tuner removes nothing)."""
+    """The handle of a warm server's socket directory ``path`` (``<temp dir>/zerotune-warm-*``)."""
     return {"kind": SOCKET_DIR_KIND, "path": str(path)}
 
 
 def remove_socket_dir(handle: Mapping[str, Any]) -> bool:
-    """Remove the directory a `socket_dir_handle` names, only where it is one of zerotune's (directly in this
-    machine's temp dir, named ``zerotune-warm-*``). Returns whether it is gone."""
+    """Remove the directory a `socket_dir_handle` names, only if directly in the temp dir and named
+    ``zerotune-warm-*``; returns whether it is gone."""
     path = Path(str(handle.get("path", "")))
     if path.parent != Path(tempfile.gettempdir()) or not path.name.startswith(SOCKET_DIR_PREFIX):
         return False
@@ -51,8 +48,8 @@ def record_handle(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def cancel_handle(handle: Mapping[str, Any] | None) -> bool:
-    """Stop what ``handle`` names through its kind's canceller. Returns whether it is gone; False for no handle or
-    a kind this zerotune does not know (a newer one's)."""
+    """Stop what ``handle`` names; returns whether it is gone (False for no handle or an unknown kind)."""
+
     kind = handle.get("kind") if handle is not None else None
     canceller = CANCELLERS.get(kind) if isinstance(kind, str) else None
     return canceller(handle) if canceller is not None else False

@@ -1,12 +1,10 @@
 """Every experiment's wall-clock bound: ``--timeout``, or a default derived from the profile run's wall time.
 
-Every experiment has one, so a stopped rank, a collective that never returns or a deadlocked data loader ends the
-experiment (TIMEOUT), never the tuning. ``--timeout`` sets it for every experiment, the profile run included. Without
-it the profile run, and any run while no profile run is recorded, gets `UNKNOWN_STARTUP_TIMEOUT_S` (its start-up is
-not known yet); every other gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile run's wall
-time)``: room for the profile's start-up twice (`zerotune.core.stopping`), larger micro batches and an op not built
-yet. That wall time is read from the exps dir's records (`profile_wall_s`, the longest), so a resumed tuning and the
-Ray backend's node, a fresh `zerotune.run.backends.local.LocalBackend` per experiment, get the same bound.
+Every experiment has one, so a hung run ends the experiment (TIMEOUT), never the tuning. ``--timeout`` sets it for
+every experiment. Without it the profile run, and any run while no profile run is recorded, gets
+`UNKNOWN_STARTUP_TIMEOUT_S`; every other gets ``max(DEFAULT_TIMEOUT_FLOOR_S, DEFAULT_TIMEOUT_FACTOR x the profile
+run's wall time)`` (room for start-up twice, larger micro batches and an op build). That wall time is read from the
+exps dir's records, so a resumed tuning and a Ray node get the same bound.
 """
 from __future__ import annotations
 
@@ -31,12 +29,8 @@ UNKNOWN_STARTUP_TIMEOUT_S = 1800.0
 
 @dataclass(frozen=True)
 class Timeout:
-    """An experiment's wall-clock bound.
-
-    Attributes:
-        seconds: the bound, seconds from the launch.
-        rule: how it was set, for the experiment's error: ``""`` (``--timeout``), else the default's rule.
-    """
+    """An experiment's wall-clock bound: ``seconds`` from the launch, set by ``rule`` (for the error; ``""``:
+    ``--timeout``)."""
 
     seconds: float
     rule: str = ""
@@ -47,8 +41,7 @@ class Timeout:
 
 
 def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path) -> Timeout:
-    """The bound of ``exp``, launched in ``exps_dir``: ``timeout_s`` (``--timeout``) when given, else the
-    default of the module docstring."""
+    """The bound of ``exp`` launched in ``exps_dir``: ``timeout_s`` (``--timeout``) when given, else the default."""
     if timeout_s is not None:
         return Timeout(timeout_s)
     profile_s = None if exp.kind is ExperimentKind.PROFILE else profile_wall_s(exps_dir)
@@ -61,8 +54,8 @@ def experiment_timeout(timeout_s: float | None, exp: Experiment, exps_dir: Path)
 
 
 def profile_wall_s(exps_dir: Path) -> float | None:
-    """The longest wall time of an ok profile run recorded in ``exps_dir`` (its records that verify,
-    `zerotune.run.exprecord.load_records`), seconds (None: none recorded)."""
+    """The longest wall time of an OK profile run recorded in ``exps_dir``, seconds (None: none recorded)."""
+
     runs = [record.experiment for record in load_records(exps_dir)]
     walls = [float(e.wall_s) for e in runs if e.kind is ExperimentKind.PROFILE and e.status is Status.OK
              and isinstance(e.wall_s, (int, float)) and e.wall_s > 0]

@@ -15,9 +15,8 @@ __all__ = ["RunProgress", "StreamWatch"]
 
 
 class RunProgress:
-    """When a run last made progress: a step recorded in its probe streams (their bytes grew), or, before its
-    first step, output (``stdout.log`` and ``stderr.log`` grew). Once a step is recorded, output alone is no
-    progress (a hung collective's heartbeat or a warning printed in a loop is not a step)."""
+    """When a run last made progress: its probe streams grew, or, before its first step, its logs grew (after it,
+    output alone is no progress: a hung collective's heartbeat is not a step)."""
 
     def __init__(self, exp_dir: Path, start: float):
         self.exp_dir, self.last_change = exp_dir, start
@@ -41,14 +40,11 @@ class RunProgress:
 
 
 class StreamWatch:
-    """Reads an experiment's probe streams while it runs and asks the stop rule whether it can end
-    (`zerotune.core.stopping`). The streams are re-read only when a file grew, so a poll costs a
-    few ``stat`` calls; the profile run (which exits in its first forward) is never watched.
+    """Reads an experiment's probe streams while it runs (only when a file grew) and asks the stop rule whether it
+    can end (`zerotune.core.stopping`); the profile run is never watched. The run was launched with an extended
+    engine exit: the rule ends it at ``end_profile_step`` unless more steps pay within its start-up time, from
+    ``launched_at`` (``time.monotonic()``, the probe's clock) to its first step."""
 
-    The run was launched with an extended engine exit (`zerotune.core.stopping.extended_end_step`):
-    the rule ends it at ``end_profile_step`` unless more steps pay, within its start-up time, from the
-    launch (``launched_at``, ``time.monotonic()``) to its first step's start (the probe's ``t`` is the
-    same system-wide monotonic clock: the ranks run on this machine)."""
 
     def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment, end_profile_step: int):
         self.exp_dir, self.exp = exp_dir, exp

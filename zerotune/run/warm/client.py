@@ -1,11 +1,10 @@
-"""The tuner's side of a warm rank server: start it, ask it for runs, watch them as processes, stop it.
+"""The tuner's side of a warm rank server: start it, ask it for runs, watch them as processes, stop it (D303).
 
 Rules: `WarmServer` starts the server once per tuning, in a session of its own, under a running record, so a rerun
 after a SIGKILLed tuner kills a server that outlived it (`zerotune.run.processes.reap_orphans`). `WarmServer.launch`
 returns a `WarmRun`, which a backend treats as the ``subprocess.Popen`` of a cold launcher's process group. What
 cannot run warm runs cold: `WarmUnavailable` before the launch; after it, `WarmRun.lost` (the server went away, its
 processes are killed), as a run whose ranks failed before the script started (`zerotune.run.warm.rank.SETUP_FAILED`).
-Evidence: docs/decisions.md, D303.
 """
 from __future__ import annotations
 
@@ -43,14 +42,12 @@ STOP_WAIT_S = 10.0  # SIGTERM, then SIGKILL after this long, s
 
 
 class WarmUnavailable(RuntimeError):
-    """The server cannot launch this run warm (it is not running, it refused, it is not fork-safe); the message
-    says why. The backend launches the run cold."""
+    """The server cannot launch this run warm (the message says why); the backend launches it cold."""
 
 
 class WarmRun:
-    """A run launched by a warm server, seen as a process (the run's launcher, ``pid``): it answers as much of
-    `subprocess.Popen` as the backends use (``pid``, ``poll``, ``wait``, ``returncode``, ``kill``); the launcher leads
-    a session of its own, so the backend stops it as it stops a cold launcher's process group."""
+    """A run launched by a warm server, seen as its launcher process ``pid``: as much of `subprocess.Popen` as the
+    backends use. The launcher leads a session of its own, stopped as a cold launcher's process group."""
 
     def __init__(self, conn: socket.socket, pid: int, received: bytes = b""):
         self.pid = pid
@@ -126,8 +123,8 @@ class WarmRun:
 
 
 def _exchange(conn: socket.socket, request: dict) -> tuple[dict, bytes]:
-    """Send ``request`` as one JSON line and read the server's first answer line: ``(answer, the bytes after it)``
-    (a run that ends at once has its exit line right behind the launch's answer).
+    """Send ``request`` as one JSON line and read the server's first answer line: ``(answer, the bytes after it)``,
+    which may hold a quick run's exit line.
 
     Raises:
         WarmUnavailable: the server did not answer with a JSON line.
@@ -147,10 +144,9 @@ def _exchange(conn: socket.socket, request: dict) -> tuple[dict, bytes]:
 
 
 class WarmServer:
-    """One warm rank server on this machine for ``script``, its environment ``env``, its running record ``record``
-    under ``running_dir``. Thread-safe. It runs in a session of its own (a terminal's Ctrl-C reaches the tuner, which
-    stops it) with a run token of its own, and stops by itself once its parent is gone. Its Unix socket lives in a
-    private temporary directory: a socket's path is limited to 107 bytes, an exps dir's is not."""
+    """One warm rank server on this machine for ``script``, with running record ``record`` under ``running_dir``;
+    thread-safe. It runs in a session of its own with a run token of its own, and stops once its parent is gone. Its
+    Unix socket lives in a private temporary directory (a socket's path is limited to 107 bytes)."""
 
     def __init__(self, script: str, env: Mapping[str, str], running_dir: Path, record: str = SERVER_RECORD):
         self.script, self.env, self.running_dir, self.record = script, dict(env), Path(running_dir), record
@@ -170,7 +166,6 @@ class WarmServer:
             self._start()
 
     def _start(self) -> None:
-        """`start`, the lock held."""
         if self.proc is None:
             self.running_dir.mkdir(parents=True, exist_ok=True)
             self._record = write_running_record(self.running_dir, self.record, self.token, None,
@@ -183,8 +178,8 @@ class WarmServer:
                     stderr=out, env=env, start_new_session=True)
 
     def ready(self, stop: threading.Event | None = None) -> None:
-        """Wait until the server has preloaded and accepts, and ask whether it can launch. A backend waits here
-        before it starts a run's clock: the preload is the tuning's cost, paid once, not the first run's.
+        """Wait until the server has preloaded and accepts, and ask whether it can launch; a backend waits before it
+        starts a run's clock, as the preload is the tuning's cost, not the first run's.
 
         Raises:
             WarmUnavailable: it exited or did not get ready within `READY_TIMEOUT_S`, it is not fork-safe, or
@@ -206,11 +201,7 @@ class WarmServer:
         self.ping = answer
 
     def _wait_listening(self, stop: threading.Event | None) -> None:
-        """Start the server if it is not started, and wait until its socket appears (it then accepts).
-
-        Raises:
-            WarmUnavailable: see `ready`.
-        """
+        """Start the server if need be, and wait until its socket appears; raises as `ready`."""
         if self.proc is None:
             self._start()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -260,8 +251,8 @@ class WarmServer:
         return WarmRun(conn, int(answer["pid"]), rest)
 
     def stop(self) -> None:
-        """Stop the server (SIGTERM, SIGKILL after `STOP_WAIT_S`), then every process it forked (found by its
-        token, `zerotune.run.processes.kill_token`, waited for): its runs end with it."""
+        """Stop the server (SIGTERM, SIGKILL after `STOP_WAIT_S`), then every process it forked (by its token): its runs
+        end with it."""
         with self._lock:
             proc, self.proc = self.proc, None
             self.unusable = self.unusable or "the warm server was stopped"
@@ -281,8 +272,8 @@ class WarmServer:
 
 
 class AttachedWarmServer(WarmServer):
-    """A warm server another process of this machine started and will stop (the Ray backend's host actor of this
-    node), reached at ``socket_path``: it launches runs; `start` and `stop` do nothing."""
+    """A warm server at ``socket_path`` that another local process (the Ray backend's host actor) starts and stops."""
+
 
     def __init__(self, socket_path: str):
         self.socket_path = Path(socket_path)

@@ -1,9 +1,5 @@
 """The forked run launcher of the warm server (`zerotune.run.warm.server`): what DeepSpeed's per-node launcher
-(``deepspeed/launcher/launch.py``) does, without an exec.
-
-It owns a launch request's side after the fork (`become_launcher`): a session of its own as a child subreaper, each
-rank's environment under its contract (`rank_environment`), one forked rank per slot (`zerotune.run.warm.rank` runs
-the script), the wait for them and their stop (`_wait_ranks`, `_stop_ranks`).
+(``deepspeed/launcher/launch.py``) does, without an exec (`become_launcher`).
 """
 from __future__ import annotations
 
@@ -27,14 +23,10 @@ RANK_TERM_WAIT_S = 30.0  # DeepSpeed's launcher: terminate_process_tree waits 30
 
 def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, master_addr: str,
                      master_port: int, contract: str = DEEPSPEED) -> dict[str, str]:
-    """The environment the launcher of ``contract`` gives local rank ``local_rank`` of a one-node run on ``slots``.
-
-    DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``): ``env`` with the accelerator's visible devices
-    set to ``slots`` (DeepSpeed's own ``set_visible_devices_envs``: ``CUDA_VISIBLE_DEVICES`` on CUDA and on CPU),
-    ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``, ``LOCAL_SIZE``, ``RANK`` and
-    ``LOCAL_RANK``. torchrun's (`zerotune.launchers.contract.torchrun_env`): ``env`` with ``MASTER_ADDR``,
-    ``MASTER_PORT``, the visible devices as for DeepSpeed's (as a user sets them before torchrun) and its worker
-    variables."""
+    """The environment the launcher of ``contract`` gives local rank ``local_rank`` of a one-node run on ``slots``:
+    ``env`` with the visible devices set to ``slots`` (DeepSpeed's ``set_visible_devices_envs``), ``MASTER_ADDR``,
+    ``MASTER_PORT`` and the contract's rank variables (DeepSpeed's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``...; or
+    `zerotune.launchers.contract.torchrun_env`)."""
     from deepspeed.accelerator import get_accelerator
     out = dict(env)
     get_accelerator().set_visible_devices_envs(out, slots)
@@ -47,8 +39,8 @@ def rank_environment(env: dict[str, str], slots: list[int], local_rank: int, mas
 
 
 def _prctl(option: int, value: int) -> None:
-    """``prctl(option, value)`` (Linux; elsewhere nothing). Not `zerotune.run.processes.adopt_orphans`: that
-    module's imports (psutil, the experiment record) would sit in the server's heap, and so in every warm rank's."""
+    """``prctl(option, value)`` (Linux; elsewhere nothing); not `zerotune.run.processes`', whose imports would sit in
+    every warm rank's heap."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
@@ -56,23 +48,19 @@ def _prctl(option: int, value: int) -> None:
 
 
 def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent ``parent`` exits (``PR_SET_PDEATHSIG``; the server and the launcher are
-    single-threaded, so "its parent" is that process): a run's launcher dies with a killed server, a rank with its
-    killed launcher. Exits at once if the parent is already gone."""
+    """SIGKILL this process when its (single-threaded) parent ``parent`` exits (``PR_SET_PDEATHSIG``); exits at once
+    if it is already gone."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
 
 
 def become_launcher(request: dict, fds: list[int], close: list, learn_dir: str) -> None:
-    """The forked run launcher, never returning: DeepSpeed's per-node launcher (``deepspeed/launcher/launch.py``)
-    without an exec. It leads a new session as a child subreaper (the backend stops the run as one process group; what
-    its ranks orphan stays in its tree), takes the ``RLIMIT_DATA`` its ranks inherit, forks one rank per slot with its
-    contract's environment (`rank_environment`; `zerotune.run.warm.rank` runs the script) and waits (`_wait_ranks`);
-    SIGTERM or SIGINT stops its ranks (`_stop_ranks`), exit 1. ``fds``: the standard streams the request
-    came with (none: ``/dev/null`` and its log files). ``close``: the server's sockets and selector, closed first
-    (no rank inherits them). Its local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``
-    (`zerotune.run.warm.preload.learn`)."""
+    """The forked run launcher, never returning. It leads a new session as a child subreaper (stopped as one process
+    group), takes the ``RLIMIT_DATA`` its ranks inherit, forks one rank per slot (`rank_environment`;
+    `zerotune.run.warm.rank` runs the script) and waits; SIGTERM or SIGINT stops its ranks, exit 1. ``fds``: the
+    request's standard streams (none: ``/dev/null`` and its log files). ``close``: the server's sockets and
+    selector, closed first. Local rank 0 writes the modules it imported to ``learn_dir/<launcher pid>.json``."""
     status = 1
     server = os.getppid()
     try:
@@ -123,8 +111,7 @@ def become_launcher(request: dict, fds: list[int], close: list, learn_dir: str) 
 
 
 def _standard_streams(request: dict, fds: list[int]) -> None:
-    """The launcher's fds 0, 1 and 2: those passed with the request, else ``/dev/null`` and the request's
-    ``stdout`` and ``stderr`` files (appended)."""
+    """Set fds 0, 1, 2: those passed with the request, else ``/dev/null`` and its ``stdout``/``stderr`` (appended)."""
     if fds:
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
@@ -142,8 +129,7 @@ def _standard_streams(request: dict, fds: list[int]) -> None:
 
 
 def _rank_envs(request: dict) -> list[dict[str, str]]:
-    """The environment of each rank the launcher forks: the request's ``rank_env`` (one rank), else one per slot
-    (`rank_environment`)."""
+    """Each rank's environment: the request's ``rank_env`` (one rank), else one per slot (`rank_environment`)."""
     if "rank_env" in request:
         return [{str(k): str(v) for k, v in request["rank_env"].items()}]
     slots = [int(s) for s in request["slots"]]
@@ -153,9 +139,9 @@ def _rank_envs(request: dict) -> list[dict[str, str]]:
 
 
 def _wait_ranks(ranks: list[int]) -> int:
-    """Wait for the launcher's ``ranks``; the launcher's exit status: 0 once all exited 0, else the first failing
-    rank's, once the others are stopped; a rank killed by a signal kills the launcher by the same signal (the
-    backend then reads -9 as -9)."""
+    """Wait for ``ranks``; returns 0 once all exited 0, else the first failing rank's status once the others are
+    stopped; a rank killed by a signal kills the launcher by the same signal."""
+
     alive = set(ranks)
     while alive:
         try:

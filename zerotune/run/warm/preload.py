@@ -6,7 +6,7 @@
 - DeepSpeed's JIT ops already built in the exps dir's extension cache are loaded too, never built (`preload_ops`).
 - The preload must leave the server fork-safe (no Python thread, no CUDA context): `fork_unsafe` says what broke it,
   and the server then launches nothing warm. `watch_parent` ends the server if its tuner dies while it preloads.
-Evidence: docs/decisions.md, D303.
+See D303.
 """
 from __future__ import annotations
 
@@ -35,10 +35,9 @@ the probe wraps)."""
 
 
 def script_imports(script: str | os.PathLike) -> list[tuple[str, tuple[str, ...]]]:
-    """The absolute imports at the top level of ``script``, in order, each once: ``(module, names)``, where
-    ``names`` are the names of a ``from module import ...`` (empty for ``import module``; ``*`` is left out).
-    Read from the AST, never run: the module's own statements and those nested in its top-level ``if``/``try``/
-    ``with`` blocks (a function's or a class's imports run later, if at all).
+    """The absolute top-level imports of ``script``, in order, each once: ``(module, names)``, ``names`` those of a
+    ``from module import ...`` (``*`` left out). Top level includes nested ``if``/``try``/``with`` blocks, not
+    functions or classes.
 
     Raises:
         OSError: the script cannot be read.
@@ -66,7 +65,7 @@ def script_imports(script: str | os.PathLike) -> list[tuple[str, tuple[str, ...]
 
 @functools.lru_cache(maxsize=None)
 def _distributions() -> frozenset[str]:
-    """The top-level module names of the installed distributions (a scan of every distribution: once)."""
+    """The top-level module names of the installed distributions (scanned once)."""
     return frozenset(importlib.metadata.packages_distributions())
 
 
@@ -88,12 +87,11 @@ class Preloaded:
 
 
 def preload(script: str | os.PathLike) -> Preloaded:
-    """Import `ALWAYS`, then the installed modules ``script`` imports at top level (`script_imports`),
-    into this process. Only modules of installed distributions: never one of the script's own directory (it may
-    change between experiments, and importing it would run the user's code in the server), nor the standard
-    library (cheap to import in the rank). ``from X import Y`` also fetches ``Y``: packages such as transformers
-    load a model's module only when its name is first asked for. Never raises for an import: a failure is logged
-    and recorded in `Preloaded.skipped`; a script that cannot be read or parsed preloads `ALWAYS` alone."""
+    """Import `ALWAYS`, then the installed modules ``script`` imports at top level, into this process; never one of
+    the script's directory (it may change between experiments, and would run user code in the server).
+    ``from X import Y`` also fetches ``Y`` (lazy packages such as transformers load a module on first access).
+    Never raises for an import: a failure is logged into `Preloaded.skipped`; an unreadable script preloads
+    `ALWAYS` alone."""
     done = Preloaded()
     script_dir = Path(script).resolve().parent
     try:
@@ -124,22 +122,18 @@ def preload(script: str | os.PathLike) -> Preloaded:
 
 
 def learnable(modules: list[str], script: str | os.PathLike) -> list[str]:
-    """Of ``modules`` (names a warm rank imported after its fork, in import order), those `learn` may import:
-    modules of installed distributions not shadowed by the script's directory, not the standard library, not yet
-    imported here."""
+    """Of ``modules`` (those a warm rank imported after its fork), the ones `learn` may import: as for `preload`, and
+    not yet imported here."""
     script_dir = Path(script).resolve().parent
     return [m for m in modules if isinstance(m, str) and m not in sys.modules
             and (top := m.partition(".")[0]) not in sys.stdlib_module_names and _installed(top, script_dir)]
 
 
 def learn(modules: list[str]) -> tuple[list[str], str | None]:
-    """Import ``modules`` (`learnable`) into this process, so that the next ranks forked from it find them
-    imported: the modules a rank imports lazily after the script's top level (DeepSpeed's ``initialize`` imports
-    ``torch._dynamo`` and its Muon optimizer's module, about 2 s of a warm start-up here; a Trainer imports more).
-
-    They are first imported in a forked trial process, which reports whether it stayed fork-safe
-    (`fork_unsafe`); only then here. Returns the modules imported and, where nothing was, why (None: all
-    went in, or there was nothing to learn); a module that fails to import is left out."""
+    """Import ``modules`` (`learnable`: what a rank imports lazily after the script's top level) into this process,
+    so the next forked ranks find them imported. A forked trial imports them first and says whether it stayed
+    fork-safe; only then here. Returns the modules imported and, where nothing was, why (else None); a module that
+    fails to import is left out."""
     if not modules:
         return [], None
     read, write = os.pipe()
@@ -184,15 +178,11 @@ cold launch."""
 
 
 def preload_ops() -> list[str]:
-    """Load the ops of `OPS` that this accelerator has and that load with no build from this process's torch
-    extension cache (``TORCH_EXTENSIONS_DIR``: the exps dir's own, `zerotune.deepspeed.extensions`; ninja's dry
-    run there finds no work, `zerotune.deepspeed.extensions.would_build`); an op not built yet, one whose
-    load would build, or one whose build dir holds torch's lock (a build running, or one a killed process left, on
-    which the load would wait without end), is left to the rank that needs it (the server never compiles). Where
-    that variable names no exps dir's cache, none: another cache (the machine's) is never loaded from, so never
-    written (a load may rebuild it). DeepSpeed keeps a loaded op in its builders' class-wide cache (``OpBuilder._loaded_ops``), which the forked ranks inherit. CPU accelerator only:
-    on CUDA a builder's compatibility check may create the CUDA context, after which nothing could be forked. Returns
-    the ops loaded; a failure is logged and skipped."""
+    """Load the ops of `OPS` that load with no build from the exps dir's extension cache (``TORCH_EXTENSIONS_DIR``,
+    `zerotune.deepspeed.extensions.would_build`), so forked ranks inherit them from ``OpBuilder._loaded_ops``. An op
+    not built, one that would build, or one whose build dir holds torch's lock (the load would wait without end) is
+    left to the rank: the server never compiles, and never loads from another cache (a load may rewrite it). CPU
+    only: on CUDA a compatibility check may create the CUDA context. Returns the ops loaded; failures are logged."""
     loaded = []
     try:
         from deepspeed.accelerator import get_accelerator
@@ -222,14 +212,10 @@ def preload_ops() -> list[str]:
 
 
 def fork_unsafe() -> str | None:
-    """Why forking this process now would be unsafe, or None: a Python thread besides the main one (a fork copies
-    only the calling thread, and the others' locks stay held in the child), or a CUDA context (it does not
-    survive ``fork``; DeepSpeed's import creates one unless ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which the server
-    is started with).
-
-    Native threads of libraries that stop them before a fork and restart them in the child are no obstacle:
-    NumPy's OpenBLAS starts its thread pool at import where more than one thread is allowed, and registers
-    ``pthread_atfork`` handlers for it."""
+    """Why forking this process now would be unsafe, or None: a Python thread besides the main one (its locks stay
+    held in the child), or a CUDA context (it does not survive ``fork``; the server runs with
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` so DeepSpeed's import creates none). Native threads with ``pthread_atfork``
+    handlers (OpenBLAS's) are no obstacle."""
     import threading
     if threading.active_count() > 1:
         return (f"{threading.active_count()} Python threads are running after the preload "
@@ -247,9 +233,9 @@ PARENT_POLL_S = 0.2
 
 def watch_parent(parent: int):
     """Watch, from a thread, that ``parent`` stays this process's parent; once it does not, SIGKILL this process's
-    group where this process leads it (a warm server is a session leader: its builds die with it), else this process.
-    Needed while a server preloads: it is not yet serving, so nothing else would see its tuner die.
-    Returns ``stop()``, which ends the watch and joins its thread (before a fork: `fork_unsafe`)."""
+    group where it leads one (a warm server's builds die with it), else this process. Needed while a server preloads
+    and nothing else would see its tuner die. Returns ``stop()``, which ends the watch and joins its thread."""
+
     done = threading.Event()
 
     def watch():

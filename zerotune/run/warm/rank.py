@@ -2,10 +2,9 @@
 (DeepSpeed's launcher) or ``python -u SCRIPT ARGS...`` (torchrun's).
 
 Rules: the rank gets, without an exec, what the launcher gives a rank it starts (`become_rank`), runs the script as
-``__main__`` and ends as Python's process would (threads joined, ``atexit`` hooks run, the probe's exit record among
-them, the exit status of ``sys.exit``, 1 after an uncaught exception, a ``KeyboardInterrupt`` re-raised as SIGINT).
-A failure before the script starts exits `SETUP_FAILED`, and the backend re-runs the experiment cold.
-Evidence: docs/decisions.md, D303.
+``__main__`` and ends as Python's process would (threads joined, ``atexit`` hooks run, the exit status of
+``sys.exit``, 1 after an uncaught exception, a ``KeyboardInterrupt`` re-raised as SIGINT). A failure before the script
+starts exits `SETUP_FAILED`, and the backend re-runs the experiment cold (D303).
 """
 from __future__ import annotations
 
@@ -31,14 +30,11 @@ def _unbuffered(fd: int) -> io.TextIOWrapper:
 
 def become_rank(script: str, args: list[str], env: dict[str, str], cwd: str, probe_dir: str | None,
                 learn_path: str | None = None, contract: str = DEEPSPEED) -> None:
-    """Turn this freshly forked process into the rank that ``env`` describes and run ``script`` in it; never
-    returns (``os._exit``). With ``learn_path``, the names of the modules the rank imported (in import order) are
-    written there as JSON once the script ended, for the server to import before its next fork
-    (`zerotune.run.warm.preload.learn`). ``contract``: the launcher's, whose arguments go before the script's
-    (`zerotune.launchers.contract.rank_argv`: ``--local_rank=N`` for DeepSpeed's, none for torchrun's). It sets what
-    the launcher would: the environment, ``sys.argv``, ``sys.path[0]`` (the script's directory), the working directory,
-    unbuffered ``sys.stdout``/``sys.stderr`` on the launcher's descriptors, default signal handlers, NumPy's global
-    seed (Python's ``random`` reseeds itself at fork) and the step probe (`zerotune.probe.sitecustomize.install`)."""
+    """Turn this freshly forked process into the rank ``env`` describes and run ``script`` in it; never returns. It
+    sets what the launcher would: the environment, ``sys.argv`` (with ``contract``'s rank arguments), ``sys.path[0]``,
+    the working directory, unbuffered standard streams, default signal handlers, NumPy's global seed and the step
+    probe. With ``learn_path``, the modules the rank imported are written there as JSON once the script ended
+    (`zerotune.run.warm.preload.learn`)."""
     before = set(sys.modules)
     try:
         for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
@@ -79,7 +75,7 @@ def _write_learned(path: str, modules: list[str]) -> None:
 
 
 def _run(script: str) -> int:
-    """Run ``script`` as ``__main__``; the exit status Python would give."""
+    """Run ``script`` as ``__main__``; returns the exit status Python would give."""
     import runpy
     try:
         runpy.run_path(script, run_name="__main__")
@@ -111,8 +107,8 @@ def _exit_status(code) -> int:
 
 
 def _finalize() -> None:
-    """What the interpreter does at exit before its C teardown: join non-daemon threads, run ``atexit`` hooks,
-    flush the standard streams."""
+    """What the interpreter does at exit before its C teardown: join threads, run ``atexit`` hooks, flush streams."""
+
     import atexit
     import threading
     try:

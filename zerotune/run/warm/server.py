@@ -1,12 +1,10 @@
 """The warm rank server: ``python -m zerotune.run.warm.server --socket PATH --script SCRIPT``, one per node for the
 life of a tuning.
 
-It preloads torch, DeepSpeed and the script's installed top-level imports (`zerotune.run.warm.preload`), then serves
-one JSON-line request per connection on a Unix socket (`_answer`: launch, ping), in a single thread: a fork copies
-only the calling thread, so the server never starts another. A launch forks a run launcher that does what DeepSpeed's
-per-node launcher does, without an exec (`zerotune.run.warm.launcher`). The server kills every run it launched when
-it stops (on SIGTERM, SIGINT or SIGHUP, or when its parent, the tuner or a Slurm step's ``slurmstepd``, is gone:
-`serve`), and a run when the tuner closes that run's connection before it ended.
+It preloads (`zerotune.run.warm.preload`), then serves one JSON-line request per connection on a Unix socket
+(`_answer`), in a single thread, as a fork copies only the calling one. A launch forks a run launcher
+(`zerotune.run.warm.launcher`). The server kills every run it launched when it stops (a stop signal, or its parent
+gone), and a run whose connection the tuner closes before it ended.
 """
 from __future__ import annotations
 
@@ -52,10 +50,9 @@ def node_name() -> str:
 
 
 def serve(socket_path: str, script: str, parent: int, ready_dir: str | None = None) -> int:
-    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: `node_name`, so nodes sharing
-    ``/tmp`` keep their sockets apart) until stopped or until ``parent`` (the tuner's pid; 0: this process's parent now)
-    is no longer this process's parent; with ``ready_dir``, the ping answer is written to ``ready_dir/<node>.json`` once
-    it accepts (a tuner on another node cannot see the socket appear)."""
+    """Preload for ``script``, then serve launches on ``socket_path`` (``{node}``: `node_name`) until stopped or until
+    ``parent`` (0: the parent now) is no longer this process's parent; with ``ready_dir``, the ping answer goes to
+    ``ready_dir/<node>.json`` once it accepts (a tuner on another node cannot see the socket)."""
     parent = parent or os.getppid()
     socket_path = socket_path.replace("{node}", node_name())
     started, stop_watch = time.monotonic(), watch_parent(parent)
@@ -198,17 +195,17 @@ class _Server:
 
 def _answer(conn: socket.socket, line: bytes, fds: list[int], unsafe: str | None, done, listener: socket.socket,
             others: list, learn_dir: str) -> int | None:
-    """Answer one request; the pid of the run launched (its connection stays open for the exit status), or None.
-    One JSON line each way (a refusal: ``{"error": ...}``)::
+    """Answer one request; returns the pid of the run launched (its connection stays open for the exit status), or
+    None. One JSON line each way (a refusal: ``{"error": ...}``)::
 
         -> {"op": "launch", "script", "args": [...], "env": {...}, "cwd", "slots": [0, 1], "master_addr", "master_port",
             "stdout": PATH, "stderr": PATH, "data_limit": BYTES or null, "probe_dir": PATH or null, "contract"}
         -> {"op": "launch", "script", "args", "rank_env": {...}, "cwd", "affinity": [CPU, ...], "data_limit",
-            "probe_dir", "contract"} + fds 0, 1, 2 (SCM_RIGHTS): one rank with DeepSpeed's environment already (a Slurm
-            task's, `zerotune.run.backends.slurm_rank`), on that task's streams and CPUs; the task stands for it
+            "probe_dir", "contract"} + fds 0, 1, 2 (SCM_RIGHTS): one Slurm task's rank, on its streams and CPUs
         <- {"pid": PID}, the run's launcher (a session of its own), then {"exit": STATUS} (negative: killed by a signal)
         -> {"op": "ping"}   <- {"pid", "node", "unsafe": REASON or null, "imported": [...], "skipped": {...}}
     """
+
     try:
         request = json.loads(line)
     except ValueError as e:

@@ -1,7 +1,5 @@
-"""Tuners: which candidate of a tuning space to try next (grid, random, model-based).
-
-A tuner only proposes (``ask``) and learns (``tell``); the scheduler runs the experiments.
-Names follow DeepSpeed's ``autotuning.tuner_type``: "gridsearch", "random", "model_based".
+"""Tuners: which candidate of a tuning space to try next, named as DeepSpeed's ``autotuning.tuner_type``:
+"gridsearch", "random", "model_based". A tuner only proposes (``ask``) and learns (``tell``); it runs nothing.
 """
 from __future__ import annotations
 
@@ -17,13 +15,10 @@ __all__ = ["BaseTuner", "GridSearchTuner", "ModelBasedTuner", "RandomTuner", "TU
 
 
 def make_tuner(tuner_type: str, candidates: Iterable[Candidate], **kwargs: Any) -> BaseTuner:
-    """Build the tuner DeepSpeed's ``autotuning.tuner_type`` names.
+    """Build the tuner DeepSpeed's ``autotuning.tuner_type`` names ("gridsearch", "random" or "model_based").
 
-    Args:
-        tuner_type: "gridsearch", "random" or "model_based".
-        candidates: the space, from `zerotune.inputs.space.generate`.
-        **kwargs: ``objective``, ``num_trials``, ``early_stopping``, ``seed`` (see
-            `BaseTuner`), and for "model_based" ``n_startup_trials``, ``multivariate``.
+    ``kwargs``: ``objective``, ``num_trials``, ``early_stopping``, ``seed`` (`BaseTuner`), and for "model_based"
+    ``n_startup_trials``, ``multivariate``. Raises `ConfigError` for another ``tuner_type``.
     """
     if tuner_type == "gridsearch":
         return GridSearchTuner(candidates, **kwargs)

@@ -1,9 +1,7 @@
-"""The tuner interface: propose experiments (``ask``), learn their outcome (``tell``); grid search (every fitting
-candidate in the space's order) and random search (a seeded order) over it.
+"""The tuner interface, ``ask`` (propose) and ``tell`` (learn an outcome); grid and random search over it.
 
-A tuner decides *what* to try next among the candidates of one tuning space; it never runs
-anything (the scheduler places and runs experiments, possibly several at a time, and reports
-each outcome when it ends, in any order).
+A tuner decides *what* to try next among one tuning space's candidates and runs nothing: the scheduler runs the
+experiments, possibly several at once, and reports each outcome when it ends, in any order.
 """
 from __future__ import annotations
 
@@ -19,26 +17,23 @@ from zerotune.inputs.space import Candidate
 
 
 class BaseTuner(abc.ABC):
-    """Proposes untried candidates of a space and keeps the best outcome.
+    """Proposes untried candidates of a space and keeps the best outcome; subclasses choose the order (`_propose`)
+    and may learn from outcomes (`_observe`).
 
-    Subclasses choose the order (`_propose`) and may learn from outcomes (`_observe`);
-    the bookkeeping below is shared.
+    A non-OK outcome (OOM, FAILED, TIMEOUT) is infeasible: never scored, its candidate never proposed again.
+    ``INTERRUPTED`` withdraws the proposal: it may come again and counts towards neither ``num_trials`` nor early
+    stopping. ``seed`` seeds any randomness, so a run can be repeated.
 
     Args:
-        candidates: the space, from `zerotune.inputs.space.generate`. Candidates with
-            ``fits=False`` are never proposed.
-        objective: the metric (an `Objective` or its name): "throughput" (samples/s) and
-            "flops" are maximised, "latency" (s per step) minimised.
+        candidates: the space (`zerotune.inputs.space.generate`); those with ``fits=False`` are never proposed.
+        objective: an `Objective` or its name: "throughput" (samples/s) and "flops" are maximised, "latency" (s per
+            step) minimised.
         num_trials: at most this many proposals in all (None: no limit).
-        early_stopping: stop after this many consecutive reported experiments that did not
-            improve the best (None: never). See `ask` for the exact rule.
-        seed: seed of any randomness, so a run can be repeated.
+        early_stopping: stop after this many consecutive reports that did not improve the best (None: never; `ask`).
 
-    .. note::
-        A non-OK outcome (OOM, FAILED, TIMEOUT) is infeasible: it has no metric, is never
-        scored (not as 0, not at all) and its candidate is never proposed again.
-        ``INTERRUPTED`` withdraws the proposal: the candidate may be proposed again and the
-        proposal does not count towards ``num_trials`` or early stopping.
+    Raises:
+        ConfigError: ``num_trials`` or ``early_stopping`` is neither a positive integer nor None.
+        ValueError: two candidates share a name.
     """
 
     def __init__(
@@ -75,19 +70,13 @@ class BaseTuner(abc.ABC):
     # ---- the interface ------------------------------------------------------------------
 
     def ask(self, n: int = 1) -> list[Candidate]:
-        """Propose up to ``n`` new candidates to run, each at most once in the tuner's life.
+        """Propose up to ``n`` new candidates, each at most once in the tuner's life; fewer (possibly none) when
+        fewer untried fitting candidates are left, after ``num_trials`` proposals, or under early stopping.
 
-        Returns fewer than ``n`` (possibly none) when the space has fewer untried fitting
-        candidates left, when ``num_trials`` proposals have been made, or under early stopping.
-
-        Early stopping with ``early_stopping = E``: reports are counted in the order they are
-        told; from the first OK report on, ``since_best`` counts the reports since the last one
-        that strictly improved the best (non-OK reports count as not improving). Once
-        ``since_best >= E`` the tuner stops for good. While experiments are outstanding, ``ask``
-        proposes at most ``E - since_best - outstanding`` more, so that if none of them improves
-        no more than ``E`` experiments run after the best one, as in a sequential run; ``ask``
-        may therefore return ``[]`` while `finished` is False, until outstanding outcomes
-        are told. Before the first OK report there is no best and no limit.
+        Early stopping with ``early_stopping = E``: from the first OK report on, ``since_best`` counts the reports, in
+        the order told, since the last that strictly improved the best. At ``since_best >= E`` the tuner stops for
+        good; before, it proposes at most ``E - since_best - outstanding`` more, so no more than ``E`` experiments run
+        after the best, as in a sequential run: ``ask`` may return ``[]`` while `finished` is False.
         """
         if n < 1 or self.finished:
             return []
@@ -108,13 +97,11 @@ class BaseTuner(abc.ABC):
         return proposed
 
     def tell(self, name: str, status: Status | str, metric: float | None = None) -> None:
-        """Report the outcome of a candidate's experiment.
+        """Report the outcome of a candidate's experiment: ``metric`` is required (finite) for ``Status.OK``, else
+        ignored. A candidate never proposed counts as proposed (a result from an earlier run, on resume).
 
-        Args:
-            name: the candidate's name. A candidate of the space that was never proposed is
-                accepted too (a result from an earlier run, on resume): it counts as proposed.
-            status: the experiment's `zerotune.core.experiment.Status`.
-            metric: the measured metric for ``Status.OK`` (required, finite); ignored otherwise.
+        Raises:
+            ValueError: ``name`` is no candidate, its outcome was already told, or an OK one has no finite metric.
         """
         status = Status(status)
         candidate = self._by_name.get(name)
@@ -190,22 +177,15 @@ class BaseTuner(abc.ABC):
 
 
 class GridSearchTuner(BaseTuner):
-    """Proposes the candidates in the order `zerotune.inputs.space.generate` returns them.
-
-    The order is deterministic (sorted dimensions, candidates in the order given), so two runs
-    over the same space try the same experiments in the same order.
-    """
+    """Proposes the candidates in `zerotune.inputs.space.generate`'s deterministic order (sorted dimensions)."""
 
     def _propose(self, k: int) -> list[Candidate]:
         return self._untried()[:k]
 
 
 class RandomTuner(BaseTuner):
-    """Proposes the candidates in an order shuffled once by ``random.Random(seed)``.
-
-    The same seed over the same space gives the same order; no candidate is proposed twice
-    (an interrupted one is proposed again at its place in the order).
-    """
+    """Proposes the candidates in an order shuffled once by ``random.Random(seed)``; an interrupted one is proposed
+    again at its place."""
 
     def __init__(self, candidates, **kwargs) -> None:
         super().__init__(candidates, **kwargs)

@@ -1,5 +1,4 @@
-"""Model-based search: an Optuna sampler (a Gaussian process by default, or TPE) over the knobs of a
-space, through ask/tell."""
+"""Model-based search: an Optuna sampler (a Gaussian process by default, or TPE) over a space's knobs, via ask/tell."""
 from __future__ import annotations
 
 import json
@@ -21,46 +20,30 @@ _INFEASIBLE = "zerotune_infeasible"  # Optuna constraint key: > 0 means infeasib
 
 
 class ModelBasedTuner(BaseTuner):
-    """A surrogate model of the metric over the space's knobs, through Optuna's samplers.
+    """A surrogate model of the metric over the space's knobs, through Optuna's ask/tell; nothing is run here (D1).
 
-    The default surrogate is a Gaussian process (``optuna.samplers.GPSampler``: a Matern kernel
-    over the knobs, log expected improvement, fantasized outcomes for experiments still running
-    in a batch); ``sampler="tpe"`` uses the Tree-structured Parzen Estimator instead
-    (``optuna.samplers.TPESampler``, multivariate, constant liar). On
-    ``benchmarks/tuner_quality.py``'s 288-config space the GP needs 16.4 experiments on average
-    (seeds 0-19) to reach 2% of the optimum, TPE 21.9 and grid search 63.0.
+    The default surrogate is a Gaussian process (``optuna.samplers.GPSampler``: Matern kernel, log expected
+    improvement, fantasized outcomes for experiments still running); ``sampler="tpe"`` uses
+    ``optuna.samplers.TPESampler`` (multivariate, constant liar). Each knob that varies in the space is one
+    parameter: a numeric one ordinal (``IntDistribution`` over the sorted values' index, so 5e8 lies between 5e7 and
+    1e9), the others categorical (canonical JSON text).
 
-    Each knob (a dotted key that varies in the space) is one Optuna parameter: numeric knobs are
-    ordinal (``IntDistribution`` over the index of the sorted values, so the surrogate learns that 5e8 lies
-    between 5e7 and 1e9), the others categorical (values as canonical JSON text). Optuna is driven
-    through ``study.ask`` / ``study.tell``; nothing is run here.
+    Outcomes told to Optuna: OK, the metric with constraint ``zerotune_infeasible = 0``; OOM, FAILED and TIMEOUT,
+    ``zerotune_infeasible = 1`` and state PRUNED with no value (never a metric of 0: TPE ranks them after every
+    feasible point, the GP models feasible points only); INTERRUPTED, state FAIL (ignored): it may come again.
 
-    How outcomes are told to Optuna:
-        - OK: the metric, with constraint ``zerotune_infeasible = 0`` (feasible);
-        - OOM / FAILED / TIMEOUT: constraint ``zerotune_infeasible = 1`` and trial state
-          PRUNED, with no value (never a metric of 0): TPE ranks infeasible points after every
-          feasible one and learns to avoid the region; the GP models the metric of feasible
-          points only. Either way the candidate is tried and never proposed again, and the
-          memory model has already removed what it predicts cannot fit;
-        - INTERRUPTED: trial state FAIL (ignored by the sampler); the candidate may be proposed again.
-
-    Mapping a sample to a candidate: when the sampler proposes a point that was already proposed, that is
-    not in the space or that does not fit, the tuner takes the nearest untried fitting candidate
-    (distance: sum over knobs of |index difference| / (number of values - 1) for ordinal knobs,
-    0 or 1 for categorical ones; ties go to the earlier candidate in the space's order), marks
-    the sampled trial FAIL (ignored) and enqueues the chosen candidate's parameters as
-    the trial that is told the real outcome. So every ``ask`` yields new experiments while the
-    space has any left, and deterministically for a given seed and sequence of outcomes.
+    A sample already proposed, outside the space or unfit maps to the nearest untried fitting candidate (sum over
+    knobs of |index difference| / (values - 1) for ordinal ones, 0 or 1 for categorical; ties to the earlier one): its
+    trial is told FAIL and the candidate's parameters are enqueued as the trial told the real outcome. So every
+    ``ask`` yields new experiments while any are left, deterministically for a seed and sequence of outcomes.
 
     Args:
-        candidates, metric, num_trials, early_stopping, seed: see `BaseTuner`.
         sampler: ``"gp"`` (default) or ``"tpe"``.
-        n_startup_trials: random proposals before the surrogate models the outcomes (default 6:
-            on ``benchmarks/tuner_quality.py``'s space the GP needs 16.1, 16.4 and 16.6
-            experiments with 4, 6 and 8; TPE is within noise from 5 to 8 and needs about 1.5
-            more experiments with Optuna's default of 10).
-        multivariate: TPE only: model the knobs jointly (interactions between knobs) rather
-            than each on its own.
+        n_startup_trials: random proposals before the surrogate models the outcomes (default 6: on
+            ``benchmarks/tuner_quality.py``'s space the GP is flat from 4 to 8, and TPE needs about 1.5 experiments
+            fewer than with Optuna's 10).
+        multivariate: TPE only: model the knobs jointly rather than each on its own.
+        Others: as in `BaseTuner`.
 
     Raises:
         ConfigError: an unknown ``sampler``.
