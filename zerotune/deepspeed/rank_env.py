@@ -1,4 +1,4 @@
-"""What every rank gets from the tuner's environment, on every node and every backend: one rule (D14, D300).
+"""What every rank gets from the tuner's environment, on every node and every backend: one rule (D300).
 
 The tuner's variables whose names start with `PASSED_PREFIXES` reach every rank of every experiment and of the
 training after tuning, on every node, as set where ``zerotune`` runs; other names are left to each way ranks are
