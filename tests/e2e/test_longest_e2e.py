@@ -63,6 +63,9 @@ def test_the_answer_trains_through_its_longest_batch_and_the_answer_without_the_
     verified = [n for n in notes if n.startswith("verified at the longest batch: ")]
     assert verified[-1].startswith(f"verified at the longest batch: {body['answer']}_longest512 ") and ": ran, peak" in \
         verified[-1], notes
+    # read for its peak, never timed: the user's end_profile_step, not a measured run's extended exit
+    longest = json.loads((results / "exps" / f"{body['answer']}_longest512" / "ds_config.json").read_text())
+    assert longest["autotuning"]["end_profile_step"] == 5
 
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     ok = train(optimal, tmp_path, "answer")

@@ -1,15 +1,18 @@
 """The answer at the longest batch (issue 42): memory per token, the longest batch's source, a config that fits only
 the seen batches giving way to the next, and the verification run at the longest length."""
+import dataclasses
 import types
 
 import pytest
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.core.objective import Objective
+from zerotune.core.objective import OBJECTIVES, Objective
+from zerotune.core.stopping import StopRule
 from zerotune.inputs.options import LongestOptions
 from zerotune.model.memory import MemoryModel
 from zerotune.model.online import OnlineMemory
 from zerotune.model.tokens import LongestBatch, check_longest, longest_batch, square_bytes, token_slope
+from zerotune.run.backends.watch import StreamWatch
 from zerotune.strategy.ledger import Ledger
 from zerotune.strategy.longest import settle_longest
 
@@ -143,3 +146,13 @@ def test_a_verification_that_runs_out_of_memory_moves_the_answer_and_verifies_th
         "verified at the longest batch: z0_gas1_tmbspg8_longest1024 (every batch padded to 1024 tokens): oom",
         "verified at the longest batch: z0_gas1_tmbspg4_longest1024 (every batch padded to 1024 tokens): ran, peak "
         "200.00 MiB (predicted 116.82 MiB: -42%)"]
+
+
+def test_a_verification_run_stops_at_end_profile_step_where_a_measured_run_may_be_extended(tmp_path):
+    # its peak is what it is for: no stop rule watches it, so the backend launches it with the user's
+    # end_profile_step, not the 5x extended exit a measured run gets (zerotune.run.backends.local)
+    rule = StopRule(OBJECTIVES["throughput"])
+    measured = run(4, 128, 100.0)
+    verify = dataclasses.replace(measured, name="z0_gas1_tmbspg4_longest1024", pad_seq_len=1024)
+    assert StreamWatch(tmp_path, rule, measured, 5).rule is rule
+    assert StreamWatch(tmp_path, rule, verify, 5).rule is None

@@ -41,14 +41,15 @@ class RunProgress:
 
 class StreamWatch:
     """Reads an experiment's probe streams while it runs (only when a file grew) and asks the stop rule whether it
-    can end (`zerotune.core.stopping`); the profile run is never watched. The run was launched with an extended
-    engine exit: the rule ends it at ``end_profile_step`` unless more steps pay within its start-up time, from
-    ``launched_at`` (``time.monotonic()``, the probe's clock) to its first step."""
+    can end (`zerotune.core.stopping`). The profile run and a run at the longest batch (``pad_seq_len``) are read for
+    their memory, not timed: never watched, so never extended past ``end_profile_step``. Another run is launched with
+    an extended engine exit: the rule ends it at ``end_profile_step`` unless more steps pay within its start-up
+    time, from ``launched_at`` (``time.monotonic()``, the probe's clock) to its first step."""
 
 
     def __init__(self, exp_dir: Path, rule: StopRule | None, exp: Experiment, end_profile_step: int):
         self.exp_dir, self.exp = exp_dir, exp
-        self.rule = None if exp.kind is ExperimentKind.PROFILE else rule
+        self.rule = None if exp.kind is ExperimentKind.PROFILE or exp.pad_seq_len else rule
         self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
         self.launched_at: float | None = None
         self._sizes: dict[int, int] = {}
