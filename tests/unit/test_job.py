@@ -5,6 +5,7 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.launch import Node
+from zerotune.inputs.configs import ConfigBuilder
 from zerotune.inputs.job import Job, TuneOptions
 
 GiB = 2**30
@@ -121,3 +122,22 @@ def test_an_empty_list_of_candidates_is_an_error_naming_the_file_and_key(tmp_pat
                                               r"to tune; expected at least one"):
             build(tmp_path, config)
     build(tmp_path, {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}})  # a list setting stays one
+
+
+def test_a_sequence_parallel_group_counts_as_one_replica_in_the_train_batch_size(tmp_path):
+    # DeepSpeed 0.19 on these 2 CPU ranks with sequence_parallel_size 2 ran train_batch_size 2 at mbs 2, gas 1, and
+    # refused 4: "4 != 2 * 1 * 1.0" (docs/decisions.md D331); ZeRO still partitions over both ranks
+    job = build(tmp_path, {"sequence_parallel_size": 2, "zero_optimization": {"stage": 1}})
+    assert (job.dp_world_size, job.batch.dp_world_size) == (2, 1)
+    cfg = ConfigBuilder(job).config(1, 2)
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == \
+        (2, 1, 2)
+
+
+@pytest.mark.parametrize("sp, message", [
+    (3, r"'sequence_parallel_size' = 3 does not divide the DP world size 2 of each experiment"),
+    ([1, 2], r"'sequence_parallel_size' = \[1, 2\]: expected a positive integer \(zerotune does not search a list"),
+    (True, r"'sequence_parallel_size' = True: expected a positive integer")])
+def test_a_sequence_parallel_size_deepspeed_cannot_take_is_refused_naming_it(tmp_path, sp, message):
+    with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
+        build(tmp_path, {"sequence_parallel_size": sp})

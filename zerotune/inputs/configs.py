@@ -82,11 +82,11 @@ class ConfigBuilder:
         cfg.setdefault(ZERO, {})["stage"] = stage
         cfg[MBS] = mbs
         cfg[GAS] = gas = gas or self.job.batch.gas_for(mbs)
-        cfg[TBS] = mbs * gas * self.job.dp_world_size
+        cfg[TBS] = mbs * gas * self.job.batch.dp_world_size
         if self._derive_tbs:
             del cfg[TBS]
         cfg = prune(cfg)
-        validate(cfg, self.job.dp_world_size)
+        validate(cfg, self.job.batch.dp_world_size)
         return cfg
 
     def model_autos(self) -> dict[str, int]:
@@ -165,7 +165,7 @@ class ConfigBuilder:
         space = default_space(stage)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
-        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage, dp_world_size=self.job.dp_world_size,
+        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage, dp_world_size=self.job.batch.dp_world_size,
                               variables=self.job.variables or None, fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 
