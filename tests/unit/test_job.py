@@ -141,3 +141,23 @@ def test_a_sequence_parallel_group_counts_as_one_replica_in_the_train_batch_size
 def test_a_sequence_parallel_size_deepspeed_cannot_take_is_refused_naming_it(tmp_path, sp, message):
     with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
         build(tmp_path, {"sequence_parallel_size": sp})
+
+
+def test_autotp_at_stages_0_to_2_counts_every_rank_in_the_train_batch_size(tmp_path):
+    # DeepSpeed 0.19, 2 CPU ranks, a 2-layer LLaMA with autotp_size 2: train_batch_size 4 at mbs 2, gas 1 trains at
+    # ZeRO 1 and 2 (each rank holds 1,049,856 of 1,836,288 parameters); at ZeRO-3 it is refused, "4 != 2 * 1 * 1" (D331)
+    job = build(tmp_path, {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": [1, 2]}})
+    assert (job.stages, job.batch.dp_world_size) == ((1, 2), 2)
+    assert ConfigBuilder(job).config(2, 2)["train_batch_size"] == 4
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": [1, 3]}},
+     r"'tensor_parallel.autotp_size' = 2 with ZeRO stage 3 among the candidates \[1, 3\]: DeepSpeed counts ranks / "
+     r"autotp_size in train_batch_size at stage 3"),
+    ({"tensor_parallel": {"autotp_size": 4}}, r"'tensor_parallel.autotp_size' = 4 does not divide the 2 rank\(s\)"),
+    ({"tensor_parallel": {"autotp_size": [1, 2]}},
+     r"'tensor_parallel.autotp_size' = \[1, 2\]: expected a non-negative integer")])
+def test_an_autotp_size_zerotune_cannot_tune_is_refused_naming_it(tmp_path, config, message):
+    with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
+        build(tmp_path, config)

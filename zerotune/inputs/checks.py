@@ -17,7 +17,7 @@ from zerotune.launchers.contract import DEEPSPEED, OWN
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends import BACKENDS
 
-__all__ = ["MIN_CPU_RANK_BYTES", "check_candidate_lists", "check_cpu_ranks", "check_options", "check_output_dirs",
+__all__ = ["MIN_CPU_RANK_BYTES", "check_autotp", "check_candidate_lists", "check_cpu_ranks", "check_options", "check_output_dirs",
            "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes", "mbs_bounds"]
 
 
@@ -27,6 +27,26 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
         if not candidates:
             raise ConfigError(f"{config_path}: {key} = []: a list in the config is a list of candidates to tune; "
                               f"expected at least one")
+
+
+def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> None:
+    """A ``tensor_parallel.autotp_size`` t > 1 that zerotune can tune: t divides each experiment's ranks on a node
+    (AutoTP's groups), and no candidate stage is 3. At stages 0-2 DeepSpeed counts every rank in
+    ``train_batch_size``, at stage 3 ranks / t (D331): zerotune tunes AutoTP at stages 0-2."""
+    section = user.get("tensor_parallel")
+    tp = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 0:
+        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp!r}: expected a non-negative integer "
+                          f"(zerotune does not search a list of TP degrees)")
+    if tp <= 1:
+        return
+    if slots_per_node % tp:
+        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp} does not divide the {slots_per_node} "
+                          f"rank(s) each experiment runs on a node")
+    if 3 in stages:
+        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp} with ZeRO stage 3 among the candidates "
+                          f"{list(stages)}: DeepSpeed counts ranks / autotp_size in train_batch_size at stage 3 and "
+                          f"every rank at stages 0-2; zerotune tunes AutoTP at stages 0-2 (set zero_optimization.stage)")
 
 
 MAX_TIMEOUT_S = 1e7

@@ -145,6 +145,8 @@ class Job:
         concrete = substitute(user, first_values(variables))
         check_sections(concrete, config_path)
         notes += job_checks.check_untunable(concrete, at, batch, min_mbs, config_path)
+        stages = tuple(ds_file.stage_candidates(user, source=config_path))
+        job_checks.check_autotp(concrete, stages, slots_per_node, config_path)
         host_memory = job_checks.host_memory_bytes(options, cpu, nodes)
         if cpu:
             local_slots = slots_per_node if options.backend == "local" and not options.hostfile else 0
@@ -153,7 +155,7 @@ class Job:
         return cls(script=script, script_args=script_args, config_path=config_path, user_config=user,
                    autotuning=at, nodes=tuple(nodes), num_nodes=num_nodes, slots_per_node=slots_per_node,
                    world_size=world_size, mp_size=at.mp_size, dp_world_size=dp, batch=batch, cpu=cpu,
-                   stages=tuple(ds_file.stage_candidates(user, source=config_path)), device_memory_bytes=memory,
+                   stages=stages, device_memory_bytes=memory,
                    objective=Objective.named(at.metric), min_mbs=min_mbs, max_mbs=max_mbs, allowed_mbs=allowed,
                    model_info=job_checks.given_model_info(at, config_path), results_dir=results_dir,
                    exps_dir=results_dir / "exps" if options.results_dir else Path(at.exps_dir),
