@@ -137,10 +137,12 @@ def test_a_sequence_parallel_group_counts_as_one_replica_in_the_train_batch_size
 @pytest.mark.parametrize("sp, message", [
     (3, r"'sequence_parallel_size' = 3 does not divide the DP world size 2 of each experiment"),
     ([1, 2], r"'sequence_parallel_size' = \[1, 2\]: expected a positive integer \(zerotune does not search a list"),
-    (True, r"'sequence_parallel_size' = True: expected a positive integer")])
+    (True, r"'sequence_parallel_size' = True: expected a positive integer"),
+    ("$SP", r"'sequence_parallel_size' = '\$SP': expected a positive integer")])
 def test_a_sequence_parallel_size_deepspeed_cannot_take_is_refused_naming_it(tmp_path, sp, message):
     with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
-        build(tmp_path, {"sequence_parallel_size": sp})
+        build(tmp_path, {"sequence_parallel_size": sp,
+                         **({"autotuning": {"variables": {"SP": [1, 2]}}} if sp == "$SP" else {})})
 
 
 def test_autotp_at_stages_0_to_2_counts_every_rank_in_the_train_batch_size(tmp_path):
@@ -157,7 +159,9 @@ def test_autotp_at_stages_0_to_2_counts_every_rank_in_the_train_batch_size(tmp_p
      r"autotp_size in train_batch_size at stage 3"),
     ({"tensor_parallel": {"autotp_size": 4}}, r"'tensor_parallel.autotp_size' = 4 does not divide the 2 rank\(s\)"),
     ({"tensor_parallel": {"autotp_size": [1, 2]}},
-     r"'tensor_parallel.autotp_size' = \[1, 2\]: expected a non-negative integer")])
+     r"'tensor_parallel.autotp_size' = \[1, 2\]: expected a non-negative integer"),
+    ({"tensor_parallel": {"autotp_size": "$TP"}, "autotuning": {"variables": {"TP": [1, 2]}}},
+     r"'tensor_parallel.autotp_size' = '\$TP': expected a non-negative integer")])
 def test_an_autotp_size_zerotune_cannot_tune_is_refused_naming_it(tmp_path, config, message):
     with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
         build(tmp_path, config)

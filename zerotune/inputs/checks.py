@@ -32,7 +32,8 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
 def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> None:
     """A ``tensor_parallel.autotp_size`` t > 1 that zerotune can tune: t divides each experiment's ranks on a node
     (AutoTP's groups), and no candidate stage is 3. At stages 0-2 DeepSpeed counts every rank in
-    ``train_batch_size``, at stage 3 ranks / t (D331): zerotune tunes AutoTP at stages 0-2."""
+    ``train_batch_size``, at stage 3 ranks / t (D331): zerotune tunes AutoTP at stages 0-2. Read from the user's
+    config as written: a list or a ``$VAR`` placeholder of degrees is not searched."""
     section = user.get("tensor_parallel")
     tp = section.get("autotp_size", 0) if isinstance(section, dict) else 0
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 0:

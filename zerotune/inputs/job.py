@@ -146,7 +146,7 @@ class Job:
         check_sections(concrete, config_path)
         notes += job_checks.check_untunable(concrete, at, batch, min_mbs, config_path)
         stages = tuple(ds_file.stage_candidates(user, source=config_path))
-        job_checks.check_autotp(concrete, stages, slots_per_node, config_path)
+        job_checks.check_autotp(user, stages, slots_per_node, config_path)
         host_memory = job_checks.host_memory_bytes(options, cpu, nodes)
         if cpu:
             local_slots = slots_per_node if options.backend == "local" and not options.hostfile else 0
@@ -222,7 +222,8 @@ def _sequence_parallel_size(user: dict[str, Any], dp: int, config_path: str) -> 
     ``DeepSpeedConfig.__init__``), while ZeRO still partitions over every rank.
 
     Raises:
-        ConfigError: not a positive integer (a list of degrees is not searched), or not dividing the DP world size.
+        ConfigError: not a positive integer (a list or ``$VAR`` placeholder of degrees is not searched), or not
+            dividing the DP world size.
     """
     sp = user.get("sequence_parallel_size", 1)
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
