@@ -17,8 +17,9 @@ from zerotune.launchers.contract import DEEPSPEED, OWN
 from zerotune.model.profile import ModelInfo
 from zerotune.run.backends import BACKENDS
 
-__all__ = ["MIN_CPU_RANK_BYTES", "check_autotp", "check_candidate_lists", "check_cpu_ranks", "check_options", "check_output_dirs",
-           "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes", "mbs_bounds"]
+__all__ = ["MIN_CPU_RANK_BYTES", "check_autotp", "check_candidate_lists", "check_cpu_ranks", "check_options",
+           "check_output_dirs", "check_untunable", "check_writable_dir", "given_model_info", "host_memory_bytes",
+           "mbs_bounds", "sequence_parallel_size"]
 
 
 def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
@@ -27,6 +28,23 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
         if not candidates:
             raise ConfigError(f"{config_path}: {key} = []: a list in the config is a list of candidates to tune; "
                               f"expected at least one")
+
+
+def sequence_parallel_size(user: dict[str, Any], dp: int, source: str) -> int:
+    """The config's Ulysses degree ``sequence_parallel_size`` (1 without one), read as written. DeepSpeed counts its
+    ranks as one data-parallel replica in ``train_batch_size`` (DP world size / degree: ``deepspeed/runtime/config.py``,
+    ``DeepSpeedConfig.__init__``), while ZeRO still partitions over every rank (D331).
+
+    Raises:
+        ConfigError: not a positive integer (a list or ``$VAR`` placeholder of degrees is not searched), or not
+            dividing the DP world size.
+    """
+    sp = _positive_int(user.get("sequence_parallel_size", 1), "sequence_parallel_size", source,
+                       " (zerotune does not search a list of Ulysses degrees)")
+    if dp % sp:
+        raise ConfigError(f"{source}: 'sequence_parallel_size' = {sp} does not divide the DP world size {dp} "
+                          f"of each experiment")
+    return sp
 
 
 def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> None:
@@ -47,7 +65,8 @@ def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: in
     if 3 in stages:
         raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp} with ZeRO stage 3 among the candidates "
                           f"{list(stages)}: DeepSpeed counts ranks / autotp_size in train_batch_size at stage 3 and "
-                          f"every rank at stages 0-2; zerotune tunes AutoTP at stages 0-2 (set zero_optimization.stage)")
+                          f"every rank at stages 0-2; zerotune tunes AutoTP at stages 0-2 "
+                          f"(set zero_optimization.stage)")
 
 
 MAX_TIMEOUT_S = 1e7
@@ -113,9 +132,9 @@ def given_model_info(at: AutotuningConfig, source: str) -> ModelInfo | None:
     return ModelInfo(num_params, trainable, activations)
 
 
-def _positive_int(value: Any, key: str, source: str) -> int:
+def _positive_int(value: Any, key: str, source: str, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer")
+        raise ConfigError(f"{source}: '{key}' = {value!r}: expected a positive integer{why}")
     return value
 
 

@@ -134,7 +134,7 @@ class Job:
         num_nodes, slots_per_node = _slots_per_experiment(nodes)
         world_size = num_nodes * slots_per_node
         dp = _dp_world_size(world_size, at.mp_size, config_path)
-        sp = _sequence_parallel_size(user, dp, config_path)
+        sp = job_checks.sequence_parallel_size(user, dp, config_path)
         batch = _batch_semantics(user, autos, mappings, dp // sp, at, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
         memory = job_checks.device_memory_bytes(options.device_memory_bytes, cpu)
@@ -214,25 +214,6 @@ def _dp_world_size(world_size: int, mp_size: int, config_path: str) -> int:
         raise ConfigError(f"{config_path}: 'autotuning.mp_size' = {mp_size} does not divide the "
                           f"{world_size} ranks of each experiment")
     return world_size // mp_size
-
-
-def _sequence_parallel_size(user: dict[str, Any], dp: int, config_path: str) -> int:
-    """The config's Ulysses degree ``sequence_parallel_size`` (1 without one). DeepSpeed counts its ranks as one
-    data-parallel replica in ``train_batch_size`` (DP world size / degree: ``deepspeed/runtime/config.py``,
-    ``DeepSpeedConfig.__init__``), while ZeRO still partitions over every rank.
-
-    Raises:
-        ConfigError: not a positive integer (a list or ``$VAR`` placeholder of degrees is not searched), or not
-            dividing the DP world size.
-    """
-    sp = user.get("sequence_parallel_size", 1)
-    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
-        raise ConfigError(f"{config_path}: 'sequence_parallel_size' = {sp!r}: expected a positive integer (zerotune "
-                          f"does not search a list of Ulysses degrees)")
-    if dp % sp:
-        raise ConfigError(f"{config_path}: 'sequence_parallel_size' = {sp} does not divide the DP world size {dp} "
-                          f"of each experiment")
-    return sp
 
 
 def _batch_semantics(user: dict[str, Any], autos: dict[str, Any], mappings: dict[str, str], dp: int,
