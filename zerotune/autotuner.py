@@ -110,7 +110,8 @@ class Autotuner:
         self.scheduler = Scheduler(self.backend, self.pool, job.exps_dir, on_update=self._on_update,
                                    context=resume_context(job))
         options = options or TuneOptions()
-        self.training_plan = TrainingPlan(options.train_samples, options.train_steps, options.cost_per_device_hour)
+        self.training_plan = TrainingPlan(options.train_samples, options.train_steps, options.cost_per_device_hour,
+                                          options.peak_tflops)
         self.answer_port = options.master_port or DEFAULT_MASTER_PORT
         self.report = Refresher(job.results_dir, self.report_data)
         self.result = StrategyResult()

@@ -68,7 +68,13 @@ def test_a_trainer_script_is_tuned_unchanged_and_its_optimal_command_trains(tmp_
             # samples per optimizer step, as the probe saw them (accelerate calls step() once per optimizer step)
             steps = [json.loads(line) for line in (exp_dir / "probe.rank0.jsonl").read_text().splitlines()]
             assert steps and {s["train_batch_size"] for s in steps} == {mbs * gas * 2}
+            assert r["tokens_per_s"] == pytest.approx(r["metric"] * 32, rel=1e-12)  # --seq_len 32 a sample
 
+    # MFU's model: DeepSpeed's parameter count and the probe's layers and hidden size; no peak for a CPU rank
+    assert (profile["metrics"]["num_layers"], profile["metrics"]["hidden_size"]) == (1, 64)
+    summary = (results / "summary.txt").read_text()
+    assert (f"tokens/s per device (MFU: 6 * {profile['metrics']['num_params']:,} params + 12 * 1 layers * 64 hidden "
+            "* tokens per sample FLOPs per token, no peak known for this device: --peak-tflops gives it)") in summary
     optimal = json.loads((results / "ds_config_optimal.json").read_text())
     assert optimal["optimizer"]["params"] == {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
     assert optimal["scheduler"]["params"]["total_num_steps"] == "auto" and "autotuning" not in optimal

@@ -45,6 +45,7 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
         assert {(ln.rank, ln.micro_steps, ln.train_batch_size) for ln in lines} == {(rank, 2, 4)}
         # what each micro batch held: the script's token ids, [mbs, --seq-len]
         assert {(ln.batch_samples, ln.seq_len) for ln in lines} == {(1, SEQ_LEN)}
+        assert {ln.tokens for ln in lines} == {2 * SEQ_LEN}  # two micro batches of one sample each
         assert all(ln.step_s > 0 and ln.peak_bytes > 50 * 2**20 for ln in lines)
         # On CPU peak_bytes is the sampled VmData, what the budget (RLIMIT_DATA) limits: it counts ZeRO-1's
         # fp32 reduce bucket (reduce_bucket_size 5e8 by default: 2,000,000,000 bytes, almost none of it written
@@ -59,6 +60,8 @@ def test_every_rank_writes_its_steps_and_the_metric_is_measured_from_them(tmp_pa
     assert done.metric_rel_half_width == measured.rel_half_width and measured.steady_steps >= 2
     assert done.peak_memory_bytes == max(measured.peak_bytes.values())
     assert done.max_seq_len_seen == SEQ_LEN
+    # both ranks' tokens per step (4 samples of SEQ_LEN) over the same mean step as the metric's
+    assert done.tokens_per_s == measured.tokens_per_s == pytest.approx(measured.value * SEQ_LEN, rel=1e-12)
     record = json.loads((exp_dir / "exp.json").read_text())
     assert (record["metric"], record["metric_source"], record["max_seq_len_seen"]) == (done.metric, "probe", SEQ_LEN)
     deepspeed = json.loads((exp_dir / "metrics.json").read_text())

@@ -186,7 +186,7 @@ FILES = [f"{{bad}}/{kind}" for kind in (*cli_inputs.NOT_REGULAR, *cli_inputs.CON
          if kind != "dev-zero"] + ["/dev/zero"]
 PROJECTION = {"--train-samples": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
               "--train-steps": ["0", "-1", "1e400", "nan", "1.5", "x", "-1e3"],
-              "--cost-per-device-hour": FLOATS}
+              "--cost-per-device-hour": FLOATS, "--peak-tflops": [*FLOATS, "0"]}
 TUNE = {"--hostfile": FILES, "--include": ["localhost:a", "localhost:-1", f"localhost:{HUGE}", "nohost", "localhost:0,,1"],
         "--exclude": ["localhost:a", "nohost", "localhost:0"], "--num_nodes": [*WHOLE, "2"], "--num_gpus": WHOLE,
         "--master_port": [*WHOLE, "70000"], "--results-dir": ["{tmp}/afile", "{tmp}/afile/sub", "/proc/self/zt",

@@ -75,6 +75,21 @@ def test_the_once_per_step_share_is_the_ranks_largest_boundary_time_over_the_mea
     assert measure(streams, OBJECTIVES["throughput"]).boundary_share is None
 
 
+def test_tokens_per_second_sums_the_ranks_tokens_over_the_steady_steps_per_mean_step():
+    # Ulysses with sequence_parallel_size 2 on 2 ranks: one replica of 16 samples x 512 tokens a step, each rank
+    # holding half of each sample's tokens; rank 1's step 3 held a shorter batch
+    tokens = {0: [4096] * 6, 1: [4096, 4096, 3072, 4096, 4096, 4096]}
+    streams = {rank: [dict(line, tokens=n) for line, n in zip(TWO_RANKS[rank], tokens[rank])] for rank in (0, 1)}
+    m = measure(streams, OBJECTIVES["throughput"])
+    # steady steps 3-6 sum 7168, 8192, 8192, 8192 tokens (mean 7936) over the mean slowest step 0.2125 s
+    assert m.tokens_per_s == pytest.approx(7936 / 0.2125, abs=1e-9)
+    assert measure(TWO_RANKS, OBJECTIVES["throughput"]).tokens_per_s is None  # no token ids in the batch
+    streams[0][2]["tokens"] = None  # a steady step of one rank without it: unknown
+    assert measure(streams, OBJECTIVES["throughput"]).tokens_per_s is None
+    streams[0][2]["tokens"] = 0  # not a count of tokens (>= 1): the same
+    assert measure(streams, OBJECTIVES["throughput"]).tokens_per_s is None
+
+
 def test_latency_is_the_mean_slowest_step_in_seconds():
     m = measure(TWO_RANKS, OBJECTIVES["latency"])
     assert m.value == m.mean_step_s == pytest.approx(0.2125, abs=1e-12)

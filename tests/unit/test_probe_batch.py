@@ -56,6 +56,9 @@ def test_the_step_record_holds_its_micro_batches_largest_and_a_failure_never_rea
     probe.record(engine, probe.state(engine))  # a step whose forwards the probe did not see
     lines = [json.loads(ln) for ln in (tmp_path / "probe.rank0.jsonl").read_text().splitlines()]
     assert [(ln["batch_samples"], ln["seq_len"]) for ln in lines] == [(4, 128), (8, None), (None, None)]
+    # tokens: samples x sequence length summed over the step's forwards (4 x 100 + 3 x 128); unknown once a forward
+    # lacks either (the unreadable one in step 1 raised before adding; step 2's images have no token ids)
+    assert [ln["tokens"] for ln in lines] == [784, None, None]
     assert not probe.failed
 
 

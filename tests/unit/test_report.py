@@ -103,6 +103,7 @@ def test_results_csv_is_row_for_row_the_experiment_records(tuned):
             "status": rec["status"], "outcome": expected_outcome(rec), "ended": rec["ended"],
             "metric_name": "throughput", "metric": cell(rec["metric"]), "metric_unit": "samples/s",
             "metric_rel_half_width": cell(rec["metric_rel_half_width"]), "metric_source": rec["metric_source"],
+            "tokens_per_s_per_device": cell(rec["tokens_per_s"] and rec["tokens_per_s"] / rec["num_slots"]), "mfu": "",
             "predicted_memory_bytes": cell(rec["memory_bytes"]), "peak_memory_bytes": cell(rec["peak_memory_bytes"]),
             "memory_rel_error": cell(None if not rec["memory_bytes"] or not rec["peak_memory_bytes"]
                                      else rec["memory_bytes"] / rec["peak_memory_bytes"] - 1),

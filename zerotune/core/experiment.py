@@ -95,6 +95,7 @@ class Experiment:
     launch_note: str = ""  # why a run of a warm tuning went cold ("" when it did not)
     startup_s: float | None = None  # from the launch to the start of its first step, seconds (probe only)
     measure_s: float | None = None  # from the start of its first step to the end of its last, seconds (probe only)
+    tokens_per_s: float | None = None  # tokens all its ranks' forwards held per second, steady steps (probe only)
 
     @property
     def stage(self) -> int:

@@ -3,7 +3,8 @@
 A step's time is the probe's ``step_s`` (end of one optimizer step to end of the next, the whole loop included), per
 step index the slowest rank's (`step_stats`), warm-up left out (step 1, leading steps over `WARMUP_FACTOR` times the
 later steps' median, then MSER's cut). With ``m`` the steady steps' mean: throughput = ``train_batch_size / m``
-samples/s, latency = ``m`` s/step; FLOPS are not measured (DeepSpeed's metric is kept). The uncertainty is ``m``'s
+samples/s, latency = ``m`` s/step, tokens/s = the steady steps' mean tokens summed over the ranks / ``m``; FLOPS
+are not measured (DeepSpeed's metric is kept; MFU is `zerotune.model.flops`'s). The uncertainty is ``m``'s
 95% Student-t relative half-width. One run only: the run-to-run noise and comparisons are `zerotune.core.noise`'s.
 """
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Measurement:
         boundary_share: the share of ``mean_step_s`` spent in once-per-optimizer-step work (optimizer step,
             boundary reduction), which a larger gas amortizes, 0..1: the steady steps' mean of the ranks' largest
             ``boundary_s``; None when a steady step lacks it on some rank.
+        tokens_per_s: tokens all ranks' forwards held per second (`_tokens_per_step` / ``mean_step_s``, padding
+            included); None when a steady step lacks ``tokens`` on some rank.
     """
 
     value: float
@@ -70,6 +73,7 @@ class Measurement:
     slowest_rank_share: dict[int, float]
     peak_bytes: dict[int, int]
     boundary_share: float | None = None
+    tokens_per_s: float | None = None
 
 
 def step_stats(streams: Streams) -> StepStats | None:
@@ -126,11 +130,13 @@ def measure(streams: Streams, objective: Objective) -> Measurement | None:
         return None
     value = batch / mean if objective.name == "throughput" else mean
     shares = stats.slowest_rank[stats.warmup_steps:]
+    tokens = _tokens_per_step(streams, stats.steps[stats.warmup_steps:])
     return Measurement(value=value, mean_step_s=mean, rel_half_width=_rel_half_width(steady, mean),
                        steady_steps=len(steady), warmup_steps=stats.warmup_steps, train_batch_size=batch or 0,
                        slowest_rank_share={rank: shares.count(rank) / len(shares) for rank in sorted(streams)},
                        peak_bytes=peak_bytes(streams),
-                       boundary_share=_boundary_share(streams, stats.steps[stats.warmup_steps:], mean))
+                       boundary_share=_boundary_share(streams, stats.steps[stats.warmup_steps:], mean),
+                       tokens_per_s=None if tokens is None else tokens / mean)
 
 
 def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) -> float | None:
@@ -140,6 +146,16 @@ def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) 
     if not steps or not per_rank or any(step not in times for times in per_rank for step in steps):
         return None
     return statistics.fmean(max(times[step] for times in per_rank) for step in steps) / mean_step_s
+
+
+def _tokens_per_step(streams: Streams, steps: Sequence[int]) -> float | None:
+    """The mean over ``steps`` of the ranks' ``tokens`` summed, tokens; None when a step lacks it on a rank. Under
+    sequence parallelism each rank holds its share of a sample's tokens, so the sum counts each token once."""
+    per_rank = [{r.step: r.tokens for r in records if r.step is not None and r.tokens is not None}
+                for records in streams.values()]
+    if not steps or not per_rank or any(step not in tokens for tokens in per_rank for step in steps):
+        return None
+    return statistics.fmean(sum(tokens[step] for tokens in per_rank) for step in steps)
 
 
 def peak_bytes(streams: Streams) -> dict[int, int]:

@@ -18,8 +18,8 @@ class StepRecord:
     units), validated once (`from_dict`).
 
     A field is None where the line lacks it or holds anything but a finite non-bool number (``step``, ``rank``: an
-    ``int``; ``batch_samples``, ``seq_len``: an ``int`` >= 1). Counts and bytes are truncated to ``int``. A record
-    without a valid ``step`` still carries its peaks.
+    ``int``; ``batch_samples``, ``seq_len``, ``tokens``: an ``int`` >= 1). Counts and bytes are truncated to ``int``. A
+    record without a valid ``step`` still carries its peaks.
 
     Attributes:
         step: the optimizer step's index in the rank's process, from 1.
@@ -31,6 +31,8 @@ class StepRecord:
         batch_samples: the most samples one of this step's micro batches held on this rank (leading dimension).
         seq_len: the longest sequence one of this step's micro batches held on this rank, tokens (the largest
             second dimension of the forward's integer tensors of 2+ dimensions); None without token ids.
+        tokens: per forward of this step on this rank its samples times its ``seq_len``, summed, tokens (padding
+            included); None where a forward lacked either.
         peak_bytes, peak_reserved_bytes, device_peak_bytes, rss_peak_bytes: high-water marks, bytes. On CUDA the
             allocated, the allocator's reserved and the device's (reserved plus outside the allocator); on CPU
             ``peak_bytes`` is the largest ``VmData`` so far and ``rss_peak_bytes`` ``ru_maxrss``.
@@ -47,6 +49,7 @@ class StepRecord:
     train_batch_size: int | None = None
     batch_samples: int | None = None
     seq_len: int | None = None
+    tokens: int | None = None
     peak_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     device_peak_bytes: int | None = None
@@ -90,7 +93,7 @@ class StepRecord:
         return cls(rank=integer("rank"), step=integer("step"), t=number("t"), step_s=number("step_s"),
                    boundary_s=number("boundary_s"), micro_steps=count("micro_steps"),
                    train_batch_size=count("train_batch_size"), batch_samples=size("batch_samples"),
-                   seq_len=size("seq_len"), peak_bytes=count("peak_bytes"),
+                   seq_len=size("seq_len"), tokens=size("tokens"), peak_bytes=count("peak_bytes"),
                    peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
                    rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"))
 

@@ -44,6 +44,7 @@ class TuneOptions:
             ``--no-savers``); ``nvme_path`` (``--nvme-path``), a directory on local NVMe, lets them offload there too.
         train_samples, train_steps, cost_per_device_hour: the full training the report projects with the answer (its
             length; a device-hour's price); None: no projection (`zerotune.report.data.TrainingPlan`).
+        peak_tflops: one device's peak TFLOP/s for MFU (``--peak-tflops``); None: by its name (`zerotune.model.flops`).
         max_launches, max_device_hours: what the tuning may spend (`zerotune.inputs.budget.LaunchBudget`).
         longest: ``--max-seq-len`` and ``--verify-longest`` (`LongestOptions`).
         master_port: the answer's rendezvous port (``cmd_optimal.txt``), the user's ``--master_port``; None:
@@ -69,6 +70,7 @@ class TuneOptions:
     train_samples: int | None = None
     train_steps: int | None = None
     cost_per_device_hour: float | None = None
+    peak_tflops: float | None = None
     max_launches: int | None = None
     max_device_hours: float | None = None
     longest: LongestOptions = LongestOptions()

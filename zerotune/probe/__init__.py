@@ -28,14 +28,16 @@ from zerotune.probe.sitecustomize import (
     stream_name,
 )
 
-__all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_PEAK_KEY", "GROWTH_KEYS", "PAD_FILE",
-           "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS", "SQUARE_KEYS", "clean_exits",
-           "clear_streams", "exit_name", "read_exits", "read_model_shapes", "read_checkpointed_activations",
-           "read_saved_activations", "read_square_activations", "read_streams", "run_phases", "step_records",
-           "stream_files", "stream_name"]
+__all__ = ["ACTIVATIONS_RECORD", "BUDGET_ENV", "DATA_PEAK_KEY", "DEVICE_NAME_KEY", "DEVICE_PEAK_KEY", "FLOPS_KEYS",
+           "GROWTH_KEYS", "PAD_FILE", "PROBE_DIR_ENV", "PROBE_PATH", "SHAPE_KEYS", "SLOPE_KEY", "SLOPE_KEYS",
+           "SQUARE_KEYS", "clean_exits", "clear_streams", "exit_name", "read_exits", "read_model_shapes",
+           "read_checkpointed_activations", "read_saved_activations", "read_square_activations", "read_streams",
+           "run_phases", "step_records", "stream_files", "stream_name"]
 
 PROBE_PATH = Path(__file__).resolve().parent  # put first on the ranks' PYTHONPATH
 SHAPE_KEYS = ("largest_layer_params", "persistent_params")  # elements, in ACTIVATIONS_RECORD
+FLOPS_KEYS = ("num_layers", "hidden_size", "experts_per_token", "routed_params", "num_experts")  # zerotune.model.flops
+DEVICE_NAME_KEY = "device_name"  # in ACTIVATIONS_RECORD on CUDA: the device's name, for its peak FLOP/s
 DEVICE_PEAK_KEY = "device_peak_bytes"  # in ACTIVATIONS_RECORD on CUDA
 DATA_PEAK_KEY = "data_peak_bytes"  # in ACTIVATIONS_RECORD on CPU: rank 0's largest VmData, sampled every 5 ms
 GROWTH_KEYS = ("step_growth_bytes", "forward_growth_bytes")  # in ACTIVATIONS_RECORD, bytes at its mbs
@@ -174,9 +176,13 @@ def read_square_activations(exp_dir: Path) -> dict[str, int] | None:
 
 def read_model_shapes(exp_dir: Path) -> dict[str, int]:
     """The record's `SHAPE_KEYS` (elements), `DEVICE_PEAK_KEY` or `DATA_PEAK_KEY`, `GROWTH_KEYS` and `SLOPE_KEYS`
-    (bytes; `zerotune.probe._zerotune_probe.growth`); a key missing or not a non-negative integer is left out."""
+    (bytes; `zerotune.probe._zerotune_probe.growth`), `FLOPS_KEYS`; a key missing or not a non-negative integer is
+    left out; `DEVICE_NAME_KEY`, a text of at most 200 characters."""
     record = _activations_record(exp_dir)
     if not isinstance(record, dict):
         return {}
-    return {k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS, *SLOPE_KEYS)
-            if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0}
+    name = record.get(DEVICE_NAME_KEY)
+    return {**{k: record[k] for k in (*SHAPE_KEYS, DEVICE_PEAK_KEY, DATA_PEAK_KEY, *GROWTH_KEYS, *SLOPE_KEYS,
+                                      *FLOPS_KEYS)
+               if isinstance(record.get(k), int) and not isinstance(record[k], bool) and record[k] >= 0},
+            **({DEVICE_NAME_KEY: name} if isinstance(name, str) and 0 < len(name) <= 200 else {})}

@@ -16,6 +16,7 @@ from zerotune.core.measure import Pooled, pooled_metrics
 from zerotune.core.noise import RunNoise, comparison_noise, mean_half_width, run_noise
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
+from zerotune.model.flops import FlopsModel
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:
@@ -56,22 +57,25 @@ class NotRun:
 @dataclass(frozen=True)
 class TrainingPlan:
     """The full training run the report projects with the answer (``--train-samples``/``--train-steps``,
-    ``--cost-per-device-hour``); all None: no projection."""
+    ``--cost-per-device-hour``; all None: no projection) and its devices' peak, TFLOP/s (``--peak-tflops``; None:
+    by the device's name, `zerotune.model.flops`)."""
 
     train_samples: int | None = None
     train_steps: int | None = None
     cost_per_device_hour: float | None = None
+    peak_tflops: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"train_samples": self.train_samples, "train_steps": self.train_steps,
-                "cost_per_device_hour": self.cost_per_device_hour}
+                "cost_per_device_hour": self.cost_per_device_hour, "peak_tflops": self.peak_tflops}
 
     def over(self, other: "TrainingPlan") -> "TrainingPlan":
         """This plan where it says something, else ``other``'s (the command line's options over the tuner's)."""
         samples, steps = (self.train_samples, self.train_steps) if (self.train_samples or self.train_steps) else (
             other.train_samples, other.train_steps)
         cost = self.cost_per_device_hour if self.cost_per_device_hour is not None else other.cost_per_device_hour
-        return TrainingPlan(samples, steps, cost)
+        peak = self.peak_tflops if self.peak_tflops is not None else other.peak_tflops
+        return TrainingPlan(samples, steps, cost, peak)
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,16 @@ class ReportData:
     def pooled(self) -> dict[str, Pooled]:
         """Experiment name -> its metric pooled over its ok runs (`zerotune.core.measure.pooled_metrics`)."""
         return pooled_metrics(self.experiments)
+
+    @cached_property
+    def flops(self) -> FlopsModel | None:
+        """The model's FLOPs per token and the device's peak, for MFU (`zerotune.model.flops.FlopsModel`); None
+        without a profile run."""
+        return FlopsModel.from_profile(self.experiments, self.plan.peak_tflops)
+
+    def mfu(self, exp: Experiment) -> float | None:
+        """``exp``'s model FLOPs utilisation, 0..1 (`FlopsModel.mfu`); None where unknown."""
+        return None if self.flops is None else self.flops.mfu(exp, self.objective.name)
 
     @cached_property
     def noise(self) -> RunNoise:

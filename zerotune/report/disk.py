@@ -66,7 +66,8 @@ class SavedTuning:
                 and isinstance(v, bool) == (k == "strategy_known")}
         not_run = tuple(NotRun(str(n.get("what", "")), str(n.get("reason", "")))
                         for n in kept.get("not_run", []) if isinstance(n, dict))
-        plan = TrainingPlan(kept.get("train_samples"), kept.get("train_steps"), kept.get("cost_per_device_hour"))
+        plan = TrainingPlan(kept.get("train_samples"), kept.get("train_steps"), kept.get("cost_per_device_hour"),
+                            kept.get("peak_tflops"))
         return cls(kept.get("exps_dir"), kept.get("context"), kept.get("state"),
                    kept.get("strategy_known", False), not_run, tuple(str(n) for n in kept.get("notes", [])),
                    plan, kept.get("since"), kept.get("elapsed_s"), found=bool(kept))
@@ -95,7 +96,7 @@ def _epoch(iso: Any) -> float | None:
 
 _SAVED_TYPES = {"exps_dir": str, "context": dict, "state": str, "strategy_known": bool, "not_run": list,
                 "notes": list, "train_samples": int, "train_steps": int, "cost_per_device_hour": (int, float),
-                "since": (int, float), "elapsed_s": (int, float)}
+                "peak_tflops": (int, float), "since": (int, float), "elapsed_s": (int, float)}
 
 
 

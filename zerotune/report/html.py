@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 from zerotune.core.experiment import LAUNCH_COLD, Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
+from zerotune.model.flops import tokens_per_device
 from zerotune.report.data import OUTCOMES, ReportData, outcome
 from zerotune.report.results import cost_line, saver_names
 from zerotune.strategy.answer import TIE_ORDER
@@ -283,12 +284,16 @@ def _runs_table(data: ReportData) -> str:
     for e in data.experiments:
         metric = "-" if e.metric is None else f"{e.metric:.4g}" + (
             f" ±{e.metric_rel_half_width:.1%}" if e.metric_rel_half_width else "")
+        tokens, mfu = tokens_per_device(e), data.mfu(e)
         rows.append((e.name + (" (answer)" if data.answer is not None and e.name == data.answer.name else ""),
-                     data.origin(e), outcome(e), metric, format_bytes(e.memory_bytes) if e.memory_bytes else "-",
+                     data.origin(e), outcome(e), metric, "-" if tokens is None else f"{tokens:,.0f}",
+                     "-" if mfu is None else f"{mfu:.1%}", format_bytes(e.memory_bytes) if e.memory_bytes else "-",
                      format_bytes(e.peak_memory_bytes) if e.peak_memory_bytes else "-", f"{e.wall_s or 0:.1f}",
                      e.error[:160]))
-    return "<h2>Launches</h2>" + _table(("experiment", "origin", "ended", f"{data.objective.name} ({data.objective.unit})",
-                                         "predicted", "measured peak", "wall time (s)", "error"), rows)
+    flops = f"<p>{_e(data.flops.describe())}.</p>" if data.flops is not None else ""
+    return "<h2>Launches</h2>" + flops + _table(
+        ("experiment", "origin", "ended", f"{data.objective.name} ({data.objective.unit})", "tokens/s per device",
+         "MFU", "predicted", "measured peak", "wall time (s)", "error"), rows)
 
 
 def _table(columns: Iterable[str], rows: Iterable[Iterable[Any]], header: bool = True) -> str:

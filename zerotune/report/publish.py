@@ -90,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_projection_options(p: argparse.ArgumentParser) -> None:
-    """``--train-samples``/``--train-steps`` and ``--cost-per-device-hour``, on ``tune``, ``run`` and ``report``."""
+    """``--train-samples``/``--train-steps``, ``--cost-per-device-hour`` and ``--peak-tflops``, on ``tune``, ``run``
+    and ``report``."""
     g = p.add_argument_group("projection of the full training run (in report.html and results.json)")
     length = g.add_mutually_exclusive_group()
     length.add_argument("--train-samples", type=_positive_int, default=None, metavar="N",
@@ -99,11 +100,14 @@ def add_projection_options(p: argparse.ArgumentParser) -> None:
                         help="optimizer steps of the full training run")
     g.add_argument("--cost-per-device-hour", type=_non_negative, default=None, metavar="PRICE",
                    help="price of one device for one hour, e.g. 2.5: the projection gives the run's cost")
+    g.add_argument("--peak-tflops", type=_positive, default=None, metavar="TFLOPS",
+                   help="one device's peak TFLOP/s for MFU, e.g. 989 (default: by the CUDA device's name, "
+                        "dense 16-bit; none on CPU)")
 
 
 def training_plan(args: argparse.Namespace) -> TrainingPlan:
     """The `TrainingPlan` the projection options give."""
-    return TrainingPlan(args.train_samples, args.train_steps, args.cost_per_device_hour)
+    return TrainingPlan(args.train_samples, args.train_steps, args.cost_per_device_hour, args.peak_tflops)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,4 +143,14 @@ def _non_negative(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a price, e.g. 2.5") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a non-negative price")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TFLOP/s, e.g. 989") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive, finite TFLOP/s")
     return value

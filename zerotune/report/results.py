@@ -20,6 +20,7 @@ from zerotune.core.measure import Pooled
 from zerotune.core.stopping import EARLY_ENDS, steps_to_precision
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
+from zerotune.model.flops import tokens_per_device
 from zerotune.run.store import write_json_atomic, write_text_atomic
 from zerotune.strategy.answer import IMPRECISE
 
@@ -168,7 +169,18 @@ def answer_text(data: "ReportData") -> str:
     return (f"\nOptimal: {best.name} (ZeRO stage {best.stage}{savers}, mbs {best.mbs}, gas {best.gas}), "
             f"{objective.name} {pooled.value:.4g} ±{data.answer_half_width:.1%} {objective.unit} (95%, mean of "
             f"{pooled.runs} run(s): each run's own interval and the run-to-run noise)\n{data.noise.describe()}\n"
-            + "".join(f"{line}\n" for line in [imprecise_note(data)] if line))
+            + "".join(f"{line}\n" for line in [tokens_line(data, best), imprecise_note(data)] if line))
+
+
+def tokens_line(data: "ReportData", exp: Experiment) -> str | None:
+    """``12,345 tokens/s per device, MFU 41.2% (MFU: 6 * ... against ...)`` for ``exp``'s own run; None without
+    its tokens/s (a batch without token ids)."""
+    per_device = tokens_per_device(exp)
+    if per_device is None:
+        return None
+    mfu = data.mfu(exp)
+    how = f" ({data.flops.describe()})" if data.flops is not None else ""
+    return f"{per_device:,.0f} tokens/s per device" + (f", MFU {mfu:.1%}" if mfu is not None else "") + how
 
 
 def imprecise_note(data: "ReportData") -> str | None:

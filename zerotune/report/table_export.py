@@ -1,9 +1,10 @@
 """The report for programs: ``results.csv`` (one row per launch) and ``results.json`` (the rows and the tuning).
 
-A row (`experiment_row`, columns `COLUMNS`) is one experiment: the summary's columns, the predicted and measured
-peak per device, the start and wall time, ``startup_s`` (launch to the first measured step) and ``measure_s``,
-``launch`` (``warm``, ``cold``, ``""`` not launched) and ``launch_note`` (why a run went cold), device-seconds,
-and ``origin`` (``launched`` or ``cached``). Memory is in bytes, times in seconds, the metric in ``metric_unit``.
+A row (`experiment_row`, columns `COLUMNS`) is one experiment: the summary's columns, tokens/s per device and MFU
+(0..1, `zerotune.model.flops`), the predicted and measured peak per device, the start and wall time, ``startup_s``
+(launch to the first measured step) and ``measure_s``, ``launch`` (``warm``, ``cold``, ``""`` not launched) and
+``launch_note`` (why a run went cold), device-seconds, and ``origin`` (``launched`` or ``cached``). Memory is in
+bytes, times in seconds, the metric in ``metric_unit``.
 ``results.json`` adds the tuning (`json_text`), which ``zerotune report`` reads back.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from zerotune.core.experiment import Experiment
+from zerotune.model.flops import tokens_per_device
 from zerotune.report.data import ReportData, outcome
 from zerotune.report.results import device_seconds
 from zerotune.run.exprecord import ExpRecord
@@ -23,9 +25,10 @@ from zerotune.run.exprecord import ExpRecord
 SCHEMA_VERSION = 1  # of results.json
 
 COLUMNS = ("name", "space", "kind", "stage", "mbs", "gas", "knobs", "replica_of", "status", "outcome", "ended",
-           "metric_name", "metric", "metric_unit", "metric_rel_half_width", "metric_source", "predicted_memory_bytes",
-           "peak_memory_bytes", "memory_rel_error", "budget_bytes", "started_at", "wall_s", "startup_s", "measure_s",
-           "launch", "launch_note", "num_nodes", "num_slots", "device_s", "exit_code", "error", "is_answer", "origin")
+           "metric_name", "metric", "metric_unit", "metric_rel_half_width", "metric_source", "tokens_per_s_per_device",
+           "mfu", "predicted_memory_bytes", "peak_memory_bytes", "memory_rel_error", "budget_bytes", "started_at",
+           "wall_s", "startup_s", "measure_s", "launch", "launch_note", "num_nodes", "num_slots", "device_s",
+           "exit_code", "error", "is_answer", "origin")
 """``results.csv``'s columns, in order."""
 
 
@@ -39,6 +42,7 @@ def experiment_row(exp: Experiment, data: ReportData) -> dict[str, Any]:
         "status": exp.status.value if exp.status else None, "outcome": outcome(exp), "ended": exp.ended,
         "metric_name": data.objective.name, "metric": exp.metric, "metric_unit": data.objective.unit,
         "metric_rel_half_width": exp.metric_rel_half_width, "metric_source": exp.metric_source,
+        "tokens_per_s_per_device": tokens_per_device(exp), "mfu": data.mfu(exp),
         "predicted_memory_bytes": exp.memory_bytes, "peak_memory_bytes": exp.peak_memory_bytes,
         "memory_rel_error": exp.memory_rel_error, "budget_bytes": data.budget_bytes,
         "started_at": iso_time(exp.started_at), "wall_s": exp.wall_s, "startup_s": exp.startup_s,

@@ -145,11 +145,12 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
             exp.metrics[CHECKPOINTED_ACTIVATIONS_KEY] = checkpointed
     exp.metric = objective.read(exp.metrics) if exp.status is Status.OK and not profile and data else None
     exp.metric_source, exp.metric_rel_half_width = ("deepspeed" if exp.metric is not None else ""), None
-    exp.boundary_share = exp.steady_steps = None
+    exp.boundary_share = exp.steady_steps = exp.tokens_per_s = None
     measured = probed if early is not None or exp.metric is not None else None
     if measured is not None:
         exp.metric, exp.metric_rel_half_width, exp.metric_source = measured.value, measured.rel_half_width, "probe"
         exp.boundary_share, exp.steady_steps = measured.boundary_share, measured.steady_steps
+        exp.tokens_per_s = measured.tokens_per_s
     if early is not None:
         exp.ended = ended.value
     elif exp.status is Status.OK:

@@ -142,7 +142,7 @@ class _SavedActivations:
             return int(getattr(p, "ds_numel", None) or p.numel())
         largest = max((sum(numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
         persistent = sum(numel(p) for p in module.parameters() if getattr(p, "ds_persist", False))
-        return {"largest_layer_params": largest, "persistent_params": persistent}
+        return {"largest_layer_params": largest, "persistent_params": persistent, **_flops_shape(module, numel)}
 
     @classmethod
     def for_profile(cls, probe: _Probe, engine) -> "_SavedActivations | None":
@@ -297,4 +297,44 @@ class _SavedActivations:
             **(self.layers.figures(self.recompute_bytes) if self.layers is not None else {}),
             **self.square,
             "micro_batch_size": int(self.engine.train_micro_batch_size_per_gpu()), **self.shapes,
-            **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {})}, "recording activations")
+            **_device_peak(self.torch, self.engine), **_data_peak(), **(growth or {}),
+            **_device_name(self.torch)}, "recording activations")
+
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")  # zerotune.model.meta_model's
+
+
+def _flops_shape(module, numel) -> dict:
+    """What model FLOPs per token need beyond the parameter count (`zerotune.model.flops`), from a Hugging Face
+    model's config (its text config first) and modules: ``num_layers``, ``hidden_size``; for a mixture of experts
+    ``routed_params`` (elements under modules named ``experts``), ``num_experts`` ``E`` and ``experts_per_token``
+    ``k``, as `zerotune.model.meta_model.count` finds them. A key it cannot read is left out."""
+    config = getattr(module, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = {}
+    for key, names in (("num_layers", ("num_hidden_layers",)), ("hidden_size", ("hidden_size",)),
+                       ("experts_per_token", TOP_K_KEYS)):
+        value = next((v for n in names if isinstance(v := getattr(text, n, None), int) and v > 0), None)
+        if value is not None and not isinstance(value, bool):
+            out[key] = value
+    routed, experts = 0, 0
+    for name, child in module.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts":
+            params = list(child.parameters())
+            routed += sum(numel(p) for p in params)
+            fused = [tuple(getattr(p, "ds_shape", None) or p.shape) for p in params]
+            fused = [shape for shape in fused if len(shape) == 3]
+            experts = experts or (fused[0][0] if fused else len(child) if hasattr(child, "__len__") else 0)
+    if routed and experts:
+        out.update(routed_params=int(routed), num_experts=int(experts))
+    return out
+
+
+def _device_name(torch) -> dict:
+    """``device_name``, CUDA's name of this rank's device (``NVIDIA H100 80GB HBM3``); nothing elsewhere."""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return {"device_name": str(torch.cuda.get_device_name(torch.cuda.current_device()))}
+    except Exception:  # noqa: BLE001 - the probe never breaks training
+        pass
+    return {}

@@ -2,7 +2,8 @@
 
 Only shapes are read (host metadata: no data read, no device synchronisation), so noting them changes nothing
 measured; `_batch_shape` says which tensors count. `_note_batch` keeps per engine the largest of each over an
-optimizer step's forwards, which its record writes as ``batch_samples`` and ``seq_len`` (`.records._Probe.record`).
+optimizer step's forwards, which its record writes as ``batch_samples`` and ``seq_len``, and their product summed over
+the forwards, ``tokens`` (`.records._Probe.record`).
 """
 import sys
 from collections.abc import Mapping
@@ -47,7 +48,8 @@ def _integer(torch, dtype) -> bool:
 
 
 def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
-    """Before ``engine``'s forward: keep its optimizer step's largest samples and sequence length so far; on a CPU
+    """Before ``engine``'s forward: keep its optimizer step's largest samples and sequence length so far and add
+    their product to its tokens (a forward without either makes the step's tokens unknown for good); on a CPU
     rank a sequence longer than any before restarts the ``VmData`` sampler (`.peak._DataPeak.note_seq_len`). Call it
     once the first forward's time is set. Never raises."""
     if probe.failed:
@@ -60,5 +62,7 @@ def _note_batch(probe, engine, args: tuple, kwargs: dict) -> None:
         for key, value in (("batch_samples", samples), ("seq_len", seq_len)):
             if value is not None and (state[key] is None or value > state[key]):
                 state[key] = value
+        known = samples is not None and seq_len is not None and state.get("tokens") != -1
+        state["tokens"] = (state.get("tokens") or 0) + samples * seq_len if known else -1
     except Exception:  # noqa: BLE001 - the probe never breaks training; the step records what it saw, or None
         return

@@ -32,7 +32,7 @@ class _Probe:
     def __init__(self, directory: str):
         self.directory = directory
         self.engines: dict[int, dict] = {}  # id(engine) -> {"step", "micro", "boundary", "in_step", "last", "file",
-        #                                      "base", "batch_samples", "seq_len"}
+        #                                      "base", "batch_samples", "seq_len", "tokens"}
         self.first_forward: float | None = None
         self.pad_to: int | None = None  # tokens every micro batch is padded to (.padding), set at the first forward
         self.failed = False
@@ -50,7 +50,7 @@ class _Probe:
         if s is None:
             s = self.engines[id(engine)] = {"step": 0, "micro": 0, "boundary": 0.0, "in_step": False,
                                             "last": self.first_forward, "file": None, "base": None,
-                                            "batch_samples": None, "seq_len": None}
+                                            "batch_samples": None, "seq_len": None, "tokens": None}
         return s
 
     def record(self, engine, state: dict) -> None:
@@ -63,7 +63,8 @@ class _Probe:
         part a larger gas amortizes (ZeRO-1's reduction in the backward hooks, ``overlap_comm``, is not in it);
         ``micro_steps``, ``step()`` calls in this step (1 under the Hugging Face Trainer); ``train_batch_size``, global
         samples per optimizer step; ``batch_samples``, ``seq_len``: the most samples a micro batch held and its longest
-        token sequence (`.batch`; null where unknown); ``peak_bytes`` and the peaks beside it (`.peak._peaks`);
+        token sequence, ``tokens`` the samples times the sequence length summed over its forwards (`.batch`; null where
+        unknown); ``peak_bytes`` and the peaks beside it (`.peak._peaks`);
         ``base_bytes``, on CUDA the allocated bytes before the step's first forward (`.engine._note_base`).
         """
         import time
@@ -73,14 +74,14 @@ class _Probe:
                 "step_s": t - state["last"] if state["last"] is not None else None,
                 "boundary_s": state["boundary"], "micro_steps": state["micro"],
                 "train_batch_size": int(engine.train_batch_size()), "batch_samples": state["batch_samples"],
-                "seq_len": state["seq_len"]}
+                "seq_len": state["seq_len"], "tokens": state["tokens"] if (state["tokens"] or 0) > 0 else None}
         line.update(_peaks(engine))
         if state.get("base") is not None:
             line["base_bytes"] = state["base"]
         if line["step"] >= _DataPeak.SAMPLED_STEPS and _DataPeak.running is not None:
             _DataPeak.running.stop()
         state["last"], state["micro"], state["boundary"], state["base"] = t, 0, 0.0, None
-        state["batch_samples"] = state["seq_len"] = None
+        state["batch_samples"] = state["seq_len"] = state["tokens"] = None
         if state["file"] is None:
             state["file"] = open(os.path.join(self.directory, stream_name(line["rank"])), "a")
             self.watch_exit(line["rank"])
