@@ -15,7 +15,7 @@ from zerotune.core.experiment import ExperimentKind, Status
 from zerotune.deepspeed.keys import CHECKPOINTING
 from zerotune.inputs.job import Job, TuneOptions
 from zerotune.run.resources import select_resources
-from zerotune.strategy.savers import savers_for
+from zerotune.strategy.savers import bf16_states_apply, savers_for
 from zerotune.strategy.tuning import Strategy
 
 GiB, MiB = 2**30, 2**20
@@ -23,13 +23,17 @@ PSI = 300_000_000  # fp32, Adam, 2 ranks, 8 GiB each: ZeRO-3 fits mbs 5, with th
 ACTIVATIONS = 256 * MiB  # with the parameters offloaded too 19 (MemoryModel, DeepSpeed's default buckets)
 
 
-def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, **options) -> Job:
+def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, bf16: dict | None = None, **options) -> Job:
+    """``bf16``: the config's ``bf16`` section and ``autotuning.allow_reduced_precision_states`` (its key
+    ``"allow"``), else fp32."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
+    bf16 = dict(bf16 or {})
+    allow = {"allow_reduced_precision_states": bf16.pop("allow")} if "allow" in bf16 else {}
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-                                  "zero_optimization": {"stage": 3},
-                                  "autotuning": {"enabled": True, "fast": True,
+                                  "zero_optimization": {"stage": 3}, **({"bf16": bf16} if bf16 else {}),
+                                  "autotuning": {"enabled": True, "fast": True, **allow,
                                                  "max_train_micro_batch_size_per_gpu": max_mbs}}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
                      TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu,
@@ -41,11 +45,13 @@ def saver_of(ds_config: dict) -> str:
     name = "+".join(k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "cpu")
     name = name or "+".join(f"{k}:nvme" for k in ("offload_optimizer", "offload_param")
                             if (zero.get(k) or {}).get("device") == "nvme")
-    return ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
+    name = ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
+    return "bf16 states" + ("+" if name else "") + name if ds_config.get("bf16", {}).get(
+        "bf16_optimizer_states") else name
 
 
 def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
-         checkpointing: bool = False, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+         checkpointing: bool = False, bf16: dict | None = None, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
     estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ``checkpointing``: the
@@ -68,7 +74,8 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs
                 exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
         return exps
 
-    strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, **options), checkpointing=checkpointing), evaluate)
+    strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, bf16, **options), checkpointing=checkpointing),
+                        evaluate)
     strategy.run()
     return ran, strategy
 
@@ -193,3 +200,46 @@ def test_an_nvme_path_that_is_not_a_directory_is_exit_2_naming_it(tmp_path):
                           "--nvme-path", str(tmp_path / "missing"), "--dry-run", str(tmp_path / "train.py"),
                           "--deepspeed_config", str(tmp_path / "ds.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and f"--nvme-path {tmp_path / 'missing'}: not a directory" in out.stderr, out.stderr
+
+
+BF16_COSTS = {"": 0.0, "bf16 states": 0.0, "offload_optimizer": 3.0, "offload_optimizer+offload_param": 3.5}
+
+
+def test_bf16_states_opted_into_are_the_first_saver_and_win_where_memory_binds(tmp_path):
+    # bf16 weights: ZeRO-3 fits mbs 14; with bf16 master weights, gradients and Adam states (6 bytes a parameter
+    # less, over 2 ranks) 18, at no cost per sample: 2*18/2.8 = 12.86 samples/s beats 11.67, so it is searched and
+    # is the answer; the offloads fit more (24, 25) and cost 3 s a step: each probed once and lost
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + BF16_COSTS[saver],
+                         bf16={"enabled": True, "allow": True})
+    assert ran[:4] == [(14, "", "ok"), (18, "bf16 states", "ok"), (24, "offload_optimizer", "ok"),
+                       (25, "offload_optimizer+offload_param", "ok")]
+    assert decisions(strategy) == [("ZeRO stage 3", "explored", 14), ("ZeRO stage 3 + bf16 states", "explored", 18),
+                                   ("ZeRO stage 3 + offload optimizer", "probed", 24),
+                                   ("ZeRO stage 3 + offload optimizer+params", "probed", 25)]
+    assert strategy.result.stages[1].reason == ("memory model: largest mbs 18 (without it: 14); probe at mbs=18 beat "
+                                                "the best (12.86 > 11.67, ZeRO stage 3)")
+    assert strategy.result.answer.name == "z3_gas1_tmbspg18_bf1_mwbf1_osbf1"
+    assert strategy.result.answer.ds_config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True,
+                                                        "bf16_optimizer_states": True}
+
+
+def test_bf16_states_not_opted_into_are_not_tried_and_the_summary_says_where_they_would_fit(tmp_path):
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + BF16_COSTS[saver], bf16={"enabled": True})
+    assert all("bf16" not in saver for _, saver, _ in ran)
+    assert strategy.result.answer.name == "z3_gas1_tmbspg14_bf1"
+    assert strategy.result.savers_notes == [
+        "bf16 states (bf16_master_weights_and_grads, bf16_optimizer_states): not tried at ZeRO stage 3, where the "
+        "memory model fits mbs=18 with them (without: 14); they change the numerics: "
+        "autotuning.allow_reduced_precision_states: true lets zerotune try them"]
+
+
+def test_bf16_states_go_only_on_an_enabled_bf16_section_without_an_offloaded_optimizer():
+    assert [s.name for s in savers_for(3, False, bf16_states=True)][:1] == ["bf16 states"]
+    assert [s.name for s in savers_for(0, False, bf16_states=True)] == []  # DeepSpeed: ZeRO stages 1-3 only
+    assert bf16_states_apply({"bf16": {"enabled": True}}) and bf16_states_apply({"bf16": {"enabled": "auto"}})
+    assert not bf16_states_apply({"fp16": {"enabled": True}}) and not bf16_states_apply({"bf16": {"enabled": False}})
+    assert not bf16_states_apply({"bfloat16": {"enabled": True}})
+    # an offloaded optimizer needs DeepSpeedCPUAdam built for bf16 states, which zerotune cannot build
+    assert not bf16_states_apply({"bf16": {"enabled": True},
+                                  "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+    assert bf16_states_apply({"bf16": {"enabled": True}, "zero_optimization": {"offload_optimizer": {"device": "none"}}})

@@ -53,6 +53,8 @@ ACRONYMS: dict[str, tuple[str, str]] = {
     "zero_optimization.offload_param.pin_memory": ("pinp", "bool"),
     "fp16.enabled": ("fp", "bool"),
     "bf16.enabled": ("bf", "bool"),
+    "bf16.bf16_master_weights_and_grads": ("mwbf", "bool"),
+    "bf16.bf16_optimizer_states": ("osbf", "bool"),
     "activation_checkpointing.partition_activations": ("pact", "bool"),
     "activation_checkpointing.cpu_checkpointing": ("cpuck", "bool"),
     "gradient_checkpointing": ("gck", "bool"),

@@ -47,6 +47,7 @@ class AutotuningConfig(BaseModel):
     arg_mappings: dict[str, str] | None = None
     variables: dict[str, Any] | None = None  # zerotune's: $VAR candidates (zerotune.inputs.variables)
     max_steps_arg: str | None = None  # zerotune's: the script's steps flag, raised for experiments (deepspeed.args)
+    allow_reduced_precision_states: bool = False  # zerotune's: the savers may try bf16 master weights and states
 
     @field_validator("results_dir", "exps_dir")
     @classmethod

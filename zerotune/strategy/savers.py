@@ -1,7 +1,7 @@
-"""The savers phase: activation checkpointing and offload, tried where memory binds a stage (D109).
+"""The savers phase: bf16 states, activation checkpointing and offload, tried where memory binds a stage (D109, D333).
 
-A saver (``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work
-for memory: it never makes a step faster at the same mbs and pays only through the larger mbs it lets fit. Once the
+A saver (bf16 master weights and optimizer states, opted into; ``gradient_checkpointing``; ``offload_optimizer``,
+ZeRO stages 1-3; ``offload_param``, stage 3) trades work or numerics for memory: it never makes a step faster at the same mbs and pays only through the larger mbs it lets fit. Once the
 stages are explored, `SaverPhase.run` visits the best stage where its best point is its largest runnable mbs below the
 largest allowed, and every stage with no run: each stage's savers (`savers_for`) cheapest first, by the rules of
 `SaverPhase._visit` (``--no-savers``: none). A visited saver is a `StageResult` with a ``saver``; the gas and knob
@@ -22,19 +22,25 @@ from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 from zerotune.strategy.variants import VariantEvaluate, VariantExplorer
 
-__all__ = ["SaverPhase", "savers_for"]
+__all__ = ["BF16_STATES", "SaverPhase", "bf16_states_apply", "savers_for"]
 
 logger = logging.getLogger(__name__)
 
 _CHECKPOINTING = {CHECKPOINTING: True}
+BF16_STATES = Saver("bf16 states", {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+"""Master weights, gradients and Adam's states in bf16 (DeepSpeed's ``bf16`` keys, ZeRO 1-3): up to 8 bytes per
+parameter less, no work added, and a numerics change only ``autotuning.allow_reduced_precision_states`` opts into."""
 
 
-def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True) -> list[Saver]:
-    """The memory savers of a ZeRO stage, cheapest first: checkpointing (where the job tunes it), offloading the
-    optimizer to the host (stages 1-3; not with ``host`` False, on CPU ranks, where the host is the rank), that with
-    checkpointing, offloading the parameters too (stage 3), and that with checkpointing; then, with ``nvme_path``, the
-    same offloads to NVMe (launched only where the host cannot hold what they move: `SaverPhase`)."""
-    out = [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
+def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True,
+               bf16_states: bool = False) -> list[Saver]:
+    """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3),
+    checkpointing (where the job tunes it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
+    on CPU ranks, where the host is the rank), that with checkpointing, offloading the parameters too (stage 3), and
+    that with checkpointing; then, with ``nvme_path``, the same offloads to NVMe (launched only where the host cannot
+    hold what they move: `SaverPhase`)."""
+    out = [BF16_STATES] if bf16_states and stage >= 1 else []
+    out += [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
         suffix = "" if device == "cpu" else " (nvme)"
@@ -46,6 +52,15 @@ def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, ho
             if checkpointing:
                 out.append(Saver(f"checkpointing + {name}{suffix}", {**_CHECKPOINTING, **settings}))
     return out
+
+
+def bf16_states_apply(user_config: dict) -> bool:
+    """Whether `BF16_STATES` can go on ``user_config``: its ``bf16`` section is enabled (the ``bfloat16`` alias and
+    fp16 are left alone) and it offloads no optimizer (DeepSpeed then asks for a CPU Adam built for bf16 states)."""
+    bf16, zero = user_config.get("bf16"), user_config.get(ZERO)
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    return (isinstance(bf16, dict) and bf16.get("enabled") in (True, "auto")
+            and not (isinstance(offload, dict) and offload.get("device") not in (None, "none")))
 
 
 class SaverPhase(VariantExplorer):
@@ -76,12 +91,34 @@ class SaverPhase(VariantExplorer):
             notes.append("memory savers (activation checkpointing, offload): not tried: memory binds no stage (the "
                          "best stage's best mbs is below its largest runnable one or at the largest allowed, and "
                          "every stage without a run was skipped by the stage rules)")
-        won = False
+        won, allowed = False, ev.job.autotuning.allow_reduced_precision_states
+        bf16 = bf16_states_apply(ev.job.user_config)
+        if bf16 and not allowed:
+            self._bf16_note([r for r in bound if r.stage >= 1])
         for plain in bound:
-            for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu):
+            for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu,
+                                    bf16_states=bf16 and allowed):
                 won = self._visit(plain, saver) or won
         if won:
             self.refine()
+
+    def _bf16_note(self, bound: list[StageResult]) -> None:
+        """Say where `BF16_STATES` would have let a larger mbs fit than the stage's own largest, by the memory model,
+        without trying it (not opted into)."""
+        ev, lo = self.ev, self.bounds.lo
+        for plain in bound:
+            try:
+                est = ev.result.memory.max_mbs(ev.builder.config(plain.stage, lo, BF16_STATES.settings),
+                                               ev.job.device_memory_bytes, cap=self.bounds.hi)
+            except ConfigError:
+                continue
+            own = largest_within(self.values, est) if est >= lo else None
+            if own is not None and own > largest_within(self.values, max(plain.estimate, lo - 1)):
+                ev.result.savers_notes.append(
+                    f"bf16 states (bf16_master_weights_and_grads, bf16_optimizer_states): not tried at ZeRO stage "
+                    f"{plain.stage}, where the memory model fits mbs={own} with them (without: "
+                    f"{plain.estimate if plain.estimate >= lo else 'none'}); they change the numerics: "
+                    f"autotuning.allow_reduced_precision_states: true lets zerotune try them")
 
     def _memory_bound(self, r: StageResult) -> bool:
         """Whether memory, not a plateau, limits stage ``r``: no run of it ran ok (pruned, out of memory), or it is
