@@ -5,9 +5,9 @@ tokens; the micro batch size and the rest come from ``--deepspeed_config``, as i
 there ``--report-throughput PATH`` has rank 0 write the wall-clock samples/s of the steps after ``--warmup-steps`` to
 PATH (JSON: ``samples_per_s``, ``seconds``, ``timed_steps`` and the batch), what ``benchmarks.compare_deepspeed``
 re-measures an answer with. The default size (4 layers of width 512, a 16,384-token vocabulary, 21M parameters,
-sequences of 128) steps in about a second on 2 CPU ranks. ``--long-seq-len L --long-every K`` mixes lengths: every
-K-th micro batch holds L tokens, the others ``--seq-len`` (the data a tuning's few steps may never show its longest
-batch from)::
+sequences of 128) steps in about a second on 2 CPU ranks; ``--arch llama`` builds a LLaMA instead (AutoTP shards
+it). ``--long-seq-len L --long-every K`` mixes lengths: every K-th micro batch holds L tokens, the others
+``--seq-len`` (the data a tuning's few steps may never show its longest batch from)::
 
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 benchmarks/train_hf_loop.py --steps 10 \\
         --deepspeed_config examples/ds_config.json
@@ -18,13 +18,16 @@ import time
 
 import deepspeed
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to train")
+    parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                        help="llama: a LlamaForCausalLM of the same width (intermediate 2x, as many KV heads as heads), "
+                             "which DeepSpeed's AutoTP shards (it refuses GPT-2)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--n-head", type=int, default=8)
@@ -45,10 +48,16 @@ def main() -> None:
 
     deepspeed.init_distributed()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                                       n_positions=max(args.seq_len, args.long_seq_len), vocab_size=args.vocab))
+    positions = max(args.seq_len, args.long_seq_len)
+    model = (GPT2LMHeadModel(GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                                        n_positions=positions, vocab_size=args.vocab)) if args.arch == "gpt2" else
+             LlamaForCausalLM(LlamaConfig(hidden_size=args.n_embd, intermediate_size=2 * args.n_embd,
+                                          num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
+                                          num_key_value_heads=args.n_head, max_position_embeddings=positions,
+                                          vocab_size=args.vocab)))
     engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-    generator = torch.Generator().manual_seed(engine.global_rank)
+    # the ranks of an AutoTP group see the same batch, the data-parallel ranks different ones
+    generator = torch.Generator().manual_seed(engine.global_rank // autotp_size(args.deepspeed_config))
     mbs = engine.train_micro_batch_size_per_gpu()
     micro = 0
     timed_from = time.perf_counter()
@@ -69,6 +78,15 @@ def main() -> None:
     if args.report_throughput is not None and engine.global_rank == 0:
         write_report(args.report_throughput, engine, time.perf_counter() - timed_from, args.steps - args.warmup_steps)
     torch.distributed.destroy_process_group()
+
+
+def autotp_size(config_path: str | None) -> int:
+    """The config's ``tensor_parallel.autotp_size`` (1 without one)."""
+    if not config_path:
+        return 1
+    with open(config_path) as f:
+        section = json.load(f).get("tensor_parallel") or {}
+    return max(1, int(section.get("autotp_size") or 1))
 
 
 def write_report(path: str, engine, seconds: float, steps: int) -> None:

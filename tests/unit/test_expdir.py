@@ -211,6 +211,16 @@ def test_finish_classifies_the_allocator_message_as_oom(tmp_path):
     assert (done.status, done.error, done.exit_code, done.metric) == (Status.OOM, ALLOCATOR_OOM, 1, None)
 
 
+def test_openmp_failing_to_map_a_thread_stack_is_oom_and_a_thread_limit_message_elsewhere_is_not(tmp_path):
+    # 2 CPU ranks under RLIMIT_DATA near their peak (D334): the rank's last words, after its step-1 line
+    gomp = "libgomp: Thread creation failed: Resource temporarily unavailable"
+    write(tmp_path / "stderr.log", f"step 1 loss 7.1687\n\n{gomp}\n")
+    done = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=1)
+    assert (done.status, done.error) == (Status.OOM, gomp)
+    write(tmp_path / "stderr.log", "warning: libgomp: Thread creation failed: Resource temporarily unavailable\n")
+    assert expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=1).status is Status.FAILED
+
+
 def test_finish_without_a_result_is_a_failure_with_the_last_error_line_or_a_timeout(tmp_path):
     write(tmp_path / "stderr.log", "Traceback (most recent call last):\nValueError: bad shape\n"
                                    "[launch.py:325:sigkill_handler] Killing subprocess 4242\n")

@@ -151,15 +151,26 @@ def test_autotp_at_stages_0_to_2_counts_every_rank_in_the_train_batch_size(tmp_p
     job = build(tmp_path, {"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": [1, 2]}})
     assert (job.stages, job.batch.dp_world_size) == ((1, 2), 2)
     assert ConfigBuilder(job).config(2, 2)["train_batch_size"] == 4
+    assert job.autotp_degrees == ()
+
+
+def test_a_list_of_autotp_degrees_builds_on_its_smallest_and_leaves_the_others_to_the_savers(tmp_path):
+    job = build(tmp_path, {"tensor_parallel": {"autotp_size": [2, 1, 2]}, "zero_optimization": {"stage": 1}})
+    assert job.autotp_degrees == (2,) and job.user_config["tensor_parallel"] == {"autotp_size": 1}
+    assert ConfigBuilder(job).config(1, 2)["tensor_parallel"] == {"autotp_size": 1}
 
 
 @pytest.mark.parametrize("config, message", [
     ({"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": [1, 3]}},
      r"'tensor_parallel.autotp_size' = 2 with ZeRO stage 3 among the candidates \[1, 3\]: DeepSpeed counts ranks / "
      r"autotp_size in train_batch_size at stage 3"),
-    ({"tensor_parallel": {"autotp_size": 4}}, r"'tensor_parallel.autotp_size' = 4 does not divide the 2 rank\(s\)"),
-    ({"tensor_parallel": {"autotp_size": [1, 2]}},
-     r"'tensor_parallel.autotp_size' = \[1, 2\]: expected a non-negative integer"),
+    ({"tensor_parallel": {"autotp_size": 4}}, r"'tensor_parallel.autotp_size' = 4: 4 does not divide the 2 rank\(s\)"),
+    ({"tensor_parallel": {"autotp_size": [1, 4]}},
+     r"'tensor_parallel.autotp_size' = \[1, 4\]: 4 does not divide the 2 rank\(s\)"),
+    ({"tensor_parallel": {"autotp_size": [1, 2]}, "zero_optimization": {"stage": "all"}},
+     r"'tensor_parallel.autotp_size' = \[1, 2\] with ZeRO stage 3 among the candidates \[0, 1, 2, 3\]"),
+    ({"tensor_parallel": {"autotp_size": [1, "2"]}},
+     r"'tensor_parallel.autotp_size' = \[1, '2'\]: expected a non-negative integer or a list of them"),
     ({"tensor_parallel": {"autotp_size": "$TP"}, "autotuning": {"variables": {"TP": [1, 2]}}},
      r"'tensor_parallel.autotp_size' = '\$TP': expected a non-negative integer")])
 def test_an_autotp_size_zerotune_cannot_tune_is_refused_naming_it(tmp_path, config, message):

@@ -23,9 +23,10 @@ PSI = 300_000_000  # fp32, Adam, 2 ranks, 8 GiB each: ZeRO-3 fits mbs 5, with th
 ACTIVATIONS = 256 * MiB  # with the parameters offloaded too 19 (MemoryModel, DeepSpeed's default buckets)
 
 
-def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, bf16: dict | None = None, **options) -> Job:
+def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, bf16: dict | None = None, extra: dict | None = None,
+             **options) -> Job:
     """``bf16``: the config's ``bf16`` section and ``autotuning.allow_reduced_precision_states`` (its key
-    ``"allow"``), else fp32."""
+    ``"allow"``), else fp32; ``extra``: top-level sections over the config's."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     config = tmp_path / "ds.json"
     bf16 = dict(bf16 or {})
@@ -34,7 +35,7 @@ def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, bf16: dict | 
                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                                   "zero_optimization": {"stage": 3}, **({"bf16": bf16} if bf16 else {}),
                                   "autotuning": {"enabled": True, "fast": True, **allow,
-                                                 "max_train_micro_batch_size_per_gpu": max_mbs}}))
+                                                 "max_train_micro_batch_size_per_gpu": max_mbs}, **(extra or {})}))
     return Job.build(str(tmp_path / "train.py"), ["--deepspeed_config", str(config)], select_resources(local_slots=2),
                      TuneOptions(device_memory_bytes=8 * GiB, results_dir=str(tmp_path / "results"), cpu=cpu,
                                  **options))
@@ -46,12 +47,14 @@ def saver_of(ds_config: dict) -> str:
     name = name or "+".join(f"{k}:nvme" for k in ("offload_optimizer", "offload_param")
                             if (zero.get(k) or {}).get("device") == "nvme")
     name = ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
+    tp = ds_config.get("tensor_parallel", {}).get("autotp_size", 1)
+    name = f"tp{tp}" + ("+" if name else "") + name if tp > 1 else name
     return "bf16 states" + ("+" if name else "") + name if ds_config.get("bf16", {}).get(
         "bf16_optimizer_states") else name
 
 
 def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
-         checkpointing: bool = False, bf16: dict | None = None, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+         checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
     estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ``checkpointing``: the
@@ -74,7 +77,7 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs
                 exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
         return exps
 
-    strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, bf16, **options), checkpointing=checkpointing),
+    strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, bf16, extra, **options), checkpointing=checkpointing),
                         evaluate)
     strategy.run()
     return ran, strategy
@@ -243,3 +246,21 @@ def test_bf16_states_go_only_on_an_enabled_bf16_section_without_an_offloaded_opt
     assert not bf16_states_apply({"bf16": {"enabled": True},
                                   "zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
     assert bf16_states_apply({"bf16": {"enabled": True}, "zero_optimization": {"offload_optimizer": {"device": "none"}}})
+
+
+TP_COSTS = {"": 0.0, "tp2": 0.2, "offload_optimizer": 3.0}
+
+
+def test_a_listed_autotp_degree_is_a_saver_of_stages_0_to_2_tried_where_memory_binds(tmp_path):
+    # fp32 ZeRO-1 on 2 ranks fits mbs 6; AutoTP 2 halves the parameters and what ZeRO-1 partitions over 2 / 2 ranks:
+    # mbs 11 fits, 2*11/2.3 = 9.565 samples/s beats 7.5, so it is searched and is the answer; offloading the
+    # optimizer fits 15 but costs 3 s a step (6.667): probed once and lost
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + TP_COSTS[saver],
+                         extra={"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": [1, 2]}})
+    assert ran[:3] == [(6, "", "ok"), (11, "tp2", "ok"), (15, "offload_optimizer", "ok")]
+    assert decisions(strategy) == [("ZeRO stage 1", "explored", 6), ("ZeRO stage 1 + autotp 2", "explored", 11),
+                                   ("ZeRO stage 1 + offload optimizer", "probed", 15)]
+    assert strategy.result.stages[1].reason == ("memory model: largest mbs 11 (without it: 6); probe at mbs=11 beat "
+                                                "the best (9.565 > 7.5, ZeRO stage 1)")
+    assert strategy.result.answer.name == "z1_gas1_tmbspg11_tp2"
+    assert [s.name for s in savers_for(3, False, autotp=(2,))] == ["offload optimizer", "offload optimizer+params"]

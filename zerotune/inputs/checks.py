@@ -47,26 +47,32 @@ def sequence_parallel_size(user: dict[str, Any], dp: int, source: str) -> int:
     return sp
 
 
-def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> None:
-    """A ``tensor_parallel.autotp_size`` t > 1 that zerotune can tune: t divides each experiment's ranks on a node
-    (AutoTP's groups), and no candidate stage is 3. At stages 0-2 DeepSpeed counts every rank in
-    ``train_batch_size``, at stage 3 ranks / t (D331): zerotune tunes AutoTP at stages 0-2. Read from the user's
-    config as written: a list or a ``$VAR`` placeholder of degrees is not searched."""
+def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> tuple[int, ...]:
+    """The ``tensor_parallel.autotp_size`` degrees to tune, ascending and unique (``()`` without the key): an integer,
+    or a non-empty list of them (the savers phase tries the larger ones, D334). Each t > 1 divides each experiment's
+    ranks on a node (AutoTP's groups), and no candidate stage is 3 then: at stages 0-2 DeepSpeed counts every rank in
+    ``train_batch_size``, at stage 3 ranks / t (D331). Read from the user's config as written.
+
+    Raises:
+        ConfigError: a ``$VAR`` placeholder, a value that is not a non-negative integer, a degree over 1 that does
+            not divide the ranks on a node, or one with ZeRO stage 3 among the candidates; naming the key.
+    """
     section = user.get("tensor_parallel")
-    tp = section.get("autotp_size", 0) if isinstance(section, dict) else 0
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 0:
-        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp!r}: expected a non-negative integer "
-                          f"(zerotune does not search a list of TP degrees)")
-    if tp <= 1:
-        return
-    if slots_per_node % tp:
-        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp} does not divide the {slots_per_node} "
-                          f"rank(s) each experiment runs on a node")
-    if 3 in stages:
-        raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {tp} with ZeRO stage 3 among the candidates "
-                          f"{list(stages)}: DeepSpeed counts ranks / autotp_size in train_batch_size at stage 3 and "
-                          f"every rank at stages 0-2; zerotune tunes AutoTP at stages 0-2 "
-                          f"(set zero_optimization.stage)")
+    value = section.get("autotp_size", 0) if isinstance(section, dict) else 0
+    listed = value if isinstance(value, list) and value else [value]
+    for tp in listed:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 0:
+            raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {value!r}: expected a non-negative integer "
+                              f"or a list of them")
+        if tp > 1 and slots_per_node % tp:
+            raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {value!r}: {tp} does not divide the "
+                              f"{slots_per_node} rank(s) each experiment runs on a node")
+        if tp > 1 and 3 in stages:
+            raise ConfigError(f"{source}: 'tensor_parallel.autotp_size' = {value!r} with ZeRO stage 3 among the "
+                              f"candidates {list(stages)}: DeepSpeed counts ranks / autotp_size in train_batch_size at "
+                              f"stage 3 and every rank at stages 0-2; zerotune tunes AutoTP at stages 0-2 "
+                              f"(set zero_optimization.stage)")
+    return tuple(sorted(set(listed))) if isinstance(section, dict) and "autotp_size" in section else ()
 
 
 MAX_TIMEOUT_S = 1e7

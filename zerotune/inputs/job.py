@@ -59,6 +59,7 @@ class Job:
         variables: the ``$VAR`` placeholders' candidates (`zerotune.inputs.variables`).
         notes: what zerotune accepted but does not act on, for the log (never silent).
         checkpointing: the savers phase may try activation checkpointing, through ``arg_mappings[CHECKPOINTING]``.
+        autotp_degrees: the AutoTP degrees the savers phase may try beyond the config's (a list's smallest), ascending.
         budget: `TuneOptions`' ``max_launches`` and ``max_device_hours``.
         launcher: the user's launcher (`zerotune.launchers`); config_source: where it carries the ds_config.
         The others (timeouts, hostfile, backend, host memory, savers...) are `TuneOptions`' own.
@@ -106,6 +107,7 @@ class Job:
     longest: LongestOptions = LongestOptions()
     launcher: Launcher = Launcher()
     config_source: str = ""
+    autotp_degrees: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -142,11 +144,13 @@ class Job:
         job_checks.check_options(options)
         job_checks.check_launcher(launcher, options, nodes)
         results_dir = Path(options.results_dir or at.results_dir)
+        stages = tuple(ds_file.stage_candidates(user, source=config_path))
+        autotp = job_checks.check_autotp(user, stages, slots_per_node, config_path)
+        if len(autotp) > 1:  # the smallest degree is every config's; the others are the savers phase's variants
+            user = {**user, "tensor_parallel": {**user["tensor_parallel"], "autotp_size": autotp[0]}}
         concrete = substitute(user, first_values(variables))
         check_sections(concrete, config_path)
         notes += job_checks.check_untunable(concrete, at, batch, min_mbs, config_path)
-        stages = tuple(ds_file.stage_candidates(user, source=config_path))
-        job_checks.check_autotp(user, stages, slots_per_node, config_path)
         host_memory = job_checks.host_memory_bytes(options, cpu, nodes)
         if cpu:
             local_slots = slots_per_node if options.backend == "local" and not options.hostfile else 0
@@ -163,6 +167,7 @@ class Job:
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
+                   autotp_degrees=autotp[1:],
                    savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None,
                    budget=LaunchBudget(options.max_launches, options.max_device_hours), longest=options.longest,

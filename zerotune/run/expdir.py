@@ -173,22 +173,24 @@ def output_bytes(exp_dir: Path) -> int:
 
 
 # The allocators' own out-of-memory errors (torch's CPU and CUDA allocators, other devices', NCCL's CUDA
-# calls, C++ ``new``, Python, the kernel's ENOMEM, ``dlopen`` under a memory limit), matched only in the
+# calls, C++ ``new``, Python, the kernel's ENOMEM, ``dlopen`` under a memory limit, OpenMP's thread stacks: glibc's
+# EAGAIN when a stack cannot be mapped, met under RLIMIT_DATA on CPU ranks, D334), matched only in the
 # exceptions the ranks raised (`_raised_errors`), never in other log lines: "read 4096 samples out of
 # memory-mapped shards" is a log line, and a FileNotFoundError after it is no OOM.
 OOM_PATTERNS = re.compile(
     r"DefaultCPUAllocator: can't allocate memory|(CUDA|HIP|XPU|MPS)( backend)? out of memory|"
     r"CUDA error: out of memory|Cuda failure '?out of memory|cudaErrorMemoryAllocation|"
-    r"(CUBLAS|CUDNN)_STATUS_ALLOC_FAILED|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|failed to map segment from shared object")
+    r"(CUBLAS|CUDNN)_STATUS_ALLOC_FAILED|std::bad_alloc|\bMemoryError\b|Cannot allocate memory|"
+    r"failed to map segment from shared object|^libgomp: Thread creation failed: Resource temporarily unavailable")
 # An exception's type that is itself an out-of-memory error (torch.OutOfMemoryError, torch.cuda.OutOfMemoryError,
 # c10::OutOfMemoryError, Python's MemoryError).
 _OOM_TYPE = re.compile(r"(^|[.:])(OutOfMemoryError|MemoryError)$")
 # A line stating a raised exception, as Python prints an uncaught one (``Type: message``, or ``Type`` alone,
 # unindented, after an optional ``[rank0]:`` prefix), or as C++ reports one (``terminate called after throwing an
-# instance of 'Type'``, then ``what():  message``), or as the interpreter reports a fatal error.
+# instance of 'Type'``, then ``what():  message``), or as the interpreter or OpenMP's runtime reports a fatal error.
 _RAISED = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))"
                      r"(?::\s.*)?|terminate called after throwing an "
-                     r"instance of '(?P<cxx>[^']+)'.*|\s*what\(\):\s+.*|(?P<fatal>Fatal Python error): .*)\s*$")
+                     r"instance of '(?P<cxx>[^']+)'.*|\s*what\(\):\s+.*|(?P<fatal>Fatal Python error|libgomp): .*)\s*$")
 # What the deepspeed launcher raises when a rank exited non-zero: a report of the failure, not its cause.
 _LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "CalledProcessError")
 

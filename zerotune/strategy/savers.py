@@ -1,15 +1,17 @@
-"""The savers phase: bf16 states, activation checkpointing and offload, tried where memory binds a stage (D109, D333).
+"""The savers phase: bf16 states, AutoTP, checkpointing and offload, tried where memory binds a stage (D109, D333-4).
 
-A saver (bf16 master weights and optimizer states, opted into; ``gradient_checkpointing``; ``offload_optimizer``,
-ZeRO stages 1-3; ``offload_param``, stage 3) trades work or numerics for memory: it never makes a step faster at the same mbs and pays only through the larger mbs it lets fit. Once the
-stages are explored, `SaverPhase.run` visits the best stage where its best point is its largest runnable mbs below the
-largest allowed, and every stage with no run: each stage's savers (`savers_for`) cheapest first, by the rules of
-`SaverPhase._visit` (``--no-savers``: none). A visited saver is a `StageResult` with a ``saver``; the gas and knob
-phases then run on the best stage with its saver.
+A saver (bf16 master weights and optimizer states, opted into; a listed AutoTP degree, stages 0-2;
+``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work,
+communication or numerics for memory: it is assumed never to make a step faster at the same mbs, and to pay only
+through the larger mbs it lets fit. Once the stages are explored, `SaverPhase.run` visits the best stage where its best
+point is its largest runnable mbs below the largest allowed, and every stage with no run: each stage's savers
+(`savers_for`) cheapest first, by the rules of `SaverPhase._visit` (``--no-savers``: none). A visited saver is a
+`StageResult` with a ``saver``; the gas and knob phases run on the best stage with its saver.
 """
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 from zerotune.core.errors import ConfigError
 from zerotune.core.experiment import Status
@@ -33,13 +35,15 @@ parameter less, no work added, and a numerics change only ``autotuning.allow_red
 
 
 def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True,
-               bf16_states: bool = False) -> list[Saver]:
-    """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3),
-    checkpointing (where the job tunes it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
+               bf16_states: bool = False, autotp: Sequence[int] = ()) -> list[Saver]:
+    """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3), AutoTP at
+    each degree of ``autotp`` (``tensor_parallel.autotp_size``, stages 0-2, D334), checkpointing (where the job tunes
+    it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
     on CPU ranks, where the host is the rank), that with checkpointing, offloading the parameters too (stage 3), and
     that with checkpointing; then, with ``nvme_path``, the same offloads to NVMe (launched only where the host cannot
     hold what they move: `SaverPhase`)."""
     out = [BF16_STATES] if bf16_states and stage >= 1 else []
+    out += [Saver(f"autotp {t}", {"tensor_parallel": {"autotp_size": t}}) for t in autotp if stage <= 2]
     out += [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -97,7 +101,7 @@ class SaverPhase(VariantExplorer):
             self._bf16_note([r for r in bound if r.stage >= 1])
         for plain in bound:
             for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu,
-                                    bf16_states=bf16 and allowed):
+                                    bf16_states=bf16 and allowed, autotp=ev.job.autotp_degrees):
                 won = self._visit(plain, saver) or won
         if won:
             self.refine()
