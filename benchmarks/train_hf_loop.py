@@ -26,8 +26,8 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps to train")
     parser.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
-                        help="llama: a LlamaForCausalLM of the same width (intermediate 2x, as many KV heads as heads), "
-                             "which DeepSpeed's AutoTP shards (it refuses GPT-2)")
+                        help="llama: a LlamaForCausalLM of the same width (intermediate 2x, as many KV heads as "
+                             "heads), which DeepSpeed's AutoTP shards (it refuses GPT-2)")
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=512)
     parser.add_argument("--n-head", type=int, default=8)

@@ -54,7 +54,8 @@ def saver_of(ds_config: dict) -> str:
 
 
 def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
-         checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+         checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None,
+         **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
     estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ``checkpointing``: the
