@@ -90,6 +90,15 @@ def test_tokens_per_second_sums_the_ranks_tokens_over_the_steady_steps_per_mean_
     assert measure(streams, OBJECTIVES["throughput"]).tokens_per_s is None
 
 
+def test_an_autotp_group_counts_its_batch_once_in_samples_and_tokens():
+    # AutoTP 2 on 2 ranks at ZeRO 1: DeepSpeed's train_batch_size 16 counts both ranks, which hold the same 8
+    # samples of 512 tokens (DeepSpeed checks their inputs are equal): 8 samples and 4,096 tokens a step
+    streams = {rank: [dict(line, autotp_size=2, tokens=4096) for line in TWO_RANKS[rank]] for rank in (0, 1)}
+    m = measure(streams, OBJECTIVES["throughput"])
+    assert m.value == 8 / m.mean_step_s and m.train_batch_size == 8
+    assert m.tokens_per_s == pytest.approx(4096 / 0.2125, abs=1e-9)
+
+
 def test_latency_is_the_mean_slowest_step_in_seconds():
     m = measure(TWO_RANKS, OBJECTIVES["latency"])
     assert m.value == m.mean_step_s == pytest.approx(0.2125, abs=1e-12)

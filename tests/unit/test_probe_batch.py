@@ -116,3 +116,15 @@ def test_the_wrapped_forward_pads_to_the_length_its_directory_names_at_the_first
     (tmp_path / "pad_seq_len.txt").unlink()  # read once: later forwards keep it
     assert forward(engine, input_ids=torch.zeros(2, 80, dtype=torch.int64)) == (2, 96)
     assert probe.state(engine)["seq_len"] == 96 and not probe.failed  # the record says what the model got
+
+
+def test_an_autotp_engine_writes_its_degree_and_a_plain_one_none(tmp_path):
+    probe = _Probe(str(tmp_path))
+    probe.first_forward = time.monotonic()
+    for rank, autotp in ((0, lambda: 2), (1, lambda: 1)):
+        engine = types.SimpleNamespace(global_rank=rank, train_batch_size=lambda: 8, autotp_size=autotp)
+        probe.record(engine, probe.state(engine))
+    engine = types.SimpleNamespace(global_rank=2, train_batch_size=lambda: 8)  # a DeepSpeed without AutoTP
+    probe.record(engine, probe.state(engine))
+    lines = [json.loads((tmp_path / f"probe.rank{r}.jsonl").read_text()) for r in (0, 1, 2)]
+    assert [ln.get("autotp_size") for ln in lines] == [2, None, None]

@@ -150,9 +150,10 @@ def _boundary_share(streams: Streams, steps: Sequence[int], mean_step_s: float) 
 
 def _tokens_per_step(streams: Streams, steps: Sequence[int]) -> float | None:
     """The mean over ``steps`` of the ranks' ``tokens`` summed, tokens; None when a step lacks it on a rank. Under
-    sequence parallelism each rank holds its share of a sample's tokens, so the sum counts each token once."""
-    per_rank = [{r.step: r.tokens for r in records if r.step is not None and r.tokens is not None}
-                for records in streams.values()]
+    sequence parallelism each rank holds its share of a sample's tokens, so the sum counts each token once; an AutoTP
+    group's ranks hold the same tokens, each counted over its ``autotp_size``."""
+    per_rank = [{r.step: r.tokens / (r.autotp_size or 1) for r in records
+                 if r.step is not None and r.tokens is not None} for records in streams.values()]
     if not steps or not per_rank or any(step not in tokens for tokens in per_rank for step in steps):
         return None
     return statistics.fmean(sum(tokens[step] for tokens in per_rank) for step in steps)
@@ -237,10 +238,12 @@ def _t_quantile(df: int) -> float:
 
 
 def _train_batch_size(streams: Streams, step: int) -> int | None:
+    """The samples of optimizer step ``step``: its record's ``train_batch_size`` over its ``autotp_size`` (an AutoTP
+    group's ranks hold one batch, and DeepSpeed counts each at ZeRO 0-2, D331)."""
     for rank in sorted(streams):
         for r in streams[rank]:
             if r.step == step and r.train_batch_size is not None:
-                return r.train_batch_size
+                return r.train_batch_size // (r.autotp_size or 1)
     return None
 
 

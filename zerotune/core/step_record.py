@@ -38,6 +38,8 @@ class StepRecord:
             ``peak_bytes`` is the largest ``VmData`` so far and ``rss_peak_bytes`` ``ru_maxrss``.
         base_bytes: on CUDA the allocated bytes just before the step's first forward (from step 2 on: the model
             states), bytes.
+        autotp_size: the engine's AutoTP degree t (None: 1). Its t ranks hold the same batch, and at ZeRO 0-2
+            ``train_batch_size`` counts each of them (D331), so a step's samples are ``train_batch_size / t``.
     """
 
     rank: int | None = None
@@ -55,6 +57,7 @@ class StepRecord:
     device_peak_bytes: int | None = None
     rss_peak_bytes: int | None = None
     base_bytes: int | None = None
+    autotp_size: int | None = None
 
     @property
     def peak(self) -> int | None:
@@ -95,7 +98,8 @@ class StepRecord:
                    train_batch_size=count("train_batch_size"), batch_samples=size("batch_samples"),
                    seq_len=size("seq_len"), tokens=size("tokens"), peak_bytes=count("peak_bytes"),
                    peak_reserved_bytes=count("peak_reserved_bytes"), device_peak_bytes=count("device_peak_bytes"),
-                   rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"))
+                   rss_peak_bytes=count("rss_peak_bytes"), base_bytes=count("base_bytes"),
+                   autotp_size=size("autotp_size"))
 
 
 def _finite(value: Any) -> bool:

@@ -65,7 +65,8 @@ class _Probe:
         samples per optimizer step; ``batch_samples``, ``seq_len``: the most samples a micro batch held and its longest
         token sequence, ``tokens`` the samples times the sequence length summed over its forwards (`.batch`; null where
         unknown); ``peak_bytes`` and the peaks beside it (`.peak._peaks`);
-        ``base_bytes``, on CUDA the allocated bytes before the step's first forward (`.engine._note_base`).
+        ``base_bytes``, on CUDA the allocated bytes before the step's first forward (`.engine._note_base`);
+        ``autotp_size``, the engine's AutoTP degree where over 1 (its ranks hold the same batch).
         """
         import time
         t = time.monotonic()
@@ -75,6 +76,9 @@ class _Probe:
                 "boundary_s": state["boundary"], "micro_steps": state["micro"],
                 "train_batch_size": int(engine.train_batch_size()), "batch_samples": state["batch_samples"],
                 "seq_len": state["seq_len"], "tokens": state["tokens"] if (state["tokens"] or 0) > 0 else None}
+        tp = _autotp_size(engine)
+        if tp > 1:
+            line["autotp_size"] = tp
         line.update(_peaks(engine))
         if state.get("base") is not None:
             line["base_bytes"] = state["base"]
@@ -152,3 +156,12 @@ def _write_record(path: str, make_record, what: str) -> None:
 def _rank(engine) -> int:
     rank = getattr(engine, "global_rank", None)
     return int(rank) if rank is not None else int(os.environ.get("RANK", "0"))
+
+
+def _autotp_size(engine) -> int:
+    """The engine's ``tensor_parallel.autotp_size`` (1 without AutoTP or on a DeepSpeed without it)."""
+    try:
+        tp = engine.autotp_size()
+        return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1
+    except Exception:  # noqa: BLE001 - the probe never breaks training
+        return 1
