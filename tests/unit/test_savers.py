@@ -265,3 +265,23 @@ def test_a_listed_autotp_degree_is_a_saver_of_stages_0_to_2_tried_where_memory_b
                                                 "the best (9.565 > 7.5, ZeRO stage 1)")
     assert strategy.result.answer.name == "z1_gas1_tmbspg11_tp2"
     assert [s.name for s in savers_for(3, False, autotp=(2,))] == ["offload optimizer", "offload optimizer+params"]
+
+
+def test_bf16_states_opted_into_are_probed_at_the_best_mbs_where_memory_binds_nothing(tmp_path):
+    # ZeRO-3 fits mbs 14 and the config allows 4: memory binds no stage, yet bf16 states make the optimizer step
+    # cheaper (here 0.2 s less a step): one probe at the best mbs, 8/1.2 = 6.667 > 8/1.4 = 5.714 samples/s, wins
+    costs = {"": 0.0, "bf16 states": -0.2}
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + costs[saver], max_mbs=4,
+                         bf16={"enabled": True, "allow": True})
+    assert ran[:2] == [(4, "", "ok"), (4, "bf16 states", "ok")]
+    assert decisions(strategy)[1] == ("ZeRO stage 3 + bf16 states", "explored", 4)  # capped at the largest allowed
+    assert strategy.result.stages[1].reason == (
+        "memory binds no stage; a faster optimizer step: probed at the best mbs=4 (memory model: largest mbs 4); "
+        "beat the best (6.667 > 5.714)")
+    assert strategy.result.answer.name == "z3_gas1_tmbspg4_bf1_mwbf1_osbf1"
+    # where they are no faster, the one probe loses and the answer stays
+    ran, strategy = tune(tmp_path / "same", lambda mbs, saver: 1 + 0.1 * mbs, max_mbs=4,
+                         bf16={"enabled": True, "allow": True})
+    assert [(label, d) for label, d, _ in decisions(strategy)] == [("ZeRO stage 3", "explored"),
+                                                                   ("ZeRO stage 3 + bf16 states", "probed")]
+    assert strategy.result.answer.name == "z3_gas1_tmbspg4_bf1"

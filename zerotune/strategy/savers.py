@@ -37,13 +37,17 @@ parameter less, no work added, and a numerics change only ``autotuning.allow_red
 def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True,
                bf16_states: bool = False, autotp: Sequence[int] = ()) -> list[Saver]:
     """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3), AutoTP at
-    each degree of ``autotp`` (``tensor_parallel.autotp_size``, stages 0-2, D334), checkpointing (where the job tunes
-    it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
+    each degree of ``autotp`` (``tensor_parallel.autotp_size``, stages 0-2, D334) and that with bf16 states,
+    checkpointing (where the job tunes it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
     on CPU ranks, where the host is the rank), that with checkpointing, offloading the parameters too (stage 3), and
     that with checkpointing; then, with ``nvme_path``, the same offloads to NVMe (launched only where the host cannot
     hold what they move: `SaverPhase`)."""
     out = [BF16_STATES] if bf16_states and stage >= 1 else []
-    out += [Saver(f"autotp {t}", {"tensor_parallel": {"autotp_size": t}}) for t in autotp if stage <= 2]
+    for t in autotp if stage <= 2 else ():
+        out.append(Saver(f"autotp {t}", {"tensor_parallel": {"autotp_size": t}}))
+        if bf16_states and stage >= 1:
+            out.append(Saver(f"autotp {t} + bf16 states", {"tensor_parallel": {"autotp_size": t},
+                                                          **BF16_STATES.settings}))
     out += [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -65,6 +69,11 @@ def bf16_states_apply(user_config: dict) -> bool:
     offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
     return (isinstance(bf16, dict) and bf16.get("enabled") in (True, "auto")
             and not (isinstance(offload, dict) and offload.get("device") not in (None, "none")))
+
+
+def _autotp(saver: Saver | None) -> int | None:
+    """The AutoTP degree ``saver`` sets (None: it sets none, the config's own)."""
+    return saver.settings.get("tensor_parallel", {}).get("autotp_size") if saver is not None else None
 
 
 class SaverPhase(VariantExplorer):
@@ -99,6 +108,9 @@ class SaverPhase(VariantExplorer):
         bf16 = bf16_states_apply(ev.job.user_config)
         if bf16 and not allowed:
             self._bf16_note([r for r in bound if r.stage >= 1])
+        top = self.best.result if self.best is not None else None
+        if bf16 and allowed and top is not None and top not in bound and top.stage >= 1 and top.saver is None:
+            won = self._states_at_best(top)
         for plain in bound:
             for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu,
                                     bf16_states=bf16 and allowed, autotp=ev.job.autotp_degrees):
@@ -123,6 +135,34 @@ class SaverPhase(VariantExplorer):
                     f"{plain.stage}, where the memory model fits mbs={own} with them (without: "
                     f"{plain.estimate if plain.estimate >= lo else 'none'}); they change the numerics: "
                     f"autotuning.allow_reduced_precision_states: true lets zerotune try them")
+
+    def _states_at_best(self, plain: StageResult) -> bool:
+        """`BF16_STATES` on the best stage where memory does not bind it: they also halve the optimizer step's bytes,
+        so they are probed at the best mbs and searched if they win (one launch where they do not); True when
+        they became the best."""
+        ev, mbs = self.ev, self.best.point.mbs
+        try:
+            config = ev.builder.config(plain.stage, mbs, BF16_STATES.settings)
+        except ConfigError as e:
+            logger.info(f"savers: ZeRO stage {plain.stage} + {BF16_STATES.name}: not valid here ({e})")
+            return False
+        est = ev.result.memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.bounds.hi)
+        result = StageResult(plain.stage, None, "", estimate=est, saver=BF16_STATES)
+        ev.result.stages.append(result)
+        lead = f"memory binds no stage; a faster optimizer step: probed at the best mbs={mbs} (memory model: " \
+               f"largest mbs {est}); "
+        probe = self.probe(result, mbs)
+        if probe.status is Status.SKIPPED:
+            self.skip(result, mbs, lead)
+            return self._logged(result)
+        if probe.status is not Status.OK or not self.beats(probe):
+            self.lose(result, probe, mbs, lead, f", not better than {self.best.result.label}'s "
+                                                f"{self.best.point.metric:.4g} at mbs={mbs}")
+            return self._logged(result)
+        result.reason = f"{lead}beat the best ({probe.metric:.4g} > {self.best.point.metric:.4g})"
+        won = self.search(result, self.bounds.hi)
+        self._logged(result)
+        return won
 
     def _memory_bound(self, r: StageResult) -> bool:
         """Whether memory, not a plateau, limits stage ``r``: no run of it ran ok (pruned, out of memory), or it is
@@ -163,21 +203,22 @@ class SaverPhase(VariantExplorer):
             result.reason = (f"memory model: mbs={lo} does not fit" if host_ok else
                              "memory model: the host memory cannot hold what it offloads")
             return self._logged(result)
-        own = largest_within(self.values, est)
-        reach = self._reach(stage)
+        own, tp = largest_within(self.values, est), _autotp(saver)
+        reach = self._reach(stage, tp)
         if own <= reach:
             result.decision = StageDecision.SKIPPED
             result.reason = (f"{predicted}: no larger than mbs={reach}, which already ran; a saver adds work per "
                              f"sample and pays only through a larger micro-batch")
             return self._logged(result)
         cheaper = [r for r in ev.result.stages if r.stage == stage and r.saver is not None and r is not result
-                   and r.decision is not StageDecision.PRUNED and largest_within(self.values, r.estimate) >= own]
+                   and r.decision is not StageDecision.PRUNED and largest_within(self.values, r.estimate) >= own
+                   and _autotp(r.saver) == tp]
         if cheaper:
             result.decision = StageDecision.SKIPPED
             result.reason = (f"{predicted}: no larger than {cheaper[0].saver.name}'s mbs="
                              f"{largest_within(self.values, cheaper[0].estimate)}, which costs less")
             return self._logged(result)
-        cannot = self._bounded(plain, own)
+        cannot = self._bounded(plain, own) if tp is None else None  # AutoTP changes the work per sample
         if cannot is not None:
             result.decision, result.reason = StageDecision.SKIPPED, f"{predicted}; {cannot}"
             return self._logged(result)
@@ -205,10 +246,12 @@ class SaverPhase(VariantExplorer):
         self._logged(result)
         return won
 
-    def _reach(self, stage: int) -> int:
-        """The largest mbs that ran ok in the best variant or in any variant of ``stage`` (``lo - 1``: none)."""
+    def _reach(self, stage: int, tp: int | None = None) -> int:
+        """The largest mbs that ran ok in the best variant or in any variant of ``stage`` (``lo - 1``: none), among
+        those of AutoTP degree ``tp`` (None: the config's own): an mbs holds other samples per step at another."""
         runs = [p.mbs for r in self.ev.result.stages
-                if (self.best is not None and r is self.best.result) or r.stage == stage for p in r.trace.ok_points]
+                if ((self.best is not None and r is self.best.result) or r.stage == stage) and _autotp(r.saver) == tp
+                for p in r.trace.ok_points]
         return max(runs, default=self.bounds.lo - 1)
 
     def _bounded(self, plain: StageResult, mbs: int) -> str | None:
