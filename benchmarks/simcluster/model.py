@@ -22,7 +22,11 @@ ZeRO stage  fp16 parameters            gradients                         optimiz
 ==========  =========================  ================================  =============  =====================
 
 (rbs = ``reduce_bucket_size``, live = ``stage3_max_live_parameters``; ``offload_optimizer`` removes
-the optimizer states and the fp32 gradient partition, ``offload_param`` the stage-3 partition.)
+the optimizer states and the fp32 gradient partition, ``offload_param`` the stage-3 partition; bf16 master
+weights and states make K 6 and the gradient partition 2Ψ/N; AutoTP t, stages 0-2, puts Ψ/t on a rank,
+partitioned over N/t, and divides the layers' FLOPs and most of their activations by t, for four
+activation-sized all-reduces per layer and micro-step on NVLink, six with checkpointing:
+:meth:`Simulator.tp_all_reduce_s`; its t ranks hold one batch.)
 Activations per sample follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s·(11h + 3h + 4·ffn)``
 bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
@@ -242,9 +246,28 @@ class Transformer:
     @property
     def layer_activation_bytes(self) -> int:
         """Activations one layer saves for backward, one sample (Korthikanti et al., flash attention)."""
+        return self.tp_layer_activation_bytes(1)
+
+    def tp_layer_activation_bytes(self, tp: int) -> int:
+        """`layer_activation_bytes` on a rank of a tensor-parallel group of ``tp``: the layer norms' inputs,
+        the dropout masks and the attention input (``10·s·h``) whole, the rest over ``tp`` (Korthikanti et al.
+        2022, sec. 4.2, without sequence parallelism)."""
         s, h = self.seq_len, self.hidden
         ffn_terms = 6 if self.gated_mlp else 4
-        return s * (11 * h + 3 * h + ffn_terms * self.ffn_hidden)
+        return int(s * (10 * h + (4 * h + ffn_terms * self.ffn_hidden) / tp))
+
+    def tp_peak_activation_bytes(self, tp: int) -> int:
+        """`peak_activation_bytes` on a rank of a tensor-parallel group of ``tp`` (the logits whole)."""
+        layer = self.tp_layer_activation_bytes(tp)
+        if self.activation_checkpointing:
+            return self.num_layers * 2 * self.seq_len * self.hidden + self.logits_bytes + layer
+        return self.num_layers * layer + self.logits_bytes
+
+    def tp_flops_per_sample(self, tp: int) -> float:
+        """`flops_per_sample` on a rank of a tensor-parallel group of ``tp``: the layers' over ``tp``, the
+        logits' whole (AutoTP keeps the output embedding on every rank)."""
+        logits = 6 * self.seq_len * self.vocab * self.hidden
+        return (self.flops_per_sample - logits) / tp + logits
 
     @property
     def logits_bytes(self) -> int:
@@ -280,6 +303,8 @@ class ZeroSettings:
     max_live_parameters: int
     offload_optimizer: bool
     offload_param: bool
+    tp: int = 1  # tensor_parallel.autotp_size (stages 0-2)
+    bf16_states: bool = False  # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3)
 
     @classmethod
     def from_config(cls, ds_config: dict[str, Any]) -> "ZeroSettings":
@@ -291,6 +316,8 @@ class ZeroSettings:
             return isinstance(sec, dict) and str(sec.get("device", "none")).lower() in ("cpu", "nvme")
 
         overlap = zero.get("overlap_comm")
+        bf16 = ds_config.get("bf16") or {}
+        tp = int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
         return cls(
             stage=stage,
             mbs=int(ds_config.get("train_micro_batch_size_per_gpu", 1)),
@@ -304,11 +331,16 @@ class ZeroSettings:
             max_live_parameters=int(float(zero.get("stage3_max_live_parameters", DEFAULT_MAX_LIVE))),
             offload_optimizer=stage >= 1 and offloaded("offload_optimizer"),
             offload_param=stage == 3 and offloaded("offload_param"),
+            tp=tp if stage <= 2 else 1,
+            bf16_states=stage >= 1 and bool(bf16.get("bf16_master_weights_and_grads"))
+            and bool(bf16.get("bf16_optimizer_states")),
         )
 
     def key(self) -> str:
-        """What identifies the config for the simulator (and seeds its noise)."""
-        return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()))
+        """What identifies the config for the simulator (and seeds its noise); a setting at its default (no AutoTP,
+        no bf16 states) is left out, so a config without them draws the noise it drew before they were modelled."""
+        defaults = {"tp": 1, "bf16_states": False}
+        return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()) if defaults.get(k, object()) != v)
 
 
 @dataclass(frozen=True)
@@ -348,6 +380,7 @@ class StepBreakdown:
     num_gpus: int
     latency_s: float
     probed_boundary_s: float = 0.0  # once per step, as the step probe times it (boundary_s), times noise
+    tp: int = 1  # AutoTP degree: DeepSpeed's train_batch_size counts samples x tp at ZeRO 0-2 (D331)
 
     @property
     def throughput(self) -> float:
@@ -380,16 +413,21 @@ def model_state_bytes(z: ZeroSettings, psi: int, n: int) -> tuple[float, float, 
 
     The ZeRO paper's ``2Ψ + 2Ψ + 12Ψ`` partitioned by stage, with DeepSpeed's fp32 gradient
     partition (``4Ψ/N``, stages 1-3) and stage 3's gathered live parameters
-    (``2·min(Ψ, stage3_max_live_parameters)``); offload removes what it moves to the host.
+    (``2·min(Ψ, stage3_max_live_parameters)``); offload removes what it moves to the host. AutoTP t:
+    each rank holds Ψ/t (every weight sharded, Megatron's layout: Shoeybi et al. 2019) and ZeRO
+    partitions that over the DP world N/t. bf16 master weights and states: 6 bytes a parameter
+    (master, Adam's two moments) instead of 12, and a 2-byte gradient partition instead of 4.
     """
+    psi, n = psi / z.tp, n / z.tp
+    k, g = (6, 2) if z.bf16_states else (12, 4)
     if z.stage == 0:
         return 2 * psi, 2 * psi, 12 * psi
     if z.stage < 3:
         params = 2 * psi
     else:
         params = (0 if z.offload_param else 2 * psi / n) + 2 * min(psi, z.max_live_parameters)
-    grads = (2 * psi if z.stage == 1 else 2 * psi / n) + (0 if z.offload_optimizer else 4 * psi / n)
-    optim = 0 if z.offload_optimizer else 12 * psi / n
+    grads = (2 * psi if z.stage == 1 else 2 * psi / n) + (0 if z.offload_optimizer else g * psi / n)
+    optim = 0 if z.offload_optimizer else k * psi / n
     return params, grads, optim
 
 
@@ -423,14 +461,14 @@ class Simulator:
         psi, n = self.model.num_params, self.cluster.num_gpus
         params, grads, optim = model_state_bytes(z, psi, n)
         if z.stage == 0:
-            buffers = 2 * min(psi, STAGE0_ALLREDUCE_ELEMENTS)
+            buffers = 2 * min(psi // z.tp, STAGE0_ALLREDUCE_ELEMENTS)
         elif not z.contiguous_gradients:
             buffers = 0
         elif z.stage == 3:
             buffers = 2 * z.reduce_bucket_size
         else:
             buffers = 2 * z.reduce_bucket_size * (2 if z.overlap_comm else 1)
-        activations = self.model.peak_activation_bytes * z.mbs
+        activations = self.model.tp_peak_activation_bytes(z.tp) * z.mbs
         frag = FRAGMENTATION * (activations + buffers)
         return MemoryBreakdown(int(params), int(grads), int(optim), int(buffers), int(activations),
                                int(self.cluster.context_bytes), int(frag))
@@ -460,17 +498,31 @@ class Simulator:
         return self.memory(ds_config).total <= self.cluster.device.memory_bytes
 
     # -- time -----------------------------------------------------------------------------------
-    def compute_s(self, mbs: int) -> float:
-        """Seconds of forward + backward compute of one micro-step, no memory pressure."""
+    def compute_s(self, mbs: int, tp: int = 1) -> float:
+        """Seconds of forward + backward compute of one micro-step, no memory pressure (on a rank of a
+        tensor-parallel group of ``tp``: its share of the FLOPs, with the efficiency of its narrower matrices)."""
         m, d = self.model, self.cluster.device
         tokens = mbs * m.seq_len
-        eff = d.mfu_max * m.hidden / (m.hidden + 640) * tokens / (tokens + 1024)
-        return mbs * m.flops_per_sample / (d.peak_flops * eff) + m.num_layers * 0.25e-3
+        width = m.hidden / tp
+        eff = d.mfu_max * width / (width + 640) * tokens / (tokens + 1024)
+        return mbs * m.tp_flops_per_sample(tp) / (d.peak_flops * eff) + m.num_layers * 0.25e-3
 
-    def _collective_s(self, nbytes: float, calls: int, all_reduce: bool = False) -> float:
-        """One ring reduce-scatter or all-gather (all-reduce: twice the volume) of ``nbytes``."""
+    def tp_all_reduce_s(self, mbs: int, tp: int) -> float:
+        """Seconds of one micro-step's tensor-parallel all-reduces (Shoeybi et al. 2019, sec. 3): two per layer in
+        the forward, two in the backward (two more with checkpointing, the recomputed forward's), each of the
+        layer's output, ``2·mbs·s·h`` bytes, as a ring over ``tp`` ranks on NVLink; never overlapped."""
+        if tp == 1:
+            return 0.0
+        m, c = self.model, self.cluster
+        count = (6 if m.activation_checkpointing else 4) * m.num_layers
+        volume = 2 * (tp - 1) / tp * 2 * mbs * m.seq_len * m.hidden
+        return count * (volume / c.device.nvlink_bytes_per_s + 2 * c.intra_latency_s * math.log2(tp))
+
+    def _collective_s(self, nbytes: float, calls: int, all_reduce: bool = False, ranks: int | None = None) -> float:
+        """One ring reduce-scatter or all-gather (all-reduce: twice the volume) of ``nbytes`` over ``ranks``
+        (default: every GPU)."""
         c = self.cluster
-        n = c.num_gpus
+        n = ranks or c.num_gpus
         if n == 1:
             return 0.0
         volume = (2 if all_reduce else 1) * (n - 1) / n * nbytes
@@ -486,11 +538,12 @@ class Simulator:
         (a run's factor; 1.0: the noise-free ground truth)."""
         z = ZeroSettings.from_config(ds_config)
         m, c = self.model, self.cluster
-        psi, n, L = m.num_params, c.num_gpus, m.num_layers
+        n, L, dp = c.num_gpus, m.num_layers, c.num_gpus // z.tp
+        psi = m.num_params // z.tp  # a rank's shard; ZeRO reduces it over the DP world
         mem = self.memory(ds_config)
         frac = mem.total / c.device.memory_bytes
         pressure = 1 + PRESSURE_MAX_SLOWDOWN * (max(0.0, min(frac, 1.0) - PRESSURE_START) / (1 - PRESSURE_START)) ** 2
-        compute = self.compute_s(z.mbs) * pressure
+        compute = self.compute_s(z.mbs, z.tp) * pressure
         if z.stage == 3:
             compute += L * 0.2e-3  # ZeRO-3 per-module pre/post hooks (host side)
         bwd_share = 3 / 4 if m.activation_checkpointing else 2 / 3
@@ -498,11 +551,12 @@ class Simulator:
 
         grad_bytes = 2 * psi
         rs_calls = math.ceil(psi / z.reduce_bucket_size)
-        reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter)
+        reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter, ranks=dp)
         last_bucket = z.reduce_bucket_size / psi
-        micro = boundary = hooks = 0.0
+        micro, boundary, hooks = self.tp_all_reduce_s(z.mbs, z.tp), 0.0, 0.0
         if z.stage == 0:
-            boundary = self._collective_s(grad_bytes, math.ceil(psi / STAGE0_ALLREDUCE_ELEMENTS), all_reduce=True)
+            boundary = self._collective_s(grad_bytes, math.ceil(psi / STAGE0_ALLREDUCE_ELEMENTS), all_reduce=True,
+                                          ranks=dp)
         elif z.stage in (1, 2):
             exposed = self._exposed(reduce, bwd_window, last_bucket) if z.overlap_comm else reduce
             if z.stage == 1:
@@ -510,7 +564,7 @@ class Simulator:
                 hooks = exposed if z.overlap_comm else 0.0  # in the backward's gradient hooks: not probed
             else:
                 micro += exposed
-            boundary += self._collective_s(2 * psi, math.ceil(psi / z.allgather_bucket_size))
+            boundary += self._collective_s(2 * psi, math.ceil(psi / z.allgather_bucket_size), ranks=dp)
         else:
             fetch_calls = max(math.ceil(psi / z.prefetch_bucket_size), 4 * L)
             gather = self._collective_s(2 * psi, fetch_calls)
@@ -523,17 +577,19 @@ class Simulator:
             if z.offload_param:
                 micro += 2 * 2 * psi / n / c.pcie_bytes_per_s
 
-        local = psi if z.stage == 0 else psi / n
+        local = psi if z.stage == 0 else psi / dp
         if z.offload_optimizer:
             optimizer = local / c.cpu_adam_params_per_s + 6 * local / c.pcie_bytes_per_s
         else:
-            optimizer = local * ADAM_HBM_BYTES_PER_PARAM / c.device.hbm_bytes_per_s
+            adam = ADAM_HBM_BYTES_PER_PARAM // (2 if z.bf16_states else 1)  # bf16 master and moments: half the traffic
+            optimizer = local * adam / c.device.hbm_bytes_per_s
 
         latency = z.gas * (compute + micro) + boundary + optimizer
         return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,
                              optimizer_s=optimizer, pressure=pressure, noise=noise,
-                             samples=z.mbs * z.gas * n, flops_per_sample=m.flops_per_sample, num_gpus=n,
-                             latency_s=latency * noise, probed_boundary_s=(boundary - hooks + optimizer) * noise)
+                             samples=z.mbs * z.gas * dp, flops_per_sample=m.flops_per_sample, num_gpus=n,
+                             latency_s=latency * noise, probed_boundary_s=(boundary - hooks + optimizer) * noise,
+                             tp=z.tp)
 
     def rng(self, ds_config: dict[str, Any]) -> random.Random:
         """The noise of the next run of ``ds_config``: seeded by scenario, resolved config and how
@@ -567,7 +623,8 @@ class Simulator:
                     t += step_s
                     records.append({"rank": rank, "step": i, "t": t, "step_s": step_s,
                                     "boundary_s": step.probed_boundary_s * jitter, "micro_steps": gas,
-                                    "train_batch_size": step.samples, "peak_bytes": peak_bytes})
+                                    "train_batch_size": step.samples * step.tp, "peak_bytes": peak_bytes,
+                                    **({"autotp_size": step.tp} if step.tp > 1 else {})})
         return out
 
     def throughput(self, ds_config: dict[str, Any]) -> float | None:
@@ -613,7 +670,7 @@ class Simulator:
         step = outcome.step
         window = [r["step_s"] for r in outcome.streams[0] if self.start_profile_step <= r["step"] <= self.end_profile_step]
         latency = sum(window) / len(window) if window else step.latency_s
-        return {"latency": latency * 1e6, "throughput": step.samples / latency,
+        return {"latency": latency * 1e6, "throughput": step.samples * step.tp / latency,
                 "FLOPS_per_gpu": step.flops_per_sample * step.samples / step.num_gpus / latency}
 
     def model_info(self, mbs: int = 1) -> dict[str, int]:

@@ -124,3 +124,35 @@ def test_deepspeed_autotuner_runs_on_the_simulator(tmp_path):
     # DeepSpeed reports one run's noisy figure (1% noise): 60.28 samples/s against 60.07 noise-free
     assert reported == pytest.approx(60.27661789514326) and sim.step(chosen).throughput == pytest.approx(60.06810917803698)
     assert "total_memory" not in vars(get_accelerator())  # the memory patch is undone
+
+
+def test_autotp_shards_the_model_states_over_its_degree_and_bf16_states_halve_the_optimizers():
+    # Psi = 7.5B on N = 64: AutoTP 4 puts 1.875B on a rank, partitioned over 16 DP ranks at ZeRO-1
+    psi, n = 7_500_000_000, 64
+    tp4 = ZeroSettings.from_config({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}})
+    assert model_state_bytes(tp4, psi, n) == (3.75e9, 3.75e9 + 4 * 1.875e9 / 16, 12 * 1.875e9 / 16)
+    states = ZeroSettings.from_config({"zero_optimization": {"stage": 2},
+                                       "bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}})
+    assert model_state_bytes(states, psi, n) == (15e9, 2 * psi / n + 2 * psi / n, 6 * psi / n)
+    # ZeRO-3 takes no AutoTP (zerotune refuses the pair), stage 0 no bf16 states (DeepSpeed refuses them)
+    assert ZeroSettings.from_config({"zero_optimization": {"stage": 3}, "tensor_parallel": {"autotp_size": 2}}).tp == 1
+
+
+def test_an_autotp_step_counts_its_batch_once_and_its_probe_says_so():
+    sim = Simulator(GPT_1_3B, ONE_NODE)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+           "tensor_parallel": {"autotp_size": 2}}
+    step = sim.step(cfg)
+    assert (step.samples, step.tp) == (4 * 8 // 2, 2)
+    assert step.exposed_comm_micro_s >= sim.tp_all_reduce_s(4, 2) > 0
+    outcome = sim.run(cfg)
+    records = outcome.streams[0]
+    assert {(r["train_batch_size"], r["autotp_size"]) for r in records} == {(32, 2)}
+    assert sim.metrics(outcome)["throughput"] == pytest.approx(2 * step.samples / sim.metrics(outcome)["latency"] * 1e6)
+
+
+def test_zerotune_reaches_the_simulated_optimum_of_autotp_2_with_bf16_states(tmp_path):
+    from benchmarks.simulated_dimensions import SCENARIOS, run_scenario
+    row = run_scenario(*SCENARIOS[0], str(tmp_path))  # GPT-13B on 4 nodes of 8 A100-40GB, one 100G NIC each
+    assert (row["zerotune"], row["optimum"]) == ("z2/mbs12/gas2/tp2/bf16 states", "z2/mbs12/gas2/tp2/bf16 states")
+    assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (24, 2)

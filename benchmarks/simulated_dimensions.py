@@ -1,0 +1,123 @@
+"""SIMULATED: zerotune's AutoTP degrees and bf16 states against the exhaustive optimum (issue 54).
+
+Nothing here runs on a GPU. Each scenario is a model on a SIMULATED cluster (``benchmarks/simcluster/model.py``,
+extended with AutoTP's sharding, activations and per-layer all-reduces and bf16 master weights and states). The user's
+config lists ``tensor_parallel.autotp_size`` [1, 2, 4], sets ``bf16`` with ``autotuning.allow_reduced_precision_states``
+and ZeRO stages [0, 1, 2] (zerotune tunes AutoTP at stages 0-2, D331). The optimum is exhaustive over that space
+(stage x degree x bf16 states x mbs 1..1024, gas 1; zerotune's pick where it is better, at gas > 1). Per
+scenario: zerotune's pick as a fraction of the optimum's noise-free samples/s, its launches, and the ideal's: the
+profile plus one run per variant (stage, degree, states) whose best is within the noise level of the optimum (as
+``benchmarks/simulated_cluster.py``'s ideal, D28).
+
+Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_dimensions`` (seconds).
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from rich.console import Console  # noqa: E402
+
+from benchmarks.simcluster import scenarios as sc  # noqa: E402
+from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
+from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings  # noqa: E402
+from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
+from zerotune.run.resources import select_resources  # noqa: E402
+
+MAX_MBS = 1024
+DEGREES = [1, 2, 4]
+SCENARIOS = [("GPT-13B 32xA100-40GB Eth 1x100G", sc.GPT_13B, Cluster(sc.A100_40, 4, sc.ETH_100G), 2001),
+             ("GPT-13B 32xA100-40GB RoCE 4x100G", sc.GPT_13B, Cluster(sc.A100_40, 4, sc.ROCE_4x100G), 2005),
+             ("GPT-13B 8xA100-80GB one node", sc.GPT_13B, Cluster(sc.A100_80, 1, sc.NONE), 2002),
+             ("GPT-6.7B 8xA100-40GB one node", sc.GPT_6_7B, Cluster(sc.A100_40, 1, sc.NONE), 2003),
+             ("GPT-2.7B 8xA100-40GB one node", sc.GPT_2_7B, Cluster(sc.A100_40, 1, sc.NONE), 2004)]
+USER_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": [0, 1, 2]},
+    "tensor_parallel": {"autotp_size": DEGREES},
+    "autotuning": {"enabled": True, "fast": True, "metric": "throughput", "start_profile_step": 3,
+                   "end_profile_step": 5, "max_train_micro_batch_size_per_gpu": MAX_MBS,
+                   "allow_reduced_precision_states": True}}
+
+
+def variant_config(stage: int, tp: int, states: bool, mbs: int) -> dict[str, Any]:
+    """The space's config: stage, AutoTP degree, bf16 states or not, mbs, gas 1."""
+    bf16 = {"enabled": True, **({"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+                                if states else {})}
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1, "bf16": bf16,
+            "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
+
+
+def variant_bests(sim: Simulator) -> dict[tuple[int, int, bool], tuple[int, float]]:
+    """(stage, degree, states) -> (its best mbs, noise-free samples/s), for the variants where some mbs fits."""
+    out = {}
+    for stage, tp, states in itertools.product((0, 1, 2), DEGREES, (False, True)):
+        if states and stage == 0:
+            continue  # DeepSpeed: bf16 states at ZeRO 1-3
+        for mbs in range(1, MAX_MBS + 1):
+            value = sim.throughput(variant_config(stage, tp, states, mbs))
+            if value is None:
+                break
+            if value > out.get((stage, tp, states), (0, 0.0))[1]:
+                out[(stage, tp, states)] = (mbs, value)
+    return out
+
+
+def describe(cfg: dict[str, Any] | None) -> str:
+    if cfg is None:
+        return "-"
+    z = ZeroSettings.from_config(cfg)
+    return (f"z{z.stage}/mbs{z.mbs}" + (f"/gas{z.gas}" if z.gas > 1 else "") + (f"/tp{z.tp}" if z.tp > 1 else "")
+            + ("/bf16 states" if z.bf16_states else ""))
+
+
+def run_zerotune(sim: Simulator, workdir: Path) -> tuple[dict[str, Any] | None, int]:
+    """zerotune's answer on ``sim`` and its launches (the profile included)."""
+    hostfile = workdir / "hostfile"
+    hostfile.write_text("".join(f"sim-node-{i} slots={sim.cluster.gpus_per_node}\n"
+                                for i in range(sim.cluster.num_nodes)))
+    config = workdir / "ds.json"
+    config.write_text(json.dumps(USER_CONFIG))
+    backend = SimulatedBackend(sim, metric="throughput", start_profile_step=3, end_profile_step=5)
+    options = TuneOptions(device_memory_bytes=sim.cluster.device.memory_bytes, results_dir=str(workdir / "r"),
+                          overwrite=True, cpu=False, hostfile=str(hostfile))
+    tuner = Autotuner("simulated_train.py", ["--deepspeed_config", str(config)], select_resources(hostfile), options,
+                      console=Console(file=io.StringIO()), backend=backend)
+    backend.stop_rule = tuner.job.stop_rule
+    return tuner.tune().ds_config, len(backend.ledger)
+
+
+def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str) -> dict[str, Any]:
+    sim = Simulator(model, cluster, seed=seed)
+    bests = variant_bests(sim)
+    (stage, tp, states), (mbs, optimum) = max(bests.items(), key=lambda kv: kv[1][1])
+    within = [v for v, (_, value) in bests.items() if value >= (1 - sim.noise_level) * optimum]
+    with tempfile.TemporaryDirectory(dir=tmp) as workdir:
+        chosen, launches = run_zerotune(sim, Path(workdir))
+    true = sim.throughput(chosen) if chosen else None
+    best_cfg = variant_config(stage, tp, states, mbs)
+    if true is not None and true > optimum:  # zerotune's pick is outside the space (gas > 1) and better
+        best_cfg, optimum = chosen, true
+    return {"scenario": name, "optimum": describe(best_cfg), "optimum_samples_s": optimum,
+            "zerotune": describe(chosen), "fraction": (true or 0.0) / optimum, "launches": launches,
+            "ideal_launches": 1 + len(within)}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_scenario(*sc, tmp) for sc in SCENARIOS]
+    print("SIMULATED (benchmarks/simcluster: no GPU ran): zerotune with autotp_size [1, 2, 4] and bf16 states allowed")
+    for r in rows:
+        print(f"{r['scenario']:32} optimum {r['optimum']:28} {r['optimum_samples_s']:8.2f} samples/s | zerotune "
+              f"{r['zerotune']:28} {r['fraction']:7.2%} of it, {r['launches']} launches (ideal {r['ideal_launches']})")
+
+
+if __name__ == "__main__":
+    main()
