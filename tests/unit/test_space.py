@@ -348,3 +348,13 @@ def test_known_zero_keys_exist_in_deepspeed():
     assert [d.value for d in offload.OffloadDeviceEnum] == list(keys.OFFLOAD_DEVICES)
     ds_config = pytest.importorskip("deepspeed.runtime.config")
     assert set(keys.OFFLOADABLE_OPTIMIZERS) <= set(ds_config.DEEPSPEED_OPTIMIZERS)
+
+
+def test_the_savers_keys_beyond_zero_exist_in_deepspeed():
+    """bf16 states (`zerotune.strategy.savers.BF16_STATES`) and the AutoTP degree are DeepSpeed's own fields."""
+    from zerotune.strategy.savers import BF16_STATES, savers_for
+    precision = pytest.importorskip("deepspeed.runtime.precision_config")
+    assert set(BF16_STATES.settings["bf16"]) <= set(precision.DeepSpeedBF16Config.model_fields)
+    tp_config = pytest.importorskip("deepspeed.runtime.tensor_parallel.config")
+    (autotp,) = [s for s in savers_for(1, False, autotp=(2,)) if s.name == "autotp 2"]
+    assert set(autotp.settings["tensor_parallel"]) <= set(tp_config.TPTrainingConfig.model_fields)

@@ -2,11 +2,11 @@
 
 A saver (bf16 master weights and optimizer states, opted into; a listed AutoTP degree, stages 0-2;
 ``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work,
-communication or numerics for memory: it is assumed never to make a step faster at the same mbs, and to pay only
-through the larger mbs it lets fit. Once the stages are explored, `SaverPhase.run` visits the best stage where its best
-point is its largest runnable mbs below the largest allowed, and every stage with no run: each stage's savers
-(`savers_for`) cheapest first, by the rules of `SaverPhase._visit` (``--no-savers``: none). A visited saver is a
-`StageResult` with a ``saver``; the gas and knob phases run on the best stage with its saver.
+communication or numerics for memory and pays through the larger mbs it lets fit (bf16 states, whose optimizer step is
+faster, are also probed at the best mbs: `SaverPhase._states_at_best`). Once the stages are explored, `SaverPhase.run`
+visits the best stage where its best point is its largest runnable mbs below the largest allowed, and every stage with
+no run: each stage's savers (`savers_for`) cheapest first, by the rules of `SaverPhase._visit` (``--no-savers``:
+none). A visited saver is a `StageResult` with a ``saver``; the gas and knob phases run on the best stage with it.
 """
 from __future__ import annotations
 
