@@ -54,7 +54,7 @@ def saver_of(ds_config: dict) -> str:
 
 
 def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
-         checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None,
+         checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None, capacity: int = 8 * GiB,
          **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
     per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
@@ -70,7 +70,7 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs
                 continue
             saver = saver_of(exp.ds_config)
             predicted = strategy.result.memory.bytes_per_device(exp.ds_config)
-            fits = predicted <= 8 * GiB
+            fits = predicted <= capacity  # the device's real capacity; the budget is 8 GiB
             exp.status = Status.OK if fits else Status.OOM
             exp.peak_memory_bytes = predicted if fits and peaks else None  # it peaks where the model says
             ran.append((exp.mbs, saver, exp.status.value))
@@ -285,3 +285,14 @@ def test_bf16_states_opted_into_are_probed_at_the_best_mbs_where_memory_binds_no
     assert [(label, d) for label, d, _ in decisions(strategy)] == [("ZeRO stage 3", "explored"),
                                                                    ("ZeRO stage 3 + bf16 states", "probed")]
     assert strategy.result.answer.name == "z3_gas1_tmbspg4_bf1"
+
+
+def test_a_savers_reason_gives_the_stages_largest_mbs_as_the_fit_stands_not_its_first_estimate(tmp_path):
+    # the device holds 7.5 GiB of the 8 GiB budget: ZeRO-3's first estimate, mbs 5, runs out of memory, then 2 and 1,
+    # and the refitted model fits none; offloading the optimizer is reported against that, not against the 5
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + OFFLOAD_PAYS[saver], capacity=int(7.5 * GiB))
+    assert ran[:3] == [(5, "", "oom"), (2, "", "oom"), (1, "", "oom")]
+    assert decisions(strategy)[:2] == [("ZeRO stage 3", "explored", 5), ("ZeRO stage 3 + offload optimizer", "explored",
+                                                                         17)]
+    assert strategy.result.stages[1].reason == ("memory model: largest mbs 17 (without it: none); searched: no config "
+                                                "without a saver ran")

@@ -196,7 +196,8 @@ class SaverPhase(VariantExplorer):
         est = memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.bounds.hi) if host_ok else lo - 1
         result = StageResult(stage, None, "", estimate=est, saver=saver)
         ev.result.stages.append(result)
-        plain_est = f"{plain.estimate}" if plain.estimate >= lo else "none"
+        now = memory.max_mbs(ev.builder.config(stage, lo), ev.job.device_memory_bytes, cap=self.bounds.hi)
+        plain_est = f"{now}" if now >= lo else "none"  # the fit as it stands, not the stage's first estimate
         predicted = f"memory model: largest mbs {est} (without it: {plain_est})"
         if est < lo:
             result.decision = StageDecision.PRUNED
