@@ -272,6 +272,9 @@ def test_projection_and_runner_up_are_exact():
     assert (r.name, r.value, round(r.gain, 4), round(r.noise, 4), r.beyond_noise) == ("z2_mbs4", 95.0, 0.0526, 0.0361,
                                                                                       True)
     assert [outcome(e) for e in runs] == ["ok", "ok", "oom"]
+    # AutoTP 2: the 8 ranks hold 4 batches of 4, 16 samples a step, though train_batch_size counts 32 (D334)
+    runs[0].ds_config["tensor_parallel"] = {"autotp_size": 2}
+    assert (data.projection().steps, data.projection().seconds) == (225_000, 36000.0)
 
 
 WENT_AWAY = "re-run cold: its warm server went away during the run"
