@@ -55,6 +55,8 @@ def test_mfu_is_tokens_per_device_times_palms_flops_per_token_over_the_peak():
     assert flops.mfu(exp, "throughput") == pytest.approx(0.0044515788541, rel=1e-9)
     # latency (s per step): samples/s is train_batch_size / the metric, the same run at 0.8 s a step
     assert samples_per_s(run(metric=0.8), "latency") == 10.0
+    # AutoTP 2: train_batch_size 8 counts both ranks of a group that hold one batch of 4 (D334)
+    assert samples_per_s(run(metric=0.8, tensor_parallel={"autotp_size": 2}), "latency") == 5.0
     assert flops.mfu(run(metric=0.8), "latency") == pytest.approx(0.0044515788541, rel=1e-9)
     # --peak-tflops wins over the name; without either (a CPU rank) no MFU
     assert FlopsModel.from_profile([profile(**GPT2, device_name="NVIDIA H100 80GB HBM3")], 312.0).mfu(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
+from zerotune.model.zero_options import ZeroOptions
 
 __all__ = ["PEAK_TFLOPS", "FlopsModel", "active_params", "peak_tflops", "samples_per_s", "tokens_per_device"]
 
@@ -38,14 +39,16 @@ def active_params(num_params: int, routed_params: int, num_experts: int, experts
 
 
 def samples_per_s(exp: Experiment, objective: str) -> float | None:
-    """``exp``'s own run's samples/s: its metric under ``throughput``, ``train_batch_size`` / its metric under
-    ``latency`` (s/step); None otherwise or without a metric."""
+    """``exp``'s own run's samples/s: its metric under ``throughput``, ``train_batch_size`` (over its AutoTP degree) /
+    its metric under ``latency`` (s/step); None otherwise or without a metric."""
     if exp.metric is None or exp.metric <= 0:
         return None
     if objective == "throughput":
         return exp.metric
     batch = exp.ds_config.get("train_batch_size")
-    return batch / exp.metric if objective == "latency" and isinstance(batch, int) and batch > 0 else None
+    if objective != "latency" or not isinstance(batch, int) or batch <= 0:
+        return None
+    return batch / ZeroOptions.of(exp.ds_config).tp / exp.metric  # an AutoTP group's ranks hold one batch (D334)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.core.errors import ConfigError
+from zerotune.model.flops import active_params
 
 MAX_LAYERS = 1024
 """Layers above which the model is not built (a config's typo such as ``1e12`` would build for hours): the closed
@@ -41,9 +42,7 @@ class MetaModel:
     @property
     def active_params(self) -> int:
         """Parameters a token runs through: all but the routed experts it skips (all, for a dense model)."""
-        if not self.routed_params or not self.experts_per_token or not self.num_experts:
-            return self.num_params
-        return self.num_params - self.routed_params * (self.num_experts - self.experts_per_token) // self.num_experts
+        return active_params(self.num_params, self.routed_params, self.num_experts, self.experts_per_token)
 
 
 def build(cfg: dict[str, Any], persistence_threshold: int, source: str = "config.json") -> MetaModel | None:
