@@ -296,3 +296,12 @@ def test_a_savers_reason_gives_the_stages_largest_mbs_as_the_fit_stands_not_its_
                                                                          17)]
     assert strategy.result.stages[1].reason == ("memory model: largest mbs 17 (without it: none); searched: no config "
                                                 "without a saver ran")
+
+
+def test_with_no_savers_the_listed_autotp_degrees_are_not_tried_and_the_summary_says_so(tmp_path):
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + TP_COSTS[saver], savers=False,
+                         extra={"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": [2, 1]}})
+    assert all(saver == "" for _, saver, _ in ran)
+    assert strategy.result.savers_notes == [
+        "memory savers (activation checkpointing, offload): off (--no-savers); tensor_parallel.autotp_size 2: not "
+        "tried (a saver)"]

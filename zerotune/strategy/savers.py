@@ -94,7 +94,8 @@ class SaverPhase(VariantExplorer):
             self.improve(r)
         notes = ev.result.savers_notes
         if not ev.job.savers:
-            notes.append("memory savers (activation checkpointing, offload): off (--no-savers)")
+            notes.append("memory savers (activation checkpointing, offload): off (--no-savers)" + "".join(
+                f"; tensor_parallel.autotp_size {t}: not tried (a saver)" for t in ev.job.autotp_degrees))
             return
         if ev.job.cpu:
             notes.append("offload to the host: not tried on CPU ranks (the host is the rank: what it moves stays in "
