@@ -457,12 +457,20 @@ def test_a_step_killed_by_its_timeout_leaves_no_step_and_no_rank(allocation, tmp
     scheduler = Scheduler(backend, SlotPool(slurm_nodes(True)), tmp_path / "exps")
     exp = Experiment("hangs", {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 2}, num_slots=2)
     seen: list[list[str]] = []
-    watch = threading.Thread(target=lambda: [seen.append(steps_of(allocation)) or time.sleep(1) for _ in range(6)],
-                             daemon=True)
+    ended = threading.Event()  # the steps are watched for as long as the run lasts (a warm server's preload first)
+
+    def watch_steps() -> None:
+        while not ended.is_set():
+            seen.append(steps_of(allocation))
+            ended.wait(0.5)
+
+    watch = threading.Thread(target=watch_steps, daemon=True)
     watch.start()
     start = time.monotonic()
     (done,) = scheduler.run([exp])
     took = time.monotonic() - start
+    ended.set()
+    watch.join()
 
     assert done.status == Status.TIMEOUT and done.error == "killed after the 8 s timeout", done.error
     assert took < 8 + 20, took
