@@ -218,6 +218,43 @@ def test_the_local_backend_ends_a_run_once_its_metric_is_known_and_leaves_no_pro
     assert (record["status"], record["ended"]) == ("ok", "precise")
 
 
+# A stand-in rank like DeepSpeed's engine under an extended exit: 5 s of start-up, steps of 0.048 and 0.052 s in
+# turn (±2.3% after 15 steady steps: never precise, though more steps would pay within the start-up), and an exit
+# with status 0 after recording the step past its config's end_profile_step, as the engine's autotuning exit does.
+CAPPED = r"""
+import json, os, sys, time
+rank = int(os.environ["LOCAL_RANK"])
+config = json.load(open(sys.argv[sys.argv.index("--deepspeed_config") + 1]))
+path = os.path.join(os.environ["PYTHON_ZEROTUNE_PROBE_DIR"], f"probe.rank{rank}.jsonl")
+time.sleep(5.0)
+with open(path, "a") as f:
+    for step in range(1, config["autotuning"]["end_profile_step"] + 2):
+        step_s = 0.3 if step == 1 else (0.048, 0.052)[step % 2]
+        time.sleep(step_s)
+        f.write(json.dumps({"rank": rank, "step": step, "t": time.monotonic(), "step_s": step_s,
+                            "train_batch_size": 4, "peak_bytes": 1000}) + "\n")
+        f.flush()
+"""
+
+
+@pytest.mark.e2e
+def test_a_run_the_engine_exits_at_the_extended_cap_ran_to_the_cap_not_to_the_scripts_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = tmp_path / "capped.py"
+    script.write_text(CAPPED)
+    config = tmp_path / "ds_config.json"
+    config.write_text("{}")
+    spec = LaunchSpec(script=str(script), script_args=("--deepspeed_config", str(config)), cpu=True,
+                      timeout_s=120, end_profile_step=3, stop_rule=StopRule(THROUGHPUT))
+    scheduler = Scheduler(LocalBackend(spec), SlotPool(select_resources(local_slots=2)), tmp_path / "exps")
+    (done,) = scheduler.run([Experiment("noisy", {"train_micro_batch_size_per_gpu": 2}, num_slots=2)])
+    scheduler.backend.close()
+    # the engine's exit at the extended cap (5 x 3 = 15, its exiting step 16 recorded) is zerotune's cap: STEP_CAP;
+    # SCRIPT_END would tell the user to lengthen a script that was long enough (D323)
+    assert (done.status, done.ended, done.steady_steps) == (Status.OK, "step_cap", 15), done.error
+    assert done.metric == pytest.approx(80.0, rel=0.01)
+
+
 def test_the_profile_run_is_never_watched(tmp_path):
     from zerotune.run.backends.watch import StreamWatch
     exp_dir = ran(tmp_path, STEADY, None)

@@ -22,7 +22,7 @@ import psutil
 from zerotune.core.experiment import LAUNCH_COLD, LAUNCH_WARM, Experiment, ExperimentKind, Status
 from zerotune.core.launch import LaunchSpec, Reservation, RunLaunch
 from zerotune.core.measure import load_quantiles
-from zerotune.core.stopping import EndReason, extended_end_step
+from zerotune.core.stopping import EndReason
 from zerotune.deepspeed.launcher import free_port, paste_command, release_port
 from zerotune.probe import clean_exits, read_streams, run_phases
 from zerotune.run import expdir
@@ -91,8 +91,7 @@ class LocalBackend(Backend):
         watch = StreamWatch(exp_dir, spec.stop_rule, exp, spec.end_profile_step)
         if exp.kind is not ExperimentKind.PROFILE:
             load_quantiles()  # before the launch: its import would take CPU from the steps measured
-        end_step = extended_end_step(spec.end_profile_step) if watch.rule is not None else spec.end_profile_step
-        config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, end_step)
+        config_path = expdir.prepare(exp, exp_dir, spec.objective, spec.start_profile_step, watch.end_step)
 
         run = RunLaunch(exp.name, reservation, exp_dir, str(config_path), free_port(), new_run_token())
         starter, port, token = self.starter, run.port, run.token
@@ -200,10 +199,10 @@ class LocalBackend(Backend):
                 pass
         if seen.ended is None and watch.reached_cap() and (
                 proc.returncode == 0 or clean_exits(run.exp_dir, exp.num_nodes * exp.num_slots)):
-            # the script ended past end_profile_step, before the extended exit: the stop rule was still buying
-            # steps (a non-zero exit after every rank's clean exit record is a crash in the interpreter's
-            # teardown: measured all the same)
-            seen.ended = EndReason.SCRIPT_END
+            # it exited past end_profile_step while the stop rule was still buying steps: at the engine's extended
+            # exit (the cap), or at the script's own end before it (a non-zero exit after every rank's clean exit
+            # record is a crash in the interpreter's teardown: measured all the same)
+            seen.ended = EndReason.SCRIPT_END if watch.script_ended() else EndReason.STEP_CAP
             seen.teardown_crash = proc.returncode != 0
 
     def _finish(self, exp: Experiment, exp_dir: Path, exit_code: int | None, start: float,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.step_record import StepRecord
-from zerotune.core.stopping import EndReason, StopRule
+from zerotune.core.stopping import EndReason, StopRule, extended_end_step
 from zerotune.probe import read_streams, run_phases, stream_files
 from zerotune.run import expdir
 
@@ -51,6 +51,8 @@ class StreamWatch:
         self.exp_dir, self.exp = exp_dir, exp
         self.rule = None if exp.kind is ExperimentKind.PROFILE or exp.pad_seq_len else rule
         self.cap_step = end_profile_step + 1  # DeepSpeed's exiting step is recorded too
+        self.end_step = extended_end_step(end_profile_step) if self.rule is not None else end_profile_step
+        """The ``end_profile_step`` the run's config is written with: the engine's own exit."""
         self.launched_at: float | None = None
         self._sizes: dict[int, int] = {}
         self._streams: dict[int, list[StepRecord]] = {}
@@ -71,8 +73,14 @@ class StreamWatch:
 
     def reached_cap(self) -> bool:
         """Whether every rank recorded ``end_profile_step``'s exiting step (read afresh)."""
-        if self.rule is None:
-            return False
+        return self.rule is not None and self._reached(self.cap_step)
+
+    def script_ended(self) -> bool:
+        """Whether a run that exited on its own past the cap stopped at its script's last step (`EndReason.SCRIPT_END`,
+        D323), before the engine's extended exit, rather than at that exit (read afresh)."""
+        return self.reached_cap() and not self._reached(self.end_step + 1)
+
+    def _reached(self, step: int) -> bool:
         streams = read_streams(self.exp_dir)
-        return bool(streams) and all(any(r.step is not None and r.step >= self.cap_step for r in records)
+        return bool(streams) and all(any(r.step is not None and r.step >= step for r in records)
                                      for records in streams.values())
