@@ -135,14 +135,29 @@ def test_a_sequence_parallel_group_counts_as_one_replica_in_the_train_batch_size
 
 
 @pytest.mark.parametrize("sp, message", [
-    (3, r"'sequence_parallel_size' = 3 does not divide the DP world size 2 of each experiment"),
-    ([1, 2], r"'sequence_parallel_size' = \[1, 2\]: expected a positive integer \(zerotune does not search a list"),
-    (True, r"'sequence_parallel_size' = True: expected a positive integer"),
-    ("$SP", r"'sequence_parallel_size' = '\$SP': expected a positive integer")])
+    (3, r"'sequence_parallel_size' = 3: 3 does not divide the DP world size 2 of each experiment"),
+    ([1, 4], r"'sequence_parallel_size' = \[1, 4\]: 4 does not divide the DP world size 2 of each experiment"),
+    ([1, 0], r"'sequence_parallel_size' = \[1, 0\]: expected a positive integer or a list of them"),
+    (True, r"'sequence_parallel_size' = True: expected a positive integer or a list of them"),
+    ("$SP", r"'sequence_parallel_size' = '\$SP': expected a positive integer or a list of them")])
 def test_a_sequence_parallel_size_deepspeed_cannot_take_is_refused_naming_it(tmp_path, sp, message):
     with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
         build(tmp_path, {"sequence_parallel_size": sp,
                          **({"autotuning": {"variables": {"SP": [1, 2]}}} if sp == "$SP" else {})})
+
+
+def test_a_list_of_ulysses_degrees_builds_on_its_smallest_and_counts_each_degrees_replicas(tmp_path):
+    job = build(tmp_path, {"sequence_parallel_size": [2, 1], "zero_optimization": {"stage": 1}})
+    assert job.sp_degrees == (2,) and "sequence_parallel_size" not in job.user_config  # 1, DeepSpeed's default
+    assert job.batch.dp_world_size == 2
+    builder = ConfigBuilder(job)
+    plain, ulysses = builder.config(1, 4), builder.config(1, 4, {"sequence_parallel_size": 2})
+    # on 2 ranks: 4 x 1 x 2 samples a step at degree 1, 4 x 1 x 1 at degree 2 (one replica, D331)
+    assert (plain["train_batch_size"], ulysses["train_batch_size"]) == (8, 4)
+    assert (builder.name(plain), builder.name(ulysses)) == ("z1_gas1_tmbspg4", "z1_gas1_tmbspg4_sp2")
+    fixed = build(tmp_path, {"sequence_parallel_size": [1, 2], "train_batch_size": 8,
+                             "zero_optimization": {"stage": 1}})
+    assert ConfigBuilder(fixed).config(1, 2, {"sequence_parallel_size": 2})["gradient_accumulation_steps"] == 4
 
 
 def test_autotp_at_stages_0_to_2_counts_every_rank_in_the_train_batch_size(tmp_path):

@@ -49,15 +49,18 @@ def saver_of(ds_config: dict) -> str:
     name = ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
     tp = ds_config.get("tensor_parallel", {}).get("autotp_size", 1)
     name = f"tp{tp}" + ("+" if name else "") + name if tp > 1 else name
+    sp = ds_config.get("sequence_parallel_size", 1)
+    name = f"sp{sp}" + ("+" if name else "") + name if sp > 1 else name
     return "bf16 states" + ("+" if name else "") + name if ds_config.get("bf16", {}).get(
         "bf16_optimizer_states") else name
 
 
 def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs: int = 32,
          checkpointing: bool = False, bf16: dict | None = None, extra: dict | None = None, capacity: int = 8 * GiB,
-         **options) -> tuple[list[tuple[int, str, str]], Strategy]:
+         activations: int = ACTIVATIONS, **options) -> tuple[list[tuple[int, str, str]], Strategy]:
     """The Strategy where a run at ``mbs`` with saver ``s`` (:func:`saver_of`) takes ``step_s(mbs, s)`` seconds
-    per step (samples/s = mbs * 2 ranks / step), known to +-1%, and runs out of memory where the model's
+    per step (samples/s = mbs * 2 ranks / Ulysses degree / step), known to +-1%, and runs out of memory where the
+    model's
     estimate is over the budget, ``peaks``: peaking at that estimate (else of unknown peak); ``checkpointing``: the
     script takes activation checkpointing; ([(mbs, saver, status)] in launch order, the strategy)."""
     ran = []
@@ -66,7 +69,7 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs
         for exp in exps:
             if exp.kind is ExperimentKind.PROFILE:
                 exp.status = Status.OK
-                exp.metrics = {"num_params": PSI, "trainable_num_params": PSI, "activation_mem_per_gpu": ACTIVATIONS}
+                exp.metrics = {"num_params": PSI, "trainable_num_params": PSI, "activation_mem_per_gpu": activations}
                 continue
             saver = saver_of(exp.ds_config)
             predicted = strategy.result.memory.bytes_per_device(exp.ds_config)
@@ -75,7 +78,8 @@ def tune(tmp_path: Path, step_s, cpu: bool = False, peaks: bool = False, max_mbs
             exp.peak_memory_bytes = predicted if fits and peaks else None  # it peaks where the model says
             ran.append((exp.mbs, saver, exp.status.value))
             if fits:
-                exp.metric, exp.metric_rel_half_width = 2 * exp.mbs / step_s(exp.mbs, saver), 0.01
+                replicas = 2 // exp.ds_config.get("sequence_parallel_size", 1)
+                exp.metric, exp.metric_rel_half_width = replicas * exp.mbs / step_s(exp.mbs, saver), 0.01
         return exps
 
     strategy = Strategy(replace(make_job(tmp_path, cpu, max_mbs, bf16, extra, **options), checkpointing=checkpointing),
@@ -305,3 +309,28 @@ def test_with_no_savers_the_listed_autotp_degrees_are_not_tried_and_the_summary_
     assert strategy.result.savers_notes == [
         "memory savers (activation checkpointing, offload): off (--no-savers); tensor_parallel.autotp_size 2: not "
         "tried (a saver)"]
+
+
+SP_COSTS = {"": 0.0, "sp2": 0.3, "sp4": 0.6, "offload_optimizer": 3.0}
+
+
+def test_a_listed_ulysses_degree_is_a_saver_where_no_mbs_fits_a_whole_sequence(tmp_path):
+    # 3 GiB of activations per sample (a long sequence): fp32 ZeRO-1 on 2 ranks fits no mbs in 8 GiB; Ulysses 2 holds
+    # half of each sequence on a rank (1.5 GiB, what the profile, run at the largest degree, measures) and fits mbs 1,
+    # its 2 ranks one replica: 1 / 1.8 = 0.5556 samples/s; offloading the optimizer fits mbs 1 too, 2 / 4.5 = 0.4444:
+    # probed and lost
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.5 * mbs + SP_COSTS[saver], activations=3 * GiB // 2,
+                         extra={"zero_optimization": {"stage": 1}, "sequence_parallel_size": [1, 2]})
+    assert strategy.builder.profile().ds_config["sequence_parallel_size"] == 2
+    assert ran[:2] == [(1, "sp2", "ok"), (1, "offload_optimizer", "ok")]
+    assert decisions(strategy) == [("ZeRO stage 1", "pruned", 0), ("ZeRO stage 1 + sp 2", "explored", 1),
+                                   ("ZeRO stage 1 + offload optimizer", "probed", 1)]
+    assert strategy.result.stages[1].reason == ("memory model: largest mbs 1 (without it: none); searched: no config "
+                                                "without a saver ran")
+    assert strategy.result.answer.name == "z1_gas1_tmbspg1_sp2"
+    assert strategy.result.answer.ds_config["train_batch_size"] == 1  # one replica of 2 ranks
+    ran, strategy = tune(tmp_path / "off", lambda mbs, saver: 1 + 0.5 * mbs + SP_COSTS[saver], activations=3 * GiB // 2,
+                         savers=False, extra={"zero_optimization": {"stage": 1}, "sequence_parallel_size": [1, 2]})
+    assert ran == [] and strategy.result.savers_notes == [
+        "memory savers (activation checkpointing, offload): off (--no-savers); sequence_parallel_size 2: not tried "
+        "(a saver)"]

@@ -59,6 +59,7 @@ ACRONYMS: dict[str, tuple[str, str]] = {
     "activation_checkpointing.cpu_checkpointing": ("cpuck", "bool"),
     "gradient_checkpointing": ("gck", "bool"),
     "tensor_parallel.autotp_size": ("tp", "int"),
+    "sequence_parallel_size": ("sp", "int"),
 }
 _NAME_HASH_CHARS = 8
 _MAX_VALUE_TEXT = 24  # characters of a lossy value's text; the hash identifies the value

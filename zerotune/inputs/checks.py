@@ -30,21 +30,26 @@ def check_candidate_lists(user: dict[str, Any], config_path: str) -> None:
                               f"expected at least one")
 
 
-def sequence_parallel_size(user: dict[str, Any], dp: int, source: str) -> int:
-    """The config's Ulysses degree ``sequence_parallel_size`` (1 without one), read as written. DeepSpeed counts its
-    ranks as one data-parallel replica in ``train_batch_size`` (DP world size / degree: ``deepspeed/runtime/config.py``,
-    ``DeepSpeedConfig.__init__``), while ZeRO still partitions over every rank (D331).
+def sequence_parallel_size(user: dict[str, Any], dp: int, source: str) -> tuple[int, ...]:
+    """The config's Ulysses degrees ``sequence_parallel_size``, ascending and unique (``(1,)`` without the key): an
+    integer, or a non-empty list of them (the savers phase tries the larger ones, D336), read as written. DeepSpeed
+    counts a degree's ranks as one data-parallel replica in ``train_batch_size`` (DP world size / degree:
+    ``deepspeed/runtime/config.py``, ``DeepSpeedConfig.__init__``), while ZeRO still partitions over every rank (D331).
 
     Raises:
-        ConfigError: not a positive integer (a list or ``$VAR`` placeholder of degrees is not searched), or not
-            dividing the DP world size.
+        ConfigError: a degree that is not a positive integer (a ``$VAR`` placeholder of degrees is not searched), or
+            that does not divide the DP world size.
     """
-    sp = _positive_int(user.get("sequence_parallel_size", 1), "sequence_parallel_size", source,
-                       " (zerotune does not search a list of Ulysses degrees)")
-    if dp % sp:
-        raise ConfigError(f"{source}: 'sequence_parallel_size' = {sp} does not divide the DP world size {dp} "
-                          f"of each experiment")
-    return sp
+    value = user.get("sequence_parallel_size", 1)
+    listed = value if isinstance(value, list) and value else [value]
+    for sp in listed:
+        if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+            raise ConfigError(f"{source}: 'sequence_parallel_size' = {value!r}: expected a positive integer or a "
+                              f"list of them")
+        if dp % sp:
+            raise ConfigError(f"{source}: 'sequence_parallel_size' = {value!r}: {sp} does not divide the DP world "
+                              f"size {dp} of each experiment")
+    return tuple(sorted(set(listed)))
 
 
 def check_autotp(user: dict[str, Any], stages: Sequence[int], slots_per_node: int, source: str) -> tuple[int, ...]:

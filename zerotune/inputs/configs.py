@@ -2,8 +2,9 @@
 
 Each config (`ConfigBuilder.config`) is the user's ds_config (a list of candidates takes its first until the knob
 phase tunes it; ``autotuning`` dropped) at a ZeRO stage and mbs, with the batch semantics' gas and
-``train_batch_size = mbs * gas * DP world size``, the phase's settings deep-merged over it, pruned and validated. Its
-name is the canonical name of its content, so the same config has the same name whichever phase asks, and runs once.
+``train_batch_size = mbs * gas * DP world size`` (over a Ulysses degree: `ConfigBuilder.batch`), the phase's settings
+deep-merged over it, pruned and validated. Its name is the canonical name of its content, so the same config has the
+same name whichever phase asks, and runs once.
 A Trainer config's ``"auto"`` values are resolved as `zerotune.deepspeed.auto` says (the hidden-size ones from the
 profile run, `ConfigBuilder.model_autos`).
 """
@@ -26,9 +27,11 @@ from zerotune.deepspeed.auto import (
 from zerotune.deepspeed.canonical import ACRONYMS, canonical_name
 from zerotune.deepspeed.keys import GAS, MBS, TBS, ZERO, ZERO_DEFAULTS, candidate_lists, is_list_valued
 from zerotune.deepspeed.validate import prune, validate
+from zerotune.inputs.batch import BatchSemantics
 from zerotune.inputs.job import Job
 from zerotune.inputs.space import Candidate, default_space, generate, merge
 from zerotune.inputs.variables import first_values, placeholder_paths, substitute
+from zerotune.model.zero_options import ZeroOptions
 
 PROFILE_BUCKET_SIZE = 10_000_000
 """Elements per reduce/prefetch bucket and live parameters in the profile run (40 MB in fp32): small,
@@ -80,14 +83,23 @@ class ConfigBuilder:
         if not isinstance(cfg.get(ZERO, {}), dict):
             cfg[ZERO] = {}
         cfg.setdefault(ZERO, {})["stage"] = stage
+        batch = self.batch(cfg)
         cfg[MBS] = mbs
-        cfg[GAS] = gas = gas or self.job.batch.gas_for(mbs)
-        cfg[TBS] = mbs * gas * self.job.batch.dp_world_size
+        cfg[GAS] = gas = gas or batch.gas_for(mbs)
+        cfg[TBS] = mbs * gas * batch.dp_world_size
         if self._derive_tbs:
             del cfg[TBS]
         cfg = prune(cfg)
-        validate(cfg, self.job.batch.dp_world_size)
+        validate(cfg, batch.dp_world_size)
         return cfg
+
+    def batch(self, ds_config: dict[str, Any]) -> BatchSemantics:
+        """The job's batch semantics for ``ds_config``: a Ulysses degree other than the user's counts its ranks as one
+        replica in ``train_batch_size`` (DP world size / ``sequence_parallel_size``, D331)."""
+        sp = ZeroOptions.of(ds_config).sp
+        dp = self.job.dp_world_size // sp
+        return self.job.batch if dp == self.job.batch.dp_world_size else dataclasses.replace(self.job.batch,
+                                                                                            dp_world_size=dp)
 
     def model_autos(self) -> dict[str, int]:
         """The values of the user's hidden-size ``"auto"`` keys (`MODEL_AUTO_KEYS`) from the hidden size the profile
@@ -133,15 +145,18 @@ class ConfigBuilder:
         return PROFILE_STAGE if PROFILE_STAGE in self.job.stages else max(self.job.stages)
 
     def profile(self) -> Experiment:
-        """The profile run: `profile_stage` at the smallest mbs with small buckets; DeepSpeed's engine
-        writes ``model_info.json`` and exits in the first forward (``autotuning.model_info.profile``)."""
+        """The profile run: `profile_stage` at the smallest mbs with small buckets, at the largest listed Ulysses degree
+        (the least activation memory; a script that does not take Ulysses fails here, `zerotune.run.expdir`);
+        DeepSpeed's engine writes ``model_info.json`` and exits in the first forward
+        (``autotuning.model_info.profile``)."""
         small = {"reduce_bucket_size": PROFILE_BUCKET_SIZE, "stage3_prefetch_bucket_size": PROFILE_BUCKET_SIZE,
                  "stage3_max_live_parameters": PROFILE_BUCKET_SIZE}
         stage = self.profile_stage()
         # the model's "auto" values are not known yet (this run records them): small buckets, and
         # DeepSpeed's default persistence threshold
         before = {key: ZERO_DEFAULTS[stage][key.split(".")[-1]] for key in MODEL_AUTO_KEYS}
-        cfg = self._build(resolve(self._base, before), stage, self.job.min_mbs, {ZERO: small}, None)
+        ulysses = {"sequence_parallel_size": self.job.sp_degrees[-1]} if self.job.sp_degrees else {}
+        cfg = self._build(resolve(self._base, before), stage, self.job.min_mbs, {ZERO: small, **ulysses}, None)
         exp = self.experiment(cfg, ExperimentKind.PROFILE)
         exp.ds_config["autotuning"] = {"model_info": {"profile": True}}
         return exp

@@ -60,6 +60,7 @@ class Job:
         notes: what zerotune accepted but does not act on, for the log (never silent).
         checkpointing: the savers phase may try activation checkpointing, through ``arg_mappings[CHECKPOINTING]``.
         autotp_degrees: the AutoTP degrees the savers phase may try beyond the config's (a list's smallest), ascending.
+        sp_degrees: likewise the Ulysses degrees (``sequence_parallel_size``) beyond the config's.
         budget: `TuneOptions`' ``max_launches`` and ``max_device_hours``.
         launcher: the user's launcher (`zerotune.launchers`); config_source: where it carries the ds_config.
         The others (timeouts, hostfile, backend, host memory, savers...) are `TuneOptions`' own.
@@ -108,6 +109,7 @@ class Job:
     launcher: Launcher = Launcher()
     config_source: str = ""
     autotp_degrees: tuple[int, ...] = ()
+    sp_degrees: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, script: str, script_args: Sequence[str], nodes: Sequence[Node],
@@ -137,7 +139,10 @@ class Job:
         world_size = num_nodes * slots_per_node
         dp = _dp_world_size(world_size, at.mp_size, config_path)
         sp = job_checks.sequence_parallel_size(user, dp, config_path)
-        batch = _batch_semantics(user, autos, mappings, dp // sp, at, config_path)
+        if len(sp) > 1:  # the smallest degree is every config's (1: DeepSpeed's default, unwritten); the others
+            user = {k: v for k, v in user.items() if k != "sequence_parallel_size"}  # are the savers phase's
+            user.update({"sequence_parallel_size": sp[0]} if sp[0] > 1 else {})
+        batch = _batch_semantics(user, autos, mappings, dp // sp[0], at, config_path)
         cpu = options.cpu if options.cpu is not None else not cuda_available()
         memory = job_checks.device_memory_bytes(options.device_memory_bytes, cpu)
         min_mbs, max_mbs, allowed = job_checks.mbs_bounds(at, batch, config_path)
@@ -167,7 +172,7 @@ class Job:
                    timeout_s=options.timeout_s, hang_timeout_s=options.hang_timeout_s, hostfile=options.hostfile,
                    backend=options.backend, ray_address=options.ray_address, notes=notes, arg_mappings=mappings,
                    script_autos=autos, variables=variables, host_memory_bytes=host_memory, checkpointing=checkpointing,
-                   autotp_degrees=autotp[1:],
+                   autotp_degrees=autotp[1:], sp_degrees=sp[1:],
                    savers=options.savers, nvme_path=options.nvme_path, warm=options.warm,
                    stop_rule=StopRule(Objective.named(at.metric), options.precision) if options.adaptive else None,
                    budget=LaunchBudget(options.max_launches, options.max_device_hours), longest=options.longest,

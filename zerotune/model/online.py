@@ -22,17 +22,20 @@ from zerotune.core.units import format_bytes
 from zerotune.deepspeed.config import precision
 from zerotune.model.linefit import Line, fit_line
 from zerotune.model.memory import MemoryModel
+from zerotune.model.zero_options import ZeroOptions
 
 MARGIN_QUANTILE = 0.95
 """The quantile of the fit's relative residuals that is the safety margin."""
 
-Family = tuple[int, str, bool, str, str]
-"""ZeRO stage, precision, activation checkpointing, offload_optimizer device, offload_param device."""
+Family = tuple[int, str, bool, str, str, int, int]
+"""ZeRO stage, precision, activation checkpointing, offload_optimizer device, offload_param device, AutoTP degree,
+Ulysses degree."""
 
 
 def family(memory: MemoryModel, ds_config: dict[str, Any]) -> Family:
     """The family a config's peaks are fitted in (`OnlineMemory`): its stage (0-3), precision, whether it
-    gets the checkpointed activation term (`MemoryModel.checkpointed`), and its offload devices."""
+    gets the checkpointed activation term (`MemoryModel.checkpointed`), its offload devices, and its AutoTP and
+    Ulysses degrees (each holds other activations per sample than the profile measured)."""
     zero = ds_config.get("zero_optimization")
     zero = zero if isinstance(zero, dict) else {}
     stage = zero.get("stage", 0)
@@ -42,14 +45,16 @@ def family(memory: MemoryModel, ds_config: dict[str, Any]) -> Family:
         section = zero.get(key)
         return str(section.get("device", "none")).lower() if isinstance(section, dict) else "none"
 
+    options = ZeroOptions.of(ds_config)
     return stage, precision(ds_config), memory.checkpointed(ds_config), device("offload_optimizer"), \
-        device("offload_param")
+        device("offload_param"), options.tp, options.sp
 
 
 def family_label(fam: Family) -> str:
     """``ZeRO stage 1``, ``ZeRO stage 3 bf16 + checkpointing + offload optimizer (cpu)``: for the log and summary."""
-    stage, dtype, checkpointed, optimizer, params = fam
-    savers = (["checkpointing"] if checkpointed else []) + [
+    stage, dtype, checkpointed, optimizer, params, tp, sp = fam
+    savers = ([f"AutoTP {tp}"] if tp > 1 else []) + ([f"Ulysses {sp}"] if sp > 1 else []) + (
+        ["checkpointing"] if checkpointed else []) + [
         f"offload {what} ({dev})" for what, dev in (("optimizer", optimizer), ("params", params)) if dev != "none"]
     return f"ZeRO stage {stage}" + ("" if dtype == "fp32" else f" {dtype}") + "".join(f" + {s}" for s in savers)
 

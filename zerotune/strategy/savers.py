@@ -1,12 +1,11 @@
-"""The savers phase: bf16 states, AutoTP, checkpointing and offload, tried where memory binds a stage (D109, D333-4).
+"""The savers phase: bf16 states, AutoTP, Ulysses, checkpointing and offload, where memory binds a stage (D109, D333-6).
 
-A saver (bf16 master weights and optimizer states, opted into; a listed AutoTP degree, stages 0-2;
-``gradient_checkpointing``; ``offload_optimizer``, ZeRO stages 1-3; ``offload_param``, stage 3) trades work,
-communication or numerics for memory and pays through the larger mbs it lets fit (bf16 states, whose optimizer step is
-faster, are also probed at the best mbs: `SaverPhase._states_at_best`). Once the stages are explored, `SaverPhase.run`
-visits the best stage where its best point is its largest runnable mbs below the largest allowed, and every stage with
-no run: each stage's savers (`savers_for`) cheapest first, by the rules of `SaverPhase._visit` (``--no-savers``:
-none). A visited saver is a `StageResult` with a ``saver``; the gas and knob phases run on the best stage with it.
+A saver (`savers_for`) trades work, communication or numerics for memory and pays through the larger mbs it lets fit
+(bf16 states, whose optimizer step is faster, are also probed at the best mbs: `SaverPhase._states_at_best`). Once the
+stages are explored, `SaverPhase.run` visits the best stage where its best point is its largest runnable mbs below the
+largest allowed, and every stage with no run: each stage's savers cheapest first, by the rules of `SaverPhase._visit`
+(``--no-savers``: none). A visited saver is a `StageResult` with a ``saver``; the gas and knob phases run on the best
+stage with it.
 """
 from __future__ import annotations
 
@@ -35,19 +34,21 @@ parameter less, no work added, and a numerics change only ``autotuning.allow_red
 
 
 def savers_for(stage: int, checkpointing: bool, nvme_path: str | None = None, host: bool = True,
-               bf16_states: bool = False, autotp: Sequence[int] = ()) -> list[Saver]:
-    """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3), AutoTP at
-    each degree of ``autotp`` (``tensor_parallel.autotp_size``, stages 0-2, D334) and that with bf16 states,
-    checkpointing (where the job tunes it), offloading the optimizer to the host (stages 1-3; not with ``host`` False,
-    on CPU ranks, where the host is the rank), that with checkpointing, offloading the parameters too (stage 3), and
-    that with checkpointing; then, with ``nvme_path``, the same offloads to NVMe (launched only where the host cannot
-    hold what they move: `SaverPhase`)."""
+               bf16_states: bool = False, autotp: Sequence[int] = (), sp: Sequence[int] = ()) -> list[Saver]:
+    """The memory savers of a ZeRO stage, cheapest first: `BF16_STATES` (with ``bf16_states``, stages 1-3), AutoTP
+    at each degree of ``autotp`` (``tensor_parallel.autotp_size``, stages 0-2, D334) and that with bf16 states,
+    Ulysses at each degree of ``sp`` (``sequence_parallel_size``, D336), checkpointing (where the job tunes it),
+    offloading the optimizer to the host (stages 1-3; not with ``host`` False, on CPU ranks, where the host is the
+    rank), that with checkpointing, offloading the parameters too (stage 3), and that with checkpointing; then, with
+    ``nvme_path``, the same offloads to NVMe (launched only where the host cannot hold what they move:
+    `SaverPhase`)."""
     out = [BF16_STATES] if bf16_states and stage >= 1 else []
     for t in autotp if stage <= 2 else ():
         out.append(Saver(f"autotp {t}", {"tensor_parallel": {"autotp_size": t}}))
         if bf16_states and stage >= 1:
             out.append(Saver(f"autotp {t} + bf16 states", {"tensor_parallel": {"autotp_size": t},
                                                           **BF16_STATES.settings}))
+    out += [Saver(f"sp {d}", {"sequence_parallel_size": d}) for d in sp]
     out += [Saver("checkpointing", dict(_CHECKPOINTING))] if checkpointing else []
     for device in ("cpu",) * host + ("nvme",) * bool(nvme_path):
         where = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
@@ -71,9 +72,12 @@ def bf16_states_apply(user_config: dict) -> bool:
             and not (isinstance(offload, dict) and offload.get("device") not in (None, "none")))
 
 
-def _autotp(saver: Saver | None) -> int | None:
-    """The AutoTP degree ``saver`` sets (None: it sets none, the config's own)."""
-    return saver.settings.get("tensor_parallel", {}).get("autotp_size") if saver is not None else None
+def _degrees(saver: Saver | None) -> tuple[int | None, int | None]:
+    """The AutoTP and Ulysses degrees ``saver`` sets (None: it sets none, the config's own): an mbs holds other
+    samples per rank at another degree, so mbs are compared only at the same degrees."""
+    if saver is None:
+        return None, None
+    return saver.settings.get("tensor_parallel", {}).get("autotp_size"), saver.settings.get("sequence_parallel_size")
 
 
 class SaverPhase(VariantExplorer):
@@ -95,7 +99,8 @@ class SaverPhase(VariantExplorer):
         notes = ev.result.savers_notes
         if not ev.job.savers:
             notes.append("memory savers (activation checkpointing, offload): off (--no-savers)" + "".join(
-                f"; tensor_parallel.autotp_size {t}: not tried (a saver)" for t in ev.job.autotp_degrees))
+                f"; tensor_parallel.autotp_size {t}: not tried (a saver)" for t in ev.job.autotp_degrees) + "".join(
+                f"; sequence_parallel_size {d}: not tried (a saver)" for d in ev.job.sp_degrees))
             return
         if ev.job.cpu:
             notes.append("offload to the host: not tried on CPU ranks (the host is the rank: what it moves stays in "
@@ -114,7 +119,8 @@ class SaverPhase(VariantExplorer):
             won = self._states_at_best(top)
         for plain in bound:
             for saver in savers_for(plain.stage, ev.job.checkpointing, ev.job.nvme_path, host=not ev.job.cpu,
-                                    bf16_states=bf16 and allowed, autotp=ev.job.autotp_degrees):
+                                    bf16_states=bf16 and allowed, autotp=ev.job.autotp_degrees,
+                                    sp=ev.job.sp_degrees):
                 won = self._visit(plain, saver) or won
         if won:
             self.refine()
@@ -205,8 +211,8 @@ class SaverPhase(VariantExplorer):
             result.reason = (f"memory model: mbs={lo} does not fit" if host_ok else
                              "memory model: the host memory cannot hold what it offloads")
             return self._logged(result)
-        own, tp = largest_within(self.values, est), _autotp(saver)
-        reach = self._reach(stage, tp)
+        own, degrees = largest_within(self.values, est), _degrees(saver)
+        reach = self._reach(stage, degrees)
         if own <= reach:
             result.decision = StageDecision.SKIPPED
             result.reason = (f"{predicted}: no larger than mbs={reach}, which already ran; a saver adds work per "
@@ -214,13 +220,13 @@ class SaverPhase(VariantExplorer):
             return self._logged(result)
         cheaper = [r for r in ev.result.stages if r.stage == stage and r.saver is not None and r is not result
                    and r.decision is not StageDecision.PRUNED and largest_within(self.values, r.estimate) >= own
-                   and _autotp(r.saver) == tp]
+                   and _degrees(r.saver) == degrees]
         if cheaper:
             result.decision = StageDecision.SKIPPED
             result.reason = (f"{predicted}: no larger than {cheaper[0].saver.name}'s mbs="
                              f"{largest_within(self.values, cheaper[0].estimate)}, which costs less")
             return self._logged(result)
-        cannot = self._bounded(plain, own) if tp is None else None  # AutoTP changes the work per sample
+        cannot = self._bounded(plain, own) if degrees == (None, None) else None  # TP, SP: other work per sample
         if cannot is not None:
             result.decision, result.reason = StageDecision.SKIPPED, f"{predicted}; {cannot}"
             return self._logged(result)
@@ -248,11 +254,12 @@ class SaverPhase(VariantExplorer):
         self._logged(result)
         return won
 
-    def _reach(self, stage: int, tp: int | None = None) -> int:
+    def _reach(self, stage: int, degrees: tuple[int | None, int | None] = (None, None)) -> int:
         """The largest mbs that ran ok in the best variant or in any variant of ``stage`` (``lo - 1``: none), among
-        those of AutoTP degree ``tp`` (None: the config's own): an mbs holds other samples per step at another."""
+        those of AutoTP and Ulysses ``degrees`` (`_degrees`; None: the config's own)."""
         runs = [p.mbs for r in self.ev.result.stages
-                if ((self.best is not None and r is self.best.result) or r.stage == stage) and _autotp(r.saver) == tp
+                if ((self.best is not None and r is self.best.result) or r.stage == stage)
+                and _degrees(r.saver) == degrees
                 for p in r.trace.ok_points]
         return max(runs, default=self.bounds.lo - 1)
 
