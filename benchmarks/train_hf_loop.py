@@ -6,7 +6,9 @@ there ``--report-throughput PATH`` has rank 0 write the wall-clock samples/s of 
 PATH (JSON: ``samples_per_s``, ``seconds``, ``timed_steps`` and the batch), what ``benchmarks.compare_deepspeed``
 re-measures an answer with. The default size (4 layers of width 512, a 16,384-token vocabulary, 21M parameters,
 sequences of 128) steps in about a second on 2 CPU ranks; ``--arch llama`` builds a LLaMA instead (AutoTP shards
-it). ``--long-seq-len L --long-every K`` mixes lengths: every K-th micro batch holds L tokens, the others
+it). A config's ``sequence_parallel_size`` s > 1 runs Ulysses (DeepSpeed's ``UlyssesSPAttentionHF`` over sdpa, its mpu
+passed to ``deepspeed.initialize``): each rank of a group takes 1/s of every sequence and its share of the loss
+(D336). ``--long-seq-len L --long-every K`` mixes lengths: every K-th micro batch holds L tokens, the others
 ``--seq-len`` (the data a tuning's few steps may never show its longest batch from)::
 
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 deepspeed --num_gpus 2 benchmarks/train_hf_loop.py --steps 10 \\
@@ -55,9 +57,13 @@ def main() -> None:
                                           num_hidden_layers=args.n_layer, num_attention_heads=args.n_head,
                                           num_key_value_heads=args.n_head, max_position_embeddings=positions,
                                           vocab_size=args.vocab)))
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
-    # the ranks of an AutoTP group see the same batch, the data-parallel ranks different ones
-    generator = torch.Generator().manual_seed(engine.global_rank // autotp_size(args.deepspeed_config))
+    sp = config_int(args.deepspeed_config, "sequence_parallel_size")
+    mpu = ulysses(model, sp, config_int(args.deepspeed_config, "train_micro_batch_size_per_gpu")) if sp > 1 else None
+    engine, _, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), mpu=mpu)
+    # the ranks of an AutoTP or Ulysses group see the same batch, the data-parallel ranks different ones
+    tp = config_int(args.deepspeed_config, "tensor_parallel", "autotp_size")
+    generator = torch.Generator().manual_seed(engine.global_rank // (tp * sp))
+    sp_rank = torch.distributed.get_rank(mpu.get_sequence_parallel_group()) if mpu is not None else 0
     mbs = engine.train_micro_batch_size_per_gpu()
     micro = 0
     timed_from = time.perf_counter()
@@ -67,7 +73,7 @@ def main() -> None:
             long = args.long_seq_len and args.long_every and micro % args.long_every == 0
             length = args.long_seq_len if long else args.seq_len
             tokens = torch.randint(0, args.vocab, (mbs, length), generator=generator).to(engine.device)
-            loss = engine(input_ids=tokens, labels=tokens).loss
+            loss = engine(input_ids=tokens, labels=tokens).loss if sp == 1 else shard_loss(engine, tokens, sp, sp_rank)
             engine.backward(loss)
             engine.step()
         time.sleep(args.step_wait)
@@ -80,13 +86,41 @@ def main() -> None:
     torch.distributed.destroy_process_group()
 
 
-def autotp_size(config_path: str | None) -> int:
-    """The config's ``tensor_parallel.autotp_size`` (1 without one)."""
+def config_int(config_path: str | None, *keys: str) -> int:
+    """The config's integer at ``keys`` (``sequence_parallel_size``; ``tensor_parallel``, ``autotp_size``): 1 where
+    absent or not above 1."""
     if not config_path:
         return 1
     with open(config_path) as f:
-        section = json.load(f).get("tensor_parallel") or {}
-    return max(1, int(section.get("autotp_size") or 1))
+        value = json.load(f)
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+
+
+def ulysses(model, sp: int, mbs: int):
+    """Register Ulysses attention of degree ``sp`` with transformers for ``model`` (sdpa underneath) and return the
+    mpu holding its groups, for ``deepspeed.initialize``."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sp, micro_batch_size=mbs,
+        seq_length_is_variable=True)
+
+
+def shard_loss(engine, tokens: torch.Tensor, sp: int, sp_rank: int) -> torch.Tensor:
+    """This rank's share of a Ulysses group's forward over ``tokens`` (mbs x length, the same on every rank of the
+    group): the ``sp_rank``-th 1/``sp`` of the sequence with its positions, and the mean next-token loss of that
+    shard (labels shifted before sharding; the last position has none). Equal shards make the ranks' averaged
+    gradients those of the whole sequence's mean loss."""
+    mbs, length = tokens.shape
+    if length % sp:
+        raise SystemExit(f"sequence length {length} is not divisible by sequence_parallel_size {sp}")
+    shift = torch.cat([tokens[:, 1:], torch.full((mbs, 1), -100, dtype=tokens.dtype, device=tokens.device)], dim=1)
+    positions = torch.arange(length, device=tokens.device).expand(mbs, -1)
+    part = slice(sp_rank * length // sp, (sp_rank + 1) * length // sp)
+    logits = engine(input_ids=tokens[:, part], position_ids=positions[:, part]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shift[:, part].reshape(-1),
+                                             ignore_index=-100)
 
 
 def write_report(path: str, engine, seconds: float, steps: int) -> None:

@@ -286,3 +286,18 @@ def test_a_longer_batch_at_step_1_is_not_the_seen_one_its_peak_lacks_the_optimiz
     write(tmp_path / "probe.rank0.jsonl", "".join(json.dumps(ln) + "\n" for ln in lines))
     run = expdir.finish(exp(), tmp_path, OBJECTIVES["throughput"], exit_code=0)
     assert (run.max_seq_len_seen, run.min_seq_len_seen) == (300, 128)  # step 1's 512 is left out of the longest
+
+
+def test_a_ulysses_config_whose_engine_ran_without_a_sequence_parallel_group_fails_naming_the_key(tmp_path):
+    # DeepSpeed counts sequence_parallel_size 2's ranks as one replica (train_batch_size 2 at mbs 2 on 2 ranks)
+    # even where the script passed no mpu and each rank trained whole sequences: samples/s half the truth (D336)
+    write(tmp_path / "metrics.json", json.dumps({"throughput": 10.0}))
+    ulysses = Experiment("z1_gas1_tmbspg2_sp2", {**CONFIG, "sequence_parallel_size": 2}, num_slots=2)
+    write(tmp_path / "engine_config.json", json.dumps({"sequence_parallel_size": 1}))
+    done = expdir.finish(ulysses, tmp_path, OBJECTIVES["throughput"], exit_code=0)
+    assert (done.status, done.metric) == (Status.FAILED, None)
+    assert done.error.startswith("sequence_parallel_size 2: the script's DeepSpeed engine ran with a sequence-parallel "
+                                 "group of 1: the script does not take Ulysses")
+    write(tmp_path / "engine_config.json", json.dumps({"sequence_parallel_size": 2}))  # the script's mpu: measured
+    ok = Experiment("z1_gas1_tmbspg2_sp2", {**CONFIG, "sequence_parallel_size": 2}, num_slots=2)
+    assert expdir.finish(ok, tmp_path, OBJECTIVES["throughput"], exit_code=0).status is Status.OK

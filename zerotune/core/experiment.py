@@ -87,7 +87,8 @@ class Experiment:
     bought_by: str = ""  # the strategy's rule that launched it ("gas: a re-measurement"); "" for the profile
     activation_slope_bytes: int | None = None  # CUDA: its own step's growth per sample, bytes (measure)
     max_seq_len_seen: int | None = None  # the longest sequence a micro batch of its run held from step 2 on, tokens
-    #                                      (step 1's without a later step; probe only): what its peak pairs with
+    #                                      (step 1's without a later step; probe only; under Ulysses the whole
+    #                                      sequence, its shard times the degree): what its peak pairs with
     min_seq_len_seen: int | None = None  # the shortest step's longest sequence, tokens (probe only): lengths vary
     pad_seq_len: int | None = None  # every micro batch's token ids padded to this length, tokens (--verify-longest)
     started_at: float | None = None  # when the scheduler launched it, seconds since the epoch (the report's timeline)

@@ -19,7 +19,9 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import activation_slope_bytes, measure, peak_bytes, seen_seq_lens
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EndReason
+from zerotune.deepspeed.auto import read_engine_record
 from zerotune.model.profile import CHECKPOINTED_ACTIVATIONS_KEY, SAVED_ACTIVATIONS_KEY
+from zerotune.model.zero_options import ZeroOptions
 from zerotune.probe import (
     PAD_FILE,
     clear_streams,
@@ -106,7 +108,7 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     DeepSpeed's (``metric_source`` "deepspeed": flops, no streams, too few steps). Recorded peaks set
     ``peak_memory_bytes`` (largest rank; else the backend's value stays); on CUDA ``activation_slope_bytes`` is the
     run's growth per sample (`zerotune.core.measure.activation_slope_bytes`), else None; ``max_seq_len_seen`` and
-    ``min_seq_len_seen`` come from `zerotune.core.measure.seen_seq_lens`.
+    ``min_seq_len_seen`` come from `zerotune.core.measure.seen_seq_lens` (times a Ulysses degree: whole sequences).
 
     Args:
         exit_code: the launcher's exit status (None if it never started).
@@ -163,8 +165,25 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
     mbs = exp.ds_config.get("train_micro_batch_size_per_gpu")
     exp.activation_slope_bytes = (activation_slope_bytes(streams, mbs) if isinstance(mbs, int) and not profile
                                   else None)
-    exp.max_seq_len_seen, exp.min_seq_len_seen = seen_seq_lens(streams)
+    sp = ZeroOptions.of(exp.ds_config).sp  # a Ulysses rank holds 1/sp of each sequence: lengths are whole ones
+    exp.max_seq_len_seen, exp.min_seq_len_seen = (n * sp if n else n for n in seen_seq_lens(streams))
+    _check_ulysses(exp, Path(exp_dir))
     return exp
+
+
+def _check_ulysses(exp: Experiment, exp_dir: Path) -> None:
+    """Fail an OK run whose config sets a Ulysses degree its engine did not run with (the probe's engine record): the
+    script passed DeepSpeed no sequence-parallel mpu, so each rank trained whole sequences while ``train_batch_size``
+    counted its group as one replica, and the run's samples/s are that degree too low (D336)."""
+    sp = ZeroOptions.of(exp.ds_config).sp
+    record = read_engine_record(exp_dir) if exp.status is Status.OK and sp > 1 else None
+    engine_sp = record.get("sequence_parallel_size") if record else None
+    if isinstance(engine_sp, int) and engine_sp != sp:
+        exp.status, exp.metric, exp.metric_source = Status.FAILED, None, ""
+        exp.error = (f"sequence_parallel_size {sp}: the script's DeepSpeed engine ran with a sequence-parallel group "
+                     f"of {engine_sp}: the script does not take Ulysses (it must pass deepspeed.initialize the mpu "
+                     f"of UlyssesSPAttentionHF.register_with_transformers, or use Accelerate's ParallelismConfig), "
+                     f"so each rank trained whole sequences; drop the key or list only 1")
 
 
 def output_bytes(exp_dir: Path) -> int:

@@ -17,6 +17,7 @@ from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.units import format_bytes
 from zerotune.inputs.options import LongestOptions
 from zerotune.model.tokens import LongestBatch, LongestCheck, check_longest, longest_batch
+from zerotune.model.zero_options import ZeroOptions
 
 __all__ = ["LongestResult", "VERIFY_SPACE", "settle_longest"]
 
@@ -119,10 +120,11 @@ def _others(ledger, answer: Experiment) -> bool:
 
 
 def _verify(ev, answer: Experiment, seq_len: int) -> Experiment:
-    """One run of the answer's config with every batch padded to ``seq_len`` tokens, outside the ledger (not a
-    candidate; its peak is not of the family's line in mbs)."""
+    """One run of the answer's config with every batch padded to ``seq_len`` tokens (a Ulysses rank's to its share),
+    outside the ledger (not a candidate; its peak is not of the family's line in mbs)."""
+    shard = seq_len // ZeroOptions.of(answer.ds_config).sp  # a Ulysses rank's share of each sequence
     exp = dataclasses.replace(ev.builder.experiment(answer.ds_config, answer.kind, answer.knobs),
-                              name=f"{answer.name}_longest{seq_len}", space=VERIFY_SPACE, pad_seq_len=seq_len)
+                              name=f"{answer.name}_longest{seq_len}", space=VERIFY_SPACE, pad_seq_len=shard)
     (done,) = ev.launch_outside_ledger([exp])
     logger.info(f"verified at the longest batch: {done.name}: {done.status.value if done.status else '-'}")
     return done

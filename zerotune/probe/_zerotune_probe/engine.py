@@ -161,7 +161,8 @@ def _end_step(state: dict | None, boundary: bool, start: float) -> None:
 def _record_engine(probe: _Probe, engine) -> None:
     """Rank 0 writes `ENGINE_RECORD` once, before the first forward: the config the engine got (a Trainer script's
     with its "auto" values filled in), the model's hidden size as the Trainer reads it, its maximum positions, the
-    engine's mbs, gas and train batch size, and the memory savers it really runs with (`_savers`). The profile run's
+    engine's mbs, gas and train batch size, its Ulysses degree (``sequence_parallel_size``: the size of the group a
+    script's mpu set up, 1 without one), and the memory savers it really runs with (`_savers`). The profile run's
     record resolves the hidden-size ``"auto"`` values (`zerotune.deepspeed.auto`)."""
     def record():
         if _rank(engine) != 0:
@@ -172,7 +173,8 @@ def _record_engine(probe: _Probe, engine) -> None:
                 "max_positions": _max_positions(getattr(engine, "module", None)),
                 "train_micro_batch_size_per_gpu": int(engine.train_micro_batch_size_per_gpu()),
                 "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
-                "train_batch_size": int(engine.train_batch_size()), **_savers(engine)}
+                "train_batch_size": int(engine.train_batch_size()),
+                "sequence_parallel_size": int(getattr(engine, "sequence_parallel_size", 1) or 1), **_savers(engine)}
     _write_record(os.path.join(probe.directory, ENGINE_RECORD), record, "recording the engine's config")
 
 
