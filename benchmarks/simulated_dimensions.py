@@ -1,4 +1,4 @@
-"""SIMULATED: zerotune's AutoTP degrees and bf16 states against the exhaustive optimum (issue 54).
+"""SIMULATED: zerotune's AutoTP and Ulysses degrees and bf16 states against the exhaustive optimum (issue 54).
 
 Nothing here runs on a GPU. Each scenario is a model on a SIMULATED cluster (``benchmarks/simcluster/model.py``,
 extended with AutoTP's sharding, activations and per-layer all-reduces and bf16 master weights and states). The user's
@@ -7,7 +7,8 @@ and ZeRO stages [0, 1, 2] (zerotune tunes AutoTP at stages 0-2, D331). The optim
 (stage x degree x bf16 states x mbs 1..1024, gas 1; zerotune's pick where it is better, at gas > 1). Per
 scenario: zerotune's pick as a fraction of the optimum's noise-free samples/s, its launches, and the ideal's: the
 profile plus one run per variant (stage, degree, states) whose best is within the noise level of the optimum (as
-``benchmarks/simulated_cluster.py``'s ideal, D28).
+``benchmarks/simulated_cluster.py``'s ideal, D28). The Ulysses scenarios' config lists ``sequence_parallel_size``
+[1, 2, 4, 8] at ZeRO stages [1, 2, 3] instead, over stage x degree x mbs.
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_dimensions`` (seconds).
 """
@@ -70,21 +71,49 @@ def variant_bests(sim: Simulator) -> dict[tuple[int, int, bool], tuple[int, floa
     return out
 
 
+SP_DEGREES = [1, 2, 4, 8]
+SP_SCENARIOS = [("Llama-8B 32k tokens 8xA100-40GB", sc.LLAMA_8B_32K, Cluster(sc.A100_40, 1, sc.NONE), 2011),
+                ("Llama-8B 32k tokens 8xH100-80GB", sc.LLAMA_8B_32K, Cluster(sc.H100_80, 1, sc.NONE), 2012)]
+SP_CONFIG: dict[str, Any] = {**{k: v for k, v in USER_CONFIG.items() if k != "tensor_parallel"},
+                             "zero_optimization": {"stage": [1, 2, 3]}, "sequence_parallel_size": SP_DEGREES,
+                             "autotuning": {**USER_CONFIG["autotuning"], "allow_reduced_precision_states": False}}
+
+
+def sp_config(stage: int, sp: int, mbs: int) -> dict[str, Any]:
+    """The Ulysses space's config: stage, degree, mbs, gas 1."""
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp}
+
+
+def sp_bests(sim: Simulator) -> dict[tuple[int, int], tuple[int, float]]:
+    """(stage, Ulysses degree) -> (its best mbs, noise-free samples/s), for the variants where some mbs fits."""
+    out = {}
+    for stage, sp in itertools.product((1, 2, 3), SP_DEGREES):
+        for mbs in range(1, MAX_MBS + 1):
+            value = sim.throughput(sp_config(stage, sp, mbs))
+            if value is None:
+                break
+            if value > out.get((stage, sp), (0, 0.0))[1]:
+                out[(stage, sp)] = (mbs, value)
+    return out
+
+
 def describe(cfg: dict[str, Any] | None) -> str:
     if cfg is None:
         return "-"
     z = ZeroSettings.from_config(cfg)
     return (f"z{z.stage}/mbs{z.mbs}" + (f"/gas{z.gas}" if z.gas > 1 else "") + (f"/tp{z.tp}" if z.tp > 1 else "")
-            + ("/bf16 states" if z.bf16_states else ""))
+            + (f"/sp{z.sp}" if z.sp > 1 else "") + ("/bf16 states" if z.bf16_states else ""))
 
 
-def run_zerotune(sim: Simulator, workdir: Path) -> tuple[dict[str, Any] | None, int]:
-    """zerotune's answer on ``sim`` and its launches (the profile included)."""
+def run_zerotune(sim: Simulator, workdir: Path, user_config: dict[str, Any] = USER_CONFIG
+                 ) -> tuple[dict[str, Any] | None, int]:
+    """zerotune's answer on ``sim`` for ``user_config`` and its launches (the profile included)."""
     hostfile = workdir / "hostfile"
     hostfile.write_text("".join(f"sim-node-{i} slots={sim.cluster.gpus_per_node}\n"
                                 for i in range(sim.cluster.num_nodes)))
     config = workdir / "ds.json"
-    config.write_text(json.dumps(USER_CONFIG))
+    config.write_text(json.dumps(user_config))
     backend = SimulatedBackend(sim, metric="throughput", start_profile_step=3, end_profile_step=5)
     options = TuneOptions(device_memory_bytes=sim.cluster.device.memory_bytes, results_dir=str(workdir / "r"),
                           overwrite=True, cpu=False, hostfile=str(hostfile))
@@ -94,15 +123,15 @@ def run_zerotune(sim: Simulator, workdir: Path) -> tuple[dict[str, Any] | None, 
     return tuner.tune().ds_config, len(backend.ledger)
 
 
-def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str) -> dict[str, Any]:
+def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str, ulysses: bool = False) -> dict[str, Any]:
     sim = Simulator(model, cluster, seed=seed)
-    bests = variant_bests(sim)
-    (stage, tp, states), (mbs, optimum) = max(bests.items(), key=lambda kv: kv[1][1])
+    bests = sp_bests(sim) if ulysses else variant_bests(sim)
+    variant, (mbs, optimum) = max(bests.items(), key=lambda kv: kv[1][1])
     within = [v for v, (_, value) in bests.items() if value >= (1 - sim.noise_level) * optimum]
     with tempfile.TemporaryDirectory(dir=tmp) as workdir:
-        chosen, launches = run_zerotune(sim, Path(workdir))
+        chosen, launches = run_zerotune(sim, Path(workdir), SP_CONFIG if ulysses else USER_CONFIG)
     true = sim.throughput(chosen) if chosen else None
-    best_cfg = variant_config(stage, tp, states, mbs)
+    best_cfg = sp_config(*variant, mbs) if ulysses else variant_config(*variant, mbs)
     if true is not None and true > optimum:  # zerotune's pick is outside the space (gas > 1) and better
         best_cfg, optimum = chosen, true
     return {"scenario": name, "optimum": describe(best_cfg), "optimum_samples_s": optimum,
@@ -113,7 +142,14 @@ def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str) -> dic
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_scenario(*sc, tmp) for sc in SCENARIOS]
+        sp_rows = [run_scenario(*sc, tmp, ulysses=True) for sc in SP_SCENARIOS]
     print("SIMULATED (benchmarks/simcluster: no GPU ran): zerotune with autotp_size [1, 2, 4] and bf16 states allowed")
+    report(rows)
+    print("SIMULATED: zerotune with sequence_parallel_size [1, 2, 4, 8] at ZeRO stages [1, 2, 3]")
+    report(sp_rows)
+
+
+def report(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(f"{r['scenario']:32} optimum {r['optimum']:28} {r['optimum_samples_s']:8.2f} samples/s | zerotune "
               f"{r['zerotune']:28} {r['fraction']:7.2%} of it, {r['launches']} launches (ideal {r['ideal_launches']})")

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.simcluster.model import Outcome, Simulator
+from benchmarks.simcluster.model import Outcome, Simulator, ZeroSettings
 from zerotune.core.experiment import Experiment, ExperimentKind
 from zerotune.core.launch import Reservation
 from zerotune.core.objective import Objective
@@ -106,10 +106,11 @@ class SimulatedBackend(Backend):
         (exp_dir / expdir.STDERR_LOG).write_text(stderr)
         (exp_dir / expdir.STDOUT_LOG).write_text(f"[SIMULATED] {outcome.status} after {duration:.1f} s\n")
         if outcome.ok and ended is None:  # what DeepSpeed's engine would write: model_info.json or metrics.json
-            result = self.sim.model_info(exp.mbs) if profile else self.sim.metrics(outcome)
+            sp = ZeroSettings.from_config(exp.ds_config).sp
+            result = self.sim.model_info(exp.mbs, sp) if profile else self.sim.metrics(outcome)
             write_json_atomic(expdir.result_path(exp, exp_dir), result)
             if profile:  # what zerotune's probe would write in the profile run
-                write_json_atomic(exp_dir / ACTIVATIONS_RECORD, self.sim.probe_activations(exp.mbs))
+                write_json_atomic(exp_dir / ACTIVATIONS_RECORD, self.sim.probe_activations(exp.mbs, sp))
         for rank, records in streams.items():  # what zerotune's step probe would write
             (exp_dir / stream_name(rank)).write_text("".join(json.dumps(r) + "\n" for r in records))
 

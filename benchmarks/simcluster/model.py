@@ -26,7 +26,10 @@ the optimizer states and the fp32 gradient partition, ``offload_param`` the stag
 weights and states make K 6 and the gradient partition 2Ψ/N; AutoTP t, stages 0-2, puts Ψ/t on a rank,
 partitioned over N/t, and divides the layers' FLOPs and most of their activations by t, for four
 activation-sized all-reduces per layer and micro-step on NVLink, six with checkpointing:
-:meth:`Simulator.tp_all_reduce_s`; its t ranks hold one batch.)
+:meth:`Simulator.tp_all_reduce_s`; its t ranks hold one batch. Ulysses sp (``sequence_parallel_size``) puts 1/sp of
+each sequence on a rank, dividing its activations and FLOPs by sp, for four all-to-alls per layer forward and four
+backward of its shard's ``2·mbs·(s/sp)·h`` bytes (Jacobs et al. 2023, DeepSpeed-Ulysses, sec. 3), on NVLink within
+a node: :meth:`Simulator.ulysses_all_to_all_s`; its sp ranks hold one batch.)
 Activations per sample follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s·(11h + 3h + 4·ffn)``
 bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
@@ -304,6 +307,7 @@ class ZeroSettings:
     offload_optimizer: bool
     offload_param: bool
     tp: int = 1  # tensor_parallel.autotp_size (stages 0-2)
+    sp: int = 1  # sequence_parallel_size (Ulysses)
     bf16_states: bool = False  # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3)
 
     @classmethod
@@ -332,6 +336,7 @@ class ZeroSettings:
             offload_optimizer=stage >= 1 and offloaded("offload_optimizer"),
             offload_param=stage == 3 and offloaded("offload_param"),
             tp=tp if stage <= 2 else 1,
+            sp=int(ds_config.get("sequence_parallel_size") or 1),
             bf16_states=stage >= 1 and bool(bf16.get("bf16_master_weights_and_grads"))
             and bool(bf16.get("bf16_optimizer_states")),
         )
@@ -339,7 +344,7 @@ class ZeroSettings:
     def key(self) -> str:
         """What identifies the config for the simulator (and seeds its noise); a setting at its default (no AutoTP,
         no bf16 states) is left out, so a config without them draws the noise it drew before they were modelled."""
-        defaults = {"tp": 1, "bf16_states": False}
+        defaults = {"tp": 1, "sp": 1, "bf16_states": False}
         return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()) if defaults.get(k, object()) != v)
 
 
@@ -468,7 +473,7 @@ class Simulator:
             buffers = 2 * z.reduce_bucket_size
         else:
             buffers = 2 * z.reduce_bucket_size * (2 if z.overlap_comm else 1)
-        activations = self.model.tp_peak_activation_bytes(z.tp) * z.mbs
+        activations = self.model.tp_peak_activation_bytes(z.tp) * z.mbs // z.sp
         frag = FRAGMENTATION * (activations + buffers)
         return MemoryBreakdown(int(params), int(grads), int(optim), int(buffers), int(activations),
                                int(self.cluster.context_bytes), int(frag))
@@ -498,14 +503,28 @@ class Simulator:
         return self.memory(ds_config).total <= self.cluster.device.memory_bytes
 
     # -- time -----------------------------------------------------------------------------------
-    def compute_s(self, mbs: int, tp: int = 1) -> float:
+    def compute_s(self, mbs: int, tp: int = 1, sp: int = 1) -> float:
         """Seconds of forward + backward compute of one micro-step, no memory pressure (on a rank of a
-        tensor-parallel group of ``tp``: its share of the FLOPs, with the efficiency of its narrower matrices)."""
+        tensor-parallel group of ``tp``: its share of the FLOPs, with the efficiency of its narrower matrices; of a
+        Ulysses group of ``sp``: 1/sp of the FLOPs, over its shard's tokens)."""
         m, d = self.model, self.cluster.device
-        tokens = mbs * m.seq_len
+        tokens = mbs * m.seq_len / sp
         width = m.hidden / tp
         eff = d.mfu_max * width / (width + 640) * tokens / (tokens + 1024)
-        return mbs * m.tp_flops_per_sample(tp) / (d.peak_flops * eff) + m.num_layers * 0.25e-3
+        return mbs * m.tp_flops_per_sample(tp) / sp / (d.peak_flops * eff) + m.num_layers * 0.25e-3
+
+    def ulysses_all_to_all_s(self, mbs: int, sp: int) -> float:
+        """Seconds of one micro-step's Ulysses all-to-alls (Jacobs et al. 2023, sec. 3): q, k, v and the attention
+        output, four per layer in the forward and four in the backward (four more with checkpointing), each moving
+        (sp-1)/sp of the shard's ``2·mbs·(s/sp)·h`` bytes; on NVLink within a node, over the interconnect across
+        nodes; never overlapped."""
+        if sp == 1:
+            return 0.0
+        m, c = self.model, self.cluster
+        count = (12 if m.activation_checkpointing else 8) * m.num_layers
+        volume = (sp - 1) / sp * 2 * mbs * m.seq_len / sp * m.hidden
+        link = c.device.nvlink_bytes_per_s if sp <= c.gpus_per_node else c.bus_bytes_per_s
+        return count * (volume / link + c.intra_latency_s * math.log2(sp))
 
     def tp_all_reduce_s(self, mbs: int, tp: int) -> float:
         """Seconds of one micro-step's tensor-parallel all-reduces (Shoeybi et al. 2019, sec. 3): two per layer in
@@ -543,7 +562,7 @@ class Simulator:
         mem = self.memory(ds_config)
         frac = mem.total / c.device.memory_bytes
         pressure = 1 + PRESSURE_MAX_SLOWDOWN * (max(0.0, min(frac, 1.0) - PRESSURE_START) / (1 - PRESSURE_START)) ** 2
-        compute = self.compute_s(z.mbs, z.tp) * pressure
+        compute = self.compute_s(z.mbs, z.tp, z.sp) * pressure
         if z.stage == 3:
             compute += L * 0.2e-3  # ZeRO-3 per-module pre/post hooks (host side)
         bwd_share = 3 / 4 if m.activation_checkpointing else 2 / 3
@@ -553,7 +572,7 @@ class Simulator:
         rs_calls = math.ceil(psi / z.reduce_bucket_size)
         reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter, ranks=dp)
         last_bucket = z.reduce_bucket_size / psi
-        micro, boundary, hooks = self.tp_all_reduce_s(z.mbs, z.tp), 0.0, 0.0
+        micro, boundary, hooks = self.tp_all_reduce_s(z.mbs, z.tp) + self.ulysses_all_to_all_s(z.mbs, z.sp), 0.0, 0.0
         if z.stage == 0:
             boundary = self._collective_s(grad_bytes, math.ceil(psi / STAGE0_ALLREDUCE_ELEMENTS), all_reduce=True,
                                           ranks=dp)
@@ -587,7 +606,7 @@ class Simulator:
         latency = z.gas * (compute + micro) + boundary + optimizer
         return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,
                              optimizer_s=optimizer, pressure=pressure, noise=noise,
-                             samples=z.mbs * z.gas * dp, flops_per_sample=m.flops_per_sample, num_gpus=n,
+                             samples=z.mbs * z.gas * dp // z.sp, flops_per_sample=m.flops_per_sample, num_gpus=n,
                              latency_s=latency * noise, probed_boundary_s=(boundary - hooks + optimizer) * noise,
                              tp=z.tp)
 
@@ -653,7 +672,8 @@ class Simulator:
         rng = self.rng(ds_config)
         step = self.step(ds_config, noise=rng.lognormvariate(0, self.noise_level))
         if profile:
-            fwd = self.model.forward_activation_bytes * ZeroSettings.from_config(ds_config).mbs
+            z = ZeroSettings.from_config(ds_config)
+            fwd = self.model.forward_activation_bytes * z.mbs // z.sp
             ok = mem.total - mem.activations - mem.fragmentation + fwd <= budget
             return Outcome("ok" if ok else "oom", self.startup_s() + step.compute_s / 3, mem, step,
                            oom_phase="" if ok else "step")
@@ -673,18 +693,19 @@ class Simulator:
         return {"latency": latency * 1e6, "throughput": step.samples * step.tp / latency,
                 "FLOPS_per_gpu": step.flops_per_sample * step.samples / step.num_gpus / latency}
 
-    def model_info(self, mbs: int = 1) -> dict[str, int]:
-        """``model_info.json`` as DeepSpeed's engine writes it in a profile run at micro batch size ``mbs``."""
+    def model_info(self, mbs: int = 1, sp: int = 1) -> dict[str, int]:
+        """``model_info.json`` as DeepSpeed's engine writes it in a profile run at micro batch size ``mbs`` (and
+        Ulysses degree ``sp``: a rank's share of each sequence)."""
         psi = self.model.num_params
         return {"num_params": psi, "trainable_num_params": psi,
-                "activation_mem_per_gpu": self.model.forward_activation_bytes * mbs, "rank": 0}
+                "activation_mem_per_gpu": self.model.forward_activation_bytes * mbs // sp, "rank": 0}
 
-    def probe_activations(self, mbs: int = 1) -> dict[str, int]:
-        """The ``activations.json`` zerotune's probe writes in a profile run at micro batch size ``mbs``
-        (:mod:`zerotune.probe.sitecustomize`): the bytes the forward saves for the backward pass and, with
-        activation checkpointing, the most one checkpointed region (a layer) saves as it is recomputed."""
+    def probe_activations(self, mbs: int = 1, sp: int = 1) -> dict[str, int]:
+        """The ``activations.json`` zerotune's probe writes in a profile run at micro batch size ``mbs`` and Ulysses
+        degree ``sp`` (:mod:`zerotune.probe.sitecustomize`): the bytes the forward saves for the backward pass and,
+        with activation checkpointing, the most one checkpointed region (a layer) saves as it is recomputed."""
         m = self.model
-        record = {"saved_bytes": m.forward_activation_bytes * mbs, "micro_batch_size": mbs}
+        record = {"saved_bytes": m.forward_activation_bytes * mbs // sp, "micro_batch_size": mbs}
         if m.activation_checkpointing:
-            record.update(recompute_bytes=m.layer_activation_bytes * mbs, recompute_regions=m.num_layers)
+            record.update(recompute_bytes=m.layer_activation_bytes * mbs // sp, recompute_regions=m.num_layers)
         return record

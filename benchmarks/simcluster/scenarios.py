@@ -35,6 +35,8 @@ GPT_13B = Transformer("GPT-13B", 40, 5120, 20480, 50257, activation_checkpointin
 OPT_30B = Transformer("OPT-30B", 48, 7168, 28672, 50272, activation_checkpointing=True)
 LLAMA_70B = Transformer("Llama-70B", 80, 8192, 28672, 32000, kv_fraction=0.125, gated_mlp=True,
                         tied_embeddings=False, activation_checkpointing=True)
+LLAMA_8B_32K = Transformer("Llama-8B-32k", 32, 4096, 14336, 128256, seq_len=32768, kv_fraction=0.25, gated_mlp=True,
+                           tied_embeddings=False, activation_checkpointing=True)
 
 
 @dataclass(frozen=True)

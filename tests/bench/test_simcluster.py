@@ -156,3 +156,23 @@ def test_zerotune_reaches_the_simulated_optimum_of_autotp_2_with_bf16_states(tmp
     row = run_scenario(*SCENARIOS[0], str(tmp_path))  # GPT-13B on 4 nodes of 8 A100-40GB, one 100G NIC each
     assert (row["zerotune"], row["optimum"]) == ("z2/mbs12/gas2/tp2/bf16 states", "z2/mbs12/gas2/tp2/bf16 states")
     assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (24, 2)
+
+
+def test_a_ulysses_step_divides_a_ranks_activations_and_flops_by_its_degree_and_counts_its_batch_once():
+    sim = Simulator(GPT_1_3B, ONE_NODE)
+    plain = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    ulysses = {**plain, "sequence_parallel_size": 4}
+    assert sim.memory(ulysses).activations == sim.memory(plain).activations // 4
+    step = sim.step(ulysses)
+    assert (step.samples, step.tp) == (4 * 8 // 4, 1)  # 2 replicas of 4 ranks; DeepSpeed's train_batch_size too
+    assert step.exposed_comm_micro_s >= sim.ulysses_all_to_all_s(4, 4) > 0
+    # a rank's quarter of 4 sequences: the FLOPs and tokens of one whole sequence
+    assert sim.compute_s(4, sp=4) == pytest.approx(sim.compute_s(1))
+    assert {r["train_batch_size"] for r in sim.run(ulysses).streams[0]} == {8}
+
+
+def test_zerotune_reaches_the_simulated_optimum_of_ulysses_8_at_32k_tokens(tmp_path):
+    from benchmarks.simulated_dimensions import SP_SCENARIOS, run_scenario
+    row = run_scenario(*SP_SCENARIOS[0], str(tmp_path), ulysses=True)  # Llama-8B at 32k tokens, 8 A100-40GB
+    assert (row["zerotune"], row["optimum"]) == ("z3/mbs3/sp8", "z3/mbs3/sp8")
+    assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (5, 2)
