@@ -172,18 +172,26 @@ def finish(exp: Experiment, exp_dir: Path, objective: Objective, exit_code: int 
 
 
 def _check_ulysses(exp: Experiment, exp_dir: Path) -> None:
-    """Fail an OK run whose config sets a Ulysses degree its engine did not run with (the probe's engine record): the
-    script passed DeepSpeed no sequence-parallel mpu, so each rank trained whole sequences while ``train_batch_size``
-    counted its group as one replica, and the run's samples/s are that degree too low (D336)."""
+    """Fail an OK run whose config sets a Ulysses degree its engine did not run with (`ulysses_refused`)."""
+    error = ulysses_refused(exp, exp_dir) if exp.status is Status.OK else None
+    if error is not None:
+        exp.status, exp.metric, exp.metric_source, exp.error = Status.FAILED, None, "", error
+
+
+def ulysses_refused(exp: Experiment, exp_dir: Path) -> str | None:
+    """Why ``exp``'s run does not count: its config sets a Ulysses degree (``sequence_parallel_size``) and the probe's
+    engine record says the engine ran with another, as when the script passes DeepSpeed no sequence-parallel mpu:
+    each rank trained whole sequences while ``train_batch_size`` counted its group as one replica, so its samples/s
+    are that degree too low (D336). None: no degree over 1, no record, or the engine's agrees."""
     sp = ZeroOptions.of(exp.ds_config).sp
-    record = read_engine_record(exp_dir) if exp.status is Status.OK and sp > 1 else None
+    record = read_engine_record(exp_dir) if sp > 1 else None
     engine_sp = record.get("sequence_parallel_size") if record else None
-    if isinstance(engine_sp, int) and engine_sp != sp:
-        exp.status, exp.metric, exp.metric_source = Status.FAILED, None, ""
-        exp.error = (f"sequence_parallel_size {sp}: the script's DeepSpeed engine ran with a sequence-parallel group "
-                     f"of {engine_sp}: the script does not take Ulysses (it must pass deepspeed.initialize the mpu "
-                     f"of UlyssesSPAttentionHF.register_with_transformers, or use Accelerate's ParallelismConfig), "
-                     f"so each rank trained whole sequences; drop the key or list only 1")
+    if not isinstance(engine_sp, int) or engine_sp == sp:
+        return None
+    return (f"sequence_parallel_size {sp}: the script's DeepSpeed engine ran with a sequence-parallel group of "
+            f"{engine_sp}: the script does not take Ulysses (it must pass deepspeed.initialize the mpu of "
+            f"UlyssesSPAttentionHF.register_with_transformers, or use Accelerate's ParallelismConfig), so each rank "
+            f"trained whole sequences; drop the key or list only 1")
 
 
 def output_bytes(exp_dir: Path) -> int:

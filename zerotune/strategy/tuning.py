@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from typing import Sequence
 
-from zerotune.core.errors import TuningFailed
+from zerotune.core.errors import ConfigError, TuningFailed
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.measure import Pooled
 from zerotune.core.units import format_bytes
@@ -25,6 +25,7 @@ from zerotune.model.profile import ModelInfo
 from zerotune.model.tokens import square_bytes
 from zerotune.model.zero_options import ZeroOptions
 from zerotune.probe import read_square_activations
+from zerotune.run.expdir import ulysses_refused
 from zerotune.strategy import remeasure
 from zerotune.strategy.answer import NEAR_CAPACITY
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluate, Evaluator, buying
@@ -170,9 +171,13 @@ class Strategy:
         backend's sampled peak; CUDA: the probe's device peak).
 
         Raises:
-            TuningFailed: the profile run did not finish ok.
+            ConfigError: the config lists a Ulysses degree the script does not take (`expdir.ulysses_refused`).
+            TuningFailed: the profile run did not finish ok otherwise.
         """
         (exp,) = self.evaluate([self.builder.profile()])
+        refused = ulysses_refused(exp, self.job.exps_dir / exp.name)
+        if refused is not None:
+            raise ConfigError(f"{self.job.config_path}: {refused}")
         if exp.status != Status.OK:
             raise TuningFailed(f"the profile run failed ({exp.status.value if exp.status else '?'}: {exp.error}); "
                                f"see {self.job.exps_dir / exp.name}")
