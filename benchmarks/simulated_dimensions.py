@@ -8,7 +8,10 @@ and ZeRO stages [0, 1, 2] (zerotune tunes AutoTP at stages 0-2, D331). The optim
 scenario: zerotune's pick as a fraction of the optimum's noise-free samples/s, its launches, and the ideal's: the
 profile plus one run per variant (stage, degree, states) whose best is within the noise level of the optimum (as
 ``benchmarks/simulated_cluster.py``'s ideal, D28). The Ulysses scenarios' config lists ``sequence_parallel_size``
-[1, 2, 4, 8] at ZeRO stages [1, 2, 3] instead, over stage x degree x mbs.
+[1, 2, 4, 8] at ZeRO stages [1, 2, 3] instead, over stage x degree x mbs. The offload ratio scenario tunes ZeRO-3 at
+mbs up to 4 (a global batch the user bounds), its config offloading the optimizer (no profile fits without), over no
+offload and each share of the optimizer's sub-groups kept on the
+device (``offload_optimizer.ratio``) x mbs.
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_dimensions`` (seconds).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -31,6 +35,7 @@ from benchmarks.simcluster.backend import SimulatedBackend  # noqa: E402
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings  # noqa: E402
 from zerotune.autotuner import Autotuner, TuneOptions  # noqa: E402
 from zerotune.run.resources import select_resources  # noqa: E402
+from zerotune.strategy.partial_offload import offload_ratio  # noqa: E402
 
 MAX_MBS = 1024
 DEGREES = [1, 2, 4]
@@ -98,12 +103,46 @@ def sp_bests(sim: Simulator) -> dict[tuple[int, int], tuple[int, float]]:
     return out
 
 
+RATIO_MAX_MBS = 4
+RATIO_SCENARIOS = [("Llama-70B 32xA100-40GB RoCE mbs<=4", sc.LLAMA_70B, Cluster(sc.A100_40, 4, sc.ROCE_4x100G), 2021)]
+RATIO_CONFIG: dict[str, Any] = {**{k: v for k, v in SP_CONFIG.items() if k != "sequence_parallel_size"},
+                                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+                                "autotuning": {**SP_CONFIG["autotuning"],
+                                               "max_train_micro_batch_size_per_gpu": RATIO_MAX_MBS}}
+
+
+def ratio_config(kept: int | None, groups: int, mbs: int) -> dict[str, Any]:
+    """The ratio space's config: ZeRO-3 at ``mbs``, gas 1, with no offload (``kept`` None) or the optimizer offloaded
+    but ``kept`` of its ``groups`` sub-groups a rank (0: a full offload, no ratio written)."""
+    zero: dict[str, Any] = {"stage": 3}
+    if kept is not None:
+        zero["offload_optimizer"] = {"device": "cpu", **({"ratio": offload_ratio(kept, groups)} if kept else {})}
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": zero}
+
+
+def ratio_bests(sim: Simulator) -> dict[tuple[int | None, int], tuple[int, float]]:
+    """(sub-groups kept or None, G) -> (its best mbs, noise-free samples/s), where some mbs up to 4 fits."""
+    groups = max(1, math.ceil(sim.model.num_params / sim.cluster.num_gpus / 1e9))
+    out = {}
+    for kept in (None, *range(groups)):
+        for mbs in range(1, RATIO_MAX_MBS + 1):
+            value = sim.throughput(ratio_config(kept, groups, mbs))
+            if value is None:
+                break
+            if value > out.get((kept, groups), (0, 0.0))[1]:
+                out[(kept, groups)] = (mbs, value)
+    return out
+
+
 def describe(cfg: dict[str, Any] | None) -> str:
     if cfg is None:
         return "-"
     z = ZeroSettings.from_config(cfg)
     return (f"z{z.stage}/mbs{z.mbs}" + (f"/gas{z.gas}" if z.gas > 1 else "") + (f"/tp{z.tp}" if z.tp > 1 else "")
-            + (f"/sp{z.sp}" if z.sp > 1 else "") + ("/bf16 states" if z.bf16_states else ""))
+            + (f"/sp{z.sp}" if z.sp > 1 else "") + ("/bf16 states" if z.bf16_states else "")
+            + (f"/offload{'' if z.offload_ratio == 1 else f' ratio {z.offload_ratio:g}'}" if z.offload_optimizer
+               else ""))
 
 
 def run_zerotune(sim: Simulator, workdir: Path, user_config: dict[str, Any] = USER_CONFIG
@@ -123,15 +162,20 @@ def run_zerotune(sim: Simulator, workdir: Path, user_config: dict[str, Any] = US
     return tuner.tune().ds_config, len(backend.ledger)
 
 
-def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str, ulysses: bool = False) -> dict[str, Any]:
+SPACES = {"autotp": (variant_bests, variant_config, USER_CONFIG), "ulysses": (sp_bests, sp_config, SP_CONFIG),
+          "ratio": (ratio_bests, ratio_config, RATIO_CONFIG)}
+
+
+def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str, space: str = "autotp") -> dict[str, Any]:
     sim = Simulator(model, cluster, seed=seed)
-    bests = sp_bests(sim) if ulysses else variant_bests(sim)
+    bests_of, config_of, user_config = SPACES[space]
+    bests = bests_of(sim)
     variant, (mbs, optimum) = max(bests.items(), key=lambda kv: kv[1][1])
     within = [v for v, (_, value) in bests.items() if value >= (1 - sim.noise_level) * optimum]
     with tempfile.TemporaryDirectory(dir=tmp) as workdir:
-        chosen, launches = run_zerotune(sim, Path(workdir), SP_CONFIG if ulysses else USER_CONFIG)
+        chosen, launches = run_zerotune(sim, Path(workdir), user_config)
     true = sim.throughput(chosen) if chosen else None
-    best_cfg = sp_config(*variant, mbs) if ulysses else variant_config(*variant, mbs)
+    best_cfg = config_of(*variant, mbs)
     if true is not None and true > optimum:  # zerotune's pick is outside the space (gas > 1) and better
         best_cfg, optimum = chosen, true
     return {"scenario": name, "optimum": describe(best_cfg), "optimum_samples_s": optimum,
@@ -142,11 +186,14 @@ def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str, ulysse
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_scenario(*sc, tmp) for sc in SCENARIOS]
-        sp_rows = [run_scenario(*sc, tmp, ulysses=True) for sc in SP_SCENARIOS]
+        sp_rows = [run_scenario(*sc, tmp, space="ulysses") for sc in SP_SCENARIOS]
+        ratio_rows = [run_scenario(*sc, tmp, space="ratio") for sc in RATIO_SCENARIOS]
     print("SIMULATED (benchmarks/simcluster: no GPU ran): zerotune with autotp_size [1, 2, 4] and bf16 states allowed")
     report(rows)
     print("SIMULATED: zerotune with sequence_parallel_size [1, 2, 4, 8] at ZeRO stages [1, 2, 3]")
     report(sp_rows)
+    print("SIMULATED: zerotune on ZeRO-3 at mbs <= 4, where only an offloaded optimizer fits")
+    report(ratio_rows)
 
 
 def report(rows: list[dict[str, Any]]) -> None:

@@ -29,7 +29,9 @@ activation-sized all-reduces per layer and micro-step on NVLink, six with checkp
 :meth:`Simulator.tp_all_reduce_s`; its t ranks hold one batch. Ulysses sp (``sequence_parallel_size``) puts 1/sp of
 each sequence on a rank, dividing its activations and FLOPs by sp, for four all-to-alls per layer forward and four
 backward of its shard's ``2·mbs·(s/sp)·h`` bytes (Jacobs et al. 2023, DeepSpeed-Ulysses, sec. 3), on NVLink within
-a node: :meth:`Simulator.ulysses_all_to_all_s`; its sp ranks hold one batch.)
+a node: :meth:`Simulator.ulysses_all_to_all_s`; its sp ranks hold one batch. ``offload_optimizer.ratio`` r at
+stage 3 keeps ``int((1 - r)·G)`` of a rank's G sub-groups (of ``sub_group_size``) on the device, their states and
+fp32 gradients there and their Adam step on it, the others' on the host: :meth:`ZeroSettings.device_share`.)
 Activations per sample follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s·(11h + 3h + 4·ffn)``
 bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
@@ -308,6 +310,8 @@ class ZeroSettings:
     offload_param: bool
     tp: int = 1  # tensor_parallel.autotp_size (stages 0-2)
     sp: int = 1  # sequence_parallel_size (Ulysses)
+    offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): the share of optimizer sub-groups on the host
+    sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size, elements
     bf16_states: bool = False  # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3)
 
     @classmethod
@@ -337,14 +341,25 @@ class ZeroSettings:
             offload_param=stage == 3 and offloaded("offload_param"),
             tp=tp if stage <= 2 else 1,
             sp=int(ds_config.get("sequence_parallel_size") or 1),
+            offload_ratio=float((zero.get("offload_optimizer") or {}).get("ratio", 1.0)) if stage == 3 else 1.0,
+            sub_group_size=int(float(zero.get("sub_group_size", 1_000_000_000))),
             bf16_states=stage >= 1 and bool(bf16.get("bf16_master_weights_and_grads"))
             and bool(bf16.get("bf16_optimizer_states")),
         )
 
+    def device_share(self, psi: float, n: float) -> float:
+        """The share of the optimizer's sub-groups an ``offload_optimizer`` leaves on the device: DeepSpeed's
+        ``int((1 - ratio) * G) / G`` for G = ceil(Ψ/N / sub_group_size) sub-groups (``zero/stage3.py``); 1 without
+        offload, 0 for a full one."""
+        if not self.offload_optimizer:
+            return 1.0
+        groups = max(1, math.ceil(psi / n / self.sub_group_size))
+        return int((1 - self.offload_ratio) * groups) / groups
+
     def key(self) -> str:
         """What identifies the config for the simulator (and seeds its noise); a setting at its default (no AutoTP,
         no bf16 states) is left out, so a config without them draws the noise it drew before they were modelled."""
-        defaults = {"tp": 1, "sp": 1, "bf16_states": False}
+        defaults = {"tp": 1, "sp": 1, "bf16_states": False, "offload_ratio": 1.0, "sub_group_size": 1_000_000_000}
         return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()) if defaults.get(k, object()) != v)
 
 
@@ -431,8 +446,9 @@ def model_state_bytes(z: ZeroSettings, psi: int, n: int) -> tuple[float, float, 
         params = 2 * psi
     else:
         params = (0 if z.offload_param else 2 * psi / n) + 2 * min(psi, z.max_live_parameters)
-    grads = (2 * psi if z.stage == 1 else 2 * psi / n) + (0 if z.offload_optimizer else g * psi / n)
-    optim = 0 if z.offload_optimizer else k * psi / n
+    keep = z.device_share(psi, n)  # offload_optimizer.ratio: the sub-groups left on the device
+    grads = (2 * psi if z.stage == 1 else 2 * psi / n) + keep * g * psi / n
+    optim = keep * k * psi / n
     return params, grads, optim
 
 
@@ -597,11 +613,11 @@ class Simulator:
                 micro += 2 * 2 * psi / n / c.pcie_bytes_per_s
 
         local = psi if z.stage == 0 else psi / dp
+        keep = z.device_share(psi, dp)  # partial offload: the device's sub-groups step on it, one after another
+        adam = ADAM_HBM_BYTES_PER_PARAM // (2 if z.bf16_states else 1)  # bf16 master and moments: half the traffic
+        optimizer = keep * local * adam / c.device.hbm_bytes_per_s
         if z.offload_optimizer:
-            optimizer = local / c.cpu_adam_params_per_s + 6 * local / c.pcie_bytes_per_s
-        else:
-            adam = ADAM_HBM_BYTES_PER_PARAM // (2 if z.bf16_states else 1)  # bf16 master and moments: half the traffic
-            optimizer = local * adam / c.device.hbm_bytes_per_s
+            optimizer += (1 - keep) * (local / c.cpu_adam_params_per_s + 6 * local / c.pcie_bytes_per_s)
 
         latency = z.gas * (compute + micro) + boundary + optimizer
         return StepBreakdown(compute_s=compute, exposed_comm_micro_s=micro, exposed_comm_boundary_s=boundary,

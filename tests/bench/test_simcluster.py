@@ -5,7 +5,16 @@ import pytest
 
 from benchmarks.simcluster.backend import SimulatedBackend
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes
-from benchmarks.simcluster.scenarios import A100_40, GPT_1_3B, GPT_2_7B, GPT_125M, NONE, IB_8x200G
+from benchmarks.simcluster.scenarios import (
+    A100_40,
+    GPT_1_3B,
+    GPT_2_7B,
+    GPT_125M,
+    LLAMA_70B,
+    NONE,
+    IB_8x200G,
+    ROCE_4x100G,
+)
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
 from zerotune.core.launch import Node, Reservation
 from zerotune.core.measure import measure
@@ -173,6 +182,24 @@ def test_a_ulysses_step_divides_a_ranks_activations_and_flops_by_its_degree_and_
 
 def test_zerotune_reaches_the_simulated_optimum_of_ulysses_8_at_32k_tokens(tmp_path):
     from benchmarks.simulated_dimensions import SP_SCENARIOS, run_scenario
-    row = run_scenario(*SP_SCENARIOS[0], str(tmp_path), ulysses=True)  # Llama-8B at 32k tokens, 8 A100-40GB
+    row = run_scenario(*SP_SCENARIOS[0], str(tmp_path), space="ulysses")  # Llama-8B at 32k tokens, 8 A100-40GB
     assert (row["zerotune"], row["optimum"]) == ("z3/mbs3/sp8", "z3/mbs3/sp8")
+    assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (5, 2)
+
+
+def test_a_partial_offload_keeps_whole_sub_groups_on_the_device_and_steps_them_there():
+    sim = Simulator(LLAMA_70B, Cluster(A100_40, 4, ROCE_4x100G))  # 2.16B parameters a rank: 3 sub-groups of 1e9
+    full = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    half = {**full, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    assert ZeroSettings.from_config(half).device_share(LLAMA_70B.num_params, 32) == 1 / 3  # int(0.5 * 3) = 1 kept
+    assert sim.memory(half).optimizer_states == pytest.approx(12 * LLAMA_70B.num_params / 32 / 3, rel=1e-9)
+    assert sim.memory(full).optimizer_states == 0
+    assert sim.step(half).optimizer_s < sim.step(full).optimizer_s
+
+
+def test_zerotune_reaches_the_simulated_optimum_of_a_partial_optimizer_offload(tmp_path):
+    from benchmarks.simulated_dimensions import RATIO_SCENARIOS, run_scenario
+    row = run_scenario(*RATIO_SCENARIOS[0], str(tmp_path), space="ratio")  # Llama-70B, 32 A100-40GB, mbs <= 4
+    assert (row["zerotune"], row["optimum"]) == ("z3/mbs4/gas2/offload ratio 0.5", "z3/mbs4/gas2/offload ratio 0.5")
     assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (5, 2)

@@ -44,6 +44,7 @@ def make_job(tmp_path: Path, cpu: bool = False, max_mbs: int = 32, bf16: dict | 
 def saver_of(ds_config: dict) -> str:
     zero = ds_config["zero_optimization"]
     name = "+".join(k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "cpu")
+    name += f" ratio {zero['offload_optimizer']['ratio']}" if "ratio" in (zero.get("offload_optimizer") or {}) else ""
     name = name or "+".join(f"{k}:nvme" for k in ("offload_optimizer", "offload_param")
                             if (zero.get(k) or {}).get("device") == "nvme")
     name = ("ckpt" + ("+" if name else "") if ds_config.get(CHECKPOINTING) else "") + name
@@ -334,3 +335,26 @@ def test_a_listed_ulysses_degree_is_a_saver_where_no_mbs_fits_a_whole_sequence(t
     assert ran == [] and strategy.result.savers_notes == [
         "memory savers (activation checkpointing, offload): off (--no-savers); sequence_parallel_size 2: not tried "
         "(a saver)"]
+
+
+def test_where_the_best_offloads_the_whole_optimizer_the_largest_share_that_fits_its_mbs_stays_on_the_device(tmp_path):
+    # ZeRO-3 fits mbs 5; offloading the optimizer fits the largest allowed, 8, and wins (16/2.3 = 6.957 > 6.667); with
+    # sub_group_size 5e7 a rank's 150M parameters are 3 sub-groups: 2 kept on the device (ratio 0.1667, DeepSpeed
+    # keeping int(0.8333 * 3) = 2) still fit mbs 8, and their faster step, 16/1.9 = 8.421, is the answer
+    costs = {"": 0.0, "offload_optimizer": 0.5, "offload_optimizer ratio 0.1667": 0.1}
+    ran, strategy = tune(tmp_path, lambda mbs, saver: 1 + 0.1 * mbs + costs[saver],
+                         max_mbs=8, extra={"zero_optimization": {"stage": 3, "sub_group_size": 50_000_000}})
+    assert ran[:3] == [(5, "", "ok"), (8, "offload_optimizer", "ok"), (8, "offload_optimizer ratio 0.1667", "ok")]
+    assert decisions(strategy)[-1] == ("ZeRO stage 3 + offload optimizer ratio 0.1667", "explored", 8)
+    assert strategy.result.stages[-1].reason == (
+        "the best offloads the whole optimizer; 2 of its 3 sub-groups a rank kept on the device fit mbs=8 (memory "
+        "model: largest mbs 8): probed there; beat the best (8.421 > 6.957)")
+    assert strategy.result.answer.ds_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu",
+                                                                                         "ratio": 0.1667}
+    # without the cap the best offloaded mbs is 17, where no share fits: said, not launched
+    ran, strategy = tune(tmp_path / "free", lambda mbs, saver: 1 + 0.1 * mbs + costs.get(saver, 1.0),
+                         extra={"zero_optimization": {"stage": 3, "sub_group_size": 50_000_000}})
+    assert all("ratio" not in saver for _, saver, _ in ran)
+    assert strategy.result.savers_notes == [
+        "offload_optimizer.ratio: not tried on ZeRO stage 3 + offload optimizer: no share of its 3 sub-groups a rank "
+        "kept on the device fits mbs=17 by the memory model"]

@@ -49,6 +49,7 @@ ACRONYMS: dict[str, tuple[str, str]] = {
     "zero_optimization.stage3_allgather_sequential": ("agseq", "bool"),
     "zero_optimization.offload_optimizer.device": ("oo", "str"),
     "zero_optimization.offload_optimizer.pin_memory": ("pino", "bool"),
+    "zero_optimization.offload_optimizer.ratio": ("ofr", "float"),
     "zero_optimization.offload_param.device": ("op", "str"),
     "zero_optimization.offload_param.pin_memory": ("pinp", "bool"),
     "fp16.enabled": ("fp", "bool"),

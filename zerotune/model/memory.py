@@ -188,6 +188,12 @@ class MemoryModel:
                                host=int(host), apart=min(activations, self.copy_after_backward_bytes(ds_config)),
                                host_on_device=self.host_on_device)
 
+    def sub_groups(self, ds_config: dict[str, Any]) -> int:
+        """ZeRO-3's optimizer sub-groups on a rank under ``ds_config`` (`ZeroOptions.sub_groups`): the granularity of
+        ``offload_optimizer.ratio``, which offloads whole sub-groups."""
+        _, t, n, options = self._sizes(ds_config)
+        return options.sub_groups(t / n, self.largest_layer_params / n)
+
     def _sizes(self, ds_config: dict[str, Any]) -> tuple[float, float, float, ZeroOptions]:
         """``(Psi, T, N, options)``: parameters and trainable parameters per model-parallel rank and the DP world
         size, AutoTP's degree taken as model parallelism (`zerotune.model.zero_options`)."""

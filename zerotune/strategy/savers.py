@@ -18,6 +18,7 @@ from zerotune.core.noise import can_beat
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.throughput import bounds
 from zerotune.strategy.evaluation import Evaluator
+from zerotune.strategy.partial_offload import partial_offload
 from zerotune.strategy.points import SearchBounds, largest_within
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
@@ -122,6 +123,7 @@ class SaverPhase(VariantExplorer):
                                     bf16_states=bf16 and allowed, autotp=ev.job.autotp_degrees,
                                     sp=ev.job.sp_degrees):
                 won = self._visit(plain, saver) or won
+        won = partial_offload(ev, self.best, self.bounds.hi, self.at_best) or won
         if won:
             self.refine()
 
@@ -145,19 +147,24 @@ class SaverPhase(VariantExplorer):
 
     def _states_at_best(self, plain: StageResult) -> bool:
         """`BF16_STATES` on the best stage where memory does not bind it: they also halve the optimizer step's bytes,
-        so they are probed at the best mbs and searched if they win (one launch where they do not); True when
-        they became the best."""
+        so they are probed at the best mbs (`at_best`); True when they became the best."""
+        return self.at_best(plain.stage, BF16_STATES, "memory binds no stage; a faster optimizer step: probed at the "
+                                                      "best mbs={mbs} (memory model: largest mbs {est}); ")
+
+    def at_best(self, stage: int, saver: Saver, lead: str) -> bool:
+        """Probe ``saver`` on ``stage`` at the best mbs, searched where it beats the best (one launch where it does
+        not); ``lead`` opens its reason, with ``{mbs}`` and ``{est}`` (the memory model's largest mbs) filled in. True
+        when it became the best."""
         ev, mbs = self.ev, self.best.point.mbs
         try:
-            config = ev.builder.config(plain.stage, mbs, BF16_STATES.settings)
+            config = ev.builder.config(stage, mbs, saver.settings)
         except ConfigError as e:
-            logger.info(f"savers: ZeRO stage {plain.stage} + {BF16_STATES.name}: not valid here ({e})")
+            logger.info(f"savers: ZeRO stage {stage} + {saver.name}: not valid here ({e})")
             return False
         est = ev.result.memory.max_mbs(config, ev.job.device_memory_bytes, cap=self.bounds.hi)
-        result = StageResult(plain.stage, None, "", estimate=est, saver=BF16_STATES)
+        result = StageResult(stage, None, "", estimate=est, saver=saver)
         ev.result.stages.append(result)
-        lead = f"memory binds no stage; a faster optimizer step: probed at the best mbs={mbs} (memory model: " \
-               f"largest mbs {est}); "
+        lead = lead.format(mbs=mbs, est=est)
         probe = self.probe(result, mbs)
         if probe.status is Status.SKIPPED:
             self.skip(result, mbs, lead)
