@@ -17,6 +17,7 @@ from zerotune.core.noise import comparison_noise, replica_decides, tie
 from zerotune.strategy.answer import Capacity, capacity
 from zerotune.strategy.evaluation import PLATEAU_THRESHOLD, Evaluator
 from zerotune.strategy.points import pooled_point
+from zerotune.strategy.prediction import family_key
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,12 @@ def below_on_the_curve(ev: Evaluator, e: Experiment, top: Experiment) -> bool:
 def answer_stands_out(ev: Evaluator) -> bool:
     """Whether the answer, measured once, reads better than its mbs neighbours predict by more than the noise.
 
-    The neighbours: the same stage, gas and knobs run ok at the nearest smaller and larger mbs (at an end of the
-    curve, the two nearest on its side). The prediction: the line through their pooled metrics at the answer's mbs,
-    its noise `zerotune.core.noise.comparison_noise`'s terms of the answer and of each neighbour times its weight in
-    the line. Throughput is smooth and concave in mbs away from the memory boundary, so a read above the line is more
-    likely the winner's curse than a peak. False with fewer than two neighbours.
+    The neighbours: the same config but its mbs (stage, gas, knobs, saver: `family_key`) run ok at the nearest
+    smaller and larger mbs (at an end of the curve, the two nearest on its side). The prediction: the line through
+    their pooled metrics at the answer's mbs, its noise `zerotune.core.noise.comparison_noise`'s terms of the answer
+    and of each neighbour times its weight in the line. Throughput is smooth and concave in mbs away from the memory
+    boundary, so a read above the line is more likely the winner's curse than a peak. False with fewer than two
+    neighbours.
     """
     objective, ledger = ev.job.objective, ev.ledger
     pooled = ledger.pooled()
@@ -85,7 +87,7 @@ def answer_stands_out(ev: Evaluator) -> bool:
         return False
     same = [e for e in ledger.experiments
             if e.replica_of is None and e.name in pooled and e.kind is not ExperimentKind.PROFILE
-            and (e.stage, e.gas, e.knobs) == (answer.stage, answer.gas, answer.knobs) and e.mbs != answer.mbs]
+            and family_key(e.ds_config) == family_key(answer.ds_config) and e.mbs != answer.mbs]
     below = sorted((e for e in same if e.mbs < answer.mbs), key=lambda e: -e.mbs)
     above = sorted((e for e in same if e.mbs > answer.mbs), key=lambda e: e.mbs)
     pair = below[:1] + above[:1] if below and above else (below or above)[:2]
