@@ -97,3 +97,14 @@ def test_a_setting_deepspeed_has_removed_is_exit_2_in_deepspeeds_words(tmp_path,
         f"zerotune: error: {cfg}: DeepSpeed refuses the config: MiCS ZeRO-3 sharding has been removed; "
         "'zero_optimization.mics_shard_size' is no longer supported.")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_steps_distinct_samples_count_an_autotp_group_once_and_a_ulysses_group_as_deepspeed_does():
+    from zerotune.model.zero_options import samples_per_step
+    # 8 ranks at mbs 4, gas 2: DeepSpeed's train_batch_size 64 counts every AutoTP rank, so AutoTP 2 trains 32
+    assert samples_per_step({"train_batch_size": 64, "tensor_parallel": {"autotp_size": 2}}) == 32
+    assert samples_per_step({"train_batch_size": 64}) == 64
+    # no train_batch_size (a Trainer's, derived): mbs x gas x ranks, one replica per Ulysses group of 4
+    derived = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "sequence_parallel_size": 4}
+    assert samples_per_step(derived, devices=8) == 16
+    assert samples_per_step(derived) is None and samples_per_step({"train_batch_size": "auto"}, 8) is None

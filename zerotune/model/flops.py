@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from zerotune.core.experiment import Experiment, ExperimentKind, Status
-from zerotune.model.zero_options import ZeroOptions
+from zerotune.model.zero_options import samples_per_step
 
 __all__ = ["PEAK_TFLOPS", "FlopsModel", "active_params", "peak_tflops", "samples_per_s", "tokens_per_device"]
 
@@ -39,16 +39,15 @@ def active_params(num_params: int, routed_params: int, num_experts: int, experts
 
 
 def samples_per_s(exp: Experiment, objective: str) -> float | None:
-    """``exp``'s own run's samples/s: its metric under ``throughput``, ``train_batch_size`` (over its AutoTP degree) /
-    its metric under ``latency`` (s/step); None otherwise or without a metric."""
+    """``exp``'s own run's samples/s: its metric under ``throughput``, its distinct samples a step
+    (`zerotune.model.zero_options.samples_per_step`) / its metric under ``latency`` (s/step); None otherwise or without
+    a metric."""
     if exp.metric is None or exp.metric <= 0:
         return None
     if objective == "throughput":
         return exp.metric
-    batch = exp.ds_config.get("train_batch_size")
-    if objective != "latency" or not isinstance(batch, int) or batch <= 0:
-        return None
-    return batch / ZeroOptions.of(exp.ds_config).tp / exp.metric  # an AutoTP group's ranks hold one batch (D334)
+    batch = samples_per_step(exp.ds_config, exp.num_nodes * exp.num_slots)
+    return batch / exp.metric if objective == "latency" and batch else None
 
 
 @dataclass(frozen=True)

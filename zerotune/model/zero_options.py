@@ -16,7 +16,7 @@ from typing import Any
 
 from zerotune.deepspeed.keys import ZERO, ZERO_DEFAULTS
 
-__all__ = ["ZeroOptions", "approximations"]
+__all__ = ["ZeroOptions", "approximations", "samples_per_step"]
 
 DEFAULT_SUB_GROUP_SIZE: int = ZERO_DEFAULTS[3]["sub_group_size"]  # zero/config.py:182
 
@@ -93,6 +93,19 @@ class ZeroOptions:
             return 0.0
         groups = self.sub_groups(trainable_per_rank, largest_per_rank)
         return int((1 - self.offload_ratio) * groups) / groups
+
+
+def samples_per_step(ds_config: dict[str, Any], devices: int | None = None) -> int | None:
+    """The distinct samples one optimizer step of ``ds_config`` trains: its ``train_batch_size`` (without one, mbs x
+    gas x ``devices`` / its Ulysses degree, as DeepSpeed counts it, D331) over its AutoTP degree, whose ranks hold one
+    batch though DeepSpeed counts each of them at ZeRO 0-2 (D334). None where neither gives a positive count."""
+    options, batch = ZeroOptions.of(ds_config), ds_config.get("train_batch_size")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0:
+        mbs, gas = ds_config.get("train_micro_batch_size_per_gpu"), ds_config.get("gradient_accumulation_steps", 1)
+        if not devices or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (mbs, gas)):
+            return None
+        batch = mbs * gas * devices // options.sp
+    return max(1, batch // options.tp)
 
 
 def approximations(ds_config: dict[str, Any]) -> list[str]:

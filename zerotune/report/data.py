@@ -17,7 +17,7 @@ from zerotune.core.noise import RunNoise, comparison_noise, mean_half_width, run
 from zerotune.core.objective import Objective
 from zerotune.core.stopping import EARLY_ENDS
 from zerotune.model.flops import FlopsModel
-from zerotune.model.zero_options import ZeroOptions
+from zerotune.model.zero_options import samples_per_step
 from zerotune.strategy.answer import best_experiment
 
 if TYPE_CHECKING:
@@ -243,8 +243,7 @@ class ReportData:
             return None
         value = self.pooled[answer.name].value
         devices = answer.num_nodes * answer.num_slots
-        batch = int(answer.ds_config.get("train_batch_size") or answer.mbs * answer.gas * devices)
-        batch //= ZeroOptions.of(answer.ds_config).tp  # an AutoTP group's ranks hold one batch (D334)
+        batch = samples_per_step(answer.ds_config, devices) or answer.mbs * answer.gas * devices
         steps = plan.train_steps or math.ceil(plan.train_samples / batch)
         samples = plan.train_samples or steps * batch
         seconds = samples / value if self.objective.name == "throughput" else steps * value
