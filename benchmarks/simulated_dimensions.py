@@ -11,7 +11,8 @@ profile plus one run per variant (stage, degree, states) whose best is within th
 [1, 2, 4, 8] at ZeRO stages [1, 2, 3] instead, over stage x degree x mbs. The offload ratio scenario tunes ZeRO-3 at
 mbs up to 4 (a global batch the user bounds), its config offloading the optimizer (no profile fits without), over no
 offload and each share of the optimizer's sub-groups kept on the
-device (``offload_optimizer.ratio``) x mbs.
+device (``offload_optimizer.ratio``) x mbs. The hpZ scenario tunes ZeRO-3 on several nodes at mbs up to 4, over
+``zero_hpz_partition_size`` 1 and the GPUs per node x mbs (fast mode: the quantized collectives, knobs, are not run).
 
 Run from the repository root: ``.venv/bin/python -m benchmarks.simulated_dimensions`` (seconds).
 """
@@ -135,6 +136,30 @@ def ratio_bests(sim: Simulator) -> dict[tuple[int | None, int], tuple[int, float
     return out
 
 
+HPZ_SCENARIOS = [("Llama-70B 32xA100-80GB Eth mbs<=4", sc.LLAMA_70B, Cluster(sc.A100_80, 4, sc.ETH_100G), 2031)]
+HPZ_CONFIG: dict[str, Any] = {**RATIO_CONFIG, "zero_optimization": {"stage": 3}}
+
+
+def hpz_config(hpz: int, mbs: int) -> dict[str, Any]:
+    """The hpZ space's config: ZeRO-3 at ``mbs``, gas 1, with a secondary partition over ``hpz`` ranks (1: none)."""
+    zero: dict[str, Any] = {"stage": 3, **({"zero_hpz_partition_size": hpz} if hpz > 1 else {})}
+    return {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": zero}
+
+
+def hpz_bests(sim: Simulator) -> dict[tuple[int], tuple[int, float]]:
+    """(hpZ degree,) -> (its best mbs, noise-free samples/s), where some mbs up to 4 fits."""
+    out = {}
+    for hpz in (1, sim.cluster.gpus_per_node):
+        for mbs in range(1, RATIO_MAX_MBS + 1):
+            value = sim.throughput(hpz_config(hpz, mbs))
+            if value is None:
+                break
+            if value > out.get((hpz,), (0, 0.0))[1]:
+                out[(hpz,)] = (mbs, value)
+    return out
+
+
 def describe(cfg: dict[str, Any] | None) -> str:
     if cfg is None:
         return "-"
@@ -142,7 +167,7 @@ def describe(cfg: dict[str, Any] | None) -> str:
     return (f"z{z.stage}/mbs{z.mbs}" + (f"/gas{z.gas}" if z.gas > 1 else "") + (f"/tp{z.tp}" if z.tp > 1 else "")
             + (f"/sp{z.sp}" if z.sp > 1 else "") + ("/bf16 states" if z.bf16_states else "")
             + (f"/offload{'' if z.offload_ratio == 1 else f' ratio {z.offload_ratio:g}'}" if z.offload_optimizer
-               else ""))
+               else "") + (f"/hpz{z.hpz}" if z.hpz > 1 else ""))
 
 
 def run_zerotune(sim: Simulator, workdir: Path, user_config: dict[str, Any] = USER_CONFIG
@@ -163,7 +188,7 @@ def run_zerotune(sim: Simulator, workdir: Path, user_config: dict[str, Any] = US
 
 
 SPACES = {"autotp": (variant_bests, variant_config, USER_CONFIG), "ulysses": (sp_bests, sp_config, SP_CONFIG),
-          "ratio": (ratio_bests, ratio_config, RATIO_CONFIG)}
+          "ratio": (ratio_bests, ratio_config, RATIO_CONFIG), "hpz": (hpz_bests, hpz_config, HPZ_CONFIG)}
 
 
 def run_scenario(name: str, model, cluster: Cluster, seed: int, tmp: str, space: str = "autotp") -> dict[str, Any]:
@@ -188,12 +213,15 @@ def main() -> None:
         rows = [run_scenario(*sc, tmp) for sc in SCENARIOS]
         sp_rows = [run_scenario(*sc, tmp, space="ulysses") for sc in SP_SCENARIOS]
         ratio_rows = [run_scenario(*sc, tmp, space="ratio") for sc in RATIO_SCENARIOS]
+        hpz_rows = [run_scenario(*sc, tmp, space="hpz") for sc in HPZ_SCENARIOS]
     print("SIMULATED (benchmarks/simcluster: no GPU ran): zerotune with autotp_size [1, 2, 4] and bf16 states allowed")
     report(rows)
     print("SIMULATED: zerotune with sequence_parallel_size [1, 2, 4, 8] at ZeRO stages [1, 2, 3]")
     report(sp_rows)
     print("SIMULATED: zerotune on ZeRO-3 at mbs <= 4, where only an offloaded optimizer fits")
     report(ratio_rows)
+    print("SIMULATED: zerotune on ZeRO-3 over 4 nodes at mbs <= 4, hpZ probed on the best")
+    report(hpz_rows)
 
 
 def report(rows: list[dict[str, Any]]) -> None:

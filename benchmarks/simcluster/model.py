@@ -31,7 +31,9 @@ each sequence on a rank, dividing its activations and FLOPs by sp, for four all-
 backward of its shard's ``2·mbs·(s/sp)·h`` bytes (Jacobs et al. 2023, DeepSpeed-Ulysses, sec. 3), on NVLink within
 a node: :meth:`Simulator.ulysses_all_to_all_s`; its sp ranks hold one batch. ``offload_optimizer.ratio`` r at
 stage 3 keeps ``int((1 - r)·G)`` of a rank's G sub-groups (of ``sub_group_size``) on the device, their states and
-fp32 gradients there and their Adam step on it, the others' on the host: :meth:`ZeroSettings.device_share`.)
+fp32 gradients there and their Adam step on it, the others' on the host: :meth:`ZeroSettings.device_share`. ZeRO++
+(Wang et al. 2023) at stage 3: hpZ h adds a secondary partition ``2Ψ/h`` and gathers the backward's parameters over a
+node's h ranks on NVLink; qwZ halves the forward all-gathers' bytes (int8), qgZ quarters the gradients' (int4).)
 Activations per sample follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", sec. 4.1) with flash attention (no ``5·a·s²`` term): ``s·(11h + 3h + 4·ffn)``
 bytes per layer (``34·s·h`` for ffn = 4h), plus the logits and loss (``6·s·V``). With activation
@@ -312,6 +314,9 @@ class ZeroSettings:
     sp: int = 1  # sequence_parallel_size (Ulysses)
     offload_ratio: float = 1.0  # offload_optimizer.ratio (stage 3): the share of optimizer sub-groups on the host
     sub_group_size: int = 1_000_000_000  # zero_optimization.sub_group_size, elements
+    hpz: int = 1  # zero_hpz_partition_size (ZeRO++ hpZ, stage 3): a secondary parameter partition over hpz ranks
+    qw: bool = False  # zero_quantized_weights (ZeRO++ qwZ, stage 3): int8 forward all-gathers
+    qg: bool = False  # zero_quantized_gradients (ZeRO++ qgZ, stage 3): int4 gradient reduce-scatters
     bf16_states: bool = False  # bf16.bf16_master_weights_and_grads with bf16_optimizer_states (stages 1-3)
 
     @classmethod
@@ -343,6 +348,9 @@ class ZeroSettings:
             sp=int(ds_config.get("sequence_parallel_size") or 1),
             offload_ratio=float((zero.get("offload_optimizer") or {}).get("ratio", 1.0)) if stage == 3 else 1.0,
             sub_group_size=int(float(zero.get("sub_group_size", 1_000_000_000))),
+            hpz=int(zero.get("zero_hpz_partition_size", 1)) if stage == 3 else 1,
+            qw=stage == 3 and bool(zero.get("zero_quantized_weights")),
+            qg=stage == 3 and bool(zero.get("zero_quantized_gradients")),
             bf16_states=stage >= 1 and bool(bf16.get("bf16_master_weights_and_grads"))
             and bool(bf16.get("bf16_optimizer_states")),
         )
@@ -359,7 +367,8 @@ class ZeroSettings:
     def key(self) -> str:
         """What identifies the config for the simulator (and seeds its noise); a setting at its default (no AutoTP,
         no bf16 states) is left out, so a config without them draws the noise it drew before they were modelled."""
-        defaults = {"tp": 1, "sp": 1, "bf16_states": False, "offload_ratio": 1.0, "sub_group_size": 1_000_000_000}
+        defaults = {"tp": 1, "sp": 1, "bf16_states": False, "offload_ratio": 1.0, "sub_group_size": 1_000_000_000,
+                    "hpz": 1, "qw": False, "qg": False}
         return "|".join(f"{k}={v}" for k, v in sorted(self.__dict__.items()) if defaults.get(k, object()) != v)
 
 
@@ -446,6 +455,7 @@ def model_state_bytes(z: ZeroSettings, psi: int, n: int) -> tuple[float, float, 
         params = 2 * psi
     else:
         params = (0 if z.offload_param else 2 * psi / n) + 2 * min(psi, z.max_live_parameters)
+        params += 2 * psi / z.hpz if z.hpz > 1 else 0  # hpZ's secondary partition, in the parameters' dtype
     keep = z.device_share(psi, n)  # offload_optimizer.ratio: the sub-groups left on the device
     grads = (2 * psi if z.stage == 1 else 2 * psi / n) + keep * g * psi / n
     optim = keep * k * psi / n
@@ -563,6 +573,11 @@ class Simulator:
         volume = (2 if all_reduce else 1) * (n - 1) / n * nbytes
         return volume / c.bus_bytes_per_s + calls * c.collective_latency_s * (2 if all_reduce else 1)
 
+    def _intra_collective_s(self, nbytes: float, calls: int, ranks: int) -> float:
+        """One ring all-gather of ``nbytes`` over ``ranks`` GPUs of one node, on NVLink."""
+        c = self.cluster
+        return (ranks - 1) / ranks * nbytes / c.device.nvlink_bytes_per_s + calls * c.intra_latency_s * math.log2(ranks)
+
     @staticmethod
     def _exposed(comm_s: float, window_s: float, unhidden_fraction: float) -> float:
         """Communication left visible when it overlaps a compute window."""
@@ -584,7 +599,7 @@ class Simulator:
         bwd_share = 3 / 4 if m.activation_checkpointing else 2 / 3
         fwd_window, bwd_window = compute * (1 - bwd_share), compute * bwd_share
 
-        grad_bytes = 2 * psi
+        grad_bytes = 2 * psi * (0.25 if z.qg else 1)  # qgZ: int4 gradients (ZeRO++, Wang et al. 2023, sec. 4.3)
         rs_calls = math.ceil(psi / z.reduce_bucket_size)
         reduce = self._collective_s(grad_bytes, rs_calls, all_reduce=not z.reduce_scatter, ranks=dp)
         last_bucket = z.reduce_bucket_size / psi
@@ -602,13 +617,15 @@ class Simulator:
             boundary += self._collective_s(2 * psi, math.ceil(psi / z.allgather_bucket_size), ranks=dp)
         else:
             fetch_calls = max(math.ceil(psi / z.prefetch_bucket_size), 4 * L)
-            gather = self._collective_s(2 * psi, fetch_calls)
+            gather = self._collective_s(2 * psi * (0.5 if z.qw else 1), fetch_calls)  # qwZ: int8 weights
+            # hpZ: the backward gathers the secondary partition inside a node (ZeRO++, sec. 4.2)
+            back = self._intra_collective_s(2 * psi, fetch_calls, z.hpz) if z.hpz > 1 else gather
             first = max(z.prefetch_bucket_size, m.layer_params) / psi
             micro += self._exposed(gather, fwd_window, first)
             if z.overlap_comm:
-                micro += self._exposed(gather + reduce, bwd_window, max(first, last_bucket))
+                micro += self._exposed(back + reduce, bwd_window, max(first, last_bucket))
             else:
-                micro += self._exposed(gather, bwd_window, first) + reduce
+                micro += self._exposed(back, bwd_window, first) + reduce
             if z.offload_param:
                 micro += 2 * 2 * psi / n / c.pcie_bytes_per_s
 

@@ -7,6 +7,7 @@ from benchmarks.simcluster.backend import SimulatedBackend
 from benchmarks.simcluster.model import Cluster, Simulator, ZeroSettings, model_state_bytes
 from benchmarks.simcluster.scenarios import (
     A100_40,
+    ETH_100G,
     GPT_1_3B,
     GPT_2_7B,
     GPT_125M,
@@ -203,3 +204,24 @@ def test_zerotune_reaches_the_simulated_optimum_of_a_partial_optimizer_offload(t
     row = run_scenario(*RATIO_SCENARIOS[0], str(tmp_path), space="ratio")  # Llama-70B, 32 A100-40GB, mbs <= 4
     assert (row["zerotune"], row["optimum"]) == ("z3/mbs4/gas2/offload ratio 0.5", "z3/mbs4/gas2/offload ratio 0.5")
     assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (5, 2)
+
+
+def test_hpz_adds_a_secondary_partition_and_gathers_the_backward_inside_a_node():
+    eth = Cluster(A100_40, 4, ETH_100G)
+    sim = Simulator(GPT_1_3B, eth)
+    plain = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    hpz = {**plain, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
+    psi = GPT_1_3B.num_params
+    assert sim.memory(hpz).parameters - sim.memory(plain).parameters == 2 * psi // 8
+    assert sim.step(hpz).exposed_comm_micro_s < sim.step(plain).exposed_comm_micro_s  # no inter-node backward gather
+    quantized = {**plain, "zero_optimization": {"stage": 3, "zero_quantized_weights": True,
+                                                 "zero_quantized_gradients": True}}
+    assert sim.step(quantized).exposed_comm_micro_s < sim.step(plain).exposed_comm_micro_s
+    assert ZeroSettings.from_config({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}).hpz == 1
+
+
+def test_zerotune_reaches_the_simulated_optimum_of_hpz_over_a_node(tmp_path):
+    from benchmarks.simulated_dimensions import HPZ_SCENARIOS, run_scenario
+    row = run_scenario(*HPZ_SCENARIOS[0], str(tmp_path), space="hpz")  # Llama-70B, 4 nodes of 8 A100-80GB, 100G
+    assert (row["zerotune"], row["optimum"]) == ("z3/mbs4/hpz8", "z3/mbs4/hpz8")
+    assert row["fraction"] == 1.0 and (row["launches"], row["ideal_launches"]) == (4, 2)

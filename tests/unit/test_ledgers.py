@@ -139,6 +139,11 @@ from tests.helpers.simulated import tune_simulated
 # the best can read apart by noise alone (zerotune.core.noise.resolvable). Scenario 11 no longer runs ZeRO-2 at 6
 # (at most +2.1% over ZeRO-1's 55.59 at mbs 6, against a noise of ±3.3%), so ZeRO-2 is probed, not explored, and
 # its mbs 8 is not run either: 14 -> 12 launches, as its gas-doubling batch case; the same answer.
+# Then (issue 54, D338): a multi-node ZeRO-3 best is probed once with hpZ over a node's 8 GPUs: scenarios 16 and 21
+# buy that one launch (7 -> 8, 6 -> 7) and keep their answers; in scenario 33 the memory model does not fit it at the
+# best mbs (not launched). Scenario 16 with "fast": false samples its knobs from the stage-3 space with ZeRO++'s
+# quantized weights and gradients: as many launches, and the answer quantizes the weights (the simulator halves its
+# forward all-gathers).
 PINS, BATCH_PINS = ledger_pins.load()  # tests/data/ledger_pins.json, written by tests/regen_ledger_pins.py
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from zerotune.core.errors import ConfigError
 from zerotune.deepspeed import keys
-from zerotune.deepspeed.canonical import ACRONYMS, canonical_json, config_hash
+from zerotune.deepspeed.canonical import ACRONYMS, canonical_json, canonical_name, config_hash
 from zerotune.deepspeed.validate import prune, validate
 from zerotune.inputs.space import default_space, generate
 
@@ -37,6 +37,12 @@ def test_default_space_sizes_per_stage():
                                                  dp_world_size=1))
     assert sizes == {(0, False): 1, (0, True): 1, (1, False): 9, (1, True): 18,
                      (2, False): 72, (2, True): 144, (3, False): 288, (3, True): 1152}
+    # several CUDA nodes: ZeRO++'s quantized weights and gradients join stage 3 (x4), named qw and qg
+    zeropp = generate(ADAM, default_space(3, zeropp=True), stage=3, dp_world_size=1)
+    assert len(zeropp) == 1152 and len(generate(ADAM, default_space(1, zeropp=True), stage=1, dp_world_size=1)) == 9
+    zero = zeropp[-1].ds_config["zero_optimization"]
+    assert (zero["zero_quantized_weights"], zero["zero_quantized_gradients"]) == (True, True)
+    assert "_qw1_qg1" in canonical_name(zeropp[-1].ds_config)
 
 
 Z3_NAMES_SHA256 = "6071510b26e37b21e8ecd7cf197d9e6317af92a2ae51fe9de700a2c218a01948"

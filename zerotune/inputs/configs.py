@@ -177,11 +177,12 @@ class ConfigBuilder:
         resolved = resolve(self._template, self.model_autos())
         user = {k: v for k, v in resolved.items() if k not in ("autotuning", MBS, GAS, TBS)}
         user_zero = {k: v for k, v in (user.get(ZERO) or {}).items() if k != "stage"}
-        space = default_space(stage)
+        space = default_space(stage, zeropp=self.job.num_nodes > 1 and not self.job.cpu)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
-        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage, dp_world_size=self.job.batch.dp_world_size,
-                              variables=self.job.variables or None, fits=fits)
+        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage,
+                              dp_world_size=self.job.batch.dp_world_size, variables=self.job.variables or None,
+                              fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 
 

@@ -12,7 +12,7 @@ __all__ = ["default_space"]
 _BUCKETS = [5e7, 5e8, 1e9]  # elements; DeepSpeed's autotuning/constants.py
 
 
-def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
+def default_space(stage: int, offload: bool = False, zeropp: bool = False) -> dict[str, Any]:
     """zerotune's default tuning space for a ZeRO stage, as a new dict: DeepSpeed's (autotuning/constants.py) narrowed
     to the knobs the stage reads.
 
@@ -25,6 +25,8 @@ def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
 
     ``offload`` adds ``offload_optimizer.device`` in [none, cpu] for stages 1-3 and ``offload_param.device`` for
     stage 3 (×2 / ×4); `zerotune.inputs.space.generate` refuses it without an optimizer DeepSpeed runs on the CPU.
+    ``zeropp`` (several nodes, CUDA) adds ZeRO++'s quantized collectives to stage 3, ``zero_quantized_weights`` and
+    ``zero_quantized_gradients`` in [false, true] (×4, D338).
 
     Raises:
         ConfigError: a stage other than 0-3.
@@ -47,6 +49,9 @@ def default_space(stage: int, offload: bool = False) -> dict[str, Any]:
         zero["stage3_param_persistence_threshold"] = [1e5, 1e6]
         zero["stage3_max_live_parameters"] = [1e8, 1e9]
         zero["stage3_max_reuse_distance"] = [1e8, 1e9]
+    if zeropp and stage == 3:
+        zero["zero_quantized_weights"] = [False, True]
+        zero["zero_quantized_gradients"] = [False, True]
     if offload and stage >= 1:
         zero["offload_optimizer"] = {"device": ["none", "cpu"]}
     if offload and stage == 3:

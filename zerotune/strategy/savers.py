@@ -23,6 +23,7 @@ from zerotune.strategy.points import SearchBounds, largest_within
 from zerotune.strategy.prediction import family_key, readings
 from zerotune.strategy.result import Saver, StageDecision, StageResult
 from zerotune.strategy.variants import VariantEvaluate, VariantExplorer
+from zerotune.strategy.zeropp import hierarchical_partition
 
 __all__ = ["BF16_STATES", "SaverPhase", "bf16_states_apply", "savers_for"]
 
@@ -124,6 +125,7 @@ class SaverPhase(VariantExplorer):
                                     sp=ev.job.sp_degrees):
                 won = self._visit(plain, saver) or won
         won = partial_offload(ev, self.best, self.bounds.hi, self.at_best) or won
+        won = hierarchical_partition(ev, self.best, self.at_best) or won
         if won:
             self.refine()
 
