@@ -5,7 +5,6 @@ the candidates are the G - 1 partial shares, from the most kept down; the first 
 where it beats the full offload at the same mbs (the share one sub-group larger did not fit)."""
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from zerotune.core.errors import ConfigError
@@ -16,8 +15,6 @@ from zerotune.strategy.result import Saver
 from zerotune.strategy.variants import Best
 
 __all__ = ["offload_ratio", "partial_offload"]
-
-logger = logging.getLogger(__name__)
 
 
 def offload_ratio(kept: int, groups: int) -> float:
