@@ -62,19 +62,26 @@ def variant_config(stage: int, tp: int, states: bool, mbs: int) -> dict[str, Any
             "zero_optimization": {"stage": stage}, "tensor_parallel": {"autotp_size": tp}}
 
 
-def variant_bests(sim: Simulator) -> dict[tuple[int, int, bool], tuple[int, float]]:
-    """(stage, degree, states) -> (its best mbs, noise-free samples/s), for the variants where some mbs fits."""
+def bests_over(sim: Simulator, variants, config_of, max_mbs: int = MAX_MBS) -> dict[tuple, tuple[int, float]]:
+    """Variant -> (its best mbs, noise-free samples/s) for each of ``variants`` (argument tuples of ``config_of``, whose
+    last argument is the mbs) where some mbs up to ``max_mbs`` fits; a variant's search stops at its first mbs that
+    does not."""
     out = {}
-    for stage, tp, states in itertools.product((0, 1, 2), DEGREES, (False, True)):
-        if states and stage == 0:
-            continue  # DeepSpeed: bf16 states at ZeRO 1-3
-        for mbs in range(1, MAX_MBS + 1):
-            value = sim.throughput(variant_config(stage, tp, states, mbs))
+    for variant in variants:
+        for mbs in range(1, max_mbs + 1):
+            value = sim.throughput(config_of(*variant, mbs))
             if value is None:
                 break
-            if value > out.get((stage, tp, states), (0, 0.0))[1]:
-                out[(stage, tp, states)] = (mbs, value)
+            if value > out.get(variant, (0, 0.0))[1]:
+                out[variant] = (mbs, value)
     return out
+
+
+def variant_bests(sim: Simulator) -> dict[tuple, tuple[int, float]]:
+    """(stage, degree, states) -> (its best mbs, noise-free samples/s): bf16 states at ZeRO 1-3 only (DeepSpeed)."""
+    variants = [(stage, tp, states) for stage, tp, states in itertools.product((0, 1, 2), DEGREES, (False, True))
+                if not (states and stage == 0)]
+    return bests_over(sim, variants, variant_config)
 
 
 SP_DEGREES = [1, 2, 4, 8]
@@ -91,17 +98,9 @@ def sp_config(stage: int, sp: int, mbs: int) -> dict[str, Any]:
             "zero_optimization": {"stage": stage}, "sequence_parallel_size": sp}
 
 
-def sp_bests(sim: Simulator) -> dict[tuple[int, int], tuple[int, float]]:
-    """(stage, Ulysses degree) -> (its best mbs, noise-free samples/s), for the variants where some mbs fits."""
-    out = {}
-    for stage, sp in itertools.product((1, 2, 3), SP_DEGREES):
-        for mbs in range(1, MAX_MBS + 1):
-            value = sim.throughput(sp_config(stage, sp, mbs))
-            if value is None:
-                break
-            if value > out.get((stage, sp), (0, 0.0))[1]:
-                out[(stage, sp)] = (mbs, value)
-    return out
+def sp_bests(sim: Simulator) -> dict[tuple, tuple[int, float]]:
+    """(stage, Ulysses degree) -> (its best mbs, noise-free samples/s)."""
+    return bests_over(sim, list(itertools.product((1, 2, 3), SP_DEGREES)), sp_config)
 
 
 RATIO_MAX_MBS = 4
@@ -122,18 +121,10 @@ def ratio_config(kept: int | None, groups: int, mbs: int) -> dict[str, Any]:
             "zero_optimization": zero}
 
 
-def ratio_bests(sim: Simulator) -> dict[tuple[int | None, int], tuple[int, float]]:
-    """(sub-groups kept or None, G) -> (its best mbs, noise-free samples/s), where some mbs up to 4 fits."""
+def ratio_bests(sim: Simulator) -> dict[tuple, tuple[int, float]]:
+    """(sub-groups kept or None, G) -> (its best mbs up to 4, noise-free samples/s)."""
     groups = max(1, math.ceil(sim.model.num_params / sim.cluster.num_gpus / 1e9))
-    out = {}
-    for kept in (None, *range(groups)):
-        for mbs in range(1, RATIO_MAX_MBS + 1):
-            value = sim.throughput(ratio_config(kept, groups, mbs))
-            if value is None:
-                break
-            if value > out.get((kept, groups), (0, 0.0))[1]:
-                out[(kept, groups)] = (mbs, value)
-    return out
+    return bests_over(sim, [(kept, groups) for kept in (None, *range(groups))], ratio_config, RATIO_MAX_MBS)
 
 
 HPZ_SCENARIOS = [("Llama-70B 32xA100-80GB Eth mbs<=4", sc.LLAMA_70B, Cluster(sc.A100_80, 4, sc.ETH_100G), 2031)]
@@ -147,17 +138,9 @@ def hpz_config(hpz: int, mbs: int) -> dict[str, Any]:
             "zero_optimization": zero}
 
 
-def hpz_bests(sim: Simulator) -> dict[tuple[int], tuple[int, float]]:
-    """(hpZ degree,) -> (its best mbs, noise-free samples/s), where some mbs up to 4 fits."""
-    out = {}
-    for hpz in (1, sim.cluster.gpus_per_node):
-        for mbs in range(1, RATIO_MAX_MBS + 1):
-            value = sim.throughput(hpz_config(hpz, mbs))
-            if value is None:
-                break
-            if value > out.get((hpz,), (0, 0.0))[1]:
-                out[(hpz,)] = (mbs, value)
-    return out
+def hpz_bests(sim: Simulator) -> dict[tuple, tuple[int, float]]:
+    """(hpZ degree,) -> (its best mbs up to 4, noise-free samples/s)."""
+    return bests_over(sim, [(1,), (sim.cluster.gpus_per_node,)], hpz_config, RATIO_MAX_MBS)
 
 
 def describe(cfg: dict[str, Any] | None) -> str:
