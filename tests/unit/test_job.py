@@ -155,6 +155,9 @@ def test_a_list_of_ulysses_degrees_builds_on_its_smallest_and_counts_each_degree
     # on 2 ranks: 4 x 1 x 2 samples a step at degree 1, 4 x 1 x 1 at degree 2 (one replica, D331)
     assert (plain["train_batch_size"], ulysses["train_batch_size"]) == (8, 4)
     assert (builder.name(plain), builder.name(ulysses)) == ("z1_gas1_tmbspg4", "z1_gas1_tmbspg4_sp2")
+    # the knob phase on a Ulysses saver's best: its 9 stage-1 candidates keep the degree's batch count
+    knobs = builder.knob_space(1, 4, settings={"sequence_parallel_size": 2})
+    assert len(knobs) == 9 and {c.ds_config["train_batch_size"] for c in knobs} == {4}
     fixed = build(tmp_path, {"sequence_parallel_size": [1, 2], "train_batch_size": 8,
                              "zero_optimization": {"stage": 1}})
     assert ConfigBuilder(fixed).config(1, 2, {"sequence_parallel_size": 2})["gradient_accumulation_steps"] == 4

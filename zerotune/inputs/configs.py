@@ -180,9 +180,9 @@ class ConfigBuilder:
         space = default_space(stage, zeropp=self.job.num_nodes > 1 and not self.job.cpu)
         space[ZERO].update(user_zero)
         space.update({k: v for k, v in user.items() if k != ZERO})
-        candidates = generate(self.config(stage, mbs, settings, gas=gas), space, stage=stage,
-                              dp_world_size=self.job.batch.dp_world_size, variables=self.job.variables or None,
-                              fits=fits)
+        base = self.config(stage, mbs, settings, gas=gas)
+        candidates = generate(base, space, stage=stage, dp_world_size=self.batch(base).dp_world_size,
+                              variables=self.job.variables or None, fits=fits)
         return [dataclasses.replace(c, name=self.name(c.ds_config)) for c in candidates]
 
 
