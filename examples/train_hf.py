@@ -9,18 +9,29 @@ every training option is the Trainer's own (``TrainingArguments``), so DeepSpeed
 
 and zerotune tunes it unchanged (``autotuning.arg_mappings`` passes each experiment's micro batch
 size and gradient accumulation steps as ``--per_device_train_batch_size`` and
-``--gradient_accumulation_steps``; see the README).
+``--gradient_accumulation_steps``; see the README). ``--arch llama`` trains a Llama instead, which
+DeepSpeed's Ulysses sequence parallelism shards under ``accelerate launch`` with a ``parallelism_config``
+(each sample carries its ``position_ids``, as Ulysses asks).
 """
 from dataclasses import dataclass
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 
 @dataclass
 class ModelArguments:
-    """The model and data: a GPT-2 of this size, trained on random tokens."""
+    """The model and data: a GPT-2 (or Llama) of this size, trained on random tokens."""
 
+    arch: str = "gpt2"
     n_layer: int = 2
     n_embd: int = 128
     n_head: int = 4
@@ -41,14 +52,22 @@ class SyntheticTokens(torch.utils.data.Dataset):
         return len(self.tokens)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+        tokens = self.tokens[i]
+        return {"input_ids": tokens, "labels": tokens, "position_ids": torch.arange(len(tokens))}
 
 
 def main() -> None:
     model_args, args = HfArgumentParser((ModelArguments, TrainingArguments)).parse_args_into_dataclasses()
-    config = GPT2Config(n_layer=model_args.n_layer, n_embd=model_args.n_embd, n_head=model_args.n_head,
-                        n_positions=model_args.n_positions or model_args.seq_len, vocab_size=model_args.vocab_size)
-    model = GPT2LMHeadModel(config)
+    positions = model_args.n_positions or model_args.seq_len
+    if model_args.arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            num_hidden_layers=model_args.n_layer, hidden_size=model_args.n_embd, num_attention_heads=model_args.n_head,
+            intermediate_size=4 * model_args.n_embd, max_position_embeddings=positions,
+            vocab_size=model_args.vocab_size, attn_implementation="sdpa"))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(n_layer=model_args.n_layer, n_embd=model_args.n_embd,
+                                           n_head=model_args.n_head, n_positions=positions,
+                                           vocab_size=model_args.vocab_size))
     data = SyntheticTokens(model_args.num_samples, model_args.seq_len, model_args.vocab_size)
     trainer = Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()

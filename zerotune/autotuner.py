@@ -282,7 +282,7 @@ class Autotuner:
             return (*own, {})
         if spec.launcher is not None:  # the user's own command, with the config in place
             answer = self.job.launcher.answer(spec.script, script_arguments(spec, config_path, ds_config), config_path,
-                                              self.job.results_dir)
+                                              self.job.results_dir, ds_config)
             return (launch_env(dataclasses.replace(spec, launcher=None), every_slot), list(answer.words),
                     dict(answer.files))
         env = launch_env(spec, every_slot)

@@ -128,6 +128,31 @@ def test_the_hf_trainer_is_tuned_under_accelerate_launch_and_torchrun(tmp_path):
     assert len(records) == 2 and {r["launch"] for r in records.values()} == {"warm"}
 
 
+def test_a_ulysses_degree_in_accelerates_parallelism_config_reaches_each_experiment_and_the_answer(tmp_path):
+    """The Trainer's Llama under ``accelerate launch`` with a YAML whose ``parallelism_config`` sets sp_size 2: each
+    experiment's engine runs that group (Accelerate's ``ParallelismConfig`` built from the variables zerotune sets), and
+    the answer's YAML keeps it. mbs 1: at mbs 2 this Trainer's sharded labels fail its loss's ``view`` (D339)."""
+    config = json.loads((ROOT / "examples" / "ds_config_hf.json").read_text())
+    config["zero_optimization"]["stage"] = 1
+    write_config(tmp_path / "ds.json", config, max_train_micro_batch_size_per_gpu=1)
+    yaml = ACCELERATE_YAML.format(config="ds.json", ranks=2) + "parallelism_config:\n  parallelism_config_sp_size: 2\n"
+    (tmp_path / "sp.yaml").write_text(yaml)
+    llama = ["--arch", "llama", *TINY_HF]
+    records = tune(tmp_path, ["--device-memory", "3GiB", "--max-launches", "2"],
+                   [str(BIN / "accelerate"), "launch", "--config_file", "sp.yaml", HF_SCRIPT, *llama])
+    assert len(records) == 2
+    for name in records:  # a group of 2 ranks is one replica: a step's batch is one sample
+        exp_dir = tmp_path / "results" / "exps" / name
+        engine = json.loads((exp_dir / "engine_config.json").read_text())
+        assert (name[-4:], engine["sequence_parallel_size"], engine["train_batch_size"]) == ("_sp2", 2, 1)
+        assert "PARALLELISM_CONFIG_SP_SIZE=2" in (exp_dir / "cmd.txt").read_text()
+    results = tmp_path / "results"
+    answer = (results / "accelerate_config_optimal.yaml").read_text()
+    assert "parallelism_config_sp_size: 2\n" in answer and "parallelism_config_dp_shard_size: 1\n" in answer
+    assert json.loads((results / "ds_config_optimal.json").read_text())["sequence_parallel_size"] == 2
+    assert "trained 8 steps" in train(tmp_path).stdout
+
+
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_a_trl_sft_script_is_tuned_under_accelerate_launch_and_its_answer_trains(tmp_path, lora):
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

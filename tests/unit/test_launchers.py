@@ -98,11 +98,11 @@ def test_accelerate_with_a_config_file_reads_its_deepspeed_config_file_and_sets_
     assert (launcher.ranks_per_node, launcher.config_path, user.script_args) == (2, "ds.json", ("--lr", "1"))
     path, config, where = launcher.load_config(user.script_args)
     assert (path, config, where) == ("ds.json", CONFIG, "deepspeed_config_file of zero.yaml: ds.json")
-    env = launcher.rank_env("/exp/ds_config.json")
+    env = launcher.rank_env("ds.json")
     # as accelerate launch sets them for this YAML (prepare_deepspeed_cmd_env), the config file the experiment's
     assert {k: v for k, v in env.items() if k != "PYTHONPATH"} == {
         "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,zero3_init_flag",
-        "ACCELERATE_DEEPSPEED_CONFIG_FILE": "/exp/ds_config.json", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds.json", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
         "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_USE_DEEPSPEED": "true"}
     assert env["PYTHONPATH"].split(":")[-1] == str(job_dir)  # accelerate launch adds its working directory
 
@@ -119,7 +119,7 @@ def test_accelerate_inline_fields_become_the_ds_config_accelerates_plugin_builds
                                             "stage3_gather_16bit_weights_on_model_save": False},
                       "fp16": {"enabled": False}, "bf16": {"enabled": True}}
     # an experiment's ranks get its config as a file, and none of the inline fields Accelerate refuses beside one
-    env = launcher.rank_env("/exp/ds_config.json")
+    env = launcher.rank_env("ds.json")
     assert env["ACCELERATE_CONFIG_DS_FIELDS"] == "zero3_init_flag"
     assert "ACCELERATE_DEEPSPEED_ZERO_STAGE" not in env and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
 
@@ -227,9 +227,9 @@ def test_a_cold_experiment_is_started_by_the_users_launcher_with_the_experiments
     assert launch_command(spec, slots, "/exp/ds.json", 29511) == [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
         "127.0.0.1", "--master_port", "29511", "train.py", "--lr", "1"]
-    env = launch_env(spec, slots, config_path="/exp/ds.json")
-    assert (env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], env["DS_ACCELERATOR"], env["LOCAL_SIZE"]) == ("/exp/ds.json",
-                                                                                                  "cpu", "2")
+    env = launch_env(spec, slots, config_path="ds.json")
+    assert (env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], env["DS_ACCELERATOR"], env["LOCAL_SIZE"]) == ("ds.json", "cpu",
+                                                                                                  "2")
     torchrun = read_command(["torchrun", "--nproc_per_node", "2", "train.py", "--deepspeed", "ds.json"])
     spec = LaunchSpec(script="train.py", script_args=torchrun.script_args, cpu=True, launcher=torchrun.launcher)
     assert launch_command(spec, slots, "/exp/ds.json", 29511)[-3:] == ["train.py", "--deepspeed", "/exp/ds.json"]
@@ -240,7 +240,7 @@ def test_a_cold_experiment_is_started_by_the_users_launcher_with_the_experiments
 
 def test_the_answer_is_the_users_torchrun_line_with_the_config_in_place():
     user = read_command(["torchrun", "--nproc_per_node", "2", "train.py", "--deepspeed=ds.json", "--lr", "1"])
-    answer = user.launcher.answer("/abs/train.py", user.script_args, "/r/ds_config_optimal.json", Path("/r"))
+    answer = user.launcher.answer("/abs/train.py", user.script_args, "/r/ds_config_optimal.json", Path("/r"), CONFIG)
     assert answer.words == ("torchrun", "--nproc_per_node", "2", "/abs/train.py",
                             "--deepspeed=/r/ds_config_optimal.json", "--lr", "1")
     assert answer.files == ()
@@ -250,7 +250,7 @@ def test_the_accelerate_answer_names_a_yaml_whose_config_file_is_the_answer(job_
     import yaml
     user = read_command(["accelerate", "launch", "--config_file", "inline.yaml", "--zero_stage", "3",
                          "--main_process_port", "29600", "train.py", "--lr", "1"])
-    answer = user.launcher.answer("/abs/train.py", user.script_args, "/r/ds_config_optimal.json", Path("/r"))
+    answer = user.launcher.answer("/abs/train.py", user.script_args, "/r/ds_config_optimal.json", Path("/r"), CONFIG)
     assert answer.words == ("accelerate", "launch", "--config_file", f"/r/{ANSWER_YAML}", "--main_process_port",
                             "29600", "/abs/train.py", "--lr", "1")
     (name, text), = answer.files
@@ -262,9 +262,62 @@ def test_the_accelerate_answer_names_a_yaml_whose_config_file_is_the_answer(job_
     # without a config file, the answer names the config on the command line
     bare = read_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "--zero_stage", "2",
                          "train.py"])
-    words = bare.launcher.answer("train.py", (), "/r/ds.json", Path("/r")).words
+    words = bare.launcher.answer("train.py", (), "/r/ds.json", Path("/r"), CONFIG).words
     assert words == ("accelerate", "launch", "--deepspeed_config_file", "/r/ds.json", "--use_deepspeed",
                      "--num_processes", "2", "train.py")
+
+
+SP_YAML = ACCELERATE_YAML.replace("num_processes: 2", "num_processes: 4") + """parallelism_config:
+  parallelism_config_sp_size: 2
+  parallelism_config_sp_backend: deepspeed
+"""
+
+
+def test_accelerates_ulysses_degree_is_the_configs_and_each_experiments_reaches_the_ranks_as_accelerate_sets_it(
+        job_dir):
+    import yaml
+    (job_dir / "sp.yaml").write_text(SP_YAML)
+    user = read_command(["accelerate", "launch", "--config_file", "sp.yaml", "train.py"])
+    launcher = user.launcher
+    assert launcher.sp_size == 2 and [d for d, _ in launcher.sp_env] == [2, 4]  # the degrees that divide 4 ranks
+    assert launcher.load_config(())[1] == {**CONFIG, "sequence_parallel_size": 2}
+    for degree in (4, 1):  # the experiment's degree, over the YAML's: ParallelismConfig reads these variables
+        config = job_dir / f"sp{degree}.json"
+        config.write_text(json.dumps({**CONFIG, "sequence_parallel_size": degree}))
+        env = {k: v for k, v in launcher.rank_env(str(config)).items() if "PARALLELISM" in k}
+        assert env == ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_SP_SIZE": "4",
+                        "PARALLELISM_CONFIG_SP_BACKEND": "deepspeed", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1",
+                        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_TP_SIZE": "1",
+                        "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_CP_BACKEND": "torch",
+                        "PARALLELISM_CONFIG_SP_SEQ_LENGTH": "None", "PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE":
+                        "True", "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION": "sdpa"} if degree == 4
+                       else {"ACCELERATE_USE_PARALLELISM_CONFIG": "false"})
+    # the answer's YAML carries its degree, the other ranks as DP shards; at degree 1 no parallelism_config
+    answer = launcher.answer("train.py", (), "/r/ds.json", Path("/r"), {"sequence_parallel_size": 2})
+    assert yaml.safe_load(dict(answer.files)[ANSWER_YAML])["parallelism_config"] == {
+        "parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed",
+        "parallelism_config_dp_shard_size": 2, "parallelism_config_dp_replicate_size": 1}
+    assert "parallelism_config" not in yaml.safe_load(dict(launcher.answer("train.py", (), "/r/ds.json", Path("/r"),
+                                                                           CONFIG).files)[ANSWER_YAML])
+    # the command line's degree is Accelerate's over the YAML's, and the answer's replaces it
+    flagged = read_command(["accelerate", "launch", "--config_file", "sp.yaml", "--parallelism_config_sp_size=4",
+                            "train.py"]).launcher
+    assert flagged.sp_size == 4
+    assert flagged.answer("train.py", (), "/r/ds.json", Path("/r"), {"sequence_parallel_size": 2}).words[4] == (
+        "--parallelism_config_sp_size=2")
+
+
+def test_a_ulysses_degree_accelerate_cannot_carry_or_that_leaves_out_the_launchs_is_refused_naming_the_key(job_dir):
+    (job_dir / "sp.yaml").write_text(SP_YAML)
+    (job_dir / "ds.json").write_text(json.dumps({**CONFIG, "sequence_parallel_size": [1, 4]}))
+    with pytest.raises(ConfigError, match=r"^ds.json: 'sequence_parallel_size' = \[1, 4\] leaves out the Ulysses "
+                                          r"degree 2 of the launch's parallelism_config \(parallelism_config_sp_"):
+        read_command(["accelerate", "launch", "--config_file", "sp.yaml", "train.py"]).launcher.load_config(())
+    bare = read_command(["accelerate", "launch", "--use_deepspeed", "--num_processes", "2", "--deepspeed_config_file",
+                         "ds.json", "train.py"]).launcher
+    with pytest.raises(ConfigError, match=r"^ds.json: 'sequence_parallel_size' = \[1, 4\]: accelerate launch gives "
+                                          r"DeepSpeed a Ulysses degree only from its config file's parallelism_config"):
+        bare.load_config(())
 
 
 # --- the job and the command line ------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ config loader (the YAML merged under the command line's options, as ``accelerate
 The DeepSpeed config is the YAML's or the command's ``deepspeed_config_file``, else
 ``$ACCELERATE_DEEPSPEED_CONFIG_FILE``, else the inline fields as Accelerate's ``DeepSpeedPlugin`` builds them. Each
 experiment runs on one node with torchrun's ranks and the variables ``prepare_deepspeed_cmd_env`` sets, its config
-as ``deepspeed_config_file`` (inline fields inside it: Accelerate refuses both at once). The answer is the user's
-line with ``--config_file accelerate_config_optimal.yaml`` (`answer_yaml`).
+as ``deepspeed_config_file`` (inline fields inside it: Accelerate refuses both at once), its Ulysses degree as the
+variables of the YAML's ``parallelism_config`` (`AccelerateLauncher.rank_env`). The answer is the user's line with
+``--config_file accelerate_config_optimal.yaml`` (`answer_yaml`).
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ INLINE_FIELDS = ("zero_stage", "offload_optimizer_device", "offload_param_device
 """Accelerate's DeepSpeed fields that a ``deepspeed_config_file`` replaces (``DeepSpeedPlugin._deepspeed_config_checks``
 refuses them beside one): in the YAML's ``deepspeed_config`` and as ``accelerate launch`` options."""
 _YAML_RULE = "expected an Accelerate config (accelerate config's YAML, with distributed_type: DEEPSPEED)"
+USE_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+"""The variable by which Accelerate's ``Accelerator`` builds its ``ParallelismConfig`` from ``PARALLELISM_CONFIG_*``."""
+SP_KEY = "sequence_parallel_size"
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class AccelerateLauncher(Launcher):
         env: ``(name, value)`` of the variables Accelerate gives every rank, but the config file's.
         config_path, inline: the ds_config file the launch names (None: inline fields), else the ds_config Accelerate
             builds from those fields.
+        sp_size: the Ulysses degree of the launch's ``parallelism_config`` (None: the launch has none).
+        sp_env: ``(degree, variables)``: for each degree above 1 that divides the ranks, the ``PARALLELISM_CONFIG_*``
+            variables of a launch whose ``parallelism_config`` sets it (`_ulysses_env`).
     """
 
     name: ClassVar[str] = "accelerate"
@@ -55,44 +62,88 @@ class AccelerateLauncher(Launcher):
     env: tuple[tuple[str, str], ...] = ()
     config_path: str | None = None
     inline: dict[str, Any] | None = field(default=None, hash=False)
+    sp_size: int | None = None
+    sp_env: tuple[tuple[int, tuple[tuple[str, str], ...]], ...] = ()
 
     def load_config(self, script_args: Sequence[str]) -> tuple[str, dict[str, Any], str]:
         if self.config_path is not None:
             where = (f"deepspeed_config_file of {shell_word(self.config_file)}" if self.yaml_names_config()
                      else f"${CONFIG_FILE_ENV}" if os.environ.get(CONFIG_FILE_ENV) == self.config_path
                      else "accelerate launch --deepspeed_config_file")
-            return self.config_path, load_ds_config(self.config_path), f"{where}: {shell_word(self.config_path)}"
+            return self.config_path, self._with_ulysses(load_ds_config(self.config_path), self.config_path), (
+                f"{where}: {shell_word(self.config_path)}")
         where = (f"the deepspeed_config fields of {shell_word(self.config_file)}" if self.config_file
                  else "accelerate launch's options")
-        return f"{self.config_file or 'accelerate launch'} (inline DeepSpeed fields)", copy.deepcopy(self.inline), (
+        path = f"{self.config_file or 'accelerate launch'} (inline DeepSpeed fields)"
+        return path, self._with_ulysses(copy.deepcopy(self.inline), path), (
             f"{where}, as Accelerate's DeepSpeedPlugin builds them")
+
+    def _with_ulysses(self, config: dict[str, Any], path: str) -> dict[str, Any]:
+        """``config`` with the launch's Ulysses degree as its ``sequence_parallel_size`` where it sets none.
+
+        Raises:
+            ConfigError: naming ``path`` and the key: degrees that leave out the launch's, or degrees above 1 with no
+                Accelerate config to carry them (``accelerate launch`` reads a ``parallelism_config`` for DeepSpeed
+                from its config file only: its ``--use_parallelism_config`` is FSDP 2's).
+        """
+        listed = config.get(SP_KEY)
+        degrees = listed if isinstance(listed, list) else [] if listed is None else [listed]
+        if self.sp_size is not None and self.sp_size > 1:
+            if listed is None:
+                return {**config, SP_KEY: self.sp_size}
+            if self.sp_size not in degrees:
+                raise ConfigError(f"{path}: '{SP_KEY}' = {listed!r} leaves out the Ulysses degree {self.sp_size} of "
+                                  f"the launch's parallelism_config (parallelism_config_sp_size): list it, or set one")
+        elif self.config_file is None and any(isinstance(d, int) and d > 1 for d in degrees):
+            raise ConfigError(f"{path}: '{SP_KEY}' = {listed!r}: accelerate launch gives DeepSpeed a Ulysses degree "
+                              "only from its config file's parallelism_config: name an Accelerate config with "
+                              "--config_file")
+        return config
 
     def yaml_names_config(self) -> bool:
         """Whether the YAML's ``deepspeed_config_file`` names the config."""
         return bool((self.yaml.get("deepspeed_config") or {}).get("deepspeed_config_file"))
 
     def rank_env(self, config_path: str | None) -> dict[str, str]:
+        """Accelerate's variables for the experiment's config at ``config_path``: the file, and its Ulysses degree d
+        (``sequence_parallel_size``) as the ``parallelism_config`` variables of d (`sp_env`); at d = 1 after a
+        launch with a ``parallelism_config``, none (`USE_PARALLELISM` false: under DeepSpeed it carries the
+        degree only)."""
         env = dict(self.env)
         if config_path is not None:
             env[CONFIG_FILE_ENV] = config_path
+            degree = int(load_ds_config(config_path).get(SP_KEY, 1))
+            if degree > 1 or self.sp_size is not None:
+                env = {k: v for k, v in env.items() if not k.startswith("PARALLELISM_CONFIG_")}
+                env.update({USE_PARALLELISM: "false", **dict(dict(self.sp_env).get(degree, ()))})
         return env
 
-    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
+    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path,
+               ds_config: dict | None = None) -> Answer:
         words = _without_inline_options(self.words)
         files: tuple[tuple[str, str], ...] = ()
+        config = ds_config if ds_config is not None else load_ds_config(config_path)
+        sp = int(config.get(SP_KEY, 1))
         if self.config_file is not None:
             yaml_path = str(Path(results_dir).absolute() / ANSWER_YAML)
-            files = ((ANSWER_YAML, answer_yaml(self.yaml, config_path, inline=self.config_path is None)),)
+            text = answer_yaml(self.yaml, config_path, inline=self.config_path is None,
+                               ulysses=(sp, int(self.ranks_per_node or 1)))
+            files = ((ANSWER_YAML, text),)
             words = _set_option(words, "--config_file", yaml_path)
+            for flag in ("--parallelism_config_sp_size", "--parallelism_config_dp_shard_size"):  # over the YAML's
+                if any(w == flag or w.startswith(flag + "=") for w in words):
+                    words = _set_option(words, flag, str(sp if flag.endswith("sp_size") else self.ranks_per_node // sp))
         else:
             words = _set_option(words, "--deepspeed_config_file", config_path)
         return Answer((*words, script, *script_args), files)
 
 
-def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool) -> str:
+def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool, ulysses: tuple[int, int] = (1, 1)) -> str:
     """The text of the user's Accelerate ``yaml`` with ``deepspeed_config_file`` naming ``config_path`` and the inline
     fields it replaces left out; where the config was built from inline fields, ``mixed_precision`` too (it is in the
-    config, and Accelerate refuses it from the YAML beside a config file)."""
+    config, and Accelerate refuses it from the YAML beside a config file). ``ulysses``, (the config's Ulysses degree d,
+    the ranks n): above 1, a ``parallelism_config`` with ``sp_size`` d over DeepSpeed and ``dp_shard_size`` n / d;
+    at 1, none."""
     import yaml as pyyaml
     out = copy.deepcopy(yaml)
     ds = {k: v for k, v in (out.get("deepspeed_config") or {}).items() if k not in INLINE_FIELDS}
@@ -100,6 +151,12 @@ def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool) -> str:
     out["deepspeed_config"] = ds
     if inline:
         out.pop("mixed_precision", None)
+    sp, ranks = ulysses
+    given = out.pop("parallelism_config", None) or {}
+    if sp > 1:
+        out["parallelism_config"] = {**given, "parallelism_config_sp_size": sp, "parallelism_config_sp_backend":
+                                     "deepspeed", "parallelism_config_dp_shard_size": ranks // sp,
+                                     "parallelism_config_dp_replicate_size": 1}
     return pyyaml.safe_dump(out, sort_keys=False)
 
 
@@ -161,11 +218,14 @@ def read_accelerate(words: Sequence[str], launcher_words: int) -> tuple[Accelera
     _check_deepspeed(args, config_file, head)
     config_path = args.deepspeed_config_file or os.environ.get(CONFIG_FILE_ENV) or None
     env, inline = _accelerate_env(args, defaults, inline=not config_path)
+    ranks = int(args.num_processes)
     launcher = AccelerateLauncher(words=tuple(words[:len(words) - len(args.training_script_args) - 1]),
-                                  ranks_per_node=int(args.num_processes), num_nodes=1, config_in_argv=False,
+                                  ranks_per_node=ranks, num_nodes=1, config_in_argv=False,
                                   config_file=config_file, yaml=yaml, env=tuple(sorted(env.items())),
                                   config_path=str(config_path) if config_path else None,
-                                  inline=None if config_path else inline)
+                                  inline=None if config_path else inline,
+                                  sp_size=int(args.parallelism_config_sp_size) if args.use_parallelism_config else None,
+                                  sp_env=_ulysses_env(args, ranks))
     return launcher, args.training_script, list(args.training_script_args)
 
 
@@ -218,6 +278,21 @@ def _accelerate_env(args, defaults, inline: bool) -> tuple[dict[str, str], dict[
     _, env = prepare_deepspeed_cmd_env(filed)
     changed = {k: v for k, v in env.items() if os.environ.get(k) != v and k != CONFIG_FILE_ENV}
     return changed, built
+
+
+def _ulysses_env(args, ranks: int) -> tuple[tuple[int, tuple[tuple[str, str], ...]], ...]:
+    """For each Ulysses degree d above 1 that divides ``ranks``, the variables ``accelerate launch`` gives every rank
+    (``prepare_extend_env_parallelism_config``) where the launch's ``parallelism_config`` sets ``sp_size`` d over
+    DeepSpeed and the other ranks as data-parallel shards (``dp_shard_size`` ranks / d: Accelerate counts a step's
+    samples over those)."""
+    from accelerate.utils.launch import prepare_extend_env_parallelism_config
+    out = []
+    for degree in (d for d in range(2, ranks + 1) if ranks % d == 0):
+        given = copy.copy(args)
+        given.parallelism_config_sp_size, given.parallelism_config_sp_backend = degree, "deepspeed"
+        given.parallelism_config_dp_shard_size, given.parallelism_config_dp_replicate_size = ranks // degree, 1
+        out.append((degree, tuple(sorted(prepare_extend_env_parallelism_config(given, {}).items()))))
+    return tuple(out)
 
 
 def _json_safe(config: Any) -> Any:

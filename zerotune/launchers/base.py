@@ -100,9 +100,11 @@ class Launcher:
             given["num_nodes"] = self.num_nodes
         return given
 
-    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path) -> Answer:
-        """The user's command with the tuned config at ``config_path`` (absolute); ``script_args`` already carry the
-        config's mapped values (``autotuning.arg_mappings``)."""
+    def answer(self, script: str, script_args: Sequence[str], config_path: str, results_dir: Path,
+               ds_config: dict | None = None) -> Answer:
+        """The user's command with the tuned config at ``config_path`` (absolute; ``ds_config``: its content where
+        the file is not written yet); ``script_args`` already carry the config's mapped values
+        (``autotuning.arg_mappings``)."""
         return Answer((*self.words, script, *self.script_arguments(script_args, config_path)))
 
     def describe(self, script: str) -> str:
