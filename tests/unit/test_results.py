@@ -17,6 +17,7 @@ from zerotune.report.results import (
     device_seconds,
     print_wide,
     render_table,
+    saver_names,
     startup_line,
     table_text,
     unplanned_lines,
@@ -39,6 +40,23 @@ def exp(name, status, metric=None, wall_s=None, kind=ExperimentKind.MBS, space="
 RUNS = [exp("profile_z3", Status.OK, None, 900.0, ExperimentKind.PROFILE, "profile"),
         exp("z1_gas1_tmbspg1", Status.OK, 10.0, 450.0), exp("z1_gas1_tmbspg2", Status.OK, 12.0, 450.0),
         exp("z1_gas1_tmbspg4", Status.OOM, None, 900.0)]
+
+
+def test_savers_and_parallel_degrees_are_named_in_the_savers_phases_order_for_the_summary_and_plots():
+    from zerotune.report.html import series_label
+    every = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+             "tensor_parallel": {"autotp_size": 2}, "sequence_parallel_size": 4,
+             "gradient_checkpointing": True,
+             "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "offload_param": {"device": "none"},
+                                   "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    assert saver_names(every) == ["bf16 states", "AutoTP 2", "Ulysses 4", "checkpointing",
+                                  "offload optimizer (cpu, ratio 0.5)", "hpZ 8"]
+    plain = {"tensor_parallel": {"autotp_size": 1}, "sequence_parallel_size": 1,
+             "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 8, "offload_optimizer": {"device": "cpu"}}}
+    assert saver_names(plain) == ["offload optimizer (cpu)"]  # hpZ is stage 3's; degree 1 is none
+    run = Experiment("z1_gas2_tmbspg4_sp4", {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                             "sequence_parallel_size": 4, "zero_optimization": {"stage": 1}})
+    assert series_label(run) == "ZeRO 1 + Ulysses 4, gas 2"  # its own curve in the throughput plot
 
 
 def test_cost_is_wall_time_times_devices():

@@ -21,6 +21,7 @@ from zerotune.core.stopping import EARLY_ENDS, steps_to_precision
 from zerotune.core.units import format_bytes
 from zerotune.deepspeed.keys import CHECKPOINTING, ZERO
 from zerotune.model.flops import tokens_per_device
+from zerotune.model.zero_options import ZeroOptions
 from zerotune.run.store import write_json_atomic, write_text_atomic
 from zerotune.strategy.answer import IMPRECISE
 
@@ -29,14 +30,22 @@ if TYPE_CHECKING:
 
 
 def saver_names(ds_config: dict) -> list[str]:
-    """The memory savers a config uses, as the summary names them: ``checkpointing``, ``offload optimizer (cpu)``..."""
+    """The memory savers and the parallel degrees a config uses, as the summary and the report's plots name them, in
+    the savers phase's order: ``bf16 states`` (16-bit master weights), ``AutoTP 2``, ``Ulysses 4``,
+    ``checkpointing``, ``offload optimizer (cpu)`` (``(cpu, ratio 0.5)`` for a partial offload), ``offload params
+    (cpu)``, ``hpZ 8`` (`zerotune.model.zero_options.ZeroOptions` reads each)."""
     zero = ds_config.get(ZERO) if isinstance(ds_config.get(ZERO), dict) else {}
-    names = ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
+    options = ZeroOptions.of(ds_config)
+    names = ["bf16 states"] if options.master_bytes == 2 else []
+    names += [f"AutoTP {options.tp}"] * (options.tp > 1) + [f"Ulysses {options.sp}"] * (options.sp > 1)
+    names += ["checkpointing"] if ds_config.get(CHECKPOINTING) is True else []
     for key, name in (("offload_optimizer", "offload optimizer"), ("offload_param", "offload params")):
         device = (zero.get(key) or {}).get("device", "none") if isinstance(zero.get(key), dict) else "none"
         if device not in ("none", None):
-            names.append(f"{name} ({device})")
-    return names
+            ratio = f", ratio {options.offload_ratio:g}" if key == "offload_optimizer" and options.offload_ratio < 1 \
+                else ""
+            names.append(f"{name} ({device}{ratio})")
+    return names + [f"hpZ {options.hpz}"] * (options.hpz > 1)
 
 
 def optimal_config(exp: Experiment) -> dict:
