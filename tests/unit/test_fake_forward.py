@@ -34,7 +34,7 @@ def test_activations_at_4096_tokens_are_within_10_percent_of_a_cpu_measurement_o
         first, second, layers = cuts[f"{name}-{attention}"]
         counted = architecture(read(name), seq_len=s, attention=attention).activation_bytes_per_sample
         ratios[f"{name}-{attention}"] = round(counted / (first + (layers - 1) * (second - first)), 4)
-        if attention == "sdpa":  # flash is counted on CPU's flash kernel, SDPA's
+        if (name, attention) == ("llama-3-8b", "sdpa"):  # flash is counted on CPU's flash kernel, SDPA's
             assert architecture(read(name), seq_len=s, attention="flash").activation_bytes_per_sample == counted
     assert {k: r for k, r in ratios.items() if abs(r - 1) >= 0.10} == {}
     # to the byte, but for the two sliding-window models with SDPA: at 4,096 tokens, past (Phi-3) or at (Mistral)
