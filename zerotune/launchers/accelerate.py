@@ -130,9 +130,10 @@ class AccelerateLauncher(Launcher):
                                ulysses=(sp, int(self.ranks_per_node or 1)))
             files = ((ANSWER_YAML, text),)
             words = _set_option(words, "--config_file", yaml_path)
-            for flag in ("--parallelism_config_sp_size", "--parallelism_config_dp_shard_size"):  # over the YAML's
+            for name, value in ulysses_fields(sp, int(self.ranks_per_node or 1)).items():  # given over the YAML's
+                flag = f"--{name}"
                 if any(w == flag or w.startswith(flag + "=") for w in words):
-                    words = _set_option(words, flag, str(sp if flag.endswith("sp_size") else self.ranks_per_node // sp))
+                    words = _set_option(words, flag, str(value))
         else:
             words = _set_option(words, "--deepspeed_config_file", config_path)
         return Answer((*words, script, *script_args), files)
@@ -142,8 +143,7 @@ def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool, ulysses: t
     """The text of the user's Accelerate ``yaml`` with ``deepspeed_config_file`` naming ``config_path`` and the inline
     fields it replaces left out; where the config was built from inline fields, ``mixed_precision`` too (it is in the
     config, and Accelerate refuses it from the YAML beside a config file). ``ulysses``, (the config's Ulysses degree d,
-    the ranks n): above 1, a ``parallelism_config`` with ``sp_size`` d over DeepSpeed and ``dp_shard_size`` n / d;
-    at 1, none."""
+    the ranks n): above 1, a ``parallelism_config`` holding `ulysses_fields` of (d, n); at 1, none."""
     import yaml as pyyaml
     out = copy.deepcopy(yaml)
     ds = {k: v for k, v in (out.get("deepspeed_config") or {}).items() if k not in INLINE_FIELDS}
@@ -154,10 +154,16 @@ def answer_yaml(yaml: dict[str, Any], config_path: str, inline: bool, ulysses: t
     sp, ranks = ulysses
     given = out.pop("parallelism_config", None) or {}
     if sp > 1:
-        out["parallelism_config"] = {**given, "parallelism_config_sp_size": sp, "parallelism_config_sp_backend":
-                                     "deepspeed", "parallelism_config_dp_shard_size": ranks // sp,
-                                     "parallelism_config_dp_replicate_size": 1}
+        out["parallelism_config"] = {**given, **ulysses_fields(sp, ranks)}
     return pyyaml.safe_dump(out, sort_keys=False)
+
+
+def ulysses_fields(degree: int, ranks: int) -> dict[str, Any]:
+    """Accelerate's ``parallelism_config`` fields (its YAML keys, its ``launch`` options without ``--``) for a Ulysses
+    degree over ``ranks`` ranks: ``sp_size`` the degree over DeepSpeed, the other ranks as data-parallel shards
+    (``dp_shard_size`` ranks / degree: Accelerate counts a step's samples over those), no replicas."""
+    return {"parallelism_config_sp_size": degree, "parallelism_config_sp_backend": "deepspeed",
+            "parallelism_config_dp_shard_size": ranks // degree, "parallelism_config_dp_replicate_size": 1}
 
 
 def _set_option(words: Sequence[str], flag: str, value: str) -> tuple[str, ...]:
@@ -282,15 +288,13 @@ def _accelerate_env(args, defaults, inline: bool) -> tuple[dict[str, str], dict[
 
 def _ulysses_env(args, ranks: int) -> tuple[tuple[int, tuple[tuple[str, str], ...]], ...]:
     """For each Ulysses degree d above 1 that divides ``ranks``, the variables ``accelerate launch`` gives every rank
-    (``prepare_extend_env_parallelism_config``) where the launch's ``parallelism_config`` sets ``sp_size`` d over
-    DeepSpeed and the other ranks as data-parallel shards (``dp_shard_size`` ranks / d: Accelerate counts a step's
-    samples over those)."""
+    (``prepare_extend_env_parallelism_config``) where the launch's ``parallelism_config`` holds `ulysses_fields`."""
     from accelerate.utils.launch import prepare_extend_env_parallelism_config
     out = []
     for degree in (d for d in range(2, ranks + 1) if ranks % d == 0):
         given = copy.copy(args)
-        given.parallelism_config_sp_size, given.parallelism_config_sp_backend = degree, "deepspeed"
-        given.parallelism_config_dp_shard_size, given.parallelism_config_dp_replicate_size = ranks // degree, 1
+        for name, value in ulysses_fields(degree, ranks).items():
+            setattr(given, name, value)
         out.append((degree, tuple(sorted(prepare_extend_env_parallelism_config(given, {}).items()))))
     return tuple(out)
 
