@@ -301,3 +301,26 @@ def test_a_ulysses_config_whose_engine_ran_without_a_sequence_parallel_group_fai
     write(tmp_path / "engine_config.json", json.dumps({"sequence_parallel_size": 2}))  # the script's mpu: measured
     ok = Experiment("z1_gas1_tmbspg2_sp2", {**CONFIG, "sequence_parallel_size": 2}, num_slots=2)
     assert expdir.finish(ok, tmp_path, OBJECTIVES["throughput"], exit_code=0).status is Status.OK
+
+
+def test_a_ulysses_degree_the_models_heads_do_not_take_is_refused_naming_the_key_and_deepspeeds_reason(tmp_path):
+    # what a rank prints when UlyssesSPAttentionHF refuses the degree (3 heads, sp 2)
+    write(tmp_path / "stderr.log", "[rank1]: Traceback (most recent call last):\n"
+          "[rank1]:   File \"/x/ulysses_sp.py\", line 148, in __init__\n"
+          "[rank1]: ValueError: Attention head count 3 is not divisible by SP size 2\n"
+          "subprocess.CalledProcessError: Command '['python', '-u', 'train.py']' returned non-zero exit status 1.\n")
+    ulysses = Experiment("profile_z1_gas1_tmbspg1_sp2", {**CONFIG, "sequence_parallel_size": 2}, num_slots=2,
+                         kind=ExperimentKind.PROFILE)
+    done = expdir.finish(ulysses, tmp_path, OBJECTIVES["throughput"], exit_code=1)
+    assert done.status is Status.FAILED
+    assert expdir.ulysses_refused(done, tmp_path) == (
+        "sequence_parallel_size 2: DeepSpeed's Ulysses refused the model: Attention head count 3 is not divisible by "
+        "SP size 2: list only degrees that divide its attention heads (and its key/value heads, or that they divide)")
+    write(tmp_path / "stderr.log", "[rank0]: ValueError: KV attention head count 3 is not divisible by SP size 2 or "
+          "vice versa\n")
+    assert "refused the model: KV attention head count 3 is not divisible by SP size 2 or vice versa: list" in (
+        expdir.ulysses_refused(expdir.finish(ulysses, tmp_path, OBJECTIVES["throughput"], exit_code=1), tmp_path))
+    # a failure for another reason is no refusal of the degree
+    write(tmp_path / "stderr.log", "[rank0]: RuntimeError: Attention head count 3 is odd\n")
+    assert expdir.ulysses_refused(expdir.finish(ulysses, tmp_path, OBJECTIVES["throughput"], exit_code=1),
+                                  tmp_path) is None

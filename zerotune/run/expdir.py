@@ -179,11 +179,19 @@ def _check_ulysses(exp: Experiment, exp_dir: Path) -> None:
 
 
 def ulysses_refused(exp: Experiment, exp_dir: Path) -> str | None:
-    """Why ``exp``'s run does not count: its config sets a Ulysses degree (``sequence_parallel_size``) and the probe's
-    engine record says the engine ran with another, as when the script passes DeepSpeed no sequence-parallel mpu:
-    each rank trained whole sequences while ``train_batch_size`` counted its group as one replica, so its samples/s
-    are that degree too low (D336). None: no degree over 1, no record, or the engine's agrees."""
+    """Why ``exp``'s Ulysses degree (``sequence_parallel_size``) does not fit the script or the model, or None (no
+    degree over 1, or nothing says so): the probe's engine record says the engine ran with another degree, as when the
+    script passes DeepSpeed no sequence-parallel mpu (each rank trained whole sequences while ``train_batch_size``
+    counted its group as one replica, so its samples/s are that degree too low, D336); or a rank raised DeepSpeed's
+    refusal of a degree that does not divide the model's attention or key/value heads (`_HEADS_REFUSED`,
+    ``UlyssesSPAttentionHF.__init__``)."""
     sp = ZeroOptions.of(exp.ds_config).sp
+    if sp > 1 and exp.status is not Status.OK:
+        heads = next((line for kind, line in _raised_errors(_logs(Path(exp_dir))) if _HEADS_REFUSED.search(line)), None)
+        if heads is not None:
+            return (f"sequence_parallel_size {sp}: DeepSpeed's Ulysses refused the model: "
+                    f"{_HEADS_REFUSED.search(heads).group(0)}: list only degrees that divide its attention heads "
+                    f"(and its key/value heads, or that they divide)")
     record = read_engine_record(exp_dir) if sp > 1 else None
     engine_sp = record.get("sequence_parallel_size") if record else None
     if not isinstance(engine_sp, int) or engine_sp == sp:
@@ -218,6 +226,9 @@ _OOM_TYPE = re.compile(r"(^|[.:])(OutOfMemoryError|MemoryError)$")
 _RAISED = re.compile(r"^(?:\[(?:rank|default)\d+\]:\s?)?(?:(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt))"
                      r"(?::\s.*)?|terminate called after throwing an "
                      r"instance of '(?P<cxx>[^']+)'.*|\s*what\(\):\s+.*|(?P<fatal>Fatal Python error|libgomp): .*)\s*$")
+# DeepSpeed's refusal of a Ulysses degree the model's heads do not take (``deepspeed/runtime/sequence_parallel/
+# ulysses_sp.py``, ``UlyssesSPAttentionHF.__init__``).
+_HEADS_REFUSED = re.compile(r"(KV )?[Aa]ttention head count \d+ is not divisible by SP size \d+( or vice versa)?")
 # What the deepspeed launcher raises when a rank exited non-zero: a report of the failure, not its cause.
 _LAUNCHER_ERRORS = ("subprocess.CalledProcessError", "CalledProcessError")
 

@@ -171,7 +171,8 @@ class Strategy:
         backend's sampled peak; CUDA: the probe's device peak).
 
         Raises:
-            ConfigError: the config lists a Ulysses degree the script does not take (`expdir.ulysses_refused`).
+            ConfigError: the config lists a Ulysses degree the script or the model's heads do not take
+                (`expdir.ulysses_refused`).
             TuningFailed: the profile run did not finish ok otherwise.
         """
         (exp,) = self.evaluate([self.builder.profile()])
