@@ -517,7 +517,12 @@ def test_a_tuner_stopped_at_random_points_then_resumed_loses_nothing_and_gives_t
     stopped = 0
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, signal.SIGKILL):
         tuner = start_tuner(work, tune_argv(work), plan=slow, STANDIN_SLOW_S="1")
-        time.sleep(rng.uniform(1.0, 5.0))  # start-up (imports) takes 2-3 s: some land before a launch
+        # a random point measured in the work left, not in seconds (a loaded machine's start-up alone can outlast
+        # a fixed delay): after 0 or 1 more finished experiments, then up to 1.5 s; some land before a launch
+        target, deadline = len(finished_now(work)) + rng.randint(0, 1), time.monotonic() + 60
+        while tuner.poll() is None and len(finished_now(work)) < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
         os.kill(tuner.pid, sig)
         tuner.communicate(timeout=60)
         assert tuner.returncode in (0, 128 + sig, -sig), tuner.returncode
@@ -526,8 +531,7 @@ def test_a_tuner_stopped_at_random_points_then_resumed_loses_nothing_and_gives_t
             assert processes_of_tuner(tuner.pid) == []
         for name, text in finished.items():  # nothing finished is lost or changed
             assert (work / "results" / "exps" / name / "exp.json").read_text() == text, name
-        finished.update({p.parent.name: p.read_text() for p in (work / "results" / "exps").glob("*/exp.json")
-                         if json.loads(p.read_text())["status"] in ("ok", "oom")})
+        finished.update(finished_now(work))
     assert stopped >= 3  # most signals landed before the tuning ended
     code, _, err = run_tuner(work, tune_argv(work))
     assert code == 0, err[-3000:]
@@ -535,6 +539,12 @@ def test_a_tuner_stopped_at_random_points_then_resumed_loses_nothing_and_gives_t
         assert (work / "results" / "exps" / name / "exp.json").read_text() == text, name
     assert answer(work / "results") == undisturbed == {"stage": ANSWER["stage"], "mbs": ANSWER["mbs"]}
     assert_clean(work, shm)
+
+
+def finished_now(work: Path) -> dict[str, str]:
+    """The results directory's finished experiments (ok or out of memory): name -> exp.json's text."""
+    return {p.parent.name: p.read_text() for p in (work / "results" / "exps").glob("*/exp.json")
+            if json.loads(p.read_text())["status"] in ("ok", "oom")}
 
 
 @pytest.mark.e2e  # a real tuner process: about 6 s
