@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         z.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                        help="run every experiment to end_profile_step (no early end when its metric is known or "
                             "cannot beat the best)")
-        z.add_argument("--cpu", action="store_true", default=None, help="run DeepSpeed on CPU even if CUDA is present")
+        z.add_argument("--cpu", action="store_true", default=None,
+                       help="run DeepSpeed on CPU even if CUDA is present (DS_ACCELERATOR=cpu in the environment too)")
         z.add_argument("--backend", choices=BACKENDS, default="local",
                        help="where experiments run: 'local' (the deepspeed launcher here), 'ray' (a Ray cluster, "
                             "one placement group per experiment; pip install 'zerotune[ray]') or 'slurm' (inside "

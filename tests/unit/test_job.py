@@ -1,5 +1,8 @@
 """The tuning job: every input resolved once, every bad one an error naming it."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -194,3 +197,15 @@ def test_a_list_of_autotp_degrees_builds_on_its_smallest_and_leaves_the_others_t
 def test_an_autotp_size_zerotune_cannot_tune_is_refused_naming_it(tmp_path, config, message):
     with pytest.raises(ConfigError, match=str(tmp_path / "ds.json") + ": " + message):
         build(tmp_path, config)
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", None])
+def test_cuda_is_decided_by_ds_accelerator_cpu_without_torch_else_by_torch(accelerator):
+    """``DS_ACCELERATOR=cpu`` (DeepSpeed's override, which the ranks inherit) is CPU before torch is asked (it is not
+    even imported); unset, torch decides (no CUDA on this machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = ("import sys; from zerotune.inputs.job import cuda_available; "
+            "print(cuda_available(), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **({"DS_ACCELERATOR": accelerator} if accelerator
+                                                                      else {})}, capture_output=True, text=True)
+    assert out.stdout.split() == (["False", "False"] if accelerator else ["False", "True"]), out.stderr[-2000:]

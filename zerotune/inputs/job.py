@@ -7,6 +7,7 @@ a `zerotune.core.errors.ConfigError` here, before the first launch (the checks a
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -239,7 +240,11 @@ def _batch_semantics(user: dict[str, Any], autos: dict[str, Any], mappings: dict
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device (the one place zerotune decides CUDA or CPU)."""
+    """True when DeepSpeed's ranks would run on a CUDA device (the one place zerotune decides CUDA or CPU): False
+    where ``DS_ACCELERATOR=cpu`` (DeepSpeed's own override, which the ranks inherit: they run on CPU whatever torch
+    sees), else whether torch sees a CUDA device."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        return False
     try:
         import torch
         return torch.cuda.is_available()
