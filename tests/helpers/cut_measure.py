@@ -30,7 +30,7 @@ def versions() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def seq_len(name: str) -> int:
+def compared_tokens(name: str) -> int:
     """A published config's tokens for the comparison: 4,096, or its context where shorter (GPT-2 XL: 1,024)."""
     cfg = read(name)
     text = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
@@ -39,7 +39,8 @@ def seq_len(name: str) -> int:
 
 def jobs(names=None) -> list[list]:
     """``[name, attention, seq_len]`` for each of ``names`` (every published config by default), eager and SDPA."""
-    return [[name, attention, seq_len(name)] for name in sorted(names or PUBLISHED) for attention in ("eager", "sdpa")]
+    return [[name, attention, compared_tokens(name)] for name in sorted(names or PUBLISHED)
+            for attention in ("eager", "sdpa")]
 
 
 def cut(cfg: dict, layers: int) -> tuple[dict, int]:
